@@ -1,0 +1,447 @@
+"""The cache engine: token prefixes -> chunk objects in the host pool, with locks, eviction and tiers.
+
+One ``store`` or ``retrieve`` is one ``kvferry.transfer`` call for all of the request's chunks (bookkeeping is
+per chunk, copying is not). Bad arguments raise ValueError/TypeError naming them, before any memory is touched;
+a full pool, a failed tier or a corrupt object is a miss or a skipped chunk, counted in ``stats()``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, NamedTuple
+
+import blake3
+import numpy as np
+import torch
+
+import kvferry
+from kvferry.cache.index import Entry
+from kvferry.cache.keys import CacheNamespace, ChunkHasher, TokenIds
+from kvferry.cache.metrics import GAUGES, CacheCounters, counters_dict, gbps, make_registry
+from kvferry.cache.policies import make_policy
+from kvferry.cache.residency import Residency
+from kvferry.cache.tiering import TierLink
+from kvferry.config import KvferryConfig
+from kvferry.formats import EngineKVFormat
+from kvferry.memory import HostPool
+from kvferry.tiers import Tier, make_tier
+
+BlockIds = Sequence[int] | np.ndarray | torch.Tensor
+
+
+class LookupResult(NamedTuple):
+    hit_tokens: int  # prefix tokens ready in the host pool (a multiple of chunk_size)
+    pending_tokens: int  # further prefix tokens being promoted from a tier: ready once they land
+    lock_id: int | None  # lookup lock on the hit chunks (lock=True and a hit): retrieve(lock_id=) ends it
+
+
+class CacheEngine:
+    """A KV cache of chunk objects in a host pool, keyed by token prefix, over optional storage tiers.
+
+    Thread-safe. ``namespace`` (see ``namespace_for``) is the default key space of every call; a server that
+    serves several models or ranks passes ``namespace=`` per call instead.
+    """
+
+    def __init__(
+        self,
+        config: KvferryConfig | None = None,
+        *,
+        pool: HostPool | None = None,
+        tiers: Sequence[Tier] | None = None,
+        namespace: CacheNamespace | None = None,
+        name: str = "cache",
+    ) -> None:
+        self.config = config if config is not None else KvferryConfig()
+        cfg = self.config.cache
+        self.chunk_size = cfg.chunk_size
+        self.namespace = namespace
+        self.pool = pool if pool is not None else HostPool(cfg.l1_size_bytes)
+        self.counters = CacheCounters()
+        self._hasher = ChunkHasher(cfg.chunk_size, cfg.hash_algo)
+        self._res = Residency(self.pool, make_policy(cfg.eviction_policy), cfg, self.counters)
+        self._checksum = object_checksum if cfg.verify_checksums else None
+        self._owned_tiers: list[Tier] = []
+        if tiers is None and self.config.tiers:
+            self._owned_tiers = [make_tier(url) for url in self.config.tiers]
+            tiers = self._owned_tiers
+        self._tiers = TierLink(list(tiers), self._res, cfg.tier_write, self._checksum) if tiers else None
+        self._executor = ThreadPoolExecutor(cfg.async_workers, thread_name_prefix=f"kvferry-{name}")
+        self.metrics_registry = make_registry(name, self._metric_values)
+        self._closed = threading.Event()
+
+    # --- keys ---------------------------------------------------------------------------------------------
+
+    def namespace_for(
+        self,
+        model: str,
+        fmt: EngineKVFormat | int,
+        paged: Any,
+        *,
+        world_size: int = 1,
+        rank: int = 0,
+        salt: str = "",
+        block_size: int | None = None,
+    ) -> CacheNamespace:
+        """The key space of ``model``'s KV cache ``paged`` (in format ``fmt``) on ``rank`` of ``world_size``."""
+        shape, dtype, _ = self._layout(fmt, paged, block_size)
+        return CacheNamespace(model, _dtype_name(dtype), _layout_name(fmt, shape), world_size, rank, salt)
+
+    def chunk_keys(self, tokens: TokenIds, *, namespace: CacheNamespace | None = None) -> list[bytes]:
+        """The keys of the full chunks of ``tokens`` (what tiers see)."""
+        return self._hasher.keys(tokens, self._ns(namespace))
+
+    # --- lookup -------------------------------------------------------------------------------------------
+
+    def lookup(self, tokens: TokenIds, *, namespace: CacheNamespace | None = None) -> int:
+        """Prefix tokens of ``tokens`` ready in the host pool (chunk-aligned). Starts promoting tier hits."""
+        return self.lookup_status(tokens, namespace=namespace).hit_tokens
+
+    def lookup_status(
+        self, tokens: TokenIds, *, namespace: CacheNamespace | None = None, lock: bool = False
+    ) -> LookupResult:
+        """Like ``lookup``, and reports the tokens in flight from tiers; ``lock=True`` locks the hit chunks
+        against eviction until ``retrieve(lock_id=...)`` / ``free_lookup_locks`` / the lock timeout."""
+        ns = self._ns(namespace)
+        # With tiers, the keys after the pool's hits are wanted too; without, hashing stops at the first miss.
+        keys = (
+            self._hasher.keys(tokens, ns) if self._tiers is not None else self._candidate_prefix(tokens, ns)
+        )
+        with self._res.lock:
+            self._res.expire_locks_locked()
+            hits = self._res.readable_prefix_locked(keys)
+            lock_id = self._res.lock_entries_locked(hits) if lock and hits else None
+            hit_tokens = len(hits) * self.chunk_size
+            self.counters.lookups += 1
+            self.counters.hit_tokens += hit_tokens
+            self.counters.miss_tokens += len(tokens) - hit_tokens
+        pending = 0
+        if self._tiers is not None and len(hits) < len(keys):
+            pending, _ = self._tiers.fall_through(keys[len(hits) :])
+        return LookupResult(hit_tokens, pending * self.chunk_size, lock_id)
+
+    def prefetch(self, tokens: TokenIds, *, namespace: CacheNamespace | None = None) -> Future[int]:
+        """Start promoting the tier hits of ``tokens`` into the pool; the future gives the pool's prefix hit
+        (as ``lookup`` would) once every promotion this prefix waits for has landed or missed."""
+        ns = self._ns(namespace)
+        keys = self._hasher.keys(tokens, ns)
+        waits: list[Future[None]] = []
+        if self._tiers is not None:
+            with self._res.lock:
+                hits = len(self._res.readable_prefix_locked(keys))
+            _, waits = self._tiers.fall_through(keys[hits:])
+        return _when_all(waits, lambda: self._pool_hits(keys))
+
+    def free_lookup_locks(self, lock_id: int) -> bool:
+        """End a lookup lock without retrieving; False if it already ended (retrieved, freed or timed out)."""
+        return self._res.release_lock(lock_id)
+
+    # --- store / retrieve ---------------------------------------------------------------------------------
+
+    def store(
+        self,
+        tokens: TokenIds,
+        paged: Any,
+        block_ids: BlockIds,
+        fmt: EngineKVFormat | int,
+        *,
+        namespace: CacheNamespace | None = None,
+        block_size: int | None = None,
+        skip_prefix_tokens: int = 0,
+    ) -> int:
+        """Copy the full chunks of ``tokens`` not cached yet out of the engine's blocks; returns tokens stored.
+
+        ``block_ids`` holds the engine block of every ``block_size`` tokens from token 0. Chunks that lie
+        entirely within ``skip_prefix_tokens`` are not stored. Chunks that find the pool full of locked or
+        in-use objects are skipped (counted in ``stats()['skipped_chunks']``), never an exception.
+        """
+        ns = self._ns(namespace)
+        shape, dtype, bs = self._layout(fmt, paged, block_size, ns)
+        keys = self._hasher.keys(tokens, ns)
+        first = _check_skip(skip_prefix_tokens, len(tokens)) // self.chunk_size
+        per_chunk = self.chunk_size // bs
+        _check_block_ids(block_ids, len(keys) * per_chunk, bs)
+        if first >= len(keys):
+            return 0
+        nbytes = dtype.itemsize * shape[0] * shape[1] * shape[2] * shape[3]
+        new = self._res.reserve(keys[first:], shape, dtype, nbytes)
+        entries = [entry for _, entry in new]
+        if entries:
+            ids = _select_blocks(block_ids, [first + i for i, _ in new], per_chunk)
+            started = time.perf_counter()
+            try:
+                self._dispatch(paged, entries, ids, kvferry.Direction.D2H, fmt, block_size, 0)
+            except BaseException:
+                self._res.abort(entries)
+                raise
+            seconds = time.perf_counter() - started
+            checksums = [self._checksum(e.obj) if self._checksum else None for e in entries]  # type: ignore[arg-type]
+            writers = len(self._tiers.tiers) if self._tiers is not None and self._tiers.write_on_store else 0
+            kept = self._res.commit(entries, checksums, writers)
+            if writers:
+                assert self._tiers is not None
+                self._tiers.write_through(kept)
+        with self._res.lock:
+            self.counters.stores += 1
+            if entries:
+                self.counters.stored_chunks += len(entries)
+                self.counters.stored_bytes += len(entries) * nbytes
+                self.counters.store_seconds += seconds
+        return len(entries) * self.chunk_size
+
+    def retrieve(
+        self,
+        tokens: TokenIds,
+        paged: Any,
+        block_ids: BlockIds,
+        fmt: EngineKVFormat | int,
+        *,
+        namespace: CacheNamespace | None = None,
+        block_size: int | None = None,
+        skip_prefix_tokens: int = 0,
+        lock_id: int | None = None,
+    ) -> int:
+        """Copy the cached prefix of ``tokens`` after ``skip_prefix_tokens`` into the engine's blocks.
+
+        Returns the number of tokens written: tokens ``[skip_prefix_tokens, skip_prefix_tokens + n)`` now
+        hold cached KV (0 on a miss). The engine's blocks before ``skip_prefix_tokens`` are not written.
+        ``lock_id`` (from ``lookup_status(lock=True)``) is released once the copy is done, whatever happens.
+        """
+        held: list[Entry] = []
+        try:
+            ns = self._ns(namespace)
+            _, _, bs = self._layout(fmt, paged, block_size, ns)
+            skip = _check_skip(skip_prefix_tokens, len(tokens))
+            first = skip // self.chunk_size
+            per_chunk = self.chunk_size // bs
+            _check_block_ids(block_ids, self._hasher.num_chunks(tokens) * per_chunk, bs)
+            held = self._res.acquire_readers(self._candidate_prefix(tokens, ns, first))
+            entries = self._verified(held)
+            if not entries:
+                return 0
+            end = first + len(entries)
+            started = time.perf_counter()
+            self._dispatch(
+                paged,
+                entries,
+                block_ids[first * per_chunk : end * per_chunk],
+                kvferry.Direction.H2D,
+                fmt,
+                block_size,
+                (skip - first * self.chunk_size) // bs,
+            )
+            seconds = time.perf_counter() - started
+            with self._res.lock:
+                self.counters.retrieves += 1
+                self.counters.retrieved_chunks += len(entries)
+                self.counters.retrieved_bytes += sum(e.nbytes for e in entries)
+                self.counters.retrieve_seconds += seconds
+            return end * self.chunk_size - skip
+        finally:
+            self._res.release_readers(held)
+            if lock_id is not None:
+                self._res.release_lock(lock_id)
+
+    def store_async(self, *args: Any, **kwargs: Any) -> Future[int]:
+        """``store`` on the engine's worker threads; the engine must leave those blocks alone until done."""
+        return self._executor.submit(self.store, *args, **kwargs)
+
+    def retrieve_async(self, *args: Any, **kwargs: Any) -> Future[int]:
+        """``retrieve`` on the engine's worker threads; the blocks hold the KV once the future is done."""
+        return self._executor.submit(self.retrieve, *args, **kwargs)
+
+    # --- administration -----------------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """Drop every object in the pool and every lookup lock (objects being copied go when their copy ends)."""
+        self._res.clear()
+
+    def stats(self) -> dict[str, Any]:
+        values: dict[str, Any] = self._metric_values()
+        values["pool"] = self.pool.stats()
+        values["tiers"] = [t.stats() for t in self._tiers.tiers] if self._tiers is not None else []
+        return values
+
+    def close(self) -> None:
+        """Finish queued async work and close the tiers this engine opened from its config."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._executor.shutdown(wait=True)
+        for tier in self._owned_tiers:
+            tier.close()
+
+    def __enter__(self) -> CacheEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- internals ----------------------------------------------------------------------------------------
+
+    def _dispatch(
+        self,
+        paged: Any,
+        entries: list[Entry],
+        block_ids: BlockIds,
+        direction: kvferry.Direction,
+        fmt: EngineKVFormat | int,
+        block_size: int | None,
+        skip_prefix_blocks: int,
+    ) -> None:
+        """The one place that moves bytes (so an event-based GPU transfer engine replaces only this)."""
+        kvferry.transfer(
+            paged,
+            [e.obj for e in entries],
+            block_ids,
+            direction,
+            fmt,
+            chunk_size=self.chunk_size,
+            skip_prefix_blocks=skip_prefix_blocks,
+            block_size=block_size,
+        )
+
+    def _ns(self, namespace: CacheNamespace | None) -> CacheNamespace:
+        ns = namespace if namespace is not None else self.namespace
+        if not isinstance(ns, CacheNamespace):
+            raise ValueError(
+                f"namespace={ns!r}: pass a CacheNamespace (see CacheEngine.namespace_for) per call "
+                "or to CacheEngine(namespace=...)"
+            )
+        return ns
+
+    def _layout(
+        self, fmt: EngineKVFormat | int, paged: Any, block_size: int | None, ns: CacheNamespace | None = None
+    ) -> tuple[tuple[int, int, int, int], torch.dtype, int]:
+        """Object shape, dtype and block size of ``paged``; checks them against ``ns`` when given."""
+        geometry = kvferry.formats.describe(fmt, paged, block_size)
+        shape = kvferry.object_shape(fmt, paged, self.chunk_size, block_size)
+        if ns is not None:
+            layout, dtype_name = _layout_name(fmt, shape), _dtype_name(geometry.dtype)
+            if ns.layout != layout or ns.kv_dtype != dtype_name:
+                raise ValueError(
+                    f"namespace was made for layout {ns.layout} / {ns.kv_dtype}, but paged in format {fmt} gives "
+                    f"{layout} / {dtype_name}: build the namespace with namespace_for() for this KV cache"
+                )
+        return shape, geometry.dtype, geometry.bs
+
+    def _candidate_prefix(self, tokens: TokenIds, ns: CacheNamespace, start: int = 0) -> list[bytes]:
+        """Keys of chunks ``start, start + 1, ...`` of ``tokens`` up to and including the first not readable in
+        the pool. Checked without the lock (callers re-check under it): hashing stops early on a miss and
+        never holds the lock."""
+        keys = []
+        get = self._res.index.get
+        for i, key in enumerate(self._hasher.iter_keys(tokens, ns)):
+            if i < start:
+                continue
+            keys.append(key)
+            entry = get(key)
+            if entry is None or not entry.readable:
+                break
+        return keys
+
+    def _pool_hits(self, keys: list[bytes]) -> int:
+        with self._res.lock:
+            return len(self._res.readable_prefix_locked(keys)) * self.chunk_size
+
+    def _verified(self, entries: list[Entry]) -> list[Entry]:
+        """The leading ``entries`` whose checksum matches; the first that fails is dropped from the cache."""
+        if self._checksum is None:
+            return entries
+        for i, entry in enumerate(entries):
+            assert entry.obj is not None
+            if self._checksum(entry.obj) != entry.checksum:
+                with self._res.lock:
+                    self.counters.checksum_failures += 1
+                    self._res.detach_locked(entry)
+                return entries[:i]
+        return entries
+
+    def _metric_values(self) -> dict[str, float]:
+        with self._res.lock:
+            values: dict[str, float] = counters_dict(self.counters)
+            values["objects"] = len(self._res.index)
+            values["locks"] = len(self._res.leases)
+            values["pinned_objects"] = self._res.leases.pinned_objects
+        values["pool_capacity_bytes"] = self.pool.capacity_bytes
+        values["pool_used_bytes"] = self.pool.used_bytes
+        values["pool_free_bytes"] = self.pool.free_bytes
+        values["store_gbps"] = gbps(values["stored_bytes"], values["store_seconds"])
+        values["retrieve_gbps"] = gbps(values["retrieved_bytes"], values["retrieve_seconds"])
+        assert set(GAUGES) <= set(values)
+        return values
+
+
+def object_checksum(obj: torch.Tensor) -> bytes:
+    """blake3 of an object's bytes (objects are contiguous CPU tensors in the pool)."""
+    return blake3.blake3(obj.reshape(-1).view(torch.uint8).numpy()).digest()
+
+
+def _when_all(futures: list[Future[None]], then: Callable[[], int]) -> Future[int]:
+    """A future of ``then()``, computed once every future in ``futures`` is done (no thread waits)."""
+    result: Future[int] = Future()
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def finish() -> None:
+        try:
+            result.set_result(then())
+        except BaseException as exc:
+            result.set_exception(exc)
+
+    def one_done(_: Future[None]) -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            finish()
+
+    if not futures:
+        finish()
+    for future in futures:
+        future.add_done_callback(one_done)
+    return result
+
+
+def _layout_name(fmt: EngineKVFormat | int, shape: Sequence[int]) -> str:
+    return f"{EngineKVFormat(fmt).name}:{'x'.join(str(d) for d in shape)}"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_skip(skip_prefix_tokens: int, n_tokens: int) -> int:
+    if (
+        isinstance(skip_prefix_tokens, bool)
+        or not isinstance(skip_prefix_tokens, int)
+        or skip_prefix_tokens < 0
+    ):
+        raise ValueError(f"skip_prefix_tokens={skip_prefix_tokens!r} must be an int >= 0")
+    if skip_prefix_tokens > n_tokens:
+        raise ValueError(f"skip_prefix_tokens={skip_prefix_tokens} exceeds len(tokens)={n_tokens}")
+    return skip_prefix_tokens
+
+
+def _check_block_ids(block_ids: BlockIds, needed: int, block_size: int) -> None:
+    if len(block_ids) < needed:
+        raise ValueError(
+            f"block_ids has {len(block_ids)} entries but the full chunks of tokens need {needed} "
+            f"(one per {block_size} tokens, from token 0)"
+        )
+
+
+def _select_blocks(block_ids: BlockIds, chunks: list[int], per_chunk: int) -> BlockIds:
+    """The block ids of ``chunks`` (ascending chunk indices), in order: one slice when they are consecutive."""
+    if chunks[-1] - chunks[0] == len(chunks) - 1:
+        return block_ids[chunks[0] * per_chunk : (chunks[-1] + 1) * per_chunk]
+    rows = [range(c * per_chunk, (c + 1) * per_chunk) for c in chunks]
+    if isinstance(block_ids, torch.Tensor | np.ndarray):
+        index = np.fromiter((i for r in rows for i in r), dtype=np.int64)
+        return block_ids[torch.from_numpy(index) if isinstance(block_ids, torch.Tensor) else index]
+    return [block_ids[i] for r in rows for i in r]
+
+
+__all__ = ["CacheEngine", "LookupResult", "object_checksum"]

@@ -1,0 +1,311 @@
+"""What is in the host pool: the index, the eviction policy, lookup locks and pool memory, under one lock.
+
+Invariants (all under ``lock``):
+- the policy tracks exactly the indexed entries in state RESIDENT;
+- an entry with readers, pins, or a state other than RESIDENT is never evicted;
+- pool memory is freed exactly once: by eviction of an idle entry, by a failed store or promotion, or by the
+  last reader of an entry detached from the index (``clear``, a failed checksum) while in use.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+
+import torch
+
+from kvferry.cache.index import CacheIndex, Entry, State
+from kvferry.cache.locks import LeaseTable
+from kvferry.cache.metrics import CacheCounters
+from kvferry.cache.policies import EvictionPolicy
+from kvferry.config import CacheConfig
+from kvferry.memory import HostPool
+
+
+class Residency:
+    """The host pool's contents. Every public method takes ``lock`` itself unless its name ends in ``_locked``."""
+
+    def __init__(
+        self,
+        pool: HostPool,
+        policy: EvictionPolicy,
+        config: CacheConfig,
+        counters: CacheCounters,
+    ) -> None:
+        self.lock = threading.Lock()
+        self.pool = pool
+        self.policy = policy
+        self.index = CacheIndex()
+        self.leases = LeaseTable()
+        self.counters = counters
+        self._config = config
+        # Set when evicted objects go to the first tier (write-behind) rather than being dropped: submits the
+        # tier writes of entries chosen for eviction; called without the lock.
+        self.on_spill: Callable[[list[Entry]], None] | None = None
+        self._spilling_bytes = 0  # pool bytes of SPILLING entries: freed once their tier writes finish
+
+    # --- lookups and locks --------------------------------------------------------------------------------
+
+    def readable_prefix_locked(self, keys: Iterable[bytes]) -> list[Entry]:
+        """The entries of the leading ``keys`` that are readable now, up to the first that is not."""
+        hits = []
+        get = self.index.get
+        for key in keys:
+            entry = get(key)
+            if entry is None or not entry.readable:
+                break
+            hits.append(entry)
+        return hits
+
+    def lock_entries_locked(self, entries: list[Entry]) -> int:
+        return self.leases.acquire(tuple(entries), time.monotonic() + self._config.lock_timeout_s)
+
+    def release_lock(self, lock_id: int) -> bool:
+        with self.lock:
+            return self.leases.release(lock_id)
+
+    def expire_locks_locked(self) -> None:
+        self.counters.lock_timeouts += self.leases.expire(time.monotonic())
+
+    # --- reading ------------------------------------------------------------------------------------------
+
+    def acquire_readers(self, keys: Iterable[bytes]) -> list[Entry]:
+        """Readable entries of the leading ``keys``, each with a reader held (so eviction passes them over)."""
+        with self.lock:
+            hits = self.readable_prefix_locked(keys)
+            for entry in hits:
+                entry.readers += 1
+                self.policy.touch(entry.key)
+            return hits
+
+    def release_readers(self, entries: Iterable[Entry]) -> None:
+        with self.lock:
+            for entry in entries:
+                self.release_reader_locked(entry)
+
+    def release_reader_locked(self, entry: Entry) -> None:
+        entry.readers -= 1
+        if entry.detached and entry.readers == 0:
+            self._free_locked(entry)
+
+    def detach_locked(self, entry: Entry) -> None:
+        """Drop ``entry`` from the index now; its memory goes back when nobody uses it any more."""
+        if self.index.get(entry.key) is entry:
+            self.index.pop(entry.key)
+            self.policy.remove(entry.key)
+        if entry.state is State.SPILLING:
+            self._spilling_bytes -= entry.nbytes
+        entry.detached = True
+        if entry.readers == 0 and entry.state is not State.WRITING and entry.state is not State.LOADING:
+            self._free_locked(entry)
+
+    # --- writing ------------------------------------------------------------------------------------------
+
+    def reserve(
+        self, keys: list[bytes], shape: tuple[int, ...], dtype: torch.dtype, nbytes: int
+    ) -> list[tuple[int, Entry]]:
+        """Index a WRITING entry with pool memory for every key not yet present, in order; returns them with
+        their positions in ``keys``.
+
+        Once one allocation fails (pool full of locked or in-use objects), every later new chunk is skipped:
+        with prefix lookups a chunk after a hole could never be hit. Present and skipped chunks are counted.
+        """
+        new: list[tuple[int, Entry]] = []
+        present = skipped = 0
+        with self.lock:
+            self.expire_locks_locked()
+            missing = [i for i, key in enumerate(keys) if key not in self.index]
+            to_spill = self._make_room_locked(len(missing) * nbytes)
+            for i, key in enumerate(keys):
+                entry = self.index.get(key)
+                if entry is not None:
+                    present += 1
+                    self.policy.touch(key)
+                    continue
+                obj = None if skipped else self._alloc_locked(shape, dtype, nbytes, to_spill)
+                if obj is None:
+                    skipped += 1
+                    continue
+                entry = Entry(key, State.WRITING, obj, nbytes)
+                self.index.add(entry)
+                new.append((i, entry))
+            self.counters.present_chunks += present
+            self.counters.skipped_chunks += skipped
+        self._spill(to_spill)
+        return new
+
+    def commit(self, entries: list[Entry], checksums: list[bytes | None], tier_writers: int) -> list[Entry]:
+        """Make stored entries readable. Returns those still indexed, each holding ``tier_writers`` readers
+        for the tier writes the caller submits next (``clear`` may have dropped the others meanwhile)."""
+        kept = []
+        with self.lock:
+            for entry, checksum in zip(entries, checksums, strict=True):
+                entry.checksum = checksum
+                entry.state = State.RESIDENT
+                if entry.detached:
+                    self._free_locked(entry)
+                    continue
+                entry.readers += tier_writers
+                self.policy.insert(entry.key)
+                kept.append(entry)
+        return kept
+
+    def abort(self, entries: list[Entry]) -> None:
+        """Undo ``reserve`` for entries whose copy failed."""
+        with self.lock:
+            for entry in entries:
+                if not entry.detached:
+                    self.index.pop(entry.key)
+                self._free_locked(entry)
+
+    # --- tiers --------------------------------------------------------------------------------------------
+
+    def tier_write_done(self, entry: Entry, ok: bool, spilled: bool) -> None:
+        """A tier write of ``entry`` finished; a spilled (evicted) entry is freed unless it was used meanwhile."""
+        with self.lock:
+            entry.readers -= 1
+            if ok:
+                entry.persisted = True
+                self.counters.tier_writes += 1
+            else:
+                self.counters.tier_write_failures += 1
+            if entry.detached:
+                if entry.readers == 0:
+                    self._free_locked(entry)
+                return
+            if not spilled:
+                return
+            self._spilling_bytes -= entry.nbytes
+            if entry.readers == 0 and entry.pins == 0:
+                self.index.pop(entry.key)
+                self._free_locked(entry)
+                self.counters.evictions += 1
+                self.counters.evicted_bytes += entry.nbytes
+            else:  # locked or read while it was being written: keep it, it is wanted
+                entry.state = State.RESIDENT
+                self.policy.insert(entry.key)
+
+    def begin_promotion(self, key: bytes) -> Entry | None:
+        """Index a LOADING entry for ``key``; None if the key is already indexed (someone else has it)."""
+        with self.lock:
+            if key in self.index:
+                return None
+            entry = Entry(key, State.LOADING, loaded=Future())
+            self.index.add(entry)
+            return entry
+
+    def alloc_for_promotion(
+        self, entry: Entry, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor | None:
+        nbytes = dtype.itemsize
+        for dim in shape:
+            nbytes *= dim
+        with self.lock:
+            if entry.detached or entry.obj is not None:
+                return None
+            to_spill = self._make_room_locked(nbytes)
+            obj = self._alloc_locked(tuple(shape), dtype, nbytes, to_spill)
+            entry.obj, entry.nbytes = obj, nbytes if obj is not None else 0
+        self._spill(to_spill)
+        return obj
+
+    def free_promotion_buffer(self, entry: Entry, obj: torch.Tensor) -> None:
+        with self.lock:
+            if entry.obj is obj:
+                entry.obj, entry.nbytes = None, 0
+            self.pool.free(obj)
+
+    def end_promotion(self, entry: Entry, obj: torch.Tensor | None, checksum: bytes | None) -> None:
+        self._end_promotion(entry, obj, checksum)
+        assert entry.loaded is not None
+        entry.loaded.set_result(None)  # outside the lock: waiters' callbacks may call back in
+
+    def _end_promotion(self, entry: Entry, obj: torch.Tensor | None, checksum: bytes | None) -> None:
+        with self.lock:
+            if obj is None or obj is not entry.obj:
+                self.counters.promotion_misses += 1
+                if entry.obj is not None:
+                    self.pool.free(entry.obj)
+                    entry.obj = None
+                if not entry.detached:
+                    self.index.pop(entry.key)
+                return
+            self.counters.promotions += 1
+            entry.state, entry.checksum, entry.persisted = State.RESIDENT, checksum, True
+            if entry.detached:
+                self._free_locked(entry)
+            else:
+                self.policy.insert(entry.key)
+
+    # --- whole-cache operations ---------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """Drop every object and lookup lock; objects in use are freed when their copy finishes."""
+        with self.lock:
+            self.leases.release_all()
+            for entry in self.index:
+                self.detach_locked(entry)
+
+    # --- internals (lock held) ----------------------------------------------------------------------------
+
+    def _make_room_locked(self, nbytes: int) -> list[Entry]:
+        """Evict batches until ``nbytes`` more fit under the watermark (or nothing is evictable).
+
+        Returns the entries that must be spilled to the first tier; the caller submits their writes after
+        releasing the lock. Bytes already being spilled count as free: they are on their way out.
+        """
+        self.expire_locks_locked()
+        limit = self._config.watermark * self.pool.capacity_bytes
+        excess = self.pool.used_bytes - self._spilling_bytes + nbytes - limit
+        to_spill: list[Entry] = []
+        while excess > 0:
+            victims = self.policy.evict(self._config.eviction_batch, self._evictable)
+            if not victims:
+                break
+            for key in victims:
+                entry = self.index.get(key)
+                assert entry is not None, "policy returned a key the index does not hold"
+                excess -= entry.nbytes
+                self._evict_locked(entry, to_spill)
+        return to_spill
+
+    def _alloc_locked(
+        self, shape: tuple[int, ...], dtype: torch.dtype, nbytes: int, to_spill: list[Entry]
+    ) -> torch.Tensor | None:
+        obj = self.pool.try_alloc(shape, dtype)
+        if obj is None:
+            # Below the watermark but no room (fragmentation, or memory still held by spills): one more batch.
+            for key in self.policy.evict(self._config.eviction_batch, self._evictable):
+                entry = self.index.get(key)
+                assert entry is not None
+                self._evict_locked(entry, to_spill)
+            obj = self.pool.try_alloc(shape, dtype)
+        return obj
+
+    def _evictable(self, key: bytes) -> bool:
+        entry = self.index.get(key)
+        return entry is not None and entry.evictable
+
+    def _spill(self, entries: list[Entry]) -> None:
+        if entries:
+            assert self.on_spill is not None, "entries are only chosen for spilling when on_spill is set"
+            self.on_spill(entries)
+
+    def _evict_locked(self, entry: Entry, to_spill: list[Entry]) -> None:
+        if self.on_spill is not None and not entry.persisted:
+            entry.state = State.SPILLING
+            entry.readers += 1  # the tier write reads it
+            self._spilling_bytes += entry.nbytes
+            to_spill.append(entry)
+            return
+        self.index.pop(entry.key)
+        self._free_locked(entry)
+        self.counters.evictions += 1
+        self.counters.evicted_bytes += entry.nbytes
+
+    def _free_locked(self, entry: Entry) -> None:
+        if entry.obj is not None:
+            self.pool.free(entry.obj)
+            entry.obj = None

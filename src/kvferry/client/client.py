@@ -1,0 +1,264 @@
+"""`KvferryClient`: talk to a `kvferry server` from an engine process, synchronously or with futures.
+
+    client = KvferryClient("tcp://127.0.0.1:5555")
+    reg = client.register_kv_cache(kv_caches, EngineKVFormat.NL_X_TWO_NB_BS_NH_HS, namespace={"model": "m"})
+    hit = client.lookup(tokens, registration=reg).tokens
+    stored = client.store(reg, tokens, block_ids)                # or client.store_async(...) -> Future[int]
+    got = client.retrieve(reg, tokens, block_ids, skip_prefix_tokens=256)
+
+After registration only token ids and block ids cross the socket; the server copies the KV itself.
+Every `*_async` method returns a `concurrent.futures.Future` (resolved by the client's background thread,
+so `add_done_callback` callbacks run there: keep them short); the plain methods wait for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvferry.client.connection import Connection, ServerError
+from kvferry.client.kv_export import export_kv
+from kvferry.server.protocol import Op, pack_ids
+
+Namespace = Mapping[str, str | int]
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    tokens: int  # prefix tokens ready in the server's host pool (chunk-aligned)
+    pending: int  # further prefix tokens on their way up from a lower tier (ask again shortly)
+    lock: int | None  # lock id when the lookup locked: pass it to retrieve(lock=) or free_lookup_locks
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchStatus:
+    done: bool
+    tokens: int  # prefix tokens now in the server's host pool (when done)
+    error: str | None = None
+
+
+class KvferryClient:
+    """A session with one server. Thread-safe; `close()` (or `with`) ends the session and frees its state."""
+
+    def __init__(self, endpoint: str = "tcp://127.0.0.1:5555", *, timeout_s: float = 30.0) -> None:
+        """Connect and handshake; raises TimeoutError if no server answers within `timeout_s`."""
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s={timeout_s} must be > 0")
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self._conn = Connection(endpoint, heartbeat_interval_s=1.0, silence_timeout_s=timeout_s)
+        self._cuda_registrations: dict[int, torch.device] = {}
+        try:
+            hello = self.ping()
+        except BaseException:
+            self._conn.close()
+            raise
+        self.chunk_size: int = hello["chunk_size"]
+        self.server_version: int = hello["version"]
+        self.max_message_bytes: int = hello["max_message_bytes"]
+        self._conn.heartbeat_interval_s = hello["heartbeat_interval_s"]
+        self._conn.silence_timeout_s = hello["heartbeat_timeout_s"]
+
+    @property
+    def session_id(self) -> bytes:
+        return self._conn.session_id
+
+    def __enter__(self) -> KvferryClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """End the session (the server frees its registrations and locks) and stop the background thread."""
+        try:
+            self.end_session()
+        except (ServerError, ConnectionError, TimeoutError):
+            pass  # the server is gone or going: it frees the session on disconnect anyway
+        finally:
+            self._conn.close()
+
+    # -- requests -------------------------------------------------------------------------------------------
+
+    def ping(self) -> dict[str, Any]:
+        return self._wait(self._conn.submit(Op.PING, {}))
+
+    def get_chunk_size(self) -> int:
+        return self._wait(self._conn.submit(Op.GET_CHUNK_SIZE, {}, lambda r: int(r["chunk_size"])))
+
+    def register_kv_cache(
+        self, paged: Any, fmt: int, *, block_size: int | None = None, namespace: Namespace | None = None
+    ) -> int:
+        """Share the engine's KV tensors with the server; returns the registration id.
+
+        CPU tensors are moved into shared memory in place (every view keeps working); GPU tensors are shared
+        by CUDA IPC handle. `namespace` holds the key-space fields the server cannot see in the tensors
+        (model name, world size, rank, salt).
+        """
+        storages, kv = export_kv(paged)
+        args = {
+            "format": int(fmt),
+            "block_size": block_size,
+            "namespace": dict(namespace or {}),
+            "storages": storages,
+            "kv": kv,
+        }
+        reg = self._wait(self._conn.submit(Op.REGISTER_KV_CACHE, args, lambda r: int(r["registration"])))
+        if storages[0]["kind"] == "cuda_ipc":
+            self._cuda_registrations[reg] = _first_tensor(paged).device
+        return reg
+
+    def unregister_kv_cache(self, registration: int) -> None:
+        self._cuda_registrations.pop(registration, None)
+        self._wait(self._conn.submit(Op.UNREGISTER_KV_CACHE, {"registration": registration}))
+
+    def lookup(
+        self,
+        tokens: Any,
+        *,
+        registration: int | None = None,
+        namespace: Namespace | None = None,
+        lock: bool = False,
+    ) -> LookupResult:
+        return self._wait(
+            self.lookup_async(tokens, registration=registration, namespace=namespace, lock=lock)
+        )
+
+    def lookup_async(
+        self,
+        tokens: Any,
+        *,
+        registration: int | None = None,
+        namespace: Namespace | None = None,
+        lock: bool = False,
+    ) -> Future[LookupResult]:
+        """Prefix tokens cached for `tokens` in the key space of `registration` (or an explicit `namespace`:
+        a `kvferry.cache.CacheNamespace`'s fields, for a process that holds no KV)."""
+        args = {"tokens": pack_ids(tokens, "tokens"), "lock": lock, **_key_space(registration, namespace)}
+        return self._conn.submit(
+            Op.LOOKUP, args, lambda r: LookupResult(int(r["tokens"]), int(r["pending"]), r["lock"])
+        )
+
+    def store(self, registration: int, tokens: Any, block_ids: Any, *, skip_prefix_tokens: int = 0) -> int:
+        return self._wait(
+            self.store_async(registration, tokens, block_ids, skip_prefix_tokens=skip_prefix_tokens)
+        )
+
+    def store_async(
+        self, registration: int, tokens: Any, block_ids: Any, *, skip_prefix_tokens: int = 0
+    ) -> Future[int]:
+        """Copy the KV of `tokens` (held in `block_ids`) into the cache; resolves to the tokens stored.
+
+        For GPU KV the server first waits for the work queued so far on this thread's current CUDA stream,
+        so the store may be issued right after the forward pass that wrote the blocks.
+        """
+        args = _transfer_args(registration, tokens, block_ids, skip_prefix_tokens)
+        event = None
+        device = self._cuda_registrations.get(registration)
+        if device is not None:
+            event = torch.cuda.Event(interprocess=True)
+            event.record(torch.cuda.current_stream(device))
+            args["ready_event"] = bytes(event.ipc_handle())
+        return self._conn.submit(Op.STORE, args, _tokens, keepalive=event)
+
+    def retrieve(
+        self,
+        registration: int,
+        tokens: Any,
+        block_ids: Any,
+        *,
+        skip_prefix_tokens: int = 0,
+        lock: int | None = None,
+    ) -> int:
+        return self._wait(
+            self.retrieve_async(
+                registration, tokens, block_ids, skip_prefix_tokens=skip_prefix_tokens, lock=lock
+            )
+        )
+
+    def retrieve_async(
+        self,
+        registration: int,
+        tokens: Any,
+        block_ids: Any,
+        *,
+        skip_prefix_tokens: int = 0,
+        lock: int | None = None,
+    ) -> Future[int]:
+        """Copy the cached KV of `tokens` into `block_ids`, leaving the blocks of the first
+        `skip_prefix_tokens` tokens untouched; resolves to the tokens written, once the copy is complete
+        (GPU included). `lock` (from `lookup(lock=True)`) is released when the copy ends."""
+        args = _transfer_args(registration, tokens, block_ids, skip_prefix_tokens)
+        if lock is not None:
+            args["lock"] = lock
+        return self._conn.submit(Op.RETRIEVE, args, _tokens)
+
+    def prefetch(
+        self, tokens: Any, *, registration: int | None = None, namespace: Namespace | None = None
+    ) -> int:
+        """Start bringing `tokens`' chunks from lower tiers into the host pool; returns a prefetch id."""
+        args = {"tokens": pack_ids(tokens, "tokens"), **_key_space(registration, namespace)}
+        return self._wait(self._conn.submit(Op.PREFETCH, args, lambda r: int(r["prefetch"])))
+
+    def prefetch_status(self, prefetch: int) -> PrefetchStatus:
+        """Whether prefetch `prefetch` finished; a finished one is forgotten by the server once reported."""
+        return self._wait(
+            self._conn.submit(
+                Op.PREFETCH_STATUS,
+                {"prefetch": prefetch},
+                lambda r: PrefetchStatus(bool(r["done"]), int(r["tokens"]), r.get("error")),
+            )
+        )
+
+    def free_lookup_locks(self, lock: int) -> bool:
+        """Release a lookup lock; False if the cache had already ended it (retrieve or timeout)."""
+        return self._wait(self._conn.submit(Op.FREE_LOOKUP_LOCKS, {"lock": lock}, lambda r: bool(r["freed"])))
+
+    def end_session(self) -> dict[str, Any]:
+        """Release everything this session holds on the server; the client stays usable (a new session)."""
+        self._cuda_registrations.clear()
+        return self._wait(self._conn.submit(Op.END_SESSION, {}))
+
+    def clear(self) -> None:
+        """Drop every object in the server's cache (all clients' objects)."""
+        self._wait(self._conn.submit(Op.CLEAR, {}))
+
+    def stats(self) -> dict[str, Any]:
+        return self._wait(self._conn.submit(Op.STATS, {}))
+
+    def _wait(self, future: Future[Any]) -> Any:
+        try:
+            return future.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            self._conn.forget(future)
+            raise TimeoutError(f"no reply from {self.endpoint} within {self.timeout_s} s") from None
+
+
+def _tokens(result: dict[str, Any]) -> int:
+    return int(result["tokens"])
+
+
+def _transfer_args(registration: int, tokens: Any, block_ids: Any, skip_prefix_tokens: int) -> dict[str, Any]:
+    return {
+        "registration": registration,
+        "tokens": pack_ids(tokens, "tokens"),
+        "block_ids": pack_ids(block_ids, "block_ids"),
+        "skip_prefix_tokens": skip_prefix_tokens,
+    }
+
+
+def _key_space(registration: int | None, namespace: Namespace | None) -> dict[str, Any]:
+    if (registration is None) == (namespace is None):
+        raise ValueError("give exactly one of registration= and namespace=")
+    return {"registration": registration} if registration is not None else {"namespace": dict(namespace)}
+
+
+def _first_tensor(paged: Any) -> torch.Tensor:
+    while not isinstance(paged, torch.Tensor):
+        paged = paged[0]
+    return paged

@@ -1,0 +1,150 @@
+"""kvferry's configuration: one typed object, loadable from YAML, from ``KVFERRY_*`` environment variables and
+from explicit overrides (the CLI's flags), in that order of precedence (later wins).
+
+Environment variables name a section field with a double underscore: ``KVFERRY_CACHE__CHUNK_SIZE=512``,
+``KVFERRY_SERVER__PORT=6000``; the tier list is ``KVFERRY_TIERS`` (a JSON list or comma-separated URLs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvferry.server.config import ServerConfig
+
+ENV_PREFIX = "KVFERRY_"
+
+
+class CacheConfig(BaseModel):
+    """The host-memory (L1) cache: chunking, keys, capacity, eviction, locks and checksums."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    chunk_size: int = Field(
+        256, gt=0, description="tokens per chunk object (a multiple of the engine's block size)"
+    )
+    l1_size_gb: float = Field(4.0, gt=0, description="host pool capacity in GiB (2**30 bytes)")
+    eviction_policy: Literal["lru", "s3fifo"] = "lru"
+    watermark: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="evict a batch when an allocation would push the pool above this fraction",
+    )
+    eviction_batch: int = Field(
+        16, gt=0, description="objects evicted at least, once the watermark is crossed"
+    )
+    lock_timeout_s: float = Field(30.0, gt=0, description="a lookup lock is released after this many seconds")
+    hash_algo: Literal["sha256", "blake3"] = Field(
+        "sha256", description="prefix-hash function (sha256 is faster per 1 KiB chunk call through CPython)"
+    )
+    verify_checksums: bool = Field(
+        False, description="checksum every object on store and verify it before every retrieve (costs a pass)"
+    )
+    tier_write: Literal["on_evict", "on_store"] = Field(
+        "on_evict",
+        description="on_evict: evicted objects are written to the first tier (write-behind); "
+        "on_store: every stored object is written to every tier right after the store (shared tiers)",
+    )
+    async_workers: int = Field(2, gt=0, description="threads serving store_async / retrieve_async")
+
+    @property
+    def l1_size_bytes(self) -> int:
+        """Pool capacity in bytes, rounded down to 4 KiB (the pool's default alignment)."""
+        return int(self.l1_size_gb * 2**30) // 4096 * 4096
+
+
+class KvferryConfig(BaseModel):
+    """All of kvferry's settings. ``tiers`` are storage tier URLs below the host pool, searched in order."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    tiers: list[str] = Field(default_factory=list)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+
+    @classmethod
+    def load(
+        cls,
+        yaml_path: str | Path | None = None,
+        env: Mapping[str, str] | None = None,
+        overrides: Mapping[str, Any] | None = None,
+    ) -> KvferryConfig:
+        """Defaults, then the YAML file, then ``env`` (default ``os.environ``), then ``overrides`` (nested dicts)."""
+        data: dict[str, Any] = {}
+        if yaml_path is not None:
+            _merge(data, _read_yaml(Path(yaml_path)))
+        _merge(data, env_overrides(os.environ if env is None else env))
+        if overrides:
+            _merge(data, dict(overrides))
+        return cls.model_validate(data)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> KvferryConfig:
+        """The YAML file's settings over the defaults (no environment)."""
+        return cls.load(path, env={})
+
+
+def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
+    """The nested settings that ``KVFERRY_*`` variables in ``env`` give; unknown names raise ValueError."""
+    sections = {"CACHE": CacheConfig, "SERVER": ServerConfig}
+    out: dict[str, Any] = {}
+    for name, value in env.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        rest = name[len(ENV_PREFIX) :]
+        if rest == "TIERS":
+            out["tiers"] = _parse_tier_list(name, value)
+            continue
+        section, sep, field = rest.partition("__")
+        model = sections.get(section)
+        if not sep or model is None or field.lower() not in model.model_fields:
+            known = [f"{ENV_PREFIX}{s}__{f.upper()}" for s, m in sections.items() for f in m.model_fields]
+            raise ValueError(
+                f"unknown environment variable {name}; known: {ENV_PREFIX}TIERS, {', '.join(known)}"
+            )
+        out.setdefault(section.lower(), {})[field.lower()] = value
+    return out
+
+
+def _parse_tier_list(name: str, value: str) -> list[str]:
+    text = value.strip()
+    if text.startswith("["):
+        try:
+            urls = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name}={value!r} is not a JSON list of tier URLs: {exc}") from None
+        if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):
+            raise ValueError(f"{name}={value!r} must be a JSON list of strings")
+        return urls
+    return [u.strip() for u in text.split(",") if u.strip()]
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"config file {path}: {exc}") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ValueError(f"config file {path}: top level must be a mapping, got {type(loaded).__name__}")
+    return loaded
+
+
+def _merge(into: dict[str, Any], new: dict[str, Any]) -> None:
+    """Deep-merge ``new`` into ``into``: nested mappings merge, anything else replaces."""
+    for key, value in new.items():
+        if isinstance(value, Mapping) and isinstance(into.get(key), dict):
+            _merge(into[key], dict(value))
+        else:
+            into[key] = dict(value) if isinstance(value, Mapping) else value
+
+
+__all__ = ["CacheConfig", "KvferryConfig", "ServerConfig", "env_overrides"]

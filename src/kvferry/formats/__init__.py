@@ -1,0 +1,17 @@
+"""Engine KV layouts as data: the declarations and what is derived from them."""
+
+from kvferry.formats.geometry import KVGeometry, Stripe, describe, flatten_paged, object_shape
+from kvferry.formats.kinds import EngineKVFormat
+from kvferry.formats.layouts import LAYOUTS, Layout, layout_of
+
+__all__ = [
+    "LAYOUTS",
+    "EngineKVFormat",
+    "KVGeometry",
+    "Layout",
+    "Stripe",
+    "describe",
+    "flatten_paged",
+    "layout_of",
+    "object_shape",
+]

@@ -1,0 +1,137 @@
+"""Where the connector's KV goes: a cache engine in this process, or a ``kvferry server`` through the client.
+
+Both give the scheduler half a ``lookup`` and the worker half ``retrieve`` / ``store_async`` on the engine's
+registered KV. The worker half creates the backend when vLLM registers its KV cache; the scheduler half of the
+same engine finds it in this process's registry (vLLM runs both halves in one process when tensor and pipeline
+parallelism are 1, which the connector requires).
+
+A backend never raises into vLLM on the lookup path: a failed lookup is a miss (logged).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future
+from typing import Protocol
+
+from kvferry.cache import CacheEngine, CacheNamespace
+from kvferry.client import KvferryClient
+from kvferry.integrations.vllm.kv_layout import EngineKV
+
+log = logging.getLogger(__name__)
+
+
+class Backend(Protocol):
+    chunk_size: int
+
+    def lookup(self, tokens: list[int]) -> int | None: ...
+
+    def retrieve(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> int: ...
+
+    def store_async(
+        self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int
+    ) -> Future[int]: ...
+
+    def close(self) -> None: ...
+
+
+class EmbeddedBackend:
+    """A `CacheEngine` owned by this worker process."""
+
+    def __init__(self, engine: CacheEngine, kv: EngineKV, namespace: CacheNamespace) -> None:
+        self.engine = engine
+        self.kv = kv
+        self.namespace = namespace
+        self.chunk_size = engine.chunk_size
+
+    def lookup(self, tokens: list[int]) -> int | None:
+        """The pool's prefix hit; None while chunks right after it are still being promoted from a tier."""
+        try:
+            status = self.engine.lookup_status(tokens, namespace=self.namespace)
+        except Exception:
+            log.exception("kvferry: lookup failed (counted as a miss)")
+            return 0
+        return None if status.pending_tokens else status.hit_tokens
+
+    def retrieve(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> int:
+        written = self.engine.retrieve(
+            tokens,
+            self.kv.layers,
+            block_ids,
+            self.kv.fmt,
+            namespace=self.namespace,
+            block_size=self.kv.block_size,
+            skip_prefix_tokens=skip_prefix_tokens,
+        )
+        return skip_prefix_tokens + written
+
+    def store_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
+        return self.engine.store_async(
+            tokens,
+            self.kv.layers,
+            block_ids,
+            self.kv.fmt,
+            namespace=self.namespace,
+            block_size=self.kv.block_size,
+            skip_prefix_tokens=skip_prefix_tokens,
+        )
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class ServerBackend:
+    """A session with a ``kvferry server`` holding this worker's KV registration."""
+
+    def __init__(self, client: KvferryClient, kv: EngineKV, namespace: dict[str, str | int]) -> None:
+        self.client = client
+        self.kv = kv
+        self.chunk_size = client.chunk_size
+        # Moves the engine's CPU KV into shared memory in place (every view, vLLM's included, follows).
+        self.registration = client.register_kv_cache(
+            kv.layers, kv.fmt, block_size=kv.block_size, namespace=namespace
+        )
+
+    def lookup(self, tokens: list[int]) -> int | None:
+        try:
+            return self.client.lookup(tokens, registration=self.registration).tokens
+        except Exception:
+            log.exception("kvferry: lookup at %s failed (counted as a miss)", self.client.endpoint)
+            return 0
+
+    def retrieve(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> int:
+        written = self.client.retrieve(
+            self.registration, tokens, block_ids, skip_prefix_tokens=skip_prefix_tokens
+        )
+        return skip_prefix_tokens + written
+
+    def store_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
+        return self.client.store_async(
+            self.registration, tokens, block_ids, skip_prefix_tokens=skip_prefix_tokens
+        )
+
+    def close(self) -> None:
+        self.client.close()
+
+
+_registry: dict[str, Backend] = {}
+_registry_lock = threading.Lock()
+
+
+def publish(engine_id: str, backend: Backend) -> None:
+    """Make ``backend`` the one of vLLM engine ``engine_id`` in this process."""
+    with _registry_lock:
+        if engine_id in _registry:
+            raise RuntimeError(f"vLLM engine {engine_id!r} already registered its KV cache with kvferry")
+        _registry[engine_id] = backend
+
+
+def find(engine_id: str) -> Backend | None:
+    with _registry_lock:
+        return _registry.get(engine_id)
+
+
+def withdraw(engine_id: str) -> Backend | None:
+    with _registry_lock:
+        return _registry.pop(engine_id, None)

@@ -1,0 +1,49 @@
+"""What the scheduler side tells the worker side to do in one engine step (vLLM's connector metadata payload).
+
+Plain dataclasses of ints and lists: vLLM may carry them to a worker in another process, and the worker-side
+logic can be tested with hand-made plans.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Copy the cached KV of ``tokens`` into ``block_ids``, except the first ``skip_tokens`` tokens.
+
+    ``tokens`` is a chunk-aligned prefix of the prompt that the cache reported as a hit; ``block_ids`` holds one
+    engine block per ``block_size`` tokens of it. ``skip_tokens`` (a multiple of the block size) is what vLLM
+    already holds in its own prefix cache: those blocks may be shared with running requests, so they are
+    never written.
+    """
+
+    req_id: str
+    tokens: list[int]
+    block_ids: list[int]
+    skip_tokens: int
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """Copy the KV of ``tokens`` (a chunk-aligned prompt prefix, all computed) out of ``block_ids`` into the
+    cache, except the first ``skip_tokens`` tokens, which the cache already holds."""
+
+    req_id: str
+    tokens: list[int]
+    block_ids: list[int]
+    skip_tokens: int
+
+
+@dataclass
+class StepPlan:
+    """One step's work. ``preempted`` requests lose their blocks after this step: their stores must finish
+    first."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    stores: list[StoreSpec] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not (self.loads or self.stores or self.preempted)

@@ -1,0 +1,72 @@
+"""The connector's settings: vLLM's ``kv_connector_extra_config``, validated so a typo names itself.
+
+--kv-transfer-config '{"kv_connector": "KvferryConnector",
+                       "kv_connector_module_path": "kvferry.integrations.vllm",
+                       "kv_role": "kv_both",
+                       "kv_connector_extra_config": {"mode": "server", "server_url": "tcp://127.0.0.1:5555"}}'
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kvferry.config import KvferryConfig
+
+
+class ConnectorSettings(BaseModel):
+    """``mode="embedded"``: the cache lives in vLLM's worker process (configured by ``config_file`` and
+    ``config``). ``mode="server"``: a ``kvferry server`` at ``server_url`` holds the cache; the worker registers
+    its KV cache there once and afterwards only token and block ids cross the socket."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: Literal["embedded", "server"] = "embedded"
+    server_url: str = Field("tcp://127.0.0.1:5555", description="kvferry server endpoint (server mode)")
+    timeout_s: float = Field(30.0, gt=0, description="server mode: a request unanswered this long fails")
+    config_file: str | None = Field(None, description="embedded mode: a kvferry YAML config file")
+    config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="embedded mode: kvferry settings over the file and KVFERRY_* variables, e.g. "
+        '{"cache": {"l1_size_gb": 8}, "tiers": ["disk:/var/cache/kvferry?size=100GB"]}',
+    )
+    model_id: str | None = Field(
+        None, description="the model's name in cache keys (default: vLLM's served model name)"
+    )
+    salt: str = Field("", description="separates deployments that must not share KV")
+    after_load_hook: str | None = Field(
+        None,
+        description="'module:function' called as function(kv_layers, block_ids) after each load "
+        "(debugging and tests: e.g. check or perturb what was loaded)",
+    )
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
+        """Parse vLLM's extra config; ValueError naming each bad key."""
+        try:
+            return cls.model_validate(dict(extra or {}))
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(map(str, e['loc'])) or 'extra config'}: {e['msg']}" for e in exc.errors()
+            )
+            raise ValueError(f"kv_connector_extra_config for KvferryConnector: {problems}") from None
+
+    def kvferry_config(self) -> KvferryConfig:
+        """Embedded mode's cache configuration: defaults < config_file < KVFERRY_* environment < config."""
+        return KvferryConfig.load(self.config_file, overrides=self.config)
+
+    def load_after_load_hook(self) -> Callable[..., None] | None:
+        if self.after_load_hook is None:
+            return None
+        module_name, sep, attr = self.after_load_hook.partition(":")
+        if not sep or not module_name or not attr:
+            raise ValueError(f"after_load_hook={self.after_load_hook!r} must be 'module:function'")
+        hook = getattr(importlib.import_module(module_name), attr, None)
+        if not callable(hook):
+            raise ValueError(
+                f"after_load_hook={self.after_load_hook!r}: {attr} is not a callable of {module_name}"
+            )
+        return hook

@@ -1,0 +1,137 @@
+"""Vectorised torch copy (the CPU path): one gather or scatter per (stripe, object), no loop per block or layer.
+
+Each stripe's entries are folded into one strided view `[planes, layers, NB, BS, *features]` over the engine's
+storage when they are evenly spaced in it (engines allocate their layers as views of one buffer). Stores gather with
+`index_select(..., out=<object slice>)`; retrieves scatter with numpy fancy assignment on CPU (a memcpy per block
+piece; torch's CPU index_copy_ is elementwise and ~3x slower) and `index_copy_` elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvferry.formats import KVGeometry, Stripe
+
+_WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclass(frozen=True)
+class _Block:
+    """Evenly spaced stripe entries as one strided engine view, and where they go in an object."""
+
+    view: torch.Tensor  # [P, L, NB, BS, *features], dtype = the word type of the element size
+    planes: slice
+    layers: slice
+    w: slice
+
+
+@dataclass(frozen=True)
+class TorchPlan:
+    geom: KVGeometry
+    blocks: tuple[_Block, ...]
+
+
+def build_plan(geom: KVGeometry) -> TorchPlan:
+    word = _WORD[geom.element_size]
+    blocks: list[_Block] = []
+    for stripe in geom.stripes:
+        for members in _even_groups(stripe):
+            blocks.append(_fold(geom, stripe, members, word))
+    return TorchPlan(geom=geom, blocks=tuple(blocks))
+
+
+def copy_torch(
+    plan: TorchPlan,
+    objects: list[torch.Tensor],
+    block_ids: torch.Tensor,
+    to_objects: bool,
+    chunk_size: int,
+    skip_prefix_blocks: int,
+) -> None:
+    geom = plan.geom
+    word = _WORD[geom.element_size]
+    per_object = chunk_size // geom.bs
+    n = len(block_ids)
+    numpy_scatter = not to_objects and geom.device.type == "cpu"
+    ids_np = block_ids.numpy() if numpy_scatter else None
+    for o, obj in enumerate(objects):
+        j0, j1 = max(o * per_object, skip_prefix_blocks), min(o * per_object + obj.shape[2] // geom.bs, n)
+        if j0 >= j1:
+            continue
+        tokens = slice((j0 - o * per_object) * geom.bs, (j1 - o * per_object) * geom.bs)
+        obj_w = obj.view(word)
+        for b in plan.blocks:
+            piece = obj_w[b.planes, b.layers, tokens, b.w]
+            piece = piece.unflatten(2, (j1 - j0, geom.bs)).unflatten(-1, b.view.shape[4:])
+            if to_objects:
+                torch.index_select(b.view, 2, block_ids[j0:j1], out=piece)
+            elif ids_np is not None:
+                b.view.numpy()[:, :, ids_np[j0:j1]] = piece.numpy()
+            else:
+                b.view.index_copy_(2, block_ids[j0:j1], piece)
+
+
+def _even_groups(stripe: Stripe) -> list[list[int]]:
+    """Split the stripe's entries into groups that form an evenly spaced (plane x layer) grid in one storage."""
+    entries = list(range(len(stripe.planes)))
+    whole = _grid(stripe, entries)
+    if whole is not None:
+        return [entries]
+    groups = []
+    for plane in sorted(set(stripe.planes)):
+        members = [i for i in entries if stripe.planes[i] == plane]
+        groups += [members] if _grid(stripe, members) is not None else [[i] for i in members]
+    return groups
+
+
+def _grid(stripe: Stripe, members: list[int]) -> tuple[int, int] | None:
+    """(plane stride, layer stride) in storage elements if `members` is an evenly spaced full grid, else None."""
+    storages = {stripe.tensors[i].untyped_storage().data_ptr() for i in members}
+    if len(storages) != 1:
+        return None
+    planes = sorted({stripe.planes[i] for i in members})
+    layers = sorted({stripe.layers[i] for i in members})
+    if len(planes) * len(layers) != len(members) or not (_even(planes) and _even(layers)):
+        return None
+    where = {(stripe.planes[i], stripe.layers[i]): _storage_offset(stripe, i) for i in members}
+    origin = where[(planes[0], layers[0])]
+    sp = where[(planes[1], layers[0])] - origin if len(planes) > 1 else 0
+    sl = where[(planes[0], layers[1])] - origin if len(layers) > 1 else 0
+    for (p, layer), off in where.items():
+        if off != origin + planes.index(p) * sp + layers.index(layer) * sl:
+            return None
+    return sp, sl
+
+
+def _even(values: list[int]) -> bool:
+    return len(values) < 2 or len({b - a for a, b in zip(values, values[1:], strict=False)}) == 1
+
+
+def _storage_offset(stripe: Stripe, i: int) -> int:
+    t = stripe.tensors[i]
+    return t.storage_offset() + stripe.offsets[i]
+
+
+def _fold(geom: KVGeometry, stripe: Stripe, members: list[int], word: torch.dtype) -> _Block:
+    sp, sl = _grid(stripe, members) or (0, 0)
+    planes = sorted({stripe.planes[i] for i in members})
+    layers = sorted({stripe.layers[i] for i in members})
+    first = min(members, key=lambda i: (stripe.planes[i], stripe.layers[i]))
+    storage = stripe.tensors[first].untyped_storage()
+    words = torch.empty(0, dtype=word, device=geom.device).set_(storage)
+    sizes = [len(planes), len(layers), geom.nb, geom.bs, *(n for n, _ in stripe.features)]
+    strides = [sp, sl, stripe.block_stride, stripe.token_stride, *(s for _, s in stripe.features)]
+    view = words.as_strided(sizes, strides, _storage_offset(stripe, first))
+    return _Block(
+        view=view,
+        planes=_as_slice(planes),
+        layers=_as_slice(layers),
+        w=slice(stripe.w_offset, stripe.w_offset + stripe.width),
+    )
+
+
+def _as_slice(values: list[int]) -> slice:
+    step = values[1] - values[0] if len(values) > 1 else 1
+    return slice(values[0], values[-1] + 1, step)

@@ -1,0 +1,291 @@
+"""The host memory pool: one aligned (pinned when CUDA is available) slab, carved into typed tensor views.
+
+Chunk objects of any shape and dtype live side by side in the slab. Every allocation starts on an
+``alignment`` boundary and reserves its size rounded up to the alignment, so a reservation is one run of
+alignment-sized units handed out by an :class:`~kvferry.memory.extent_allocator.ExtentAllocator`.
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from kvferry.memory.extent_allocator import ExtentAllocator
+
+_MIN_ALIGNMENT = 64
+
+
+class PoolFullError(MemoryError):
+    """No free extent of the pool is large enough for a request; the message gives the numbers."""
+
+    def __init__(
+        self,
+        what: str,
+        requested_bytes: int,
+        reserved_bytes: int,
+        free_bytes: int,
+        largest_free_bytes: int,
+        capacity_bytes: int,
+    ) -> None:
+        self.requested_bytes = requested_bytes
+        self.reserved_bytes = reserved_bytes
+        self.free_bytes = free_bytes
+        self.largest_free_bytes = largest_free_bytes
+        self.capacity_bytes = capacity_bytes
+        fragmented = " (enough bytes are free, but not in one extent)" if free_bytes >= reserved_bytes else ""
+        super().__init__(
+            f"host pool full: cannot allocate {what}: requested {requested_bytes:,} bytes "
+            f"({reserved_bytes:,} with alignment), free {free_bytes:,} of {capacity_bytes:,} bytes, "
+            f"largest free extent {largest_free_bytes:,} bytes{fragmented}"
+        )
+
+
+class Allocation(NamedTuple):
+    """Where one live allocation sits in the slab."""
+
+    offset: int  # byte offset of its first byte in the slab (a multiple of the alignment)
+    requested_bytes: int  # bytes of the tensor view
+    reserved_bytes: int  # bytes taken from the pool: requested_bytes rounded up to the alignment
+
+
+class HostPool:
+    """A fixed-size host memory pool that hands out contiguous tensor views of one slab.
+
+    Allocation and free are O(1) (see ``ExtentAllocator``), exact in their accounting and thread-safe.
+    An allocation is identified by its tensor's ``data_ptr()``: ``free`` accepts the returned tensor or
+    any view of it that starts at its first byte.
+    """
+
+    def __init__(self, capacity_bytes: int, alignment: int = 4096, pin: bool | None = None) -> None:
+        if not _is_int(alignment) or alignment < _MIN_ALIGNMENT or alignment & (alignment - 1):
+            raise ValueError(f"alignment={alignment!r} must be a power of two >= {_MIN_ALIGNMENT}")
+        if not _is_int(capacity_bytes) or capacity_bytes <= 0 or capacity_bytes % alignment:
+            raise ValueError(
+                f"capacity_bytes={capacity_bytes!r} must be a positive multiple of alignment={alignment}"
+                + (
+                    f" (e.g. {capacity_bytes - capacity_bytes % alignment:,})"
+                    if _is_int(capacity_bytes) and capacity_bytes > alignment
+                    else ""
+                )
+            )
+        cuda = torch.cuda.is_available()
+        if pin is None:
+            pin = cuda
+        elif pin and not cuda:
+            raise ValueError("pin=True needs CUDA, but torch.cuda.is_available() is False; pass pin=None")
+        self._capacity_bytes = capacity_bytes
+        self._alignment = alignment
+        self._unit_shift = alignment.bit_length() - 1
+        self._is_pinned = bool(pin)
+        self._slab = _aligned_slab(capacity_bytes, alignment, self._is_pinned)
+        self._base_ptr = self._slab.data_ptr()
+        # as_strided takes an absolute storage offset, and the slab may start past its storage's start (the
+        # alignment padding). Both are multiples of the alignment (>= 64), hence of any dtype's itemsize.
+        self._slab_storage_offset = self._slab.storage_offset()
+        # The slab viewed as each dtype seen so far: carving a view is then one as_strided call, a few
+        # times cheaper than slicing and re-viewing the uint8 slab on every allocation.
+        self._typed_slabs: dict[torch.dtype, torch.Tensor] = {}
+        self._extents = ExtentAllocator(capacity_bytes >> self._unit_shift)
+        self._live: dict[int, Allocation] = {}  # data_ptr -> allocation
+        self._requested_bytes = 0
+        self._lock = threading.Lock()
+
+    def alloc(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous ``shape``/``dtype`` view into the slab; raises PoolFullError when nothing fits."""
+        tensor = self._alloc(shape, dtype, raise_when_full=True)
+        assert tensor is not None
+        return tensor
+
+    def try_alloc(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor | None:
+        """Like ``alloc`` but returns None when full (invalid arguments still raise)."""
+        return self._alloc(shape, dtype, raise_when_full=False)
+
+    def free(self, tensor: torch.Tensor) -> None:
+        """Return the allocation that starts at ``tensor.data_ptr()``; ValueError if there is none."""
+        ptr = tensor.data_ptr()
+        with self._lock:
+            allocation = self._live.pop(ptr, None)
+            if allocation is not None:
+                self._give_back(allocation)
+                return
+        raise ValueError(f"free: {self._describe_unknown(ptr)}")
+
+    def allocation(self, tensor: torch.Tensor) -> Allocation:
+        """The live allocation that starts at ``tensor.data_ptr()``; ValueError if there is none."""
+        ptr = tensor.data_ptr()
+        allocation = self._live.get(ptr)
+        if allocation is None:
+            raise ValueError(f"allocation: {self._describe_unknown(ptr)}")
+        return allocation
+
+    def offset_of(self, tensor: torch.Tensor) -> int:
+        """Byte offset of ``tensor``'s first element in the slab (any view into the slab is accepted)."""
+        offset = tensor.data_ptr() - self._base_ptr
+        if tensor.device.type != "cpu" or not 0 <= offset < self._capacity_bytes:
+            raise ValueError(
+                f"offset_of: tensor (device={tensor.device}, data_ptr={tensor.data_ptr():#x}) is not inside "
+                f"this pool's slab [{self._base_ptr:#x}, {self._base_ptr + self._capacity_bytes:#x})"
+            )
+        return offset
+
+    @property
+    def slab(self) -> torch.Tensor:
+        """The whole slab as a 1-D uint8 tensor of ``capacity_bytes`` bytes, starting aligned."""
+        return self._slab
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity_bytes
+
+    @property
+    def alignment(self) -> int:
+        return self._alignment
+
+    @property
+    def is_pinned(self) -> bool:
+        return self._is_pinned
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes reserved by live allocations (each rounded up to the alignment)."""
+        return self._capacity_bytes - (self._extents.free_units << self._unit_shift)
+
+    @property
+    def requested_bytes(self) -> int:
+        """Bytes requested by live allocations, before rounding to the alignment."""
+        return self._requested_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        return self._extents.free_units << self._unit_shift
+
+    @property
+    def largest_free_bytes(self) -> int:
+        """The largest allocation (in bytes, alignment included) that would succeed now."""
+        with self._lock:
+            return self._extents.largest_free_units << self._unit_shift
+
+    @property
+    def num_allocations(self) -> int:
+        return len(self._live)
+
+    @property
+    def num_free_extents(self) -> int:
+        """Number of separate free ranges; at most ``num_allocations + 1`` since free neighbours merge."""
+        return self._extents.num_free_extents
+
+    def stats(self) -> dict[str, int | float | bool]:
+        """A consistent snapshot of the pool's accounting, for logs and metrics."""
+        with self._lock:
+            free = self._extents.free_units << self._unit_shift
+            largest = self._extents.largest_free_units << self._unit_shift
+            used = self._capacity_bytes - free
+            return {
+                "capacity_bytes": self._capacity_bytes,
+                "used_bytes": used,
+                "requested_bytes": self._requested_bytes,
+                "alignment_waste_bytes": used - self._requested_bytes,
+                "free_bytes": free,
+                "largest_free_bytes": largest,
+                "num_allocations": len(self._live),
+                "num_free_extents": self._extents.num_free_extents,
+                "utilization": used / self._capacity_bytes,
+                # Share of the free bytes that a single allocation cannot use: 0.0 means one free extent.
+                "fragmentation": 1.0 - largest / free if free else 0.0,
+                "alignment": self._alignment,
+                "is_pinned": self._is_pinned,
+            }
+
+    def __repr__(self) -> str:
+        return (
+            f"HostPool(capacity_bytes={self._capacity_bytes:,}, used_bytes={self.used_bytes:,}, "
+            f"num_allocations={len(self._live)}, alignment={self._alignment}, pinned={self._is_pinned})"
+        )
+
+    def _alloc(self, shape: Sequence[int], dtype: torch.dtype, raise_when_full: bool) -> torch.Tensor | None:
+        dims, strides, nbytes = _checked_layout(shape, dtype)
+        units = (nbytes + self._alignment - 1) >> self._unit_shift
+        with self._lock:
+            unit = self._extents.reserve(units)
+            if unit is None:
+                if not raise_when_full:
+                    return None
+                raise PoolFullError(
+                    f"shape={dims} dtype={dtype}",
+                    requested_bytes=nbytes,
+                    reserved_bytes=units << self._unit_shift,
+                    free_bytes=self._extents.free_units << self._unit_shift,
+                    largest_free_bytes=self._extents.largest_free_units << self._unit_shift,
+                    capacity_bytes=self._capacity_bytes,
+                )
+            offset = unit << self._unit_shift
+            allocation = Allocation(offset, nbytes, units << self._unit_shift)
+            self._live[self._base_ptr + offset] = allocation
+            self._requested_bytes += nbytes
+        try:
+            typed = self._typed_slabs.get(dtype)
+            if typed is None:
+                typed = self._typed_slabs.setdefault(dtype, self._slab.view(dtype))
+            return typed.as_strided(dims, strides, (self._slab_storage_offset + offset) // dtype.itemsize)
+        except BaseException:
+            # Never leak the reservation if carving the view fails (or is interrupted).
+            with self._lock:
+                del self._live[self._base_ptr + offset]
+                self._give_back(allocation)
+            raise
+
+    def _give_back(self, allocation: Allocation) -> None:
+        # Caller holds the lock and has removed the allocation from self._live.
+        self._extents.release(
+            allocation.offset >> self._unit_shift, allocation.reserved_bytes >> self._unit_shift
+        )
+        self._requested_bytes -= allocation.requested_bytes
+
+    def _describe_unknown(self, ptr: int) -> str:
+        offset = ptr - self._base_ptr
+        if 0 <= offset < self._capacity_bytes:
+            return (
+                f"tensor at slab offset {offset:,} is not a live allocation of this pool "
+                "(already freed, or a view that does not start where an allocation starts)"
+            )
+        return f"tensor (data_ptr={ptr:#x}) does not point into this pool's slab"
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _checked_layout(shape: Sequence[int], dtype: torch.dtype) -> tuple[tuple[int, ...], list[int], int]:
+    """``shape`` as a tuple of ints, its contiguous strides and the byte size of a ``shape``/``dtype``
+    tensor; rejects empty ones."""
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype={dtype!r} must be a torch.dtype")
+    try:
+        dims = tuple(map(operator.index, shape))
+    except TypeError:
+        raise TypeError(f"shape={shape!r} must be a sequence of ints") from None
+    if min(dims, default=1) <= 0:
+        raise ValueError(f"shape={dims} must have every dimension >= 1 (zero-size allocations are rejected)")
+    strides = [1] * len(dims)
+    numel = 1
+    for axis in range(len(dims) - 1, -1, -1):
+        strides[axis] = numel
+        numel *= dims[axis]
+    return dims, strides, numel * dtype.itemsize
+
+
+def _aligned_slab(capacity: int, alignment: int, pin: bool) -> torch.Tensor:
+    raw = torch.empty(capacity, dtype=torch.uint8, pin_memory=pin)
+    if raw.data_ptr() % alignment == 0:
+        return raw
+    # Over-allocate and start at the first aligned byte. Only done when the exact-size allocation is not
+    # aligned: torch's pinned allocator rounds every request up to a power of two, so padding a
+    # power-of-two capacity up front would double the pinned memory.
+    del raw
+    raw = torch.empty(capacity + alignment, dtype=torch.uint8, pin_memory=pin)
+    pad = -raw.data_ptr() % alignment
+    return raw[pad : pad + capacity]

@@ -1,0 +1,113 @@
+"""`kvferry server`: command-line flags, the effective-config banner, and running until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import threading
+from typing import Any
+
+import zmq
+
+from kvferry.cache import CacheEngine
+from kvferry.config import KvferryConfig
+from kvferry.server.server import KvferryServer
+
+log = logging.getLogger("kvferry.server")
+
+# flag dest -> (config section, field); a flag left unset keeps the YAML/env/default value.
+_FLAG_FIELDS: dict[str, tuple[str, str]] = {
+    "host": ("server", "host"),
+    "port": ("server", "port"),
+    "http_port": ("server", "http_port"),
+    "heartbeat_interval": ("server", "heartbeat_interval_s"),
+    "heartbeat_timeout": ("server", "heartbeat_timeout_s"),
+    "transfer_workers": ("server", "transfer_workers"),
+    "chunk_size": ("cache", "chunk_size"),
+    "l1_size_gb": ("cache", "l1_size_gb"),
+    "eviction": ("cache", "eviction_policy"),
+}
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `kvferry server`; each overrides the config file and KVFERRY_* environment."""
+    parser.add_argument("--config", metavar="YAML", help="config file (sections cache, tiers, server)")
+    net = parser.add_argument_group("network")
+    net.add_argument("--host", help="address to bind (default 127.0.0.1: loopback only)")
+    net.add_argument("--port", type=int, help="ZMQ port for clients (default 5555; 0 = any free port)")
+    net.add_argument("--http-port", type=int, help="HTTP port for /health /metrics /stats (default 5556)")
+    net.add_argument("--no-http", action="store_true", help="do not open the HTTP side port")
+    net.add_argument("--heartbeat-interval", type=float, metavar="S", help="client heartbeat period (s)")
+    net.add_argument("--heartbeat-timeout", type=float, metavar="S", help="end silent sessions after (s)")
+    net.add_argument("--max-message-mb", type=float, metavar="MB", help="largest request frame (MiB)")
+    net.add_argument("--transfer-workers", type=int, metavar="N", help="threads running transfers")
+    cache = parser.add_argument_group("cache")
+    cache.add_argument("--chunk-size", type=int, metavar="TOKENS", help="tokens per chunk object")
+    cache.add_argument("--l1-size-gb", type=float, metavar="GB", help="host pool capacity (GiB)")
+    cache.add_argument("--eviction", choices=["lru", "s3fifo"], help="eviction policy")
+    cache.add_argument(
+        "--l2",
+        action="append",
+        metavar="URL",
+        help="storage tier below the pool (disk:/path?size=200GB, redis://host:port); repeat for more",
+    )
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def config_from_args(args: argparse.Namespace) -> KvferryConfig:
+    """Defaults, then --config YAML, then KVFERRY_* environment, then the flags given on the command line."""
+    overrides: dict[str, Any] = {}
+    for dest, (section, field) in _FLAG_FIELDS.items():
+        value = getattr(args, dest, None)
+        if value is not None:
+            overrides.setdefault(section, {})[field] = value
+    if getattr(args, "no_http", False):
+        overrides.setdefault("server", {})["http_port"] = None
+    if getattr(args, "max_message_mb", None) is not None:
+        overrides.setdefault("server", {})["max_message_bytes"] = int(args.max_message_mb * 2**20)
+    if getattr(args, "l2", None):
+        overrides["tiers"] = list(args.l2)
+    return KvferryConfig.load(getattr(args, "config", None), overrides=overrides)
+
+
+def main(config: KvferryConfig) -> int:
+    """Serve until SIGINT/SIGTERM, then release every session and port; returns the exit status."""
+    log.info("kvferry server starting with config %s", json.dumps(config.model_dump(mode="json")))
+    engine = CacheEngine(config, name="server")
+    server = KvferryServer(config.server, engine)
+    try:
+        server.start()
+    except zmq.ZMQError as exc:
+        log.error("cannot listen on %s: %s", config.server.endpoint, exc)
+        engine.close()
+        return 2
+    http = f"http://{config.server.host}:{server.http_port}" if server.http_port is not None else "off"
+    log.info("kvferry server ready: zmq=tcp://%s:%d http=%s", config.server.host, server.port, http)
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        log.info("kvferry server stopping")
+        server.stop()
+        engine.close()
+    log.info("kvferry server stopped")
+    return 0
+
+
+def run_from_command_line(argv: list[str] | None = None) -> int:
+    """`python -m kvferry.server [flags]`: what `kvferry server` runs."""
+    parser = argparse.ArgumentParser(prog="kvferry server", description=__doc__)
+    add_server_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:  # pydantic's ValidationError is a ValueError: it names the bad field
+        parser.error(str(exc))
+    return main(config)

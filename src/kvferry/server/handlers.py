@@ -1,0 +1,226 @@
+"""What each request op does: validated arguments in, a result map out, the cache engine doing the work.
+
+Handlers raise ProtocolError for requests they refuse; ValueError/TypeError from the cache engine (bad block
+ids, a format that does not match the tensors) become BAD_ARGUMENT replies carrying the engine's message.
+`INLINE_OPS` run on the socket thread (they are quick and touch no KV memory); the rest run on a worker.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvferry.cache import CacheEngine, CacheNamespace
+from kvferry.formats import EngineKVFormat
+from kvferry.server.kv_mapping import map_kv
+from kvferry.server.protocol import ErrorCode, Op, ProtocolError, unpack_ids
+from kvferry.server.requests import (
+    FreeLocksArgs,
+    LookupArgs,
+    Namespace,
+    NoArgs,
+    PrefetchArgs,
+    PrefetchStatusArgs,
+    RegisterArgs,
+    RegistrationArgs,
+    TransferArgs,
+)
+from kvferry.server.sessions import Registration, Session, SessionTable
+
+INLINE_OPS = frozenset(
+    {
+        Op.PING,
+        Op.GET_CHUNK_SIZE,
+        Op.LOOKUP,
+        Op.PREFETCH,
+        Op.PREFETCH_STATUS,
+        Op.FREE_LOOKUP_LOCKS,
+        Op.END_SESSION,
+        Op.STATS,
+    }
+)
+
+Handler = Callable[[Session, Any], dict[str, Any]]
+
+
+class RequestHandlers:
+    """The op table of one server. `end_session` is shared with the socket loop's disconnect handling."""
+
+    def __init__(
+        self,
+        engine: CacheEngine,
+        sessions: SessionTable,
+        *,
+        hello: dict[str, Any],
+        end_session: Callable[[bytes, str], dict[str, Any]],
+        server_stats: Callable[[], dict[str, Any]],
+    ) -> None:
+        self._engine = engine
+        self._sessions = sessions
+        self._hello = hello
+        self._end_session = end_session
+        self._server_stats = server_stats
+        self.table: dict[Op, Handler] = {
+            Op.PING: self.ping,
+            Op.GET_CHUNK_SIZE: self.get_chunk_size,
+            Op.REGISTER_KV_CACHE: self.register,
+            Op.UNREGISTER_KV_CACHE: self.unregister,
+            Op.LOOKUP: self.lookup,
+            Op.STORE: self.store,
+            Op.RETRIEVE: self.retrieve,
+            Op.PREFETCH: self.prefetch,
+            Op.PREFETCH_STATUS: self.prefetch_status,
+            Op.FREE_LOOKUP_LOCKS: self.free_lookup_locks,
+            Op.END_SESSION: self.end_session,
+            Op.CLEAR: self.clear,
+            Op.STATS: self.stats,
+        }
+
+    def ping(self, session: Session, _: NoArgs) -> dict[str, Any]:
+        return {**self._hello, "session": session.id.hex(), "time": time.time()}
+
+    def get_chunk_size(self, _: Session, __: NoArgs) -> dict[str, Any]:
+        return {"chunk_size": self._engine.chunk_size}
+
+    def register(self, session: Session, args: RegisterArgs) -> dict[str, Any]:
+        try:
+            fmt = EngineKVFormat(args.format)
+        except ValueError:
+            raise ProtocolError(
+                ErrorCode.BAD_ARGUMENT, f"'format'={args.format} is not an EngineKVFormat id"
+            ) from None
+        kv = map_kv(args)
+        deployment = args.namespace
+        try:
+            namespace = self._engine.namespace_for(
+                deployment.model,
+                fmt,
+                kv.paged,
+                world_size=deployment.world_size,
+                rank=deployment.rank,
+                salt=deployment.salt,
+                block_size=args.block_size,
+            )
+        except BaseException:
+            kv.close()
+            raise
+        reg = Registration(self._sessions.next_id(), kv, fmt, args.block_size, namespace)
+        if not self._sessions.add_registration(session, reg):
+            raise ProtocolError(ErrorCode.UNKNOWN_REGISTRATION, "the session ended while registering")
+        return {
+            "registration": reg.id,
+            "device": str(kv.device),
+            "tensors": kv.num_tensors,
+            "mapped_bytes": kv.mapped_bytes,
+            "kv_dtype": namespace.kv_dtype,
+            "layout": namespace.layout,
+        }
+
+    def unregister(self, session: Session, args: RegistrationArgs) -> dict[str, Any]:
+        self._sessions.unregister(session, args.registration)
+        return {}
+
+    def lookup(self, session: Session, args: LookupArgs) -> dict[str, Any]:
+        namespace = self._namespace(session, args.registration, args.namespace)
+        tokens = unpack_ids(args.tokens, "tokens")
+        found = self._engine.lookup_status(tokens, namespace=namespace, lock=args.lock)
+        if found.lock_id is not None:
+            self._sessions.add_lock(session, found.lock_id)
+        return {"tokens": found.hit_tokens, "pending": found.pending_tokens, "lock": found.lock_id}
+
+    def store(self, session: Session, args: TransferArgs) -> dict[str, Any]:
+        return self._transfer(session, args, store=True)
+
+    def retrieve(self, session: Session, args: TransferArgs) -> dict[str, Any]:
+        return self._transfer(session, args, store=False)
+
+    def prefetch(self, session: Session, args: PrefetchArgs) -> dict[str, Any]:
+        namespace = self._namespace(session, args.registration, args.namespace)
+        future = self._engine.prefetch(unpack_ids(args.tokens, "tokens"), namespace=namespace)
+        return {"prefetch": self._sessions.add_prefetch(session, future)}
+
+    def prefetch_status(self, session: Session, args: PrefetchStatusArgs) -> dict[str, Any]:
+        future = self._sessions.get_prefetch(session, args.prefetch)
+        if not future.done():
+            return {"done": False, "tokens": 0}
+        self._sessions.drop_prefetch(session, args.prefetch)
+        error = future.exception()
+        return {"done": True, "tokens": 0 if error else int(future.result()), "error": _describe(error)}
+
+    def free_lookup_locks(self, session: Session, args: FreeLocksArgs) -> dict[str, Any]:
+        if not self._sessions.drop_lock(session, args.lock):
+            raise ProtocolError(ErrorCode.UNKNOWN_LOCK, f"'lock'={args.lock} is not held by this session")
+        return {"freed": bool(self._engine.free_lookup_locks(args.lock))}
+
+    def end_session(self, session: Session, _: NoArgs) -> dict[str, Any]:
+        return self._end_session(session.id, "end_session")
+
+    def clear(self, _: Session, __: NoArgs) -> dict[str, Any]:
+        self._engine.clear()
+        return {}
+
+    def stats(self, _: Session, __: NoArgs) -> dict[str, Any]:
+        return {"server": self._server_stats(), "cache": self._engine.stats()}
+
+    def _transfer(self, session: Session, args: TransferArgs, *, store: bool) -> dict[str, Any]:
+        tokens = unpack_ids(args.tokens, "tokens")
+        block_ids = unpack_ids(args.block_ids, "block_ids")
+        if store and args.lock is not None:
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, "'lock' belongs to RETRIEVE, not STORE")
+        if not store and args.ready_event is not None:
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, "'ready_event' belongs to STORE, not RETRIEVE")
+        if args.lock is not None and not self._sessions.drop_lock(session, args.lock):
+            raise ProtocolError(ErrorCode.UNKNOWN_LOCK, f"'lock'={args.lock} is not held by this session")
+        reg = self._sessions.use_registration(session, args.registration)
+        try:
+            where = {
+                "namespace": reg.namespace,
+                "block_size": reg.block_size,
+                "skip_prefix_tokens": args.skip_prefix_tokens,
+            }
+            if store:
+                if args.ready_event is not None:
+                    _wait_for_client_event(reg, args.ready_event)
+                done = self._engine.store(tokens, reg.kv.paged, block_ids, reg.format, **where)
+            else:
+                done = self._engine.retrieve(
+                    tokens, reg.kv.paged, block_ids, reg.format, lock_id=args.lock, **where
+                )
+        finally:
+            self._sessions.done_with(reg)
+        return {"tokens": int(done)}
+
+    def _namespace(
+        self, session: Session, registration: int | None, explicit: Namespace | None
+    ) -> CacheNamespace:
+        if explicit is not None and registration is None:
+            try:
+                return CacheNamespace(**explicit.model_dump())
+            except ValueError as exc:
+                raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"'namespace': {exc}") from None
+        if registration is None or explicit is not None:
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, "give exactly one of 'registration' and 'namespace'")
+        reg = self._sessions.use_registration(session, registration)
+        self._sessions.done_with(reg)
+        return reg.namespace
+
+
+def _wait_for_client_event(reg: Registration, handle: bytes) -> None:
+    """Block until the client's CUDA work before its STORE (e.g. the forward pass writing KV) is done."""
+    import torch
+
+    if reg.kv.device.type != "cuda":
+        raise ProtocolError(
+            ErrorCode.BAD_ARGUMENT, "'ready_event' is only meaningful for a CUDA registration"
+        )
+    try:
+        torch.cuda.Event.from_ipc_handle(reg.kv.device, handle).synchronize()
+    except RuntimeError as exc:
+        raise ProtocolError(
+            ErrorCode.BAD_ARGUMENT, f"'ready_event': cannot open the CUDA IPC event ({exc})"
+        ) from None
+
+
+def _describe(error: BaseException | None) -> str | None:
+    return None if error is None else f"{type(error).__name__}: {error}"

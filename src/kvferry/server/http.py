@@ -1,0 +1,71 @@
+"""The HTTP side port: /health, /metrics (Prometheus text) and /stats (JSON), served from one thread."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST
+
+
+class HttpSidePort:
+    """Serves three read-only views of a running server; `close` stops the thread and frees the port."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        health: Callable[[], dict[str, Any]],
+        metrics: Callable[[], bytes],
+        stats: Callable[[], dict[str, Any]],
+    ) -> None:
+        routes: dict[str, Callable[[], tuple[str, bytes]]] = {
+            "/health": lambda: ("application/json", _json(health())),
+            "/metrics": lambda: (CONTENT_TYPE_LATEST, metrics()),
+            "/stats": lambda: ("application/json", _json(stats())),
+        }
+        self._httpd = ThreadingHTTPServer((host, port), _handler_class(routes))
+        self._httpd.daemon_threads = True
+        self.port: int = self._httpd.server_address[1]
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="kvferry-http", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join()
+
+
+def _json(obj: Any) -> bytes:
+    return json.dumps(obj, default=str).encode()
+
+
+def _handler_class(routes: dict[str, Callable[[], tuple[str, bytes]]]) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            route = routes.get(self.path.split("?", 1)[0])
+            if route is None:
+                self._send(404, "text/plain", f"unknown path {self.path}; try {sorted(routes)}\n".encode())
+                return
+            try:
+                content_type, body = route()
+            except Exception as exc:  # a view must never take the port down
+                self._send(500, "text/plain", f"{type(exc).__name__}: {exc}\n".encode())
+                return
+            self._send(200, content_type, body)
+
+        def _send(self, status: int, content_type: str, body: bytes) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # scrapes every few seconds would flood the server log
+
+    return Handler

@@ -1,0 +1,176 @@
+"""Map a client's registered KV tensors into the server process: CPU shared memory and CUDA IPC.
+
+The client sends plain descriptions (storage names or IPC handles, offsets, shapes, strides, dtypes); this
+module checks each one against the storage it names before building a view, because `Tensor.set_` itself
+does not bounds-check and a wrong stride would let the server read or write another process's memory.
+Dropping every reference to a `MappedKV` (see `close`) unmaps its storages.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from pydantic import ValidationError
+
+from kvferry.server.protocol import ErrorCode, ProtocolError
+from kvferry.server.requests import CudaIpcStorage, RegisterArgs, ShmStorage, TensorView
+
+SHM_DIR = "/dev/shm"
+# torch names file_system-strategy shared memory "/torch_<pid>_<random>_<counter>"
+# (at::NewProcessWideShmHandle); accepting nothing else keeps a client from making the server map other
+# files.
+_TORCH_SHM_NAME = re.compile(r"/torch_[0-9]+_[0-9]+_[0-9]+")
+_MAX_TENSORS = 65536
+_MAX_DEPTH = 4
+_MAX_DIMS = 8
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "uint8", "int8")
+}
+
+
+def _bad(message: str) -> ProtocolError:
+    return ProtocolError(ErrorCode.BAD_ARGUMENT, message)
+
+
+@dataclass(frozen=True, slots=True)
+class _Region:
+    """Bytes [base, base + nbytes) of `storage` are the client's storage."""
+
+    storage: torch.UntypedStorage
+    base: int
+    nbytes: int
+
+
+@dataclass
+class MappedKV:
+    """A registration's KV as tensors of this process, nested like the client's (lists in place of tuples)."""
+
+    paged: Any
+    device: torch.device
+    num_tensors: int
+    mapped_bytes: int
+    _regions: list[_Region] = field(repr=False)
+
+    def close(self) -> None:
+        """Drop this object's references; a mapping goes once no running transfer holds its tensors."""
+        self.paged = None
+        self._regions.clear()
+
+
+def map_kv(args: RegisterArgs) -> MappedKV:
+    """Map every storage of a REGISTER_KV_CACHE request and rebuild the nested KV tensors over them."""
+    regions = [_map_storage(desc, f"storages[{i}]") for i, desc in enumerate(args.storages)]
+    devices = {r.storage.device for r in regions}
+    if len(devices) != 1:
+        raise _bad(f"'storages' must all live on one device, got {sorted(map(str, devices))}")
+    count = [0]
+    paged = _build(args.kv, regions, "kv", 0, count)
+    return MappedKV(paged, devices.pop(), count[0], sum(r.nbytes for r in regions), regions)
+
+
+def _build(node: Any, regions: list[_Region], where: str, depth: int, count: list[int]) -> Any:
+    if isinstance(node, list):
+        if depth >= _MAX_DEPTH or not node:
+            raise _bad(f"'{where}' must be a non-empty list nested at most {_MAX_DEPTH} deep")
+        return [_build(child, regions, f"{where}[{i}]", depth + 1, count) for i, child in enumerate(node)]
+    if not isinstance(node, dict):
+        raise _bad(f"'{where}' must be a tensor view map or a list of them, got {type(node).__name__}")
+    count[0] += 1
+    if count[0] > _MAX_TENSORS:
+        raise _bad(f"'kv' holds more than {_MAX_TENSORS} tensors")
+    try:
+        view = TensorView.model_validate(node)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise _bad(f"'{where}.{'.'.join(map(str, err['loc']))}': {err['msg']}") from None
+    return _view(view, regions, where)
+
+
+def _view(view: TensorView, regions: list[_Region], where: str) -> torch.Tensor:
+    dtype = DTYPES.get(view.dtype)
+    if dtype is None:
+        raise _bad(f"'{where}.dtype'={view.dtype!r} is not one of {sorted(DTYPES)}")
+    if view.storage >= len(regions):
+        raise _bad(f"'{where}.storage'={view.storage} is outside the {len(regions)} registered storages")
+    if len(view.shape) != len(view.stride) or not 1 <= len(view.shape) <= _MAX_DIMS:
+        raise _bad(
+            f"'{where}': shape {view.shape} and stride {view.stride} must have the same 1..{_MAX_DIMS} dims"
+        )
+    if 0 in view.shape:
+        raise _bad(f"'{where}.shape'={view.shape} has an empty dimension")
+    region = regions[view.storage]
+    elem = dtype.itemsize
+    last = view.offset + sum(
+        (size - 1) * stride for size, stride in zip(view.shape, view.stride, strict=True)
+    )
+    if (last + 1) * elem > region.nbytes:
+        raise _bad(
+            f"'{where}': offset {view.offset} + extent of shape {view.shape} x stride {view.stride} "
+            f"reaches byte {(last + 1) * elem}, past the {region.nbytes}-byte storage {view.storage}"
+        )
+    if region.base % elem:
+        raise _bad(
+            f"'storages[{view.storage}].offset_bytes'={region.base} is not a multiple of {elem} ({dtype})"
+        )
+    tensor = torch.empty(0, dtype=dtype, device=region.storage.device)
+    return tensor.set_(region.storage, region.base // elem + view.offset, view.shape, view.stride)
+
+
+def _map_storage(desc: ShmStorage | CudaIpcStorage, where: str) -> _Region:
+    if isinstance(desc, ShmStorage):
+        return _map_shm(desc, where)
+    return _Region(_map_cuda_ipc(desc, where), 0, desc.nbytes)
+
+
+def _map_shm(desc: ShmStorage, where: str) -> _Region:
+    if not _TORCH_SHM_NAME.fullmatch(desc.filename):
+        raise _bad(
+            f"'{where}.filename'={desc.filename!r} is not a torch shared-memory name (/torch_<pid>_<n>_<n>)"
+        )
+    path = SHM_DIR + desc.filename
+    try:
+        file_size = os.stat(path).st_size
+    except OSError as exc:
+        raise _bad(
+            f"'{where}.filename': cannot open {path} ({exc.strerror}); is the client on this host?"
+        ) from None
+    end = desc.offset_bytes + desc.nbytes
+    if desc.nbytes == 0 or end > file_size:
+        raise _bad(
+            f"'{where}': bytes [{desc.offset_bytes}, {end}) must be non-empty and inside {path} "
+            f"of {file_size} bytes"
+        )
+    # MAP_SHARED over the file up to `end`; views start past torch's reference-count header (`offset_bytes`).
+    whole = torch.from_file(path, shared=True, size=end, dtype=torch.uint8)
+    return _Region(whole.untyped_storage(), desc.offset_bytes, desc.nbytes)
+
+
+def _map_cuda_ipc(desc: CudaIpcStorage, where: str) -> torch.UntypedStorage:
+    if not torch.cuda.is_available():
+        raise _bad(f"'{where}' is a CUDA IPC handle but this server sees no CUDA device")
+    device = _device_by_uuid(desc.device_uuid, where)
+    try:
+        return torch.UntypedStorage._new_shared_cuda(
+            device,
+            desc.handle,
+            desc.nbytes,
+            desc.offset_bytes,
+            desc.ref_counter_handle,
+            desc.ref_counter_offset,
+            desc.event_handle,
+            desc.event_sync_required,
+        )
+    except RuntimeError as exc:
+        raise _bad(f"'{where}': cannot open the CUDA IPC handle ({exc})") from None
+
+
+def _device_by_uuid(uuid: str, where: str) -> int:
+    for index in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(index).uuid) == uuid:
+            return index
+    raise _bad(f"'{where}.device_uuid'={uuid!r} is not a GPU this server sees (CUDA_VISIBLE_DEVICES?)")

@@ -1,0 +1,142 @@
+"""Argument schemas of each request op, validated strictly so an error names the bad argument."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kvferry.server.protocol import ErrorCode, Op, ProtocolError
+
+NonNegative = Annotated[int, Field(ge=0)]
+
+
+class _Args(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class NoArgs(_Args):
+    pass
+
+
+class ShmStorage(_Args):
+    """A CPU storage in torch's file_system shared memory (`UntypedStorage._share_filename_cpu_()`).
+
+    The server maps the file itself and never joins the client's torch_shm_manager, so the file is unlinked
+    as soon as the client's process is gone and the memory returns once the server unmaps it.
+    """
+
+    kind: Literal["shm"]
+    filename: str  # shm object name, "/torch_<pid>_<rand>_<n>"
+    offset_bytes: NonNegative  # where the storage's bytes start in the file (after torch's refcount header)
+    nbytes: NonNegative
+
+
+class CudaIpcStorage(_Args):
+    """A CUDA storage shared by IPC handle (the fields of `UntypedStorage._share_cuda_()`)."""
+
+    kind: Literal["cuda_ipc"]
+    device_uuid: str  # resolves the device across different CUDA_VISIBLE_DEVICES
+    handle: bytes
+    nbytes: NonNegative
+    offset_bytes: NonNegative
+    ref_counter_handle: bytes
+    ref_counter_offset: NonNegative
+    event_handle: bytes | None
+    event_sync_required: bool
+
+
+class TensorView(_Args):
+    """One engine KV tensor as a strided view of a shared storage (offset, shape and strides in elements)."""
+
+    storage: NonNegative
+    offset: NonNegative
+    shape: list[NonNegative]
+    stride: list[NonNegative]
+    dtype: str
+
+
+class Deployment(_Args):
+    """The key-space fields a registration cannot read off its tensors (dtype and layout it can)."""
+
+    model: Annotated[str, Field(min_length=1)]
+    world_size: Annotated[int, Field(ge=1)] = 1
+    rank: NonNegative = 0
+    salt: str = ""
+
+
+class Namespace(Deployment):
+    """A whole key space (`kvferry.cache.CacheNamespace`), for clients that hold no KV (a scheduler)."""
+
+    kv_dtype: Annotated[str, Field(min_length=1)]
+    layout: Annotated[str, Field(min_length=1)]
+
+
+class RegisterArgs(_Args):
+    format: int
+    block_size: Annotated[int, Field(gt=0)] | None = None
+    namespace: Deployment
+    storages: Annotated[list[ShmStorage | CudaIpcStorage], Field(min_length=1, max_length=4096)]
+    kv: Any  # TensorView maps nested in lists, mirroring the format's nesting; checked by kv_mapping
+
+
+class RegistrationArgs(_Args):
+    registration: NonNegative
+
+
+class LookupArgs(_Args):
+    tokens: bytes
+    lock: bool = False
+    registration: NonNegative | None = None  # the key space of that registration
+    namespace: Namespace | None = None  # or an explicit one (scheduler processes hold no KV)
+
+
+class TransferArgs(_Args):
+    registration: NonNegative
+    tokens: bytes
+    block_ids: bytes
+    skip_prefix_tokens: NonNegative = 0
+    ready_event: bytes | None = None  # CUDA IPC event the server waits on before reading GPU KV (STORE)
+    lock: NonNegative | None = None  # a LOOKUP lock that RETRIEVE ends once its copy is done
+
+
+class PrefetchArgs(_Args):
+    tokens: bytes
+    registration: NonNegative | None = None
+    namespace: Namespace | None = None
+
+
+class PrefetchStatusArgs(_Args):
+    prefetch: NonNegative
+
+
+class FreeLocksArgs(_Args):
+    lock: NonNegative
+
+
+ARGS_BY_OP: dict[Op, type[_Args]] = {
+    Op.PING: NoArgs,
+    Op.GET_CHUNK_SIZE: NoArgs,
+    Op.REGISTER_KV_CACHE: RegisterArgs,
+    Op.UNREGISTER_KV_CACHE: RegistrationArgs,
+    Op.LOOKUP: LookupArgs,
+    Op.STORE: TransferArgs,
+    Op.RETRIEVE: TransferArgs,
+    Op.PREFETCH: PrefetchArgs,
+    Op.PREFETCH_STATUS: PrefetchStatusArgs,
+    Op.FREE_LOOKUP_LOCKS: FreeLocksArgs,
+    Op.END_SESSION: NoArgs,
+    Op.CLEAR: NoArgs,
+    Op.STATS: NoArgs,
+}
+
+
+def parse_args(op: Op, args: dict[str, Any], request_id: int) -> Any:
+    """Validate `args` for `op`; a ProtocolError(BAD_ARGUMENT) names each offending argument."""
+    try:
+        return ARGS_BY_OP[op].model_validate(args)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"'{'.'.join(map(str, err['loc'])) or 'args'}': {err['msg']}" for err in exc.errors()[:5]
+        )
+        raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"{op.value} {problems}", request_id) from None

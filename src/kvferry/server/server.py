@@ -1,0 +1,273 @@
+"""The server: one ZMQ ROUTER socket, a worker pool for transfers, session tracking, the HTTP side port.
+
+Threading: the ROUTER socket belongs to one loop thread (ZMQ sockets are not thread-safe). Quick requests
+run on that thread; transfers and registrations run on a worker pool and hand their reply frames back to
+the loop through an inproc PUSH/PULL pair. The loop also watches the socket's monitor for dropped
+connections (the ZMQ monitor reports the file descriptor, and each request frame carries the descriptor it
+came on) and sweeps sessions whose heartbeats stopped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import zmq
+from prometheus_client import generate_latest
+from zmq.utils.monitor import parse_monitor_message
+
+from kvferry.cache import CacheEngine
+from kvferry.server.config import ServerConfig
+from kvferry.server.handlers import INLINE_OPS, RequestHandlers
+from kvferry.server.http import HttpSidePort
+from kvferry.server.metrics import ServerMetrics
+from kvferry.server.protocol import (
+    PROTOCOL_VERSION,
+    ErrorCode,
+    ProtocolError,
+    Request,
+    decode_request,
+    encode_error,
+    encode_result,
+)
+from kvferry.server.requests import parse_args
+from kvferry.server.sessions import Session, SessionTable
+
+log = logging.getLogger("kvferry.server")
+
+_BATCH = 256  # requests taken off the socket per loop turn before looking at replies and the monitor
+_instances = itertools.count()
+
+
+class KvferryServer:
+    """Serve `engine` to clients; `start()` binds and returns, `stop()` releases every session and port."""
+
+    def __init__(
+        self, config: ServerConfig, engine: CacheEngine, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.config = config
+        self.engine = engine
+        self.metrics = ServerMetrics()
+        self._clock = clock
+        self._started_at = clock()
+        self._sessions = SessionTable(clock)
+        self._handlers = RequestHandlers(
+            engine,
+            self._sessions,
+            hello={
+                "version": PROTOCOL_VERSION,
+                "chunk_size": engine.chunk_size,
+                "heartbeat_interval_s": config.heartbeat_interval_s,
+                "heartbeat_timeout_s": config.heartbeat_timeout_s,
+                "max_message_bytes": config.max_message_bytes,
+            },
+            end_session=self._end_session,
+            server_stats=self.stats,
+        )
+        self._workers = ThreadPoolExecutor(config.transfer_workers, thread_name_prefix="kvferry-worker")
+        self._ctx = zmq.Context()
+        self._reply_addr = f"inproc://kvferry-replies-{next(_instances)}"
+        self._reply_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._loop_thread: threading.Thread | None = None
+        self._http: HttpSidePort | None = None
+        self.port: int = config.port
+        self.http_port: int | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        router = self._ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        # Frames up to twice the limit are read and answered TOO_LARGE; beyond that ZMQ drops the connection
+        # rather than buffer an unbounded frame.
+        router.setsockopt(zmq.MAXMSGSIZE, 2 * self.config.max_message_bytes)
+        if self.config.port == 0:
+            self.port = router.bind_to_random_port(f"tcp://{self.config.host}")
+        else:
+            router.bind(f"tcp://{self.config.host}:{self.config.port}")
+        monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        replies_in = self._ctx.socket(zmq.PULL)
+        replies_in.bind(self._reply_addr)
+        self._replies_out = self._ctx.socket(zmq.PUSH)
+        self._replies_out.connect(self._reply_addr)
+        if self.config.http_port is not None:
+            self._http = HttpSidePort(
+                self.config.host,
+                self.config.http_port,
+                health=self.health,
+                metrics=self.prometheus_text,
+                stats=self.stats,
+            )
+            self.http_port = self._http.port
+        self._loop_thread = threading.Thread(
+            target=self._loop, args=(router, monitor, replies_in), name="kvferry-server", daemon=True
+        )
+        self._loop_thread.start()
+
+    def stop(self) -> None:
+        """Finish running transfers, end every session (freeing its locks and mappings), close the ports."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        if self._loop_thread is not None:
+            self._loop_thread.join()
+        self._workers.shutdown(wait=True)
+        for session_id in self._sessions.ids():
+            self._end_session(session_id, "shutdown")
+        if self._http is not None:
+            self._http.close()
+        self._replies_out.close(linger=0)
+        self._ctx.term()
+
+    # -- views ----------------------------------------------------------------------------------------------
+
+    def health(self) -> dict[str, Any]:
+        return {"status": "stopping" if self._stopping.is_set() else "ok", "sessions": len(self._sessions)}
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "uptime_s": round(self._clock() - self._started_at, 3),
+            "port": self.port,
+            "sessions": self._sessions.snapshot(),
+            "open_registrations": self._sessions.open_registrations,
+        }
+
+    def prometheus_text(self) -> bytes:
+        self.metrics.sessions.set(len(self._sessions))
+        self.metrics.registrations.set(self._sessions.open_registrations)
+        return generate_latest(self.metrics.registry) + generate_latest(self.engine.metrics_registry)
+
+    # -- the socket loop ------------------------------------------------------------------------------------
+
+    def _loop(self, router: zmq.Socket, monitor: zmq.Socket, replies_in: zmq.Socket) -> None:
+        poller = zmq.Poller()
+        for sock in (router, monitor, replies_in):
+            poller.register(sock, zmq.POLLIN)
+        sweep_every = min(self.config.heartbeat_interval_s, self.config.heartbeat_timeout_s / 4)
+        next_sweep = self._clock() + sweep_every
+        try:
+            while not self._stopping.is_set():
+                ready = dict(poller.poll(timeout=100))
+                # Disconnects first: a descriptor is only reused after its disconnect event was queued.
+                if monitor in ready:
+                    self._drain_monitor(monitor)
+                if replies_in in ready:
+                    self._forward_replies(replies_in, router)
+                if router in ready:
+                    self._serve_requests(router, monitor)
+                if self._clock() >= next_sweep:
+                    next_sweep = self._clock() + sweep_every
+                    self._sweep()
+            # Let transfers already running answer before the socket closes.
+            self._workers.shutdown(wait=True)
+            self._forward_replies(replies_in, router)
+        finally:
+            router.disable_monitor()
+            for sock in (monitor, replies_in, router):
+                sock.close(linger=0)
+
+    def _serve_requests(self, router: zmq.Socket, monitor: zmq.Socket) -> None:
+        for _ in range(_BATCH):
+            try:
+                frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            identity = frames[0].bytes
+            reply = self._accept(identity, frames[1:])
+            if reply is not None:
+                router.send_multipart([identity, reply])
+            if monitor.poll(0):
+                self._drain_monitor(monitor)
+
+    def _accept(self, identity: bytes, frames: list[zmq.Frame]) -> bytes | None:
+        """Parse one request; returns the reply now, or None when a worker will send it."""
+        received = self._clock()
+        if len(frames) != 1:
+            return self._refuse(None, ErrorCode.MALFORMED, f"a request is one frame, got {len(frames)}")
+        frame = frames[0]
+        session = self._sessions.touch(identity, frame.get(zmq.SRCFD))
+        if len(frame) > self.config.max_message_bytes:
+            return self._refuse(
+                None,
+                ErrorCode.TOO_LARGE,
+                f"request of {len(frame)} bytes exceeds max_message_bytes={self.config.max_message_bytes}",
+            )
+        try:
+            request = decode_request(frame.buffer)
+        except ProtocolError as exc:
+            return self._refuse(exc.request_id, exc.code, exc.message)
+        if self._stopping.is_set():
+            return self._refuse(request.id, ErrorCode.SHUTTING_DOWN, "the server is shutting down")
+        if request.op in INLINE_OPS:
+            return self._run(session, request, received)
+        self._workers.submit(self._run_on_worker, identity, session, request, received)
+        return None
+
+    def _run_on_worker(self, identity: bytes, session: Session, request: Request, received: float) -> None:
+        reply = self._run(session, request, received)
+        with self._reply_lock:
+            self._replies_out.send_multipart([identity, reply])
+
+    def _run(self, session: Session, request: Request, received: float) -> bytes:
+        try:
+            args = parse_args(request.op, request.args, request.id)
+            result = self._handlers.table[request.op](session, args)
+            reply, status = encode_result(request.id, result), "ok"
+        except ProtocolError as exc:
+            reply, status = encode_error(request.id, exc.code, exc.message), exc.code.value
+        except (ValueError, TypeError) as exc:  # the cache engine's verdict on the arguments
+            reply, status = encode_error(request.id, ErrorCode.BAD_ARGUMENT, str(exc)), ErrorCode.BAD_ARGUMENT
+        except Exception as exc:
+            log.exception("%s (request %d) failed", request.op.value, request.id)
+            reply = encode_error(request.id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            status = ErrorCode.INTERNAL
+        self.metrics.requests.labels(request.op.value, status).inc()
+        self.metrics.latency.labels(request.op.value).observe(self._clock() - received)
+        return reply
+
+    def _refuse(self, request_id: int | None, code: ErrorCode, message: str) -> bytes:
+        self.metrics.requests.labels("?", code.value).inc()
+        return encode_error(request_id, code, message)
+
+    def _forward_replies(self, replies_in: zmq.Socket, router: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = replies_in.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            router.send_multipart(frames)  # to a departed client ROUTER drops it silently
+
+    def _drain_monitor(self, monitor: zmq.Socket) -> None:
+        while monitor.poll(0):
+            event = parse_monitor_message(monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                for session_id in self._sessions.on_connection(event["value"]):
+                    self._end_session(session_id, "disconnect")
+
+    def _sweep(self) -> None:
+        deadline = self._clock() - self.config.heartbeat_timeout_s
+        for session_id in self._sessions.silent_since(deadline):
+            self._end_session(session_id, "heartbeat")
+
+    def _end_session(self, session_id: bytes, reason: str) -> dict[str, Any]:
+        released = self._sessions.end(session_id, reason)
+        if released is None:
+            return {"locks": 0, "registrations": 0}
+        for lock_id in released.locks:
+            self.engine.free_lookup_locks(lock_id)
+        self.metrics.sessions_ended.labels(reason).inc()
+        log.info(
+            "session %s ended (%s): freed %d locks, %d registrations (%d after their transfers)",
+            session_id.hex(),
+            reason,
+            len(released.locks),
+            released.registrations,
+            released.deferred,
+        )
+        return {"locks": len(released.locks), "registrations": released.registrations}

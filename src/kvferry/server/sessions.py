@@ -1,0 +1,209 @@
+"""Per-client state: what each session holds, so all of it can be released when the client goes away.
+
+A session is one client socket (its ZMQ routing id). It holds KV registrations (mapped memory), lookup
+locks and prefetch handles. It ends on END_SESSION, when its TCP connection drops, or when it has been
+silent for the heartbeat timeout. Ending frees its locks and closes its registrations; a registration that
+a transfer is still using is closed by that transfer when it finishes, so memory is never unmapped under a
+running copy.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvferry.server.kv_mapping import MappedKV
+from kvferry.server.protocol import ErrorCode, ProtocolError
+
+
+@dataclass(eq=False)
+class Registration:
+    """A client's KV as mapped by the server, plus what the cache needs to move it."""
+
+    id: int
+    kv: MappedKV
+    format: Any  # EngineKVFormat
+    block_size: int | None
+    namespace: Any  # CacheNamespace
+    users: int = 0  # transfers running on this registration now
+    closing: bool = False
+
+
+@dataclass(eq=False)
+class Session:
+    id: bytes
+    last_seen: float
+    fd: int | None = None  # the connection the last request came on (ZMQ SRCFD)
+    registrations: dict[int, Registration] = field(default_factory=dict)
+    locks: set[int] = field(default_factory=set)
+    prefetches: dict[int, Future[Any]] = field(default_factory=dict)
+    requests: int = 0
+
+
+@dataclass(frozen=True)
+class Released:
+    """What ending a session let go of; the caller frees `locks` in the cache engine."""
+
+    session: bytes
+    reason: str
+    locks: list[int]
+    registrations: int
+    deferred: int  # registrations still in use by a transfer; closed when it finishes
+
+
+class SessionTable:
+    """All live sessions; thread-safe (the socket loop and transfer workers both use it)."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._sessions: dict[bytes, Session] = {}
+        self._ids = itertools.count(1)
+        self.open_registrations = 0  # registrations whose memory is still mapped, closing ones included
+
+    def touch(self, session_id: bytes, fd: int | None) -> Session:
+        """The session of `session_id` (created on first contact), marked as seen now."""
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is None:
+                session = self._sessions[session_id] = Session(session_id, self._clock())
+            session.last_seen = self._clock()
+            session.fd = fd
+            session.requests += 1
+            return session
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def ids(self) -> list[bytes]:
+        with self._lock:
+            return list(self._sessions)
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def add_registration(self, session: Session, reg: Registration) -> bool:
+        """Attach `reg`; False (and `reg` closed) if the session ended while it was being mapped."""
+        with self._lock:
+            if self._sessions.get(session.id) is not session:
+                reg.kv.close()
+                return False
+            session.registrations[reg.id] = reg
+            self.open_registrations += 1
+            return True
+
+    def use_registration(self, session: Session, reg_id: int) -> Registration:
+        """Borrow registration `reg_id` of `session` for one transfer; pair with `done_with`."""
+        with self._lock:
+            reg = session.registrations.get(reg_id)
+            if reg is None or reg.closing:
+                raise ProtocolError(
+                    ErrorCode.UNKNOWN_REGISTRATION,
+                    f"'registration'={reg_id} is not registered by this session "
+                    f"(it holds {sorted(session.registrations)})",
+                )
+            reg.users += 1
+            return reg
+
+    def done_with(self, reg: Registration) -> None:
+        with self._lock:
+            reg.users -= 1
+            if reg.closing and reg.users == 0:
+                self._close(reg)
+
+    def unregister(self, session: Session, reg_id: int) -> None:
+        with self._lock:
+            reg = session.registrations.pop(reg_id, None)
+            if reg is None:
+                raise ProtocolError(
+                    ErrorCode.UNKNOWN_REGISTRATION,
+                    f"'registration'={reg_id} is not registered by this session",
+                )
+            self._retire(reg)
+
+    def add_lock(self, session: Session, lock_id: int) -> None:
+        with self._lock:
+            session.locks.add(lock_id)
+
+    def drop_lock(self, session: Session, lock_id: int) -> bool:
+        """Forget lock `lock_id` of `session`; False if the session does not hold it."""
+        with self._lock:
+            if lock_id not in session.locks:
+                return False
+            session.locks.discard(lock_id)
+            return True
+
+    def add_prefetch(self, session: Session, future: Future[Any]) -> int:
+        with self._lock:
+            prefetch_id = next(self._ids)
+            session.prefetches[prefetch_id] = future
+            return prefetch_id
+
+    def get_prefetch(self, session: Session, prefetch_id: int) -> Future[Any]:
+        with self._lock:
+            future = session.prefetches.get(prefetch_id)
+        if future is None:
+            raise ProtocolError(
+                ErrorCode.UNKNOWN_PREFETCH,
+                f"'prefetch'={prefetch_id} is not a pending prefetch of this session",
+            )
+        return future
+
+    def drop_prefetch(self, session: Session, prefetch_id: int) -> None:
+        with self._lock:
+            session.prefetches.pop(prefetch_id, None)
+
+    def end(self, session_id: bytes, reason: str) -> Released | None:
+        """Remove the session (None if unknown); its registrations close now or after their transfers."""
+        with self._lock:
+            session = self._sessions.pop(session_id, None)
+            if session is None:
+                return None
+            deferred = sum(not self._retire(reg) for reg in session.registrations.values())
+            released = Released(
+                session_id, reason, sorted(session.locks), len(session.registrations), deferred
+            )
+            session.registrations.clear()
+            session.locks.clear()
+            session.prefetches.clear()
+            return released
+
+    def silent_since(self, deadline: float) -> list[bytes]:
+        """Sessions not heard from since `deadline`."""
+        with self._lock:
+            return [sid for sid, s in self._sessions.items() if s.last_seen < deadline]
+
+    def on_connection(self, fd: int) -> list[bytes]:
+        """Sessions whose last request came on connection `fd`."""
+        with self._lock:
+            return [sid for sid, s in self._sessions.items() if s.fd == fd]
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        now = self._clock()
+        with self._lock:
+            return [
+                {
+                    "session": sid.hex(),
+                    "idle_s": round(now - s.last_seen, 3),
+                    "registrations": len(s.registrations),
+                    "locks": len(s.locks),
+                    "requests": s.requests,
+                }
+                for sid, s in self._sessions.items()
+            ]
+
+    def _retire(self, reg: Registration) -> bool:
+        """Close `reg` now if no transfer uses it (True), else mark it for `done_with` to close (False)."""
+        reg.closing = True
+        if reg.users == 0:
+            self._close(reg)
+            return True
+        return False
+
+    def _close(self, reg: Registration) -> None:
+        reg.kv.close()
+        self.open_registrations -= 1

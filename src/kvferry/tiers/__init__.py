@@ -1,0 +1,30 @@
+"""Storage tiers below the host pool: local disk and Redis/Valkey (standalone or cluster).
+
+tier = make_tier("disk:/var/cache/kvferry?size=200GB")   # or redis://host:6379, redis+cluster://h:7000
+tier.put(key, tensor)            -> Future[bool]
+tier.get(key, pool.try_alloc)    -> Future[Tensor | None]   (verified, or a miss)
+"""
+
+from kvferry.tiers.base import Alloc, Free, Tier, TierFull, TierUnavailable
+from kvferry.tiers.chain import TierChain
+from kvferry.tiers.disk import DiskTier
+from kvferry.tiers.header import FORMAT_VERSION, CorruptObject
+from kvferry.tiers.redis_tier import RedisTier
+from kvferry.tiers.url import TierURLError, make_tier, parse_duration, parse_size
+
+__all__ = [
+    "FORMAT_VERSION",
+    "Alloc",
+    "CorruptObject",
+    "DiskTier",
+    "Free",
+    "RedisTier",
+    "Tier",
+    "TierChain",
+    "TierFull",
+    "TierURLError",
+    "TierUnavailable",
+    "make_tier",
+    "parse_duration",
+    "parse_size",
+]

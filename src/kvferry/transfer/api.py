@@ -1,0 +1,192 @@
+"""`kvferry.transfer`: the seed's multi_layer_block_kv_transfer, one contract over three backends."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Sequence
+from enum import IntEnum
+from typing import Any, Literal
+
+import torch
+
+from kvferry.formats import EngineKVFormat, KVGeometry, describe
+
+Backend = Literal["auto", "reference", "torch", "triton"]
+BACKENDS = ("auto", "reference", "torch", "triton")
+
+
+class Direction(IntEnum):
+    """H2D = retrieve (objects -> engine), D2H = store (engine -> objects); the seed's TransferDirection."""
+
+    H2D = 0
+    D2H = 1
+
+
+def transfer(
+    paged: Any,
+    objects: Sequence[torch.Tensor],
+    block_ids: Sequence[int] | torch.Tensor,
+    direction: Direction,
+    fmt: EngineKVFormat | int,
+    chunk_size: int = 256,
+    skip_prefix_blocks: int = 0,
+    backend: Backend = "auto",
+    block_size: int | None = None,
+    geometry: KVGeometry | None = None,
+) -> None:
+    """Copy KV between the engine's paged blocks and chunk objects; returns when the bytes have moved.
+
+    Entry `i` of `block_ids` holds tokens `i*BS .. i*BS+BS-1`; object `o` holds entries
+    `o*chunk/BS .. (o+1)*chunk/BS - 1` (the last object may hold fewer tokens, a multiple of BS). The first
+    `skip_prefix_blocks` entries are not copied in either direction. Everything is validated before a byte moves.
+    Pass `geometry` (from `kvferry.formats.describe`) to skip re-validating the engine tensors on every call.
+    """
+    geom = geometry if geometry is not None else describe(fmt, paged, block_size)
+    if geometry is not None and EngineKVFormat(fmt) != geom.fmt:
+        raise ValueError(f"fmt={EngineKVFormat(fmt).name} but the geometry describes {geom.fmt.name}")
+    direction = _direction(direction)
+    objs = list(objects)
+    ids = check_request(geom, objs, block_ids, direction, chunk_size, skip_prefix_blocks)
+    chosen = _backend(backend, geom, objs)
+    to_objects = direction is Direction.D2H
+    if chosen == "reference":
+        from kvferry.kernels.reference import copy_reference
+
+        copy_reference(geom, paged, objs, ids.tolist(), to_objects, chunk_size, skip_prefix_blocks)
+    elif chosen == "torch":
+        from kvferry.kernels.torch_copy import copy_torch
+
+        copy_torch(_plans.torch(geom), objs, ids.to(geom.device), to_objects, chunk_size, skip_prefix_blocks)
+    else:
+        from kvferry.kernels.triton_copy import copy_triton
+
+        copy_triton(
+            _plans.triton(geom), objs, ids.to(geom.device), to_objects, chunk_size, skip_prefix_blocks
+        )
+        if geom.device.type == "cuda":
+            torch.cuda.current_stream(geom.device).synchronize()
+
+
+def check_request(
+    geom: KVGeometry,
+    objects: list[torch.Tensor],
+    block_ids: Sequence[int] | torch.Tensor,
+    direction: Direction,
+    chunk_size: int,
+    skip_prefix_blocks: int,
+) -> torch.Tensor:
+    """Validate a request against the geometry; return the block ids as a CPU int64 tensor."""
+    bs = geom.bs
+    if not isinstance(chunk_size, int) or chunk_size <= 0 or chunk_size % bs:
+        raise ValueError(f"chunk_size={chunk_size} must be a positive multiple of the block size {bs}")
+    if not objects:
+        raise ValueError("objects is empty: pass at least one chunk object")
+    want = geom.object_shape(chunk_size)
+    total_tokens = 0
+    for i, obj in enumerate(objects):
+        if not isinstance(obj, torch.Tensor):
+            raise TypeError(f"objects[{i}] must be a torch.Tensor, got {type(obj).__name__}")
+        if obj.dtype != geom.dtype:
+            raise TypeError(f"objects[{i}] has dtype {obj.dtype}; the engine's KV is {geom.dtype}")
+        tokens = obj.shape[2] if obj.dim() == 4 else -1
+        last = i == len(objects) - 1
+        shape_ok = obj.dim() == 4 and tuple(obj.shape[:2]) == want[:2] and obj.shape[3] == want[3]
+        size_ok = tokens == chunk_size or (last and 0 < tokens < chunk_size and tokens % bs == 0)
+        if not (shape_ok and size_ok):
+            hint = " (only the last object may be partial, a multiple of BS tokens)" if shape_ok else ""
+            raise ValueError(f"objects[{i}] has shape {tuple(obj.shape)}, expected {want}{hint}")
+        if not obj.is_contiguous():
+            raise ValueError(f"objects[{i}] must be contiguous")
+        total_tokens += tokens
+    ids = _as_id_tensor(block_ids)
+    if len(ids) != total_tokens // bs:
+        raise ValueError(
+            f"block_ids has {len(ids)} entries but the {len(objects)} objects hold {total_tokens // bs} blocks "
+            f"({total_tokens} tokens / block size {bs})"
+        )
+    if not 0 <= skip_prefix_blocks <= len(ids):
+        raise ValueError(f"skip_prefix_blocks={skip_prefix_blocks} must be within 0..{len(ids)}")
+    copied = ids[skip_prefix_blocks:]
+    if len(copied):
+        lo, hi = int(copied.min()), int(copied.max())
+        if lo < 0 or hi >= geom.nb:
+            bad = int(torch.nonzero((copied < 0) | (copied >= geom.nb))[0]) + skip_prefix_blocks
+            raise ValueError(f"block_ids[{bad}]={int(ids[bad])} is outside the pool of {geom.nb} blocks")
+        if direction is Direction.H2D and len(torch.unique(copied)) != len(copied):
+            raise ValueError("block_ids repeats a block: a retrieve would write one block from two places")
+    return ids
+
+
+def _as_id_tensor(block_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    if isinstance(block_ids, torch.Tensor):
+        if block_ids.dtype.is_floating_point or block_ids.dtype.is_complex or block_ids.dtype == torch.bool:
+            raise TypeError(f"block_ids must hold integers, got dtype {block_ids.dtype}")
+        if block_ids.dim() != 1:
+            raise ValueError(f"block_ids must be 1-D, got shape {tuple(block_ids.shape)}")
+        return block_ids.to(device="cpu", dtype=torch.int64)
+    try:
+        return torch.as_tensor(list(block_ids), dtype=torch.int64)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise TypeError(f"block_ids must be a sequence of ints or an int tensor: {exc}") from None
+
+
+def _direction(direction: Direction | int | str) -> Direction:
+    if isinstance(direction, str):
+        try:
+            return Direction[direction.upper()]
+        except KeyError:
+            raise ValueError(f"direction={direction!r} must be 'D2H' (store) or 'H2D' (retrieve)") from None
+    try:
+        return Direction(direction)
+    except ValueError:
+        raise ValueError(f"direction={direction!r} must be Direction.D2H or Direction.H2D") from None
+
+
+def _backend(backend: str, geom: KVGeometry, objects: list[torch.Tensor]) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} must be one of {BACKENDS}")
+    devices = {o.device for o in objects}
+    if backend == "auto":
+        backend = "triton" if geom.device.type == "cuda" else "torch"
+    if backend in ("reference", "torch") and devices != {geom.device}:
+        raise ValueError(
+            f"backend={backend!r} needs objects on the engine's device {geom.device}, got {sorted(map(str, devices))}"
+        )
+    if backend == "triton" and geom.device.type == "cuda":
+        for i, o in enumerate(objects):
+            if o.device.type == "cpu" and not o.is_pinned():
+                raise ValueError(
+                    f"objects[{i}] is pageable host memory; a GPU kernel needs pinned or device memory"
+                )
+    elif backend == "triton" and devices != {geom.device}:
+        raise ValueError("on CPU tensors the triton backend (interpreter) needs objects on the CPU too")
+    return backend
+
+
+class _PlanCache:
+    """Backend plans per geometry (by identity, weakly held), so a repeated request pays no re-derivation."""
+
+    def __init__(self) -> None:
+        self._plans: weakref.WeakKeyDictionary[KVGeometry, dict[str, Any]] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def torch(self, geom: KVGeometry) -> Any:
+        from kvferry.kernels.torch_copy import build_plan
+
+        return self._get(geom, "torch", build_plan)
+
+    def triton(self, geom: KVGeometry) -> Any:
+        from kvferry.kernels.triton_copy import build_plan
+
+        return self._get(geom, "triton", build_plan)
+
+    def _get(self, geom: KVGeometry, name: str, build: Any) -> Any:
+        with self._lock:
+            plans = self._plans.setdefault(geom, {})
+            if name not in plans:
+                plans[name] = build(geom)
+            return plans[name]
+
+
+_plans = _PlanCache()
