@@ -186,7 +186,7 @@ def _format(fmt: int) -> EngineKVFormat:
 def _check_tensors(layout: Layout, entries: list[tuple[torch.Tensor, dict[str, int], str]]) -> None:
     first, _, first_path = entries[0]
     hs_axis = layout.axes.index("HS") if "NP" in layout.nesting else None
-    for tensor, index, path in entries:
+    for tensor, _, path in entries:
         if tensor.dim() != len(layout.axes):
             raise ValueError(
                 f"{path} must have {len(layout.axes)} dims {layout.axes}, got shape {tuple(tensor.shape)}"

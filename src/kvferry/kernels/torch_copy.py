@@ -8,6 +8,7 @@ piece; torch's CPU index_copy_ is elementwise and ~3x slower) and `index_copy_` 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -106,7 +107,7 @@ def _grid(stripe: Stripe, members: list[int]) -> tuple[int, int] | None:
 
 
 def _even(values: list[int]) -> bool:
-    return len(values) < 2 or len({b - a for a, b in zip(values, values[1:], strict=False)}) == 1
+    return len(values) < 2 or len({b - a for a, b in itertools.pairwise(values)}) == 1
 
 
 def _storage_offset(stripe: Stripe, i: int) -> int:

@@ -1,0 +1,75 @@
+"""Bad requests raise a clear error before any byte moves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvferry
+from kvferry import Direction
+from kvferry.formats import EngineKVFormat
+from kvferry.formats.synthetic import ModelDims, make_paged
+from tests.conftest import engine_bytes, poisoned
+
+F = EngineKVFormat.NL_X_TWO_NB_BS_NH_HS
+DIMS = ModelDims(nl=2, nh=2, hs=4)
+
+
+@pytest.fixture
+def setup():  # type: ignore[no-untyped-def]
+    paged = make_paged(F, DIMS, 8, 4)
+    objs = [torch.randn(kvferry.object_shape(F, paged, 8)).to(torch.bfloat16) for _ in range(2)]
+    return paged, objs
+
+
+@pytest.mark.parametrize(
+    ("mutate", "error", "match"),
+    [
+        (lambda p, o, i: (p, o, [0, 1, 2, 8]), ValueError, r"block_ids\[3\]=8 is outside the pool of 8 blocks"),
+        (lambda p, o, i: (p, o, [0, 1, -1, 2]), ValueError, r"block_ids\[2\]=-1"),
+        (lambda p, o, i: (p, o, [0, 1, 2]), ValueError, "block_ids has 3 entries but the 2 objects hold 4 blocks"),
+        (lambda p, o, i: (p, o, torch.tensor([0.0, 1, 2, 3])), TypeError, "integers"),
+        (lambda p, o, i: (p, o, [0, 1, 2, 2]), ValueError, "repeats a block"),
+        (lambda p, o, i: (p, [x.float() for x in o], i), TypeError, "dtype torch.float32"),
+        (lambda p, o, i: (p, [o[0], o[1][:, :, :6]], i), ValueError, "expected"),
+        (lambda p, o, i: (p, [o[0][:, :, :4], o[1]], i), ValueError, "only the last object may be partial"),
+        (lambda p, o, i: (p, [o[0].transpose(2, 3).contiguous().transpose(2, 3), o[1]], i), ValueError, "contig"),
+        (lambda p, o, i: (p, [], i), ValueError, "objects is empty"),
+        (lambda p, o, i: (p[0], o, i), TypeError, "non-empty list"),
+    ],
+)
+def test_bad_requests_touch_nothing(setup, mutate, error, match) -> None:  # type: ignore[no-untyped-def]
+    paged, objs = setup
+    paged2, objs2, ids = mutate(paged, objs, [0, 1, 2, 3])
+    before = engine_bytes(paged)
+    with pytest.raises(error, match=match):
+        kvferry.transfer(paged2, objs2, ids, Direction.H2D, F, chunk_size=8)
+    assert all(torch.equal(a, b) for a, b in zip(before, engine_bytes(paged), strict=True))
+
+
+def test_bad_arguments(setup) -> None:  # type: ignore[no-untyped-def]
+    paged, objs = setup
+    with pytest.raises(ValueError, match="chunk_size=6 must be a positive multiple of the block size 4"):
+        kvferry.transfer(paged, objs, [0, 1, 2, 3], Direction.D2H, F, chunk_size=6)
+    with pytest.raises(ValueError, match="skip_prefix_blocks=5"):
+        kvferry.transfer(paged, objs, [0, 1, 2, 3], Direction.D2H, F, chunk_size=8, skip_prefix_blocks=5)
+    with pytest.raises(ValueError, match="direction"):
+        kvferry.transfer(paged, objs, [0, 1, 2, 3], "sideways", F, chunk_size=8)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="backend"):
+        kvferry.transfer(paged, objs, [0, 1, 2, 3], Direction.D2H, F, chunk_size=8, backend="cuda")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="not a known EngineKVFormat"):
+        kvferry.transfer(paged, objs, [0, 1, 2, 3], Direction.D2H, 55, chunk_size=8)
+
+
+def test_skip_everything_moves_nothing(setup) -> None:  # type: ignore[no-untyped-def]
+    paged, _ = setup
+    objs = [poisoned(kvferry.object_shape(F, paged, 8), torch.bfloat16) for _ in range(2)]
+    for backend in ("reference", "torch", "triton"):
+        kvferry.transfer(paged, objs, [0, 1, 2, 3], Direction.D2H, F, 8, skip_prefix_blocks=4, backend=backend)
+        assert bool((objs[0].view(torch.uint8) == 0x5A).all())
+
+
+def test_duplicate_ids_are_fine_for_a_store(setup) -> None:  # type: ignore[no-untyped-def]
+    paged, objs = setup
+    kvferry.transfer(paged, objs, [1, 1, 2, 2], Direction.D2H, F, chunk_size=8)
+    assert torch.equal(objs[0][:, :, :4], objs[0][:, :, 4:])
