@@ -162,44 +162,50 @@ def _interpreted():  # type: ignore[no-untyped-def]
     return InterpretedFunction(_stripe_copy_kernel.fn)
 
 
-def copy_triton(
+def object_table(objects: list[torch.Tensor], word: int) -> torch.Tensor:
+    """int64 [2, n]: word offset of each object from objects[0], and its token capacity (host tensor)."""
+    base = objects[0].data_ptr()
+    for i, o in enumerate(objects):
+        if o.data_ptr() % word:
+            raise ValueError(f"objects[{i}] is not {word}-byte aligned; allocate objects with {word}-byte alignment")
+    return torch.tensor([[(o.data_ptr() - base) // word for o in objects], [o.shape[2] for o in objects]])
+
+
+def launch(
     plan: TritonPlan,
-    objects: list[torch.Tensor],
+    obj_base: torch.Tensor,
+    table: torch.Tensor,
     block_ids: torch.Tensor,
     to_objects: bool,
     chunk_size: int,
-    skip_prefix_blocks: int,
-    stream: torch.cuda.Stream | None = None,
+    row0: int,
+    n_rows: int,
 ) -> None:
-    """Launch the copy for one request: one launch per stripe (one for most layouts)."""
-    geom = plan.geom
-    word = plan.word
-    n_rows = (len(block_ids) - skip_prefix_blocks) * geom.bs
+    """Enqueue the copy of tokens [row0, row0 + n_rows) of a request on the current stream (or interpret on CPU).
+
+    `table` is `object_table(...)` on the engine's device, with offsets relative to `obj_base` (words); it may
+    describe staging memory rather than the objects themselves.
+    """
     if n_rows <= 0:
         return
-    _check_object_alignment(objects, word, geom.element_size)
-    dev = block_ids.device
-    obj0 = objects[0]
-    obj_off = torch.tensor([(o.data_ptr() - obj0.data_ptr()) // word for o in objects], dtype=torch.int64)
-    obj_cap = torch.tensor([o.shape[2] for o in objects], dtype=torch.int64)
-    obj_off, obj_cap = obj_off.to(dev, non_blocking=True), obj_cap.to(dev, non_blocking=True)
+    geom = plan.geom
     interpret = block_ids.device.type != "cuda"
     kernel = _interpreted() if interpret else _stripe_copy_kernel
-    obj_row = geom.width * geom.element_size // word
+    obj_row = geom.width * geom.element_size // plan.word
     for s in plan.stripes:
         width = s.sizes[0] * s.sizes[1] * s.sizes[2]
-        block_w = min(triton.next_power_of_2(width), 1024 if not interpret else 4096)
+        block_w = min(triton.next_power_of_2(width), 4096 if interpret else 1024)
         block_t = _block_tokens(n_rows, block_w, interpret)
         grid = (triton.cdiv(n_rows, block_t), len(s.eng_off))
         kernel[grid](
             s.base,
             s.eng_off,
             s.ent_row,
-            obj0,
-            obj_off,
-            obj_cap,
+            obj_base,
+            table[0],
+            table[1],
             block_ids,
-            skip_prefix_blocks * geom.bs,
+            row0,
             n_rows,
             chunk_size,
             obj_row,
@@ -213,23 +219,29 @@ def copy_triton(
             F0=s.sizes[0],
             F1=s.sizes[1],
             F2=s.sizes[2],
-            WORD=_WORD_DTYPES[word],
+            WORD=_WORD_DTYPES[plan.word],
             BLOCK_T=block_t,
             BLOCK_W=block_w,
             TO_OBJECT=to_objects,
         )
 
 
+def copy_triton(
+    plan: TritonPlan,
+    objects: list[torch.Tensor],
+    block_ids: torch.Tensor,
+    to_objects: bool,
+    chunk_size: int,
+    skip_prefix_blocks: int,
+) -> None:
+    """The whole request in one launch per stripe, kernel reading/writing the objects directly."""
+    table = object_table(objects, plan.word).to(block_ids.device, non_blocking=True)
+    bs = plan.geom.bs
+    n_rows = (len(block_ids) - skip_prefix_blocks) * bs
+    launch(plan, objects[0], table, block_ids, to_objects, chunk_size, skip_prefix_blocks * bs, n_rows)
+
+
 def _block_tokens(n_rows: int, block_w: int, interpret: bool) -> int:
     if interpret:  # the interpreter pays per program: few, large tiles
         return min(triton.next_power_of_2(n_rows), max(1, 65536 // block_w))
     return max(1, min(64, 8192 // block_w))
-
-
-def _check_object_alignment(objects: list[torch.Tensor], word: int, element_size: int) -> None:
-    for i, o in enumerate(objects):
-        if o.data_ptr() % word:
-            raise ValueError(
-                f"objects[{i}] is not {word}-byte aligned; "
-                f"allocate objects with at least {word}-byte alignment (element size {element_size})"
-            )

@@ -6,11 +6,15 @@ import threading
 import weakref
 from collections.abc import Sequence
 from enum import IntEnum
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
 import torch
 
 from kvferry.formats import EngineKVFormat, KVGeometry, describe
+
+if TYPE_CHECKING:
+    from kvferry.transfer.gpu_engine import TransferEngine, TransferHandle
 
 Backend = Literal["auto", "reference", "torch", "triton"]
 BACKENDS = ("auto", "reference", "torch", "triton")
@@ -58,14 +62,60 @@ def transfer(
         from kvferry.kernels.torch_copy import copy_torch
 
         copy_torch(_plans.torch(geom), objs, ids.to(geom.device), to_objects, chunk_size, skip_prefix_blocks)
+    elif geom.device.type == "cuda" and objs[0].device.type == "cpu":
+        _submit(geom, objs, ids, to_objects, chunk_size, skip_prefix_blocks, None, None).wait()
     else:
         from kvferry.kernels.triton_copy import copy_triton
 
-        copy_triton(
-            _plans.triton(geom), objs, ids.to(geom.device), to_objects, chunk_size, skip_prefix_blocks
-        )
+        copy_triton(_plans.triton(geom), objs, ids.to(geom.device), to_objects, chunk_size, skip_prefix_blocks)
         if geom.device.type == "cuda":
             torch.cuda.current_stream(geom.device).synchronize()
+
+
+def transfer_async(
+    paged: Any,
+    objects: Sequence[torch.Tensor],
+    block_ids: Sequence[int] | torch.Tensor,
+    direction: Direction,
+    fmt: EngineKVFormat | int,
+    chunk_size: int = 256,
+    skip_prefix_blocks: int = 0,
+    block_size: int | None = None,
+    geometry: KVGeometry | None = None,
+    engine: TransferEngine | None = None,
+    mode: str | None = None,
+) -> TransferHandle:
+    """Enqueue a transfer between GPU blocks and pinned host objects; returns at once with a handle.
+
+    The request is ordered after the caller's current CUDA stream (the engine's compute) and never blocks it.
+    Use `handle.wait_on(stream)` before the engine reads retrieved blocks, `handle.done()` to poll.
+    """
+    geom = geometry if geometry is not None else describe(fmt, paged, block_size)
+    if geom.device.type != "cuda":
+        raise ValueError(f"transfer_async moves GPU KV; the engine's KV is on {geom.device} (use transfer())")
+    objs = list(objects)
+    direction = _direction(direction)
+    ids = check_request(geom, objs, block_ids, direction, chunk_size, skip_prefix_blocks)
+    _backend("triton", geom, objs)
+    if any(o.device.type != "cpu" for o in objs):
+        raise ValueError("transfer_async needs chunk objects in pinned host memory")
+    return _submit(geom, objs, ids, direction is Direction.D2H, chunk_size, skip_prefix_blocks, engine, mode)
+
+
+def _submit(
+    geom: KVGeometry,
+    objs: list[torch.Tensor],
+    ids: torch.Tensor,
+    to_objects: bool,
+    chunk_size: int,
+    skip: int,
+    engine: TransferEngine | None,
+    mode: str | None,
+) -> TransferHandle:
+    from kvferry.transfer.gpu_engine import default_engine
+
+    engine = engine or default_engine(geom.device)
+    return engine.submit(_plans.triton(geom), objs, ids, to_objects, chunk_size, skip, mode)
 
 
 def check_request(
@@ -83,23 +133,22 @@ def check_request(
     if not objects:
         raise ValueError("objects is empty: pass at least one chunk object")
     want = geom.object_shape(chunk_size)
+    full = (want[0], want[1], chunk_size, want[3])
     total_tokens = 0
-    for i, obj in enumerate(objects):
+    last_index = len(objects) - 1
+    for i, obj in enumerate(objects):  # one cheap pass: attribute reads only
         if not isinstance(obj, torch.Tensor):
             raise TypeError(f"objects[{i}] must be a torch.Tensor, got {type(obj).__name__}")
+        shape = obj.shape
+        if shape != full and not (i == last_index and _partial_ok(shape, want, chunk_size, bs)):
+            hint = " (only the last object may be partial, a multiple of BS tokens)" if i < last_index else ""
+            raise ValueError(f"objects[{i}] has shape {tuple(shape)}, expected {want}{hint}")
         if obj.dtype != geom.dtype:
             raise TypeError(f"objects[{i}] has dtype {obj.dtype}; the engine's KV is {geom.dtype}")
-        tokens = obj.shape[2] if obj.dim() == 4 else -1
-        last = i == len(objects) - 1
-        shape_ok = obj.dim() == 4 and tuple(obj.shape[:2]) == want[:2] and obj.shape[3] == want[3]
-        size_ok = tokens == chunk_size or (last and 0 < tokens < chunk_size and tokens % bs == 0)
-        if not (shape_ok and size_ok):
-            hint = " (only the last object may be partial, a multiple of BS tokens)" if shape_ok else ""
-            raise ValueError(f"objects[{i}] has shape {tuple(obj.shape)}, expected {want}{hint}")
         if not obj.is_contiguous():
             raise ValueError(f"objects[{i}] must be contiguous")
-        total_tokens += tokens
-    ids = _as_id_tensor(block_ids)
+        total_tokens += shape[2]
+    ids = _as_id_array(block_ids)
     if len(ids) != total_tokens // bs:
         raise ValueError(
             f"block_ids has {len(ids)} entries but the {len(objects)} objects hold {total_tokens // bs} blocks "
@@ -109,26 +158,37 @@ def check_request(
         raise ValueError(f"skip_prefix_blocks={skip_prefix_blocks} must be within 0..{len(ids)}")
     copied = ids[skip_prefix_blocks:]
     if len(copied):
-        lo, hi = int(copied.min()), int(copied.max())
-        if lo < 0 or hi >= geom.nb:
-            bad = int(torch.nonzero((copied < 0) | (copied >= geom.nb))[0]) + skip_prefix_blocks
+        if copied.min() < 0 or copied.max() >= geom.nb:
+            bad = int(np.flatnonzero((copied < 0) | (copied >= geom.nb))[0]) + skip_prefix_blocks
             raise ValueError(f"block_ids[{bad}]={int(ids[bad])} is outside the pool of {geom.nb} blocks")
-        if direction is Direction.H2D and len(torch.unique(copied)) != len(copied):
+        if direction is Direction.H2D and len(np.unique(copied)) != len(copied):
             raise ValueError("block_ids repeats a block: a retrieve would write one block from two places")
-    return ids
+    return torch.from_numpy(ids)
 
 
-def _as_id_tensor(block_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+def _partial_ok(shape: torch.Size, want: tuple[int, int, int, int], chunk_size: int, bs: int) -> bool:
+    return (
+        len(shape) == 4
+        and (shape[0], shape[1], shape[3]) == (want[0], want[1], want[3])
+        and 0 < shape[2] < chunk_size
+        and shape[2] % bs == 0
+    )
+
+
+def _as_id_array(block_ids: Sequence[int] | torch.Tensor) -> np.ndarray:
     if isinstance(block_ids, torch.Tensor):
         if block_ids.dtype.is_floating_point or block_ids.dtype.is_complex or block_ids.dtype == torch.bool:
             raise TypeError(f"block_ids must hold integers, got dtype {block_ids.dtype}")
         if block_ids.dim() != 1:
             raise ValueError(f"block_ids must be 1-D, got shape {tuple(block_ids.shape)}")
-        return block_ids.to(device="cpu", dtype=torch.int64)
+        return block_ids.to(device="cpu", dtype=torch.int64).numpy().copy()
     try:
-        return torch.as_tensor(list(block_ids), dtype=torch.int64)
-    except (TypeError, ValueError, RuntimeError) as exc:
+        ids = np.asarray(block_ids, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError) as exc:
         raise TypeError(f"block_ids must be a sequence of ints or an int tensor: {exc}") from None
+    if ids.ndim != 1:
+        raise ValueError(f"block_ids must be 1-D, got shape {ids.shape}")
+    return ids
 
 
 def _direction(direction: Direction | int | str) -> Direction:

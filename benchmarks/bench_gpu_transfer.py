@@ -1,0 +1,228 @@
+"""GPU data path benchmark (issue 3): every number is a ratio to a same-run pinned memcpy of the same bytes.
+
+Run on the GPU machine:  PYTHONPATH=src python3 benchmarks/bench_gpu_transfer.py --out $OUT/gpu.json
+Sections: bulk (16+ scattered chunks, staged / serial / zero-copy / torch by hand), every format, one-chunk latency,
+both directions at once, GEMM interference, zero-copy crossover.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+import kvferry
+from kvferry import Direction
+from kvferry.formats import EngineKVFormat, describe, layout_of
+from kvferry.formats.synthetic import MODELS, ModelDims, make_paged
+from kvferry.memory import HostPool
+from kvferry.transfer.gpu_engine import EngineConfig, TransferEngine
+
+F = EngineKVFormat
+SHAPES = {"llama3-8b": 16, "qwen2.5-0.5b": 16, "deepseek-v3-mla": 64}
+
+
+def events_ms(fn, reps: int) -> float:  # type: ignore[no-untyped-def]
+    """Median wall time in ms of fn() including its completion (fn must synchronize)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def memcpy_ms(nbytes: int, to_host: bool, reps: int) -> float:
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def once() -> None:
+        (host.copy_(dev, non_blocking=True) if to_host else dev.copy_(host, non_blocking=True))
+        torch.cuda.synchronize()
+
+    return events_ms(once, reps)
+
+
+class Setup:
+    def __init__(self, model: str, fmt: F, n_chunks: int, chunk: int = 256, nb: int = 4096) -> None:
+        dims = MODELS[model]
+        if layout_of(fmt).is_mla and not layout_of(fmt).nesting.count("NP"):
+            dims = ModelDims(nl=dims.nl, nh=1, hs=sum(dims.plane_widths) or dims.hs)
+        if not layout_of(fmt).is_mla and model == "deepseek-v3-mla":
+            dims = MODELS["llama3-8b"]
+        if fmt == F.NL_X_NB_BSV_BSS:
+            dims = ModelDims(nl=61, nh=1, hs=132)
+        bs = SHAPES[model]
+        dtype = torch.uint8 if fmt == F.NL_X_NB_BSV_BSS else torch.bfloat16
+        self.fmt, self.chunk, self.bs = fmt, chunk, bs
+        self.paged = make_paged(fmt, dims, nb, bs, dtype, device="cuda")
+        self.geom = describe(fmt, self.paged, block_size=bs)
+        obj_bytes = self.geom.bytes_per_token * chunk
+        self.pool = HostPool(1 << max(30, (obj_bytes * n_chunks * 2).bit_length()))
+        self.objects = []
+        for _ in range(n_chunks):  # scattered in the pool: a small hole between objects
+            self.objects.append(self.pool.alloc(self.geom.object_shape(chunk), dtype))
+            self.pool.alloc((4096,), torch.uint8)
+        self.ids = torch.randperm(nb)[: n_chunks * chunk // bs]
+        self.nbytes = obj_bytes * n_chunks
+
+    def run(self, direction: Direction, engine: TransferEngine, mode: str | None = None) -> None:
+        kvferry.transfer_async(
+            self.paged, self.objects, self.ids, direction, self.fmt, self.chunk, geometry=self.geom,
+            engine=engine, mode=mode,
+        ).wait()  # fmt: skip
+
+
+def by_hand_ms(s: Setup, reps: int) -> float:
+    """LIMITS.md's 'torch by hand': per layer kv[l][:, ids] into a GPU buffer, then one D2H copy."""
+    ids = s.ids.cuda()
+    buf = torch.empty(s.nbytes, dtype=torch.uint8, device="cuda")
+    host = torch.empty(s.nbytes, dtype=torch.uint8, pin_memory=True)
+    per_layer = s.nbytes // len(s.paged)
+
+    def once() -> None:
+        for i, t in enumerate(s.paged):
+            buf[i * per_layer : (i + 1) * per_layer].view(t.dtype).view(-1).copy_(t[:, ids].reshape(-1))
+        host.copy_(buf, non_blocking=True)
+        torch.cuda.synchronize()
+
+    return events_ms(once, reps)
+
+
+def gemm_tflops(during=None, seconds: float = 1.0) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+    """bf16 8192^3 GEMMs on the current stream for ~seconds while `during()` transfers loop on its own streams."""
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    moved = 0
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    iters = 40
+    start.record()
+    for _ in range(iters):
+        a @ b
+    end.record()
+    t0 = time.perf_counter()
+    while not end.query() and during is not None:
+        moved += during()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    ms = start.elapsed_time(end)
+    return 2 * n**3 * iters / (ms / 1e3) / 1e12, (moved / wall / 1e9 if during is not None else 0.0)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", default="gpu_bench.json")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--quick", action="store_true", help="fewer sections (smoke)")
+    args = ap.parse_args()
+    reps = args.reps
+    rows: list[dict] = []
+    engine = TransferEngine("cuda")
+    serial = TransferEngine("cuda", EngineConfig(slots=1, mode="staged"))
+
+    def row(section: str, what: str, nbytes: int, ms: float, ceiling_ms: float, **extra) -> None:  # type: ignore[no-untyped-def]
+        r = dict(section=section, what=what, mib=nbytes / 2**20, gbps=nbytes / ms / 1e6,
+                 ceiling_gbps=nbytes / ceiling_ms / 1e6, ratio=ceiling_ms / ms, **extra)  # fmt: skip
+        rows.append(r)
+        print(f"{section:10s} {what:58s} {r['gbps']:7.1f} GB/s  ceil {r['ceiling_gbps']:6.1f}  ratio {r['ratio']:.3f}",
+              flush=True)  # fmt: skip
+
+    # 1. bulk: 16 chunks of scattered blocks (32 for qwen)
+    for model, n in (("llama3-8b", 16), ("qwen2.5-0.5b", 32), ("deepseek-v3-mla", 16)):
+        fmt = F.NL_X_NB_BS_HS if model == "deepseek-v3-mla" else F.NL_X_TWO_NB_BS_NH_HS
+        s = Setup(model, fmt, n)
+        for d in (Direction.D2H, Direction.H2D):
+            ceil = memcpy_ms(s.nbytes, d is Direction.D2H, reps)
+            row("bulk", f"{model} {d.name} staged pipeline", s.nbytes, events_ms(lambda: s.run(d, engine, "staged"), reps), ceil)
+            row("bulk", f"{model} {d.name} serial gather+DMA (1 slot)", s.nbytes, events_ms(lambda: s.run(d, serial, "staged"), reps), ceil)
+            row("bulk", f"{model} {d.name} zero-copy kernel", s.nbytes, events_ms(lambda: s.run(d, engine, "zero_copy"), reps), ceil)
+        if fmt == F.NL_X_TWO_NB_BS_NH_HS:
+            row("bulk", f"{model} D2H torch by hand", s.nbytes, by_hand_ms(s, reps), memcpy_ms(s.nbytes, True, reps))
+        del s
+        torch.cuda.empty_cache()
+    if not args.quick:
+        # 2. every format at a realistic shape, 16 chunks
+        for fmt in F:
+            model = "deepseek-v3-mla" if layout_of(fmt).is_mla else "llama3-8b"
+            s = Setup(model, fmt, 16, nb=2048)
+            for d in (Direction.D2H, Direction.H2D):
+                ceil = memcpy_ms(s.nbytes, d is Direction.D2H, reps)
+                row("formats", f"{fmt.name} {d.name}", s.nbytes, events_ms(lambda: s.run(d, engine), reps), ceil)
+            del s
+    # 3. one chunk, wall time from the Python call to completion vs a single memcpy's
+    for model in ("llama3-8b", "qwen2.5-0.5b"):
+        s = Setup(model, F.NL_X_TWO_NB_BS_NH_HS, 1)
+        for d in (Direction.D2H, Direction.H2D):
+            ceil = memcpy_ms(s.nbytes, d is Direction.D2H, reps * 4)
+            t0 = time.perf_counter()
+            for _ in range(50):
+                kvferry.transfer_async(s.paged, s.objects, s.ids, d, s.fmt, geometry=s.geom, engine=engine).wait()
+            t1 = time.perf_counter()
+            for _ in range(50):
+                kvferry.transfer_async(s.paged, s.objects, s.ids, d, s.fmt, geometry=s.geom, engine=engine)
+                t2 = time.perf_counter()
+                torch.cuda.synchronize()
+                t1 += time.perf_counter() - t2
+            print(f"one-chunk  {model} {d.name}: CPU enqueue {(t1 - t0) / 50 * 1e6 - 0:.0f} us per call (approx)")
+            for mode in ("staged", "zero_copy", None):
+                row("one-chunk", f"{model} {d.name} {mode or 'auto'}", s.nbytes, events_ms(lambda: s.run(d, engine, mode), reps * 4), ceil)
+    # 4. both directions at once vs two-stream memcpy
+    s = Setup("llama3-8b", F.NL_X_TWO_NB_BS_NH_HS, 16)
+    t = Setup("llama3-8b", F.NL_X_TWO_NB_BS_NH_HS, 16)
+    dev = [torch.empty(s.nbytes, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    host = [torch.empty(s.nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    st = [torch.cuda.Stream(), torch.cuda.Stream()]
+
+    def two_memcpy() -> None:
+        with torch.cuda.stream(st[0]):
+            host[0].copy_(dev[0], non_blocking=True)
+        with torch.cuda.stream(st[1]):
+            dev[1].copy_(host[1], non_blocking=True)
+        torch.cuda.synchronize()
+
+    def both() -> None:
+        h1 = kvferry.transfer_async(s.paged, s.objects, s.ids, Direction.D2H, s.fmt, geometry=s.geom, engine=engine)
+        h2 = kvferry.transfer_async(t.paged, t.objects, t.ids, Direction.H2D, t.fmt, geometry=t.geom, engine=engine)
+        h1.wait()
+        h2.wait()
+
+    row("bidir", "llama3-8b store+retrieve at once (bytes both ways)", 2 * s.nbytes, events_ms(both, reps), events_ms(two_memcpy, reps))
+    # 5. GEMM interference
+    alone, _ = gemm_tflops()
+    for mode in ("staged", "zero_copy"):
+        for d in (Direction.D2H, Direction.H2D):
+            def loop(d=d, mode=mode) -> int:  # type: ignore[no-untyped-def]
+                s.run(d, engine, mode)
+                return s.nbytes
+            tf, gbps = gemm_tflops(loop)
+            rows.append(dict(section="gemm", what=f"{mode} {d.name}", gemm_tflops=tf, gemm_alone=alone, gemm_kept=tf / alone, gbps=gbps))
+            print(f"gemm       {mode} {d.name}: GEMM {tf:.0f} TFLOP/s of {alone:.0f} alone ({tf / alone:.3f}); transfer {gbps:.1f} GB/s", flush=True)
+    # 6. crossover: qwen chunks, staged vs zero-copy wall time
+    for n in (1, 2, 4, 8):
+        q = Setup("qwen2.5-0.5b", F.NL_X_TWO_NB_BS_NH_HS, n)
+        for d in (Direction.D2H, Direction.H2D):
+            ceil = memcpy_ms(q.nbytes, d is Direction.D2H, reps * 2)
+            for mode in ("staged", "zero_copy"):
+                row("crossover", f"qwen {n} chunks {d.name} {mode}", q.nbytes, events_ms(lambda: q.run(d, engine, mode), reps * 2), ceil)
+    meta = dict(device=torch.cuda.get_device_name(), date=datetime.datetime.now().isoformat(timespec="seconds"),
+                torch=torch.__version__, command=" ".join(sys.argv))  # fmt: skip
+    import triton
+
+    meta["triton"] = triton.__version__
+    with open(args.out, "w") as fh:
+        json.dump(dict(meta=meta, rows=rows), fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""GPU data path (run on the device machine: PYTHONPATH=src python3 -m pytest -m gpu tests/transfer)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvferry
+from kvferry import Direction
+from kvferry.formats import EngineKVFormat, describe
+from kvferry.formats.synthetic import MODELS, ModelDims, make_paged, random_fill
+from kvferry.memory import HostPool
+from kvferry.transfer.gpu_engine import EngineConfig, TransferEngine
+from tests.conftest import engine_bytes, kv_dtype_for
+
+pytestmark = pytest.mark.gpu
+F = EngineKVFormat
+
+
+def _to_cpu(paged):  # type: ignore[no-untyped-def]
+    if isinstance(paged, torch.Tensor):
+        # keep padding: copy the whole storage span and rebuild the same strides
+        span = paged.as_strided((paged.untyped_storage().nbytes() // paged.element_size(),), (1,), 0).cpu()
+        return span.as_strided(paged.shape, paged.stride(), paged.storage_offset())
+    return [_to_cpu(p) for p in paged]
+
+
+def _objects(pool: HostPool, shape, dtype, n: int, last_tokens: int | None = None, spread: bool = True):  # type: ignore[no-untyped-def]
+    objs, gaps = [], []
+    for i in range(n):
+        s = shape if (i < n - 1 or last_tokens is None) else (*shape[:2], last_tokens, shape[3])
+        objs.append(pool.alloc(s, dtype))
+        if spread:  # scatter objects in the pool
+            gaps.append(pool.alloc((4096 * (i % 3 + 1),), torch.uint8))
+    for o in objs:
+        o.view(torch.uint8).fill_(0x5A)
+    for g in gaps:
+        pool.free(g)
+    return objs
+
+
+CASES = [
+    ("llama3-8b", F.NL_X_TWO_NB_BS_NH_HS, 16),
+    ("qwen2.5-0.5b", F.NL_X_TWO_NB_BS_NH_HS, 16),
+    ("deepseek-v3-mla", F.NL_X_NB_BS_HS, 64),
+]
+
+
+@pytest.mark.parametrize("fmt", list(F), ids=lambda f: f.name)
+@pytest.mark.parametrize("mode", ["staged", "zero_copy"])
+def test_every_format_realistic_shape(fmt: F, mode: str) -> None:
+    dims = MODELS["deepseek-v3-mla"] if describe_is_mla(fmt) else MODELS["llama3-8b"]
+    bs = 64 if describe_is_mla(fmt) else 16
+    dtype = kv_dtype_for(fmt, torch.bfloat16)
+    if fmt == F.NL_X_NB_BSV_BSS:
+        dims = ModelDims(nl=61, nh=1, hs=132)
+    paged = make_paged(fmt, dims, 64, bs, dtype, device="cuda", block_padding=128 if fmt == F.NL_X_NB_BS_HS else 0)
+    geom = describe(fmt, paged, block_size=bs)
+    pool = HostPool(1 << 30)
+    chunk = 256
+    ids = torch.randperm(64)[: 3 * chunk // bs - 2]  # 3 objects, the last partial
+    shape = geom.object_shape(chunk)
+    last = chunk - 2 * bs
+    engine = TransferEngine("cuda", EngineConfig(mode=mode))
+    objs = _objects(pool, shape, dtype, 3, last)
+    skip = 3
+    kvferry.transfer_async(paged, objs, ids, Direction.D2H, fmt, chunk, skip, block_size=bs, engine=engine).wait()
+    cpu = _to_cpu(paged)
+    want = [torch.full_like(o, 0).view(torch.uint8).fill_(0x5A).view(dtype) for o in objs]
+    kvferry.transfer(cpu, want, ids, Direction.D2H, fmt, chunk, skip, backend="torch", block_size=bs)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(objs, want, strict=True))
+
+    for o in objs:
+        random_fill(o)
+    target = make_paged(fmt, dims, 64, bs, dtype, device="cuda", block_padding=128 if fmt == F.NL_X_NB_BS_HS else 0)
+    target_cpu = _to_cpu(target)
+    kvferry.transfer_async(target, objs, ids, Direction.H2D, fmt, chunk, skip, block_size=bs, engine=engine).wait()
+    kvferry.transfer(target_cpu, objs, ids, Direction.H2D, fmt, chunk, skip, backend="torch", block_size=bs)
+    got = engine_bytes(_to_cpu(target))
+    assert all(torch.equal(a, b) for a, b in zip(got, engine_bytes(target_cpu), strict=True))
+
+
+def describe_is_mla(fmt: F) -> bool:
+    from kvferry.formats import layout_of
+
+    return layout_of(fmt).is_mla
+
+
+@pytest.mark.parametrize(("model", "fmt", "bs"), CASES)
+def test_ring_reuse_and_concurrent_directions(model: str, fmt: F, bs: int) -> None:
+    dims = MODELS[model]
+    paged = make_paged(fmt, dims, 512, bs, device="cuda")
+    other = make_paged(fmt, dims, 512, bs, device="cuda")
+    geom = describe(fmt, paged)
+    pool = HostPool(2 << 30)
+    engine = TransferEngine("cuda", EngineConfig(slot_bytes=48 << 20, mode="staged"))
+    gen = torch.Generator().manual_seed(0)
+    chunk = 256
+    per = chunk // bs
+    for _ in range(12):  # many requests through the same ring, random sizes and skips, both directions at once
+        n = int(torch.randint(1, 6, (1,), generator=gen))
+        ids = torch.randperm(512, generator=gen)[: n * per]
+        skip = int(torch.randint(0, n * per, (1,), generator=gen))
+        stored = _objects(pool, geom.object_shape(chunk), geom.dtype, n)
+        src = _objects(pool, geom.object_shape(chunk), geom.dtype, n)
+        for o in src:
+            random_fill(o)
+        h1 = kvferry.transfer_async(paged, stored, ids, Direction.D2H, fmt, chunk, skip, engine=engine)
+        h2 = kvferry.transfer_async(other, src, ids, Direction.H2D, fmt, chunk, skip, engine=engine)
+        h1.wait()
+        h2.wait()
+        want = [torch.empty_like(o).view(torch.uint8).fill_(0x5A).view(o.dtype) for o in stored]
+        kvferry.transfer(_to_cpu(paged), want, ids, Direction.D2H, fmt, chunk, skip, backend="torch")
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(stored, want, strict=True))
+        back = [torch.empty_like(o).view(torch.uint8).fill_(0x5A).view(o.dtype) for o in src]
+        kvferry.transfer(_to_cpu(other), back, ids, Direction.D2H, fmt, chunk, skip, backend="torch")
+        head = skip * bs
+        for i, (a, b) in enumerate(zip(src, back, strict=True)):
+            lo = max(0, head - i * chunk)
+            assert torch.equal(a[:, :, lo:].view(torch.uint8), b[:, :, lo:].view(torch.uint8))
+        for o in stored + src:
+            pool.free(o)
+
+
+def test_handle_orders_after_compute_stream() -> None:
+    fmt = F.NL_X_TWO_NB_BS_NH_HS
+    paged = make_paged(fmt, MODELS["llama3-8b"], 64, 16, device="cuda")
+    pool = HostPool(256 << 20)
+    objs = _objects(pool, kvferry.object_shape(fmt, paged), torch.bfloat16, 2)
+    compute = torch.cuda.Stream()
+    with torch.cuda.stream(compute):
+        torch.cuda._sleep(50_000_000)  # ~tens of ms of "model compute" before the KV is final
+        for t in paged:
+            t.fill_(1.5)
+        handle = kvferry.transfer_async(paged, objs, list(range(32)), Direction.D2H, fmt)
+    assert not handle.done()  # enqueued, not blocking the CPU
+    handle.wait()
+    assert bool((objs[0] == 1.5).all()) and bool((objs[1] == 1.5).all())
+
+
+def test_gpu_objects_and_sync_api() -> None:
+    fmt = F.NL_X_NB_TWO_BS_NH_HS
+    paged = make_paged(fmt, MODELS["qwen2.5-0.5b"], 64, 16, device="cuda")
+    objs = [torch.empty(kvferry.object_shape(fmt, paged), dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    ids = torch.randperm(64)[:32]
+    kvferry.transfer(paged, objs, ids, Direction.D2H, fmt)
+    want = [torch.empty(o.shape, dtype=o.dtype) for o in objs]
+    kvferry.transfer(_to_cpu(paged), want, ids, Direction.D2H, fmt, backend="reference")
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(objs, want, strict=True))
