@@ -30,7 +30,9 @@ class _Block:
 
 @dataclass(frozen=True)
 class TorchPlan:
-    geom: KVGeometry
+    bs: int
+    element_size: int
+    device: torch.device
     blocks: tuple[_Block, ...]
 
 
@@ -40,7 +42,7 @@ def build_plan(geom: KVGeometry) -> TorchPlan:
     for stripe in geom.stripes:
         for members in _even_groups(stripe):
             blocks.append(_fold(geom, stripe, members, word))
-    return TorchPlan(geom=geom, blocks=tuple(blocks))
+    return TorchPlan(bs=geom.bs, element_size=geom.element_size, device=geom.device, blocks=tuple(blocks))
 
 
 def copy_torch(
@@ -51,21 +53,20 @@ def copy_torch(
     chunk_size: int,
     skip_prefix_blocks: int,
 ) -> None:
-    geom = plan.geom
-    word = _WORD[geom.element_size]
-    per_object = chunk_size // geom.bs
+    word = _WORD[plan.element_size]
+    per_object = chunk_size // plan.bs
     n = len(block_ids)
-    numpy_scatter = not to_objects and geom.device.type == "cpu"
+    numpy_scatter = not to_objects and plan.device.type == "cpu"
     ids_np = block_ids.numpy() if numpy_scatter else None
     for o, obj in enumerate(objects):
-        j0, j1 = max(o * per_object, skip_prefix_blocks), min(o * per_object + obj.shape[2] // geom.bs, n)
+        j0, j1 = max(o * per_object, skip_prefix_blocks), min(o * per_object + obj.shape[2] // plan.bs, n)
         if j0 >= j1:
             continue
-        tokens = slice((j0 - o * per_object) * geom.bs, (j1 - o * per_object) * geom.bs)
+        tokens = slice((j0 - o * per_object) * plan.bs, (j1 - o * per_object) * plan.bs)
         obj_w = obj.view(word)
         for b in plan.blocks:
             piece = obj_w[b.planes, b.layers, tokens, b.w]
-            piece = piece.unflatten(2, (j1 - j0, geom.bs)).unflatten(-1, b.view.shape[4:])
+            piece = piece.unflatten(2, (j1 - j0, plan.bs)).unflatten(-1, b.view.shape[4:])
             if to_objects:
                 torch.index_select(b.view, 2, block_ids[j0:j1], out=piece)
             elif ids_np is not None:

@@ -12,9 +12,11 @@ interpreter (CI has no GPU).
 
 from __future__ import annotations
 
+import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
+from typing import Any
 
 import torch
 import triton
@@ -101,9 +103,13 @@ class _StripeArgs:
 class TritonPlan:
     """Everything about one engine KV cache that does not change between requests (build once, reuse)."""
 
-    geom: KVGeometry
+    bs: int
+    width: int
+    element_size: int
+    bytes_per_token: int
     word: int
     stripes: tuple[_StripeArgs, ...]
+    compiled: dict[tuple, Any] = field(default_factory=dict)  # launch shape -> compiled kernel
 
 
 def _word_size(geom: KVGeometry) -> int:
@@ -135,10 +141,7 @@ def build_plan(geom: KVGeometry) -> TritonPlan:
             feats = [(n, st * es // word) for n, st in feats]
         while len(feats) < 3:
             feats.insert(0, (1, 0))
-        off = [
-            (t.data_ptr() - base.data_ptr() + o * es) // word
-            for t, o in zip(s.tensors, s.offsets, strict=True)
-        ]
+        off = [(t.data_ptr() - base.data_ptr() + o * es) // word for t, o in zip(s.tensors, s.offsets, strict=True)]
         rows = [p * geom.nl + layer for p, layer in zip(s.planes, s.layers, strict=True)]
         args.append(
             _StripeArgs(
@@ -152,7 +155,15 @@ def build_plan(geom: KVGeometry) -> TritonPlan:
                 strides=(feats[0][1], feats[1][1], feats[2][1]),
             )
         )
-    return TritonPlan(geom=geom, word=word, stripes=tuple(args))
+    # The plan holds no reference to the geometry: plans are cached per geometry, weakly.
+    return TritonPlan(
+        bs=geom.bs,
+        width=geom.width,
+        element_size=geom.element_size,
+        bytes_per_token=geom.bytes_per_token,
+        word=word,
+        stripes=tuple(args),
+    )
 
 
 @cache
@@ -180,50 +191,53 @@ def launch(
     chunk_size: int,
     row0: int,
     n_rows: int,
+    stream: torch.cuda.Stream | None = None,
 ) -> None:
-    """Enqueue the copy of tokens [row0, row0 + n_rows) of a request on the current stream (or interpret on CPU).
+    """Enqueue the copy of tokens [row0, row0 + n_rows) of a request on `stream` (default: the current one).
 
     `table` is `object_table(...)` on the engine's device, with offsets relative to `obj_base` (words); it may
-    describe staging memory rather than the objects themselves.
+    describe staging memory rather than the objects themselves. On CPU tensors the kernel is interpreted.
     """
     if n_rows <= 0:
         return
-    geom = plan.geom
     interpret = block_ids.device.type != "cuda"
-    kernel = _interpreted() if interpret else _stripe_copy_kernel
-    obj_row = geom.width * geom.element_size // plan.word
-    for s in plan.stripes:
+    obj_row = plan.width * plan.element_size // plan.word
+    for index, s in enumerate(plan.stripes):
         width = s.sizes[0] * s.sizes[1] * s.sizes[2]
         block_w = min(triton.next_power_of_2(width), 4096 if interpret else 1024)
         block_t = _block_tokens(n_rows, block_w, interpret)
-        grid = (triton.cdiv(n_rows, block_t), len(s.eng_off))
-        kernel[grid](
-            s.base,
-            s.eng_off,
-            s.ent_row,
-            obj_base,
-            table[0],
-            table[1],
-            block_ids,
-            row0,
-            n_rows,
-            chunk_size,
-            obj_row,
-            s.w_offset,
-            s.block_stride,
-            s.token_stride,
-            s.strides[0],
-            s.strides[1],
-            s.strides[2],
-            BS=geom.bs,
-            F0=s.sizes[0],
-            F1=s.sizes[1],
-            F2=s.sizes[2],
-            WORD=_WORD_DTYPES[plan.word],
-            BLOCK_T=block_t,
-            BLOCK_W=block_w,
-            TO_OBJECT=to_objects,
-        )
+        grid = (triton.cdiv(n_rows, block_t), len(s.eng_off), 1)
+        args = (
+            s.base, s.eng_off, s.ent_row, obj_base, table[0], table[1], block_ids, row0, n_rows, chunk_size,
+            obj_row, s.w_offset, s.block_stride, s.token_stride, *s.strides,
+        )  # fmt: skip
+        consts = dict(
+            BS=plan.bs, F0=s.sizes[0], F1=s.sizes[1], F2=s.sizes[2], WORD=_WORD_DTYPES[plan.word],
+            BLOCK_T=block_t, BLOCK_W=block_w, TO_OBJECT=to_objects,
+        )  # fmt: skip
+        if interpret:
+            _interpreted()[grid](*args, **consts)
+            continue
+        handle = (stream or torch.cuda.current_stream()).cuda_stream
+        key = (index, to_objects, block_t, block_w)
+        compiled = plan.compiled.get(key)
+        if compiled is None:  # first launch of this shape: through Triton's JIT (compiles, caches)
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                plan.compiled[key] = _stripe_copy_kernel[grid](*args, **consts)
+            continue
+        # Later launches call the compiled kernel's launcher directly: Triton's JIT path re-binds and
+        # re-specialises ~25 arguments on every call (~30 us), which is most of a small request's budget.
+        full = (*args, *consts.values())
+        compiled.run(
+            grid[0], grid[1], grid[2], handle, compiled.function, compiled.packed_metadata,
+            compiled.launch_metadata(grid, handle, *full), _hook("launch_enter_hook"), _hook("launch_exit_hook"),
+            *full,
+        )  # fmt: skip
+
+
+def _hook(name: str) -> object:
+    knobs = getattr(triton, "knobs", None)
+    return getattr(knobs.runtime, name, None) if knobs is not None else None
 
 
 def copy_triton(
@@ -236,7 +250,7 @@ def copy_triton(
 ) -> None:
     """The whole request in one launch per stripe, kernel reading/writing the objects directly."""
     table = object_table(objects, plan.word).to(block_ids.device, non_blocking=True)
-    bs = plan.geom.bs
+    bs = plan.bs
     n_rows = (len(block_ids) - skip_prefix_blocks) * bs
     launch(plan, objects[0], table, block_ids, to_objects, chunk_size, skip_prefix_blocks * bs, n_rows)
 
@@ -244,4 +258,4 @@ def copy_triton(
 def _block_tokens(n_rows: int, block_w: int, interpret: bool) -> int:
     if interpret:  # the interpreter pays per program: few, large tiles
         return min(triton.next_power_of_2(n_rows), max(1, 65536 // block_w))
-    return max(1, min(64, 8192 // block_w))
+    return max(1, min(128, 4096 // block_w))  # ~32 KiB tiles of int64 words

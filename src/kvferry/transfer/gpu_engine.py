@@ -51,7 +51,10 @@ class TransferHandle:
 
 
 class _Lane:
-    """One direction's streams and staging ring."""
+    """One direction's streams, staging ring and request-metadata ring (all allocated once)."""
+
+    META_SLOTS = 4
+    META_INTS = 1 << 16  # block ids + object tables of one request; larger requests pin a one-off buffer
 
     def __init__(self, device: torch.device, slots: int, slot_bytes: int) -> None:
         self.kernel_stream = torch.cuda.Stream(device)
@@ -59,8 +62,44 @@ class _Lane:
         self.slot_bytes = slot_bytes
         self.staging = torch.empty(slots * slot_bytes, dtype=torch.uint8, device=device)
         self.slot_free = [torch.cuda.Event() for _ in range(slots)]
+        self.slot_ready = [torch.cuda.Event() for _ in range(slots)]
         self.next_slot = 0
+        self.meta_host = torch.empty((self.META_SLOTS, self.META_INTS), dtype=torch.int64, pin_memory=True)
+        self.meta_host_np = self.meta_host.numpy()
+        self.meta_dev = torch.empty((self.META_SLOTS, self.META_INTS), dtype=torch.int64, device=device)
+        self.meta_uploaded = [torch.cuda.Event() for _ in range(self.META_SLOTS)]  # host slot reusable
+        self.meta_released = [torch.cuda.Event() for _ in range(self.META_SLOTS)]  # device slot reusable
+        self.next_meta = 0
         self.lock = threading.Lock()
+
+    def upload(self, parts: list[np.ndarray | list[int]]) -> tuple[torch.Tensor, int | None]:
+        """Copy request metadata to the device; the kernel stream waits for it. Call with the copy stream current.
+
+        Returns (device tensor, ring slot or None for a one-off buffer).
+        """
+        n = sum(len(p) for p in parts)
+        done = torch.cuda.Event()
+        if n > self.META_INTS:
+            host = torch.from_numpy(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])).pin_memory()
+            dev = torch.empty(n, dtype=torch.int64, device=self.meta_dev.device)
+            dev.record_stream(self.kernel_stream)
+            dev.copy_(host, non_blocking=True)
+            done.record(self.copy_stream)
+            self.kernel_stream.wait_event(done)
+            return dev, None
+        k = self.next_meta
+        self.next_meta = (k + 1) % self.META_SLOTS
+        self.meta_uploaded[k].synchronize()  # the previous upload from this pinned slot has left it
+        row = self.meta_host_np[k]
+        at = 0
+        for p in parts:
+            row[at : at + len(p)] = p
+            at += len(p)
+        self.copy_stream.wait_event(self.meta_released[k])  # kernels of an earlier request are done with it
+        self.meta_dev[k, :n].copy_(self.meta_host[k, :n], non_blocking=True)
+        self.meta_uploaded[k].record(self.copy_stream)
+        self.kernel_stream.wait_event(self.meta_uploaded[k])
+        return self.meta_dev[k, :n], k
 
 
 @dataclass(frozen=True)
@@ -70,7 +109,7 @@ class EngineConfig:
     slots: int = 2
     slot_bytes: int = 64 * MiB
     slice_bytes: int | None = None  # default: half a slot
-    zero_copy_below: int = 4 * MiB  # requests smaller than this run zero-copy (measured crossover, BENCHMARKS.md)
+    zero_copy_below: int = 4 * MiB  # requests smaller than this run zero-copy (see docs/gpu_data_path.md)
     mode: str = "auto"  # "auto" | "staged" | "zero_copy"
 
 
@@ -99,48 +138,43 @@ class TransferEngine:
         mode: str | None = None,
     ) -> TransferHandle:
         """Enqueue a validated request (see `kvferry.transfer.check_request`); objects are pinned host tensors."""
-        geom = plan.geom
         lane = self._store if to_objects else self._retrieve
-        nbytes = (len(block_ids) - skip_prefix_blocks) * geom.bs * geom.bytes_per_token
+        bs = plan.bs
+        n_ids = len(block_ids)
+        nbytes = (n_ids - skip_prefix_blocks) * bs * plan.bytes_per_token
         mode = mode or self.config.mode
         if mode == "auto":
             mode = "zero_copy" if nbytes < self.config.zero_copy_below else "staged"
-        caller = torch.cuda.current_stream(self.device)
         start = torch.cuda.Event()
-        start.record(caller)
+        start.record(torch.cuda.current_stream(self.device))
         if nbytes == 0:
             return TransferHandle(event=start, nbytes=0, mode=mode)
         ptrs = [o.data_ptr() for o in objects]
-        if mode == "zero_copy" or (to_objects and skip_prefix_blocks * geom.bs % chunk_size):
+        caps = [o.shape[2] for o in objects]
+        if mode == "zero_copy" or (to_objects and skip_prefix_blocks * bs % chunk_size):
             for i, p in enumerate(ptrs):  # the kernel addresses objects in words
                 if p % plan.word:
                     raise ValueError(f"objects[{i}] is not {plan.word}-byte aligned (allocate from kvferry's pool)")
-        caps = [o.shape[2] for o in objects]
-        with lane.lock, torch.cuda.device(self.device):
-            ks = lane.kernel_stream
+        ks = lane.kernel_stream
+        ids_np = block_ids.numpy()
+        with lane.lock, torch.cuda.stream(lane.copy_stream):  # one stream switch per request
             ks.wait_event(start)
             if mode == "zero_copy":
-                meta = self._upload(ks, block_ids, [(p - ptrs[0]) // plan.word for p in ptrs], caps)
-                ids, table = meta[: len(block_ids)], meta[len(block_ids) :].view(2, -1)
-                with torch.cuda.stream(ks):
-                    rows = (len(block_ids) - skip_prefix_blocks) * geom.bs
-                    triton_copy.launch(
-                        plan, objects[0], table, ids, to_objects, chunk_size, skip_prefix_blocks * geom.bs, rows
-                    )
+                meta, slot = lane.upload([ids_np, [(p - ptrs[0]) // plan.word for p in ptrs], caps])
+                ids, table = meta[:n_ids], meta[n_ids:].view(2, -1)
+                rows = (n_ids - skip_prefix_blocks) * bs
+                triton_copy.launch(plan, objects[0], table, ids, to_objects, chunk_size, skip_prefix_blocks * bs,
+                                   rows, ks)  # fmt: skip
                 end = ks
             else:
-                meta = self._staged(lane, plan, objects, ptrs, caps, block_ids, to_objects, chunk_size,
-                                    skip_prefix_blocks)  # fmt: skip
+                meta, slot = self._staged(lane, plan, objects, ptrs, caps, ids_np, to_objects, chunk_size,
+                                          skip_prefix_blocks)  # fmt: skip
                 end = lane.copy_stream if to_objects else ks
+            if slot is not None:
+                lane.meta_released[slot].record(ks)
             done = torch.cuda.Event()
             done.record(end)
         return TransferHandle(event=done, nbytes=nbytes, mode=mode, _keepalive=[objects, meta])
-
-    def _upload(self, stream: torch.cuda.Stream, ids: torch.Tensor, *rows: list[int]) -> torch.Tensor:
-        """Block ids and object tables in one pinned host->device copy, ordered on (and owned by) `stream`."""
-        host = torch.from_numpy(np.concatenate([ids.numpy(), *(np.asarray(r, dtype=np.int64) for r in rows)]))
-        with torch.cuda.stream(stream):
-            return host.pin_memory().to(self.device, non_blocking=True)
 
     def _staged(
         self,
@@ -149,65 +183,60 @@ class TransferEngine:
         objects: list[torch.Tensor],
         ptrs: list[int],
         caps: list[int],
-        block_ids: torch.Tensor,
+        ids_np: np.ndarray,
         to_objects: bool,
         chunk_size: int,
         skip: int,
-    ) -> torch.Tensor:
-        geom = plan.geom
-        bs = geom.bs
+    ) -> tuple[torch.Tensor, int | None]:
+        bs = plan.bs
         per_object = chunk_size // bs
         word = plan.word
-        row_bytes = geom.bytes_per_token
-        sizes = [c * row_bytes for c in caps]
+        sizes = [c * plan.bytes_per_token for c in caps]
         first = skip // per_object  # objects before this one are skipped entirely
         # A store must not overwrite the skipped head of a partly skipped object: that object goes zero-copy.
         head = to_objects and skip % per_object != 0
         slices = self._slices(sizes, first + head, lane.slot_bytes)
+        n_slots = len(lane.slot_free)
         offsets = [0] * len(objects)
         slot_of: list[int] = []
         for n, members in enumerate(slices):
-            slot = (lane.next_slot + n) % len(lane.slot_free)
+            slot = (lane.next_slot + n) % n_slots
             slot_of.append(slot)
             cursor = slot * lane.slot_bytes
             for o in members:
                 offsets[o] = cursor // word
                 cursor += sizes[o]
-        lane.next_slot = (lane.next_slot + len(slices)) % len(lane.slot_free)
+        lane.next_slot = (lane.next_slot + len(slices)) % n_slots
         ks, cs = lane.kernel_stream, lane.copy_stream
-        n_ids = len(block_ids)
-        meta = self._upload(ks, block_ids, offsets, caps, [0, caps[first]])
+        n_ids = len(ids_np)
+        meta, meta_slot = lane.upload([ids_np, offsets, caps, [0, caps[first]]])
         ids, table = meta[:n_ids], meta[n_ids : n_ids + 2 * len(objects)].view(2, -1)
         if head:
-            head_table = meta[n_ids + 2 * len(objects) :].view(2, 1)
             head_ids = ids[first * per_object : first * per_object + caps[first] // bs]
-            with torch.cuda.stream(ks):
-                triton_copy.launch(plan, objects[first], head_table, head_ids, True, chunk_size,
-                                   skip % per_object * bs, caps[first] - skip % per_object * bs)  # fmt: skip
+            head_rows = skip % per_object * bs
+            triton_copy.launch(plan, objects[first], meta[n_ids + 2 * len(objects) :].view(2, 1), head_ids, True,
+                               chunk_size, head_rows, caps[first] - head_rows, ks)  # fmt: skip
         staging = lane.staging
+        # The copy stream is current (see submit); kernels name their stream.
         for members, slot in zip(slices, slot_of, strict=True):
             row0 = max(members[0] * chunk_size, skip * bs)
             row1 = members[0] * chunk_size + sum(caps[o] for o in members)
-            ready = torch.cuda.Event()
+            ready = lane.slot_ready[slot]
             if to_objects:
                 ks.wait_event(lane.slot_free[slot])
-                with torch.cuda.stream(ks):
-                    triton_copy.launch(plan, staging, table, ids, True, chunk_size, row0, row1 - row0)
+                triton_copy.launch(plan, staging, table, ids, True, chunk_size, row0, row1 - row0, ks)
                 ready.record(ks)
                 cs.wait_event(ready)
-                with torch.cuda.stream(cs):
-                    self._dma(objects, members, ptrs, sizes, staging, offsets, word, to_host=True)
+                self._dma(objects, members, ptrs, sizes, staging, offsets, word, to_host=True)
                 lane.slot_free[slot].record(cs)
             else:
                 cs.wait_event(lane.slot_free[slot])
-                with torch.cuda.stream(cs):
-                    self._dma(objects, members, ptrs, sizes, staging, offsets, word, to_host=False)
+                self._dma(objects, members, ptrs, sizes, staging, offsets, word, to_host=False)
                 ready.record(cs)
                 ks.wait_event(ready)
-                with torch.cuda.stream(ks):
-                    triton_copy.launch(plan, staging, table, ids, False, chunk_size, row0, row1 - row0)
+                triton_copy.launch(plan, staging, table, ids, False, chunk_size, row0, row1 - row0, ks)
                 lane.slot_free[slot].record(ks)
-        return meta
+        return meta, meta_slot
 
     def _slices(self, sizes: list[int], first: int, slot_bytes: int) -> list[list[int]]:
         """Consecutive objects grouped into slices of about `slice_bytes` (whole objects, one slot at most)."""
@@ -279,4 +308,3 @@ def default_engine(device: torch.device) -> TransferEngine:
         if device not in _engines:
             _engines[device] = TransferEngine(device)
         return _engines[device]
-
