@@ -214,11 +214,14 @@ def _backend(backend: str, geom: KVGeometry, objects: list[torch.Tensor]) -> str
             f"backend={backend!r} needs objects on the engine's device {geom.device}, got {sorted(map(str, devices))}"
         )
     if backend == "triton" and geom.device.type == "cuda":
+        checked: set[int] = set()  # pinned-ness is a property of the allocation: ask once per storage
         for i, o in enumerate(objects):
-            if o.device.type == "cpu" and not o.is_pinned():
-                raise ValueError(
-                    f"objects[{i}] is pageable host memory; a GPU kernel needs pinned or device memory"
-                )
+            if o.device.type != "cpu":
+                continue
+            storage = o.untyped_storage().data_ptr()
+            if storage not in checked and not o.is_pinned():
+                raise ValueError(f"objects[{i}] is pageable host memory; a GPU kernel needs pinned or device memory")
+            checked.add(storage)
     elif backend == "triton" and devices != {geom.device}:
         raise ValueError("on CPU tensors the triton backend (interpreter) needs objects on the CPU too")
     return backend
