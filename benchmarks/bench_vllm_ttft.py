@@ -125,6 +125,12 @@ def main() -> None:
             {"prompt": i, "miss_s": miss_s, "hit_s": hit_s, "miss_cached": miss_cached, "hit_cached": hit_cached}
         )
 
+    from kvferry.integrations.vllm import backends
+
+    backend = backends.find(str(llm.llm_engine.vllm_config.kv_transfer_config.engine_id))
+    assert isinstance(backend, backends.EmbeddedBackend), "the connector did not register the KV cache"
+    stats = backend.engine.stats()
+    kvferry_stats = {k: stats[k] for k in ("stored_bytes", "store_seconds", "retrieved_bytes", "retrieve_seconds")}
     miss = statistics.median(r["miss_s"] for r in rows)
     hit = statistics.median(r["hit_s"] for r in rows)
     result = {
@@ -141,6 +147,7 @@ def main() -> None:
         "ttft_miss_s": miss,
         "ttft_hit_s": hit,
         "speedup": miss / hit,
+        "kvferry": kvferry_stats,
         "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -162,6 +169,13 @@ def main() -> None:
         )
     table.add_row("median", f"{miss:.3f}", f"{hit:.3f}", "", f"{miss / hit:.1f}x")
     Console().print(table)
+    loads = len(rows)
+    print(
+        f"kvferry: {kvferry_stats['retrieved_bytes'] / loads / 2**20:.1f} MiB loaded per hit in "
+        f"{kvferry_stats['retrieve_seconds'] / loads * 1e3:.1f} ms; "
+        f"{kvferry_stats['stored_bytes'] / loads / 2**20:.1f} MiB stored per miss in "
+        f"{kvferry_stats['store_seconds'] / loads * 1e3:.1f} ms (in the background)"
+    )
     print(f"wrote {args.out}")
     llm.llm_engine.engine_core.shutdown()
     os._exit(0)  # vLLM's background threads can stall interpreter teardown

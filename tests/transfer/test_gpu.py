@@ -89,18 +89,21 @@ def describe_is_mla(fmt: F) -> bool:
 
 @pytest.mark.parametrize(("model", "fmt", "bs"), CASES)
 def test_ring_reuse_and_concurrent_directions(model: str, fmt: F, bs: int) -> None:
+    """Many requests through one small ring, random sizes and skips, a store and a retrieve in flight at once.
+
+    Expected values come from the torch backend on the GPU (itself checked against the reference on CPU)."""
     dims = MODELS[model]
-    paged = make_paged(fmt, dims, 512, bs, device="cuda")
-    other = make_paged(fmt, dims, 512, bs, device="cuda")
+    paged = make_paged(fmt, dims, 256, bs, device="cuda")
+    other = make_paged(fmt, dims, 256, bs, device="cuda")
     geom = describe(fmt, paged)
-    pool = HostPool(2 << 30)
+    pool = HostPool(1 << 30)
     engine = TransferEngine("cuda", EngineConfig(slot_bytes=48 << 20, mode="staged"))
     gen = torch.Generator().manual_seed(0)
     chunk = 256
     per = chunk // bs
-    for _ in range(12):  # many requests through the same ring, random sizes and skips, both directions at once
-        n = int(torch.randint(1, 6, (1,), generator=gen))
-        ids = torch.randperm(512, generator=gen)[: n * per]
+    for _ in range(8):
+        n = int(torch.randint(1, 5, (1,), generator=gen))
+        ids = torch.randperm(256, generator=gen)[: n * per]
         skip = int(torch.randint(0, n * per, (1,), generator=gen))
         stored = _objects(pool, geom.object_shape(chunk), geom.dtype, n)
         src = _objects(pool, geom.object_shape(chunk), geom.dtype, n)
@@ -110,15 +113,17 @@ def test_ring_reuse_and_concurrent_directions(model: str, fmt: F, bs: int) -> No
         h2 = kvferry.transfer_async(other, src, ids, Direction.H2D, fmt, chunk, skip, engine=engine)
         h1.wait()
         h2.wait()
-        want = [torch.empty_like(o).view(torch.uint8).fill_(0x5A).view(o.dtype) for o in stored]
-        kvferry.transfer(_to_cpu(paged), want, ids, Direction.D2H, fmt, chunk, skip, backend="torch")
-        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(stored, want, strict=True))
-        back = [torch.empty_like(o).view(torch.uint8).fill_(0x5A).view(o.dtype) for o in src]
-        kvferry.transfer(_to_cpu(other), back, ids, Direction.D2H, fmt, chunk, skip, backend="torch")
+        want = [torch.empty(o.shape, dtype=o.dtype, device="cuda") for o in stored]
+        for w in want:
+            w.view(torch.uint8).fill_(0x5A)  # the skipped head of `stored` must still hold this poison
+        kvferry.transfer(paged, want, ids, Direction.D2H, fmt, chunk, skip, backend="torch")
+        assert all(torch.equal(a.cuda().view(torch.uint8), b.view(torch.uint8)) for a, b in zip(stored, want, strict=True))
+        back = [torch.zeros(o.shape, dtype=o.dtype, device="cuda") for o in src]
+        kvferry.transfer(other, back, ids, Direction.D2H, fmt, chunk, skip, backend="torch")
         head = skip * bs
         for i, (a, b) in enumerate(zip(src, back, strict=True)):
-            lo = max(0, head - i * chunk)
-            assert torch.equal(a[:, :, lo:].view(torch.uint8), b[:, :, lo:].view(torch.uint8))
+            lo = max(0, min(a.shape[2], head - i * chunk))
+            assert torch.equal(a[:, :, lo:].cuda().view(torch.uint8), b[:, :, lo:].view(torch.uint8))
         for o in stored + src:
             pool.free(o)
 

@@ -4,6 +4,12 @@ Each stripe's entries are folded into one strided view `[planes, layers, NB, BS,
 storage when they are evenly spaced in it (engines allocate their layers as views of one buffer). Stores gather with
 `index_select(..., out=<object slice>)`; retrieves scatter with numpy fancy assignment on CPU (a memcpy per block
 piece; torch's CPU index_copy_ is elementwise and ~3x slower) and `index_copy_` elsewhere.
+
+On CPU, when every block piece is one contiguous run (token-major layouts: NHD, MLA, fused NHD) and the object slice
+is contiguous, the engine storage is seen as a 2-D array of piece-sized rows, and both directions are one numpy call
+per (stripe, object) that does a memcpy per row: `np.take(rows, ids, out=)` stores, `rows[ids] = ...` retrieves.
+Single-threaded on purpose: torch's index_select over `[P, L, NB, ...]` opens an OpenMP region per block, which
+stalls whenever another process holds a core (measured 0.05-0.9 of memcpy on the 2-core CI machine, run to run).
 """
 
 from __future__ import annotations
@@ -11,11 +17,21 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvferry.formats import KVGeometry, Stripe
 
 _WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """Engine block pieces as rows of one C-contiguous 2-D array: piece (p, l, b) is row `base[p, l] + b * step`."""
+
+    array: np.ndarray  # [rows, BS * width] words over the engine's whole storage (a view, no copy)
+    base: np.ndarray  # int64 [P, L]
+    step: int
 
 
 @dataclass(frozen=True)
@@ -26,6 +42,7 @@ class _Block:
     planes: slice
     layers: slice
     w: slice
+    rows: _Rows | None  # CPU engines whose block pieces are contiguous runs
 
 
 @dataclass(frozen=True)
@@ -56,8 +73,7 @@ def copy_torch(
     word = _WORD[plan.element_size]
     per_object = chunk_size // plan.bs
     n = len(block_ids)
-    numpy_scatter = not to_objects and plan.device.type == "cpu"
-    ids_np = block_ids.numpy() if numpy_scatter else None
+    ids_np = block_ids.numpy() if plan.device.type == "cpu" else None
     for o, obj in enumerate(objects):
         j0, j1 = max(o * per_object, skip_prefix_blocks), min(o * per_object + obj.shape[2] // plan.bs, n)
         if j0 >= j1:
@@ -66,6 +82,9 @@ def copy_torch(
         obj_w = obj.view(word)
         for b in plan.blocks:
             piece = obj_w[b.planes, b.layers, tokens, b.w]
+            if b.rows is not None and ids_np is not None and piece.is_contiguous():
+                _copy_rows(b.rows, piece.numpy(), ids_np[j0:j1], to_objects)
+                continue
             piece = piece.unflatten(2, (j1 - j0, plan.bs)).unflatten(-1, b.view.shape[4:])
             if to_objects:
                 torch.index_select(b.view, 2, block_ids[j0:j1], out=piece)
@@ -73,6 +92,17 @@ def copy_torch(
                 b.view.numpy()[:, :, ids_np[j0:j1]] = piece.numpy()
             else:
                 b.view.index_copy_(2, block_ids[j0:j1], piece)
+
+
+def _copy_rows(rows: _Rows, piece: np.ndarray, ids: np.ndarray, to_objects: bool) -> None:
+    """Copy whole block pieces between engine rows and a contiguous object slice `[P, L, n * BS, width]`."""
+    engine_rows = (rows.base[:, :, None] + ids[None, None, :] * rows.step).reshape(-1)
+    object_rows = piece.reshape(len(engine_rows), rows.array.shape[1])
+    if to_objects:
+        # mode="clip": ids are validated already, and "raise" would make numpy buffer the output.
+        np.take(rows.array, engine_rows, axis=0, out=object_rows, mode="clip")
+    else:
+        rows.array[engine_rows] = object_rows
 
 
 def _even_groups(stripe: Stripe) -> list[list[int]]:
@@ -131,7 +161,30 @@ def _fold(geom: KVGeometry, stripe: Stripe, members: list[int], word: torch.dtyp
         planes=_as_slice(planes),
         layers=_as_slice(layers),
         w=slice(stripe.w_offset, stripe.w_offset + stripe.width),
+        rows=_rows(geom, stripe, words, _storage_offset(stripe, first), (len(planes), len(layers)), (sp, sl)),
     )
+
+
+def _rows(
+    geom: KVGeometry,
+    stripe: Stripe,
+    words: torch.Tensor,
+    origin: int,
+    grid: tuple[int, int],
+    grid_strides: tuple[int, int],
+) -> _Rows | None:
+    """Rows of `BS * width` words, if every block piece of the folded view is one run that starts on a row."""
+    run = geom.bs * stripe.width
+    if words.device.type != "cpu" or stripe.features != ((stripe.width, 1),):
+        return None
+    if geom.bs > 1 and stripe.token_stride != stripe.width:
+        return None
+    if any(x % run for x in (origin, stripe.block_stride, *grid_strides)):
+        return None
+    array = words.as_strided((words.numel() // run, run), (run, 1), 0).numpy()
+    planes = np.arange(grid[0], dtype=np.int64)[:, None] * (grid_strides[0] // run)
+    layers = np.arange(grid[1], dtype=np.int64)[None, :] * (grid_strides[1] // run)
+    return _Rows(array=array, base=origin // run + planes + layers, step=stripe.block_stride // run)
 
 
 def _as_slice(values: list[int]) -> slice:

@@ -220,19 +220,36 @@ def launch(
             continue
         handle = (stream or torch.cuda.current_stream()).cuda_stream
         key = (index, to_objects, block_t, block_w)
-        compiled = plan.compiled.get(key)
-        if compiled is None:  # first launch of this shape: through Triton's JIT (compiles, caches)
+        fast = plan.compiled.get(key)
+        if fast is None:  # first launch of this shape: through Triton's JIT (compiles, caches)
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                plan.compiled[key] = _stripe_copy_kernel[grid](*args, **consts)
+                compiled = _stripe_copy_kernel[grid](*args, **consts)
+            plan.compiled[key] = _FastLaunch(compiled, tuple(consts.values()))
             continue
-        # Later launches call the compiled kernel's launcher directly: Triton's JIT path re-binds and
-        # re-specialises ~25 arguments on every call (~30 us), which is most of a small request's budget.
-        full = (*args, *consts.values())
-        compiled.run(
-            grid[0], grid[1], grid[2], handle, compiled.function, compiled.packed_metadata,
-            compiled.launch_metadata(grid, handle, *full), _hook("launch_enter_hook"), _hook("launch_exit_hook"),
-            *full,
+        # Later launches call the compiled kernel's launcher directly with raw pointers: Triton's JIT path
+        # re-binds and re-specialises ~25 arguments on every call (~30 us), most of a small request's budget.
+        table_ptr = table.data_ptr()
+        fast(
+            grid, handle,
+            s.base.data_ptr(), s.eng_off.data_ptr(), s.ent_row.data_ptr(), obj_base.data_ptr(), table_ptr,
+            table_ptr + table.stride(0) * 8, block_ids.data_ptr(), row0, n_rows, chunk_size, obj_row, s.w_offset,
+            s.block_stride, s.token_stride, *s.strides,
         )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _FastLaunch:
+    """A compiled kernel and its constexpr tail; calls the launcher as Triton's own JIT path does."""
+
+    compiled: Any
+    consts: tuple[Any, ...]
+
+    def __call__(self, grid: tuple[int, int, int], stream: int, *args: Any) -> None:
+        c = self.compiled
+        full = (*args, *self.consts)
+        enter, leave = _hook("launch_enter_hook"), _hook("launch_exit_hook")
+        meta = c.launch_metadata(grid, stream, *full) if enter is not None else None
+        c.run(grid[0], grid[1], grid[2], stream, c.function, c.packed_metadata, meta, enter, leave, *full)
 
 
 def _hook(name: str) -> object:

@@ -14,7 +14,9 @@ enqueueing. Below a size crossover, or when configured, the request runs zero-co
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -145,8 +147,9 @@ class TransferEngine:
         mode = mode or self.config.mode
         if mode == "auto":
             mode = "zero_copy" if nbytes < self.config.zero_copy_below else "staged"
+        caller = torch.cuda.current_stream(self.device)
         start = torch.cuda.Event()
-        start.record(torch.cuda.current_stream(self.device))
+        start.record(caller)
         if nbytes == 0:
             return TransferHandle(event=start, nbytes=0, mode=mode)
         ptrs = [o.data_ptr() for o in objects]
@@ -157,7 +160,7 @@ class TransferEngine:
                     raise ValueError(f"objects[{i}] is not {plan.word}-byte aligned (allocate from kvferry's pool)")
         ks = lane.kernel_stream
         ids_np = block_ids.numpy()
-        with lane.lock, torch.cuda.stream(lane.copy_stream):  # one stream switch per request
+        with lane.lock, _current(lane.copy_stream, caller):  # one stream switch per request
             ks.wait_event(start)
             if mode == "zero_copy":
                 meta, slot = lane.upload([ids_np, [(p - ptrs[0]) // plan.word for p in ptrs], caps])
@@ -240,7 +243,10 @@ class TransferEngine:
 
     def _slices(self, sizes: list[int], first: int, slot_bytes: int) -> list[list[int]]:
         """Consecutive objects grouped into slices of about `slice_bytes` (whole objects, one slot at most)."""
-        target = self.config.slice_bytes or slot_bytes // 2
+        # About a quarter of the request per slice (so even a small request overlaps its gather with its DMA),
+        # at least 4 MiB (below that the copy engine and launches dominate), at most half a slot.
+        total = sum(sizes[first:])
+        target = self.config.slice_bytes or min(slot_bytes // 2, max(4 * MiB, total // 4))
         slices: list[list[int]] = []
         size = 0
         for o in range(first, len(sizes)):
@@ -283,6 +289,16 @@ class TransferEngine:
                 dev.copy_(host, non_blocking=True)
             if nxt is not None:
                 run_start = nxt
+
+
+@contextlib.contextmanager
+def _current(stream: torch.cuda.Stream, previous: torch.cuda.Stream) -> Iterator[None]:
+    """Make `stream` current and restore `previous` (cheaper than torch.cuda.stream, which re-queries both)."""
+    torch.cuda.set_stream(stream)
+    try:
+        yield
+    finally:
+        torch.cuda.set_stream(previous)
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
