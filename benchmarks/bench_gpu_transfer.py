@@ -125,7 +125,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="gpu_bench.json")
     ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--quick", action="store_true", help="fewer sections (smoke)")
+    ap.add_argument("--sections", default="bulk,formats,onechunk,bidir,gemm,crossover",
+                    help="comma-separated subset of: bulk, formats, onechunk, bidir, gemm, crossover")  # fmt: skip
     args = ap.parse_args()
     reps = args.reps
     rows: list[dict] = []
@@ -139,8 +140,9 @@ def main() -> int:
         print(f"{section:10s} {what:58s} {r['gbps']:7.1f} GB/s  ceil {r['ceiling_gbps']:6.1f}  ratio {r['ratio']:.3f}",
               flush=True)  # fmt: skip
 
+    sections = set(args.sections.split(","))
     # 1. bulk: 16 chunks of scattered blocks (32 for qwen)
-    for model, n in (("llama3-8b", 16), ("qwen2.5-0.5b", 32), ("deepseek-v3-mla", 16)):
+    for model, n in [] if "bulk" not in sections else (("llama3-8b", 16), ("qwen2.5-0.5b", 32), ("deepseek-v3-mla", 16)):
         fmt = F.NL_X_NB_BS_HS if model == "deepseek-v3-mla" else F.NL_X_TWO_NB_BS_NH_HS
         s = Setup(model, fmt, n)
         for d in (Direction.D2H, Direction.H2D):
@@ -152,7 +154,7 @@ def main() -> int:
             row("bulk", f"{model} D2H torch by hand", s.nbytes, by_hand_ms(s, reps), memcpy_ms(s.nbytes, True, reps))
         del s
         torch.cuda.empty_cache()
-    if not args.quick:
+    if "formats" in sections:
         # 2. every format at a realistic shape, 16 chunks
         for fmt in F:
             model = "deepseek-v3-mla" if layout_of(fmt).is_mla else "llama3-8b"
@@ -162,7 +164,7 @@ def main() -> int:
                 row("formats", f"{fmt.name} {d.name}", s.nbytes, events_ms(lambda: s.run(d, engine), reps), ceil)
             del s
     # 3. one chunk, wall time from the Python call to completion vs a single memcpy's
-    for model in ("llama3-8b", "qwen2.5-0.5b"):
+    for model in ("llama3-8b", "qwen2.5-0.5b") if "onechunk" in sections else ():
         s = Setup(model, F.NL_X_TWO_NB_BS_NH_HS, 1)
         for d in (Direction.D2H, Direction.H2D):
             ceil = memcpy_ms(s.nbytes, d is Direction.D2H, reps * 4)
@@ -195,10 +197,11 @@ def main() -> int:
         h1.wait()
         h2.wait()
 
-    row("bidir", "llama3-8b store+retrieve at once (bytes both ways)", 2 * s.nbytes, events_ms(both, reps), events_ms(two_memcpy, reps))
+    if "bidir" in sections:
+        row("bidir", "llama3-8b store+retrieve at once (bytes both ways)", 2 * s.nbytes, events_ms(both, reps), events_ms(two_memcpy, reps))
     # 5. GEMM interference
-    alone, _ = gemm_tflops()
-    for mode in ("staged", "zero_copy"):
+    alone, _ = gemm_tflops() if "gemm" in sections else (0.0, 0.0)
+    for mode in ("staged", "zero_copy") if "gemm" in sections else ():
         for d in (Direction.D2H, Direction.H2D):
             def loop(d=d, mode=mode) -> int:  # type: ignore[no-untyped-def]
                 s.run(d, engine, mode)
@@ -207,7 +210,7 @@ def main() -> int:
             rows.append(dict(section="gemm", what=f"{mode} {d.name}", gemm_tflops=tf, gemm_alone=alone, gemm_kept=tf / alone, gbps=gbps))
             print(f"gemm       {mode} {d.name}: GEMM {tf:.0f} TFLOP/s of {alone:.0f} alone ({tf / alone:.3f}); transfer {gbps:.1f} GB/s", flush=True)
     # 6. crossover: qwen chunks, staged vs zero-copy wall time
-    for n in (1, 2, 4, 8):
+    for n in (1, 2, 4, 8) if "crossover" in sections else ():
         q = Setup("qwen2.5-0.5b", F.NL_X_TWO_NB_BS_NH_HS, n)
         for d in (Direction.D2H, Direction.H2D):
             ceil = memcpy_ms(q.nbytes, d is Direction.D2H, reps * 2)

@@ -1,7 +1,7 @@
 """kvferry: KV-cache offload and sharing for LLM serving engines."""
 
 from kvferry.formats import EngineKVFormat, KVGeometry, describe, object_shape
-from kvferry.transfer import Direction, transfer
+from kvferry.transfer import Direction, transfer, transfer_async
 
 __version__ = "0.1.0"
 

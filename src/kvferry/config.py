@@ -26,9 +26,7 @@ class CacheConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    chunk_size: int = Field(
-        256, gt=0, description="tokens per chunk object (a multiple of the engine's block size)"
-    )
+    chunk_size: int = Field(256, gt=0, description="tokens per chunk object (a multiple of the engine's block size)")
     l1_size_gb: float = Field(4.0, gt=0, description="host pool capacity in GiB (2**30 bytes)")
     eviction_policy: Literal["lru", "s3fifo"] = "lru"
     watermark: float = Field(
@@ -37,9 +35,7 @@ class CacheConfig(BaseModel):
         le=1,
         description="evict a batch when an allocation would push the pool above this fraction",
     )
-    eviction_batch: int = Field(
-        16, gt=0, description="objects evicted at least, once the watermark is crossed"
-    )
+    eviction_batch: int = Field(16, gt=0, description="objects evicted at least, once the watermark is crossed")
     lock_timeout_s: float = Field(30.0, gt=0, description="a lookup lock is released after this many seconds")
     hash_algo: Literal["sha256", "blake3"] = Field(
         "sha256", description="prefix-hash function (sha256 is faster per 1 KiB chunk call through CPython)"
@@ -51,6 +47,9 @@ class CacheConfig(BaseModel):
         "on_evict",
         description="on_evict: evicted objects are written to the first tier (write-behind); "
         "on_store: every stored object is written to every tier right after the store (shared tiers)",
+    )
+    spill_wait_s: float = Field(
+        1.0, ge=0, description="how long a store may wait for evicted objects' tier writes to free pool memory"
     )
     async_workers: int = Field(2, gt=0, description="threads serving store_async / retrieve_async")
 
@@ -106,9 +105,7 @@ def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
         model = sections.get(section)
         if not sep or model is None or field.lower() not in model.model_fields:
             known = [f"{ENV_PREFIX}{s}__{f.upper()}" for s, m in sections.items() for f in m.model_fields]
-            raise ValueError(
-                f"unknown environment variable {name}; known: {ENV_PREFIX}TIERS, {', '.join(known)}"
-            )
+            raise ValueError(f"unknown environment variable {name}; known: {ENV_PREFIX}TIERS, {', '.join(known)}")
         out.setdefault(section.lower(), {})[field.lower()] = value
     return out
 

@@ -13,23 +13,25 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
-import blake3
-import numpy as np
-import torch
-
-import kvferry
-from kvferry.cache.index import Entry
+from kvferry.cache.index import Entry, object_checksum
 from kvferry.cache.keys import CacheNamespace, ChunkHasher, TokenIds
 from kvferry.cache.metrics import GAUGES, CacheCounters, counters_dict, gbps, make_registry
 from kvferry.cache.policies import make_policy
+from kvferry.cache.request import (
+    BlockIds,
+    check_block_ids,
+    check_skip,
+    dtype_name,
+    layout_name,
+    select_blocks,
+)
 from kvferry.cache.residency import Residency
 from kvferry.cache.tiering import TierLink
 from kvferry.config import KvferryConfig
-from kvferry.formats import EngineKVFormat
+from kvferry.formats import EngineKVFormat, KVGeometry, describe
 from kvferry.memory import HostPool
 from kvferry.tiers import Tier, make_tier
-
-BlockIds = Sequence[int] | np.ndarray | torch.Tensor
+from kvferry.transfer import Direction, transfer
 
 
 class LookupResult(NamedTuple):
@@ -71,6 +73,8 @@ class CacheEngine:
         self._executor = ThreadPoolExecutor(cfg.async_workers, thread_name_prefix=f"kvferry-{name}")
         self.metrics_registry = make_registry(name, self._metric_values)
         self._closed = threading.Event()
+        # Geometries already checked against a namespace (registered engines pass the same one every call).
+        self._matched: dict[tuple[int, bytes], KVGeometry] = {}
 
     # --- keys ---------------------------------------------------------------------------------------------
 
@@ -84,10 +88,12 @@ class CacheEngine:
         rank: int = 0,
         salt: str = "",
         block_size: int | None = None,
+        geometry: KVGeometry | None = None,
     ) -> CacheNamespace:
         """The key space of ``model``'s KV cache ``paged`` (in format ``fmt``) on ``rank`` of ``world_size``."""
-        shape, dtype, _ = self._layout(fmt, paged, block_size)
-        return CacheNamespace(model, _dtype_name(dtype), _layout_name(fmt, shape), world_size, rank, salt)
+        geom = self._geometry(fmt, paged, block_size, geometry)
+        shape = geom.object_shape(self.chunk_size)
+        return CacheNamespace(model, dtype_name(geom.dtype), layout_name(fmt, shape), world_size, rank, salt)
 
     def chunk_keys(self, tokens: TokenIds, *, namespace: CacheNamespace | None = None) -> list[bytes]:
         """The keys of the full chunks of ``tokens`` (what tiers see)."""
@@ -106,9 +112,7 @@ class CacheEngine:
         against eviction until ``retrieve(lock_id=...)`` / ``free_lookup_locks`` / the lock timeout."""
         ns = self._ns(namespace)
         # With tiers, the keys after the pool's hits are wanted too; without, hashing stops at the first miss.
-        keys = (
-            self._hasher.keys(tokens, ns) if self._tiers is not None else self._candidate_prefix(tokens, ns)
-        )
+        keys = self._hasher.keys(tokens, ns) if self._tiers is not None else self._candidate_prefix(tokens, ns)
         with self._res.lock:
             self._res.expire_locks_locked()
             hits = self._res.readable_prefix_locked(keys)
@@ -150,34 +154,38 @@ class CacheEngine:
         namespace: CacheNamespace | None = None,
         block_size: int | None = None,
         skip_prefix_tokens: int = 0,
+        geometry: KVGeometry | None = None,
     ) -> int:
         """Copy the full chunks of ``tokens`` not cached yet out of the engine's blocks; returns tokens stored.
 
         ``block_ids`` holds the engine block of every ``block_size`` tokens from token 0. Chunks that lie
         entirely within ``skip_prefix_tokens`` are not stored. Chunks that find the pool full of locked or
         in-use objects are skipped (counted in ``stats()['skipped_chunks']``), never an exception.
+        ``geometry`` (``kvferry.formats.describe(fmt, paged, block_size)``, made once at registration) saves
+        re-validating the engine's tensors on every call.
         """
         ns = self._ns(namespace)
-        shape, dtype, bs = self._layout(fmt, paged, block_size, ns)
+        geom = self._geometry(fmt, paged, block_size, geometry, ns)
+        shape, dtype, bs = geom.object_shape(self.chunk_size), geom.dtype, geom.bs
         keys = self._hasher.keys(tokens, ns)
-        first = _check_skip(skip_prefix_tokens, len(tokens)) // self.chunk_size
+        first = check_skip(skip_prefix_tokens, len(tokens)) // self.chunk_size
         per_chunk = self.chunk_size // bs
-        _check_block_ids(block_ids, len(keys) * per_chunk, bs)
+        check_block_ids(block_ids, len(keys) * per_chunk, bs)
         if first >= len(keys):
             return 0
         nbytes = dtype.itemsize * shape[0] * shape[1] * shape[2] * shape[3]
         new = self._res.reserve(keys[first:], shape, dtype, nbytes)
         entries = [entry for _, entry in new]
         if entries:
-            ids = _select_blocks(block_ids, [first + i for i, _ in new], per_chunk)
+            ids = select_blocks(block_ids, [first + i for i, _ in new], per_chunk)
             started = time.perf_counter()
             try:
-                self._dispatch(paged, entries, ids, kvferry.Direction.D2H, fmt, block_size, 0)
+                self._dispatch(paged, geom, entries, ids, Direction.D2H, 0)
             except BaseException:
                 self._res.abort(entries)
                 raise
             seconds = time.perf_counter() - started
-            checksums = [self._checksum(e.obj) if self._checksum else None for e in entries]  # type: ignore[arg-type]
+            checksums = self._checksums(entries)
             writers = len(self._tiers.tiers) if self._tiers is not None and self._tiers.write_on_store else 0
             kept = self._res.commit(entries, checksums, writers)
             if writers:
@@ -202,6 +210,7 @@ class CacheEngine:
         block_size: int | None = None,
         skip_prefix_tokens: int = 0,
         lock_id: int | None = None,
+        geometry: KVGeometry | None = None,
     ) -> int:
         """Copy the cached prefix of ``tokens`` after ``skip_prefix_tokens`` into the engine's blocks.
 
@@ -212,26 +221,22 @@ class CacheEngine:
         held: list[Entry] = []
         try:
             ns = self._ns(namespace)
-            _, _, bs = self._layout(fmt, paged, block_size, ns)
-            skip = _check_skip(skip_prefix_tokens, len(tokens))
+            geom = self._geometry(fmt, paged, block_size, geometry, ns)
+            bs = geom.bs
+            skip = check_skip(skip_prefix_tokens, len(tokens))
             first = skip // self.chunk_size
             per_chunk = self.chunk_size // bs
-            _check_block_ids(block_ids, self._hasher.num_chunks(tokens) * per_chunk, bs)
+            check_block_ids(block_ids, self._hasher.num_chunks(tokens) * per_chunk, bs)
             held = self._res.acquire_readers(self._candidate_prefix(tokens, ns, first))
             entries = self._verified(held)
             if not entries:
+                with self._res.lock:
+                    self.counters.retrieves += 1
                 return 0
             end = first + len(entries)
             started = time.perf_counter()
-            self._dispatch(
-                paged,
-                entries,
-                block_ids[first * per_chunk : end * per_chunk],
-                kvferry.Direction.H2D,
-                fmt,
-                block_size,
-                (skip - first * self.chunk_size) // bs,
-            )
+            ids = block_ids[first * per_chunk : end * per_chunk]
+            self._dispatch(paged, geom, entries, ids, Direction.H2D, (skip - first * self.chunk_size) // bs)
             seconds = time.perf_counter() - started
             with self._res.lock:
                 self.counters.retrieves += 1
@@ -284,23 +289,22 @@ class CacheEngine:
     def _dispatch(
         self,
         paged: Any,
+        geom: KVGeometry,
         entries: list[Entry],
         block_ids: BlockIds,
-        direction: kvferry.Direction,
-        fmt: EngineKVFormat | int,
-        block_size: int | None,
+        direction: Direction,
         skip_prefix_blocks: int,
     ) -> None:
         """The one place that moves bytes (so an event-based GPU transfer engine replaces only this)."""
-        kvferry.transfer(
+        transfer(
             paged,
             [e.obj for e in entries],
             block_ids,
             direction,
-            fmt,
+            geom.fmt,
             chunk_size=self.chunk_size,
             skip_prefix_blocks=skip_prefix_blocks,
-            block_size=block_size,
+            geometry=geom,
         )
 
     def _ns(self, namespace: CacheNamespace | None) -> CacheNamespace:
@@ -312,20 +316,33 @@ class CacheEngine:
             )
         return ns
 
-    def _layout(
-        self, fmt: EngineKVFormat | int, paged: Any, block_size: int | None, ns: CacheNamespace | None = None
-    ) -> tuple[tuple[int, int, int, int], torch.dtype, int]:
-        """Object shape, dtype and block size of ``paged``; checks them against ``ns`` when given."""
-        geometry = kvferry.formats.describe(fmt, paged, block_size)
-        shape = kvferry.object_shape(fmt, paged, self.chunk_size, block_size)
-        if ns is not None:
-            layout, dtype_name = _layout_name(fmt, shape), _dtype_name(geometry.dtype)
-            if ns.layout != layout or ns.kv_dtype != dtype_name:
+    def _geometry(
+        self,
+        fmt: EngineKVFormat | int,
+        paged: Any,
+        block_size: int | None,
+        geometry: KVGeometry | None,
+        ns: CacheNamespace | None = None,
+    ) -> KVGeometry:
+        """``geometry``, or ``paged`` described now; checked against ``fmt`` and against ``ns`` when given."""
+        if geometry is None:
+            geom = describe(fmt, paged, block_size)
+        elif not isinstance(geometry, KVGeometry) or geometry.fmt != EngineKVFormat(fmt):
+            raise ValueError(f"geometry={geometry!r} does not describe fmt={EngineKVFormat(fmt).name}")
+        else:
+            geom = geometry
+        if ns is not None and self._matched.get((id(geom), ns.digest)) is not geom:
+            layout = layout_name(geom.fmt, geom.object_shape(self.chunk_size))
+            kv_dtype = dtype_name(geom.dtype)
+            if ns.layout != layout or ns.kv_dtype != kv_dtype:
                 raise ValueError(
-                    f"namespace was made for layout {ns.layout} / {ns.kv_dtype}, but paged in format {fmt} gives "
-                    f"{layout} / {dtype_name}: build the namespace with namespace_for() for this KV cache"
+                    f"namespace was made for layout {ns.layout} / {ns.kv_dtype}, but the KV cache passed gives "
+                    f"{layout} / {kv_dtype}: build the namespace with namespace_for() for this KV cache"
                 )
-        return shape, geometry.dtype, geometry.bs
+            if len(self._matched) >= 64:
+                self._matched.clear()
+            self._matched[(id(geom), ns.digest)] = geom  # holding geom keeps its id from being reused
+        return geom
 
     def _candidate_prefix(self, tokens: TokenIds, ns: CacheNamespace, start: int = 0) -> list[bytes]:
         """Keys of chunks ``start, start + 1, ...`` of ``tokens`` up to and including the first not readable in
@@ -345,6 +362,12 @@ class CacheEngine:
     def _pool_hits(self, keys: list[bytes]) -> int:
         with self._res.lock:
             return len(self._res.readable_prefix_locked(keys)) * self.chunk_size
+
+    def _checksums(self, entries: list[Entry]) -> list[bytes | None]:
+        if self._checksum is None:
+            return [None] * len(entries)
+        checksum = self._checksum
+        return [checksum(e.obj) for e in entries if e.obj is not None]
 
     def _verified(self, entries: list[Entry]) -> list[Entry]:
         """The leading ``entries`` whose checksum matches; the first that fails is dropped from the cache."""
@@ -374,11 +397,6 @@ class CacheEngine:
         return values
 
 
-def object_checksum(obj: torch.Tensor) -> bytes:
-    """blake3 of an object's bytes (objects are contiguous CPU tensors in the pool)."""
-    return blake3.blake3(obj.reshape(-1).view(torch.uint8).numpy()).digest()
-
-
 def _when_all(futures: list[Future[None]], then: Callable[[], int]) -> Future[int]:
     """A future of ``then()``, computed once every future in ``futures`` is done (no thread waits)."""
     result: Future[int] = Future()
@@ -405,43 +423,4 @@ def _when_all(futures: list[Future[None]], then: Callable[[], int]) -> Future[in
     return result
 
 
-def _layout_name(fmt: EngineKVFormat | int, shape: Sequence[int]) -> str:
-    return f"{EngineKVFormat(fmt).name}:{'x'.join(str(d) for d in shape)}"
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _check_skip(skip_prefix_tokens: int, n_tokens: int) -> int:
-    if (
-        isinstance(skip_prefix_tokens, bool)
-        or not isinstance(skip_prefix_tokens, int)
-        or skip_prefix_tokens < 0
-    ):
-        raise ValueError(f"skip_prefix_tokens={skip_prefix_tokens!r} must be an int >= 0")
-    if skip_prefix_tokens > n_tokens:
-        raise ValueError(f"skip_prefix_tokens={skip_prefix_tokens} exceeds len(tokens)={n_tokens}")
-    return skip_prefix_tokens
-
-
-def _check_block_ids(block_ids: BlockIds, needed: int, block_size: int) -> None:
-    if len(block_ids) < needed:
-        raise ValueError(
-            f"block_ids has {len(block_ids)} entries but the full chunks of tokens need {needed} "
-            f"(one per {block_size} tokens, from token 0)"
-        )
-
-
-def _select_blocks(block_ids: BlockIds, chunks: list[int], per_chunk: int) -> BlockIds:
-    """The block ids of ``chunks`` (ascending chunk indices), in order: one slice when they are consecutive."""
-    if chunks[-1] - chunks[0] == len(chunks) - 1:
-        return block_ids[chunks[0] * per_chunk : (chunks[-1] + 1) * per_chunk]
-    rows = [range(c * per_chunk, (c + 1) * per_chunk) for c in chunks]
-    if isinstance(block_ids, torch.Tensor | np.ndarray):
-        index = np.fromiter((i for r in rows for i in r), dtype=np.int64)
-        return block_ids[torch.from_numpy(index) if isinstance(block_ids, torch.Tensor) else index]
-    return [block_ids[i] for r in rows for i in r]
-
-
-__all__ = ["CacheEngine", "LookupResult", "object_checksum"]
+__all__ = ["CacheEngine", "LookupResult"]

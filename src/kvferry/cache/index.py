@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 import torch
+import xxhash
 
 
 class State(Enum):
@@ -70,3 +71,9 @@ class CacheIndex:
 
     def count(self, state: State) -> int:
         return sum(1 for e in self._entries.values() if e.state is state)
+
+
+def object_checksum(obj: torch.Tensor) -> bytes:
+    """xxh3-128 of an object's bytes (objects are contiguous CPU tensors in the pool): guards against corruption,
+    at >10 GB/s per core."""
+    return xxhash.xxh3_128(obj.reshape(-1).view(torch.uint8).numpy()).digest()

@@ -77,7 +77,7 @@ class ChunkHasher:
 
     def iter_keys(self, tokens: TokenIds, namespace: CacheNamespace) -> Iterator[bytes]:
         """Keys of the full chunks of ``tokens``, lazily (a caller that stops at the first miss hashes less)."""
-        data = token_bytes(tokens)
+        data = memoryview(token_bytes(tokens))  # slices of a view copy nothing
         step = self.chunk_size * 4
         hash_fn = self._hash
         key = namespace.digest
@@ -93,22 +93,21 @@ class ChunkHasher:
 def token_bytes(tokens: TokenIds) -> bytes:
     """``tokens`` as little-endian uint32 bytes; ValueError/TypeError naming ``tokens`` on bad input."""
     if isinstance(tokens, torch.Tensor):
-        if (
-            tokens.dim() != 1
-            or tokens.is_floating_point()
-            or tokens.is_complex()
-            or tokens.dtype == torch.bool
-        ):
+        if tokens.dim() != 1 or tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
             raise TypeError(
                 f"tokens must be a 1-D integer tensor, got dtype={tokens.dtype} shape={tuple(tokens.shape)}"
             )
         tokens = tokens.detach().cpu().numpy()
     if isinstance(tokens, np.ndarray):
         if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
-            raise TypeError(
-                f"tokens must be a 1-D integer array, got dtype={tokens.dtype} shape={tokens.shape}"
-            )
-        if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) > 0xFFFFFFFF):
+            raise TypeError(f"tokens must be a 1-D integer array, got dtype={tokens.dtype} shape={tokens.shape}")
+        tokens = tokens.astype(tokens.dtype.newbyteorder("="), copy=False)
+        # One vectorised pass: seen as uint64, a negative id is huge too.
+        if tokens.dtype.itemsize == 8:
+            bad = bool((tokens.view(np.uint64) > 0xFFFFFFFF).any())
+        else:
+            bad = tokens.dtype.kind == "i" and bool((tokens < 0).any())
+        if bad:
             raise ValueError(
                 f"tokens must be ids in [0, 2**32), got values in [{int(tokens.min())}, {int(tokens.max())}]"
             )

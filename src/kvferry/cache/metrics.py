@@ -36,9 +36,7 @@ class CacheCounters:
     promotions: int = 0  # tier hits copied into the pool
     promotion_misses: int = 0  # tier reads that came back empty (absent, corrupt, pool full)
     lock_timeouts: int = 0  # lookup locks ended by their timeout rather than by a retrieve or a free
-    checksum_failures: int = (
-        0  # objects that failed verification before a retrieve: dropped, counted as misses
-    )
+    checksum_failures: int = 0  # objects that failed verification before a retrieve: dropped, counted as misses
 
 
 _HELP = {

@@ -45,6 +45,8 @@ class Residency:
         # tier writes of entries chosen for eviction; called without the lock.
         self.on_spill: Callable[[list[Entry]], None] | None = None
         self._spilling_bytes = 0  # pool bytes of SPILLING entries: freed once their tier writes finish
+        self._spills_finished = 0  # count of finished spills; a store waiting for room watches it change
+        self._spill_finished = threading.Condition(self.lock)
 
     # --- lookups and locks --------------------------------------------------------------------------------
 
@@ -109,32 +111,44 @@ class Residency:
         """Index a WRITING entry with pool memory for every key not yet present, in order; returns them with
         their positions in ``keys``.
 
-        Once one allocation fails (pool full of locked or in-use objects), every later new chunk is skipped:
-        with prefix lookups a chunk after a hole could never be hit. Present and skipped chunks are counted.
+        When the pool is full and evicted objects are still being written to a tier, waits up to
+        ``spill_wait_s`` for their memory. Once an allocation fails for good (the pool is full of locked or
+        in-use objects), every later new chunk is skipped: with prefix lookups a chunk after a hole could
+        never be hit. Present and skipped chunks are counted.
         """
         new: list[tuple[int, Entry]] = []
-        present = skipped = 0
-        with self.lock:
-            self.expire_locks_locked()
-            missing = [i for i, key in enumerate(keys) if key not in self.index]
-            to_spill = self._make_room_locked(len(missing) * nbytes)
-            for i, key in enumerate(keys):
-                entry = self.index.get(key)
-                if entry is not None:
-                    present += 1
-                    self.policy.touch(key)
-                    continue
-                obj = None if skipped else self._alloc_locked(shape, dtype, nbytes, to_spill)
-                if obj is None:
-                    skipped += 1
-                    continue
-                entry = Entry(key, State.WRITING, obj, nbytes)
-                self.index.add(entry)
-                new.append((i, entry))
-            self.counters.present_chunks += present
-            self.counters.skipped_chunks += skipped
-        self._spill(to_spill)
-        return new
+        deadline = time.monotonic() + self._config.spill_wait_s
+        start = 0  # keys[:start] are placed or present
+        while True:
+            with self.lock:
+                self.expire_locks_locked()
+                missing = sum(1 for key in keys[start:] if key not in self.index)
+                to_spill = self._make_room_locked(missing * nbytes)
+                blocked = False
+                for i in range(start, len(keys)):
+                    if keys[i] in self.index:
+                        self.policy.touch(keys[i])
+                    else:
+                        obj = self._alloc_locked(shape, dtype, nbytes, to_spill)
+                        if obj is None:
+                            blocked = True
+                            break
+                        entry = Entry(keys[i], State.WRITING, obj, nbytes)
+                        self.index.add(entry)
+                        new.append((i, entry))
+                    start = i + 1
+                generation = self._spills_finished
+                wait = blocked and self._spilling_bytes > 0 and time.monotonic() < deadline
+                if not wait:
+                    skipped = sum(1 for key in keys[start:] if key not in self.index)
+                    self.counters.skipped_chunks += skipped
+                    self.counters.present_chunks += len(keys) - len(new) - skipped
+            self._spill(to_spill)
+            if not wait:
+                return new
+            with self._spill_finished:
+                while self._spills_finished == generation and (left := deadline - time.monotonic()) > 0:
+                    self._spill_finished.wait(left)
 
     def commit(self, entries: list[Entry], checksums: list[bytes | None], tier_writers: int) -> list[Entry]:
         """Make stored entries readable. Returns those still indexed, each holding ``tier_writers`` readers
@@ -171,6 +185,9 @@ class Residency:
                 self.counters.tier_writes += 1
             else:
                 self.counters.tier_write_failures += 1
+            if spilled:  # wake stores waiting for room (they re-check under the lock once we release it)
+                self._spills_finished += 1
+                self._spill_finished.notify_all()
             if entry.detached:
                 if entry.readers == 0:
                     self._free_locked(entry)
@@ -196,9 +213,7 @@ class Residency:
             self.index.add(entry)
             return entry
 
-    def alloc_for_promotion(
-        self, entry: Entry, shape: tuple[int, ...], dtype: torch.dtype
-    ) -> torch.Tensor | None:
+    def alloc_for_promotion(self, entry: Entry, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         nbytes = dtype.itemsize
         for dim in shape:
             nbytes *= dim

@@ -8,7 +8,8 @@
 
 After registration only token ids and block ids cross the socket; the server copies the KV itself.
 Every `*_async` method returns a `concurrent.futures.Future` (resolved by the client's background thread,
-so `add_done_callback` callbacks run there: keep them short); the plain methods wait for it.
+so `add_done_callback` callbacks run there: keep them short); the plain methods wait for it. A client
+belongs to the process that made it: make it after any fork.
 """
 
 from __future__ import annotations
@@ -59,8 +60,7 @@ class KvferryClient:
             self._conn.close()
             raise
         self.chunk_size: int = hello["chunk_size"]
-        self.server_version: int = hello["version"]
-        self.max_message_bytes: int = hello["max_message_bytes"]
+        self._conn.max_message_bytes = hello["max_message_bytes"]
         self._conn.heartbeat_interval_s = hello["heartbeat_interval_s"]
         self._conn.silence_timeout_s = hello["heartbeat_timeout_s"]
 
@@ -125,9 +125,7 @@ class KvferryClient:
         namespace: Namespace | None = None,
         lock: bool = False,
     ) -> LookupResult:
-        return self._wait(
-            self.lookup_async(tokens, registration=registration, namespace=namespace, lock=lock)
-        )
+        return self._wait(self.lookup_async(tokens, registration=registration, namespace=namespace, lock=lock))
 
     def lookup_async(
         self,
@@ -145,9 +143,7 @@ class KvferryClient:
         )
 
     def store(self, registration: int, tokens: Any, block_ids: Any, *, skip_prefix_tokens: int = 0) -> int:
-        return self._wait(
-            self.store_async(registration, tokens, block_ids, skip_prefix_tokens=skip_prefix_tokens)
-        )
+        return self._wait(self.store_async(registration, tokens, block_ids, skip_prefix_tokens=skip_prefix_tokens))
 
     def store_async(
         self, registration: int, tokens: Any, block_ids: Any, *, skip_prefix_tokens: int = 0
@@ -176,9 +172,7 @@ class KvferryClient:
         lock: int | None = None,
     ) -> int:
         return self._wait(
-            self.retrieve_async(
-                registration, tokens, block_ids, skip_prefix_tokens=skip_prefix_tokens, lock=lock
-            )
+            self.retrieve_async(registration, tokens, block_ids, skip_prefix_tokens=skip_prefix_tokens, lock=lock)
         )
 
     def retrieve_async(
@@ -198,9 +192,7 @@ class KvferryClient:
             args["lock"] = lock
         return self._conn.submit(Op.RETRIEVE, args, _tokens)
 
-    def prefetch(
-        self, tokens: Any, *, registration: int | None = None, namespace: Namespace | None = None
-    ) -> int:
+    def prefetch(self, tokens: Any, *, registration: int | None = None, namespace: Namespace | None = None) -> int:
         """Start bringing `tokens`' chunks from lower tiers into the host pool; returns a prefetch id."""
         args = {"tokens": pack_ids(tokens, "tokens"), **_key_space(registration, namespace)}
         return self._wait(self._conn.submit(Op.PREFETCH, args, lambda r: int(r["prefetch"])))

@@ -53,6 +53,7 @@ class Connection:
         self.session_id = os.urandom(16)
         self.heartbeat_interval_s = heartbeat_interval_s
         self.silence_timeout_s = silence_timeout_s
+        self.max_message_bytes: int | None = None  # the server's limit, once the handshake told it
         self._ctx = zmq.Context()
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -67,9 +68,7 @@ class Connection:
         outbox_in.bind(outbox_addr)
         self._outbox = self._ctx.socket(zmq.PUSH)
         self._outbox.connect(outbox_addr)
-        self._thread = threading.Thread(
-            target=self._run, args=(dealer, outbox_in), name="kvferry-client", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, args=(dealer, outbox_in), name="kvferry-client", daemon=True)
         self._thread.start()
 
     def submit(
@@ -80,12 +79,18 @@ class Connection:
         keepalive: Any = None,
     ) -> Future[Any]:
         future: Future[Any] = Future()
+        request_id = next(self._ids)
+        payload = encode_request(op, request_id, args)
+        if self.max_message_bytes is not None and len(payload) > self.max_message_bytes:
+            raise ValueError(
+                f"{op.value} request of {len(payload)} bytes exceeds the server's max_message_bytes="
+                f"{self.max_message_bytes} (fewer tokens per request, or raise --max-message-mb)"
+            )
         with self._lock:
             if self._closed:
                 raise ConnectionError(f"{op.value}: the client is closed")
-            request_id = next(self._ids)
             self._pending[request_id] = _Pending(op, future, convert, keepalive)
-            self._outbox.send(encode_request(op, request_id, args))
+            self._outbox.send(payload)
         future.request_id = request_id  # type: ignore[attr-defined]
         return future
 
@@ -110,37 +115,42 @@ class Connection:
         poller.register(dealer, zmq.POLLIN)
         poller.register(outbox_in, zmq.POLLIN)
         last_heard = time.monotonic()
-        next_heartbeat = 0.0
-        heartbeat: int | None = None
+        heartbeat: int | None = None  # request id of the heartbeat in flight
+        heartbeat_sent = 0.0
         try:
             while not self._closed:
                 ready = dict(poller.poll(timeout=max(1, int(self.heartbeat_interval_s * 250))))
                 if outbox_in in ready:
-                    while True:
-                        try:
-                            frame = outbox_in.recv(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        if len(frame):
-                            dealer.send(frame, copy=False)
+                    self._forward(outbox_in, dealer)
                 if dealer in ready:
                     last_heard = time.monotonic()
                     self._receive(dealer)
                 now = time.monotonic()
-                if now >= next_heartbeat and (heartbeat is None or heartbeat not in self._pending):
+                if heartbeat in self._pending:
+                    # Judge the server by a heartbeat it has had time to answer, never by how long this
+                    # thread itself was kept from running.
+                    if last_heard < heartbeat_sent and now - heartbeat_sent > self.silence_timeout_s:
+                        self._fail_pending(
+                            ConnectionError(f"the server has not answered for {now - heartbeat_sent:.1f} s")
+                        )
+                elif now - heartbeat_sent >= self.heartbeat_interval_s:  # the handshake may change it
                     heartbeat = next(self._ids)
                     with self._lock:
                         self._pending[heartbeat] = _Pending(Op.PING, Future(), lambda r: r, None)
                     dealer.send(encode_request(Op.PING, heartbeat, {}))
-                    next_heartbeat = now + self.heartbeat_interval_s
-                if self._pending and now - last_heard > self.silence_timeout_s:
-                    self._fail_pending(
-                        ConnectionError(f"the server has not answered for {now - last_heard:.1f} s")
-                    )
-                    last_heard = now
+                    heartbeat_sent = now
         finally:
             dealer.close(linger=0)
             outbox_in.close(linger=0)
+
+    def _forward(self, outbox_in: zmq.Socket, dealer: zmq.Socket) -> None:
+        while True:
+            try:
+                frame = outbox_in.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            if len(frame):  # an empty frame only wakes the thread (close)
+                dealer.send(frame, copy=False)
 
     def _receive(self, dealer: zmq.Socket) -> None:
         while True:
@@ -157,14 +167,10 @@ class Connection:
                 pending = self._pending.pop(reply.id, None) if isinstance(reply.id, int) else None
             if pending is None:
                 if not reply.ok:
-                    log.warning(
-                        "server error without a waiting request: %s %s", reply.error_code, reply.error_message
-                    )
+                    log.warning("server error without a waiting request: %s %s", reply.error_code, reply.error_message)
                 continue
             if not reply.ok:
-                pending.future.set_exception(
-                    ServerError(pending.op.value, reply.error_code, reply.error_message)
-                )
+                pending.future.set_exception(ServerError(pending.op.value, reply.error_code, reply.error_message))
                 continue
             try:
                 pending.future.set_result(pending.convert(reply.result))

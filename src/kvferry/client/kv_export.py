@@ -48,9 +48,7 @@ def _view(
     elif tensor.device.type == "cuda":
         desc = _share_cuda(storage)
     else:
-        raise ValueError(
-            f"{where} is on {tensor.device}; the server maps CPU (shared memory) or CUDA tensors"
-        )
+        raise ValueError(f"{where} is on {tensor.device}; the server maps CPU (shared memory) or CUDA tensors")
     key = (str(tensor.device), storage.data_ptr())
     if key not in index_of:
         index_of[key] = len(storages)

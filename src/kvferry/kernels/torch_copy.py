@@ -6,15 +6,19 @@ storage when they are evenly spaced in it (engines allocate their layers as view
 piece; torch's CPU index_copy_ is elementwise and ~3x slower) and `index_copy_` elsewhere.
 
 On CPU, when every block piece is one contiguous run (token-major layouts: NHD, MLA, fused NHD) and the object slice
-is contiguous, the engine storage is seen as a 2-D array of piece-sized rows, and both directions are one numpy call
-per (stripe, object) that does a memcpy per row: `np.take(rows, ids, out=)` stores, `rows[ids] = ...` retrieves.
-Single-threaded on purpose: torch's index_select over `[P, L, NB, ...]` opens an OpenMP region per block, which
-stalls whenever another process holds a core (measured 0.05-0.9 of memcpy on the 2-core CI machine, run to run).
+is contiguous, the engine storage is seen as a 2-D array of piece-sized rows, and a copy is a memcpy per row by numpy:
+`np.take(rows, ids, out=)` stores, `rows[ids] = ...` retrieves, the rows split over `torch.get_num_threads()` Python
+threads (numpy releases the GIL). Not torch's index_select over `[P, L, NB, ...]`: it opens an OpenMP region per
+block, and those stall whenever another process holds a core (0.04-0.9 of memcpy from run to run on the 2-core CI
+machine, against 0.5-1.0 for the row copy).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import itertools
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +27,7 @@ import torch
 from kvferry.formats import KVGeometry, Stripe
 
 _WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_MIN_PART_BYTES = 1 << 20  # below this, a copy is not worth splitting across threads
 
 
 @dataclass(frozen=True)
@@ -98,11 +103,30 @@ def _copy_rows(rows: _Rows, piece: np.ndarray, ids: np.ndarray, to_objects: bool
     """Copy whole block pieces between engine rows and a contiguous object slice `[P, L, n * BS, width]`."""
     engine_rows = (rows.base[:, :, None] + ids[None, None, :] * rows.step).reshape(-1)
     object_rows = piece.reshape(len(engine_rows), rows.array.shape[1])
-    if to_objects:
-        # mode="clip": ids are validated already, and "raise" would make numpy buffer the output.
-        np.take(rows.array, engine_rows, axis=0, out=object_rows, mode="clip")
-    else:
-        rows.array[engine_rows] = object_rows
+    parts = min(torch.get_num_threads(), max(1, object_rows.nbytes // _MIN_PART_BYTES))
+    bounds = np.linspace(0, len(engine_rows), parts + 1, dtype=np.int64)
+    spans = [slice(int(a), int(b)) for a, b in itertools.pairwise(bounds)]
+
+    def copy(span: slice) -> None:
+        if to_objects:
+            # mode="clip": ids are validated already, and "raise" would make numpy buffer the output.
+            np.take(rows.array, engine_rows[span], axis=0, out=object_rows[span], mode="clip")
+        else:
+            rows.array[engine_rows[span]] = object_rows[span]
+
+    if len(spans) == 1:
+        copy(spans[0])
+    else:  # numpy releases the GIL while it copies: the parts run in parallel
+        list(_pool(len(spans)).map(copy, spans))
+
+
+@functools.cache
+def _pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvferry-copy")
+
+
+# A forked child inherits the executors but not their threads: it must make its own.
+os.register_at_fork(after_in_child=_pool.cache_clear)
 
 
 def _even_groups(stripe: Stripe) -> list[list[int]]:

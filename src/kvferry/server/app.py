@@ -79,7 +79,7 @@ def main(config: KvferryConfig) -> int:
     server = KvferryServer(config.server, engine)
     try:
         server.start()
-    except zmq.ZMQError as exc:
+    except (zmq.ZMQError, OSError) as exc:
         log.error("cannot listen on %s: %s", config.server.endpoint, exc)
         engine.close()
         return 2
@@ -90,12 +90,12 @@ def main(config: KvferryConfig) -> int:
     try:
         while not stop.wait(0.5):
             pass
+        log.info("kvferry server stopping")
     finally:
+        server.stop()  # a second signal meanwhile only sets `stop` again: shutdown is not interrupted
+        engine.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        log.info("kvferry server stopping")
-        server.stop()
-        engine.close()
     log.info("kvferry server stopped")
     return 0
 

@@ -29,9 +29,7 @@ class ServerConfig(BaseModel):
     heartbeat_timeout_s: float = Field(
         10.0, gt=0, description="A session silent for this long is ended and everything it holds is freed."
     )
-    max_message_bytes: int = Field(
-        64 * _MIB, ge=4096, description="Larger request frames get a TOO_LARGE error reply."
-    )
+    max_message_bytes: int = Field(64 * _MIB, ge=4096, description="Larger request frames get a TOO_LARGE error reply.")
     transfer_workers: int = Field(
         4,
         ge=1,

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvferry.cache import CacheEngine, CacheNamespace
-from kvferry.formats import EngineKVFormat
+from kvferry.formats import EngineKVFormat, describe
 from kvferry.server.kv_mapping import map_kv
 from kvferry.server.protocol import ErrorCode, Op, ProtocolError, unpack_ids
 from kvferry.server.requests import (
@@ -87,12 +87,12 @@ class RequestHandlers:
         try:
             fmt = EngineKVFormat(args.format)
         except ValueError:
-            raise ProtocolError(
-                ErrorCode.BAD_ARGUMENT, f"'format'={args.format} is not an EngineKVFormat id"
-            ) from None
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"'format'={args.format} is not an EngineKVFormat id") from None
         kv = map_kv(args)
         deployment = args.namespace
         try:
+            # Described once here: every transfer of this registration reuses the checked geometry.
+            geometry = describe(fmt, kv.paged, args.block_size)
             namespace = self._engine.namespace_for(
                 deployment.model,
                 fmt,
@@ -101,11 +101,12 @@ class RequestHandlers:
                 rank=deployment.rank,
                 salt=deployment.salt,
                 block_size=args.block_size,
+                geometry=geometry,
             )
         except BaseException:
             kv.close()
             raise
-        reg = Registration(self._sessions.next_id(), kv, fmt, args.block_size, namespace)
+        reg = Registration(self._sessions.next_id(), kv, fmt, args.block_size, namespace, geometry)
         if not self._sessions.add_registration(session, reg):
             raise ProtocolError(ErrorCode.UNKNOWN_REGISTRATION, "the session ended while registering")
         return {
@@ -170,13 +171,15 @@ class RequestHandlers:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, "'lock' belongs to RETRIEVE, not STORE")
         if not store and args.ready_event is not None:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, "'ready_event' belongs to STORE, not RETRIEVE")
-        if args.lock is not None and not self._sessions.drop_lock(session, args.lock):
-            raise ProtocolError(ErrorCode.UNKNOWN_LOCK, f"'lock'={args.lock} is not held by this session")
         reg = self._sessions.use_registration(session, args.registration)
         try:
+            # From here the engine owns the lock: retrieve ends it however the copy goes.
+            if args.lock is not None and not self._sessions.drop_lock(session, args.lock):
+                raise ProtocolError(ErrorCode.UNKNOWN_LOCK, f"'lock'={args.lock} is not held by this session")
             where = {
                 "namespace": reg.namespace,
                 "block_size": reg.block_size,
+                "geometry": reg.geometry,
                 "skip_prefix_tokens": args.skip_prefix_tokens,
             }
             if store:
@@ -184,16 +187,12 @@ class RequestHandlers:
                     _wait_for_client_event(reg, args.ready_event)
                 done = self._engine.store(tokens, reg.kv.paged, block_ids, reg.format, **where)
             else:
-                done = self._engine.retrieve(
-                    tokens, reg.kv.paged, block_ids, reg.format, lock_id=args.lock, **where
-                )
+                done = self._engine.retrieve(tokens, reg.kv.paged, block_ids, reg.format, lock_id=args.lock, **where)
         finally:
             self._sessions.done_with(reg)
         return {"tokens": int(done)}
 
-    def _namespace(
-        self, session: Session, registration: int | None, explicit: Namespace | None
-    ) -> CacheNamespace:
+    def _namespace(self, session: Session, registration: int | None, explicit: Namespace | None) -> CacheNamespace:
         if explicit is not None and registration is None:
             try:
                 return CacheNamespace(**explicit.model_dump())
@@ -211,15 +210,11 @@ def _wait_for_client_event(reg: Registration, handle: bytes) -> None:
     import torch
 
     if reg.kv.device.type != "cuda":
-        raise ProtocolError(
-            ErrorCode.BAD_ARGUMENT, "'ready_event' is only meaningful for a CUDA registration"
-        )
+        raise ProtocolError(ErrorCode.BAD_ARGUMENT, "'ready_event' is only meaningful for a CUDA registration")
     try:
         torch.cuda.Event.from_ipc_handle(reg.kv.device, handle).synchronize()
     except RuntimeError as exc:
-        raise ProtocolError(
-            ErrorCode.BAD_ARGUMENT, f"'ready_event': cannot open the CUDA IPC event ({exc})"
-        ) from None
+        raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"'ready_event': cannot open the CUDA IPC event ({exc})") from None
 
 
 def _describe(error: BaseException | None) -> str | None:

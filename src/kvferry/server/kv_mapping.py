@@ -98,25 +98,19 @@ def _view(view: TensorView, regions: list[_Region], where: str) -> torch.Tensor:
     if view.storage >= len(regions):
         raise _bad(f"'{where}.storage'={view.storage} is outside the {len(regions)} registered storages")
     if len(view.shape) != len(view.stride) or not 1 <= len(view.shape) <= _MAX_DIMS:
-        raise _bad(
-            f"'{where}': shape {view.shape} and stride {view.stride} must have the same 1..{_MAX_DIMS} dims"
-        )
+        raise _bad(f"'{where}': shape {view.shape} and stride {view.stride} must have the same 1..{_MAX_DIMS} dims")
     if 0 in view.shape:
         raise _bad(f"'{where}.shape'={view.shape} has an empty dimension")
     region = regions[view.storage]
     elem = dtype.itemsize
-    last = view.offset + sum(
-        (size - 1) * stride for size, stride in zip(view.shape, view.stride, strict=True)
-    )
+    last = view.offset + sum((size - 1) * stride for size, stride in zip(view.shape, view.stride, strict=True))
     if (last + 1) * elem > region.nbytes:
         raise _bad(
             f"'{where}': offset {view.offset} + extent of shape {view.shape} x stride {view.stride} "
             f"reaches byte {(last + 1) * elem}, past the {region.nbytes}-byte storage {view.storage}"
         )
     if region.base % elem:
-        raise _bad(
-            f"'storages[{view.storage}].offset_bytes'={region.base} is not a multiple of {elem} ({dtype})"
-        )
+        raise _bad(f"'storages[{view.storage}].offset_bytes'={region.base} is not a multiple of {elem} ({dtype})")
     tensor = torch.empty(0, dtype=dtype, device=region.storage.device)
     return tensor.set_(region.storage, region.base // elem + view.offset, view.shape, view.stride)
 
@@ -129,21 +123,16 @@ def _map_storage(desc: ShmStorage | CudaIpcStorage, where: str) -> _Region:
 
 def _map_shm(desc: ShmStorage, where: str) -> _Region:
     if not _TORCH_SHM_NAME.fullmatch(desc.filename):
-        raise _bad(
-            f"'{where}.filename'={desc.filename!r} is not a torch shared-memory name (/torch_<pid>_<n>_<n>)"
-        )
+        raise _bad(f"'{where}.filename'={desc.filename!r} is not a torch shared-memory name (/torch_<pid>_<n>_<n>)")
     path = SHM_DIR + desc.filename
     try:
         file_size = os.stat(path).st_size
     except OSError as exc:
-        raise _bad(
-            f"'{where}.filename': cannot open {path} ({exc.strerror}); is the client on this host?"
-        ) from None
+        raise _bad(f"'{where}.filename': cannot open {path} ({exc.strerror}); is the client on this host?") from None
     end = desc.offset_bytes + desc.nbytes
     if desc.nbytes == 0 or end > file_size:
         raise _bad(
-            f"'{where}': bytes [{desc.offset_bytes}, {end}) must be non-empty and inside {path} "
-            f"of {file_size} bytes"
+            f"'{where}': bytes [{desc.offset_bytes}, {end}) must be non-empty and inside {path} of {file_size} bytes"
         )
     # MAP_SHARED over the file up to `end`; views start past torch's reference-count header (`offset_bytes`).
     whole = torch.from_file(path, shared=True, size=end, dtype=torch.uint8)

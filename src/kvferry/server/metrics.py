@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # Latency buckets from 50 us (a PING on loopback) to 10 s (a large transfer behind a busy pool).
@@ -38,3 +40,13 @@ class ServerMetrics:
             ["reason"],
             registry=self.registry,
         )
+        self._children: dict[tuple[str, str], tuple[Any, Any]] = {}  # labels() is slow next to a PING
+
+    def record(self, op: str, status: str, seconds: float | None) -> None:
+        """Count one answered request, and its latency when it got as far as running."""
+        children = self._children.get((op, status))
+        if children is None:
+            children = self._children[(op, status)] = (self.requests.labels(op, status), self.latency.labels(op))
+        children[0].inc()
+        if seconds is not None:
+            children[1].observe(seconds)

@@ -13,6 +13,8 @@ little-endian uint32 bytes (`pack_ids`), which is ~10x smaller and faster than m
 
 from __future__ import annotations
 
+import array
+import sys
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -22,6 +24,7 @@ import numpy as np
 
 PROTOCOL_VERSION = 1
 _ID_DTYPE = np.dtype("<u4")
+_U32_CODE = next(code for code in "IL" if array.array(code).itemsize == 4)
 
 
 class Op(StrEnum):
@@ -89,9 +92,7 @@ def _unpack_map(payload: bytes, what: str) -> dict[str, Any]:
     try:
         obj = msgpack.unpackb(payload, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types for bad bytes
-        raise ProtocolError(
-            ErrorCode.MALFORMED, f"{what} is not valid msgpack ({type(exc).__name__})"
-        ) from None
+        raise ProtocolError(ErrorCode.MALFORMED, f"{what} is not valid msgpack ({type(exc).__name__})") from None
     if not isinstance(obj, dict):
         raise ProtocolError(ErrorCode.MALFORMED, f"{what} must be a msgpack map, got {type(obj).__name__}")
     return obj
@@ -106,9 +107,7 @@ def decode_request(payload: bytes) -> Request:
     msg = _unpack_map(payload, "request")
     request_id = msg.get("id")
     if type(request_id) is not int or not 0 <= request_id < 1 << 63:
-        raise ProtocolError(
-            ErrorCode.MALFORMED, f"request 'id' must be an int in [0, 2**63), got {request_id!r}"
-        )
+        raise ProtocolError(ErrorCode.MALFORMED, f"request 'id' must be an int in [0, 2**63), got {request_id!r}")
     version = msg.get("v")
     if version != PROTOCOL_VERSION:
         raise ProtocolError(
@@ -126,14 +125,10 @@ def decode_request(payload: bytes) -> Request:
         ) from None
     args = msg.get("args", {})
     if not isinstance(args, dict):
-        raise ProtocolError(
-            ErrorCode.MALFORMED, f"request 'args' must be a map, got {type(args).__name__}", request_id
-        )
+        raise ProtocolError(ErrorCode.MALFORMED, f"request 'args' must be a map, got {type(args).__name__}", request_id)
     unknown = set(msg) - {"v", "id", "op", "args"}
     if unknown:
-        raise ProtocolError(
-            ErrorCode.MALFORMED, f"request has unknown fields {sorted(map(str, unknown))}", request_id
-        )
+        raise ProtocolError(ErrorCode.MALFORMED, f"request has unknown fields {sorted(map(str, unknown))}", request_id)
     return Request(request_id, op, args)
 
 
@@ -156,9 +151,7 @@ def decode_reply(payload: bytes) -> Reply:
     """Parse a reply frame (client side); raises ProtocolError on a frame no server of ours would send."""
     msg = _unpack_map(payload, "reply")
     if msg.get("v") != PROTOCOL_VERSION:
-        raise ProtocolError(
-            ErrorCode.VERSION_MISMATCH, f"reply 'v'={msg.get('v')!r}, expected {PROTOCOL_VERSION}"
-        )
+        raise ProtocolError(ErrorCode.VERSION_MISMATCH, f"reply 'v'={msg.get('v')!r}, expected {PROTOCOL_VERSION}")
     request_id = msg.get("id")
     if msg.get("ok") is True:
         return Reply(request_id, True, msg.get("result") or {})
@@ -168,17 +161,24 @@ def decode_reply(payload: bytes) -> Reply:
 
 def pack_ids(values: Any, name: str) -> bytes:
     """Token or block ids (a sequence, numpy array or CPU/GPU tensor of ints) as packed uint32 bytes."""
+    if isinstance(values, list | tuple):  # what engines hand over; array.array packs a list 4x faster
+        try:
+            packed = array.array(_U32_CODE, values)
+        except (OverflowError, TypeError):
+            pass  # the checks below name the problem
+        else:
+            if sys.byteorder == "big":
+                packed.byteswap()
+            return packed.tobytes()
     if hasattr(values, "detach"):  # a torch tensor: avoid importing torch just for isinstance
         values = values.detach().cpu().numpy()
     arr = np.asarray(values)
     if arr.ndim != 1:
         raise ValueError(f"{name} must be one-dimensional, got shape {tuple(arr.shape)}")
     if arr.size and arr.dtype.kind not in "iu":
-        raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+        raise TypeError(f"{name} must be integers, got dtype {arr.dtype}")
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= 1 << 32):
-        raise ValueError(
-            f"{name} must be ids in [0, 2**32), got values in [{int(arr.min())}, {int(arr.max())}]"
-        )
+        raise ValueError(f"{name} must be ids in [0, 2**32), got values in [{int(arr.min())}, {int(arr.max())}]")
     return arr.astype(_ID_DTYPE, copy=False).tobytes()
 
 

@@ -136,7 +136,5 @@ def parse_args(op: Op, args: dict[str, Any], request_id: int) -> Any:
     try:
         return ARGS_BY_OP[op].model_validate(args)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"'{'.'.join(map(str, err['loc'])) or 'args'}': {err['msg']}" for err in exc.errors()[:5]
-        )
+        problems = "; ".join(f"'{'.'.join(map(str, err['loc'])) or 'args'}': {err['msg']}" for err in exc.errors()[:5])
         raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"{op.value} {problems}", request_id) from None

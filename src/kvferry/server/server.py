@@ -128,7 +128,11 @@ class KvferryServer:
     # -- views ----------------------------------------------------------------------------------------------
 
     def health(self) -> dict[str, Any]:
-        return {"status": "stopping" if self._stopping.is_set() else "ok", "sessions": len(self._sessions)}
+        if self._stopping.is_set():
+            status = "stopping"
+        else:
+            status = "ok" if self._loop_thread is not None and self._loop_thread.is_alive() else "down"
+        return {"status": status, "sessions": len(self._sessions)}
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -154,14 +158,13 @@ class KvferryServer:
         try:
             while not self._stopping.is_set():
                 ready = dict(poller.poll(timeout=100))
-                # Disconnects first: a descriptor is only reused after its disconnect event was queued.
                 if monitor in ready:
                     self._drain_monitor(monitor)
                 if replies_in in ready:
                     self._forward_replies(replies_in, router)
-                if router in ready:
-                    self._serve_requests(router, monitor)
-                if self._clock() >= next_sweep:
+                drained = router not in ready or self._serve_requests(router, monitor)
+                # Sweep only with no request waiting: after a stall, queued heartbeats count first.
+                if drained and self._clock() >= next_sweep:
                     next_sweep = self._clock() + sweep_every
                     self._sweep()
             # Let transfers already running answer before the socket closes.
@@ -172,26 +175,35 @@ class KvferryServer:
             for sock in (monitor, replies_in, router):
                 sock.close(linger=0)
 
-    def _serve_requests(self, router: zmq.Socket, monitor: zmq.Socket) -> None:
+    def _serve_requests(self, router: zmq.Socket, monitor: zmq.Socket) -> bool:
+        """Serve up to a batch of waiting requests; True if none is left waiting."""
         for _ in range(_BATCH):
             try:
                 frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return
+                return True
             identity = frames[0].bytes
-            reply = self._accept(identity, frames[1:])
+            try:
+                reply = self._accept(identity, frames[1:], monitor)
+            except Exception as exc:  # a bug must cost one request, never the socket loop
+                log.exception("request from %s could not be handled", identity.hex())
+                reply = self._refuse(None, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
             if reply is not None:
                 router.send_multipart([identity, reply])
-            if monitor.poll(0):
-                self._drain_monitor(monitor)
+        return False
 
-    def _accept(self, identity: bytes, frames: list[zmq.Frame]) -> bytes | None:
+    def _accept(self, identity: bytes, frames: list[zmq.Frame], monitor: zmq.Socket) -> bytes | None:
         """Parse one request; returns the reply now, or None when a worker will send it."""
         received = self._clock()
         if len(frames) != 1:
             return self._refuse(None, ErrorCode.MALFORMED, f"a request is one frame, got {len(frames)}")
         frame = frames[0]
-        session = self._sessions.touch(identity, frame.get(zmq.SRCFD))
+        session = self._sessions.touch(identity)
+        if session is None:
+            # A new client may sit on the descriptor of one that just left: end that one first (its
+            # disconnect event was queued before the descriptor could be reused).
+            self._drain_monitor(monitor)
+            session = self._sessions.open(identity, frame.get(zmq.SRCFD))
         if len(frame) > self.config.max_message_bytes:
             return self._refuse(
                 None,
@@ -227,12 +239,11 @@ class KvferryServer:
             log.exception("%s (request %d) failed", request.op.value, request.id)
             reply = encode_error(request.id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
             status = ErrorCode.INTERNAL
-        self.metrics.requests.labels(request.op.value, status).inc()
-        self.metrics.latency.labels(request.op.value).observe(self._clock() - received)
+        self.metrics.record(request.op.value, status, self._clock() - received)
         return reply
 
     def _refuse(self, request_id: int | None, code: ErrorCode, message: str) -> bytes:
-        self.metrics.requests.labels("?", code.value).inc()
+        self.metrics.record("?", code.value, None)
         return encode_error(request_id, code, message)
 
     def _forward_replies(self, replies_in: zmq.Socket, router: zmq.Socket) -> None:

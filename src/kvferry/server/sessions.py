@@ -9,6 +9,7 @@ running copy.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import threading
 from collections.abc import Callable
@@ -29,6 +30,7 @@ class Registration:
     format: Any  # EngineKVFormat
     block_size: int | None
     namespace: Any  # CacheNamespace
+    geometry: Any  # KVGeometry, described once at registration
     users: int = 0  # transfers running on this registration now
     closing: bool = False
 
@@ -37,7 +39,7 @@ class Registration:
 class Session:
     id: bytes
     last_seen: float
-    fd: int | None = None  # the connection the last request came on (ZMQ SRCFD)
+    fd: int  # the connection the session's requests come on (ZMQ SRCFD)
     registrations: dict[int, Registration] = field(default_factory=dict)
     locks: set[int] = field(default_factory=set)
     prefetches: dict[int, Future[Any]] = field(default_factory=dict)
@@ -65,15 +67,23 @@ class SessionTable:
         self._ids = itertools.count(1)
         self.open_registrations = 0  # registrations whose memory is still mapped, closing ones included
 
-    def touch(self, session_id: bytes, fd: int | None) -> Session:
-        """The session of `session_id` (created on first contact), marked as seen now."""
+    def touch(self, session_id: bytes) -> Session | None:
+        """The live session of `session_id`, marked as seen now; None if there is none."""
         with self._lock:
             session = self._sessions.get(session_id)
-            if session is None:
-                session = self._sessions[session_id] = Session(session_id, self._clock())
-            session.last_seen = self._clock()
-            session.fd = fd
-            session.requests += 1
+            if session is not None:
+                session.last_seen = self._clock()
+                session.requests += 1
+            return session
+
+    def open(self, session_id: bytes, fd: int) -> Session:
+        """A new session for a client's first request, arrived on connection `fd`.
+
+        A session keeps its connection: when that drops, the session ends (`on_connection`), so a client
+        that reconnects starts a new one.
+        """
+        with self._lock:
+            session = self._sessions[session_id] = Session(session_id, self._clock(), fd, requests=1)
             return session
 
     def __len__(self) -> int:
@@ -89,12 +99,14 @@ class SessionTable:
     def add_registration(self, session: Session, reg: Registration) -> bool:
         """Attach `reg`; False (and `reg` closed) if the session ended while it was being mapped."""
         with self._lock:
-            if self._sessions.get(session.id) is not session:
-                reg.kv.close()
-                return False
-            session.registrations[reg.id] = reg
-            self.open_registrations += 1
-            return True
+            attached = self._sessions.get(session.id) is session
+            if attached:
+                session.registrations[reg.id] = reg
+                self.open_registrations += 1
+        if not attached:
+            reg.kv.close()
+            _return_unmapped_memory()
+        return attached
 
     def use_registration(self, session: Session, reg_id: int) -> Registration:
         """Borrow registration `reg_id` of `session` for one transfer; pair with `done_with`."""
@@ -112,8 +124,11 @@ class SessionTable:
     def done_with(self, reg: Registration) -> None:
         with self._lock:
             reg.users -= 1
-            if reg.closing and reg.users == 0:
+            last = reg.closing and reg.users == 0
+            if last:
                 self._close(reg)
+        if last:
+            _return_unmapped_memory()
 
     def unregister(self, session: Session, reg_id: int) -> None:
         with self._lock:
@@ -123,7 +138,9 @@ class SessionTable:
                     ErrorCode.UNKNOWN_REGISTRATION,
                     f"'registration'={reg_id} is not registered by this session",
                 )
-            self._retire(reg)
+            closed = self._retire(reg)
+        if closed:
+            _return_unmapped_memory()
 
     def add_lock(self, session: Session, lock_id: int) -> None:
         with self._lock:
@@ -164,13 +181,13 @@ class SessionTable:
             if session is None:
                 return None
             deferred = sum(not self._retire(reg) for reg in session.registrations.values())
-            released = Released(
-                session_id, reason, sorted(session.locks), len(session.registrations), deferred
-            )
+            released = Released(session_id, reason, sorted(session.locks), len(session.registrations), deferred)
             session.registrations.clear()
             session.locks.clear()
             session.prefetches.clear()
-            return released
+        if released.registrations > released.deferred:
+            _return_unmapped_memory()
+        return released
 
     def silent_since(self, deadline: float) -> list[bytes]:
         """Sessions not heard from since `deadline`."""
@@ -206,4 +223,15 @@ class SessionTable:
 
     def _close(self, reg: Registration) -> None:
         reg.kv.close()
+        reg.geometry = None  # it holds the mapped tensors too
         self.open_registrations -= 1
+
+
+def _return_unmapped_memory() -> None:
+    """Collect reference cycles right after registrations close.
+
+    A mapping goes when the last reference to its tensors does; a reference cycle anywhere below (a recursive
+    closure that held the tensors while describing them, say) would keep a departed client's memory mapped
+    until the cyclic collector happens to run. Registrations close rarely, so one full collection is cheap.
+    """
+    gc.collect()

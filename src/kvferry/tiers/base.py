@@ -72,8 +72,9 @@ class Tier(ABC):
 
     def get(self, key: bytes, alloc: Alloc, free: Free | None = None) -> Future[torch.Tensor | None]:
         """Read the object stored under `key` into a tensor from `alloc`. Resolves to None on a miss: absent,
-        failed verification (then it is deleted), `alloc` returned None, or the tier is down. If the object
-        fails verification after `alloc` succeeded, the tensor is handed to `free` (when given)."""
+        failed verification (then it is deleted), `alloc` returned None, or the tier is down. A tensor from
+        `alloc` that the tier does not return (the disk tier reads before it can verify) goes to `free`:
+        pass the pool's free, or such a miss leaks pool memory."""
         check_key(key)
         if not self._admit("get"):
             return resolved(None)

@@ -34,18 +34,14 @@ class Batcher:
         name: str,
     ) -> None:
         if workers < 1 or max_items < 1 or max_bytes < 1:
-            raise ValueError(
-                f"workers={workers}, max_items={max_items}, max_bytes={max_bytes} must all be >= 1"
-            )
+            raise ValueError(f"workers={workers}, max_items={max_items}, max_bytes={max_bytes} must all be >= 1")
         self._run = run
         self._max_items = max_items
         self._max_bytes = max_bytes
         self._queue: queue.SimpleQueue[BatchItem | None] = queue.SimpleQueue()
         self._closed = False
         self._lock = threading.Lock()  # orders submit() against close()'s stop marker
-        self._threads = [
-            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(workers)
-        ]
+        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(workers)]
         for thread in self._threads:
             thread.start()
 

@@ -204,18 +204,18 @@ class DiskTier(Tier):
     # --- contains / delete --------------------------------------------------------------------------------
 
     def _contains(self, keys: list[bytes]) -> list[bool]:
+        """Asks the filesystem, not just the index: other processes sharing the directory add and evict."""
         found = []
         for key in keys:
             name = _object_name(key)
-            if name in self._index:
-                found.append(True)
-                continue
             try:
                 size = _file_size(os.path.join(self.root, name))
             except OSError as exc:
                 raise _classify(exc) from exc
-            if size is not None:
-                self._index.touch(name, size)  # another process wrote it
+            if size is None:
+                self._index.remove(name)
+            elif name not in self._index:
+                self._index.touch(name, size)
             found.append(size is not None)
         return found
 

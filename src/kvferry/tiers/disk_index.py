@@ -46,11 +46,6 @@ class DiskIndex:
         with self._lock:
             return name in self._sizes
 
-    def names(self) -> list[str]:
-        """Stored names, least recently used first."""
-        with self._lock:
-            return list(self._sizes)
-
     def scan(self, root: str) -> list[tuple[str, int]]:
         """Rebuild from the files under `root` (oldest access first) and delete stale temp files. Returns the
         (name, size) pairs evicted because the directory holds more than the capacity."""
@@ -74,11 +69,10 @@ class DiskIndex:
     def touch(self, name: str, size: int) -> None:
         """Record an access (adopting a file another process wrote)."""
         with self._lock:
-            old = self._sizes.pop(name, None)
-            if old is not None:
-                self._stored_bytes -= old
+            if name in self._writing:  # our own write in progress: end_write records it
+                return
+            self._stored_bytes += size - self._sizes.pop(name, 0)
             self._sizes[name] = size
-            self._stored_bytes += size
 
     def remove(self, name: str) -> None:
         with self._lock:
@@ -97,9 +91,7 @@ class DiskIndex:
                 return None
             if self._reserved_bytes + nbytes > self.capacity_bytes:
                 raise TierFull(f"{self._reserved_bytes} bytes of writes in flight leave no room for {nbytes}")
-            evicted = self._evict_locked(
-                self._stored_bytes + self._reserved_bytes + nbytes - self.capacity_bytes
-            )
+            evicted = self._evict_locked(self._stored_bytes + self._reserved_bytes + nbytes - self.capacity_bytes)
             self._writing.add(name)
             self._reserved_bytes += nbytes
             return evicted
@@ -108,9 +100,9 @@ class DiskIndex:
         with self._lock:
             self._writing.discard(name)
             self._reserved_bytes -= nbytes
-            if stored:
+            if stored:  # a reader may have adopted the renamed file already (touch): count it once
+                self._stored_bytes += nbytes - self._sizes.pop(name, 0)
                 self._sizes[name] = nbytes
-                self._stored_bytes += nbytes
 
     def evict(self, nbytes: int) -> list[tuple[str, int]]:
         """Drop least recently used objects totalling at least `nbytes`; returns (name, size) pairs."""

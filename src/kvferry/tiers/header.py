@@ -4,12 +4,14 @@ Layout (little-endian), shared by every tier so that any process can read what a
 
     body     magic "KVFO" | version u16 | header_len u16 | dtype u8 | ndim u8 | reserved u16 |
              payload_len u64 | key_tag 16 B | shape ndim x u64
-    checksum 32 B blake3(body || payload)
+    checksum 16 B xxh3-128(body || payload)
     padding  zeros up to header_len (the disk tier pads to 4096 so the payload starts block-aligned)
     payload  payload_len bytes
 
 The checksum covers the body as well as the payload, so a flipped bit in the shape or dtype is caught too,
-and the key tag (a hash of the key) catches an object stored under the wrong name.
+and the key tag (a hash of the key) catches an object stored under the wrong name. The checksum guards against
+corruption (torn writes, bit rot, truncation), not against an adversary who can write the tier: xxh3-128 runs at
+>10 GB/s on one core, where blake3 (~1.5-3 GB/s here) made verification slower than the disk (version 1).
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ from dataclasses import dataclass
 
 import blake3
 import torch
+import xxhash
 
 MAGIC = b"KVFO"
-FORMAT_VERSION = 1
-CHECKSUM_BYTES = 32
+FORMAT_VERSION = 2
+CHECKSUM_BYTES = 16
 KEY_TAG_BYTES = 16
 MAX_NDIM = 8
 
@@ -78,9 +81,7 @@ def tensor_bytes(obj: object) -> memoryview:
     if obj.device.type != "cpu":
         raise ValueError(f"obj must be a CPU tensor (host pool memory), got device {obj.device}")
     if obj.dtype not in _DTYPE_CODES:
-        raise ValueError(
-            f"obj.dtype={obj.dtype} is not storable; expected one of {sorted(map(str, _DTYPE_CODES))}"
-        )
+        raise ValueError(f"obj.dtype={obj.dtype} is not storable; expected one of {sorted(map(str, _DTYPE_CODES))}")
     if not 1 <= obj.dim() <= MAX_NDIM:
         raise ValueError(f"obj.dim()={obj.dim()} must be between 1 and {MAX_NDIM}")
     if not obj.is_contiguous():
@@ -97,14 +98,8 @@ def destination_bytes(tensor: object, header: ObjectHeader) -> memoryview:
         or tensor.device.type != "cpu"
         or not tensor.is_contiguous()
     ):
-        got = (
-            f"{tuple(tensor.shape)} {tensor.dtype} on {tensor.device}"
-            if isinstance(tensor, torch.Tensor)
-            else tensor
-        )
-        raise ValueError(
-            f"alloc({header.shape}, {header.dtype}) returned {got}; expected a contiguous CPU tensor"
-        )
+        got = f"{tuple(tensor.shape)} {tensor.dtype} on {tensor.device}" if isinstance(tensor, torch.Tensor) else tensor
+        raise ValueError(f"alloc({header.shape}, {header.dtype}) returned {got}; expected a contiguous CPU tensor")
     return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
 
 
@@ -115,9 +110,9 @@ def encode_header(key: bytes, obj: torch.Tensor, payload: memoryview, *, align: 
     body = _BODY.pack(
         MAGIC, FORMAT_VERSION, header_len, _DTYPE_CODES[obj.dtype], len(shape), 0, len(payload), key_tag(key)
     ) + struct.pack(f"<{len(shape)}Q", *shape)
-    hasher = blake3.blake3(body)
+    hasher = xxhash.xxh3_128(body)
     hasher.update(payload)
-    checksum = hasher.digest(CHECKSUM_BYTES)
+    checksum = hasher.digest()
     return body + checksum + bytes(header_len - len(body) - CHECKSUM_BYTES)
 
 
@@ -157,9 +152,9 @@ def decode_header(key: bytes, data: bytes | bytearray | memoryview) -> ObjectHea
 def verify_payload(header: ObjectHeader, payload: bytes | bytearray | memoryview) -> None:
     if len(payload) != header.payload_len:
         raise CorruptObject(f"payload is {len(payload)} bytes, header says {header.payload_len}")
-    hasher = blake3.blake3(header.body)
+    hasher = xxhash.xxh3_128(header.body)
     hasher.update(payload)
-    if hasher.digest(CHECKSUM_BYTES) != header.checksum:
+    if hasher.digest() != header.checksum:
         raise CorruptObject("checksum mismatch")
 
 

@@ -13,9 +13,7 @@ OPS = Counter(
     "get: hit|miss|corrupt|no_memory|unavailable|error; contains/delete: ok|unavailable|error",
     ["tier", "op", "result"],
 )
-BYTES = Counter(
-    "kvferry_tier_bytes", "Payload bytes of the objects a tier stored or returned", ["tier", "op"]
-)
+BYTES = Counter("kvferry_tier_bytes", "Payload bytes of the objects a tier stored or returned", ["tier", "op"])
 SECONDS = Histogram(
     "kvferry_tier_op_seconds",
     "Wall time of a tier put/get in a worker (queueing excluded)",
@@ -23,9 +21,7 @@ SECONDS = Histogram(
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
 )
 EVICTIONS = Counter("kvferry_tier_evictions", "Objects a tier evicted to make room", ["tier"])
-HEALTHY = Gauge(
-    "kvferry_tier_healthy", "1 while the tier is healthy, 0 while it is skipped and probed", ["tier"]
-)
+HEALTHY = Gauge("kvferry_tier_healthy", "1 while the tier is healthy, 0 while it is skipped and probed", ["tier"])
 USED = Gauge("kvferry_tier_used_bytes", "Bytes a tier holds (as far as this process knows)", ["tier"])
 CAPACITY = Gauge("kvferry_tier_capacity_bytes", "A tier's capacity limit (absent when unbounded)", ["tier"])
 

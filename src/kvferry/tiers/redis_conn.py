@@ -118,8 +118,11 @@ def make_client(
         "protocol": 2,  # the large-reply parser is a RESP2 parser (redis-py 8 defaults to RESP3)
     }
     if cluster:
+        # redis-py builds the per-node pools with our connection class only when it is given a url.
+        host, port = nodes[0]
         return RedisCluster(
-            startup_nodes=[ClusterNode(host, port) for host, port in nodes],
+            url=f"redis://[{host}]:{port}" if ":" in host else f"redis://{host}:{port}",
+            startup_nodes=[ClusterNode(h, p) for h, p in nodes[1:]],
             retry=Retry(NoBackoff(), 0),
             **common,
         )

@@ -82,9 +82,7 @@ class RedisTier(Tier):
         if not nodes or (not cluster and len(nodes) != 1):
             raise ValueError(f"nodes={list(nodes)}: give one (host, port), or seed nodes with cluster=True")
         if b"{" in prefix or b"}" in prefix:
-            raise ValueError(
-                f"prefix={prefix!r} must not contain '{{' or '}}' (it would change cluster slots)"
-            )
+            raise ValueError(f"prefix={prefix!r} must not contain '{{' or '}}' (it would change cluster slots)")
         if timeout_s <= 0 or connect_timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s} and connect_timeout_s={connect_timeout_s} must be > 0")
         scheme = "redis+cluster" if cluster else "redis"
@@ -120,8 +118,10 @@ class RedisTier(Tier):
     @property
     def used_bytes(self) -> int | None:
         """Memory the server(s) report in use (all primaries of a cluster), refreshed at most every 2 s."""
+        if not self.healthy:
+            return None
         checked, used = self._used
-        if time.monotonic() - checked < _USED_BYTES_TTL_S or not self.healthy:
+        if time.monotonic() - checked < _USED_BYTES_TTL_S:
             return used
         try:
             client = self._connect()
@@ -181,9 +181,7 @@ class RedisTier(Tier):
             for request in batch:
                 if request.payload is not None:
                     header = encode_header(request.key, request.obj, request.payload)
-                    pipe.execute_command(
-                        "SET", self._redis_key(request.key), SplitValue(header, request.payload)
-                    )
+                    pipe.execute_command("SET", self._redis_key(request.key), SplitValue(header, request.payload))
                 else:
                     pipe.execute_command("GET", self._redis_key(request.key))
             replies = pipe.execute(raise_on_error=False)
@@ -196,10 +194,17 @@ class RedisTier(Tier):
                 request.future.set_result(request.miss)
             return
         for request, reply in zip(batch, replies, strict=True):
-            if request.payload is not None:
-                request.future.set_result(self._finish_put(request, reply, started))
-            else:
-                request.future.set_result(self._finish_get(request, reply, started))
+            op = "put" if request.payload is not None else "get"
+            try:
+                result = (
+                    self._finish_put(request, reply, started)
+                    if op == "put"
+                    else self._finish_get(request, reply, started)
+                )
+            except Exception as exc:  # e.g. alloc raised: this request is a miss, the others go on
+                self._record_failure(op, exc)
+                result = request.miss
+            request.future.set_result(result)
 
     def _finish_put(self, request: _Request, reply: object, started: float) -> bool:
         if isinstance(reply, Exception):
@@ -216,8 +221,9 @@ class RedisTier(Tier):
         if reply is None:
             self._record_success("get", "miss")
             return None
-        assert isinstance(reply, (bytes, memoryview)) and request.alloc is not None
         try:
+            if not isinstance(reply, (bytes, memoryview)):
+                raise CorruptObject(f"GET returned {type(reply).__name__}, expected bytes")
             header = decode_header(request.key, reply)
             payload = memoryview(reply)[header.header_len :]
             verify_payload(header, payload)

@@ -50,9 +50,7 @@ _COMMON = ("name", "backoff", "backoff_max")
 _DISK_PARAMS = ("size", "workers", "direct", "fsync", *_COMMON)
 _REDIS_PARAMS = ("workers", "timeout", "connect_timeout", "prefix", "batch", *_COMMON)
 _REDIS_SCHEMES = {"redis": False, "valkey": False, "redis+cluster": True, "valkey+cluster": True}
-EXAMPLES = (
-    "disk:/var/cache/kvferry?size=200GB, redis://127.0.0.1:6379, redis+cluster://10.0.0.1:7000,10.0.0.2:7000"
-)
+EXAMPLES = "disk:/var/cache/kvferry?size=200GB, redis://127.0.0.1:6379, redis+cluster://10.0.0.1:7000,10.0.0.2:7000"
 
 
 class TierURLError(ValueError):
@@ -107,9 +105,7 @@ def _disk(shown: str, location: str, params: dict[str, str]) -> DiskTier:
     if not location:
         raise TierURLError(f"tier URL {shown!r} has no directory, e.g. disk:/var/cache/kvferry?size=200GB")
     if "size" not in params:
-        raise TierURLError(
-            f"tier URL {shown!r} needs size=, the disk budget, e.g. ?size=200GB or ?size=512MiB"
-        )
+        raise TierURLError(f"tier URL {shown!r} needs size=, the disk budget, e.g. ?size=200GB or ?size=512MiB")
     direct = params.pop("direct", "auto").lower()
     if direct != "auto" and direct not in _BOOLS:
         raise TierURLError(f"tier URL {shown!r}: direct={direct!r}, expected auto, on or off")
@@ -136,9 +132,7 @@ def _redis(shown: str, location: str, params: dict[str, str], *, cluster: bool) 
     db = 0
     if path:
         if cluster or not path.isdigit():
-            raise TierURLError(
-                f"tier URL {shown!r}: path /{path} must be a database number (not for a cluster)"
-            )
+            raise TierURLError(f"tier URL {shown!r}: path /{path} must be a database number (not for a cluster)")
         db = int(path)
     with _naming(shown):
         return RedisTier(
@@ -170,9 +164,7 @@ def _params(shown: str, query: str, allowed: tuple[str, ...]) -> dict[str, str]:
     params: dict[str, str] = {}
     for name, value in parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)):
         if name not in allowed:
-            raise TierURLError(
-                f"tier URL {shown!r}: unknown parameter {name!r}; this tier takes {', '.join(allowed)}"
-            )
+            raise TierURLError(f"tier URL {shown!r}: unknown parameter {name!r}; this tier takes {', '.join(allowed)}")
         if name in params:
             raise TierURLError(f"tier URL {shown!r}: parameter {name!r} given twice")
         params[name] = value

@@ -82,9 +82,7 @@ class S3FIFOPolicy(EvictionPolicy):
 
     def _evict_one(self, can_evict: Callable[[bytes], bool]) -> bytes | None:
         small_first = not self._main or len(self._small) >= self._small_ratio * len(self)
-        order = (
-            (self._evict_small, self._evict_main) if small_first else (self._evict_main, self._evict_small)
-        )
+        order = (self._evict_small, self._evict_main) if small_first else (self._evict_main, self._evict_small)
         for evict_from in order:
             key = evict_from(can_evict)
             if key is not None:

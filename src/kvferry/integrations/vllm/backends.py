@@ -1,9 +1,10 @@
 """Where the connector's KV goes: a cache engine in this process, or a ``kvferry server`` through the client.
 
 Both give the scheduler half a ``lookup`` and the worker half ``retrieve`` / ``store_async`` on the engine's
-registered KV. The worker half creates the backend when vLLM registers its KV cache; the scheduler half of the
-same engine finds it in this process's registry (vLLM runs both halves in one process when tensor and pipeline
-parallelism are 1, which the connector requires).
+registered KV. The worker half creates the backend when vLLM registers its KV cache. When vLLM runs the scheduler
+half in the same process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, or a GPU engine with one worker) it finds the
+backend in this process's registry; otherwise (vLLM's CPU backend runs its worker in a process of its own) the
+scheduler half looks up through its own `ServerLookup`, in the key space the worker reported at start-up.
 
 A backend never raises into vLLM on the lookup path: a failed lookup is a miss (logged).
 """
@@ -15,7 +16,9 @@ import threading
 from concurrent.futures import Future
 from typing import Protocol
 
+import kvferry
 from kvferry.cache import CacheEngine, CacheNamespace
+from kvferry.cache.request import dtype_name, layout_name
 from kvferry.client import KvferryClient
 from kvferry.integrations.vllm.kv_layout import EngineKV
 
@@ -25,13 +28,15 @@ log = logging.getLogger(__name__)
 class Backend(Protocol):
     chunk_size: int
 
+    def namespace_fields(self) -> dict[str, str | int]:
+        """The cache key space of this engine's KV, as plain fields (what a lookup from elsewhere names)."""
+        ...
+
     def lookup(self, tokens: list[int]) -> int | None: ...
 
     def retrieve(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> int: ...
 
-    def store_async(
-        self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int
-    ) -> Future[int]: ...
+    def store_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]: ...
 
     def close(self) -> None: ...
 
@@ -44,6 +49,9 @@ class EmbeddedBackend:
         self.kv = kv
         self.namespace = namespace
         self.chunk_size = engine.chunk_size
+
+    def namespace_fields(self) -> dict[str, str | int]:
+        return _fields(self.namespace)
 
     def lookup(self, tokens: list[int]) -> int | None:
         """The pool's prefix hit; None while chunks right after it are still being promoted from a tier."""
@@ -84,14 +92,20 @@ class EmbeddedBackend:
 class ServerBackend:
     """A session with a ``kvferry server`` holding this worker's KV registration."""
 
-    def __init__(self, client: KvferryClient, kv: EngineKV, namespace: dict[str, str | int]) -> None:
+    def __init__(self, client: KvferryClient, kv: EngineKV, *, model: str, salt: str = "") -> None:
         self.client = client
         self.kv = kv
         self.chunk_size = client.chunk_size
         # Moves the engine's CPU KV into shared memory in place (every view, vLLM's included, follows).
         self.registration = client.register_kv_cache(
-            kv.layers, kv.fmt, block_size=kv.block_size, namespace=namespace
+            kv.layers, kv.fmt, block_size=kv.block_size, namespace={"model": model, "salt": salt}
         )
+        # The key space the server derives from the registration, so a process without the KV can look up in it.
+        shape = kvferry.object_shape(kv.fmt, kv.layers, self.chunk_size, kv.block_size)
+        self.namespace = CacheNamespace(model, dtype_name(kv.layers[0].dtype), layout_name(kv.fmt, shape), salt=salt)
+
+    def namespace_fields(self) -> dict[str, str | int]:
+        return _fields(self.namespace)
 
     def lookup(self, tokens: list[int]) -> int | None:
         try:
@@ -101,18 +115,38 @@ class ServerBackend:
             return 0
 
     def retrieve(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> int:
-        written = self.client.retrieve(
-            self.registration, tokens, block_ids, skip_prefix_tokens=skip_prefix_tokens
-        )
+        written = self.client.retrieve(self.registration, tokens, block_ids, skip_prefix_tokens=skip_prefix_tokens)
         return skip_prefix_tokens + written
 
     def store_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
-        return self.client.store_async(
-            self.registration, tokens, block_ids, skip_prefix_tokens=skip_prefix_tokens
-        )
+        return self.client.store_async(self.registration, tokens, block_ids, skip_prefix_tokens=skip_prefix_tokens)
 
     def close(self) -> None:
         self.client.close()
+
+
+class ServerLookup:
+    """Lookups at a ``kvferry server`` in a key space named explicitly (for a scheduler without the KV)."""
+
+    def __init__(self, client: KvferryClient, namespace: dict[str, str | int]) -> None:
+        self.client = client
+        self.namespace = namespace
+        self.chunk_size = client.chunk_size
+
+    def lookup(self, tokens: list[int]) -> int | None:
+        try:
+            return self.client.lookup(tokens, namespace=self.namespace).tokens
+        except Exception:
+            log.exception("kvferry: lookup at %s failed (counted as a miss)", self.client.endpoint)
+            return 0
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _fields(namespace: CacheNamespace) -> dict[str, str | int]:
+    names = ("model", "kv_dtype", "layout", "world_size", "rank", "salt")
+    return {name: getattr(namespace, name) for name in names}
 
 
 _registry: dict[str, Backend] = {}

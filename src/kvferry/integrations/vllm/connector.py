@@ -2,7 +2,9 @@
 
 vLLM makes two instances per engine: one with the scheduler role (`SchedulerSide`: lookups and plans) and one
 with the worker role (`WorkerSide`: loads and stores). Each step's plan travels from the first to the second as
-the connector metadata. This module only translates between vLLM's objects and those halves.
+the connector metadata; once, at start-up, the worker tells the scheduler the cache key space of its KV (the
+handshake metadata), which a scheduler in another process needs for its lookups. This module only translates
+between vLLM's objects and those halves.
 """
 
 from __future__ import annotations
@@ -13,13 +15,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvferry.cache import CacheEngine
-from kvferry.client import KvferryClient
+from kvferry.client import KvferryClient, ServerError
 from kvferry.integrations.vllm import backends
 from kvferry.integrations.vllm.kv_layout import EngineKV, UnsupportedKVLayout, recognise
 from kvferry.integrations.vllm.plan import StepPlan
@@ -45,11 +48,19 @@ class KvferryConnectorMetadata(KVConnectorMetadata):
         self.plan = plan
 
 
+class KvferryHandshake(KVConnectorHandshakeMetadata):
+    """What the worker half tells the scheduler half once KV is registered: the cache key space (plain fields)."""
+
+    def __init__(self, namespace: dict[str, str | int]) -> None:
+        self.namespace = namespace
+
+
 class KvferryConnector(KVConnectorBase_V1):
     """Loads prompt prefixes kvferry holds into vLLM's blocks and stores newly computed ones.
 
-    Requires tensor and pipeline parallel size 1 (both halves in one process). Modes and settings: see
-    `ConnectorSettings`.
+    Requires tensor and pipeline parallel size 1. Embedded mode also needs the scheduler and the worker in one
+    process (vLLM's CPU backend: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``); server mode works either way. Modes and
+    settings: see `ConnectorSettings`.
     """
 
     _cache_hit_source = CacheHitSource.HOST
@@ -58,9 +69,7 @@ class KvferryConnector(KVConnectorBase_V1):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        self._settings = ConnectorSettings.from_extra_config(
-            self._kv_transfer_config.kv_connector_extra_config
-        )
+        self._settings = ConnectorSettings.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         world_size = vllm_config.parallel_config.world_size
         if world_size != 1:
             raise ValueError(
@@ -70,6 +79,8 @@ class KvferryConnector(KVConnectorBase_V1):
         self._block_size = vllm_config.cache_config.block_size
         self._scheduler: SchedulerSide | None = None
         self._scheduler_warned = False
+        self._handshake: KvferryHandshake | None = None  # worker: sent; scheduler: received
+        self._lookup_client: backends.ServerLookup | None = None
         self._worker: WorkerSide | None = None
 
     @property
@@ -82,10 +93,11 @@ class KvferryConnector(KVConnectorBase_V1):
         try:
             kv = self._recognise(kv_caches)
             backend = self._make_backend(kv)
-        except (UnsupportedKVLayout, ConnectionError, TimeoutError) as exc:
+        except (UnsupportedKVLayout, ConnectionError, TimeoutError, ServerError) as exc:
             log.error("kvferry connector disabled (every lookup is a miss): %s", exc)
             return
         backends.publish(self._engine_id, backend)
+        self._handshake = KvferryHandshake(backend.namespace_fields())
         hook = self._settings.load_after_load_hook()
         self._worker = WorkerSide(
             backend,
@@ -110,9 +122,7 @@ class KvferryConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv already loaded every layer (objects hold all layers of a chunk)
 
-    def save_kv_layer(
-        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
-    ) -> None:
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # stores copy all layers at once in wait_for_save, after the last layer wrote its KV
 
     def wait_for_save(self) -> None:
@@ -131,7 +141,13 @@ class KvferryConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
 
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return self._handshake
+
     def shutdown(self) -> None:
+        if self._lookup_client is not None:
+            self._lookup_client.close()
+            self._lookup_client = None
         if self._worker is not None:
             self._worker.close()
             self._worker = None
@@ -141,20 +157,25 @@ class KvferryConnector(KVConnectorBase_V1):
 
     # --- scheduler side -----------------------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        received = metadata.get(0)
+        if isinstance(received, KvferryHandshake):
+            self._handshake = received
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         side = self._scheduler_side()
         if side is None:
             return 0, False
         matched = side.num_new_matched_tokens(
-            request.request_id, request.prompt_token_ids or [], request.num_tokens, num_computed_tokens
+            request.request_id,
+            request.prompt_token_ids or [],
+            request.num_tokens,
+            num_computed_tokens,
+            cacheable=not (request.mm_features or request.lora_request or request.cache_salt),
         )
         return matched, False
 
-    def update_state_after_alloc(
-        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
-    ) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         side = self._scheduler_side()
         if side is not None:
             side.after_alloc(request.request_id, request.prompt_token_ids or [], num_external_tokens)
@@ -179,9 +200,7 @@ class KvferryConnector(KVConnectorBase_V1):
         isas = {getattr(layers.get(name), "isa", None) for name in kv_caches}
         if len(isas) != 1:
             raise UnsupportedKVLayout(f"attention layers use different CPU ISAs {sorted(map(str, isas))}")
-        kv = recognise(
-            kv_caches, isa=isas.pop(), kv_cache_dtype=str(self._vllm_config.cache_config.cache_dtype)
-        )
+        kv = recognise(kv_caches, isa=isas.pop(), kv_cache_dtype=str(self._vllm_config.cache_config.cache_dtype))
         if kv.block_size != self._block_size:
             raise UnsupportedKVLayout(
                 f"the KV tensors hold {kv.block_size}-token blocks but the scheduler uses {self._block_size}"
@@ -193,9 +212,7 @@ class KvferryConnector(KVConnectorBase_V1):
         if self._settings.mode == "server":
             client = KvferryClient(self._settings.server_url, timeout_s=self._settings.timeout_s)
             try:
-                return backends.ServerBackend(
-                    client, kv, {"model": model, "world_size": 1, "rank": 0, "salt": self._settings.salt}
-                )
+                return backends.ServerBackend(client, kv, model=model, salt=self._settings.salt)
             except BaseException:
                 client.close()
                 raise
@@ -206,17 +223,37 @@ class KvferryConnector(KVConnectorBase_V1):
         return backends.EmbeddedBackend(engine, kv, namespace)
 
     def _scheduler_side(self) -> SchedulerSide | None:
-        if self._scheduler is None:
-            backend = backends.find(self._engine_id)
-            if backend is None:
-                if not self._scheduler_warned:
-                    log.warning("kvferry: no KV cache registered in this process; lookups miss")
-                    self._scheduler_warned = True
+        """The scheduler half, made on first use: over the worker's backend when it lives in this process,
+        else over a lookup-only session with the server in the key space the worker reported."""
+        if self._scheduler is not None:
+            return self._scheduler
+        lookups: backends.Backend | backends.ServerLookup | None = backends.find(self._engine_id)
+        if lookups is None and self._handshake is not None and self._settings.mode == "server":
+            try:
+                client = KvferryClient(self._settings.server_url, timeout_s=self._settings.timeout_s)
+            except (ConnectionError, TimeoutError) as exc:
+                self._warn_once(f"cannot reach {self._settings.server_url} ({exc}); lookups miss")
                 return None
-            self._scheduler = SchedulerSide(
-                backend.lookup, block_size=self._block_size, chunk_size=backend.chunk_size
+            lookups = self._lookup_client = backends.ServerLookup(client, self._handshake.namespace)
+        if lookups is None:
+            self._warn_once(
+                "no KV cache registered with kvferry for this engine"
+                + (
+                    " (embedded mode needs vLLM's worker in the scheduler's process: on the CPU backend set "
+                    "VLLM_ENABLE_V1_MULTIPROCESSING=0, or use server mode)"
+                    if self._handshake is not None
+                    else ""
+                )
+                + "; lookups miss"
             )
+            return None
+        self._scheduler = SchedulerSide(lookups.lookup, block_size=self._block_size, chunk_size=lookups.chunk_size)
         return self._scheduler
+
+    def _warn_once(self, message: str) -> None:
+        if not self._scheduler_warned:
+            log.error("kvferry: %s", message)
+            self._scheduler_warned = True
 
 
 def _served_model_name(vllm_config: VllmConfig) -> str:

@@ -10,17 +10,21 @@ Invariants:
   computed, and those blocks may be shared with other running requests.
 - Only whole chunks of the prompt are stored, each once per request, and only after the step that computes
   its last token (the worker stores after the forward pass).
+- A request whose KV token ids alone do not determine is neither looked up nor stored.
 - A request that had any store planned is reported to vLLM as "saving asynchronously" when it finishes, so vLLM
   keeps its blocks until the worker reports the stores done.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvferry.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
+
+log = logging.getLogger(__name__)
 
 # tokens -> leading tokens the cache holds (a multiple of the chunk size), or None for "not known yet" (a
 # prefetch from a lower tier is running; vLLM asks again on a later step).
@@ -58,31 +62,34 @@ class _Tracked:
     prompt: list[int]
     block_ids: list[int] = field(default_factory=list)
     stored_upto: int = 0
-    load: tuple[int, int] | None = None  # (tokens to load, tokens to skip) for its next scheduled step
     stores_planned: bool = False
 
 
 class SchedulerSide:
     def __init__(self, lookup: Lookup, *, block_size: int, chunk_size: int) -> None:
         if block_size <= 0 or chunk_size <= 0 or chunk_size % block_size:
-            raise ValueError(
-                f"chunk_size={chunk_size} must be a positive multiple of vLLM's block_size={block_size}"
-            )
+            raise ValueError(f"chunk_size={chunk_size} must be a positive multiple of vLLM's block_size={block_size}")
         self._lookup = lookup
         self.block_size = block_size
         self.chunk_size = chunk_size
         self._matches: dict[str, tuple[int, int]] = {}  # req_id -> (cache hit, vLLM's hit) at its last lookup
         self._pending_loads: dict[str, tuple[list[int], int, int]] = {}  # req_id -> (prompt, hit, skip)
         self._requests: dict[str, _Tracked] = {}
+        self._uncacheable: set[str] = set()
 
     def num_new_matched_tokens(
-        self, req_id: str, prompt: Sequence[int], num_tokens: int, num_computed_tokens: int
+        self, req_id: str, prompt: Sequence[int], num_tokens: int, num_computed_tokens: int, *, cacheable: bool = True
     ) -> int | None:
         """Tokens beyond vLLM's own ``num_computed_tokens`` that kvferry can load, or None if not known yet.
 
         At most ``num_tokens - 1`` tokens count as computed: vLLM must run at least one token to sample from.
         The load itself still fills every block of the hit; vLLM then recomputes that last token in place.
+        ``cacheable=False`` (KV that token ids alone do not determine: images, LoRA adapters, a per-request
+        cache salt) means no lookup and no store for this request.
         """
+        if not cacheable:
+            self._uncacheable.add(req_id)
+            return 0
         if len(prompt) < self.chunk_size:
             return 0
         hit = self._lookup(list(prompt))
@@ -111,6 +118,8 @@ class SchedulerSide:
             if req_id in self._requests:
                 self._requests[req_id].block_ids = []  # freed; a resumed request gets a new table
         for new in step.scheduled_new_reqs:
+            if new.req_id in self._uncacheable:
+                continue
             tracked = _Tracked(prompt=list(new.prompt_token_ids or []), block_ids=list(new.block_ids[0]))
             tracked.stored_upto = self._matches.get(new.req_id, (0, 0))[0]
             self._requests[new.req_id] = tracked
@@ -119,7 +128,7 @@ class SchedulerSide:
         for i, req_id in enumerate(cached.req_ids):
             tracked = self._requests.get(req_id)
             if tracked is None:
-                continue  # scheduled before this connector saw it (cannot happen in one engine); nothing to do
+                continue  # an uncacheable request: nothing to load or store
             new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
                 tracked.block_ids = list(new_blocks[0]) if new_blocks else []
@@ -132,24 +141,23 @@ class SchedulerSide:
         """Forget the request; True when stores were planned for it (vLLM must keep its blocks until the
         worker reports them done)."""
         self._matches.pop(req_id, None)
+        self._uncacheable.discard(req_id)
         self._pending_loads.pop(req_id, None)
         tracked = self._requests.pop(req_id, None)
         return tracked is not None and tracked.stores_planned
 
-    def _plan_request(
-        self, plan: StepPlan, req_id: str, num_computed: int, num_scheduled: Mapping[str, int]
-    ) -> None:
+    def _plan_request(self, plan: StepPlan, req_id: str, num_computed: int, num_scheduled: Mapping[str, int]) -> None:
         tracked = self._requests[req_id]
         pending = self._pending_loads.pop(req_id, None)
         if pending is not None:
             prompt, hit, skip = pending
-            plan.loads.append(
-                LoadSpec(req_id, prompt[:hit], self._blocks_for(tracked, hit, req_id), skip_tokens=skip)
-            )
+            plan.loads.append(LoadSpec(req_id, prompt[:hit], self._blocks_for(tracked, hit, req_id), skip_tokens=skip))
             tracked.stored_upto = max(tracked.stored_upto, hit)
         computed_after = num_computed + num_scheduled.get(req_id, 0)
         end = min(computed_after, len(tracked.prompt)) // self.chunk_size * self.chunk_size
-        if end > tracked.stored_upto:
+        if end > tracked.stored_upto and len(tracked.block_ids) * self.block_size < end:
+            log.warning("kvferry: request %s holds too few blocks for %d tokens; not storing them", req_id, end)
+        elif end > tracked.stored_upto:
             plan.stores.append(
                 StoreSpec(
                     req_id,

@@ -33,9 +33,7 @@ class ConnectorSettings(BaseModel):
         description="embedded mode: kvferry settings over the file and KVFERRY_* variables, e.g. "
         '{"cache": {"l1_size_gb": 8}, "tiers": ["disk:/var/cache/kvferry?size=100GB"]}',
     )
-    model_id: str | None = Field(
-        None, description="the model's name in cache keys (default: vLLM's served model name)"
-    )
+    model_id: str | None = Field(None, description="the model's name in cache keys (default: vLLM's served model name)")
     salt: str = Field("", description="separates deployments that must not share KV")
     after_load_hook: str | None = Field(
         None,
@@ -49,9 +47,7 @@ class ConnectorSettings(BaseModel):
         try:
             return cls.model_validate(dict(extra or {}))
         except ValidationError as exc:
-            problems = "; ".join(
-                f"{'.'.join(map(str, e['loc'])) or 'extra config'}: {e['msg']}" for e in exc.errors()
-            )
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'extra config'}: {e['msg']}" for e in exc.errors())
             raise ValueError(f"kv_connector_extra_config for KvferryConnector: {problems}") from None
 
     def kvferry_config(self) -> KvferryConfig:
@@ -66,7 +62,5 @@ class ConnectorSettings(BaseModel):
             raise ValueError(f"after_load_hook={self.after_load_hook!r} must be 'module:function'")
         hook = getattr(importlib.import_module(module_name), attr, None)
         if not callable(hook):
-            raise ValueError(
-                f"after_load_hook={self.after_load_hook!r}: {attr} is not a callable of {module_name}"
-            )
+            raise ValueError(f"after_load_hook={self.after_load_hook!r}: {attr} is not a callable of {module_name}")
         return hook

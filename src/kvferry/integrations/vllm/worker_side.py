@@ -40,15 +40,11 @@ class WorkerSide:
         *,
         block_size: int,
         after_load: Callable[[list[int]], None] | None = None,
-        before_store: Callable[[], None] | None = None,
     ) -> None:
-        """``after_load(block_ids)`` runs after each load with the blocks written (a debugging/testing hook);
-        ``before_store()`` runs once before a step's stores start (e.g. a device sync so the copy reads what the
-        forward pass wrote)."""
+        """``after_load(block_ids)`` runs after each load with the blocks written (a debugging/testing hook)."""
         self._backend = backend
         self.block_size = block_size
         self._after_load = after_load
-        self._before_store = before_store
         self._inflight: dict[str, list[Future[int]]] = {}  # req_id -> its unfinished stores
         self._saving: set[str] = set()  # requests vLLM keeps blocks for until their stores are reported done
         self._finished: set[str] = set()  # those of them that vLLM reported finished
@@ -63,8 +59,6 @@ class WorkerSide:
 
     def start_stores(self, plan: StepPlan) -> None:
         """Start the plan's stores (after the forward pass that computed them)."""
-        if plan.stores and self._before_store is not None:
-            self._before_store()
         for spec in plan.stores:
             self._saving.add(spec.req_id)
             self._inflight.setdefault(spec.req_id, []).append(self._store_one(spec))
@@ -116,8 +110,9 @@ class WorkerSide:
                 target,
             )
         self.tokens_loaded += max(0, min(got, target) - spec.skip_tokens)
-        if self._after_load is not None:
-            self._after_load(spec.block_ids[spec.skip_tokens // self.block_size :])
+        written = spec.block_ids[spec.skip_tokens // self.block_size : -(-min(got, target) // self.block_size)]
+        if self._after_load is not None and written:
+            self._after_load(written)
 
     def _store_one(self, spec: StoreSpec) -> Future[int]:
         try:

@@ -1,0 +1,110 @@
+"""Timers and the copy ceiling a transfer is compared with.
+
+The ceiling is a plain copy of the same number of bytes between the same kinds of memory, measured in the same run
+(alternating with the transfer being measured) so that whatever load the machine is under hits both alike:
+- CPU: the faster of `numpy.copyto` (a single-threaded memcpy) and `torch.Tensor.copy_` between two plain,
+  pre-faulted, page-aligned buffers;
+- CUDA: a pinned host <-> device `copy_(non_blocking=True)` (the copy engine), timed with CUDA events.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+DIRECTIONS = ("d2h", "h2d")
+_PAGE = 4096
+
+
+def time_call(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds `fn` takes; on CUDA measured with events on the current stream, after a synchronize."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    begin = time.perf_counter()
+    fn()
+    return time.perf_counter() - begin
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    """Decimal GB/s of moving `nbytes` once (each byte read once and written once)."""
+    return nbytes / seconds / 1e9
+
+
+class CopyCeiling:
+    """Plain copies of `nbytes` between two buffers of the memories a `direction` transfer on `device` moves between.
+
+    `time_once()` runs every method once and records its time, so a caller can alternate it with the transfer it
+    measures; `best()` is the fastest method by median.
+    """
+
+    def __init__(self, device: torch.device, nbytes: int, direction: str) -> None:
+        if direction not in DIRECTIONS:
+            raise ValueError(f"direction={direction!r} must be one of {DIRECTIONS}")
+        if nbytes <= 0:
+            raise ValueError(f"nbytes={nbytes} must be positive")
+        self.device = device
+        self.nbytes = nbytes
+        self._methods: dict[str, Callable[[], object]] = {}
+        if device.type == "cuda":
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).fill_(1)
+            dev = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(2)
+            src, dst = (dev, host) if direction == "d2h" else (host, dev)
+            self._methods["pinned<->device copy_"] = lambda: dst.copy_(src, non_blocking=True)
+        else:
+            src_t, dst_t = _host_buffer(nbytes, 1), _host_buffer(nbytes, 2)
+            src_np, dst_np = src_t.numpy(), dst_t.numpy()
+            self._methods["numpy.copyto"] = lambda: np.copyto(dst_np, src_np)
+            self._methods["torch copy_"] = lambda: dst_t.copy_(src_t)
+        self.samples: dict[str, list[float]] = {name: [] for name in self._methods}
+
+    def time_once(self) -> None:
+        for name, fn in self._methods.items():
+            self.samples[name].append(time_call(fn, self.device))
+
+    def clear(self) -> None:
+        """Forget the samples so far (e.g. a warm-up)."""
+        for samples in self.samples.values():
+            samples.clear()
+
+    def best(self) -> tuple[str, float]:
+        """(method, median seconds) of the fastest method; needs at least one `time_once()`."""
+        medians = {name: statistics.median(s) for name, s in self.samples.items() if s}
+        if not medians:
+            raise RuntimeError("no ceiling samples yet: call time_once() first")
+        name = min(medians, key=medians.__getitem__)
+        return name, medians[name]
+
+
+def _host_buffer(nbytes: int, fill: int) -> torch.Tensor:
+    """A plain host buffer from torch's allocator (as engine caches and the host pool are), starting on a page.
+
+    Page-aligned like the pool's chunk objects: memcpy's speed here depends on where the destination starts in its
+    page (measured on this project's CI machine: about 10 GB/s page-aligned, 2-5 GB/s at offsets 16 or 64), and
+    the ceiling should be the best plain copy. Filled, so that first-touch page faults are paid here.
+    """
+    raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8)
+    start = -raw.data_ptr() % _PAGE
+    return raw[start : start + nbytes].fill_(fill)
+
+
+def measure_ceiling(device: str | torch.device, nbytes: int, direction: str, repeats: int = 5) -> float:
+    """GB/s of the best plain copy of `nbytes` between the memories of a `direction` transfer on `device`.
+
+    Standalone, not interleaved with a transfer: one warm-up, then the median of `repeats` runs.
+    """
+    ceiling = CopyCeiling(torch.device(device), nbytes, direction)
+    ceiling.time_once()
+    ceiling.clear()
+    for _ in range(repeats):
+        ceiling.time_once()
+    return gbps(nbytes, ceiling.best()[1])

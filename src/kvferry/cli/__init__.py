@@ -1,0 +1,1 @@
+"""The `kvferry` command line: `kvferry bench transfer`, `kvferry formats`, `kvferry server`."""

@@ -1,0 +1,99 @@
+"""`kvferry`: benchmarks, the formats table and the cache server behind one command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+from collections.abc import Sequence
+
+from rich.console import Console
+
+from kvferry import __version__
+from kvferry.cli.bench_cmd import TRANSFER_EXAMPLES, add_transfer_arguments, run_transfer
+from kvferry.cli.formats_cmd import add_formats_arguments, run_formats
+from kvferry.cli.server_cmd import add_server_parser
+
+DESCRIPTION = """\
+kvferry moves an LLM serving engine's paged KV cache (block-scattered, in the engine's own layout) into
+contiguous chunk objects in a host memory pool and back, spills them to disk and Redis, and shares them
+between engine processes through one cache server."""
+
+EXAMPLES = """\
+examples:
+  kvferry bench transfer                        # GB/s of the CPU path vs a same-run memcpy (llama3-8b shape)
+  kvferry bench transfer --device cuda --json bench-out/transfer.json
+  kvferry formats                               # every engine KV layout kvferry knows
+  kvferry server --l1-size-gb 8 --port 5555     # the shared cache server
+
+Run `kvferry COMMAND --help` for a command's options."""
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Keep the examples' line breaks; leave room for long option names."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=32)
+
+
+def _wrap(text: str) -> str:
+    return textwrap.fill(text, width=100)
+
+
+def build_parser(with_server_flags: bool = False) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvferry", description=DESCRIPTION, epilog=EXAMPLES, formatter_class=_Formatter
+    )
+    parser.add_argument("--version", action="version", version=f"kvferry {__version__}")
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
+
+    bench = commands.add_parser(
+        "bench",
+        help="measure the data path against a same-run plain copy",
+        description=_wrap(
+            "Benchmarks of kvferry's data path, each reported as a ratio to a same-run copy of the same bytes."
+        ),
+        epilog="examples:\n  kvferry bench transfer --help",
+        formatter_class=_Formatter,
+    )
+    benches = bench.add_subparsers(title="benchmarks", metavar="BENCHMARK", required=True)
+    transfer = benches.add_parser(
+        "transfer",
+        help="engine KV blocks <-> chunk objects (kvferry.transfer)",
+        description=_wrap(
+            "GB/s of kvferry.transfer between a model-shaped paged KV cache (random data, block ids in a random "
+            "permutation) and chunk objects in a HostPool, and its ratio to a plain copy of the same bytes between "
+            "the same memories, measured alternately in the same run. Each backend is checked against the "
+            "reference backend before it is timed."
+        ),
+        epilog=TRANSFER_EXAMPLES,
+        formatter_class=_Formatter,
+    )
+    add_transfer_arguments(transfer)
+    transfer.set_defaults(run=lambda args, argv, console: run_transfer(args, argv, console))
+
+    formats = commands.add_parser(
+        "formats",
+        help="list the engine KV layouts (EngineKVFormat)",
+        description="Every engine KV layout kvferry moves, as declared in kvferry.formats.LAYOUTS.",
+        epilog="examples:\n  kvferry formats\n  kvferry formats --markdown",
+        formatter_class=_Formatter,
+    )
+    add_formats_arguments(formats)
+    formats.set_defaults(run=lambda args, argv, console: run_formats(args, console))
+
+    add_server_parser(commands, with_server_flags, _Formatter)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in args_list if not a.startswith("-")), None)
+    parser = build_parser(with_server_flags=command == "server")
+    args = parser.parse_args(args_list)
+    if command == "server":
+        return args.run(args)
+    console = Console()
+    if not console.is_terminal:  # piped or captured: no terminal width to fit, keep table rows whole
+        console = Console(width=160)
+    return args.run(args, args_list, console)

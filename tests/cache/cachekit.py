@@ -1,0 +1,57 @@
+"""Test helpers for the cache: random paged KV tensors in any declared layout, and per-block contents.
+
+Built from ``kvferry.formats``' layout declarations only, so the checks here do not depend on the transfer
+code they test: a block's contents are everything in the engine's tensors that belongs to that block.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvferry.formats.kinds import EngineKVFormat
+from kvferry.formats.layouts import layout_of
+
+# Small geometry: 2 layers, 2 kv heads of 8, 16-token blocks; chunks of 32 tokens (2 blocks).
+NL, NH, HS, BS, CHUNK = 2, 2, 8, 16, 32
+PER_CHUNK = CHUNK // BS
+
+
+def make_paged(fmt: EngineKVFormat, nb: int, *, dtype: torch.dtype = torch.float16, seed: int = 0) -> Any:
+    """Random paged KV of ``nb`` blocks in layout ``fmt`` (nested lists/tuples as the layout declares)."""
+    layout = layout_of(fmt)
+    sizes = {"NL": NL, "TWO": 2, "NB": nb, "BS": BS, "NBBS": nb * BS, "NH": NH, "HS": HS, "CS": 2 * HS, "ONE": 1}
+    shape = [sizes[axis] for axis in layout.axes]
+    gen = torch.Generator().manual_seed(seed)
+
+    def build(levels: tuple[str, ...]) -> Any:
+        if not levels:
+            return (torch.randn(shape, generator=gen) * 4).to(dtype)
+        return [build(levels[1:]) for _ in range(sizes[levels[0]])]
+
+    return build(layout.nesting)
+
+
+def leaves(paged: Any) -> list[torch.Tensor]:
+    if isinstance(paged, torch.Tensor):
+        return [paged]
+    return [t for item in paged for t in leaves(item)]
+
+
+def block_contents(paged: Any, fmt: EngineKVFormat, block: int) -> torch.Tensor:
+    """Everything stored for engine block ``block``, flattened (a copy)."""
+    axes = layout_of(fmt).axes
+    pieces = []
+    for tensor in leaves(paged):
+        if "NB" in axes:
+            pieces.append(tensor.select(axes.index("NB"), block).reshape(-1))
+        else:
+            pieces.append(tensor.narrow(axes.index("NBBS"), block * BS, BS).reshape(-1))
+    return torch.cat(pieces)
+
+
+def assert_blocks_equal(src: Any, src_ids: list[int], dst: Any, dst_ids: list[int], fmt: EngineKVFormat) -> None:
+    assert len(src_ids) == len(dst_ids)
+    for i, (s, d) in enumerate(zip(src_ids, dst_ids, strict=True)):
+        assert torch.equal(block_contents(src, fmt, s), block_contents(dst, fmt, d)), f"block {i}: {s}->{d} differs"

@@ -1,0 +1,149 @@
+"""Chunk keys: deterministic across processes, prefix semantics, namespace separation, input types."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvferry.cache.keys import CacheNamespace, ChunkHasher, token_bytes
+
+NS = CacheNamespace("llama-3-8b", "bfloat16", "NL_X_TWO_NB_BS_NH_HS:2x32x256x1024", world_size=2, rank=1)
+
+
+def _random_tokens(n: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 150_000, size=n).tolist()
+
+
+def _keys_in_child(tokens: list[int]) -> dict[str, list[str]]:
+    return {algo: [k.hex() for k in ChunkHasher(64, algo).keys(tokens, NS)] for algo in ("sha256", "blake3")}
+
+
+def test_keys_identical_in_a_spawned_process() -> None:
+    tokens = _random_tokens(64 * 5 + 17)
+    with multiprocessing.get_context("spawn").Pool(1) as child:
+        theirs = child.apply(_keys_in_child, (tokens,))
+    ours = _keys_in_child(tokens)
+    assert theirs == ours
+    assert [len(keys) for keys in ours.values()] == [5, 5]
+
+
+def test_known_answer_pins_the_key_schema() -> None:
+    # A change here breaks every persisted tier and every other kvferry process: bump _KEY_SCHEMA instead.
+    keys = ChunkHasher(4, "sha256").keys([1, 2, 3, 4, 5, 6, 7, 8, 9], NS)
+    assert len(keys) == 2
+    expected = __import__("hashlib").sha256(NS.digest + np.array([1, 2, 3, 4], "<u4").tobytes()).digest()
+    assert keys[0] == expected
+
+
+@settings(max_examples=40, deadline=None)
+@given(k=st.integers(0, 5), offset=st.integers(0, 31), n_chunks=st.integers(1, 6))
+def test_a_diverging_token_in_chunk_k_shares_exactly_k_keys(k: int, offset: int, n_chunks: int) -> None:
+    hasher = ChunkHasher(32)
+    tokens = _random_tokens(32 * n_chunks + 7, seed=k)
+    other = list(tokens)
+    pos = min(32 * k + offset, len(tokens) - 1)
+    other[pos] = (other[pos] + 1) % 150_000
+    a, b = hasher.keys(tokens, NS), hasher.keys(other, NS)
+    shared = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+    assert shared == min(pos // 32, n_chunks)
+    assert all(x != y for x, y in zip(a[shared:], b[shared:], strict=True))
+
+
+def test_tail_is_not_keyed() -> None:
+    hasher = ChunkHasher(16)
+    tokens = _random_tokens(16 * 3 + 15)
+    assert hasher.num_chunks(tokens) == 3
+    assert hasher.keys(tokens, NS) == hasher.keys(tokens[:48], NS)
+    assert hasher.keys(tokens[:15], NS) == []
+
+
+def test_iter_keys_is_lazy_and_matches_keys() -> None:
+    hasher = ChunkHasher(16)
+    tokens = _random_tokens(16 * 4)
+    it = hasher.iter_keys(tokens, NS)
+    assert next(it) == hasher.keys(tokens, NS)[0]
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("model", "llama-3-70b"),
+        ("kv_dtype", "float16"),
+        ("layout", "NL_X_NB_TWO_BS_NH_HS:2x32x256x1024"),
+        ("world_size", 4),
+        ("rank", 0),
+        ("salt", "tenant-b"),
+    ],
+)
+def test_every_namespace_field_separates_keys(field: str, value: object) -> None:
+    fields = {f: getattr(NS, f) for f in ("model", "kv_dtype", "layout", "world_size", "rank", "salt")}
+    fields[field] = value
+    other = CacheNamespace(**fields)  # type: ignore[arg-type]
+    tokens = _random_tokens(64)
+    assert set(ChunkHasher(16).keys(tokens, NS)).isdisjoint(ChunkHasher(16).keys(tokens, other))
+    assert other != NS and other.digest != NS.digest
+
+
+def test_algos_differ_and_unknown_algo_is_rejected() -> None:
+    tokens = _random_tokens(32)
+    assert ChunkHasher(16, "sha256").keys(tokens, NS) != ChunkHasher(16, "blake3").keys(tokens, NS)
+    with pytest.raises(ValueError, match="md5"):
+        ChunkHasher(16, "md5")
+    with pytest.raises(ValueError, match="chunk_size"):
+        ChunkHasher(0)
+
+
+def test_token_containers_give_the_same_keys() -> None:
+    tokens = _random_tokens(100)
+    hasher = ChunkHasher(32)
+    expected = hasher.keys(tokens, NS)
+    for container in (
+        tuple(tokens),
+        np.array(tokens, dtype=np.int64),
+        np.array(tokens, dtype=np.uint32),
+        torch.tensor(tokens, dtype=torch.int64),
+        torch.tensor(tokens, dtype=torch.int32),
+    ):
+        assert hasher.keys(container, NS) == expected
+
+
+@pytest.mark.parametrize(
+    "tokens,error",
+    [
+        ([1, -2, 3], ValueError),
+        ([1, 2**32], ValueError),
+        ([1.5, 2], ValueError),
+        (np.array([1, -1]), ValueError),
+        (np.array([1, -1], dtype=np.int32), ValueError),
+        (np.array([2**40], dtype=np.uint64), ValueError),
+        (torch.tensor([3, -3]), ValueError),
+        (np.array([1.0, 2.0]), TypeError),
+        (torch.zeros(2, 2, dtype=torch.int64), TypeError),
+        (torch.tensor([1.0]), TypeError),
+    ],
+)
+def test_bad_tokens_raise_naming_tokens(tokens: object, error: type[Exception]) -> None:
+    with pytest.raises(error, match="tokens"):
+        token_bytes(tokens)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"model": ""}, "model"),
+        ({"world_size": 0}, "world_size"),
+        ({"rank": 2}, "rank"),
+        ({"rank": -1}, "rank"),
+        ({"salt": 3}, "salt"),
+    ],
+)
+def test_bad_namespace_fields_raise(kwargs: dict[str, object], match: str) -> None:
+    fields: dict[str, object] = {"model": "m", "kv_dtype": "bfloat16", "layout": "L", "world_size": 2, "rank": 0}
+    fields.update(kwargs)
+    with pytest.raises((ValueError, TypeError), match=match):
+        CacheNamespace(**fields)  # type: ignore[arg-type]

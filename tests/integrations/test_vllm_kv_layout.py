@@ -1,0 +1,74 @@
+"""Recognising vLLM's CPU KV cache, and the connector's settings (no vLLM needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvferry.formats import EngineKVFormat
+from kvferry.integrations.vllm.kv_layout import UnsupportedKVLayout, recognise
+from kvferry.integrations.vllm.settings import ConnectorSettings
+
+
+def cpu_kv(layers: int = 3, nb: int = 6, nh: int = 2, bs: int = 32, hs: int = 64) -> dict[str, torch.Tensor]:
+    """Like vLLM's CPU backend: one buffer, layer outermost, a [NB, NH, BS, 2*HS] view per layer."""
+    buf = torch.randn(layers, nb, nh, bs, 2 * hs).to(torch.bfloat16)
+    return {f"model.layers.{i}.self_attn.attn": buf[i] for i in range(layers)}
+
+
+def test_cpu_layout_is_recognised_in_layer_order() -> None:
+    kv = cpu_kv()
+    shuffled = {name: kv[name] for name in reversed(list(kv))}  # dict order must not decide the layer order
+    found = recognise(shuffled, isa="vec", kv_cache_dtype="auto")
+    assert found.fmt is EngineKVFormat.VLLM_CPU_NL_X_NB_NH_KT_V
+    assert found.layer_names == list(kv)
+    assert all(a is b for a, b in zip(found.layers, kv.values(), strict=True))
+    assert found.block_size == 32
+    assert recognise(kv, isa="vec16", kv_cache_dtype="bfloat16").block_size == 32
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "kv", "message"),
+    [
+        ({"isa": "amx", "kv_cache_dtype": "auto"}, cpu_kv(), "ISA is 'amx'"),
+        ({"isa": None, "kv_cache_dtype": "auto"}, cpu_kv(), "ISA is None"),
+        ({"isa": "vec", "kv_cache_dtype": "fp8"}, cpu_kv(), "dtype 'fp8'"),
+        ({"isa": "vec", "kv_cache_dtype": "auto"}, {}, "kv_caches is empty"),
+        (
+            {"isa": "vec", "kv_cache_dtype": "auto"},
+            {**cpu_kv(2), "model.layers.9.self_attn.attn": torch.randn(6, 2, 32, 64).to(torch.bfloat16)},
+            r"kv_caches\['model.layers.9.self_attn.attn'\] is \(6, 2, 32, 64\)",
+        ),
+        (
+            {"isa": "vec", "kv_cache_dtype": "auto"},
+            {"l.0.x": torch.randn(6, 2, 64, 32).to(torch.bfloat16).transpose(2, 3)},
+            "contiguous=False",
+        ),
+    ],
+)
+def test_unknown_layouts_are_refused_with_the_reason(kwargs: dict, kv: dict, message: str) -> None:
+    with pytest.raises(UnsupportedKVLayout, match=message):
+        recognise(kv, **kwargs)
+
+
+def test_settings_parse_and_name_bad_keys() -> None:
+    settings = ConnectorSettings.from_extra_config(
+        {"mode": "embedded", "config": {"cache": {"chunk_size": 512, "l1_size_gb": 0.5}}, "salt": "tenant-a"}
+    )
+    config = settings.kvferry_config()
+    assert config.cache.chunk_size == 512 and settings.salt == "tenant-a"
+    assert ConnectorSettings.from_extra_config(None).mode == "embedded"
+    with pytest.raises(ValueError, match="mode: Input should be 'embedded' or 'server'"):
+        ConnectorSettings.from_extra_config({"mode": "remote"})
+    with pytest.raises(ValueError, match="server_ur: Extra inputs are not permitted"):
+        ConnectorSettings.from_extra_config({"server_ur": "tcp://127.0.0.1:1"})
+
+
+def test_after_load_hook_is_resolved_by_module_path() -> None:
+    assert ConnectorSettings().load_after_load_hook() is None
+    hook = ConnectorSettings(after_load_hook="json:dumps").load_after_load_hook()
+    assert hook is not None and hook([1]) == "[1]"
+    with pytest.raises(ValueError, match="must be 'module:function'"):
+        ConnectorSettings(after_load_hook="json.dumps").load_after_load_hook()
+    with pytest.raises(ValueError, match="nope is not a callable of json"):
+        ConnectorSettings(after_load_hook="json:nope").load_after_load_hook()

@@ -1,0 +1,109 @@
+"""The worker half of the vLLM connector with a scripted backend (no vLLM, no cache engine)."""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from concurrent.futures import Future
+
+import pytest
+
+from kvferry.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
+from kvferry.integrations.vllm.worker_side import WorkerSide
+
+BS = 32
+
+
+class ScriptedBackend:
+    """Records calls; ``retrieve`` answers ``self.leading`` (or raises it), stores give pending futures."""
+
+    def __init__(self) -> None:
+        self.leading: int | Exception | None = None  # None: everything asked for
+        self.retrieves: list[tuple[list[int], list[int], int]] = []
+        self.stores: list[tuple[list[int], list[int], int, Future[int]]] = []
+
+    def retrieve(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> int:
+        self.retrieves.append((tokens, block_ids, skip_prefix_tokens))
+        if isinstance(self.leading, Exception):
+            raise self.leading
+        return len(tokens) if self.leading is None else self.leading
+
+    def store_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
+        future: Future[int] = Future()
+        self.stores.append((tokens, block_ids, skip_prefix_tokens, future))
+        return future
+
+
+def tokens(n: int) -> list[int]:
+    rng = random.Random(n)
+    return [rng.randrange(32_000) for _ in range(n)]
+
+
+IDS = [17, 3, 40, 8, 22, 9, 31, 5]
+
+
+def test_load_calls_the_backend_and_hands_the_written_blocks_to_the_hook() -> None:
+    backend, seen = ScriptedBackend(), []
+    worker = WorkerSide(backend, block_size=BS, after_load=seen.append)
+    worker.load(StepPlan(loads=[LoadSpec("a", tokens(256), IDS, skip_tokens=64)]))
+    assert backend.retrieves == [(tokens(256), IDS, 64)]
+    assert seen == [IDS[2:]]  # the two skipped blocks are vLLM's: never written, never handed to the hook
+    assert worker.take_load_errors() == set()
+    assert worker.tokens_loaded == 192
+
+
+def test_a_short_load_reports_exactly_the_blocks_not_written(caplog: pytest.LogCaptureFixture) -> None:
+    backend, seen = ScriptedBackend(), []
+    worker = WorkerSide(backend, block_size=BS, after_load=seen.append)
+    backend.leading = 128  # the second chunk was evicted between lookup and load
+    with caplog.at_level(logging.WARNING):
+        worker.load(StepPlan(loads=[LoadSpec("a", tokens(256), IDS, skip_tokens=0)]))
+    assert worker.take_load_errors() == set(IDS[4:])
+    assert worker.take_load_errors() == set()  # reported once
+    assert seen == [IDS[:4]]  # the hook sees only the blocks written
+    assert "loaded 128 of 256 tokens" in caplog.text
+    backend.leading = RuntimeError("server gone")
+    with caplog.at_level(logging.ERROR):
+        worker.load(StepPlan(loads=[LoadSpec("b", tokens(256), IDS, skip_tokens=64)]))
+    assert worker.take_load_errors() == set(IDS[2:])
+    assert "server gone" in caplog.text
+    assert seen == [IDS[:4]]  # nothing written, no hook call
+    assert worker.tokens_loaded == 128
+
+
+def test_stores_keep_the_request_unfinished_until_they_complete() -> None:
+    backend = ScriptedBackend()
+    worker = WorkerSide(backend, block_size=BS)
+    worker.start_stores(StepPlan(stores=[StoreSpec("a", tokens(256), IDS, 0), StoreSpec("b", tokens(128), IDS[:4], 0)]))
+    assert [s[:3] for s in backend.stores] == [(tokens(256), IDS, 0), (tokens(128), IDS[:4], 0)]
+    assert worker.finished_sending({"a", "c"}) == set()  # "a" still storing; "c" never stored anything
+    backend.stores[0][3].set_result(256)
+    assert worker.finished_sending(set()) == {"a"}  # reported once its stores are done
+    assert worker.finished_sending(set()) == set()
+    backend.stores[1][3].set_result(128)
+    assert worker.finished_sending(set()) == set()  # "b" done storing but not finished by vLLM yet
+    assert worker.finished_sending({"b"}) == {"b"}
+    assert worker.tokens_stored == 384
+
+
+def test_a_failed_store_is_logged_and_still_releases_the_request(caplog: pytest.LogCaptureFixture) -> None:
+    backend = ScriptedBackend()
+    worker = WorkerSide(backend, block_size=BS)
+    worker.start_stores(StepPlan(stores=[StoreSpec("a", tokens(256), IDS, 0)]))
+    backend.stores[0][3].set_exception(OSError("pool full"))
+    with caplog.at_level(logging.ERROR):
+        assert worker.finished_sending({"a"}) == {"a"}
+    assert "a store for request a failed" in caplog.text
+
+
+def test_preempted_requests_wait_for_their_stores() -> None:
+    backend = ScriptedBackend()
+    worker = WorkerSide(backend, block_size=BS)
+    worker.start_stores(StepPlan(stores=[StoreSpec("a", tokens(256), IDS, 0)]))
+    future = backend.stores[0][3]
+    threading.Timer(0.05, future.set_result, args=(256,)).start()
+    worker.wait_for_requests(["a", "not-storing"])
+    assert future.done()
+    assert worker.tokens_stored == 256
+    worker.close()

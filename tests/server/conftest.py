@@ -1,0 +1,42 @@
+"""Fixtures: an in-process server over the fake engine, and clients of it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from kvferry.client import KvferryClient
+from kvferry.server import KvferryServer, ServerConfig
+from tests.server.serverkit import FakeEngine
+
+
+@pytest.fixture
+def engine() -> FakeEngine:
+    return FakeEngine(chunk_size=4)
+
+
+@pytest.fixture
+def server_config() -> ServerConfig:
+    return ServerConfig(
+        port=0, http_port=0, heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, max_message_bytes=64 * 1024
+    )
+
+
+@pytest.fixture
+def server(engine: FakeEngine, server_config: ServerConfig) -> Iterator[KvferryServer]:
+    srv = KvferryServer(server_config, engine)  # type: ignore[arg-type]
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def endpoint(server: KvferryServer) -> str:
+    return f"tcp://127.0.0.1:{server.port}"
+
+
+@pytest.fixture
+def client(endpoint: str) -> Iterator[KvferryClient]:
+    with KvferryClient(endpoint, timeout_s=10) as c:
+        yield c

@@ -1,0 +1,250 @@
+"""Helpers for the server tests: a tiny stand-in for CacheEngine, a server subprocess, client processes.
+
+The fake engine lets the server's protocol, sessions and memory mapping be tested alone. It keeps whole
+chunks of the first `[NB, BS, W]` tensor of an NL_X_NB_BS_HS KV in a dict keyed by (namespace, token prefix),
+which is enough to check that the server reads and writes the client's memory through its mapping. `gate`
+lets a test hold a transfer mid-way (to end a session under it).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, NamedTuple
+
+import torch
+from prometheus_client import CollectorRegistry, Counter
+
+from kvferry.cache import CacheNamespace
+
+
+class Found(NamedTuple):
+    hit_tokens: int
+    pending_tokens: int
+    lock_id: int | None
+
+
+class FakeEngine:
+    def __init__(self, chunk_size: int = 4) -> None:
+        self.chunk_size = chunk_size
+        self.objects: dict[tuple[bytes, bytes], torch.Tensor] = {}
+        self.locks: set[int] = set()
+        self.gate = threading.Event()
+        self.gate.set()
+        self.in_transfer = threading.Event()
+        self._next_lock = 1
+        self.metrics_registry = CollectorRegistry()
+        self.fake_calls = Counter("fake_engine_calls", "calls", registry=self.metrics_registry)
+
+    def namespace_for(
+        self,
+        model: str,
+        fmt: int,
+        paged: Any,
+        *,
+        world_size: int = 1,
+        rank: int = 0,
+        salt: str = "",
+        block_size: int | None = None,
+        geometry: Any = None,
+    ) -> CacheNamespace:
+        first = paged if isinstance(paged, torch.Tensor) else paged[0]
+        return CacheNamespace(model, str(first.dtype), f"fake:{fmt}", world_size, rank, salt)
+
+    def _keys(self, tokens: Any, namespace: CacheNamespace) -> list[tuple[bytes, bytes]]:
+        data = bytes(tokens)
+        step = self.chunk_size * 4
+        return [(namespace.digest, data[: end + step]) for end in range(0, len(data) // step * step, step)]
+
+    def lookup_status(self, tokens: Any, *, namespace: CacheNamespace, lock: bool = False) -> Found:
+        self.fake_calls.inc()
+        hits = 0
+        for key in self._keys(tokens, namespace):
+            if key not in self.objects:
+                break
+            hits += 1
+        lock_id = None
+        if lock and hits:
+            lock_id = self._next_lock
+            self._next_lock += 1
+            self.locks.add(lock_id)
+        return Found(hits * self.chunk_size, 0, lock_id)
+
+    def store(self, tokens, paged, block_ids, fmt, *, namespace, block_size, geometry, skip_prefix_tokens) -> int:
+        self.in_transfer.set()
+        self.gate.wait()
+        paged = paged[0]
+        bs = paged.shape[1]
+        per = self.chunk_size // bs
+        keys = self._keys(tokens, namespace)
+        if len(block_ids) < len(keys) * per:
+            raise ValueError(f"block_ids has {len(block_ids)} entries, need {len(keys) * per}")
+        for i, key in enumerate(keys):
+            ids = torch.as_tensor(block_ids[i * per : (i + 1) * per].astype("int64"))
+            self.objects[key] = paged[ids].clone()
+        return len(keys) * self.chunk_size
+
+    def retrieve(self, tokens, paged, block_ids, fmt, *, namespace, block_size, geometry, skip_prefix_tokens, lock_id):
+        paged = paged[0]
+        bs = paged.shape[1]
+        per = self.chunk_size // bs
+        done = 0
+        for i, key in enumerate(self._keys(tokens, namespace)):
+            if key not in self.objects:
+                break
+            ids = torch.as_tensor(block_ids[i * per : (i + 1) * per].astype("int64"))
+            paged[ids] = self.objects[key]
+            done += self.chunk_size
+        self.locks.discard(lock_id)
+        return done
+
+    def prefetch(self, tokens: Any, *, namespace: CacheNamespace) -> Future[int]:
+        future: Future[int] = Future()
+        future.set_result(self.lookup_status(tokens, namespace=namespace).hit_tokens)
+        return future
+
+    def free_lookup_locks(self, lock_id: int) -> bool:
+        if lock_id in self.locks:
+            self.locks.discard(lock_id)
+            return True
+        return False
+
+    def clear(self) -> None:
+        self.objects.clear()
+
+    def stats(self) -> dict[str, Any]:
+        return {"objects": len(self.objects), "locks": len(self.locks)}
+
+    def close(self) -> None:
+        pass
+
+
+NB, BS, W = 32, 2, 8  # fake-engine KV: [NB, BS, W] bf16; a 4-token chunk is 2 blocks
+
+
+def random_kv(seed: int) -> list[torch.Tensor]:
+    """One layer of NL_X_NB_BS_HS KV, random bf16."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(NB, BS, W, generator=gen).to(torch.bfloat16)]
+
+
+def wait_for(predicate: Any, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.02)
+
+
+def raw_request(endpoint: str, op: str, args: dict[str, Any]) -> dict[str, Any]:
+    """One request over a bare DEALER socket (what a client library would refuse to send)."""
+    import msgpack
+    import zmq
+
+    with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as sock:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        sock.send(msgpack.packb({"v": 1, "id": 1, "op": op, "args": args}))
+        assert sock.poll(10_000), f"no reply to {op}"
+        return msgpack.unpackb(sock.recv())
+
+
+def shm_mappings(name: str, pid: int | str = "self") -> int:
+    """Mappings of shared-memory file `name` ("/torch_...") in process `pid`, unlinked ones included."""
+    path = "/dev/shm" + name
+    with open(f"/proc/{pid}/maps") as maps:
+        return sum(line.rstrip().removesuffix(" (deleted)").endswith(path) for line in maps)
+
+
+# --- the real server in a subprocess, and client processes ------------------------------------------------
+
+FMT_REAL = 1  # EngineKVFormat.NL_X_TWO_NB_BS_NH_HS: NL tensors [2, NB, BS, NH, HS]
+REAL_NL, REAL_NH, REAL_HS, REAL_BS, REAL_NB, REAL_CHUNK = 4, 2, 32, 16, 96, 64
+PER_CHUNK = REAL_CHUNK // REAL_BS
+REAL_NS = {"model": "tests/server", "salt": "multiprocess"}
+
+
+def real_kv(seed: int, nb: int = REAL_NB) -> list[torch.Tensor]:
+    """Random vLLM-flash-attention-style KV: one buffer, layer outermost, like vLLM allocates it."""
+    gen = torch.Generator().manual_seed(seed)
+    buffer = torch.randn(REAL_NL, 2, nb, REAL_BS, REAL_NH, REAL_HS, generator=gen).to(torch.bfloat16)
+    return list(buffer.unbind(0))
+
+
+def blocks(kv: list[torch.Tensor], ids: list[int]) -> torch.Tensor:
+    return torch.stack([layer[:, ids] for layer in kv])
+
+
+class ServerProcess:
+    """`python -m kvferry.server` on free ports; `stop()` sends SIGTERM and returns the exit status."""
+
+    def __init__(self, *flags: str) -> None:
+        import os
+        import re
+        import subprocess
+        import sys
+        from pathlib import Path
+
+        import kvferry
+
+        src = str(Path(kvferry.__file__).resolve().parents[1])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+        env = {k: v for k, v in env.items() if not k.startswith("KVFERRY_")}
+        cmd = [sys.executable, "-m", "kvferry.server", "--port", "0", "--http-port", "0", *flags]
+        self.proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+        self.log: list[str] = []
+        ready = re.compile(r"ready: zmq=(tcp://[\d.]+:(\d+)) http=http://[\d.]+:(\d+)")
+        for line in self.proc.stderr:  # type: ignore[union-attr]
+            self.log.append(line)
+            match = ready.search(line)
+            if match:
+                self.endpoint, self.http_port = match.group(1), int(match.group(3))
+                break
+        else:
+            raise RuntimeError("server exited before it was ready:\n" + "".join(self.log))
+        self._reader = threading.Thread(target=self._drain, daemon=True)
+        self._reader.start()
+
+    def _drain(self) -> None:
+        for line in self.proc.stderr:  # type: ignore[union-attr]
+            self.log.append(line)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stop(self) -> int:
+        import signal
+
+        self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout=30)
+        self._reader.join(timeout=5)
+        return code
+
+
+def writer_process(endpoint: str, tokens: list[int], block_ids: list[int]) -> int:
+    """Child: register KV seeded 1, store `tokens` from `block_ids`, end the session; returns tokens stored."""
+    from kvferry.client import KvferryClient
+
+    kv = real_kv(seed=1)
+    with KvferryClient(endpoint) as client:
+        reg = client.register_kv_cache(kv, FMT_REAL, namespace=REAL_NS)
+        return client.store(reg, tokens, block_ids)
+
+
+def victim_process(endpoint: str, locked_tokens: list[int], big_tokens: list[int], ready: Any) -> None:
+    """Child: register, lock a cached prefix, start a large store, and die by SIGKILL mid-request."""
+    import os
+    import signal
+
+    from kvferry.client import KvferryClient
+
+    kv = real_kv(seed=3)
+    client = KvferryClient(endpoint)
+    reg = client.register_kv_cache(kv, FMT_REAL, namespace=REAL_NS)
+    client.store(reg, big_tokens[:REAL_CHUNK], list(range(PER_CHUNK)))  # the cache has used this KV
+    assert client.lookup(locked_tokens, registration=reg, lock=True).lock is not None
+    ready.put(kv[0].untyped_storage()._share_filename_cpu_()[1].decode())
+    client.store_async(reg, big_tokens, list(range(len(big_tokens) // REAL_BS)))
+    time.sleep(0.002)  # the frame is on its way or being served
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,192 @@
+"""The server's request handling and session isolation, in one process over the fake engine."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kvferry.client import KvferryClient, ServerError
+from kvferry.server import KvferryServer
+from tests.server.serverkit import FakeEngine, random_kv, raw_request, shm_mappings, wait_for
+
+FMT = 3  # NL_X_NB_BS_HS: one layer of [NB, BS, W] is what the fake engine copies
+NS = {"model": "fake-model"}
+
+
+def test_handshake_reports_server_settings(client: KvferryClient, server: KvferryServer) -> None:
+    hello = client.ping()
+    assert hello["version"] == 1
+    assert hello["chunk_size"] == client.chunk_size == client.get_chunk_size() == 4
+    assert hello["heartbeat_timeout_s"] == server.config.heartbeat_timeout_s
+    assert hello["session"] == client.session_id.hex()
+
+
+def test_store_in_one_session_retrieve_in_another_bit_exact(endpoint: str, engine: FakeEngine) -> None:
+    tokens = np.random.default_rng(0).integers(0, 50_000, size=10)  # 2 full chunks + a tail of 2
+    source, target = random_kv(1), random_kv(2)
+    with KvferryClient(endpoint) as writer, KvferryClient(endpoint) as reader:
+        reg_w = writer.register_kv_cache(source, FMT, namespace=NS)
+        assert writer.store(reg_w, tokens, [5, 9, 3, 7, 1]) == 8
+        reg_r = reader.register_kv_cache(target, FMT, namespace=NS)
+        found = reader.lookup(tokens, registration=reg_r)
+        assert (found.tokens, found.pending, found.lock) == (8, 0, None)
+        # A process holding no KV (a scheduler) names the key space instead of a registration.
+        key_space = {**NS, "kv_dtype": "torch.bfloat16", "layout": f"fake:{FMT}"}
+        assert reader.lookup(tokens, namespace=key_space).tokens == 8
+        assert reader.lookup(tokens, namespace={**key_space, "salt": "other"}).tokens == 0
+        assert reader.retrieve(reg_r, tokens, [20, 21, 22, 23, 24]) == 8
+    # the server wrote into the reader's own tensor through its shared-memory mapping
+    assert torch.equal(target[0][20:24], source[0][[5, 9, 3, 7]])
+    assert not torch.equal(target[0][24], source[0][1])
+
+
+def test_registration_moves_cpu_kv_into_shared_memory_in_place(client: KvferryClient) -> None:
+    buffer = random_kv(3)[0]
+    layers = [buffer[:16], buffer[16:]]  # two views of one storage: registered as one shared storage
+    before = buffer.clone()
+    client.register_kv_cache(layers, FMT, namespace=NS)
+    assert buffer.is_shared() and torch.equal(buffer, before)
+    layers[1][0, 0, 0] = 7.0  # the views still alias the (moved) storage
+    assert buffer[16, 0, 0] == 7.0
+
+
+def test_lookup_lock_is_session_scoped_and_freed(endpoint: str, engine: FakeEngine) -> None:
+    tokens = list(range(100, 108))
+    with KvferryClient(endpoint) as owner, KvferryClient(endpoint) as other:
+        reg = owner.register_kv_cache(random_kv(4), FMT, namespace=NS)
+        owner.store(reg, tokens, [0, 1, 2, 3])
+        lock = owner.lookup(tokens, registration=reg, lock=True).lock
+        assert lock in engine.locks
+        with pytest.raises(ServerError, match="UNKNOWN_LOCK"):
+            other.free_lookup_locks(lock)
+        assert owner.free_lookup_locks(lock) is True
+        with pytest.raises(ServerError, match="UNKNOWN_LOCK"):
+            owner.free_lookup_locks(lock)
+        held = [owner.lookup(tokens, registration=reg, lock=True).lock for _ in range(3)]
+        assert set(held) <= engine.locks
+        assert owner.retrieve(reg, tokens, [4, 5, 6, 7], lock=held[0]) == 8
+        assert held[0] not in engine.locks
+        assert owner.end_session()["locks"] == 2
+    assert engine.locks == set()
+
+
+def test_registrations_are_private_to_their_session(endpoint: str) -> None:
+    with KvferryClient(endpoint) as owner, KvferryClient(endpoint) as other:
+        reg = owner.register_kv_cache(random_kv(5), FMT, namespace=NS)
+        with pytest.raises(ServerError, match="UNKNOWN_REGISTRATION"):
+            other.store(reg, list(range(4)), [0, 1])
+        owner.unregister_kv_cache(reg)
+        with pytest.raises(ServerError, match="UNKNOWN_REGISTRATION"):
+            owner.store(reg, list(range(4)), [0, 1])
+
+
+def test_bad_arguments_get_errors_naming_them(client: KvferryClient) -> None:
+    reg = client.register_kv_cache(random_kv(6), FMT, namespace=NS)
+    with pytest.raises(ServerError, match="block_ids has 1 entries"):  # the engine's ValueError
+        client.store(reg, list(range(8)), [0])
+    with pytest.raises(ServerError, match="'format'=999"):
+        client.register_kv_cache(random_kv(7), 999, namespace=NS)
+    with pytest.raises(ServerError, match=r"namespace\.model"):
+        client.register_kv_cache(random_kv(7), FMT, namespace={"model": ""})
+    reply = raw_request(client.endpoint, "LOOKUP", {"tokens": b""})
+    assert reply["error"]["message"] == "give exactly one of 'registration' and 'namespace'"
+    with pytest.raises(ValueError, match=r"tokens must be ids in \[0, 2\*\*32\)"):
+        client.lookup([-1], registration=reg)
+    with pytest.raises(TypeError, match="paged"):
+        client.register_kv_cache({"k": 1}, FMT, namespace=NS)
+    with pytest.raises(ValueError, match="exceeds the server's max_message_bytes=65536"):
+        client.lookup(list(range(20_000)), registration=reg)  # refused before it is sent
+    assert client.ping()["version"] == 1  # the session survived all of it
+
+
+def test_unregister_and_end_session_unmap_the_memory(client: KvferryClient, server: KvferryServer) -> None:
+    kv = random_kv(8)
+    first = client.register_kv_cache(kv, FMT, namespace=NS)
+    name = kv[0].untyped_storage()._share_filename_cpu_()[1].decode()
+    assert shm_mappings(name) == 2  # the client's own storage and the server's mapping of it
+    second = client.register_kv_cache(kv, FMT, namespace=NS)
+    assert shm_mappings(name) == 3 and server.stats()["open_registrations"] == 2
+    client.unregister_kv_cache(second)
+    assert shm_mappings(name) == 2 and server.stats()["open_registrations"] == 1
+    assert client.end_session()["registrations"] == 1
+    assert shm_mappings(name) == 1 and server.stats()["open_registrations"] == 0
+    with pytest.raises(ServerError, match="UNKNOWN_REGISTRATION"):
+        client.store(first, list(range(4)), [0, 1])
+
+
+def test_session_ended_mid_transfer_unmaps_after_the_transfer(
+    client: KvferryClient, server: KvferryServer, engine: FakeEngine
+) -> None:
+    reg = client.register_kv_cache(random_kv(9), FMT, namespace=NS)
+    engine.gate.clear()
+    pending = client.store_async(reg, list(range(8)), [0, 1, 2, 3])
+    assert engine.in_transfer.wait(5)
+    released = client.end_session()  # answered on the socket thread while the store is held
+    assert released["registrations"] == 1
+    assert server.stats()["open_registrations"] == 1  # still mapped: the store is reading it
+    engine.gate.set()
+    assert pending.result(5) == 8
+    wait_for(lambda: server.stats()["open_registrations"] == 0, "the store to finish and unmap")
+
+
+def test_disconnect_releases_the_session(endpoint: str, server: KvferryServer, engine: FakeEngine) -> None:
+    client = KvferryClient(endpoint)
+    reg = client.register_kv_cache(random_kv(10), FMT, namespace=NS)
+    client.store(reg, list(range(4)), [0, 1])
+    client.lookup(list(range(4)), registration=reg, lock=True)
+    client._conn.close()  # the socket goes away without END_SESSION
+    wait_for(lambda: server.stats()["open_registrations"] == 0 and not engine.locks, "disconnect release")
+    assert server.metrics.sessions_ended.labels("disconnect")._value.get() == 1
+
+
+def test_silent_session_times_out_but_heartbeats_keep_one_alive(
+    endpoint: str, server: KvferryServer, engine: FakeEngine
+) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.DEALER)
+    silent.connect(endpoint)
+    from kvferry.server.protocol import Op, encode_request
+
+    silent.send(encode_request(Op.PING, 1, {}))
+    assert silent.poll(5000)
+    silent.recv()
+    with KvferryClient(endpoint) as live:
+        reg = live.register_kv_cache(random_kv(11), FMT, namespace=NS)
+        wait_for(lambda: len(server.stats()["sessions"]) == 1, "the silent session to time out")
+        time.sleep(2 * server.config.heartbeat_timeout_s)
+        assert live.store(reg, list(range(4)), [0, 1]) == 4  # the live one is still registered
+    assert server.metrics.sessions_ended.labels("heartbeat")._value.get() == 1
+    silent.close(linger=0)
+    ctx.term()
+
+
+def test_server_stop_releases_every_session(endpoint: str, server: KvferryServer, engine: FakeEngine) -> None:
+    client = KvferryClient(endpoint, timeout_s=1)
+    reg = client.register_kv_cache(random_kv(12), FMT, namespace=NS)
+    client.store(reg, list(range(4)), [0, 1])
+    client.lookup(list(range(4)), registration=reg, lock=True)
+    server.stop()
+    assert server.stats()["open_registrations"] == 0 and not engine.locks
+    with pytest.raises((TimeoutError, ConnectionError)):
+        client.ping()
+    client._conn.close()
+
+
+def test_prefetch_status_clear_and_stats(client: KvferryClient, engine: FakeEngine) -> None:
+    tokens = list(range(300, 312))
+    reg = client.register_kv_cache(random_kv(13), FMT, namespace=NS)
+    client.store(reg, tokens, list(range(6)))
+    prefetch = client.prefetch(tokens, registration=reg)
+    status = client.prefetch_status(prefetch)
+    assert (status.done, status.tokens, status.error) == (True, 12, None)
+    with pytest.raises(ServerError, match="UNKNOWN_PREFETCH"):  # reported once, then forgotten
+        client.prefetch_status(prefetch)
+    stats = client.stats()
+    assert stats["cache"] == {"objects": 3, "locks": 0} and stats["server"]["open_registrations"] == 1
+    client.clear()
+    assert client.lookup(tokens, registration=reg).tokens == 0

@@ -1,0 +1,62 @@
+"""GPU KV registered by CUDA IPC: the server copies straight out of and into another process's GPU memory.
+
+Run on a CUDA machine: `PYTHONPATH=src python3 -m pytest -m gpu tests/server`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvferry.client import KvferryClient
+from tests.server.serverkit import FMT_REAL, REAL_BS, REAL_CHUNK, REAL_NS, ServerProcess, blocks, real_kv
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    proc = ServerProcess("--chunk-size", str(REAL_CHUNK), "--l1-size-gb", "0.25", "--heartbeat-timeout", "10")
+    yield proc
+    assert proc.stop() == 0, "".join(proc.log)
+
+
+def gpu_kv(seed: int) -> list[torch.Tensor]:
+    return [layer.cuda() for layer in real_kv(seed)]
+
+
+def test_cuda_ipc_store_and_retrieve_bit_exact(server: ServerProcess) -> None:
+    kv = gpu_kv(seed=21)
+    tokens = list(range(7000, 7000 + 3 * REAL_CHUNK))
+    source_ids = [3, 77, 12, 40, 9, 81, 2, 66, 50, 31, 18, 90]
+    target_ids = list(range(60, 72))
+    with KvferryClient(server.endpoint) as client:
+        reg = client.register_kv_cache(kv, FMT_REAL, block_size=REAL_BS, namespace=REAL_NS)
+        assert client.stats()["server"]["open_registrations"] == 1
+        # Written on this process's stream right before the STORE: the server must wait for it (ready_event).
+        for layer in kv:
+            layer[:, source_ids] = torch.randn_like(layer[:, source_ids])
+        assert client.store(reg, tokens, source_ids) == 3 * REAL_CHUNK
+        expected = blocks(kv, source_ids).clone()
+        assert client.lookup(tokens, registration=reg).tokens == 3 * REAL_CHUNK
+        before = blocks(kv, target_ids[:4]).clone()
+        assert client.retrieve(reg, tokens, target_ids, skip_prefix_tokens=REAL_CHUNK) == 2 * REAL_CHUNK
+        # The reply means the copy is complete: this process reads the blocks without further sync.
+        assert torch.equal(blocks(kv, target_ids[4:]), expected[:, :, 4:])
+        assert torch.equal(blocks(kv, target_ids[:4]), before)  # skipped prefix untouched
+        client.end_session()
+        assert client.stats()["server"]["open_registrations"] == 0  # the IPC mapping is closed
+
+
+def test_two_gpu_sessions_share_through_the_server(server: ServerProcess) -> None:
+    tokens = list(range(9000, 9000 + 2 * REAL_CHUNK))
+    ids = list(range(8))
+    writer_kv, reader_kv = gpu_kv(seed=22), gpu_kv(seed=23)
+    with KvferryClient(server.endpoint) as writer, KvferryClient(server.endpoint) as reader:
+        w = writer.register_kv_cache(writer_kv, FMT_REAL, block_size=REAL_BS, namespace=REAL_NS)
+        r = reader.register_kv_cache(reader_kv, FMT_REAL, block_size=REAL_BS, namespace=REAL_NS)
+        assert writer.store(w, tokens, ids) == len(tokens)
+        assert reader.retrieve(r, tokens, [i + 20 for i in ids]) == len(tokens)
+    assert torch.equal(blocks(reader_kv, [i + 20 for i in ids]), blocks(writer_kv, ids))
