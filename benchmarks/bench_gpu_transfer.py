@@ -38,6 +38,10 @@ def events_ms(fn, reps: int) -> float:  # type: ignore[no-untyped-def]
     return statistics.median(times)
 
 
+def run_ms(s: Setup, d: Direction, engine: TransferEngine, mode: str | None, reps: int) -> float:
+    return events_ms(lambda: s.run(d, engine, mode), reps)
+
+
 def memcpy_ms(nbytes: int, to_host: bool, reps: int) -> float:
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -142,14 +146,34 @@ def main() -> int:
 
     sections = set(args.sections.split(","))
     # 1. bulk: 16 chunks of scattered blocks (32 for qwen)
-    for model, n in [] if "bulk" not in sections else (("llama3-8b", 16), ("qwen2.5-0.5b", 32), ("deepseek-v3-mla", 16)):
+    for model, n in (
+        [] if "bulk" not in sections else (("llama3-8b", 16), ("qwen2.5-0.5b", 32), ("deepseek-v3-mla", 16))
+    ):
         fmt = F.NL_X_NB_BS_HS if model == "deepseek-v3-mla" else F.NL_X_TWO_NB_BS_NH_HS
         s = Setup(model, fmt, n)
         for d in (Direction.D2H, Direction.H2D):
             ceil = memcpy_ms(s.nbytes, d is Direction.D2H, reps)
-            row("bulk", f"{model} {d.name} staged pipeline", s.nbytes, events_ms(lambda: s.run(d, engine, "staged"), reps), ceil)
-            row("bulk", f"{model} {d.name} serial gather+DMA (1 slot)", s.nbytes, events_ms(lambda: s.run(d, serial, "staged"), reps), ceil)
-            row("bulk", f"{model} {d.name} zero-copy kernel", s.nbytes, events_ms(lambda: s.run(d, engine, "zero_copy"), reps), ceil)
+            row(
+                "bulk",
+                f"{model} {d.name} staged pipeline",
+                s.nbytes,
+                run_ms(s, d, engine, "staged", reps),
+                ceil,
+            )
+            row(
+                "bulk",
+                f"{model} {d.name} serial gather+DMA (1 slot)",
+                s.nbytes,
+                run_ms(s, d, serial, "staged", reps),
+                ceil,
+            )
+            row(
+                "bulk",
+                f"{model} {d.name} zero-copy kernel",
+                s.nbytes,
+                run_ms(s, d, engine, "zero_copy", reps),
+                ceil,
+            )
         if fmt == F.NL_X_TWO_NB_BS_NH_HS:
             row("bulk", f"{model} D2H torch by hand", s.nbytes, by_hand_ms(s, reps), memcpy_ms(s.nbytes, True, reps))
         del s
@@ -161,7 +185,7 @@ def main() -> int:
             s = Setup(model, fmt, 16, nb=2048)
             for d in (Direction.D2H, Direction.H2D):
                 ceil = memcpy_ms(s.nbytes, d is Direction.D2H, reps)
-                row("formats", f"{fmt.name} {d.name}", s.nbytes, events_ms(lambda: s.run(d, engine), reps), ceil)
+                row("formats", f"{fmt.name} {d.name}", s.nbytes, run_ms(s, d, engine, None, reps), ceil)
             del s
     # 3. one chunk, wall time from the Python call to completion vs a single memcpy's
     for model in ("llama3-8b", "qwen2.5-0.5b") if "onechunk" in sections else ():
@@ -176,7 +200,13 @@ def main() -> int:
                 h.wait()
             print(f"one-chunk  {model} {d.name}: CPU time of the call (enqueue) {statistics.median(enqueue):.0f} us")
             for mode in ("staged", "zero_copy", None):
-                row("one-chunk", f"{model} {d.name} {mode or 'auto'}", s.nbytes, events_ms(lambda: s.run(d, engine, mode), reps * 4), ceil)
+                row(
+                    "one-chunk",
+                    f"{model} {d.name} {mode or 'auto'}",
+                    s.nbytes,
+                    run_ms(s, d, engine, mode, reps * 4),
+                    ceil,
+                )
     # 4. both directions at once vs two-stream memcpy
     s = Setup("llama3-8b", F.NL_X_TWO_NB_BS_NH_HS, 16)
     t = Setup("llama3-8b", F.NL_X_TWO_NB_BS_NH_HS, 16)
@@ -198,24 +228,51 @@ def main() -> int:
         h2.wait()
 
     if "bidir" in sections:
-        row("bidir", "llama3-8b store+retrieve at once (bytes both ways)", 2 * s.nbytes, events_ms(both, reps), events_ms(two_memcpy, reps))
+        row(
+            "bidir",
+            "llama3-8b store+retrieve at once (bytes both ways)",
+            2 * s.nbytes,
+            events_ms(both, reps),
+            events_ms(two_memcpy, reps),
+        )
     # 5. GEMM interference
     alone, _ = gemm_tflops() if "gemm" in sections else (0.0, 0.0)
     for mode in ("staged", "zero_copy") if "gemm" in sections else ():
         for d in (Direction.D2H, Direction.H2D):
+
             def loop(d=d, mode=mode) -> int:  # type: ignore[no-untyped-def]
                 s.run(d, engine, mode)
                 return s.nbytes
+
             tf, gbps = gemm_tflops(loop)
-            rows.append(dict(section="gemm", what=f"{mode} {d.name}", gemm_tflops=tf, gemm_alone=alone, gemm_kept=tf / alone, gbps=gbps))
-            print(f"gemm       {mode} {d.name}: GEMM {tf:.0f} TFLOP/s of {alone:.0f} alone ({tf / alone:.3f}); transfer {gbps:.1f} GB/s", flush=True)
+            rows.append(
+                dict(
+                    section="gemm",
+                    what=f"{mode} {d.name}",
+                    gemm_tflops=tf,
+                    gemm_alone=alone,
+                    gemm_kept=tf / alone,
+                    gbps=gbps,
+                )
+            )
+            print(
+                f"gemm       {mode} {d.name}: GEMM {tf:.0f} TFLOP/s of {alone:.0f} alone ({tf / alone:.3f}); "
+                f"transfer {gbps:.1f} GB/s",
+                flush=True,
+            )
     # 6. crossover: qwen chunks, staged vs zero-copy wall time
     for n in (1, 2, 4, 8) if "crossover" in sections else ():
         q = Setup("qwen2.5-0.5b", F.NL_X_TWO_NB_BS_NH_HS, n)
         for d in (Direction.D2H, Direction.H2D):
             ceil = memcpy_ms(q.nbytes, d is Direction.D2H, reps * 2)
             for mode in ("staged", "zero_copy"):
-                row("crossover", f"qwen {n} chunks {d.name} {mode}", q.nbytes, events_ms(lambda: q.run(d, engine, mode), reps * 2), ceil)
+                row(
+                    "crossover",
+                    f"qwen {n} chunks {d.name} {mode}",
+                    q.nbytes,
+                    run_ms(q, d, engine, mode, reps * 2),
+                    ceil,
+                )
     meta = dict(device=torch.cuda.get_device_name(), date=datetime.datetime.now().isoformat(timespec="seconds"),
                 torch=torch.__version__, command=" ".join(sys.argv))  # fmt: skip
     import triton

@@ -78,9 +78,7 @@ CASES: dict[str, Callable[[HostPool, int], int]] = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ops", type=int, default=200_000, help="operations per case")
     parser.add_argument("--capacity-mib", type=int, default=1024, help="pool size")
     parser.add_argument("--out", type=Path, default=Path("bench-out/bench_pool.json"), help="JSON results")

@@ -22,4 +22,5 @@ __all__ = [
     "object_dtype",
     "object_shape",
     "transfer",
+    "transfer_async",
 ]

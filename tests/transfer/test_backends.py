@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.conftest import engine_bytes, kv_dtype_for, poisoned
 
 import kvferry
 from kvferry import Direction
 from kvferry.formats import EngineKVFormat, describe
 from kvferry.formats.synthetic import ModelDims, make_paged, random_fill
+from tests.conftest import engine_bytes, kv_dtype_for, poisoned
 
 F = EngineKVFormat
 DIMS = ModelDims(nl=3, nh=2, hs=8, plane_widths=(8, 4))

@@ -117,7 +117,9 @@ def test_ring_reuse_and_concurrent_directions(model: str, fmt: F, bs: int) -> No
         for w in want:
             w.view(torch.uint8).fill_(0x5A)  # the skipped head of `stored` must still hold this poison
         kvferry.transfer(paged, want, ids, Direction.D2H, fmt, chunk, skip, backend="torch")
-        assert all(torch.equal(a.cuda().view(torch.uint8), b.view(torch.uint8)) for a, b in zip(stored, want, strict=True))
+        assert all(
+            torch.equal(a.cuda().view(torch.uint8), b.view(torch.uint8)) for a, b in zip(stored, want, strict=True)
+        )
         back = [torch.zeros(o.shape, dtype=o.dtype, device="cuda") for o in src]
         kvferry.transfer(other, back, ids, Direction.D2H, fmt, chunk, skip, backend="torch")
         head = skip * bs

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import torch
-from tests.conftest import poisoned
 
 import kvferry
 from kvferry import Direction
 from kvferry.formats import EngineKVFormat
 from kvferry.formats.synthetic import ModelDims, make_paged
+from tests.conftest import poisoned
 
 F = EngineKVFormat
 

@@ -80,9 +80,7 @@ def flatten_paged(layout: Layout, paged: Any) -> list[tuple[torch.Tensor, dict[s
         level = layout.nesting[depth]
         if isinstance(node, torch.Tensor) or not isinstance(node, Sequence) or len(node) == 0:
             nest = " x ".join(layout.nesting)
-            raise TypeError(
-                f"{path} must be a non-empty list ({level} level; nesting {nest}), got {node!r:.60}"
-            )
+            raise TypeError(f"{path} must be a non-empty list ({level} level; nesting {nest}), got {node!r:.60}")
         if level == "TWO" and len(node) != 2:
             raise ValueError(f"{path} must hold 2 entries (K and V), got {len(node)}")
         for i, child in enumerate(node):
@@ -106,9 +104,7 @@ def describe(fmt: EngineKVFormat | int, paged: Any, block_size: int | None = Non
     nh = sizes.get("NH", 1)
     for axis, want in (("TWO", 2), ("ONE", 1)):
         if axis in sizes and sizes[axis] != want:
-            raise ValueError(
-                f"{fmt.name}: axis {axis} of paged tensors must have size {want}, got {sizes[axis]}"
-            )
+            raise ValueError(f"{fmt.name}: axis {axis} of paged tensors must have size {want}, got {sizes[axis]}")
     if "CS" in sizes and sizes["CS"] % 2:
         raise ValueError(f"{fmt.name}: the fused axis CS must be even (2*HS), got {sizes['CS']}")
     hs = sizes["CS"] // 2 if "CS" in sizes else sizes["HS"]
@@ -188,18 +184,14 @@ def _check_tensors(layout: Layout, entries: list[tuple[torch.Tensor, dict[str, i
     hs_axis = layout.axes.index("HS") if "NP" in layout.nesting else None
     for tensor, _, path in entries:
         if tensor.dim() != len(layout.axes):
-            raise ValueError(
-                f"{path} must have {len(layout.axes)} dims {layout.axes}, got shape {tuple(tensor.shape)}"
-            )
+            raise ValueError(f"{path} must have {len(layout.axes)} dims {layout.axes}, got shape {tuple(tensor.shape)}")
         if tensor.dtype != first.dtype or tensor.device != first.device:
             raise TypeError(
                 f"{path} is {tensor.dtype} on {tensor.device} but {first_path} is {first.dtype} on {first.device}"
             )
         for dim, (size, stride) in enumerate(zip(tensor.shape, tensor.stride(), strict=True)):
             if stride < 0 or (stride == 0 and size > 1):
-                raise ValueError(
-                    f"{path} has stride {stride} on dim {dim}: KV tensors cannot be expanded or flipped"
-                )
+                raise ValueError(f"{path} has stride {stride} on dim {dim}: KV tensors cannot be expanded or flipped")
         want = list(first.shape)
         got = list(tensor.shape)
         if hs_axis is not None:  # planes may differ in width only

@@ -95,9 +95,7 @@ LAYOUTS: dict[EngineKVFormat, Layout] = {
     F.NL_X_NB_BS_NH_CS: Layout(("NL",), ("NB", "BS", "NH", "CS"), "vLLM blocks-first fused, NHD"),
     # Each page is [BS x 128 B fp8 values][BS x 4 B scales]; viewed as [NB, BS, 132] bytes, copying rows of the
     # view moves every page verbatim.
-    F.NL_X_NB_BSV_BSS: Layout(
-        ("NL",), ("NB", "BS", "HS"), "DeepSeek V3.2/V4 indexer k-cache", element_size=1
-    ),
+    F.NL_X_NB_BSV_BSS: Layout(("NL",), ("NB", "BS", "HS"), "DeepSeek V3.2/V4 indexer k-cache", element_size=1),
     F.NL_X_TWO_NB_NH_ONE_BS_HS: Layout(("NL",), ("TWO", "NB", "NH", "ONE", "BS", "HS"), "vLLM-RBLN"),
     F.NL_X_TWO_X_NB_BS_NH_HS: Layout(("NL", "TWO"), ("NB", "BS", "NH", "HS"), "vLLM-Ascend"),
     F.NL_X_NP_X_NB_BS_ONE_HS: Layout(("NL", "NP"), ("NB", "BS", "ONE", "HS"), "vLLM-Ascend MLA"),

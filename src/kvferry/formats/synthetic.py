@@ -96,9 +96,7 @@ def make_paged(
     offset = 0
     for plane, n in zip(planes_in_order, sizes_needed, strict=True):
         shape = shape_of(plane)
-        flat = (
-            buffer[offset : offset + n] if buffer is not None else torch.empty(n, dtype=dtype, device=device)
-        )
+        flat = buffer[offset : offset + n] if buffer is not None else torch.empty(n, dtype=dtype, device=device)
         offset += n
         random_fill(flat, generator)
         strides = [1] * len(shape)

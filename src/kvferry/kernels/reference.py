@@ -92,9 +92,7 @@ def copy_reference(
         for plane, layer, w_offset, view in views:
             engine = view[block]
             width = engine[0].numel()
-            piece = obj[plane, layer, tok : tok + geom.bs, w_offset : w_offset + width].unflatten(
-                -1, engine.shape[1:]
-            )
+            piece = obj[plane, layer, tok : tok + geom.bs, w_offset : w_offset + width].unflatten(-1, engine.shape[1:])
             if to_objects:
                 piece.copy_(engine)
             else:

@@ -240,9 +240,7 @@ class HostPool:
 
     def _give_back(self, allocation: Allocation) -> None:
         # Caller holds the lock and has removed the allocation from self._live.
-        self._extents.release(
-            allocation.offset >> self._unit_shift, allocation.reserved_bytes >> self._unit_shift
-        )
+        self._extents.release(allocation.offset >> self._unit_shift, allocation.reserved_bytes >> self._unit_shift)
         self._requested_bytes -= allocation.requested_bytes
 
     def _describe_unknown(self, ptr: int) -> str:
