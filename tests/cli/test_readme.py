@@ -27,6 +27,10 @@ def test_readme_formats_table_is_what_kvferry_formats_prints(capsys: pytest.Capt
     assert capsys.readouterr().out.strip() in README
 
 
-def test_readme_python_example_runs() -> None:
-    (example,) = _blocks("python")
-    exec(compile(example, "README.md", "exec"), {"__name__": "readme_example"})
+def test_readme_python_examples_run() -> None:
+    """Every python block, in order, in one namespace (later examples continue earlier ones)."""
+    namespace: dict[str, object] = {"__name__": "readme_example"}
+    blocks = _blocks("python")
+    assert len(blocks) >= 2
+    for example in blocks:
+        exec(compile(example, "README.md", "exec"), namespace)
