@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
@@ -74,7 +75,8 @@ class CacheEngine:
         self.metrics_registry = make_registry(name, self._metric_values)
         self._closed = threading.Event()
         # Geometries already checked against a namespace (registered engines pass the same one every call).
-        self._matched: dict[tuple[int, bytes], KVGeometry] = {}
+        # Weak: a geometry holds the engine's tensors, which must go when their owner unregisters.
+        self._matched: weakref.WeakValueDictionary[tuple[int, bytes], KVGeometry] = weakref.WeakValueDictionary()
 
     # --- keys ---------------------------------------------------------------------------------------------
 
@@ -339,9 +341,7 @@ class CacheEngine:
                     f"namespace was made for layout {ns.layout} / {ns.kv_dtype}, but the KV cache passed gives "
                     f"{layout} / {kv_dtype}: build the namespace with namespace_for() for this KV cache"
                 )
-            if len(self._matched) >= 64:
-                self._matched.clear()
-            self._matched[(id(geom), ns.digest)] = geom  # holding geom keeps its id from being reused
+            self._matched[(id(geom), ns.digest)] = geom  # an entry dies with geom, so its id is never stale
         return geom
 
     def _candidate_prefix(self, tokens: TokenIds, ns: CacheNamespace, start: int = 0) -> list[bytes]:

@@ -70,24 +70,26 @@ class KVGeometry:
 def flatten_paged(layout: Layout, paged: Any) -> list[tuple[torch.Tensor, dict[str, int], str]]:
     """Walk the engine's nesting; return (tensor, {level: index}, path for messages) per tensor."""
     out: list[tuple[torch.Tensor, dict[str, int], str]] = []
-
-    def walk(node: Any, depth: int, index: dict[str, int], path: str) -> None:
-        if depth == len(layout.nesting):
-            if not isinstance(node, torch.Tensor):
-                raise TypeError(f"{path} must be a torch.Tensor, got {type(node).__name__}")
-            out.append((node, index, path))
-            return
-        level = layout.nesting[depth]
-        if isinstance(node, torch.Tensor) or not isinstance(node, Sequence) or len(node) == 0:
-            nest = " x ".join(layout.nesting)
-            raise TypeError(f"{path} must be a non-empty list ({level} level; nesting {nest}), got {node!r:.60}")
-        if level == "TWO" and len(node) != 2:
-            raise ValueError(f"{path} must hold 2 entries (K and V), got {len(node)}")
-        for i, child in enumerate(node):
-            walk(child, depth + 1, {**index, level: i}, f"{path}[{i}]")
-
-    walk(paged, 0, {}, "paged")
+    _walk(layout, paged, 0, {}, "paged", out)
     return out
+
+
+def _walk(layout: Layout, node: Any, depth: int, index: dict[str, int], path: str, out: list) -> None:
+    # A module-level function, not a closure: a recursive closure is a reference cycle that would keep the
+    # engine's tensors alive until the cycle collector runs (a server must unmap a departed client's KV at once).
+    if depth == len(layout.nesting):
+        if not isinstance(node, torch.Tensor):
+            raise TypeError(f"{path} must be a torch.Tensor, got {type(node).__name__}")
+        out.append((node, index, path))
+        return
+    level = layout.nesting[depth]
+    if isinstance(node, torch.Tensor) or not isinstance(node, Sequence) or len(node) == 0:
+        nest = " x ".join(layout.nesting)
+        raise TypeError(f"{path} must be a non-empty list ({level} level; nesting {nest}), got {node!r:.60}")
+    if level == "TWO" and len(node) != 2:
+        raise ValueError(f"{path} must hold 2 entries (K and V), got {len(node)}")
+    for i, child in enumerate(node):
+        _walk(layout, child, depth + 1, {**index, level: i}, f"{path}[{i}]", out)
 
 
 def describe(fmt: EngineKVFormat | int, paged: Any, block_size: int | None = None) -> KVGeometry:
