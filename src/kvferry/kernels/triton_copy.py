@@ -55,34 +55,34 @@ def _stripe_copy_kernel(
     BLOCK_W: tl.constexpr,
     TO_OBJECT: tl.constexpr,
 ):
-    tile = tl.program_id(0)
     entry = tl.program_id(1)
     eng_p = eng.to(tl.pointer_type(WORD))
     obj_p = obj.to(tl.pointer_type(WORD))
     e_base = tl.load(eng_off + entry)
     row = tl.load(ent_row + entry)
-
-    g = row0 + tile * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_mask = g < row0 + n_rows
-    o = g // chunk
-    block = tl.load(ids + g // BS, mask=t_mask, other=0)
-    o_base = tl.load(obj_off + o, mask=t_mask, other=0)
-    cap = tl.load(obj_cap + o, mask=t_mask, other=0)
-    o_tok = o_base + (row * cap + g % chunk) * obj_row + w_offset
-    e_tok = e_base + block * block_stride + (g % BS) * token_stride
-
     WIDTH: tl.constexpr = F0 * F1 * F2
-    for w0 in tl.static_range(0, WIDTH, BLOCK_W):
-        w = w0 + tl.arange(0, BLOCK_W)
-        w_mask = w < WIDTH
-        feat = (w // (F1 * F2)) * s0 + ((w // F2) % F1) * s1 + (w % F2) * s2
-        mask = t_mask[:, None] & w_mask[None, :]
-        e_ptr = eng_p + e_tok[:, None] + feat[None, :]
-        o_ptr = obj_p + o_tok[:, None] + w[None, :]
-        if TO_OBJECT:
-            tl.store(o_ptr, tl.load(e_ptr, mask=mask), mask=mask)
-        else:
-            tl.store(e_ptr, tl.load(o_ptr, mask=mask), mask=mask)
+    # A few programs per entry loop over the token tiles (grid-stride): the copy then holds only a small,
+    # fixed number of SMs, which is what keeps the model's kernels running beside it.
+    for tile in tl.range(tl.program_id(0), (n_rows + BLOCK_T - 1) // BLOCK_T, tl.num_programs(0)):
+        g = row0 + tile * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_mask = g < row0 + n_rows
+        o = g // chunk
+        block = tl.load(ids + g // BS, mask=t_mask, other=0)
+        o_base = tl.load(obj_off + o, mask=t_mask, other=0)
+        cap = tl.load(obj_cap + o, mask=t_mask, other=0)
+        o_tok = o_base + (row * cap + g % chunk) * obj_row + w_offset
+        e_tok = e_base + block * block_stride + (g % BS) * token_stride
+        for w0 in tl.static_range(0, WIDTH, BLOCK_W):
+            w = w0 + tl.arange(0, BLOCK_W)
+            w_mask = w < WIDTH
+            feat = (w // (F1 * F2)) * s0 + ((w // F2) % F1) * s1 + (w % F2) * s2
+            mask = t_mask[:, None] & w_mask[None, :]
+            e_ptr = eng_p + e_tok[:, None] + feat[None, :]
+            o_ptr = obj_p + o_tok[:, None] + w[None, :]
+            if TO_OBJECT:
+                tl.store(o_ptr, tl.load(e_ptr, mask=mask), mask=mask)
+            else:
+                tl.store(e_ptr, tl.load(o_ptr, mask=mask), mask=mask)
 
 
 @dataclass(frozen=True)
@@ -206,7 +206,9 @@ def launch(
         width = s.sizes[0] * s.sizes[1] * s.sizes[2]
         block_w = min(triton.next_power_of_2(width), 4096 if interpret else 1024)
         block_t = _block_tokens(n_rows, block_w, interpret)
-        grid = (triton.cdiv(n_rows, block_t), len(s.eng_off), 1)
+        tiles = triton.cdiv(n_rows, block_t)
+        entries = len(s.eng_off)
+        grid = (tiles if interpret else min(tiles, max(1, _programs(block_ids.device) // entries)), entries, 1)
         args = (
             s.base, s.eng_off, s.ent_row, obj_base, table[0], table[1], block_ids, row0, n_rows, chunk_size,
             obj_row, s.w_offset, s.block_stride, s.token_stride, *s.strides,
@@ -250,6 +252,12 @@ class _FastLaunch:
         enter, leave = _hook("launch_enter_hook"), _hook("launch_exit_hook")
         meta = c.launch_metadata(grid, stream, *full) if enter is not None else None
         c.run(grid[0], grid[1], grid[2], stream, c.function, c.packed_metadata, meta, enter, leave, *full)
+
+
+@cache
+def _programs(device: torch.device) -> int:
+    """Programs per launch: two per SM, so a copy never floods the GPU (tiles are grid-strided)."""
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _hook(name: str) -> object:
