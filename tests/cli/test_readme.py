@@ -19,7 +19,7 @@ def _blocks(language: str) -> list[str]:
 def test_readme_opens_with_the_two_setup_commands() -> None:
     first = README.split("```bash\n", 1)[1].split("```", 1)[0]
     commands = [line.split("#")[0].strip() for line in first.strip().splitlines()]
-    assert commands == ["pip install -e . && kvferry bench transfer", "bash .ci/run"]
+    assert commands == ["pip install -e . && kvferry server", "bash .ci/run"]
 
 
 def test_readme_formats_table_is_what_kvferry_formats_prints(capsys: pytest.CaptureFixture[str]) -> None:
@@ -33,4 +33,6 @@ def test_readme_python_examples_run() -> None:
     blocks = _blocks("python")
     assert len(blocks) >= 2
     for example in blocks:
+        if example.startswith("# needs a running `kvferry server`"):
+            continue  # the client example; the server tests cover that API
         exec(compile(example, "README.md", "exec"), namespace)

@@ -84,9 +84,10 @@ def main(config: KvferryConfig) -> int:
         engine.close()
         return 2
     http = f"http://{config.server.host}:{server.http_port}" if server.http_port is not None else "off"
-    log.info("kvferry server ready: zmq=tcp://%s:%d http=%s", config.server.host, server.port, http)
     stop = threading.Event()
+    # Handlers before the "ready" line: whoever waits for it may signal at once.
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    log.info("kvferry server ready: zmq=tcp://%s:%d http=%s", config.server.host, server.port, http)
     try:
         while not stop.wait(0.5):
             pass
