@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from kvferry.formats import EngineKVFormat
-from kvferry.formats.synthetic import ModelDims, make_paged, random_fill
 
 POISON = 0x5A  # a byte pattern no random fill is likely to leave in place everywhere
 
@@ -35,13 +34,6 @@ def poisoned(shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu") ->
 def kv_dtype_for(fmt: EngineKVFormat, dtype: torch.dtype) -> torch.dtype:
     return torch.uint8 if fmt == EngineKVFormat.NL_X_NB_BSV_BSS else dtype
 
-
-@pytest.fixture
-def gen() -> torch.Generator:
-    return torch.Generator().manual_seed(1234)
-
-
-__all__ = ["ModelDims", "leaves", "make_paged", "poisoned", "random_fill"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

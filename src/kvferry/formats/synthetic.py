@@ -33,6 +33,8 @@ def random_fill(t: torch.Tensor, generator: torch.Generator | None = None) -> to
     """Fill with random, non-zero-heavy data of any dtype (integers and fp8 get random bytes)."""
     device = generator.device if generator is not None else t.device
     if t.dtype.is_floating_point and t.element_size() >= 2:
+        if device == t.device:
+            return t.normal_(generator=generator)  # in place: no float32 temporary (4x faster on CPU)
         return t.copy_(torch.randn(t.shape, generator=generator, dtype=torch.float32, device=device))
     raw = t.view(torch.uint8)
     raw.copy_(torch.randint(0, 256, raw.shape, generator=generator, dtype=torch.uint8, device=device))
