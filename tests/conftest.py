@@ -35,7 +35,6 @@ def kv_dtype_for(fmt: EngineKVFormat, dtype: torch.dtype) -> torch.dtype:
     return torch.uint8 if fmt == EngineKVFormat.NL_X_NB_BSV_BSS else dtype
 
 
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """GPU tests skip cleanly without CUDA, so CI (CPU-only) stays green."""
     if torch.cuda.is_available():
