@@ -20,6 +20,7 @@ import kvferry
 from kvferry.cache import CacheEngine, CacheNamespace
 from kvferry.cache.request import dtype_name, layout_name
 from kvferry.client import KvferryClient
+from kvferry.formats import describe
 from kvferry.integrations.vllm.kv_layout import EngineKV
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,8 @@ class EmbeddedBackend:
         self.kv = kv
         self.namespace = namespace
         self.chunk_size = engine.chunk_size
+        # Validated once here: every load and store then skips re-describing vLLM's tensors.
+        self.geometry = describe(kv.fmt, kv.layers, kv.block_size)
 
     def namespace_fields(self) -> dict[str, str | int]:
         return _fields(self.namespace)
@@ -69,8 +72,8 @@ class EmbeddedBackend:
             block_ids,
             self.kv.fmt,
             namespace=self.namespace,
-            block_size=self.kv.block_size,
             skip_prefix_tokens=skip_prefix_tokens,
+            geometry=self.geometry,
         )
         return skip_prefix_tokens + written
 
@@ -81,8 +84,8 @@ class EmbeddedBackend:
             block_ids,
             self.kv.fmt,
             namespace=self.namespace,
-            block_size=self.kv.block_size,
             skip_prefix_tokens=skip_prefix_tokens,
+            geometry=self.geometry,
         )
 
     def close(self) -> None:
