@@ -87,3 +87,10 @@ def test_indexer_cache_moves_bytes_only() -> None:
     paged = make_paged(F.NL_X_NB_BSV_BSS, ModelDims(nl=2, nh=1, hs=132), 3, 4, dtype=torch.bfloat16)
     with pytest.raises(TypeError, match="1-byte elements"):
         describe(F.NL_X_NB_BSV_BSS, paged)
+
+
+def test_object_dtype_is_the_engines() -> None:
+    paged = make_paged(F.NL_X_TWO_NB_BS_NH_HS, DIMS, 5, 4, dtype=torch.float16)
+    assert kvferry.object_dtype(paged) == torch.float16
+    with pytest.raises(TypeError, match="torch.Tensors"):
+        kvferry.object_dtype([[1, 2]])

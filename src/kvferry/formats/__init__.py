@@ -1,6 +1,6 @@
 """Engine KV layouts as data: the declarations and what is derived from them."""
 
-from kvferry.formats.geometry import KVGeometry, Stripe, describe, flatten_paged, object_shape
+from kvferry.formats.geometry import KVGeometry, Stripe, describe, flatten_paged, object_dtype, object_shape
 from kvferry.formats.kinds import EngineKVFormat
 from kvferry.formats.layouts import LAYOUTS, Layout, layout_of
 
@@ -13,5 +13,6 @@ __all__ = [
     "describe",
     "flatten_paged",
     "layout_of",
+    "object_dtype",
     "object_shape",
 ]

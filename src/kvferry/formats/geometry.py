@@ -176,6 +176,16 @@ def object_shape(
     return describe(fmt, paged, block_size).object_shape(chunk_size)
 
 
+def object_dtype(paged: Any) -> torch.dtype:
+    """The dtype chunk objects use: the engine's KV dtype (the first tensor of `paged`)."""
+    node = paged
+    while isinstance(node, (list, tuple)) and node:
+        node = node[0]
+    if not isinstance(node, torch.Tensor):
+        raise TypeError(f"paged must hold torch.Tensors, got {type(node).__name__}")
+    return node.dtype
+
+
 def _format(fmt: int) -> EngineKVFormat:
     layout_of(fmt)  # raises a ValueError listing the known formats
     return EngineKVFormat(fmt)
