@@ -92,5 +92,5 @@ def test_indexer_cache_moves_bytes_only() -> None:
 def test_object_dtype_is_the_engines() -> None:
     paged = make_paged(F.NL_X_TWO_NB_BS_NH_HS, DIMS, 5, 4, dtype=torch.float16)
     assert kvferry.object_dtype(paged) == torch.float16
-    with pytest.raises(TypeError, match="torch.Tensors"):
+    with pytest.raises(TypeError, match=r"torch\.Tensors"):
         kvferry.object_dtype([[1, 2]])
