@@ -46,9 +46,15 @@ CASES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def pool() -> HostPool:
+    """One pinned pool for the module: pinning a fresh GiB per test made the file outlast its time limit."""
+    return HostPool(1 << 30)
+
+
 @pytest.mark.parametrize("fmt", list(F), ids=lambda f: f.name)
 @pytest.mark.parametrize("mode", ["staged", "zero_copy"])
-def test_every_format_realistic_shape(fmt: F, mode: str) -> None:
+def test_every_format_realistic_shape(fmt: F, mode: str, pool: HostPool) -> None:
     dims = MODELS["deepseek-v3-mla"] if describe_is_mla(fmt) else MODELS["llama3-8b"]
     bs = 64 if describe_is_mla(fmt) else 16
     dtype = kv_dtype_for(fmt, torch.bfloat16)
@@ -56,7 +62,6 @@ def test_every_format_realistic_shape(fmt: F, mode: str) -> None:
         dims = ModelDims(nl=61, nh=1, hs=132)
     paged = make_paged(fmt, dims, 64, bs, dtype, device="cuda", block_padding=128 if fmt == F.NL_X_NB_BS_HS else 0)
     geom = describe(fmt, paged, block_size=bs)
-    pool = HostPool(1 << 30)
     chunk = 256
     ids = torch.randperm(64)[: 3 * chunk // bs - 2]  # 3 objects, the last partial
     shape = geom.object_shape(chunk)
@@ -79,6 +84,8 @@ def test_every_format_realistic_shape(fmt: F, mode: str) -> None:
     got = [t.cpu().contiguous().view(torch.uint8) for t in leaves(target)]
     want_kv = [t.contiguous().view(torch.uint8) for t in leaves(target_cpu)]
     assert all(torch.equal(a, b) for a, b in zip(got, want_kv, strict=True))
+    for o in objs:
+        pool.free(o)
 
 
 def describe_is_mla(fmt: F) -> bool:
@@ -88,7 +95,7 @@ def describe_is_mla(fmt: F) -> bool:
 
 
 @pytest.mark.parametrize(("model", "fmt", "bs"), CASES)
-def test_ring_reuse_and_concurrent_directions(model: str, fmt: F, bs: int) -> None:
+def test_ring_reuse_and_concurrent_directions(model: str, fmt: F, bs: int, pool: HostPool) -> None:
     """Many requests through one small ring, random sizes and skips, a store and a retrieve in flight at once.
 
     Expected values come from the torch backend on the GPU (itself checked against the reference on CPU)."""
@@ -96,7 +103,6 @@ def test_ring_reuse_and_concurrent_directions(model: str, fmt: F, bs: int) -> No
     paged = make_paged(fmt, dims, 256, bs, device="cuda")
     other = make_paged(fmt, dims, 256, bs, device="cuda")
     geom = describe(fmt, paged)
-    pool = HostPool(1 << 30)
     engine = TransferEngine("cuda", EngineConfig(slot_bytes=48 << 20, mode="staged"))
     gen = torch.Generator().manual_seed(0)
     chunk = 256
@@ -130,10 +136,9 @@ def test_ring_reuse_and_concurrent_directions(model: str, fmt: F, bs: int) -> No
             pool.free(o)
 
 
-def test_handle_orders_after_compute_stream() -> None:
+def test_handle_orders_after_compute_stream(pool: HostPool) -> None:
     fmt = F.NL_X_TWO_NB_BS_NH_HS
     paged = make_paged(fmt, MODELS["llama3-8b"], 64, 16, device="cuda")
-    pool = HostPool(256 << 20)
     objs = _objects(pool, kvferry.object_shape(fmt, paged), torch.bfloat16, 2)
     compute = torch.cuda.Stream()
     with torch.cuda.stream(compute):
@@ -144,6 +149,8 @@ def test_handle_orders_after_compute_stream() -> None:
     assert not handle.done()  # enqueued, not blocking the CPU
     handle.wait()
     assert bool((objs[0] == 1.5).all()) and bool((objs[1] == 1.5).all())
+    for o in objs:
+        pool.free(o)
 
 
 def test_gpu_objects_and_sync_api() -> None:
