@@ -103,16 +103,19 @@ def _copy_rows(rows: _Rows, piece: np.ndarray, ids: np.ndarray, to_objects: bool
     """Copy whole block pieces between engine rows and a contiguous object slice `[P, L, n * BS, width]`."""
     engine_rows = (rows.base[:, :, None] + ids[None, None, :] * rows.step).reshape(-1)
     object_rows = piece.reshape(len(engine_rows), rows.array.shape[1])
+    if to_objects:
+        # torch's index_select over 2-D contiguous rows is one parallel memcpy loop: 0.9-1.1 of a same-run
+        # memcpy here, against ~0.6 for numpy's take (single-threaded) and ~0.75 for take split over threads.
+        torch.index_select(
+            torch.from_numpy(rows.array), 0, torch.from_numpy(engine_rows), out=torch.from_numpy(object_rows)
+        )
+        return
     parts = min(torch.get_num_threads(), max(1, object_rows.nbytes // _MIN_PART_BYTES))
     bounds = np.linspace(0, len(engine_rows), parts + 1, dtype=np.int64)
     spans = [slice(int(a), int(b)) for a, b in itertools.pairwise(bounds)]
 
     def copy(span: slice) -> None:
-        if to_objects:
-            # mode="clip": ids are validated already, and "raise" would make numpy buffer the output.
-            np.take(rows.array, engine_rows[span], axis=0, out=object_rows[span], mode="clip")
-        else:
-            rows.array[engine_rows[span]] = object_rows[span]
+        rows.array[engine_rows[span]] = object_rows[span]
 
     if len(spans) == 1:
         copy(spans[0])
