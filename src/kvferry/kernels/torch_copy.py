@@ -6,11 +6,11 @@ storage when they are evenly spaced in it (engines allocate their layers as view
 piece; torch's CPU index_copy_ is elementwise and ~3x slower) and `index_copy_` elsewhere.
 
 On CPU, when every block piece is one contiguous run (token-major layouts: NHD, MLA, fused NHD) and the object slice
-is contiguous, the engine storage is seen as a 2-D array of piece-sized rows, and a copy is a memcpy per row by numpy:
-`np.take(rows, ids, out=)` stores, `rows[ids] = ...` retrieves, the rows split over `torch.get_num_threads()` Python
-threads (numpy releases the GIL). Not torch's index_select over `[P, L, NB, ...]`: it opens an OpenMP region per
-block, and those stall whenever another process holds a core (0.04-0.9 of memcpy from run to run on the 2-core CI
-machine, against 0.5-1.0 for the row copy).
+is contiguous, the engine storage is seen as a 2-D array of piece-sized rows: a store is one torch `index_select`
+over those rows (a parallel memcpy per row: 0.78-0.90 of a same-run memcpy on the 2-core CI machine when it is
+quiet, ~0.45 when another process holds a core), a retrieve is numpy's `rows[ids] = ...` (a memcpy per row) split
+over `torch.get_num_threads()` Python threads (numpy releases the GIL). torch has no fast row scatter: its CPU
+`index_copy_`/`index_put_` copy element by element (~0.25).
 """
 
 from __future__ import annotations
