@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
-from kvferry.cache.index import Entry, object_checksum
+from kvferry.cache.index import READABLE, Entry, object_checksum
 from kvferry.cache.keys import CacheNamespace, ChunkHasher, TokenIds
 from kvferry.cache.metrics import GAUGES, CacheCounters, counters_dict, gbps, make_registry
 from kvferry.cache.policies import make_policy
@@ -355,7 +355,7 @@ class CacheEngine:
                 continue
             keys.append(key)
             entry = get(key)
-            if entry is None or not entry.readable:
+            if entry is None or entry.state not in READABLE:
                 break
         return keys
 

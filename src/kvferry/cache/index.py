@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from enum import Enum
@@ -16,6 +16,9 @@ class State(Enum):
     LOADING = "loading"  # being promoted from a tier into the pool: not readable yet
     RESIDENT = "resident"  # in the pool, readable, tracked by the eviction policy
     SPILLING = "spilling"  # chosen for eviction, being written to the next tier; still readable meanwhile
+
+
+READABLE = frozenset({State.RESIDENT, State.SPILLING})  # states whose object a retrieve may read
 
 
 @dataclass(slots=True, eq=False)
@@ -35,7 +38,7 @@ class Entry:
 
     @property
     def readable(self) -> bool:
-        return self.state is State.RESIDENT or self.state is State.SPILLING
+        return self.state in READABLE
 
     @property
     def evictable(self) -> bool:
@@ -48,9 +51,8 @@ class CacheIndex:
 
     def __init__(self) -> None:
         self._entries: dict[bytes, Entry] = {}
-
-    def get(self, key: bytes) -> Entry | None:
-        return self._entries.get(key)
+        # `get` is the dict's own (a bound builtin): lookups walk hundreds of keys per call.
+        self.get: Callable[[bytes], Entry | None] = self._entries.get
 
     def add(self, entry: Entry) -> None:
         if entry.key in self._entries:

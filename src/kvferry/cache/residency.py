@@ -16,7 +16,7 @@ from concurrent.futures import Future
 
 import torch
 
-from kvferry.cache.index import CacheIndex, Entry, State
+from kvferry.cache.index import READABLE, CacheIndex, Entry, State
 from kvferry.cache.locks import LeaseTable
 from kvferry.cache.metrics import CacheCounters
 from kvferry.cache.policies import EvictionPolicy
@@ -56,7 +56,7 @@ class Residency:
         get = self.index.get
         for key in keys:
             entry = get(key)
-            if entry is None or not entry.readable:
+            if entry is None or entry.state not in READABLE:
                 break
             hits.append(entry)
         return hits
