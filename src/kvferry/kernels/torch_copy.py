@@ -7,10 +7,9 @@ piece; torch's CPU index_copy_ is elementwise and ~3x slower) and `index_copy_` 
 
 On CPU, when every block piece is one contiguous run (token-major layouts: NHD, MLA, fused NHD) and the object slice
 is contiguous, the engine storage is seen as a 2-D array of piece-sized rows: a store is one torch `index_select`
-over those rows (a parallel memcpy per row: 0.78-0.90 of a same-run memcpy on the 2-core CI machine when it is
-quiet, ~0.45 when another process holds a core), a retrieve is numpy's `rows[ids] = ...` (a memcpy per row) split
-over `torch.get_num_threads()` Python threads (numpy releases the GIL). torch has no fast row scatter: its CPU
-`index_copy_`/`index_put_` copy element by element (~0.25).
+over those rows per object (a parallel memcpy per row), a retrieve is numpy's `rows[ids] = ...` (a memcpy per row)
+with `torch.get_num_threads()` Python threads taking whole objects (numpy releases the GIL). torch has no fast row
+scatter: its CPU `index_copy_`/`index_put_` copy element by element (~0.25 of memcpy). Numbers: BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -79,6 +78,7 @@ def copy_torch(
     per_object = chunk_size // plan.bs
     n = len(block_ids)
     ids_np = block_ids.numpy() if plan.device.type == "cpu" else None
+    scatters: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # row retrieves, run together at the end
     for o, obj in enumerate(objects):
         j0, j1 = max(o * per_object, skip_prefix_blocks), min(o * per_object + obj.shape[2] // plan.bs, n)
         if j0 >= j1:
@@ -88,7 +88,19 @@ def copy_torch(
         for b in plan.blocks:
             piece = obj_w[b.planes, b.layers, tokens, b.w]
             if b.rows is not None and ids_np is not None and piece.is_contiguous():
-                _copy_rows(b.rows, piece.numpy(), ids_np[j0:j1], to_objects)
+                engine_rows = (b.rows.base[:, :, None] + ids_np[j0:j1][None, None, :] * b.rows.step).reshape(-1)
+                object_rows = piece.numpy().reshape(len(engine_rows), b.rows.array.shape[1])
+                if to_objects:
+                    # One parallel memcpy loop over 2-D contiguous rows (torch's index_select): 0.8-0.9 of a
+                    # same-run memcpy on a quiet 2-core machine; numpy's take is single-threaded (~0.6).
+                    torch.index_select(
+                        torch.from_numpy(b.rows.array),
+                        0,
+                        torch.from_numpy(engine_rows),
+                        out=torch.from_numpy(object_rows),
+                    )
+                else:
+                    scatters.append((b.rows.array, engine_rows, object_rows))
                 continue
             piece = piece.unflatten(2, (j1 - j0, plan.bs)).unflatten(-1, b.view.shape[4:])
             if to_objects:
@@ -97,30 +109,34 @@ def copy_torch(
                 b.view.numpy()[:, :, ids_np[j0:j1]] = piece.numpy()
             else:
                 b.view.index_copy_(2, block_ids[j0:j1], piece)
+    if scatters:
+        _scatter_rows(scatters)
 
 
-def _copy_rows(rows: _Rows, piece: np.ndarray, ids: np.ndarray, to_objects: bool) -> None:
-    """Copy whole block pieces between engine rows and a contiguous object slice `[P, L, n * BS, width]`."""
-    engine_rows = (rows.base[:, :, None] + ids[None, None, :] * rows.step).reshape(-1)
-    object_rows = piece.reshape(len(engine_rows), rows.array.shape[1])
-    if to_objects:
-        # torch's index_select over 2-D contiguous rows is one parallel memcpy loop: 0.9-1.1 of a same-run
-        # memcpy here, against ~0.6 for numpy's take (single-threaded) and ~0.75 for take split over threads.
-        torch.index_select(
-            torch.from_numpy(rows.array), 0, torch.from_numpy(engine_rows), out=torch.from_numpy(object_rows)
-        )
-        return
-    parts = min(torch.get_num_threads(), max(1, object_rows.nbytes // _MIN_PART_BYTES))
-    bounds = np.linspace(0, len(engine_rows), parts + 1, dtype=np.int64)
-    spans = [slice(int(a), int(b)) for a, b in itertools.pairwise(bounds)]
+def _scatter_rows(jobs: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
+    """`array[engine_rows] = object_rows` for every job, spread over threads (numpy releases the GIL).
 
-    def copy(span: slice) -> None:
-        rows.array[engine_rows[span]] = object_rows[span]
+    Threads take whole jobs (one object's rows each) and meet once at the end: splitting every object across
+    the threads and waiting after each (0.6-0.7 of memcpy) idles a thread whenever its half runs slower; this
+    reaches 0.8-1.0. A request of fewer objects than threads is cut into spans instead.
+    """
+    workers = min(torch.get_num_threads(), max(1, sum(rows.nbytes for _, _, rows in jobs) // _MIN_PART_BYTES))
+    if len(jobs) < workers:
+        spans = []
+        for array, engine_rows, object_rows in jobs:
+            bounds = np.linspace(0, len(engine_rows), -(-workers // len(jobs)) + 1, dtype=np.int64)
+            spans += [(array, engine_rows[a:b], object_rows[a:b]) for a, b in itertools.pairwise(bounds)]
+        jobs = spans
 
-    if len(spans) == 1:
-        copy(spans[0])
-    else:  # numpy releases the GIL while it copies: the parts run in parallel
-        list(_pool(len(spans)).map(copy, spans))
+    def scatter(job: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+        array, engine_rows, object_rows = job
+        array[engine_rows] = object_rows
+
+    if workers == 1:
+        for job in jobs:
+            scatter(job)
+    else:
+        list(_pool(workers).map(scatter, jobs))
 
 
 @functools.cache
