@@ -9,7 +9,6 @@ running copy.
 
 from __future__ import annotations
 
-import gc
 import itertools
 import threading
 from collections.abc import Callable
@@ -105,7 +104,6 @@ class SessionTable:
                 self.open_registrations += 1
         if not attached:
             reg.kv.close()
-            _return_unmapped_memory()
         return attached
 
     def use_registration(self, session: Session, reg_id: int) -> Registration:
@@ -124,11 +122,8 @@ class SessionTable:
     def done_with(self, reg: Registration) -> None:
         with self._lock:
             reg.users -= 1
-            last = reg.closing and reg.users == 0
-            if last:
+            if reg.closing and reg.users == 0:
                 self._close(reg)
-        if last:
-            _return_unmapped_memory()
 
     def unregister(self, session: Session, reg_id: int) -> None:
         with self._lock:
@@ -138,9 +133,7 @@ class SessionTable:
                     ErrorCode.UNKNOWN_REGISTRATION,
                     f"'registration'={reg_id} is not registered by this session",
                 )
-            closed = self._retire(reg)
-        if closed:
-            _return_unmapped_memory()
+            self._retire(reg)
 
     def add_lock(self, session: Session, lock_id: int) -> None:
         with self._lock:
@@ -185,8 +178,6 @@ class SessionTable:
             session.registrations.clear()
             session.locks.clear()
             session.prefetches.clear()
-        if released.registrations > released.deferred:
-            _return_unmapped_memory()
         return released
 
     def silent_since(self, deadline: float) -> list[bytes]:
@@ -225,13 +216,3 @@ class SessionTable:
         reg.kv.close()
         reg.geometry = None  # it holds the mapped tensors too
         self.open_registrations -= 1
-
-
-def _return_unmapped_memory() -> None:
-    """Collect reference cycles right after registrations close.
-
-    A mapping goes when the last reference to its tensors does; a reference cycle anywhere below (a recursive
-    closure that held the tensors while describing them, say) would keep a departed client's memory mapped
-    until the cyclic collector happens to run. Registrations close rarely, so one full collection is cheap.
-    """
-    gc.collect()
