@@ -54,7 +54,7 @@ def memcpy_ms(nbytes: int, to_host: bool, reps: int) -> float:
 
 
 class Setup:
-    def __init__(self, model: str, fmt: F, n_chunks: int, chunk: int = 256, nb: int = 4096) -> None:
+    def __init__(self, model: str, fmt: F, n_chunks: int, chunk: int = 256, nb: int = 4096, gaps: bool = True) -> None:
         dims = MODELS[model]
         if layout_of(fmt).is_mla and not layout_of(fmt).nesting.count("NP"):
             dims = ModelDims(nl=dims.nl, nh=1, hs=sum(dims.plane_widths) or dims.hs)
@@ -70,9 +70,10 @@ class Setup:
         obj_bytes = self.geom.bytes_per_token * chunk
         self.pool = HostPool(1 << max(30, (obj_bytes * n_chunks * 2).bit_length()))
         self.objects = []
-        for _ in range(n_chunks):  # scattered in the pool: a small hole between objects
+        for _ in range(n_chunks):  # scattered in the pool: a small hole between objects (unless gaps=False)
             self.objects.append(self.pool.alloc(self.geom.object_shape(chunk), dtype))
-            self.pool.alloc((4096,), torch.uint8)
+            if gaps:
+                self.pool.alloc((4096,), torch.uint8)
         self.ids = torch.randperm(nb)[: n_chunks * chunk // bs]
         self.nbytes = obj_bytes * n_chunks
 
@@ -176,6 +177,12 @@ def main() -> int:
             )
         if fmt == F.NL_X_TWO_NB_BS_NH_HS:
             row("bulk", f"{model} D2H torch by hand", s.nbytes, by_hand_ms(s, reps), memcpy_ms(s.nbytes, True, reps))
+        adjacent = Setup(model, fmt, n, gaps=False)  # a fresh pool hands one request's objects out back to back
+        for d in (Direction.D2H, Direction.H2D):
+            ceil = memcpy_ms(s.nbytes, d is Direction.D2H, reps)
+            row("bulk", f"{model} {d.name} staged, adjacent objects", s.nbytes, run_ms(adjacent, d, engine, "staged",
+                reps), ceil)  # fmt: skip
+        del adjacent
         del s
         torch.cuda.empty_cache()
     if "formats" in sections:
@@ -237,26 +244,24 @@ def main() -> int:
         )
     # 5. GEMM interference
     alone, _ = gemm_tflops() if "gemm" in sections else (0.0, 0.0)
-    for mode in ("staged", "zero_copy") if "gemm" in sections else ():
+    # staged with the default grid (two programs per SM) and with small fixed grids: fewer SMs taken from the model
+    variants = [("staged", None), ("staged", 32), ("staged", 16), ("zero_copy", None)]
+    for mode, programs in variants if "gemm" in sections else ():
+        eng = TransferEngine("cuda", EngineConfig(programs=programs))
+        label = f"{mode}{'' if programs is None else f' {programs} programs'}"
         for d in (Direction.D2H, Direction.H2D):
 
-            def loop(d=d, mode=mode) -> int:  # type: ignore[no-untyped-def]
-                s.run(d, engine, mode)
+            def loop(d=d, mode=mode, eng=eng) -> int:  # type: ignore[no-untyped-def]
+                s.run(d, eng, mode)
                 return s.nbytes
 
             tf, gbps = gemm_tflops(loop)
             rows.append(
-                dict(
-                    section="gemm",
-                    what=f"{mode} {d.name}",
-                    gemm_tflops=tf,
-                    gemm_alone=alone,
-                    gemm_kept=tf / alone,
-                    gbps=gbps,
-                )
-            )
+                dict(section="gemm", what=f"{label} {d.name}", gemm_tflops=tf, gemm_alone=alone,
+                     gemm_kept=tf / alone, gbps=gbps)
+            )  # fmt: skip
             print(
-                f"gemm       {mode} {d.name}: GEMM {tf:.0f} TFLOP/s of {alone:.0f} alone ({tf / alone:.3f}); "
+                f"gemm       {label} {d.name}: GEMM {tf:.0f} TFLOP/s of {alone:.0f} alone ({tf / alone:.3f}); "
                 f"transfer {gbps:.1f} GB/s",
                 flush=True,
             )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import cProfile
+import logging
 import pstats
 import time
 
@@ -13,6 +14,7 @@ from kvferry import Direction
 from kvferry.formats import EngineKVFormat, describe
 from kvferry.formats.synthetic import MODELS, make_paged
 from kvferry.kernels import triton_copy
+from kvferry.kernels.cuda_driver import driver
 from kvferry.memory import HostPool
 from kvferry.transfer.api import _plans, check_request
 from kvferry.transfer.gpu_engine import TransferEngine
@@ -50,7 +52,17 @@ def main() -> None:
     staging = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
     table = torch.zeros(2, 1, dtype=torch.int64, device="cuda")
     dev_ids = ids_t.cuda()
+    drv = driver()
+    raw_event = drv.event()
+    host4k = torch.empty(4096, dtype=torch.uint8, pin_memory=True)
+    raw_stream = s.cuda_stream
+    context = drv.current_context()
     pieces = {
+        "driver: event record (ctypes)": lambda: drv.record(raw_event, raw_stream),
+        "driver: stream wait (ctypes)": lambda: drv.wait(raw_stream, raw_event, 0),
+        "driver: 4 KiB D2H memcpy enqueue": lambda: drv.dtoh(host4k.data_ptr(), staging.data_ptr(), 4096, raw_stream),
+        "driver: context check": lambda: drv.use_context(context),
+        "current raw stream": lambda: torch._C._cuda_getCurrentRawStream(0),
         "check_request": lambda: check_request(geom, objs, ids, Direction.D2H, 256, 0),
         "torch.cuda.stream ctx": lambda: _ctx(torch.cuda.stream(s)),
         "event record": lambda: ev.record(s),
@@ -59,11 +71,28 @@ def main() -> None:
         "pin_memory+to(cuda) 64 ints": lambda: meta.pin_memory().to("cuda", non_blocking=True),
         "torch.cuda.device ctx": lambda: _ctx(torch.cuda.device(0)),
         "triton launch (1 chunk)": lambda: triton_copy.launch(plan, staging, table, dev_ids, True, 256, 0, 256),
+        "triton launch_raw (1 chunk)": lambda: triton_copy.launch_raw(
+            plan,
+            raw_stream,
+            staging.data_ptr(),
+            table.data_ptr(),
+            table.data_ptr() + 8,
+            dev_ids.data_ptr(),
+            True,
+            256,
+            0,
+            256,
+        ),
         "engine.submit staged": lambda: engine.submit(plan, objs, ids_t, True, 256, 0, "staged"),
         "engine.submit zero_copy": lambda: engine.submit(plan, objs, ids_t, True, 256, 0, "zero_copy"),
         "transfer_async (auto)": lambda: kvferry.transfer_async(paged, objs, ids, Direction.D2H, fmt, geometry=geom),
     }
     torch.cuda.set_stream(torch.cuda.default_stream())
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("kvferry.kernels.direct_launch").setLevel(logging.DEBUG)
+    triton_copy.launch(plan, staging, table, dev_ids, True, 256, 0, 256)
+    for key, launcher in plan.compiled.items():
+        print(f"launcher {key}: {type(launcher.launch).__name__}", flush=True)
     for name, fn in pieces.items():
         print(f"{name:32s} {us(fn):8.1f} us", flush=True)
     print("objects pinned:", objs[0].is_pinned(), "pool pinned:", pool.is_pinned, flush=True)
@@ -80,6 +109,18 @@ def main() -> None:
             times.append((time.perf_counter() - t) * 1e6)
             h.wait()
         print(f"llama one chunk {mode}: CPU per call {sorted(times)[15]:.0f} us", flush=True)
+    # 32 qwen chunks (96 MiB) scattered in the pool: CPU time of the call, and the call to completion
+    qobjs = [pool.alloc(geom.object_shape(256), torch.bfloat16) for _ in range(32)]
+    qids = torch.randperm(1024)[:512]
+    for mode in ("staged", "zero_copy"):
+        enq, wall = [], []
+        for _ in range(20):
+            t = time.perf_counter()
+            h = kvferry.transfer_async(paged, qobjs, qids, Direction.D2H, fmt, geometry=geom, engine=engine, mode=mode)
+            enq.append((time.perf_counter() - t) * 1e6)
+            h.wait()
+            wall.append((time.perf_counter() - t) * 1e6)
+        print(f"qwen 32 chunks {mode}: CPU per call {sorted(enq)[10]:.0f} us, wall {sorted(wall)[10]:.0f} us")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(100):

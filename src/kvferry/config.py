@@ -38,7 +38,9 @@ class CacheConfig(BaseModel):
     eviction_batch: int = Field(16, gt=0, description="objects evicted at least, once the watermark is crossed")
     lock_timeout_s: float = Field(30.0, gt=0, description="a lookup lock is released after this many seconds")
     hash_algo: Literal["sha256", "blake3"] = Field(
-        "sha256", description="prefix-hash function (sha256 is faster per 1 KiB chunk call through CPython)"
+        "blake3",
+        description="prefix-hash function of the chunk keys: blake3 hashes a long prompt in bulk (what lookups do) "
+        "~2x faster than sha256; sha256 costs ~1 us less per chunk when every chunk's key is read out (stores)",
     )
     verify_checksums: bool = Field(
         False, description="checksum every object on store and verify it before every retrieve (costs a pass)"

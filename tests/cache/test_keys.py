@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import hashlib
 import multiprocessing
 
+import blake3
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvferry.cache.keys import CacheNamespace, ChunkHasher, token_bytes
+from kvferry.cache.keys import _KEY_SCHEMA, CacheNamespace, ChunkHasher, token_bytes
 
+ALGOS = ("sha256", "blake3")
 NS = CacheNamespace("llama-3-8b", "bfloat16", "NL_X_TWO_NB_BS_NH_HS:2x32x256x1024", world_size=2, rank=1)
 
 
@@ -20,7 +23,7 @@ def _random_tokens(n: int, seed: int = 0) -> list[int]:
 
 
 def _keys_in_child(tokens: list[int]) -> dict[str, list[str]]:
-    return {algo: [k.hex() for k in ChunkHasher(64, algo).keys(tokens, NS)] for algo in ("sha256", "blake3")}
+    return {algo: [k.hex() for k in ChunkHasher(64, algo).keys(tokens, NS)] for algo in ALGOS}
 
 
 def test_keys_identical_in_a_spawned_process() -> None:
@@ -34,16 +37,37 @@ def test_keys_identical_in_a_spawned_process() -> None:
 
 def test_known_answer_pins_the_key_schema() -> None:
     # A change here breaks every persisted tier and every other kvferry process: bump _KEY_SCHEMA instead.
-    keys = ChunkHasher(4, "sha256").keys([1, 2, 3, 4, 5, 6, 7, 8, 9], NS)
-    assert len(keys) == 2
-    expected = __import__("hashlib").sha256(NS.digest + np.array([1, 2, 3, 4], "<u4").tobytes()).digest()
-    assert keys[0] == expected
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    data = np.array(tokens, "<u4").tobytes()
+    assert _KEY_SCHEMA == "kvferry-cache-key-v2"
+    sha = ChunkHasher(4, "sha256").keys(tokens, NS)
+    assert sha == [hashlib.sha256(NS.digest + data[:16]).digest(), hashlib.sha256(NS.digest + data[:32]).digest()]
+    b3 = ChunkHasher(4, "blake3").keys(tokens, NS)
+    assert b3 == [blake3.blake3(data[:16], key=NS.digest).digest(), blake3.blake3(data[:32], key=NS.digest).digest()]
+    assert ChunkHasher(4).algo == "blake3"  # the default
+
+
+@settings(max_examples=30, deadline=None)
+@given(n_chunks=st.integers(1, 200), probes=st.lists(st.integers(0, 10_000), max_size=12), algo=st.sampled_from(ALGOS))
+def test_prefix_keys_in_any_probe_order_match_the_stream(n_chunks: int, probes: list[int], algo: str) -> None:
+    # Probes land behind, between and past the saved states (every 64 chunks and at every probe).
+    hasher = ChunkHasher(4, algo)
+    tokens = _random_tokens(4 * n_chunks + 3, seed=n_chunks)
+    expected = list(hasher.iter_keys(tokens, NS))
+    prefix = hasher.prefix(tokens, NS)
+    assert prefix.n == n_chunks
+    for p in probes:
+        assert prefix.key(p % n_chunks) == expected[p % n_chunks]
+    first = probes[0] % n_chunks if probes else 0
+    assert prefix.keys(first) == expected[first:]
+    with pytest.raises(IndexError):
+        prefix.key(n_chunks)
 
 
 @settings(max_examples=40, deadline=None)
-@given(k=st.integers(0, 5), offset=st.integers(0, 31), n_chunks=st.integers(1, 6))
-def test_a_diverging_token_in_chunk_k_shares_exactly_k_keys(k: int, offset: int, n_chunks: int) -> None:
-    hasher = ChunkHasher(32)
+@given(k=st.integers(0, 5), offset=st.integers(0, 31), n_chunks=st.integers(1, 6), algo=st.sampled_from(ALGOS))
+def test_a_diverging_token_in_chunk_k_shares_exactly_k_keys(k: int, offset: int, n_chunks: int, algo: str) -> None:
+    hasher = ChunkHasher(32, algo)
     tokens = _random_tokens(32 * n_chunks + 7, seed=k)
     other = list(tokens)
     pos = min(32 * k + offset, len(tokens) - 1)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -137,18 +139,57 @@ def test_ring_reuse_and_concurrent_directions(model: str, fmt: F, bs: int, pool:
 
 
 def test_handle_orders_after_compute_stream(pool: HostPool) -> None:
+    """Requests queue behind the model's stream without blocking the CPU, more of them than the metadata ring."""
     fmt = F.NL_X_TWO_NB_BS_NH_HS
     paged = make_paged(fmt, MODELS["llama3-8b"], 64, 16, device="cuda")
-    objs = _objects(pool, kvferry.object_shape(fmt, paged), torch.bfloat16, 2)
+    objs = [_objects(pool, kvferry.object_shape(fmt, paged), torch.bfloat16, 2) for _ in range(10)]
+    kvferry.transfer_async(paged, objs[0], list(range(32)), Direction.D2H, fmt).wait()  # compile before timing
     compute = torch.cuda.Stream()
     with torch.cuda.stream(compute):
-        torch.cuda._sleep(50_000_000)  # ~tens of ms of "model compute" before the KV is final
+        torch.cuda._sleep(2_000_000_000)  # ~1 s of "model compute" before the KV is final
         for t in paged:
             t.fill_(1.5)
-        handle = kvferry.transfer_async(paged, objs, list(range(32)), Direction.D2H, fmt)
-    assert not handle.done()  # enqueued, not blocking the CPU
-    handle.wait()
-    assert bool((objs[0] == 1.5).all()) and bool((objs[1] == 1.5).all())
+        t0 = time.perf_counter()
+        handles = [kvferry.transfer_async(paged, o, list(range(32)), Direction.D2H, fmt) for o in objs]
+        enqueue_s = time.perf_counter() - t0
+    done = [h.done() for h in handles]
+    assert enqueue_s < 0.2, f"enqueueing 10 requests behind a busy stream took {enqueue_s * 1e3:.0f} ms"
+    assert not any(done), f"finished before the model's stream: {done}, enqueued in {enqueue_s * 1e3:.0f} ms"
+    for h in handles:
+        h.wait()
+    assert all(bool((o == 1.5).all()) for pair in objs for o in pair)
+    for pair in objs:
+        for o in pair:
+            pool.free(o)
+
+
+@pytest.mark.parametrize("to_objects", [True, False], ids=["store", "retrieve"])
+def test_objects_larger_than_a_slot_move_in_row_slices(to_objects: bool, pool: HostPool) -> None:
+    """A 32 MiB llama3-8b chunk through 8 MiB slots: the pipeline cuts objects into row ranges."""
+    fmt = F.NL_X_TWO_NB_BS_NH_HS
+    paged = make_paged(fmt, MODELS["llama3-8b"], 128, 16, device="cuda")
+    geom = describe(fmt, paged)
+    engine = TransferEngine("cuda", EngineConfig(slot_bytes=8 << 20, mode="staged"))
+    ids = torch.randperm(128)[:40]  # 2 full objects + a partial one
+    objs = _objects(pool, geom.object_shape(256), geom.dtype, 3, last_tokens=128)
+    skip = 5
+    direction = Direction.D2H if to_objects else Direction.H2D
+    if to_objects:
+        kvferry.transfer_async(paged, objs, ids, direction, fmt, 256, skip, engine=engine).wait()
+        want = [torch.empty(o.shape, dtype=o.dtype, device="cuda") for o in objs]
+        for w in want:
+            w.view(torch.uint8).fill_(0x5A)
+        kvferry.transfer(paged, want, ids, direction, fmt, 256, skip, backend="torch")
+        assert all(
+            torch.equal(a.cuda().view(torch.uint8), b.view(torch.uint8)) for a, b in zip(objs, want, strict=True)
+        )
+    else:
+        for o in objs:
+            random_fill(o)
+        want_kv = [t.clone() for t in paged]
+        kvferry.transfer(want_kv, [o.cuda() for o in objs], ids, direction, fmt, 256, skip, backend="torch")
+        kvferry.transfer_async(paged, objs, ids, direction, fmt, 256, skip, engine=engine).wait()
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(paged, want_kv, strict=True))
     for o in objs:
         pool.free(o)
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
-from kvferry.cache.index import READABLE, Entry, object_checksum
+from kvferry.cache.index import Entry, object_checksum, readable_run
 from kvferry.cache.keys import CacheNamespace, ChunkHasher, TokenIds
 from kvferry.cache.metrics import GAUGES, CacheCounters, counters_dict, gbps, make_registry
 from kvferry.cache.policies import make_policy
@@ -112,20 +112,22 @@ class CacheEngine:
     ) -> LookupResult:
         """Like ``lookup``, and reports the tokens in flight from tiers; ``lock=True`` locks the hit chunks
         against eviction until ``retrieve(lock_id=...)`` / ``free_lookup_locks`` / the lock timeout."""
-        ns = self._ns(namespace)
-        # With tiers, the keys after the pool's hits are wanted too; without, hashing stops at the first miss.
-        keys = self._hasher.keys(tokens, ns) if self._tiers is not None else self._candidate_prefix(tokens, ns)
+        prefix = self._hasher.prefix(tokens, self._ns(namespace))
+        index = self._res.index
+        removals = index.removals  # read before the index: see CacheIndex
+        found = readable_run(index.get, prefix)  # a few keys and parent links, not every chunk's key
         with self._res.lock:
             self._res.expire_locks_locked()
-            hits = self._res.readable_prefix_locked(keys)
+            hits = self._res.still_readable_locked(found, removals)
             lock_id = self._res.lock_entries_locked(hits) if lock and hits else None
             hit_tokens = len(hits) * self.chunk_size
             self.counters.lookups += 1
             self.counters.hit_tokens += hit_tokens
             self.counters.miss_tokens += len(tokens) - hit_tokens
         pending = 0
-        if self._tiers is not None and len(hits) < len(keys):
-            pending, _ = self._tiers.fall_through(keys[len(hits) :])
+        if self._tiers is not None and len(hits) < prefix.n:  # only now the keys after the hits are wanted
+            parent = prefix.key(len(hits) - 1) if hits else None
+            pending, _ = self._tiers.fall_through(prefix.keys(len(hits)), parent)
         return LookupResult(hit_tokens, pending * self.chunk_size, lock_id)
 
     def prefetch(self, tokens: TokenIds, *, namespace: CacheNamespace | None = None) -> Future[int]:
@@ -137,7 +139,7 @@ class CacheEngine:
         if self._tiers is not None:
             with self._res.lock:
                 hits = len(self._res.readable_prefix_locked(keys))
-            _, waits = self._tiers.fall_through(keys[hits:])
+            _, waits = self._tiers.fall_through(keys[hits:], keys[hits - 1] if hits else None)
         return _when_all(waits, lambda: self._pool_hits(keys))
 
     def free_lookup_locks(self, lock_id: int) -> bool:
@@ -169,14 +171,16 @@ class CacheEngine:
         ns = self._ns(namespace)
         geom = self._geometry(fmt, paged, block_size, geometry, ns)
         shape, dtype, bs = geom.object_shape(self.chunk_size), geom.dtype, geom.bs
-        keys = self._hasher.keys(tokens, ns)
+        prefix = self._hasher.prefix(tokens, ns)
         first = check_skip(skip_prefix_tokens, len(tokens)) // self.chunk_size
         per_chunk = self.chunk_size // bs
-        check_block_ids(block_ids, len(keys) * per_chunk, bs)
-        if first >= len(keys):
+        check_block_ids(block_ids, prefix.n * per_chunk, bs)
+        if first >= prefix.n:
             return 0
         nbytes = dtype.itemsize * shape[0] * shape[1] * shape[2] * shape[3]
-        new = self._res.reserve(keys[first:], shape, dtype, nbytes)
+        # The skipped chunks are hashed in bulk; only the chunks to store get a key each.
+        parent = prefix.key(first - 1) if first else None
+        new = self._res.reserve(prefix.keys(first), parent, shape, dtype, nbytes)
         entries = [entry for _, entry in new]
         if entries:
             ids = select_blocks(block_ids, [first + i for i, _ in new], per_chunk)
@@ -229,7 +233,9 @@ class CacheEngine:
             first = skip // self.chunk_size
             per_chunk = self.chunk_size // bs
             check_block_ids(block_ids, self._hasher.num_chunks(tokens) * per_chunk, bs)
-            held = self._res.acquire_readers(self._candidate_prefix(tokens, ns, first))
+            prefix, index = self._hasher.prefix(tokens, ns), self._res.index
+            removals = index.removals
+            held = self._res.acquire_readers(readable_run(index.get, prefix, first), removals)
             entries = self._verified(held)
             if not entries:
                 with self._res.lock:
@@ -343,21 +349,6 @@ class CacheEngine:
                 )
             self._matched[(id(geom), ns.digest)] = geom  # an entry dies with geom, so its id is never stale
         return geom
-
-    def _candidate_prefix(self, tokens: TokenIds, ns: CacheNamespace, start: int = 0) -> list[bytes]:
-        """Keys of chunks ``start, start + 1, ...`` of ``tokens`` up to and including the first not readable in
-        the pool. Checked without the lock (callers re-check under it): hashing stops early on a miss and
-        never holds the lock."""
-        keys = []
-        get = self._res.index.get
-        for i, key in enumerate(self._hasher.iter_keys(tokens, ns)):
-            if i < start:
-                continue
-            keys.append(key)
-            entry = get(key)
-            if entry is None or entry.state not in READABLE:
-                break
-        return keys
 
     def _pool_hits(self, keys: list[bytes]) -> int:
         with self._res.lock:

@@ -10,6 +10,8 @@ from enum import Enum
 import torch
 import xxhash
 
+from kvferry.cache.keys import PrefixKeys
+
 
 class State(Enum):
     WRITING = "writing"  # allocated in the pool, a store's copy in progress: not readable yet
@@ -19,6 +21,8 @@ class State(Enum):
 
 
 READABLE = frozenset({State.RESIDENT, State.SPILLING})  # states whose object a retrieve may read
+# Hot loops test `state is RESIDENT or state is SPILLING`: `in READABLE` calls Enum.__hash__, a Python function.
+RESIDENT, SPILLING = State.RESIDENT, State.SPILLING
 
 
 @dataclass(slots=True, eq=False)
@@ -35,6 +39,7 @@ class Entry:
     persisted: bool = False  # a copy is known to be in a tier, so eviction needs no write
     detached: bool = False  # dropped from the index while in use: its last reader frees it
     loaded: Future[None] | None = None  # while LOADING: done once the promotion has landed or missed
+    parent: bytes | None = None  # key of the previous chunk of the same prefix; None for chunk 0 (or unknown)
 
     @property
     def readable(self) -> bool:
@@ -47,10 +52,16 @@ class Entry:
 
 
 class CacheIndex:
-    """Entries by key. Not thread-safe: the cache engine calls it under its lock."""
+    """Entries by key. Not thread-safe: the cache engine calls it under its lock.
+
+    Invariant: a readable entry stops being readable only by leaving the index (states go WRITING/LOADING ->
+    RESIDENT <-> SPILLING, never back), and every removal bumps ``removals``. So entries found readable without
+    the lock are all still readable if ``removals`` has not moved since before they were looked up.
+    """
 
     def __init__(self) -> None:
         self._entries: dict[bytes, Entry] = {}
+        self.removals = 0
         # `get` is the dict's own (a bound builtin): lookups walk hundreds of keys per call.
         self.get: Callable[[bytes], Entry | None] = self._entries.get
 
@@ -60,7 +71,9 @@ class CacheIndex:
         self._entries[entry.key] = entry
 
     def pop(self, key: bytes) -> Entry:
-        return self._entries.pop(key)
+        entry = self._entries.pop(key)
+        self.removals += 1  # after the pop: a reader that sees the old count cannot miss the removal
+        return entry
 
     def __contains__(self, key: object) -> bool:
         return key in self._entries
@@ -73,6 +86,48 @@ class CacheIndex:
 
     def count(self, state: State) -> int:
         return sum(1 for e in self._entries.values() if e.state is state)
+
+
+def readable_run(get: Callable[[bytes], Entry | None], keys: PrefixKeys, start: int = 0) -> list[Entry]:
+    """Entries of chunks ``start, start + 1, ...`` of ``keys``'s tokens, up to the first chunk not readable.
+
+    Hashing chunk by chunk costs ~1.5 us of interpreter time per chunk; a parent link costs a dict lookup. So
+    this computes a few keys and walks links: probe chunk ``start`` (a miss there is the cold case), then the last
+    chunk (the warm case: all hit), then bisect; probing chunk ``m`` computes its key and walks parent links down
+    to the run already known readable. A key commits to its whole prefix, so the entry under our key of chunk
+    ``m`` has our key of chunk ``m - 1`` as its parent (barring a hash collision). Reads the index without the
+    lock (dict reads are atomic): the caller re-checks the result under it (``Residency.still_readable_locked``).
+    """
+    found: list[Entry] = []
+    good, hi = start, keys.n  # chunks [start, good) are in `found`; the first unreadable chunk is in [good, hi]
+    m, first_probe = start, True
+    while good < hi:
+        run = _walk(get, keys.key(m), m + 1 - good)
+        if len(run) == m + 1 - good:
+            run.reverse()
+            found += run
+            good = m + 1
+        else:  # chunk m - len(run) is missing or unreadable
+            hi = m - len(run)
+        m = hi - 1 if first_probe else (good + hi - 1) // 2
+        first_probe = False
+    return found
+
+
+def _walk(get: Callable[[bytes], Entry | None], key: bytes | None, steps: int) -> list[Entry]:
+    """Up to ``steps`` readable entries from ``key`` back along parent links (newest first)."""
+    run: list[Entry] = []
+    append = run.append
+    for _ in range(steps):
+        entry = get(key)  # type: ignore[arg-type]  # a None parent (chunk 0 / unknown) is simply absent
+        if entry is None:
+            break
+        state = entry.state
+        if state is not RESIDENT and state is not SPILLING:
+            break
+        append(entry)
+        key = entry.parent
+    return run
 
 
 def object_checksum(obj: torch.Tensor) -> bytes:

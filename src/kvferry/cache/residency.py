@@ -16,7 +16,7 @@ from concurrent.futures import Future
 
 import torch
 
-from kvferry.cache.index import READABLE, CacheIndex, Entry, State
+from kvferry.cache.index import RESIDENT, SPILLING, CacheIndex, Entry, State
 from kvferry.cache.locks import LeaseTable
 from kvferry.cache.metrics import CacheCounters
 from kvferry.cache.policies import EvictionPolicy
@@ -56,10 +56,24 @@ class Residency:
         get = self.index.get
         for key in keys:
             entry = get(key)
-            if entry is None or entry.state not in READABLE:
+            if entry is None or (entry.state is not RESIDENT and entry.state is not SPILLING):
                 break
             hits.append(entry)
         return hits
+
+    def still_readable_locked(self, entries: list[Entry], removals: int = -1) -> list[Entry]:
+        """The leading ``entries`` (found readable without the lock) that are still indexed and readable.
+
+        ``removals``: ``index.removals`` read before the entries were looked up; if no entry has left the index
+        since, all still are (see ``CacheIndex``), and the check of each one is skipped."""
+        if removals == self.index.removals:
+            return entries
+        get = self.index.get
+        for i, entry in enumerate(entries):
+            state = entry.state
+            if (state is not RESIDENT and state is not SPILLING) or get(entry.key) is not entry:
+                return entries[:i]
+        return entries
 
     def lock_entries_locked(self, entries: list[Entry]) -> int:
         return self.leases.acquire(tuple(entries), time.monotonic() + self._config.lock_timeout_s)
@@ -73,10 +87,11 @@ class Residency:
 
     # --- reading ------------------------------------------------------------------------------------------
 
-    def acquire_readers(self, keys: Iterable[bytes]) -> list[Entry]:
-        """Readable entries of the leading ``keys``, each with a reader held (so eviction passes them over)."""
+    def acquire_readers(self, entries: list[Entry], removals: int = -1) -> list[Entry]:
+        """The leading ``entries`` still readable (see ``still_readable_locked``), each with a reader held (so
+        eviction passes them over)."""
         with self.lock:
-            hits = self.readable_prefix_locked(keys)
+            hits = self.still_readable_locked(entries, removals)
             for entry in hits:
                 entry.readers += 1
                 self.policy.touch(entry.key)
@@ -106,10 +121,11 @@ class Residency:
     # --- writing ------------------------------------------------------------------------------------------
 
     def reserve(
-        self, keys: list[bytes], shape: tuple[int, ...], dtype: torch.dtype, nbytes: int
+        self, keys: list[bytes], parent: bytes | None, shape: tuple[int, ...], dtype: torch.dtype, nbytes: int
     ) -> list[tuple[int, Entry]]:
         """Index a WRITING entry with pool memory for every key not yet present, in order; returns them with
-        their positions in ``keys``.
+        their positions in ``keys``. ``keys`` are consecutive chunks; ``parent`` is the key of the chunk before
+        ``keys[0]`` (None when it is chunk 0): entries record their parent for lookups to walk.
 
         When the pool is full and evicted objects are still being written to a tier, waits up to
         ``spill_wait_s`` for their memory. Once an allocation fails for good (the pool is full of locked or
@@ -133,7 +149,7 @@ class Residency:
                         if obj is None:
                             blocked = True
                             break
-                        entry = Entry(keys[i], State.WRITING, obj, nbytes)
+                        entry = Entry(keys[i], State.WRITING, obj, nbytes, parent=keys[i - 1] if i else parent)
                         self.index.add(entry)
                         new.append((i, entry))
                     start = i + 1
@@ -204,12 +220,13 @@ class Residency:
                 entry.state = State.RESIDENT
                 self.policy.insert(entry.key)
 
-    def begin_promotion(self, key: bytes) -> Entry | None:
-        """Index a LOADING entry for ``key``; None if the key is already indexed (someone else has it)."""
+    def begin_promotion(self, key: bytes, parent: bytes | None) -> Entry | None:
+        """Index a LOADING entry for ``key`` (whose previous chunk is ``parent``); None if the key is already
+        indexed (someone else has it)."""
         with self.lock:
             if key in self.index:
                 return None
-            entry = Entry(key, State.LOADING, loaded=Future())
+            entry = Entry(key, State.LOADING, loaded=Future(), parent=parent)
             self.index.add(entry)
             return entry
 

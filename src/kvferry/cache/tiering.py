@@ -55,8 +55,9 @@ class TierLink:
             for tier in self.tiers:
                 self._put(tier, entry, spilled=False)
 
-    def fall_through(self, keys: list[bytes]) -> tuple[int, list[Future[None]]]:
-        """For keys after the pool's hits: how many leading ones are on their way into the pool.
+    def fall_through(self, keys: list[bytes], parent: bytes | None) -> tuple[int, list[Future[None]]]:
+        """For keys after the pool's hits: how many leading ones are on their way into the pool. ``keys`` are
+        consecutive chunks; ``parent`` is the key of the chunk before ``keys[0]`` (None for chunk 0).
 
         Keys already indexed (loading, or stored meanwhile) count; absent keys are looked up in the tiers in
         order and promoted from the first that holds them; the first key found nowhere ends the run. Returns
@@ -79,7 +80,7 @@ class TierLink:
                 tier = found_in.get(i)
                 if tier is None:
                     break
-                landed = self._promote(keys[i], tier)
+                landed = self._promote(keys[i], tier, keys[i - 1] if i else parent)
                 if landed is not None:
                     waits.append(landed)
             elif entry.loaded is not None:
@@ -101,8 +102,8 @@ class TierLink:
         ok = written.exception() is None and bool(written.result())
         self._residency.tier_write_done(entry, ok, spilled)
 
-    def _promote(self, key: bytes, tier: Tier) -> Future[None] | None:
-        entry = self._residency.begin_promotion(key)
+    def _promote(self, key: bytes, tier: Tier, parent: bytes | None) -> Future[None] | None:
+        entry = self._residency.begin_promotion(key, parent)
         if entry is None:
             return None  # indexed meanwhile by another caller
         assert entry.loaded is not None

@@ -12,8 +12,8 @@ interpreter (CI has no GPU).
 
 from __future__ import annotations
 
-import contextlib
 import math
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
@@ -23,22 +23,24 @@ import triton
 import triton.language as tl
 
 from kvferry.formats import KVGeometry
+from kvferry.kernels.cuda_driver import driver
+from kvferry.kernels.direct_launch import active_hook, direct_launcher
 
 _WORD_DTYPES = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
 
 
-@triton.jit
+# Arguments that differ between requests (or engine caches) are never specialised: one compiled kernel is then
+# valid for every request of a launch shape, and later launches skip Triton's per-call re-specialisation.
+_PER_REQUEST = ["eng_off", "ent_row", "obj_off", "obj_cap", "ids", "entry0", "n_entries", "row0", "n_rows", "chunk",
+                "obj_shift"]  # fmt: skip
+
+
+@triton.jit(do_not_specialize=_PER_REQUEST)
 def _stripe_copy_kernel(
+    # per stripe (fixed for the life of the engine's KV cache)
     eng,  # any engine tensor: the base that entry offsets are relative to
     eng_off,  # int64 [E]: word offset of each entry's origin
-    ent_row,  # int64 [E]: plane * NL + layer of each entry (its place in the object)
-    obj,  # first object: the base of object offsets
-    obj_off,  # int64 [n_objects]: word offset of each object
-    obj_cap,  # int64 [n_objects]: token capacity of each object
-    ids,  # int64 [n_block_ids]
-    row0,  # first token (of the whole request) to copy: skip_prefix_blocks * BS
-    n_rows,  # tokens to copy
-    chunk,
+    ent_row,  # int64 [E]: plane * NL + layer of each entry (its row in the object)
     obj_row,  # words per object row (W)
     w_offset,  # where this stripe starts in the row, words
     block_stride,
@@ -46,6 +48,17 @@ def _stripe_copy_kernel(
     s0,
     s1,
     s2,
+    # per request
+    obj,  # first object: the base of object offsets
+    obj_off,  # int64 [n_objects]: word offset of each object
+    obj_cap,  # int64 [n_objects]: token capacity of each object
+    ids,  # int64 [n_block_ids]
+    entry0,  # first entry of this launch (entries are sorted by object row)
+    n_entries,
+    row0,  # first token (of the whole request) to copy: skip_prefix_blocks * BS
+    n_rows,  # tokens to copy
+    chunk,
+    obj_shift,  # words added to every object offset (places a slice of rows at the start of a staging slot)
     BS: tl.constexpr,
     F0: tl.constexpr,
     F1: tl.constexpr,
@@ -55,20 +68,23 @@ def _stripe_copy_kernel(
     BLOCK_W: tl.constexpr,
     TO_OBJECT: tl.constexpr,
 ):
-    entry = tl.program_id(1)
     eng_p = eng.to(tl.pointer_type(WORD))
     obj_p = obj.to(tl.pointer_type(WORD))
-    e_base = tl.load(eng_off + entry)
-    row = tl.load(ent_row + entry)
     WIDTH: tl.constexpr = F0 * F1 * F2
-    # A few programs per entry loop over the token tiles (grid-stride): the copy then holds only a small,
-    # fixed number of SMs, which is what keeps the model's kernels running beside it.
-    for tile in tl.range(tl.program_id(0), (n_rows + BLOCK_T - 1) // BLOCK_T, tl.num_programs(0)):
+    tiles = (n_rows + BLOCK_T - 1) // BLOCK_T
+    # A fixed number of programs loops over (entry, token tile) items (grid-stride): the copy holds only a few
+    # SMs, which is what keeps the model's kernels running beside it. Neighbouring items are neighbouring tiles
+    # of one entry, so concurrent programs write neighbouring object bytes.
+    for item in tl.range(tl.program_id(0), n_entries * tiles, tl.num_programs(0)):
+        entry = entry0 + item // tiles
+        tile = item % tiles
+        e_base = tl.load(eng_off + entry)
+        row = tl.load(ent_row + entry)
         g = row0 + tile * BLOCK_T + tl.arange(0, BLOCK_T)
         t_mask = g < row0 + n_rows
         o = g // chunk
         block = tl.load(ids + g // BS, mask=t_mask, other=0)
-        o_base = tl.load(obj_off + o, mask=t_mask, other=0)
+        o_base = tl.load(obj_off + o, mask=t_mask, other=0) + obj_shift
         cap = tl.load(obj_cap + o, mask=t_mask, other=0)
         o_tok = o_base + (row * cap + g % chunk) * obj_row + w_offset
         e_tok = e_base + block * block_stride + (g % BS) * token_stride
@@ -92,6 +108,7 @@ class _StripeArgs:
     base: torch.Tensor
     eng_off: torch.Tensor
     ent_row: torch.Tensor
+    rows: tuple[int, ...]  # ent_row on the host, ascending: entries of a row range are one index range
     w_offset: int
     block_stride: int
     token_stride: int
@@ -143,11 +160,13 @@ def build_plan(geom: KVGeometry) -> TritonPlan:
             feats.insert(0, (1, 0))
         off = [(t.data_ptr() - base.data_ptr() + o * es) // word for t, o in zip(s.tensors, s.offsets, strict=True)]
         rows = [p * geom.nl + layer for p, layer in zip(s.planes, s.layers, strict=True)]
+        order = sorted(range(len(rows)), key=rows.__getitem__)  # by object row, so a slice of rows is a range
         args.append(
             _StripeArgs(
                 base=base,
-                eng_off=torch.tensor(off, dtype=torch.int64, device=geom.device),
-                ent_row=torch.tensor(rows, dtype=torch.int64, device=geom.device),
+                eng_off=torch.tensor([off[i] for i in order], dtype=torch.int64, device=geom.device),
+                ent_row=torch.tensor([rows[i] for i in order], dtype=torch.int64, device=geom.device),
+                rows=tuple(rows[i] for i in order),
                 w_offset=s.w_offset * es // word,
                 block_stride=s.block_stride * es // word,
                 token_stride=s.token_stride * es // word,
@@ -191,78 +210,148 @@ def launch(
     chunk_size: int,
     row0: int,
     n_rows: int,
-    stream: torch.cuda.Stream | None = None,
+    rows: tuple[int, int] | None = None,
+    obj_shift: int = 0,
 ) -> None:
-    """Enqueue the copy of tokens [row0, row0 + n_rows) of a request on `stream` (default: the current one).
+    """Copy tokens [row0, row0 + n_rows) of a request on the current stream (interpreted on CPU tensors).
 
     `table` is `object_table(...)` on the engine's device, with offsets relative to `obj_base` (words); it may
-    describe staging memory rather than the objects themselves. On CPU tensors the kernel is interpreted.
+    describe staging memory rather than the objects themselves. `rows` and `obj_shift`: see `launch_raw`.
     """
     if n_rows <= 0:
         return
-    interpret = block_ids.device.type != "cuda"
+    if block_ids.device.type == "cuda":
+        stream = torch.cuda.current_stream(block_ids.device).cuda_stream
+        off = table.data_ptr()
+        launch_raw(plan, stream, obj_base.data_ptr(), off, off + table.stride(0) * 8, block_ids.data_ptr(),
+                   to_objects, chunk_size, row0, n_rows, rows, obj_shift)  # fmt: skip
+        return
     obj_row = plan.width * plan.element_size // plan.word
+    for s in plan.stripes:
+        e0, e1 = _entries(s, rows)
+        if e1 == e0:
+            continue
+        block_w = min(triton.next_power_of_2(s.sizes[0] * s.sizes[1] * s.sizes[2]), 4096)
+        # the interpreter pays ~2 ms per program: few, large tiles
+        block_t = min(triton.next_power_of_2(n_rows), max(1, 65536 // block_w))
+        grid = ((e1 - e0) * triton.cdiv(n_rows, block_t),)
+        _interpreted()[grid](
+            s.base, s.eng_off, s.ent_row, obj_row, s.w_offset, s.block_stride, s.token_stride, *s.strides,
+            obj_base, table[0], table[1], block_ids, e0, e1 - e0, row0, n_rows, chunk_size, obj_shift,
+            **_constants(plan, s, block_t, block_w, to_objects),
+        )  # fmt: skip
+
+
+def launch_raw(
+    plan: TritonPlan,
+    stream: int,
+    obj_ptr: int,
+    off_ptr: int,
+    cap_ptr: int,
+    ids_ptr: int,
+    to_objects: bool,
+    chunk_size: int,
+    row0: int,
+    n_rows: int,
+    rows: tuple[int, int] | None = None,
+    obj_shift: int = 0,
+    programs: int | None = None,
+) -> None:
+    """Enqueue a copy on a GPU stream (a raw handle), every table given as a device address.
+
+    `rows=(r0, r1)` copies only object rows r0..r1-1 (plane * NL + layer), with `obj_shift` words added to every
+    object offset: how the pipeline moves one large object through staging in slices. `programs` caps the grid
+    (default: two per SM); the tiles are grid-strided over it.
+    """
+    if n_rows <= 0:
+        return
+    if not -(2**31) <= obj_shift < 2**31 or row0 + n_rows >= 2**31:
+        raise ValueError("a launch's token range and staging shift must fit 32 bits (the kernel's argument types)")
     for index, s in enumerate(plan.stripes):
-        width = s.sizes[0] * s.sizes[1] * s.sizes[2]
-        block_w = min(triton.next_power_of_2(width), 4096 if interpret else 1024)
-        block_t = _block_tokens(n_rows, block_w, interpret)
-        tiles = triton.cdiv(n_rows, block_t)
-        entries = len(s.eng_off)
-        grid = (tiles if interpret else min(tiles, max(1, _programs(block_ids.device) // entries)), entries, 1)
-        args = (
-            s.base, s.eng_off, s.ent_row, obj_base, table[0], table[1], block_ids, row0, n_rows, chunk_size,
-            obj_row, s.w_offset, s.block_stride, s.token_stride, *s.strides,
-        )  # fmt: skip
-        consts = dict(
-            BS=plan.bs, F0=s.sizes[0], F1=s.sizes[1], F2=s.sizes[2], WORD=_WORD_DTYPES[plan.word],
-            BLOCK_T=block_t, BLOCK_W=block_w, TO_OBJECT=to_objects,
-        )  # fmt: skip
-        if interpret:
-            _interpreted()[grid](*args, **consts)
+        e0, e1 = _entries(s, rows)
+        if e1 == e0:
             continue
-        handle = (stream or torch.cuda.current_stream()).cuda_stream
-        key = (index, to_objects, block_t, block_w)
+        key = (index, to_objects, obj_ptr % 16 == 0)
         fast = plan.compiled.get(key)
-        if fast is None:  # first launch of this shape: through Triton's JIT (compiles, caches)
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                compiled = _stripe_copy_kernel[grid](*args, **consts)
-            plan.compiled[key] = _FastLaunch(compiled, tuple(consts.values()))
-            continue
-        # Later launches call the compiled kernel's launcher directly with raw pointers: Triton's JIT path
-        # re-binds and re-specialises ~25 arguments on every call (~30 us), most of a small request's budget.
-        table_ptr = table.data_ptr()
-        fast(
-            grid, handle,
-            s.base.data_ptr(), s.eng_off.data_ptr(), s.ent_row.data_ptr(), obj_base.data_ptr(), table_ptr,
-            table_ptr + table.stride(0) * 8, block_ids.data_ptr(), row0, n_rows, chunk_size, obj_row, s.w_offset,
-            s.block_stride, s.token_stride, *s.strides,
-        )  # fmt: skip
+        if fast is None:  # first launch of this shape: compile (Triton caches it) without launching
+            fast = plan.compiled[key] = _compile(plan, s, obj_ptr, to_objects)
+        grid = min(triton.cdiv(n_rows, fast.block_t) * (e1 - e0), programs or fast.programs)
+        fast(grid, stream, obj_ptr, off_ptr, cap_ptr, ids_ptr, e0, e1 - e0, row0, n_rows, chunk_size, obj_shift)
 
 
 @dataclass(frozen=True)
 class _FastLaunch:
-    """A compiled kernel and its constexpr tail; calls the launcher as Triton's own JIT path does."""
+    """A compiled kernel, its stripe's arguments and constexpr tail; calls Triton's launcher as its JIT path does.
+
+    Triton's JIT path re-binds and re-specialises ~25 arguments on every call (~30 us on a slow host), most of a
+    small request's budget. The per-request arguments are never specialised (`_PER_REQUEST`), so one compiled
+    kernel serves every request of its key. (`direct_launch` goes further where the kernel's ABI allows.)
+    """
 
     compiled: Any
+    head: tuple[Any, ...]
     consts: tuple[Any, ...]
 
-    def __call__(self, grid: tuple[int, int, int], stream: int, *args: Any) -> None:
+    def __call__(self, grid: int, stream: int, *args: Any) -> None:
         c = self.compiled
-        full = (*args, *self.consts)
-        enter, leave = _hook("launch_enter_hook"), _hook("launch_exit_hook")
-        meta = c.launch_metadata(grid, stream, *full) if enter is not None else None
-        c.run(grid[0], grid[1], grid[2], stream, c.function, c.packed_metadata, meta, enter, leave, *full)
+        full = (*self.head, *args, *self.consts)
+        enter, leave = active_hook("launch_enter_hook"), active_hook("launch_exit_hook")
+        meta = c.launch_metadata((grid, 1, 1), stream, *full) if enter is not None else None
+        c.run(grid, 1, 1, stream, c.function, c.packed_metadata, meta, enter, leave, *full)
+
+
+@dataclass(frozen=True)
+class _Launcher:
+    """How one (stripe, direction, alignment) launches: direct when possible, else through Triton's launcher."""
+
+    launch: Any
+    block_t: int
+    programs: int
+
+    def __call__(self, grid: int, stream: int, *args: Any) -> None:
+        self.launch(grid, stream, *args)
+
+
+def _compile(plan: TritonPlan, s: _StripeArgs, obj_ptr: int, to_objects: bool) -> _Launcher:
+    block_w = min(triton.next_power_of_2(s.sizes[0] * s.sizes[1] * s.sizes[2]), 1024)
+    block_t = max(1, min(128, 4096 // block_w))  # ~32 KiB tiles of int64 words
+    consts = _constants(plan, s, block_t, block_w, to_objects)
+    device = s.base.device
+    # Stand-ins: the object base with the alignment the key promises (Triton specialises that pointer on it),
+    # tables only 8-byte aligned (they are unspecialised; this keeps any Triton that still looks safe).
+    obj = torch.empty(32, dtype=torch.uint8, device=device)[0 if obj_ptr % 16 == 0 else plan.word :]
+    table = torch.zeros(5, dtype=torch.int64, device=device)[1:]
+    obj_row = plan.width * plan.element_size // plan.word
+    head = (s.base.data_ptr(), s.eng_off.data_ptr(), s.ent_row.data_ptr(), obj_row, s.w_offset, s.block_stride,
+            s.token_stride, *s.strides)  # fmt: skip
+    with torch.cuda.device(device):
+        compiled = _stripe_copy_kernel.warmup(
+            s.base, s.eng_off, s.ent_row, obj_row, s.w_offset, s.block_stride, s.token_stride, *s.strides,
+            obj, table, table, table, 0, 2, 0, 2, 2, 0, grid=(1,), **consts,
+        )  # fmt: skip
+        names = _stripe_copy_kernel.arg_names
+        names = names[: names.index("obj_shift") + 1]  # the runtime arguments, in order
+        direct = direct_launcher(driver(), compiled, names, list(head), len(names) - len(head))
+    launch = direct or _FastLaunch(compiled, head, tuple(consts.values()))
+    return _Launcher(launch, block_t, _programs(device))
+
+
+def _entries(s: _StripeArgs, rows: tuple[int, int] | None) -> tuple[int, int]:
+    """The index range of a stripe's entries whose object row is in [rows[0], rows[1])."""
+    return (0, len(s.rows)) if rows is None else (bisect_left(s.rows, rows[0]), bisect_left(s.rows, rows[1]))
+
+
+def _constants(plan: TritonPlan, s: _StripeArgs, block_t: int, block_w: int, to_objects: bool) -> dict[str, Any]:
+    return dict(
+        BS=plan.bs, F0=s.sizes[0], F1=s.sizes[1], F2=s.sizes[2], WORD=_WORD_DTYPES[plan.word],
+        BLOCK_T=block_t, BLOCK_W=block_w, TO_OBJECT=to_objects,
+    )  # fmt: skip
 
 
 @cache
 def _programs(device: torch.device) -> int:
     """Programs per launch: two per SM, so a copy never floods the GPU (tiles are grid-strided)."""
     return 2 * torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _hook(name: str) -> object:
-    knobs = getattr(triton, "knobs", None)
-    return getattr(knobs.runtime, name, None) if knobs is not None else None
 
 
 def copy_triton(
@@ -278,9 +367,3 @@ def copy_triton(
     bs = plan.bs
     n_rows = (len(block_ids) - skip_prefix_blocks) * bs
     launch(plan, objects[0], table, block_ids, to_objects, chunk_size, skip_prefix_blocks * bs, n_rows)
-
-
-def _block_tokens(n_rows: int, block_w: int, interpret: bool) -> int:
-    if interpret:  # the interpreter pays per program: few, large tiles
-        return min(triton.next_power_of_2(n_rows), max(1, 65536 // block_w))
-    return max(1, min(128, 4096 // block_w))  # ~32 KiB tiles of int64 words

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any, Literal
@@ -228,10 +229,20 @@ def _backend(backend: str, geom: KVGeometry, objects: list[torch.Tensor]) -> str
 
 
 class _PlanCache:
-    """Backend plans per geometry (by identity, weakly held), so a repeated request pays no re-derivation."""
+    """Backend plans per geometry, so a repeated request pays no re-derivation.
+
+    Held weakly by geometry identity, and for the GPU also by layout (format, block size, dtype, and the address,
+    shape and strides of every engine tensor) in a small LRU: a caller that passes no `geometry` gets a new one
+    from `describe` on every call, and building a GPU plan uploads its tables with a copy that waits for the
+    caller's stream, i.e. for the model. A plan keeps only its first engine tensor alive, so an address in the
+    key cannot be reused by another allocation while the plan is cached; up to `LAYOUTS` such tensors are held.
+    """
+
+    LAYOUTS = 8
 
     def __init__(self) -> None:
         self._plans: weakref.WeakKeyDictionary[KVGeometry, dict[str, Any]] = weakref.WeakKeyDictionary()
+        self._by_layout: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
         self._lock = threading.Lock()
 
     def torch(self, geom: KVGeometry) -> Any:
@@ -242,7 +253,18 @@ class _PlanCache:
     def triton(self, geom: KVGeometry) -> Any:
         from kvferry.kernels.triton_copy import build_plan
 
-        return self._get(geom, "triton", build_plan)
+        def by_layout(g: KVGeometry) -> Any:
+            tensors = {id(t): t for s in g.stripes for t in s.tensors}.values()
+            key = (g.fmt, g.bs, g.dtype, tuple((t.data_ptr(), tuple(t.shape), t.stride()) for t in tensors))
+            plan = self._by_layout.get(key)
+            if plan is None:
+                plan = self._by_layout[key] = build_plan(g)
+                if len(self._by_layout) > self.LAYOUTS:
+                    self._by_layout.popitem(last=False)
+            self._by_layout.move_to_end(key)
+            return plan
+
+        return self._get(geom, "triton", by_layout if geom.device.type == "cuda" else build_plan)
 
     def _get(self, geom: KVGeometry, name: str, build: Any) -> Any:
         with self._lock:

@@ -5,114 +5,191 @@ SMs busy for the whole transfer and halves a concurrent GEMM (LIMITS.md); a Trit
 runs at >1 TB/s and leaves the PCIe crossing to the copy engine, which costs the model nothing. The two are
 pipelined over a small ring of staging slots: the gather of slice i+1 overlaps the DMA of slice i.
 
-Slices are whole objects grouped by bytes (about half a slot each), not by a fixed number of chunks: small models'
-3 MiB chunks would otherwise be launch-bound. Each direction has its own kernel stream, copy stream and ring, so a
-store and a retrieve can be in flight at once. A request orders itself after the caller's current stream with an
-event and never blocks it; the caller gets a `TransferHandle` to poll or wait on, and the CPU returns right after
-enqueueing. Below a size crossover, or when configured, the request runs zero-copy in one launch (lower latency).
+Slices are cut by bytes, not by a fixed number of chunks: small objects are grouped (qwen2.5-0.5b's 3 MiB chunks
+would otherwise be launch-bound) and a large one is cut into ranges of its rows (so even a one-chunk request
+overlaps its gather with its DMA, and an object may be larger than a slot).
+
+Each direction has its own kernel stream, copy stream and ring, so a store and a retrieve can be in flight at
+once. A request orders itself after the caller's current stream with an event and never blocks it; the caller gets
+a `TransferHandle` to poll or wait on, and the CPU returns right after enqueueing. Below a size crossover, or
+when configured, the request runs zero-copy in one launch (lower latency).
+
+The enqueue itself goes straight to the driver (`cuda_driver`: memcpys, events, waits) and to the compiled
+kernel's launcher: torch's copy and event wrappers cost more CPU than a small request's whole transfer.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kvferry.kernels import triton_copy
+from kvferry.kernels.cuda_driver import CudaError, Driver, driver
 
 MiB = 1 << 20
 
 
-@dataclass
-class TransferHandle:
-    """Completion of one enqueued request. Keeps the request's tensors alive until the GPU is done with them."""
+class _Completion:
+    """A request's done-event (a raw CUDA event), back to its context's pool when its last holder lets go.
 
-    event: torch.cuda.Event
-    nbytes: int
-    mode: str
-    _keepalive: list[object] = field(default_factory=list, repr=False)
+    Pooled because creating an event costs more CPU than recording one. An event only returns to the pool after
+    the request has finished (the lane retires it only then, and a handle's holder is gone), so reusing it is safe.
+    """
+
+    __slots__ = ("_driver", "_pool", "context", "event")
+
+    def __init__(self, drv: Driver, context: int) -> None:
+        self._driver = drv
+        self.context = context
+        self._pool = _event_pools.setdefault(context, [])
+        self.event = self._pool.pop() if self._pool else drv.event()
+
+    def query(self) -> bool:
+        d = self._driver
+        previous = d.use_context(self.context)
+        try:
+            return d.query(self.event)
+        finally:
+            d.restore_context(self.context, previous)
+
+    def synchronize(self) -> None:
+        d = self._driver
+        previous = d.use_context(self.context)
+        try:
+            d.synchronize(self.event)  # ctypes lets go of the GIL while it blocks
+        finally:
+            d.restore_context(self.context, previous)
+
+    def order(self, stream: int) -> None:
+        d = self._driver
+        previous = d.use_context(self.context)
+        try:
+            d.wait(stream, self.event, 0)
+        finally:
+            d.restore_context(self.context, previous)
+
+    def __del__(self) -> None:
+        if getattr(self, "event", None):  # None if __init__ failed
+            self._pool.append(self.event)
+
+
+_event_pools: dict[int, list[int]] = {}  # context -> finished, reusable done-events
+
+
+class TransferHandle:
+    """Completion of one enqueued request: poll it, wait for it, or order a stream after it."""
+
+    __slots__ = ("_completion", "mode", "nbytes")
+
+    def __init__(self, completion: _Completion, nbytes: int, mode: str) -> None:
+        self._completion = completion
+        self.nbytes = nbytes
+        self.mode = mode
 
     def done(self) -> bool:
-        if self.event.query():
-            self._keepalive.clear()
-            return True
-        return False
+        return self._completion.query()
 
     def wait(self) -> None:
         """Block the calling CPU thread until the bytes have moved."""
-        self.event.synchronize()
-        self._keepalive.clear()
+        self._completion.synchronize()
 
     def wait_on(self, stream: torch.cuda.Stream | None = None) -> None:
         """Make `stream` (default: the current one) wait for this transfer, without blocking the CPU."""
-        (stream or torch.cuda.current_stream()).wait_event(self.event)
+        self._completion.order((stream or torch.cuda.current_stream()).cuda_stream)
 
 
 class _Lane:
     """One direction's streams, staging ring and request-metadata ring (all allocated once)."""
 
-    META_SLOTS = 4
-    META_INTS = 1 << 16  # block ids + object tables of one request; larger requests pin a one-off buffer
+    # Block ids + object tables of one request per slot (16K ints: a 250K-token request at 16-token blocks). A slot
+    # is free once its upload has run, and uploads queue behind the caller's stream like the rest of a request: the
+    # ring holds that many requests waiting on a busy model. Beyond it (or a larger request) a one-off buffer is
+    # allocated, and allocating pinned or device memory synchronises the device, so the ring is generous.
+    META_SLOTS = 32
+    META_INTS = 1 << 14
 
-    def __init__(self, device: torch.device, slots: int, slot_bytes: int) -> None:
+    def __init__(self, drv: Driver, device: torch.device, slots: int, slot_bytes: int) -> None:
+        self._driver = drv
         self.kernel_stream = torch.cuda.Stream(device)
         self.copy_stream = torch.cuda.Stream(device)
+        self.ks = self.kernel_stream.cuda_stream
+        self.cs = self.copy_stream.cuda_stream
         self.slot_bytes = slot_bytes
         self.staging = torch.empty(slots * slot_bytes, dtype=torch.uint8, device=device)
-        self.slot_free = [torch.cuda.Event() for _ in range(slots)]
-        self.slot_ready = [torch.cuda.Event() for _ in range(slots)]
+        self.staging_ptr = self.staging.data_ptr()
+        self.slot_free = [drv.event() for _ in range(slots)]
+        self.slot_ready = [drv.event() for _ in range(slots)]
+        self.start = drv.event()  # the caller's stream, as of the request being enqueued
         self.next_slot = 0
         self.meta_host = torch.empty((self.META_SLOTS, self.META_INTS), dtype=torch.int64, pin_memory=True)
         self.meta_host_np = self.meta_host.numpy()
         self.meta_dev = torch.empty((self.META_SLOTS, self.META_INTS), dtype=torch.int64, device=device)
-        self.meta_uploaded = [torch.cuda.Event() for _ in range(self.META_SLOTS)]  # host slot reusable
-        self.meta_released = [torch.cuda.Event() for _ in range(self.META_SLOTS)]  # device slot reusable
+        self.meta_uploaded = [drv.event() for _ in range(self.META_SLOTS)]  # the host slot is reusable
         self.next_meta = 0
         self.lock = threading.Lock()
+        self.inflight: deque[tuple[_Completion, object]] = deque()  # what a request's GPU work still reads
 
-    def upload(self, parts: list[np.ndarray | list[int]]) -> tuple[torch.Tensor, int | None]:
-        """Copy request metadata to the device; the kernel stream waits for it. Call with the copy stream current.
+    def upload(self, parts: list[np.ndarray | list[int]], n: int) -> tuple[int, object]:
+        """Copy request metadata to the device on the kernel stream; return its device address and a keepalive.
 
-        Returns (device tensor, ring slot or None for a one-off buffer).
+        Device slots are reused in kernel-stream order; a host slot whose last upload has not run yet (requests
+        queued behind a busy compute stream) is skipped for a one-off pinned buffer rather than waited for.
         """
-        n = sum(len(p) for p in parts)
-        done = torch.cuda.Event()
-        if n > self.META_INTS:
-            host = torch.from_numpy(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])).pin_memory()
-            dev = torch.empty(n, dtype=torch.int64, device=self.meta_dev.device)
-            dev.record_stream(self.kernel_stream)
-            dev.copy_(host, non_blocking=True)
-            done.record(self.copy_stream)
-            self.kernel_stream.wait_event(done)
-            return dev, None
+        d = self._driver
         k = self.next_meta
-        self.next_meta = (k + 1) % self.META_SLOTS
-        self.meta_uploaded[k].synchronize()  # the previous upload from this pinned slot has left it
-        row = self.meta_host_np[k]
-        at = 0
-        for p in parts:
-            row[at : at + len(p)] = p
-            at += len(p)
-        self.copy_stream.wait_event(self.meta_released[k])  # kernels of an earlier request are done with it
-        self.meta_dev[k, :n].copy_(self.meta_host[k, :n], non_blocking=True)
-        self.meta_uploaded[k].record(self.copy_stream)
-        self.kernel_stream.wait_event(self.meta_uploaded[k])
-        return self.meta_dev[k, :n], k
+        if n <= self.META_INTS and d.query(self.meta_uploaded[k]):
+            self.next_meta = (k + 1) % self.META_SLOTS
+            row = self.meta_host_np[k]
+            at = 0
+            for p in parts:
+                row[at : at + len(p)] = p
+                at += len(p)
+            offset = k * self.META_INTS * 8
+            dev = self.meta_dev.data_ptr() + offset
+            d.htod(dev, self.meta_host.data_ptr() + offset, n * 8, self.ks)
+            d.record(self.meta_uploaded[k], self.ks)
+            return dev, None
+        host = torch.from_numpy(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])).pin_memory()
+        buf = torch.empty(n, dtype=torch.int64, device=self.staging.device)
+        buf.record_stream(self.kernel_stream)  # allocated on the caller's stream, read on the kernel stream
+        d.htod(buf.data_ptr(), host.data_ptr(), n * 8, self.ks)
+        return buf.data_ptr(), (host, buf)
+
+    def retire(self) -> None:
+        """Drop the keepalives of finished requests (oldest first)."""
+        while self.inflight and self._driver.query(self.inflight[0][0].event):
+            self.inflight.popleft()
+
+    def __del__(self) -> None:
+        try:
+            for e in (*self.slot_free, *self.slot_ready, self.start, *self.meta_uploaded):
+                self._driver.destroy(e)
+        except (CudaError, AttributeError):  # shutting down, or __init__ failed half way
+            pass
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Staging ring per direction (slots x slot_bytes), slice target, and the zero-copy crossover."""
+    """Staging ring per direction (slots x slot_bytes), slice target, zero-copy crossover, kernel grid."""
 
     slots: int = 2
     slot_bytes: int = 64 * MiB
-    slice_bytes: int | None = None  # default: half a slot
+    slice_bytes: int | None = None  # default: a quarter of the request, 16 MiB .. half a slot
     zero_copy_below: int = 4 * MiB  # requests smaller than this run zero-copy (see docs/gpu_data_path.md)
     mode: str = "auto"  # "auto" | "staged" | "zero_copy"
+    programs: int | None = None  # programs per staged gather/scatter launch (default: two per SM)
+
+
+@dataclass(frozen=True)
+class _Slice:
+    """Consecutive whole objects, or one object's rows `rows[0]..rows[1]-1` (plane * NL + layer)."""
+
+    members: list[int]
+    rows: tuple[int, int] | None = None
 
 
 class TransferEngine:
@@ -125,9 +202,11 @@ class TransferEngine:
         self.config = config or EngineConfig()
         if self.config.mode not in ("auto", "staged", "zero_copy"):
             raise ValueError(f"mode={self.config.mode!r} must be 'auto', 'staged' or 'zero_copy'")
+        self._driver = driver()
         with torch.cuda.device(self.device):
-            self._store = _Lane(self.device, self.config.slots, self.config.slot_bytes)
-            self._retrieve = _Lane(self.device, self.config.slots, self.config.slot_bytes)
+            self._store = _Lane(self._driver, self.device, self.config.slots, self.config.slot_bytes)
+            self._retrieve = _Lane(self._driver, self.device, self.config.slots, self.config.slot_bytes)
+            self._context = self._driver.current_context()  # the primary context, which torch made current
 
     def submit(
         self,
@@ -141,175 +220,201 @@ class TransferEngine:
     ) -> TransferHandle:
         """Enqueue a validated request (see `kvferry.transfer.check_request`); objects are pinned host tensors."""
         lane = self._store if to_objects else self._retrieve
-        bs = plan.bs
-        n_ids = len(block_ids)
-        nbytes = (n_ids - skip_prefix_blocks) * bs * plan.bytes_per_token
+        ids = block_ids.numpy()
+        nbytes = (len(ids) - skip_prefix_blocks) * plan.bs * plan.bytes_per_token
         mode = mode or self.config.mode
         if mode == "auto":
             mode = "zero_copy" if nbytes < self.config.zero_copy_below else "staged"
-        caller = torch.cuda.current_stream(self.device)
-        start = torch.cuda.Event()
-        start.record(caller)
-        if nbytes == 0:
-            return TransferHandle(event=start, nbytes=0, mode=mode)
         ptrs = [o.data_ptr() for o in objects]
         caps = [o.shape[2] for o in objects]
-        if mode == "zero_copy" or (to_objects and skip_prefix_blocks * bs % chunk_size):
+        if mode == "zero_copy" or (to_objects and skip_prefix_blocks * plan.bs % chunk_size):
             for i, p in enumerate(ptrs):  # the kernel addresses objects in words
                 if p % plan.word:
                     raise ValueError(f"objects[{i}] is not {plan.word}-byte aligned (allocate from kvferry's pool)")
-        ks = lane.kernel_stream
-        ids_np = block_ids.numpy()
-        with lane.lock, _current(lane.copy_stream, caller):  # one stream switch per request
-            ks.wait_event(start)
-            if mode == "zero_copy":
-                meta, slot = lane.upload([ids_np, [(p - ptrs[0]) // plan.word for p in ptrs], caps])
-                ids, table = meta[:n_ids], meta[n_ids:].view(2, -1)
-                rows = (n_ids - skip_prefix_blocks) * bs
-                triton_copy.launch(plan, objects[0], table, ids, to_objects, chunk_size, skip_prefix_blocks * bs,
-                                   rows, ks)  # fmt: skip
-                end = ks
-            else:
-                meta, slot = self._staged(lane, plan, objects, ptrs, caps, ids_np, to_objects, chunk_size,
-                                          skip_prefix_blocks)  # fmt: skip
-                end = lane.copy_stream if to_objects else ks
-            if slot is not None:
-                lane.meta_released[slot].record(ks)
-            done = torch.cuda.Event()
-            done.record(end)
-        return TransferHandle(event=done, nbytes=nbytes, mode=mode, _keepalive=[objects, meta])
+        d = self._driver
+        caller = torch._C._cuda_getCurrentRawStream(self.device.index)
+        previous = d.use_context(self._context)
+        try:
+            with lane.lock:  # the GPU work first: bookkeeping after it costs no latency
+                end = caller
+                keep: object = None
+                if nbytes and mode == "zero_copy":
+                    keep, end = self._zero_copy(lane, caller, plan, ptrs, caps, ids, to_objects, chunk_size,
+                                                skip_prefix_blocks)  # fmt: skip
+                elif nbytes:
+                    rows = objects[0].shape[0] * objects[0].shape[1]
+                    keep, end = self._staged(lane, caller, plan, objects, ptrs, caps, ids, rows, to_objects,
+                                             chunk_size, skip_prefix_blocks)  # fmt: skip
+                done = _Completion(d, self._context)
+                d.record(done.event, end)
+                lane.retire()
+                lane.inflight.append((done, (objects, keep)))
+        finally:
+            d.restore_context(self._context, previous)
+        return TransferHandle(done, nbytes, mode)
+
+    def _after(self, lane: _Lane, caller: int) -> None:
+        """Order the lane's kernels after the caller's stream: the gather sees what the model wrote, and the model
+        never waits. (Called after the metadata upload, which need not wait.)"""
+        self._driver.record(lane.start, caller)
+        self._driver.wait(lane.ks, lane.start, 0)
+
+    def _zero_copy(
+        self,
+        lane: _Lane,
+        caller: int,
+        plan: triton_copy.TritonPlan,
+        ptrs: list[int],
+        caps: list[int],
+        ids: np.ndarray,
+        to_objects: bool,
+        chunk_size: int,
+        skip: int,
+    ) -> tuple[object, int]:
+        n_ids, n_obj = len(ids), len(ptrs)
+        offsets = [(p - ptrs[0]) // plan.word for p in ptrs]
+        meta, keep = lane.upload([ids, offsets, caps], n_ids + 2 * n_obj)
+        self._after(lane, caller)
+        off = meta + n_ids * 8
+        rows = (n_ids - skip) * plan.bs
+        triton_copy.launch_raw(plan, lane.ks, ptrs[0], off, off + n_obj * 8, meta, to_objects, chunk_size,
+                               skip * plan.bs, rows)  # fmt: skip
+        return keep, lane.ks
 
     def _staged(
         self,
         lane: _Lane,
+        caller: int,
         plan: triton_copy.TritonPlan,
         objects: list[torch.Tensor],
         ptrs: list[int],
         caps: list[int],
-        ids_np: np.ndarray,
+        ids: np.ndarray,
+        rows: int,
         to_objects: bool,
         chunk_size: int,
         skip: int,
-    ) -> tuple[torch.Tensor, int | None]:
-        bs = plan.bs
+    ) -> tuple[object, int]:
+        d = self._driver
+        bs, word = plan.bs, plan.word
         per_object = chunk_size // bs
-        word = plan.word
         sizes = [c * plan.bytes_per_token for c in caps]
         first = skip // per_object  # objects before this one are skipped entirely
         # A store must not overwrite the skipped head of a partly skipped object: that object goes zero-copy.
         head = to_objects and skip % per_object != 0
-        slices = self._slices(sizes, first + head, lane.slot_bytes)
+        slices = self._slices(sizes, first + head, rows, lane.slot_bytes)
         n_slots = len(lane.slot_free)
-        offsets = [0] * len(objects)
-        slot_of: list[int] = []
-        for n, members in enumerate(slices):
-            slot = (lane.next_slot + n) % n_slots
-            slot_of.append(slot)
-            cursor = slot * lane.slot_bytes
-            for o in members:
-                offsets[o] = cursor // word
-                cursor += sizes[o]
+        slot_of = [(lane.next_slot + n) % n_slots for n in range(len(slices))]
         lane.next_slot = (lane.next_slot + len(slices)) % n_slots
-        ks, cs = lane.kernel_stream, lane.copy_stream
-        n_ids = len(ids_np)
-        meta, meta_slot = lane.upload([ids_np, offsets, caps, [0, caps[first]]])
-        ids, table = meta[:n_ids], meta[n_ids : n_ids + 2 * len(objects)].view(2, -1)
+        offsets = [0] * len(objects)  # word offsets in staging of whole-object slices (split ones use a shift)
+        for sl, slot in zip(slices, slot_of, strict=True):
+            if sl.rows is None:
+                cursor = slot * lane.slot_bytes
+                for o in sl.members:
+                    offsets[o] = cursor // word
+                    cursor += sizes[o]
+        n_ids, n_obj = len(ids), len(objects)
+        meta, keep = lane.upload([ids, offsets, caps, [0, caps[first]]], n_ids + 2 * n_obj + 2)
+        self._after(lane, caller)
+        off, cap = meta + n_ids * 8, meta + (n_ids + n_obj) * 8
+        ks, cs = lane.ks, lane.cs
         if head:
-            head_ids = ids[first * per_object : first * per_object + caps[first] // bs]
             head_rows = skip % per_object * bs
-            triton_copy.launch(plan, objects[first], meta[n_ids + 2 * len(objects) :].view(2, 1), head_ids, True,
-                               chunk_size, head_rows, caps[first] - head_rows, ks)  # fmt: skip
-        staging = lane.staging
-        # The copy stream is current (see submit); kernels name their stream.
-        for members, slot in zip(slices, slot_of, strict=True):
-            row0 = max(members[0] * chunk_size, skip * bs)
-            row1 = members[0] * chunk_size + sum(caps[o] for o in members)
-            ready = lane.slot_ready[slot]
+            tail = meta + (n_ids + 2 * n_obj) * 8  # the [0, cap] table of the head object alone
+            triton_copy.launch_raw(plan, ks, ptrs[first], tail, tail + 8, meta + first * per_object * 8, True,
+                                   chunk_size, head_rows, caps[first] - head_rows)  # fmt: skip
+        staging, programs = lane.staging_ptr, self.config.programs
+        for sl, slot in zip(slices, slot_of, strict=True):
+            o0 = sl.members[0]
+            row0 = max(o0 * chunk_size, skip * bs)
+            n_rows = o0 * chunk_size + sum(caps[o] for o in sl.members) - row0
+            shift = 0
+            if sl.rows is not None:  # rows r0..r1 of one object, placed at the start of the slot
+                row_bytes = sizes[o0] // rows
+                shift = (slot * lane.slot_bytes - sl.rows[0] * row_bytes) // word
             if to_objects:
-                ks.wait_event(lane.slot_free[slot])
-                triton_copy.launch(plan, staging, table, ids, True, chunk_size, row0, row1 - row0, ks)
-                ready.record(ks)
-                cs.wait_event(ready)
-                self._dma(objects, members, ptrs, sizes, staging, offsets, word, to_host=True)
-                lane.slot_free[slot].record(cs)
+                d.wait(ks, lane.slot_free[slot], 0)
+                triton_copy.launch_raw(plan, ks, staging, off, cap, meta, True, chunk_size, row0, n_rows, sl.rows,
+                                       shift, programs)  # fmt: skip
+                d.record(lane.slot_ready[slot], ks)
+                d.wait(cs, lane.slot_ready[slot], 0)
+                self._dma(objects, sl, slot, lane, ptrs, sizes, rows, to_host=True)
+                d.record(lane.slot_free[slot], cs)
             else:
-                cs.wait_event(lane.slot_free[slot])
-                self._dma(objects, members, ptrs, sizes, staging, offsets, word, to_host=False)
-                ready.record(cs)
-                ks.wait_event(ready)
-                triton_copy.launch(plan, staging, table, ids, False, chunk_size, row0, row1 - row0, ks)
-                lane.slot_free[slot].record(ks)
-        return meta, meta_slot
+                d.wait(cs, lane.slot_free[slot], 0)
+                self._dma(objects, sl, slot, lane, ptrs, sizes, rows, to_host=False)
+                d.record(lane.slot_ready[slot], cs)
+                d.wait(ks, lane.slot_ready[slot], 0)
+                triton_copy.launch_raw(plan, ks, staging, off, cap, meta, False, chunk_size, row0, n_rows, sl.rows,
+                                       shift, programs)  # fmt: skip
+                d.record(lane.slot_free[slot], ks)
+        # A store ends on the copy stream, unless it was all head (then the kernel stream holds everything).
+        return keep, (cs if to_objects and slices else ks)
 
-    def _slices(self, sizes: list[int], first: int, slot_bytes: int) -> list[list[int]]:
-        """Consecutive objects grouped into slices of about `slice_bytes` (whole objects, one slot at most)."""
-        # About a quarter of the request per slice (so even a small request overlaps its gather with its DMA),
-        # at least 4 MiB (below that the copy engine and launches dominate), at most half a slot.
+    def _slices(self, sizes: list[int], first: int, rows: int, slot_bytes: int) -> list[_Slice]:
+        """Cut objects first.. into slices of about `slice_bytes`: consecutive whole objects, or row ranges."""
+        # About a quarter of the request per slice, so even a one-chunk request overlaps its gather with its DMA;
+        # at least 16 MiB: each slice costs a launch, a DMA set-up and two cross-stream waits on the critical path,
+        # while gathering 16 MiB takes ~10 us; at most half a slot.
         total = sum(sizes[first:])
-        target = self.config.slice_bytes or min(slot_bytes // 2, max(4 * MiB, total // 4))
-        slices: list[list[int]] = []
+        target = self.config.slice_bytes or min(slot_bytes // 2, max(16 * MiB, total // 4))
+        slices: list[_Slice] = []
         size = 0
         for o in range(first, len(sizes)):
-            if sizes[o] > slot_bytes:
-                raise ValueError(
-                    f"a chunk object of {sizes[o]} bytes does not fit a {slot_bytes}-byte staging slot: "
-                    "raise EngineConfig.slot_bytes or lower the chunk size"
-                )
-            if slices and size + sizes[o] <= target:
-                slices[-1].append(o)
+            if sizes[o] > target:  # cut into row ranges; nothing joins them
+                row_bytes = sizes[o] // rows
+                step = max(1, target // row_bytes)
+                if step * row_bytes > slot_bytes:
+                    raise ValueError(
+                        f"one object row of {row_bytes} bytes does not fit a {slot_bytes}-byte staging slot: "
+                        "raise EngineConfig.slot_bytes or lower the chunk size"
+                    )
+                slices += [_Slice([o], (r, min(r + step, rows))) for r in range(0, rows, step)]
+                size = target
+            elif slices and slices[-1].rows is None and size + sizes[o] <= target:
+                slices[-1].members.append(o)
                 size += sizes[o]
             else:
-                slices.append([o])
+                slices.append(_Slice([o]))
                 size = sizes[o]
         return slices
 
-    @staticmethod
     def _dma(
+        self,
         objects: list[torch.Tensor],
-        members: list[int],
+        sl: _Slice,
+        slot: int,
+        lane: _Lane,
         ptrs: list[int],
         sizes: list[int],
-        staging: torch.Tensor,
-        offsets: list[int],
-        word: int,
+        rows: int,
         to_host: bool,
     ) -> None:
-        """One copy per run of objects that are adjacent in host memory (and so in staging)."""
-        run_start = members[0]
+        """Copy a slice between its slot and host memory: one copy per run of objects adjacent in host memory."""
+        copy = self._driver.dtoh if to_host else self._driver.htod
+        dev = lane.staging_ptr + slot * lane.slot_bytes
+        if sl.rows is not None:
+            o = sl.members[0]
+            row_bytes = sizes[o] // rows
+            host = ptrs[o] + sl.rows[0] * row_bytes
+            n = (sl.rows[1] - sl.rows[0]) * row_bytes
+            copy(host, dev, n, lane.cs) if to_host else copy(dev, host, n, lane.cs)
+            return
+        members = sl.members
+        start = members[0]
         for k, o in enumerate(members):
             nxt = members[k + 1] if k + 1 < len(members) else None
             if nxt is not None and ptrs[o] + sizes[o] == ptrs[nxt] and _same_storage(objects[o], objects[nxt]):
-                continue
-            nbytes = ptrs[o] + sizes[o] - ptrs[run_start]
-            host = _byte_view(objects[run_start], nbytes)
-            dev = staging[offsets[run_start] * word : offsets[run_start] * word + nbytes]
-            if to_host:
-                host.copy_(dev, non_blocking=True)
-            else:
-                dev.copy_(host, non_blocking=True)
+                continue  # one pinned allocation continues: extend the run
+            n = ptrs[o] + sizes[o] - ptrs[start]
+            copy(ptrs[start], dev, n, lane.cs) if to_host else copy(dev, ptrs[start], n, lane.cs)
+            dev += n
             if nxt is not None:
-                run_start = nxt
-
-
-@contextlib.contextmanager
-def _current(stream: torch.cuda.Stream, previous: torch.cuda.Stream) -> Iterator[None]:
-    """Make `stream` current and restore `previous` (cheaper than torch.cuda.stream, which re-queries both)."""
-    torch.cuda.set_stream(stream)
-    try:
-        yield
-    finally:
-        torch.cuda.set_stream(previous)
+                start = nxt
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-def _byte_view(t: torch.Tensor, nbytes: int) -> torch.Tensor:
-    """`nbytes` bytes of host memory starting at t (objects adjacent to t in the same storage)."""
-    storage = t.untyped_storage()
-    start = t.data_ptr() - storage.data_ptr()
-    return torch.empty(0, dtype=torch.uint8).set_(storage, start, (nbytes,))
 
 
 _engines: dict[torch.device, TransferEngine] = {}

@@ -1,0 +1,114 @@
+"""The few CUDA driver calls the transfer engine's hot path makes, through ctypes (libcuda, no compiler needed).
+
+Why not torch: a pinned<->device `copy_` walks TensorIterator (10-20 us of CPU on the GPU machine's host), an
+event record or stream wait through torch 3-5 us, a tensor view to address a slot a few more. One request is a
+handful of these per slice, and that CPU time was the whole gap between one chunk's transfer and a bare memcpy.
+A ctypes call into libcuda costs ~1 us. Streams and events stay interchangeable with torch's: a torch stream's
+`cuda_stream` is the same CUstream, and handles made here wait on torch streams and vice versa.
+
+Every call returns a CUresult; anything but success raises `CudaError` naming the call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+from typing import Any
+
+CUDA_ERROR_NOT_READY = 600
+_EVENT_DISABLE_TIMING = 0x2  # timing-free events are the cheap kind: record/wait/query only
+
+
+class CudaError(RuntimeError):
+    """A CUDA driver call failed."""
+
+
+class Driver:
+    """Bound libcuda entry points. One per process (`driver()`); safe to call from any thread."""
+
+    def __init__(self, lib: Any) -> None:
+        c_void_p, c_size_t, c_uint64 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64
+        self._lib = lib
+        self._name = lib.cuGetErrorName
+        self._name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        self.dtoh = self._bind("cuMemcpyDtoHAsync_v2", c_void_p, c_uint64, c_size_t, c_void_p)
+        self.htod = self._bind("cuMemcpyHtoDAsync_v2", c_uint64, c_void_p, c_size_t, c_void_p)
+        self.record = self._bind("cuEventRecord", c_void_p, c_void_p)
+        self.wait = self._bind("cuStreamWaitEvent", c_void_p, c_void_p, ctypes.c_uint)
+        self.synchronize = self._bind("cuEventSynchronize", c_void_p)
+        self._query = lib.cuEventQuery
+        self._query.argtypes = [c_void_p]
+        self._create = self._bind("cuEventCreate", ctypes.POINTER(c_void_p), ctypes.c_uint)
+        self.destroy = self._bind("cuEventDestroy_v2", c_void_p)
+        self.launch = self._bind(
+            "cuLaunchKernel", c_void_p, *[ctypes.c_uint] * 7, c_void_p, ctypes.POINTER(c_void_p), c_void_p
+        )
+        self._get_ctx = self._bind("cuCtxGetCurrent", ctypes.POINTER(c_void_p))
+        self._set_ctx = self._bind("cuCtxSetCurrent", c_void_p)
+
+    def _bind(self, name: str, *argtypes: Any) -> Any:
+        fn = getattr(self._lib, name)
+        fn.argtypes = list(argtypes)
+        fn.restype = ctypes.c_int
+        fn.errcheck = self._errcheck
+        return fn
+
+    def _errcheck(self, result: int, fn: Any, args: tuple[Any, ...]) -> None:
+        if result:
+            text = ctypes.c_char_p()
+            self._name(result, ctypes.byref(text))
+            raise CudaError(f"{fn.__name__} failed: {(text.value or b'?').decode()} ({result})")
+
+    def event(self) -> int:
+        """A new timing-free event; the caller destroys it (`destroy`)."""
+        handle = ctypes.c_void_p()
+        self._create(ctypes.byref(handle), _EVENT_DISABLE_TIMING)
+        return int(handle.value or 0)
+
+    def query(self, event: int) -> bool:
+        """True once everything recorded before the event has run."""
+        result = self._query(event)
+        if result == CUDA_ERROR_NOT_READY:
+            return False
+        if result:
+            self._errcheck(result, self._query, (event,))
+        return True
+
+    def param_sizes(self, function: int) -> list[int] | None:
+        """Byte size of each parameter of a loaded kernel (None where the driver cannot say: before CUDA 12.4)."""
+        info = getattr(self._lib, "cuFuncGetParamInfo", None)
+        if info is None:
+            return None
+        info.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.POINTER(ctypes.c_size_t),
+            ctypes.POINTER(ctypes.c_size_t),
+        ]
+        info.restype = ctypes.c_int
+        offset, size, sizes = ctypes.c_size_t(), ctypes.c_size_t(), []
+        while info(function, len(sizes), ctypes.byref(offset), ctypes.byref(size)) == 0:
+            sizes.append(size.value)
+        return sizes
+
+    def current_context(self) -> int:
+        handle = ctypes.c_void_p()
+        self._get_ctx(ctypes.byref(handle))
+        return int(handle.value or 0)
+
+    def use_context(self, context: int) -> int:
+        """Make `context` current on this thread if it is not; return the one to restore afterwards."""
+        previous = self.current_context()
+        if previous != context:
+            self._set_ctx(context)
+        return previous
+
+    def restore_context(self, context: int, previous: int) -> None:
+        if previous != context:
+            self._set_ctx(previous or None)
+
+
+@cache
+def driver() -> Driver:
+    """The process's driver bindings (loads libcuda.so.1, which torch has already loaded)."""
+    return Driver(ctypes.CDLL("libcuda.so.1"))
