@@ -61,7 +61,7 @@ def main() -> None:
         "driver: event record (ctypes)": lambda: drv.record(raw_event, raw_stream),
         "driver: stream wait (ctypes)": lambda: drv.wait(raw_stream, raw_event, 0),
         "driver: 4 KiB D2H memcpy enqueue": lambda: drv.dtoh(host4k.data_ptr(), staging.data_ptr(), 4096, raw_stream),
-        "driver: context check": lambda: drv.use_context(context),
+        "driver: context check": lambda: drv.current_context() == context,
         "current raw stream": lambda: torch._C._cuda_getCurrentRawStream(0),
         "check_request": lambda: check_request(geom, objs, ids, Direction.D2H, 256, 0),
         "torch.cuda.stream ctx": lambda: _ctx(torch.cuda.stream(s)),

@@ -11,7 +11,9 @@ Every call returns a CUresult; anything but success raises `CudaError` naming th
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
@@ -96,16 +98,17 @@ class Driver:
         self._get_ctx(ctypes.byref(handle))
         return int(handle.value or 0)
 
-    def use_context(self, context: int) -> int:
-        """Make `context` current on this thread if it is not; return the one to restore afterwards."""
+    @contextlib.contextmanager
+    def current(self, context: int) -> Iterator[None]:
+        """Make `context` current on this thread for the block (if it is not already), then restore the old one."""
         previous = self.current_context()
         if previous != context:
             self._set_ctx(context)
-        return previous
-
-    def restore_context(self, context: int, previous: int) -> None:
-        if previous != context:
-            self._set_ctx(previous or None)
+        try:
+            yield
+        finally:
+            if previous != context:
+                self._set_ctx(previous or None)
 
 
 @cache

@@ -128,6 +128,11 @@ class TritonPlan:
     stripes: tuple[_StripeArgs, ...]
     compiled: dict[tuple, Any] = field(default_factory=dict)  # launch shape -> compiled kernel
 
+    @property
+    def obj_row(self) -> int:
+        """Words per token in one object row."""
+        return self.width * self.element_size // self.word
+
 
 def _word_size(geom: KVGeometry) -> int:
     es = geom.element_size
@@ -226,7 +231,7 @@ def launch(
         launch_raw(plan, stream, obj_base.data_ptr(), off, off + table.stride(0) * 8, block_ids.data_ptr(),
                    to_objects, chunk_size, row0, n_rows, rows, obj_shift)  # fmt: skip
         return
-    obj_row = plan.width * plan.element_size // plan.word
+    obj_row = plan.obj_row
     for s in plan.stripes:
         e0, e1 = _entries(s, rows)
         if e1 == e0:
@@ -321,7 +326,7 @@ def _compile(plan: TritonPlan, s: _StripeArgs, obj_ptr: int, to_objects: bool) -
     # tables only 8-byte aligned (they are unspecialised; this keeps any Triton that still looks safe).
     obj = torch.empty(32, dtype=torch.uint8, device=device)[0 if obj_ptr % 16 == 0 else plan.word :]
     table = torch.zeros(5, dtype=torch.int64, device=device)[1:]
-    obj_row = plan.width * plan.element_size // plan.word
+    obj_row = plan.obj_row
     head = (s.base.data_ptr(), s.eng_off.data_ptr(), s.ent_row.data_ptr(), obj_row, s.w_offset, s.block_stride,
             s.token_stride, *s.strides)  # fmt: skip
     with torch.cuda.device(device):

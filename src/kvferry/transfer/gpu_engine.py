@@ -50,27 +50,18 @@ class _Completion:
 
     def query(self) -> bool:
         d = self._driver
-        previous = d.use_context(self.context)
-        try:
+        with d.current(self.context):
             return d.query(self.event)
-        finally:
-            d.restore_context(self.context, previous)
 
     def synchronize(self) -> None:
         d = self._driver
-        previous = d.use_context(self.context)
-        try:
+        with d.current(self.context):
             d.synchronize(self.event)  # ctypes lets go of the GIL while it blocks
-        finally:
-            d.restore_context(self.context, previous)
 
     def order(self, stream: int) -> None:
         d = self._driver
-        previous = d.use_context(self.context)
-        try:
+        with d.current(self.context):
             d.wait(stream, self.event, 0)
-        finally:
-            d.restore_context(self.context, previous)
 
     def __del__(self) -> None:
         if getattr(self, "event", None):  # None if __init__ failed
@@ -233,24 +224,21 @@ class TransferEngine:
                     raise ValueError(f"objects[{i}] is not {plan.word}-byte aligned (allocate from kvferry's pool)")
         d = self._driver
         caller = torch._C._cuda_getCurrentRawStream(self.device.index)
-        previous = d.use_context(self._context)
-        try:
-            with lane.lock:  # the GPU work first: bookkeeping after it costs no latency
-                end = caller
-                keep: object = None
-                if nbytes and mode == "zero_copy":
-                    keep, end = self._zero_copy(lane, caller, plan, ptrs, caps, ids, to_objects, chunk_size,
-                                                skip_prefix_blocks)  # fmt: skip
-                elif nbytes:
-                    rows = objects[0].shape[0] * objects[0].shape[1]
-                    keep, end = self._staged(lane, caller, plan, objects, ptrs, caps, ids, rows, to_objects,
-                                             chunk_size, skip_prefix_blocks)  # fmt: skip
-                done = _Completion(d, self._context)
-                d.record(done.event, end)
-                lane.retire()
-                lane.inflight.append((done, (objects, keep)))
-        finally:
-            d.restore_context(self._context, previous)
+        # the GPU work first: bookkeeping after it costs no latency
+        with d.current(self._context), lane.lock:
+            end = caller
+            keep: object = None
+            if nbytes and mode == "zero_copy":
+                keep, end = self._zero_copy(lane, caller, plan, ptrs, caps, ids, to_objects, chunk_size,
+                                            skip_prefix_blocks)  # fmt: skip
+            elif nbytes:
+                rows = objects[0].shape[0] * objects[0].shape[1]
+                keep, end = self._staged(lane, caller, plan, objects, ptrs, caps, ids, rows, to_objects,
+                                         chunk_size, skip_prefix_blocks)  # fmt: skip
+            done = _Completion(d, self._context)
+            d.record(done.event, end)
+            lane.retire()
+            lane.inflight.append((done, (objects, keep)))
         return TransferHandle(done, nbytes, mode)
 
     def _after(self, lane: _Lane, caller: int) -> None:
