@@ -110,7 +110,7 @@ def gemm_tflops(during=None, seconds: float = 1.0) -> tuple[float, float]:  # ty
     torch.cuda.synchronize()
     moved = 0
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    iters = 40
+    iters = max(40, int(seconds / 1.6e-3))  # one 8192^3 GEMM takes ~1.6 ms on an H200
     start.record()
     for _ in range(iters):
         a @ b
@@ -242,27 +242,45 @@ def main() -> int:
             events_ms(both, reps),
             events_ms(two_memcpy, reps),
         )
-    # 5. GEMM interference
-    alone, _ = gemm_tflops() if "gemm" in sections else (0.0, 0.0)
-    # staged with the default grid (two programs per SM) and with small fixed grids: fewer SMs taken from the model
-    variants = [("staged", None), ("staged", 32), ("staged", 16), ("zero_copy", None)]
-    for mode, programs in variants if "gemm" in sections else ():
-        eng = TransferEngine("cuda", EngineConfig(programs=programs))
-        label = f"{mode}{'' if programs is None else f' {programs} programs'}"
+    # 5. GEMM interference. The GEMM's own speed drifts with the card's power/thermal state (the first second of
+    # GEMMs ran 12% faster than the next, measured): warm it up, and compare each run beside a transfer with the mean
+    # of runs alone just before and after it. Control: a plain pinned memcpy loop (the copy engine, no kernel).
+    if "gemm" in sections:
+        gemm_tflops(seconds=3.0)
+        dev = torch.empty(s.nbytes, dtype=torch.uint8, device="cuda")
+        host = torch.empty(s.nbytes, dtype=torch.uint8, pin_memory=True)
+
+        def plain(to_host: bool) -> int:
+            host.copy_(dev, non_blocking=True) if to_host else dev.copy_(host, non_blocking=True)
+            torch.cuda.current_stream().synchronize()
+            return s.nbytes
+
+        variants: list[tuple[str, Direction, object]] = []
         for d in (Direction.D2H, Direction.H2D):
+            variants.append(("plain memcpy (control)", d, lambda d=d: plain(d is Direction.D2H)))
+        grids = [("staged", None, 0), ("staged", 32, 0), ("staged", None, -1), ("staged", 32, -1), ("staged", 16, -1)]
+        for mode, programs, priority in [*grids, ("zero_copy", None, 0)]:
+            eng = TransferEngine("cuda", EngineConfig(programs=programs, kernel_priority=priority))
+            label = f"{mode}{'' if programs is None else f' {programs} programs'}{' high priority' * (priority < 0)}"
+            for d in (Direction.D2H, Direction.H2D):
 
-            def loop(d=d, mode=mode, eng=eng) -> int:  # type: ignore[no-untyped-def]
-                s.run(d, eng, mode)
-                return s.nbytes
+                def loop(d=d, mode=mode, eng=eng) -> int:  # type: ignore[no-untyped-def]
+                    s.run(d, eng, mode)
+                    return s.nbytes
 
-            tf, gbps = gemm_tflops(loop)
+                variants.append((label, d, loop))
+        for label, d, during in variants:
+            before, _ = gemm_tflops()
+            tf, gbps = gemm_tflops(during)
+            after, _ = gemm_tflops()
+            alone = (before + after) / 2
             rows.append(
                 dict(section="gemm", what=f"{label} {d.name}", gemm_tflops=tf, gemm_alone=alone,
-                     gemm_kept=tf / alone, gbps=gbps)
+                     gemm_alone_before=before, gemm_alone_after=after, gemm_kept=tf / alone, gbps=gbps)
             )  # fmt: skip
             print(
-                f"gemm       {label} {d.name}: GEMM {tf:.0f} TFLOP/s of {alone:.0f} alone ({tf / alone:.3f}); "
-                f"transfer {gbps:.1f} GB/s",
+                f"gemm       {label} {d.name}: GEMM {tf:.0f} TFLOP/s of {alone:.0f} alone ({before:.0f} before, "
+                f"{after:.0f} after): kept {tf / alone:.3f}; transfer {gbps:.1f} GB/s",
                 flush=True,
             )
     # 6. crossover: qwen chunks, staged vs zero-copy wall time

@@ -121,6 +121,7 @@ def main() -> None:
             h.wait()
             wall.append((time.perf_counter() - t) * 1e6)
         print(f"qwen 32 chunks {mode}: CPU per call {sorted(enq)[10]:.0f} us, wall {sorted(wall)[10]:.0f} us")
+    stages(big, bobjs, bids, fmt, bgeom, engine)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(100):
@@ -130,6 +131,63 @@ def main() -> None:
     prof.disable()
     torch.cuda.synchronize()
     pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+
+
+def stages(paged, objs, ids, fmt, geom, engine) -> None:  # type: ignore[no-untyped-def]
+    """Wall-clock stopwatch through one transfer_async call (no profiler): when each stage ends, from the call."""
+    import importlib
+
+    api = importlib.import_module("kvferry.transfer.api")  # `kvferry.transfer` is also the function's name
+    gpu_engine = importlib.import_module("kvferry.transfer.gpu_engine")
+
+    marks: list[tuple[str, float]] = []
+
+    def timed(module, name: str) -> None:  # type: ignore[no-untyped-def]
+        fn = getattr(module, name)
+
+        def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+            out = fn(*args, **kwargs)
+            marks.append((name, time.perf_counter()))
+            return out
+
+        setattr(module, name, wrapper)
+
+    for module, name in ((api, "check_request"), (api, "_backend"), (triton_copy, "launch_raw")):
+        timed(module, name)
+    orig_upload = gpu_engine._Lane.upload
+
+    def upload(self, *args):  # type: ignore[no-untyped-def]
+        out = orig_upload(self, *args)
+        marks.append(("upload", time.perf_counter()))
+        return out
+
+    gpu_engine._Lane.upload = upload  # type: ignore[method-assign]
+    orig_submit = gpu_engine.TransferEngine.submit
+
+    def submit(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        marks.append(("submit starts", time.perf_counter()))
+        return orig_submit(self, *args, **kwargs)
+
+    gpu_engine.TransferEngine.submit = submit  # type: ignore[method-assign]
+    for direction in (Direction.D2H, Direction.H2D):
+        runs: dict[str, list[float]] = {}
+        for _ in range(60):
+            marks.clear()
+            t0 = time.perf_counter()
+            h = kvferry.transfer_async(paged, objs, ids, direction, fmt, geometry=geom, engine=engine, mode="staged")
+            marks.append(("return", time.perf_counter()))
+            h.wait()
+            marks.append(("done", time.perf_counter()))
+            seen: dict[str, int] = {}
+            for name, t in marks:
+                seen[name] = seen.get(name, 0) + 1
+                runs.setdefault(f"{name}#{seen[name]}", []).append((t - t0) * 1e6)
+        order = sorted(runs, key=lambda k: sorted(runs[k])[len(runs[k]) // 2])
+        print(f"stages of transfer_async, llama one chunk, {direction.name} (median us from the call):", flush=True)
+        for key in order:
+            print(f"    {key:18s} {sorted(runs[key])[len(runs[key]) // 2]:8.1f}", flush=True)
+    gpu_engine._Lane.upload = orig_upload  # type: ignore[method-assign]
+    gpu_engine.TransferEngine.submit = orig_submit  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":

@@ -299,3 +299,42 @@ def test_threads_share_the_pool_safely() -> None:
     assert not errors, errors
     assert pool.used_bytes == pool.requested_bytes == pool.num_allocations == 0
     assert pool.largest_free_bytes == pool.capacity_bytes and pool.num_free_extents == 1
+
+
+def test_alloc_many_gives_one_run_of_separate_allocations() -> None:
+    pool = HostPool(MIB)
+    generator = torch.Generator().manual_seed(3)
+    objects = pool.try_alloc_many((3, 100), torch.bfloat16, 5)  # 600 bytes each: 4 KiB apart
+    assert [pool.offset_of(o) for o in objects] == [k * 4096 for k in range(5)]
+    assert all(o.shape == (3, 100) and o.dtype == torch.bfloat16 and o.is_contiguous() for o in objects)
+    assert pool.requested_bytes == 5 * 600 and pool.used_bytes == 5 * 4096 and pool.num_allocations == 5
+    written = [random_fill(o, generator) for o in objects]
+    for o, w in zip(objects, written, strict=True):  # disjoint: no object overwrote another
+        assert torch.equal(o.view(-1).view(torch.uint8), w)
+    pool.free(objects[2])  # each is its own allocation
+    assert pool.used_bytes == 4 * 4096 and pool.try_alloc((4096,), torch.uint8) is not None
+
+
+def test_alloc_many_falls_back_to_single_extents_and_stops_when_full() -> None:
+    pool = HostPool(8 * 4096)
+    blocks = [pool.alloc((4096,), torch.uint8) for _ in range(8)]
+    for index in (1, 3, 4, 6):  # free space: 1, 3-4, 6 (no run of 4)
+        pool.free(blocks[index])
+    got = pool.try_alloc_many((4096,), torch.uint8, 6)
+    assert sorted(pool.offset_of(o) for o in got) == [4096, 3 * 4096, 4 * 4096, 6 * 4096]
+    assert pool.free_bytes == 0 and pool.num_allocations == 8
+    assert pool.try_alloc_many((4096,), torch.uint8, 3) == []
+    assert pool.try_alloc_many((4096,), torch.uint8, 0) == []
+
+
+def test_alloc_many_failed_views_give_every_reservation_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = HostPool(MIB)
+
+    def broken(*args: object) -> torch.Tensor:
+        raise RuntimeError("unbind failed")
+
+    monkeypatch.setattr(torch.Tensor, "unbind", broken)
+    with pytest.raises(RuntimeError, match="unbind failed"):
+        pool.try_alloc_many((10,), torch.uint8, 4)
+    assert pool.used_bytes == pool.requested_bytes == pool.num_allocations == 0
+    assert pool.largest_free_bytes == pool.capacity_bytes and pool.num_free_extents == 1

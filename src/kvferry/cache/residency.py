@@ -140,12 +140,16 @@ class Residency:
                 self.expire_locks_locked()
                 missing = sum(1 for key in keys[start:] if key not in self.index)
                 to_spill = self._make_room_locked(missing * nbytes)
+                # All at once while they fit (one pool call); one by one, evicting more, after that.
+                fresh = iter(self.pool.try_alloc_many(shape, dtype, missing))
                 blocked = False
                 for i in range(start, len(keys)):
                     if keys[i] in self.index:
                         self.policy.touch(keys[i])
                     else:
-                        obj = self._alloc_locked(shape, dtype, nbytes, to_spill)
+                        obj = next(fresh, None)
+                        if obj is None:
+                            obj = self._alloc_locked(shape, dtype, nbytes, to_spill)
                         if obj is None:
                             blocked = True
                             break

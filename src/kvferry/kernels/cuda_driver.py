@@ -11,9 +11,7 @@ Every call returns a CUresult; anything but success raises `CudaError` naming th
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
@@ -98,17 +96,28 @@ class Driver:
         self._get_ctx(ctypes.byref(handle))
         return int(handle.value or 0)
 
-    @contextlib.contextmanager
-    def current(self, context: int) -> Iterator[None]:
-        """Make `context` current on this thread for the block (if it is not already), then restore the old one."""
-        previous = self.current_context()
-        if previous != context:
-            self._set_ctx(context)
-        try:
-            yield
-        finally:
-            if previous != context:
-                self._set_ctx(previous or None)
+    def current(self, context: int) -> _Current:
+        """`with driver.current(ctx):` makes `ctx` current on this thread for the block (if it is not already),
+        then restores the old one. (A class, not a generator: it runs several times per request.)"""
+        return _Current(self, context)
+
+
+class _Current:
+    __slots__ = ("_context", "_driver", "_previous")
+
+    def __init__(self, drv: Driver, context: int) -> None:
+        self._driver = drv
+        self._context = context
+        self._previous = context
+
+    def __enter__(self) -> None:
+        self._previous = self._driver.current_context()
+        if self._previous != self._context:
+            self._driver._set_ctx(self._context)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous != self._context:
+            self._driver._set_ctx(self._previous or None)
 
 
 @cache

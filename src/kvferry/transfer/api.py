@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from kvferry.formats import EngineKVFormat, KVGeometry, describe
+from kvferry.memory.host_pool import in_pinned_pool
 
 if TYPE_CHECKING:
     from kvferry.transfer.gpu_engine import TransferEngine, TransferHandle
@@ -162,8 +163,10 @@ def check_request(
         if copied.min() < 0 or copied.max() >= geom.nb:
             bad = int(np.flatnonzero((copied < 0) | (copied >= geom.nb))[0]) + skip_prefix_blocks
             raise ValueError(f"block_ids[{bad}]={int(ids[bad])} is outside the pool of {geom.nb} blocks")
-        if direction is Direction.H2D and len(np.unique(copied)) != len(copied):
-            raise ValueError("block_ids repeats a block: a retrieve would write one block from two places")
+        if direction is Direction.H2D and len(copied) > 1:
+            ordered = np.sort(copied)  # a repeat sits next to itself once sorted (np.unique costs twice this)
+            if (ordered[1:] == ordered[:-1]).any():
+                raise ValueError("block_ids repeats a block: a retrieve would write one block from two places")
     return torch.from_numpy(ids)
 
 
@@ -182,7 +185,9 @@ def _as_id_array(block_ids: Sequence[int] | torch.Tensor) -> np.ndarray:
             raise TypeError(f"block_ids must hold integers, got dtype {block_ids.dtype}")
         if block_ids.dim() != 1:
             raise ValueError(f"block_ids must be 1-D, got shape {tuple(block_ids.shape)}")
-        return block_ids.to(device="cpu", dtype=torch.int64).numpy().copy()
+        if block_ids.dtype != torch.int64 or block_ids.device.type != "cpu":
+            block_ids = block_ids.to(device="cpu", dtype=torch.int64)
+        return block_ids.numpy().copy()  # a private copy: what was validated is what moves
     try:
         ids = np.asarray(block_ids, dtype=np.int64)
     except (TypeError, ValueError, OverflowError) as exc:
@@ -220,7 +225,7 @@ def _backend(backend: str, geom: KVGeometry, objects: list[torch.Tensor]) -> str
             if o.device.type != "cpu":
                 continue
             storage = o.untyped_storage().data_ptr()
-            if storage not in checked and not o.is_pinned():
+            if storage not in checked and not in_pinned_pool(storage) and not o.is_pinned():
                 raise ValueError(f"objects[{i}] is pageable host memory; a GPU kernel needs pinned or device memory")
             checked.add(storage)
     elif backend == "triton" and devices != {geom.device}:

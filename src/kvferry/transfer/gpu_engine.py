@@ -23,6 +23,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -103,9 +104,9 @@ class _Lane:
     META_SLOTS = 32
     META_INTS = 1 << 14
 
-    def __init__(self, drv: Driver, device: torch.device, slots: int, slot_bytes: int) -> None:
+    def __init__(self, drv: Driver, device: torch.device, slots: int, slot_bytes: int, priority: int) -> None:
         self._driver = drv
-        self.kernel_stream = torch.cuda.Stream(device)
+        self.kernel_stream = torch.cuda.Stream(device, priority=priority)
         self.copy_stream = torch.cuda.Stream(device)
         self.ks = self.kernel_stream.cuda_stream
         self.cs = self.copy_stream.cuda_stream
@@ -173,6 +174,32 @@ class EngineConfig:
     zero_copy_below: int = 4 * MiB  # requests smaller than this run zero-copy (see docs/gpu_data_path.md)
     mode: str = "auto"  # "auto" | "staged" | "zero_copy"
     programs: int | None = None  # programs per staged gather/scatter launch (default: two per SM)
+    # CUDA stream priority of the gathers/scatters (lower = higher). High: behind a queue of the model's GEMMs a
+    # normal-priority gather waits for free SMs and the transfer stalls (0.4 GB/s measured); at high priority it
+    # moves 36 GB/s and the GEMM keeps 99% (docs/gpu_data_path.md, "GEMM").
+    kernel_priority: int = -1
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One slice of a staged request, resolved: its slot, the kernel's token range/row range/staging shift, and
+    its DMA parts (object index, byte offset in the object, bytes, staging address)."""
+
+    slot: int
+    row0: int
+    n_rows: int
+    rows: tuple[int, int] | None
+    shift: int
+    parts: tuple[tuple[int, int, int, int], ...]
+
+
+@dataclass(frozen=True)
+class _Schedule:
+    first: int  # first object not skipped entirely
+    head_rows: int  # a store's partly skipped first object: its skipped token count (it goes zero-copy); else 0
+    tables: np.ndarray  # staging word offset and capacity of every object, then the head object's [0, cap]
+    steps: tuple[_Step, ...]
+    next_slot: int  # the ring's next slot after this request
 
 
 @dataclass(frozen=True)
@@ -195,9 +222,11 @@ class TransferEngine:
             raise ValueError(f"mode={self.config.mode!r} must be 'auto', 'staged' or 'zero_copy'")
         self._driver = driver()
         with torch.cuda.device(self.device):
-            self._store = _Lane(self._driver, self.device, self.config.slots, self.config.slot_bytes)
-            self._retrieve = _Lane(self._driver, self.device, self.config.slots, self.config.slot_bytes)
+            lane = (self._driver, self.device, self.config.slots, self.config.slot_bytes, self.config.kernel_priority)
+            self._store = _Lane(*lane)
+            self._retrieve = _Lane(*lane)
             self._context = self._driver.current_context()  # the primary context, which torch made current
+        self._schedules: dict[tuple[object, ...], _Schedule] = {}  # staged request shapes seen (a small cache)
 
     def submit(
         self,
@@ -283,7 +312,58 @@ class TransferEngine:
         chunk_size: int,
         skip: int,
     ) -> tuple[object, int]:
-        d = self._driver
+        key = (tuple(caps), skip, rows, chunk_size, plan.bs, plan.bytes_per_token, plan.word, to_objects,
+               lane.next_slot)  # fmt: skip
+        sched = self._schedules.get(key)
+        if sched is None:
+            if len(self._schedules) >= 256:
+                self._schedules.clear()
+            sched = self._schedules[key] = self._schedule(lane, plan, caps, rows, to_objects, chunk_size, skip)
+        lane.next_slot = sched.next_slot
+        n_ids = len(ids)
+        meta, keep = lane.upload([ids, sched.tables], n_ids + len(sched.tables))
+        self._after(lane, caller)
+        off, cap = meta + n_ids * 8, meta + (n_ids + len(caps)) * 8
+        d, ks, cs = self._driver, lane.ks, lane.cs
+        launch_raw, wait, record = triton_copy.launch_raw, d.wait, d.record
+        if sched.head_rows:
+            first, head_rows = sched.first, sched.head_rows
+            tail = meta + (n_ids + 2 * len(caps)) * 8  # the [0, cap] table of the head object alone
+            launch_raw(plan, ks, ptrs[first], tail, tail + 8, meta + first * (chunk_size // plan.bs) * 8, True,
+                       chunk_size, head_rows, caps[first] - head_rows)  # fmt: skip
+        staging, programs = lane.staging_ptr, self.config.programs
+        for step in sched.steps:
+            slot_free, slot_ready = lane.slot_free[step.slot], lane.slot_ready[step.slot]
+            if to_objects:
+                wait(ks, slot_free, 0)
+                launch_raw(plan, ks, staging, off, cap, meta, True, chunk_size, step.row0, step.n_rows, step.rows,
+                           step.shift, programs)  # fmt: skip
+                record(slot_ready, ks)
+                wait(cs, slot_ready, 0)
+                self._dma(objects, step, ptrs, cs, d.dtoh, True)
+                record(slot_free, cs)
+            else:
+                wait(cs, slot_free, 0)
+                self._dma(objects, step, ptrs, cs, d.htod, False)
+                record(slot_ready, cs)
+                wait(ks, slot_ready, 0)
+                launch_raw(plan, ks, staging, off, cap, meta, False, chunk_size, step.row0, step.n_rows, step.rows,
+                           step.shift, programs)  # fmt: skip
+                record(slot_free, ks)
+        # A store ends on the copy stream, unless it was all head (then the kernel stream holds everything).
+        return keep, (cs if to_objects and sched.steps else ks)
+
+    def _schedule(
+        self,
+        lane: _Lane,
+        plan: triton_copy.TritonPlan,
+        caps: list[int],
+        rows: int,
+        to_objects: bool,
+        chunk_size: int,
+        skip: int,
+    ) -> _Schedule:
+        """The part of a staged request that depends only on its shape (cached): slices, slots, staging offsets."""
         bs, word = plan.bs, plan.word
         per_object = chunk_size // bs
         sizes = [c * plan.bytes_per_token for c in caps]
@@ -292,113 +372,82 @@ class TransferEngine:
         head = to_objects and skip % per_object != 0
         slices = self._slices(sizes, first + head, rows, lane.slot_bytes)
         n_slots = len(lane.slot_free)
-        slot_of = [(lane.next_slot + n) % n_slots for n in range(len(slices))]
-        lane.next_slot = (lane.next_slot + len(slices)) % n_slots
-        offsets = [0] * len(objects)  # word offsets in staging of whole-object slices (split ones use a shift)
-        for sl, slot in zip(slices, slot_of, strict=True):
-            if sl.rows is None:
-                cursor = slot * lane.slot_bytes
-                for o in sl.members:
-                    offsets[o] = cursor // word
-                    cursor += sizes[o]
-        n_ids, n_obj = len(ids), len(objects)
-        meta, keep = lane.upload([ids, offsets, caps, [0, caps[first]]], n_ids + 2 * n_obj + 2)
-        self._after(lane, caller)
-        off, cap = meta + n_ids * 8, meta + (n_ids + n_obj) * 8
-        ks, cs = lane.ks, lane.cs
-        if head:
-            head_rows = skip % per_object * bs
-            tail = meta + (n_ids + 2 * n_obj) * 8  # the [0, cap] table of the head object alone
-            triton_copy.launch_raw(plan, ks, ptrs[first], tail, tail + 8, meta + first * per_object * 8, True,
-                                   chunk_size, head_rows, caps[first] - head_rows)  # fmt: skip
-        staging, programs = lane.staging_ptr, self.config.programs
-        for sl, slot in zip(slices, slot_of, strict=True):
+        offsets = [0] * len(caps)  # word offsets in staging of whole-object slices (split ones use a shift)
+        steps = []
+        for n, sl in enumerate(slices):
+            slot = (lane.next_slot + n) % n_slots
+            dev = lane.staging_ptr + slot * lane.slot_bytes
             o0 = sl.members[0]
             row0 = max(o0 * chunk_size, skip * bs)
             n_rows = o0 * chunk_size + sum(caps[o] for o in sl.members) - row0
-            shift = 0
-            if sl.rows is not None:  # rows r0..r1 of one object, placed at the start of the slot
+            if sl.rows is None:
+                parts = []
+                for o in sl.members:
+                    offsets[o] = (dev - lane.staging_ptr) // word
+                    parts.append((o, 0, sizes[o], dev))
+                    dev += sizes[o]
+                steps.append(_Step(slot, row0, n_rows, None, 0, tuple(parts)))
+            else:  # rows r0..r1 of one object, placed at the start of the slot
                 row_bytes = sizes[o0] // rows
                 shift = (slot * lane.slot_bytes - sl.rows[0] * row_bytes) // word
-            if to_objects:
-                d.wait(ks, lane.slot_free[slot], 0)
-                triton_copy.launch_raw(plan, ks, staging, off, cap, meta, True, chunk_size, row0, n_rows, sl.rows,
-                                       shift, programs)  # fmt: skip
-                d.record(lane.slot_ready[slot], ks)
-                d.wait(cs, lane.slot_ready[slot], 0)
-                self._dma(objects, sl, slot, lane, ptrs, sizes, rows, to_host=True)
-                d.record(lane.slot_free[slot], cs)
-            else:
-                d.wait(cs, lane.slot_free[slot], 0)
-                self._dma(objects, sl, slot, lane, ptrs, sizes, rows, to_host=False)
-                d.record(lane.slot_ready[slot], cs)
-                d.wait(ks, lane.slot_ready[slot], 0)
-                triton_copy.launch_raw(plan, ks, staging, off, cap, meta, False, chunk_size, row0, n_rows, sl.rows,
-                                       shift, programs)  # fmt: skip
-                d.record(lane.slot_free[slot], ks)
-        # A store ends on the copy stream, unless it was all head (then the kernel stream holds everything).
-        return keep, (cs if to_objects and slices else ks)
+                part = (o0, sl.rows[0] * row_bytes, (sl.rows[1] - sl.rows[0]) * row_bytes, dev)
+                steps.append(_Step(slot, row0, n_rows, sl.rows, shift, (part,)))
+        tables = np.asarray([*offsets, *caps, 0, caps[first] if first < len(caps) else 0], dtype=np.int64)
+        return _Schedule(
+            first=first,
+            head_rows=skip % per_object * bs if head else 0,
+            tables=tables,
+            steps=tuple(steps),
+            next_slot=(lane.next_slot + len(slices)) % n_slots,
+        )
 
     def _slices(self, sizes: list[int], first: int, rows: int, slot_bytes: int) -> list[_Slice]:
-        """Cut objects first.. into slices of about `slice_bytes`: consecutive whole objects, or row ranges."""
         # About a quarter of the request per slice, so even a one-chunk request overlaps its gather with its DMA;
         # at least 16 MiB: each slice costs a launch, a DMA set-up and two cross-stream waits on the critical path,
-        # while gathering 16 MiB takes ~10 us; at most half a slot.
+        # while gathering 16 MiB takes ~10 us; at most half a slot. (A small first slice for a store, or last for
+        # a retrieve, measured slower on one chunk: its extra launch costs more CPU than its gather saves.)
         total = sum(sizes[first:])
         target = self.config.slice_bytes or min(slot_bytes // 2, max(16 * MiB, total // 4))
-        slices: list[_Slice] = []
-        size = 0
-        for o in range(first, len(sizes)):
-            if sizes[o] > target:  # cut into row ranges; nothing joins them
-                row_bytes = sizes[o] // rows
-                step = max(1, target // row_bytes)
-                if step * row_bytes > slot_bytes:
-                    raise ValueError(
-                        f"one object row of {row_bytes} bytes does not fit a {slot_bytes}-byte staging slot: "
-                        "raise EngineConfig.slot_bytes or lower the chunk size"
-                    )
-                slices += [_Slice([o], (r, min(r + step, rows))) for r in range(0, rows, step)]
-                size = target
-            elif slices and slices[-1].rows is None and size + sizes[o] <= target:
-                slices[-1].members.append(o)
-                size += sizes[o]
-            else:
-                slices.append(_Slice([o]))
-                size = sizes[o]
-        return slices
+        return cut_slices(sizes, first, rows, slot_bytes, target)
 
-    def _dma(
-        self,
-        objects: list[torch.Tensor],
-        sl: _Slice,
-        slot: int,
-        lane: _Lane,
-        ptrs: list[int],
-        sizes: list[int],
-        rows: int,
-        to_host: bool,
-    ) -> None:
+    @staticmethod
+    def _dma(objects: list[torch.Tensor], step: _Step, ptrs: list[int], stream: int, copy: Any, to_host: bool) -> None:
         """Copy a slice between its slot and host memory: one copy per run of objects adjacent in host memory."""
-        copy = self._driver.dtoh if to_host else self._driver.htod
-        dev = lane.staging_ptr + slot * lane.slot_bytes
-        if sl.rows is not None:
-            o = sl.members[0]
+        parts = step.parts
+        o, offset, n, dev = parts[0]
+        host = ptrs[o] + offset
+        for o2, _, n2, _ in parts[1:]:
+            if host + n == ptrs[o2] and _same_storage(objects[o], objects[o2]):
+                n += n2  # one pinned allocation continues: extend the run
+                continue
+            copy(host, dev, n, stream) if to_host else copy(dev, host, n, stream)
+            host, dev, n = ptrs[o2], dev + n, n2
+        copy(host, dev, n, stream) if to_host else copy(dev, host, n, stream)
+
+
+def cut_slices(sizes: list[int], first: int, rows: int, slot_bytes: int, target: int) -> list[_Slice]:
+    """Cut objects `first..` (of `sizes` bytes, `rows` rows each) into slices of about `target` bytes: consecutive
+    whole objects, or row ranges of one object larger than the target."""
+    slices: list[_Slice] = []
+    size = 0
+    for o in range(first, len(sizes)):
+        if sizes[o] > target:  # cut into row ranges; nothing joins them
             row_bytes = sizes[o] // rows
-            host = ptrs[o] + sl.rows[0] * row_bytes
-            n = (sl.rows[1] - sl.rows[0]) * row_bytes
-            copy(host, dev, n, lane.cs) if to_host else copy(dev, host, n, lane.cs)
-            return
-        members = sl.members
-        start = members[0]
-        for k, o in enumerate(members):
-            nxt = members[k + 1] if k + 1 < len(members) else None
-            if nxt is not None and ptrs[o] + sizes[o] == ptrs[nxt] and _same_storage(objects[o], objects[nxt]):
-                continue  # one pinned allocation continues: extend the run
-            n = ptrs[o] + sizes[o] - ptrs[start]
-            copy(ptrs[start], dev, n, lane.cs) if to_host else copy(dev, ptrs[start], n, lane.cs)
-            dev += n
-            if nxt is not None:
-                start = nxt
+            if row_bytes > slot_bytes:
+                raise ValueError(
+                    f"one object row of {row_bytes} bytes does not fit a {slot_bytes}-byte staging slot: "
+                    "raise EngineConfig.slot_bytes or lower the chunk size"
+                )
+            step = max(1, target // row_bytes)
+            slices += [_Slice([o], (r, min(r + step, rows))) for r in range(0, rows, step)]
+            size = target
+        elif slices and slices[-1].rows is None and size + sizes[o] <= target:
+            slices[-1].members.append(o)
+            size += sizes[o]
+        else:
+            slices.append(_Slice([o]))
+            size = sizes[o]
+    return slices
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
