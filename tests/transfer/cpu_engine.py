@@ -1,0 +1,119 @@
+"""The GPU transfer engine on CPU memory: a driver whose copies are `memmove`s executed at once, staging and the
+metadata ring in CPU tensors, and kernel launches mapped back to tensors and run in Triton's interpreter.
+
+Used by `test_engine_on_cpu.py` (correctness of the engine's own logic in CI, which has no GPU) and by
+`benchmarks/submit_cpu_cost.py` (the enqueue's Python cost, with `copies=False`). Enqueue order is a valid order for
+every stream dependency the engine records, so running each call at once is faithful; both lanes share one staging
+buffer and ring, which is safe because nothing is ever in flight.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections import deque
+from typing import Any
+
+import torch
+
+from kvferry.kernels import triton_copy
+from kvferry.memory import HostPool
+from kvferry.transfer import gpu_engine
+from tests.conftest import poisoned
+
+
+class CopyingDriver:
+    """Driver calls on CPU memory: copies happen now; events are always complete; waits and records do nothing."""
+
+    def __init__(self, copies: bool = True) -> None:
+        self.copies = copies  # False: copies are skipped (to time the Python around them)
+
+    def dtoh(self, host: int, dev: int, n: int, stream: int) -> None:
+        if self.copies:
+            ctypes.memmove(host, dev, n)
+
+    def htod(self, dev: int, host: int, n: int, stream: int) -> None:
+        if self.copies:
+            ctypes.memmove(dev, host, n)
+
+    def record(self, event: int, stream: int) -> None:
+        pass
+
+    def wait(self, stream: int, event: int, flags: int) -> None:
+        pass
+
+    def query(self, event: int) -> bool:
+        return True
+
+    def synchronize(self, event: int) -> None:
+        pass
+
+    def current(self, context: int) -> Any:
+        return _NoContext()
+
+
+class _NoContext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class World:
+    """CPU stand-ins for device memory, and a launch_raw that maps raw addresses back to tensors."""
+
+    def __init__(self, pool: HostPool, slot_bytes: int, slots: int = 2) -> None:
+        self.staging = poisoned((slots * slot_bytes,), torch.uint8)
+        self.meta = torch.zeros((gpu_engine._Lane.META_SLOTS, gpu_engine._Lane.META_INTS), dtype=torch.int64)
+        self.pool = pool
+        self.launches = 0
+
+    def tensor_at(self, ptr: int) -> torch.Tensor:
+        """A uint8 view starting at `ptr`, in staging or in the pool's slab."""
+        for base in (self.staging, self.pool.slab):
+            offset = ptr - base.data_ptr()
+            if 0 <= offset < base.numel():
+                return base[offset:]
+        raise AssertionError(f"kernel launched on an address outside staging and the pool: {ptr:#x}")
+
+    def ints_at(self, ptr: int) -> torch.Tensor:
+        flat = self.meta.view(-1)
+        offset = ptr - flat.data_ptr()
+        assert 0 <= offset < flat.numel() * 8 and offset % 8 == 0, "a table outside the metadata ring"
+        return flat[offset // 8 :]
+
+    def launch_raw(self, plan, stream, obj_ptr, off_ptr, cap_ptr, ids_ptr, to_objects, chunk, row0, n_rows,
+                   rows=None, obj_shift=0, programs=None) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+        self.launches += 1
+        table = [self.ints_at(off_ptr), self.ints_at(cap_ptr)]
+        triton_copy.launch(plan, self.tensor_at(obj_ptr), table, self.ints_at(ids_ptr), to_objects, chunk, row0,
+                           n_rows, rows, obj_shift)  # fmt: skip
+
+
+def _lane(drv: CopyingDriver, world: World, slot_bytes: int, slots: int) -> gpu_engine._Lane:
+    lane = gpu_engine._Lane.__new__(gpu_engine._Lane)
+    lane.__dict__.update(
+        _driver=drv, ks=1, cs=2, slot_bytes=slot_bytes, staging=world.staging, staging_ptr=world.staging.data_ptr(),
+        slot_free=list(range(slots)), slot_ready=list(range(slots)), start=0, next_slot=0,
+        meta_host=torch.zeros_like(world.meta), meta_dev=world.meta, meta_uploaded=[0] * world.meta.shape[0],
+        next_meta=0, lock=threading.Lock(), inflight=deque(),
+    )  # fmt: skip
+    lane.meta_host_np = lane.meta_host.numpy()
+    return lane
+
+
+def completion_init(self: Any, drv: Any, context: int) -> None:
+    self._driver, self.context, self._pool, self.event = drv, context, [], 0
+
+
+def engine_on(world: World, driver: CopyingDriver, config: gpu_engine.EngineConfig) -> gpu_engine.TransferEngine:
+    """A TransferEngine over `world`'s memory. The caller patches `torch._C._cuda_getCurrentRawStream`,
+    `triton_copy.launch_raw` (to `world.launch_raw`) and `_Completion.__init__`/`__del__` (see `completion_init`)."""
+    slot_bytes = world.staging.numel() // 2
+    engine = gpu_engine.TransferEngine.__new__(gpu_engine.TransferEngine)
+    engine.__dict__.update(
+        device=torch.device("cuda", 0), config=config, _driver=driver, _store=_lane(driver, world, slot_bytes, 2),
+        _retrieve=_lane(driver, world, slot_bytes, 2), _context=0, _schedules={},
+    )  # fmt: skip
+    return engine

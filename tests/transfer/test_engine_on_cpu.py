@@ -1,0 +1,90 @@
+"""The GPU transfer engine's own logic, run on the CPU: `TransferEngine.submit` with a driver that copies bytes.
+
+CI has no GPU, but everything the staged pipeline decides is arithmetic: slices, slots, staging offsets, row ranges
+and shifts, DMA runs of adjacent objects, the head object a store writes zero-copy, the schedule cache, the ring
+turning over between requests (`cpu_engine.py` says how the GPU is stood in for). Tiny staging slots force row
+slices. The result must equal the reference backend byte for byte.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvferry
+from kvferry import Direction
+from kvferry.formats import EngineKVFormat, describe
+from kvferry.formats.synthetic import random_fill
+from kvferry.kernels import triton_copy
+from kvferry.memory import HostPool
+from kvferry.transfer import gpu_engine
+from tests.conftest import engine_bytes
+from tests.transfer.cpu_engine import CopyingDriver, World, completion_init, engine_on
+from tests.transfer.test_backends import _engine
+
+F = EngineKVFormat
+
+
+@pytest.fixture
+def cpu_engine(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """make(pool, slot_bytes, mode) -> (TransferEngine on CPU memory, its world)."""
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
+    monkeypatch.setattr(gpu_engine._Completion, "__init__", completion_init)
+    monkeypatch.setattr(gpu_engine._Completion, "__del__", lambda self: None)
+
+    def make(pool: HostPool, slot_bytes: int, mode: str = "staged"):  # type: ignore[no-untyped-def]
+        world = World(pool, slot_bytes)
+        monkeypatch.setattr(triton_copy, "launch_raw", world.launch_raw)
+        config = gpu_engine.EngineConfig(slot_bytes=slot_bytes, mode=mode)
+        return engine_on(world, CopyingDriver(), config), world
+
+    return make
+
+
+CASES = [  # (format, skip_prefix_blocks, spread objects in the pool)
+    (F.NL_X_TWO_NB_BS_NH_HS, 0, True),
+    (F.NL_X_TWO_NB_BS_NH_HS, 3, False),  # skip into the first object: a store writes its tail zero-copy
+    (F.NL_X_NB_BS_HS, 4, True),  # padded MLA, skip a whole object
+    (F.NL_X_NP_X_NB_BS_ONE_HS, 1, False),  # planes
+    (F.NL_X_NB_NH_BS_TWO_HS, 0, False),  # fused K/V: several stripes per object row
+    (F.NB_NL_TWO_BS_NH_HS, 5, True),
+]
+
+
+@pytest.mark.parametrize(("fmt", "skip", "spread"), CASES, ids=lambda c: getattr(c, "name", str(c)))
+@pytest.mark.parametrize("mode", ["row-slices", "whole-objects", "zero_copy"])
+def test_submit_equals_the_reference(cpu_engine, fmt: F, skip: int, spread: bool, mode: str) -> None:  # type: ignore[no-untyped-def]
+    chunk, bs = 16, 4
+    paged = _engine(fmt, torch.bfloat16, 3, False)
+    geom = describe(fmt, paged, block_size=bs)
+    plan = triton_copy.build_plan(geom)
+    shape = geom.object_shape(chunk)
+    pool = HostPool(1 << 20, alignment=256, pin=False)
+    row_bytes = chunk * geom.width * geom.element_size  # one object row: the smallest slice
+    slot_bytes = 2 * row_bytes if mode == "row-slices" else 1 << 16
+    engine, world = cpu_engine(pool, slot_bytes, "zero_copy" if mode == "zero_copy" else "staged")
+    ids = torch.randperm(11, generator=torch.Generator().manual_seed(4))[:10]  # 2 full objects + a half one
+    objs = []
+    for s in [shape, shape, (*shape[:2], 8, shape[3])]:
+        objs.append(pool.alloc(s, geom.dtype))
+        if spread:
+            pool.alloc((256,), torch.uint8)
+
+    for turn in range(3):  # the ring moves on between requests; later ones reuse the cached schedule
+        for o in objs:
+            o.view(torch.uint8).fill_(0xA5)
+        want = [o.clone() for o in objs]  # a skipped head keeps what the object held
+        engine.submit(plan, objs, ids, True, chunk, skip).wait()
+        kvferry.transfer(paged, want, ids, Direction.D2H, fmt, chunk, skip, backend="reference", block_size=bs)
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(objs, want, strict=True))
+
+        for o in objs:
+            random_fill(o)
+        got, expected = (_engine(fmt, torch.bfloat16, 7 + turn, False) for _ in range(2))
+        got_plan = triton_copy.build_plan(describe(fmt, got, block_size=bs))
+        engine.submit(got_plan, objs, ids, False, chunk, skip).wait()
+        kvferry.transfer(expected, objs, ids, Direction.H2D, fmt, chunk, skip, backend="reference", block_size=bs)
+        assert all(torch.equal(a, b) for a, b in zip(engine_bytes(got), engine_bytes(expected), strict=True))
+    assert world.launches > 0
+    if mode == "row-slices":  # every object was cut: more launches than objects and stripes
+        assert any(st.rows is not None for sched in engine._schedules.values() for st in sched.steps)
