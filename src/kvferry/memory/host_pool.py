@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import operator
 import threading
-import weakref
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
 from kvferry.memory.extent_allocator import ExtentAllocator
+from kvferry.transfer.pinned import register_pinned
 
 _MIN_ALIGNMENT = 64
 
@@ -84,10 +84,8 @@ class HostPool:
         self._is_pinned = bool(pin)
         self._slab = _aligned_slab(capacity_bytes, alignment, self._is_pinned)
         self._base_ptr = self._slab.data_ptr()
-        if self._is_pinned:  # known pinned while the pool lives (the slab lives at least as long)
-            storage = self._slab.untyped_storage()
-            _pinned_storages[storage.data_ptr()] = None
-            weakref.finalize(self, _pinned_storages.pop, storage.data_ptr(), None)
+        if self._is_pinned:  # the slab lives at least as long as the pool
+            register_pinned(self, self._slab.untyped_storage().data_ptr())
         # as_strided takes an absolute storage offset, and the slab may start past its storage's start (the
         # alignment padding). Both are multiples of the alignment (>= 64), hence of any dtype's itemsize.
         self._slab_storage_offset = self._slab.storage_offset()
@@ -314,15 +312,6 @@ class HostPool:
                 "(already freed, or a view that does not start where an allocation starts)"
             )
         return f"tensor (data_ptr={ptr:#x}) does not point into this pool's slab"
-
-
-_pinned_storages: dict[int, None] = {}  # storage addresses of live pinned pools' slabs
-
-
-def in_pinned_pool(storage_ptr: int) -> bool:
-    """True if ``storage_ptr`` is the storage of a live pinned ``HostPool``'s slab (so of every object carved
-    from it): the GPU path's pinned-memory check then needs no CUDA query (~5-15 us per call otherwise)."""
-    return storage_ptr in _pinned_storages
 
 
 def _is_int(value: object) -> bool:

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from kvferry.formats import EngineKVFormat, KVGeometry, describe
-from kvferry.memory.host_pool import in_pinned_pool
+from kvferry.transfer.pinned import is_known_pinned
 
 if TYPE_CHECKING:
     from kvferry.transfer.gpu_engine import TransferEngine, TransferHandle
@@ -225,7 +225,7 @@ def _backend(backend: str, geom: KVGeometry, objects: list[torch.Tensor]) -> str
             if o.device.type != "cpu":
                 continue
             storage = o.untyped_storage().data_ptr()
-            if storage not in checked and not in_pinned_pool(storage) and not o.is_pinned():
+            if storage not in checked and not is_known_pinned(storage) and not o.is_pinned():
                 raise ValueError(f"objects[{i}] is pageable host memory; a GPU kernel needs pinned or device memory")
             checked.add(storage)
     elif backend == "triton" and devices != {geom.device}:
