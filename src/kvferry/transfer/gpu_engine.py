@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from kvferry.kernels import triton_copy
-from kvferry.kernels.cuda_driver import CudaError, Driver, driver
+from kvferry.kernels.cuda_driver import Driver, driver
 
 MiB = 1 << 20
 
@@ -160,7 +160,7 @@ class _Lane:
         try:
             for e in (*self.slot_free, *self.slot_ready, self.start, *self.meta_uploaded):
                 self._driver.destroy(e)
-        except (CudaError, AttributeError):  # shutting down, or __init__ failed half way
+        except Exception:  # a CudaError, __init__ failed half way, or interpreter exit (module globals gone)
             pass
 
 
