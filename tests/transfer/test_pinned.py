@@ -11,12 +11,13 @@ class _Owner:
     pass
 
 
-def test_registration_ends_with_its_owner() -> None:
+def test_a_range_is_known_while_its_owner_lives() -> None:
     owner = _Owner()
-    address = id(owner) << 4  # any address nobody else registers
-    assert not is_known_pinned(address)
-    register_pinned(owner, address)
-    assert is_known_pinned(address)
+    start = id(owner) << 20  # an address range nobody else registers
+    assert not is_known_pinned(start)
+    register_pinned(owner, start, 4096)
+    assert is_known_pinned(start) and is_known_pinned(start + 4095)
+    assert not is_known_pinned(start - 1) and not is_known_pinned(start + 4096)
     del owner
     gc.collect()
-    assert not is_known_pinned(address)
+    assert not is_known_pinned(start)

@@ -67,6 +67,8 @@ def _stripe_copy_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_W: tl.constexpr,
     TO_OBJECT: tl.constexpr,
+    FLAT: tl.constexpr,  # tiles are contiguous runs on both sides: copy them as flat vectors (see `_tiling`)
+    BLOCK_F: tl.constexpr,
 ):
     eng_p = eng.to(tl.pointer_type(WORD))
     obj_p = obj.to(tl.pointer_type(WORD))
@@ -80,25 +82,38 @@ def _stripe_copy_kernel(
         tile = item % tiles
         e_base = tl.load(eng_off + entry)
         row = tl.load(ent_row + entry)
-        g = row0 + tile * BLOCK_T + tl.arange(0, BLOCK_T)
-        t_mask = g < row0 + n_rows
-        o = g // chunk
-        block = tl.load(ids + g // BS, mask=t_mask, other=0)
-        o_base = tl.load(obj_off + o, mask=t_mask, other=0) + obj_shift
-        cap = tl.load(obj_cap + o, mask=t_mask, other=0)
-        o_tok = o_base + (row * cap + g % chunk) * obj_row + w_offset
-        e_tok = e_base + block * block_stride + (g % BS) * token_stride
-        for w0 in tl.static_range(0, WIDTH, BLOCK_W):
-            w = w0 + tl.arange(0, BLOCK_W)
-            w_mask = w < WIDTH
-            feat = (w // (F1 * F2)) * s0 + ((w // F2) % F1) * s1 + (w % F2) * s2
-            mask = t_mask[:, None] & w_mask[None, :]
-            e_ptr = eng_p + e_tok[:, None] + feat[None, :]
-            o_ptr = obj_p + o_tok[:, None] + w[None, :]
-            if TO_OBJECT:
-                tl.store(o_ptr, tl.load(e_ptr, mask=mask), mask=mask)
-            else:
-                tl.store(e_ptr, tl.load(o_ptr, mask=mask), mask=mask)
+        if FLAT:  # BLOCK_T tokens of one block and one object, whole rows, tokens contiguous on both sides
+            g0 = row0 + tile * BLOCK_T
+            o0 = g0 // chunk
+            o_run = tl.load(obj_off + o0) + obj_shift + (row * tl.load(obj_cap + o0) + g0 % chunk) * obj_row
+            e_run = e_base + tl.load(ids + g0 // BS) * block_stride + (g0 % BS) * token_stride
+            for f0 in tl.static_range(0, BLOCK_T * WIDTH, BLOCK_F):
+                f = f0 + tl.arange(0, BLOCK_F)
+                mask = (f < BLOCK_T * WIDTH) & (g0 + f // WIDTH < row0 + n_rows)
+                if TO_OBJECT:
+                    tl.store(obj_p + o_run + f, tl.load(eng_p + e_run + f, mask=mask), mask=mask)
+                else:
+                    tl.store(eng_p + e_run + f, tl.load(obj_p + o_run + f, mask=mask), mask=mask)
+        else:
+            g = row0 + tile * BLOCK_T + tl.arange(0, BLOCK_T)
+            t_mask = g < row0 + n_rows
+            o = g // chunk
+            block = tl.load(ids + g // BS, mask=t_mask, other=0)
+            o_base = tl.load(obj_off + o, mask=t_mask, other=0) + obj_shift
+            cap = tl.load(obj_cap + o, mask=t_mask, other=0)
+            o_tok = o_base + (row * cap + g % chunk) * obj_row + w_offset
+            e_tok = e_base + block * block_stride + (g % BS) * token_stride
+            for w0 in tl.static_range(0, WIDTH, BLOCK_W):
+                w = w0 + tl.arange(0, BLOCK_W)
+                w_mask = w < WIDTH
+                feat = (w // (F1 * F2)) * s0 + ((w // F2) % F1) * s1 + (w % F2) * s2
+                mask = t_mask[:, None] & w_mask[None, :]
+                e_ptr = eng_p + e_tok[:, None] + feat[None, :]
+                o_ptr = obj_p + o_tok[:, None] + w[None, :]
+                if TO_OBJECT:
+                    tl.store(o_ptr, tl.load(e_ptr, mask=mask), mask=mask)
+                else:
+                    tl.store(e_ptr, tl.load(o_ptr, mask=mask), mask=mask)
 
 
 @dataclass(frozen=True)
@@ -236,14 +251,12 @@ def launch(
         e0, e1 = _entries(s, rows)
         if e1 == e0:
             continue
-        block_w = min(triton.next_power_of_2(s.sizes[0] * s.sizes[1] * s.sizes[2]), 4096)
-        # the interpreter pays ~2 ms per program: few, large tiles
-        block_t = min(triton.next_power_of_2(n_rows), max(1, 65536 // block_w))
-        grid = ((e1 - e0) * triton.cdiv(n_rows, block_t),)
+        tiling = _tiling(plan, s, 65536, n_rows)  # the interpreter pays ~2 ms per program: few, large tiles
+        grid = ((e1 - e0) * triton.cdiv(n_rows, tiling.block_t),)
         _interpreted()[grid](
             s.base, s.eng_off, s.ent_row, obj_row, s.w_offset, s.block_stride, s.token_stride, *s.strides,
             obj_base, table[0], table[1], block_ids, e0, e1 - e0, row0, n_rows, chunk_size, obj_shift,
-            **_constants(plan, s, block_t, block_w, to_objects),
+            **_constants(plan, s, tiling, to_objects),
         )  # fmt: skip
 
 
@@ -318,9 +331,8 @@ class _Launcher:
 
 
 def _compile(plan: TritonPlan, s: _StripeArgs, obj_ptr: int, to_objects: bool) -> _Launcher:
-    block_w = min(triton.next_power_of_2(s.sizes[0] * s.sizes[1] * s.sizes[2]), 1024)
-    block_t = max(1, min(128, 4096 // block_w))  # ~32 KiB tiles of int64 words
-    consts = _constants(plan, s, block_t, block_w, to_objects)
+    tiling = _tiling(plan, s, 4096)  # ~32 KiB tiles of int64 words
+    consts = _constants(plan, s, tiling, to_objects)
     device = s.base.device
     # Stand-ins: the object base with the alignment the key promises (Triton specialises that pointer on it),
     # tables only 8-byte aligned (they are unspecialised; this keeps any Triton that still looks safe).
@@ -338,7 +350,7 @@ def _compile(plan: TritonPlan, s: _StripeArgs, obj_ptr: int, to_objects: bool) -
         names = names[: names.index("obj_shift") + 1]  # the runtime arguments, in order
         direct = direct_launcher(driver(), compiled, names, list(head), len(names) - len(head))
     launch = direct or _FastLaunch(compiled, head, tuple(consts.values()))
-    return _Launcher(launch, block_t, _programs(device))
+    return _Launcher(launch, tiling.block_t, _programs(device))
 
 
 def _entries(s: _StripeArgs, rows: tuple[int, int] | None) -> tuple[int, int]:
@@ -346,10 +358,43 @@ def _entries(s: _StripeArgs, rows: tuple[int, int] | None) -> tuple[int, int]:
     return (0, len(s.rows)) if rows is None else (bisect_left(s.rows, rows[0]), bisect_left(s.rows, rows[1]))
 
 
-def _constants(plan: TritonPlan, s: _StripeArgs, block_t: int, block_w: int, to_objects: bool) -> dict[str, Any]:
+@dataclass(frozen=True)
+class _Tiling:
+    flat: bool
+    block_t: int  # tokens per tile
+    block_w: int  # words per vector across a token row (row tiles)
+    block_f: int  # words per flat vector (flat tiles)
+
+
+def _tiling(plan: TritonPlan, s: _StripeArgs, max_words: int, n_rows: int | None = None) -> _Tiling:
+    """How a stripe is tiled: [tokens x row words], or flat runs where that would waste vector lanes.
+
+    Where a stripe covers whole object rows and a block's tokens lie back to back in the engine, BLOCK_T tokens of
+    one block are one contiguous run on both sides; a row width that is not a power of two (deepseek's 576 bf16 =
+    144 words, the indexer's 132 bytes = 33) would leave up to half the lanes of a [tokens x row] tile masked, so
+    those stripes copy runs as flat vectors. BLOCK_T then divides BS (and so the chunk): a tile never crosses a
+    block or an object.
+    """
+    f0, f1, f2 = s.sizes
+    width = f0 * f1 * f2
+    s0, s1, s2 = s.strides
+    identity = (f2 == 1 or s2 == 1) and (f1 == 1 or s1 == f2) and (f0 == 1 or s0 == f1 * f2)  # word w is at w
+    flat = identity and width == plan.obj_row and s.w_offset == 0 and s.token_stride == width and width & (width - 1)
+    if flat:
+        block_t = plan.bs & -plan.bs  # the largest power of two dividing BS
+        while block_t > 1 and block_t * width > max_words:
+            block_t //= 2
+        return _Tiling(True, block_t, 1, min(triton.next_power_of_2(block_t * width), max_words // 4))
+    block_w = min(triton.next_power_of_2(width), max_words // 4)
+    block_t = max(1, min(128 if n_rows is None else triton.next_power_of_2(n_rows), max_words // block_w))
+    return _Tiling(False, block_t, block_w, 1)
+
+
+def _constants(plan: TritonPlan, s: _StripeArgs, tiling: _Tiling, to_objects: bool) -> dict[str, Any]:
     return dict(
         BS=plan.bs, F0=s.sizes[0], F1=s.sizes[1], F2=s.sizes[2], WORD=_WORD_DTYPES[plan.word],
-        BLOCK_T=block_t, BLOCK_W=block_w, TO_OBJECT=to_objects,
+        BLOCK_T=tiling.block_t, BLOCK_W=tiling.block_w, TO_OBJECT=to_objects, FLAT=tiling.flat,
+        BLOCK_F=tiling.block_f,
     )  # fmt: skip
 
 

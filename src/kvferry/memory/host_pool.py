@@ -85,7 +85,7 @@ class HostPool:
         self._slab = _aligned_slab(capacity_bytes, alignment, self._is_pinned)
         self._base_ptr = self._slab.data_ptr()
         if self._is_pinned:  # the slab lives at least as long as the pool
-            register_pinned(self, self._slab.untyped_storage().data_ptr())
+            register_pinned(self, self._base_ptr, capacity_bytes)
         # as_strided takes an absolute storage offset, and the slab may start past its storage's start (the
         # alignment padding). Both are multiples of the alignment (>= 64), hence of any dtype's itemsize.
         self._slab_storage_offset = self._slab.storage_offset()

@@ -222,10 +222,10 @@ def _backend(backend: str, geom: KVGeometry, objects: list[torch.Tensor]) -> str
     if backend == "triton" and geom.device.type == "cuda":
         checked: set[int] = set()  # pinned-ness is a property of the allocation: ask once per storage
         for i, o in enumerate(objects):
-            if o.device.type != "cpu":
+            if o.device.type != "cpu" or is_known_pinned(o.data_ptr()):
                 continue
             storage = o.untyped_storage().data_ptr()
-            if storage not in checked and not is_known_pinned(storage) and not o.is_pinned():
+            if storage not in checked and not o.is_pinned():
                 raise ValueError(f"objects[{i}] is pageable host memory; a GPU kernel needs pinned or device memory")
             checked.add(storage)
     elif backend == "triton" and devices != {geom.device}:
