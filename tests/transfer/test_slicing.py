@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvferry.transfer.gpu_engine import cut_slices
+from kvferry.transfer.schedule import cut_slices
 
 MiB = 1 << 20
 

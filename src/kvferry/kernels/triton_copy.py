@@ -2,8 +2,9 @@
 
 The kernel knows nothing about formats. It reads one stripe (see `kvferry.formats.geometry.Stripe`): a table of
 (object plane, layer, engine offset) entries sharing one stride pattern, and copies tiles of
-[BLOCK_T tokens x BLOCK_W words]. Data moves as integer words of the widest size (1-8 bytes) that every address,
-stride and run is a multiple of, so dtype never matters (fp8 is just bytes).
+[BLOCK_T tokens x BLOCK_W words], or flat runs of BLOCK_T whole token rows where both sides hold them back to back
+(`_tiling`). Data moves as integer words of the widest size (1-8 bytes) that every address, stride and run is a
+multiple of, so dtype never matters (fp8 is just bytes).
 
 Engine tensors of several allocations are addressed as word offsets from one base tensor, and objects likewise from
 the first object: Triton only needs one pointer per side. On CPU tensors the same kernel runs in Triton's

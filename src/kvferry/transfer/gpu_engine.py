@@ -30,8 +30,7 @@ import torch
 
 from kvferry.kernels import triton_copy
 from kvferry.kernels.cuda_driver import Driver, driver
-
-MiB = 1 << 20
+from kvferry.transfer.schedule import MiB, Ring, Schedule, Step, schedule
 
 
 class _Completion:
@@ -180,36 +179,6 @@ class EngineConfig:
     kernel_priority: int = -1
 
 
-@dataclass(frozen=True)
-class _Step:
-    """One slice of a staged request, resolved: its slot, the kernel's token range/row range/staging shift, and
-    its DMA parts (object index, byte offset in the object, bytes, staging address)."""
-
-    slot: int
-    row0: int
-    n_rows: int
-    rows: tuple[int, int] | None
-    shift: int
-    parts: tuple[tuple[int, int, int, int], ...]
-
-
-@dataclass(frozen=True)
-class _Schedule:
-    first: int  # first object not skipped entirely
-    head_rows: int  # a store's partly skipped first object: its skipped token count (it goes zero-copy); else 0
-    tables: np.ndarray  # staging word offset and capacity of every object, then the head object's [0, cap]
-    steps: tuple[_Step, ...]
-    next_slot: int  # the ring's next slot after this request
-
-
-@dataclass(frozen=True)
-class _Slice:
-    """Consecutive whole objects, or one object's rows `rows[0]..rows[1]-1` (plane * NL + layer)."""
-
-    members: list[int]
-    rows: tuple[int, int] | None = None
-
-
 class TransferEngine:
     """Owns the streams and staging of one GPU; `submit` enqueues one request and returns a handle."""
 
@@ -226,7 +195,7 @@ class TransferEngine:
             self._store = _Lane(*lane)
             self._retrieve = _Lane(*lane)
             self._context = self._driver.current_context()  # the primary context, which torch made current
-        self._schedules: dict[tuple[object, ...], _Schedule] = {}  # staged request shapes seen (a small cache)
+        self._schedules: dict[tuple[object, ...], Schedule] = {}  # staged request shapes seen (a small cache)
 
     def submit(
         self,
@@ -318,7 +287,10 @@ class TransferEngine:
         if sched is None:
             if len(self._schedules) >= 256:
                 self._schedules.clear()
-            sched = self._schedules[key] = self._schedule(lane, plan, caps, rows, to_objects, chunk_size, skip)
+            ring = Ring(lane.staging_ptr, lane.slot_bytes, len(lane.slot_free), lane.next_slot)
+            sched = schedule(caps, rows, to_objects, chunk_size, skip, plan.bs, plan.bytes_per_token, plan.word, ring,
+                             self.config.slice_bytes)  # fmt: skip
+            self._schedules[key] = sched
         lane.next_slot = sched.next_slot
         n_ids = len(ids)
         meta, keep = lane.upload([ids, sched.tables], n_ids + len(sched.tables))
@@ -353,65 +325,8 @@ class TransferEngine:
         # A store ends on the copy stream, unless it was all head (then the kernel stream holds everything).
         return keep, (cs if to_objects and sched.steps else ks)
 
-    def _schedule(
-        self,
-        lane: _Lane,
-        plan: triton_copy.TritonPlan,
-        caps: list[int],
-        rows: int,
-        to_objects: bool,
-        chunk_size: int,
-        skip: int,
-    ) -> _Schedule:
-        """The part of a staged request that depends only on its shape (cached): slices, slots, staging offsets."""
-        bs, word = plan.bs, plan.word
-        per_object = chunk_size // bs
-        sizes = [c * plan.bytes_per_token for c in caps]
-        first = skip // per_object  # objects before this one are skipped entirely
-        # A store must not overwrite the skipped head of a partly skipped object: that object goes zero-copy.
-        head = to_objects and skip % per_object != 0
-        slices = self._slices(sizes, first + head, rows, lane.slot_bytes)
-        n_slots = len(lane.slot_free)
-        offsets = [0] * len(caps)  # word offsets in staging of whole-object slices (split ones use a shift)
-        steps = []
-        for n, sl in enumerate(slices):
-            slot = (lane.next_slot + n) % n_slots
-            dev = lane.staging_ptr + slot * lane.slot_bytes
-            o0 = sl.members[0]
-            row0 = max(o0 * chunk_size, skip * bs)
-            n_rows = o0 * chunk_size + sum(caps[o] for o in sl.members) - row0
-            if sl.rows is None:
-                parts = []
-                for o in sl.members:
-                    offsets[o] = (dev - lane.staging_ptr) // word
-                    parts.append((o, 0, sizes[o], dev))
-                    dev += sizes[o]
-                steps.append(_Step(slot, row0, n_rows, None, 0, tuple(parts)))
-            else:  # rows r0..r1 of one object, placed at the start of the slot
-                row_bytes = sizes[o0] // rows
-                shift = (slot * lane.slot_bytes - sl.rows[0] * row_bytes) // word
-                part = (o0, sl.rows[0] * row_bytes, (sl.rows[1] - sl.rows[0]) * row_bytes, dev)
-                steps.append(_Step(slot, row0, n_rows, sl.rows, shift, (part,)))
-        tables = np.asarray([*offsets, *caps, 0, caps[first] if first < len(caps) else 0], dtype=np.int64)
-        return _Schedule(
-            first=first,
-            head_rows=skip % per_object * bs if head else 0,
-            tables=tables,
-            steps=tuple(steps),
-            next_slot=(lane.next_slot + len(slices)) % n_slots,
-        )
-
-    def _slices(self, sizes: list[int], first: int, rows: int, slot_bytes: int) -> list[_Slice]:
-        # About a quarter of the request per slice, so even a one-chunk request overlaps its gather with its DMA;
-        # at least 16 MiB: each slice costs a launch, a DMA set-up and two cross-stream waits on the critical path,
-        # while gathering 16 MiB takes ~10 us; at most half a slot. (A small first slice for a store, or last for
-        # a retrieve, measured slower on one chunk: its extra launch costs more CPU than its gather saves.)
-        total = sum(sizes[first:])
-        target = self.config.slice_bytes or min(slot_bytes // 2, max(16 * MiB, total // 4))
-        return cut_slices(sizes, first, rows, slot_bytes, target)
-
     @staticmethod
-    def _dma(objects: list[torch.Tensor], step: _Step, ptrs: list[int], stream: int, copy: Any, to_host: bool) -> None:
+    def _dma(objects: list[torch.Tensor], step: Step, ptrs: list[int], stream: int, copy: Any, to_host: bool) -> None:
         """Copy a slice between its slot and host memory: one copy per run of objects adjacent in host memory."""
         parts = step.parts
         o, offset, n, dev = parts[0]
@@ -423,31 +338,6 @@ class TransferEngine:
             copy(host, dev, n, stream) if to_host else copy(dev, host, n, stream)
             host, dev, n = ptrs[o2], dev + n, n2
         copy(host, dev, n, stream) if to_host else copy(dev, host, n, stream)
-
-
-def cut_slices(sizes: list[int], first: int, rows: int, slot_bytes: int, target: int) -> list[_Slice]:
-    """Cut objects `first..` (of `sizes` bytes, `rows` rows each) into slices of about `target` bytes: consecutive
-    whole objects, or row ranges of one object larger than the target."""
-    slices: list[_Slice] = []
-    size = 0
-    for o in range(first, len(sizes)):
-        if sizes[o] > target:  # cut into row ranges; nothing joins them
-            row_bytes = sizes[o] // rows
-            if row_bytes > slot_bytes:
-                raise ValueError(
-                    f"one object row of {row_bytes} bytes does not fit a {slot_bytes}-byte staging slot: "
-                    "raise EngineConfig.slot_bytes or lower the chunk size"
-                )
-            step = max(1, target // row_bytes)
-            slices += [_Slice([o], (r, min(r + step, rows))) for r in range(0, rows, step)]
-            size = target
-        elif slices and slices[-1].rows is None and size + sizes[o] <= target:
-            slices[-1].members.append(o)
-            size += sizes[o]
-        else:
-            slices.append(_Slice([o]))
-            size = sizes[o]
-    return slices
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
