@@ -329,14 +329,15 @@ class TransferEngine:
     def _dma(objects: list[torch.Tensor], step: Step, ptrs: list[int], stream: int, copy: Any, to_host: bool) -> None:
         """Copy a slice between its slot and host memory: one copy per run of objects adjacent in host memory."""
         parts = step.parts
-        o, offset, n, dev = parts[0]
-        host = ptrs[o] + offset
-        for o2, _, n2, _ in parts[1:]:
-            if host + n == ptrs[o2] and _same_storage(objects[o], objects[o2]):
-                n += n2  # one pinned allocation continues: extend the run
-                continue
-            copy(host, dev, n, stream) if to_host else copy(dev, host, n, stream)
-            host, dev, n = ptrs[o2], dev + n, n2
+        last, offset, n, dev = parts[0]
+        host = ptrs[last] + offset
+        for o, _, size, _ in parts[1:]:
+            if host + n == ptrs[o] and _same_storage(objects[last], objects[o]):
+                n += size  # the same pinned allocation continues: extend the run
+            else:
+                copy(host, dev, n, stream) if to_host else copy(dev, host, n, stream)
+                host, dev, n = ptrs[o], dev + n, size
+            last = o
         copy(host, dev, n, stream) if to_host else copy(dev, host, n, stream)
 
 
