@@ -45,9 +45,8 @@ def timeline(trace: Path, label: str) -> list[dict]:
     gpu = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy")),
                  key=lambda e: e["ts"])  # fmt: skip
     out = []
-    for i, call in enumerate(calls):
-        t0 = call["ts"]
-        t1 = calls[i + 1]["ts"] if i + 1 < len(calls) else float("inf")
+    for call in calls:
+        t0, t1 = call["ts"], call["ts"] + call["dur"]  # a call returns once its bytes have moved
         ops = [g for g in gpu if t0 <= g["ts"] < t1]
         if not ops:
             continue
