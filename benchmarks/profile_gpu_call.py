@@ -152,7 +152,7 @@ def stages(paged, objs, ids, fmt, geom, engine) -> None:  # type: ignore[no-unty
 
         setattr(module, name, wrapper)
 
-    for module, name in ((api, "check_request"), (api, "_backend"), (triton_copy, "launch_raw")):
+    for module, name in ((api, "_check"), (api, "_backend"), (triton_copy, "launch_raw")):
         timed(module, name)
     orig_upload = gpu_engine._Lane.upload
 

@@ -2,7 +2,7 @@
 
 Run on the GPU machine:  PYTHONPATH=src python3 benchmarks/trace_gpu_call.py --out $OUT/anatomy.json
 
-One chunk (llama3-8b 32 MiB, qwen2.5-0.5b 3 MiB), both directions, for engine variants: wall time of
+One chunk (llama3-8b 32 MiB, qwen2.5-0.5b 3 MiB; `--chunks N` for N), both directions, for engine variants: wall time of
 call-to-completion against a same-run single pinned memcpy (medians, alternating), then a torch.profiler (CUPTI)
 timeline of a few calls: each kernel / memcpy relative to the Python call, and when the last one ends (the
 profiler slows the CPU side). Chrome traces land next to --out.
@@ -69,7 +69,7 @@ def one_chunk(s: Setup, model: str, d: Direction, engines: dict, reps: int, out:
         (host.copy_(dev, non_blocking=True) if d is Direction.D2H else dev.copy_(host, non_blocking=True))
         torch.cuda.synchronize()
 
-    modes = ("staged", "zero_copy") if model == "qwen2.5-0.5b" else ("staged",)
+    modes = ("staged", "zero_copy") if s.nbytes < 8 * MiB else ("staged",)
     cases = {f"{name} {mode}": (eng, mode) for name, eng in engines.items() for mode in modes}
     samples: dict[str, list[float]] = {"memcpy": []}
     for name, (eng, mode) in cases.items():
@@ -85,7 +85,7 @@ def one_chunk(s: Setup, model: str, d: Direction, engines: dict, reps: int, out:
         row = dict(model=model, direction=d.name, case=name, us=med, ratio=ceiling / med, gbps=s.nbytes / med / 1e3)
         result["onechunk"].append(row)
         print(f"{model:14s} {d.name} {name:38s} {med:8.1f} us  ratio {ceiling / med:.3f}", flush=True)
-    trace = out.with_name(f"trace_{model}_{d.name}.json")
+    trace = out.with_name(f"trace_{model}_{len(s.objects)}_{d.name}.json")
     traced = list(cases.items())[:2]
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for name, (eng, mode) in traced:
@@ -110,11 +110,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--reps", type=int, default=40)
+    ap.add_argument("--chunks", type=int, default=1, help="chunks per request (a bulk request's anatomy)")
+    ap.add_argument("--models", default="llama3-8b,qwen2.5-0.5b")
     args = ap.parse_args()
     result: dict = {"device": torch.cuda.get_device_name(), "onechunk": [], "timelines": {}}
     engines = {name: TransferEngine("cuda", cfg) for name, cfg in VARIANTS.items()}
-    for model in ("llama3-8b", "qwen2.5-0.5b"):
-        s = Setup(model, F.NL_X_TWO_NB_BS_NH_HS, 1)
+    for model in args.models.split(","):
+        s = Setup(model, F.NL_X_TWO_NB_BS_NH_HS, args.chunks)
         for d in (Direction.D2H, Direction.H2D):
             one_chunk(s, model, d, engines, args.reps, args.out, result)
     args.out.write_text(json.dumps(result, indent=1))

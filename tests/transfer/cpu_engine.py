@@ -21,26 +21,31 @@ from kvferry.memory import HostPool
 from kvferry.transfer import gpu_engine
 from tests.conftest import poisoned
 
+KS, CS, CS2, JOINED = 1, 2, 3, -7  # a lane's streams and its join event, as the fake driver sees them
+
 
 class CopyingDriver:
     """Driver calls on CPU memory: copies happen now; events are always complete; waits and records do nothing."""
 
     def __init__(self, copies: bool = True) -> None:
         self.copies = copies  # False: copies are skipped (to time the Python around them)
+        self.log: list[tuple[str, int, int]] = []  # (call, stream, event or bytes): the order streams see
 
     def dtoh(self, host: int, dev: int, n: int, stream: int) -> None:
+        self.log.append(("dtoh", stream, n))
         if self.copies:
             ctypes.memmove(host, dev, n)
 
     def htod(self, dev: int, host: int, n: int, stream: int) -> None:
+        self.log.append(("htod", stream, n))
         if self.copies:
             ctypes.memmove(dev, host, n)
 
     def record(self, event: int, stream: int) -> None:
-        pass
+        self.log.append(("record", stream, event))
 
     def wait(self, stream: int, event: int, flags: int) -> None:
-        pass
+        self.log.append(("wait", stream, event))
 
     def query(self, event: int) -> bool:
         return True
@@ -94,7 +99,8 @@ class World:
 def _lane(drv: CopyingDriver, world: World, slot_bytes: int, slots: int) -> gpu_engine._Lane:
     lane = gpu_engine._Lane.__new__(gpu_engine._Lane)
     lane.__dict__.update(
-        _driver=drv, ks=1, cs=2, slot_bytes=slot_bytes, staging=world.staging, staging_ptr=world.staging.data_ptr(),
+        _driver=drv, ks=KS, cs=CS, cs2=CS2, joined=JOINED, slot_bytes=slot_bytes, staging=world.staging,
+        staging_ptr=world.staging.data_ptr(),
         slot_free=list(range(slots)), slot_ready=list(range(slots)), start=0, next_slot=0,
         meta_host=torch.zeros_like(world.meta), meta_dev=world.meta, meta_uploaded=[0] * world.meta.shape[0],
         next_meta=0, lock=threading.Lock(), inflight=deque(),

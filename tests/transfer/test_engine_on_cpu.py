@@ -18,8 +18,9 @@ from kvferry.formats.synthetic import random_fill
 from kvferry.kernels import triton_copy
 from kvferry.memory import HostPool
 from kvferry.transfer import gpu_engine
+from kvferry.transfer.pinned import register_pinned
 from tests.conftest import engine_bytes
-from tests.transfer.cpu_engine import CopyingDriver, World, completion_init, engine_on
+from tests.transfer.cpu_engine import CS, CS2, JOINED, KS, CopyingDriver, World, completion_init, engine_on
 from tests.transfer.test_backends import _engine
 
 F = EngineKVFormat
@@ -88,3 +89,49 @@ def test_submit_equals_the_reference(cpu_engine, fmt: F, skip: int, spread: bool
     assert world.launches > 0
     if mode == "row-slices":  # every object was cut: more launches than objects and stripes
         assert any(st.rows is not None for sched in engine._schedules.values() for st in sched.steps)
+
+
+@pytest.mark.parametrize("registered", [False, True])
+def test_adjacent_objects_move_in_one_dma(cpu_engine, registered: bool) -> None:  # type: ignore[no-untyped-def]
+    """Objects back to back in one allocation are one DMA per slice, whether the slab is a registered pinned one
+    (known without asking the objects) or not (each pair's storage compared)."""
+    fmt, chunk, bs = F.NL_X_TWO_NB_BS_NH_HS, 16, 4
+    paged = _engine(fmt, torch.bfloat16, 3, False, nb=12)
+    geom = describe(fmt, paged, block_size=bs)
+    pool = HostPool(1 << 20, alignment=256, pin=False)
+    if registered:
+        register_pinned(pool, pool.slab.data_ptr(), pool.slab.numel())
+    engine, _ = cpu_engine(pool, 1 << 16)
+    objs = pool.try_alloc_many(geom.object_shape(chunk), geom.dtype, 3)
+    assert [o.data_ptr() - objs[0].data_ptr() for o in objs] == [0, objs[0].nbytes, 2 * objs[0].nbytes]
+    ids = torch.randperm(12)
+    engine.submit(triton_copy.build_plan(geom), objs, ids, True, chunk, 0).wait()
+    want = [torch.empty_like(o) for o in objs]
+    kvferry.transfer(paged, want, ids, Direction.D2H, fmt, chunk, backend="reference", block_size=bs)
+    assert all(torch.equal(a, b) for a, b in zip(objs, want, strict=True))
+    assert [call for call, *_ in engine._driver.log].count("dtoh") == 1
+
+
+@pytest.mark.parametrize("to_objects", [True, False])
+def test_scattered_objects_alternate_copy_streams_and_join(cpu_engine, to_objects: bool) -> None:  # type: ignore[no-untyped-def]
+    """A slice of objects scattered in host memory spreads its DMAs over both copy streams, and the second
+    stream's DMAs are joined back into the first before the slot is handed on (a race on the GPU otherwise)."""
+    fmt, chunk, bs = F.NL_X_TWO_NB_BS_NH_HS, 16, 4
+    paged = _engine(fmt, torch.bfloat16, 3, False, nb=12)
+    geom = describe(fmt, paged, block_size=bs)
+    pool = HostPool(1 << 20, alignment=256, pin=False)
+    engine, _ = cpu_engine(pool, 1 << 16)
+    objs = []
+    for _ in range(3):
+        objs.append(pool.alloc(geom.object_shape(chunk), geom.dtype))
+        pool.alloc((256,), torch.uint8)  # a gap: every object is its own DMA
+    engine.submit(triton_copy.build_plan(geom), objs, torch.randperm(12), to_objects, chunk, 0).wait()
+    log = engine._driver.log
+    copies = [i for i, (call, stream, _) in enumerate(log) if call in ("dtoh", "htod") and stream != KS]  # not metadata
+    assert [log[i][1] for i in copies] == [CS, CS2, CS]
+    joined = log.index(("record", CS2, JOINED))
+    assert copies[1] < joined < log.index(("wait", CS, JOINED))
+    handed_on = ("record", CS, log[log.index(("wait", CS, JOINED)) + 1][2])  # the slot's event, on the first stream
+    assert log[log.index(("wait", CS, JOINED)) + 1] == handed_on
+    if not to_objects:  # then the scatter waits for that event
+        assert ("wait", KS, handed_on[2]) in log[joined:]

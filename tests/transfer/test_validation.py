@@ -73,3 +73,20 @@ def test_duplicate_ids_are_fine_for_a_store(setup) -> None:  # type: ignore[no-u
     paged, objs = setup
     kvferry.transfer(paged, objs, [1, 1, 2, 2], Direction.D2H, F, chunk_size=8)
     assert torch.equal(objs[0][:, :, :4], objs[0][:, :, 4:])
+
+
+@pytest.mark.parametrize("n_blocks", [4, 200])  # short id lists are checked as Python lists, long ones by numpy
+def test_range_and_repeat_checks_at_every_length(n_blocks: int) -> None:
+    paged = make_paged(F, DIMS, 256, 4)
+    objs = [poisoned(kvferry.object_shape(F, paged, 4 * n_blocks), torch.bfloat16)]
+    ids = torch.randperm(256)[:n_blocks]
+    out_of_range, repeated = ids.clone(), ids.clone()
+    out_of_range[-1], repeated[-1] = 256, ids[0]
+    before = engine_bytes(paged)
+    with pytest.raises(ValueError, match=rf"block_ids\[{n_blocks - 1}\]=256 is outside"):
+        kvferry.transfer(paged, objs, out_of_range, Direction.D2H, F, chunk_size=4 * n_blocks)
+    with pytest.raises(ValueError, match="repeats a block"):
+        kvferry.transfer(paged, objs, repeated, Direction.H2D, F, chunk_size=4 * n_blocks)
+    assert all(torch.equal(a, b) for a, b in zip(before, engine_bytes(paged), strict=True))
+    kvferry.transfer(paged, objs, repeated, Direction.D2H, F, chunk_size=4 * n_blocks)  # a store may repeat
+    kvferry.transfer(paged, objs, ids, Direction.H2D, F, chunk_size=4 * n_blocks, skip_prefix_blocks=1)

@@ -295,7 +295,7 @@ def launch_raw(
         if fast is None:  # first launch of this shape: compile (Triton caches it) without launching
             fast = plan.compiled[key] = _compile(plan, s, obj_ptr, to_objects)
         grid = min(triton.cdiv(n_rows, fast.block_t) * (e1 - e0), programs or fast.programs)
-        fast(grid, stream, obj_ptr, off_ptr, cap_ptr, ids_ptr, e0, e1 - e0, row0, n_rows, chunk_size, obj_shift)
+        fast.launch(grid, stream, obj_ptr, off_ptr, cap_ptr, ids_ptr, e0, e1 - e0, row0, n_rows, chunk_size, obj_shift)
 
 
 @dataclass(frozen=True)
@@ -323,12 +323,9 @@ class _FastLaunch:
 class _Launcher:
     """How one (stripe, direction, alignment) launches: direct when possible, else through Triton's launcher."""
 
-    launch: Any
+    launch: Any  # launch(grid, stream, *per-request args)
     block_t: int
     programs: int
-
-    def __call__(self, grid: int, stream: int, *args: Any) -> None:
-        self.launch(grid, stream, *args)
 
 
 def _compile(plan: TritonPlan, s: _StripeArgs, obj_ptr: int, to_objects: bool) -> _Launcher:

@@ -46,6 +46,7 @@ class Schedule:
     tables: np.ndarray  # staging word offset and capacity of every object, then the head object's [0, cap]
     steps: tuple[Step, ...]
     next_slot: int  # the ring's next slot after this request
+    runs: bool  # some slice holds several objects (its DMA may run across adjacent ones)
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,7 @@ def schedule(
         tables=tables,
         steps=tuple(steps),
         next_slot=(ring.next_slot + len(slices)) % ring.slots,
+        runs=any(len(step.parts) > 1 for step in steps),
     )
 
 
