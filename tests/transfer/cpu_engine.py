@@ -10,6 +10,7 @@ buffer and ring, which is safe because nothing is ever in flight.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import threading
 from collections import deque
 from typing import Any
@@ -21,7 +22,10 @@ from kvferry.memory import HostPool
 from kvferry.transfer import gpu_engine
 from tests.conftest import poisoned
 
-KS, CS, CS2, JOINED = 1, 2, 3, -7  # a lane's streams and its join event, as the fake driver sees them
+KS, CS = 1, 2  # a lane's kernel and copy streams, as the fake driver sees them
+# Events as the fake driver sees them: a lane's slot-free, slot-ready, start and metadata events, and done-events.
+SLOT_FREE, SLOT_READY, START, META, DONE = 10, 20, 30, 100, 1000
+_done_events = itertools.count(DONE)
 
 
 class CopyingDriver:
@@ -30,6 +34,7 @@ class CopyingDriver:
     def __init__(self, copies: bool = True) -> None:
         self.copies = copies  # False: copies are skipped (to time the Python around them)
         self.log: list[tuple[str, int, int]] = []  # (call, stream, event or bytes): the order streams see
+        self.requests_finish = True  # False: a request's done-event never reports finished
 
     def dtoh(self, host: int, dev: int, n: int, stream: int) -> None:
         self.log.append(("dtoh", stream, n))
@@ -48,6 +53,8 @@ class CopyingDriver:
         self.log.append(("wait", stream, event))
 
     def query(self, event: int) -> bool:
+        if event >= DONE:
+            return self.requests_finish
         return True
 
     def synchronize(self, event: int) -> None:
@@ -99,18 +106,21 @@ class World:
 def _lane(drv: CopyingDriver, world: World, slot_bytes: int, slots: int) -> gpu_engine._Lane:
     lane = gpu_engine._Lane.__new__(gpu_engine._Lane)
     lane.__dict__.update(
-        _driver=drv, ks=KS, cs=CS, cs2=CS2, joined=JOINED, slot_bytes=slot_bytes, staging=world.staging,
+        _driver=drv, ks=KS, cs=CS, slot_bytes=slot_bytes, staging=world.staging,
         staging_ptr=world.staging.data_ptr(),
-        slot_free=list(range(slots)), slot_ready=list(range(slots)), start=0, next_slot=0,
-        meta_host=torch.zeros_like(world.meta), meta_dev=world.meta, meta_uploaded=[0] * world.meta.shape[0],
-        next_meta=0, lock=threading.Lock(), inflight=deque(),
+        slot_free=[SLOT_FREE + s for s in range(slots)], slot_ready=[SLOT_READY + s for s in range(slots)],
+        start=START, next_slot=0, meta_host=torch.zeros_like(world.meta), meta_dev=world.meta,
+        meta_uploaded=[META + k for k in range(world.meta.shape[0])],
+        next_meta=0, lock=threading.Lock(), inflight=deque(), slot_owner=[None] * slots,
+        meta_owner=[None] * world.meta.shape[0],
     )  # fmt: skip
     lane.meta_host_np = lane.meta_host.numpy()
     return lane
 
 
-def completion_init(self: Any, drv: Any, context: int) -> None:
-    self._driver, self.context, self._pool, self.event = drv, context, [], 0
+def completion_init(self: Any, drv: Any, context: int, lane: Any = None) -> None:
+    self._driver, self.context, self._pool, self.event = drv, context, [], next(_done_events)
+    self.lane, self.slots, self.meta = lane, (), -1
 
 
 def engine_on(world: World, driver: CopyingDriver, config: gpu_engine.EngineConfig) -> gpu_engine.TransferEngine:

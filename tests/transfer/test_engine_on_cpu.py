@@ -20,7 +20,17 @@ from kvferry.memory import HostPool
 from kvferry.transfer import gpu_engine
 from kvferry.transfer.pinned import register_pinned
 from tests.conftest import engine_bytes
-from tests.transfer.cpu_engine import CS, CS2, JOINED, KS, CopyingDriver, World, completion_init, engine_on
+from tests.transfer.cpu_engine import (
+    CS,
+    KS,
+    META,
+    SLOT_FREE,
+    START,
+    CopyingDriver,
+    World,
+    completion_init,
+    engine_on,
+)
 from tests.transfer.test_backends import _engine
 
 F = EngineKVFormat
@@ -112,26 +122,74 @@ def test_adjacent_objects_move_in_one_dma(cpu_engine, registered: bool) -> None:
     assert [call for call, *_ in engine._driver.log].count("dtoh") == 1
 
 
+def _slot_waits(log: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    return [e for e in log if e[0] == "wait" and SLOT_FREE <= e[2] < SLOT_FREE + 10]
+
+
 @pytest.mark.parametrize("to_objects", [True, False])
-def test_scattered_objects_alternate_copy_streams_and_join(cpu_engine, to_objects: bool) -> None:  # type: ignore[no-untyped-def]
-    """A slice of objects scattered in host memory spreads its DMAs over both copy streams, and the second
-    stream's DMAs are joined back into the first before the slot is handed on (a race on the GPU otherwise)."""
+def test_slots_of_finished_requests_are_used_without_waiting(cpu_engine, to_objects: bool) -> None:  # type: ignore[no-untyped-def]
+    """A slot whose last user was seen finished takes no stream wait, a metadata slot no query (each a driver
+    call before the request's first GPU operation); a slot still owned by an unfinished request, or reused within
+    one request, is waited for."""
+    fmt, chunk, bs = F.NL_X_TWO_NB_BS_NH_HS, 16, 4
+    paged = _engine(fmt, torch.bfloat16, 3, False, nb=12)
+    geom = describe(fmt, paged, block_size=bs)
+    plan = triton_copy.build_plan(geom)
+    pool = HostPool(1 << 20, alignment=256, pin=False)
+    obj_bytes = geom.bytes_per_token * chunk
+    engine, _ = cpu_engine(pool, 2 * obj_bytes)  # a slice is one object (half a slot), two slots
+    drv = engine._driver
+    objs = pool.try_alloc_many(geom.object_shape(chunk), geom.dtype, 3)
+    ids = torch.randperm(12)
+    engine.submit(plan, objs[:1], ids[:4], to_objects, chunk, 0).wait()  # slot 0, seen finished
+    drv.log.clear()
+    engine.submit(plan, objs[:1], ids[:4], to_objects, chunk, 0).wait()  # slot 1, never used
+    engine.submit(plan, objs[:1], ids[:4], to_objects, chunk, 0).wait()  # slot 0 again, its user finished
+    assert _slot_waits(drv.log) == []
+    assert not [e for e in drv.log if e[0] == "query" or (e[0] == "wait" and e[2] >= META)]
+
+    drv.requests_finish = False  # from here on no request is seen finished
+    engine.submit(plan, objs[:1], ids[:4], to_objects, chunk, 0)  # slot 1: its user finished
+    assert _slot_waits(drv.log) == []
+    drv.log.clear()
+    engine.submit(plan, objs[:3], ids, to_objects, chunk, 0)  # slots 0, 1, 0: the last two are busy
+    stream = KS if to_objects else CS
+    assert _slot_waits(drv.log) == [("wait", stream, SLOT_FREE + 1), ("wait", stream, SLOT_FREE)]
+
+    # A request seen finished late frees only the slots nobody took since.
+    first = engine.submit(plan, objs[:1], ids[:4], to_objects, chunk, 0)  # slot 1
+    engine.submit(plan, objs[:1], ids[:4], to_objects, chunk, 0)  # slot 0
+    engine.submit(plan, objs[:1], ids[:4], to_objects, chunk, 0)  # slot 1, taken from `first`
+    drv.requests_finish = True
+    first.wait()
+    drv.requests_finish = False
+    drv.log.clear()
+    engine.submit(plan, objs[:1], ids[:4], to_objects, chunk, 0)  # slot 0
+    engine.submit(plan, objs[:1], ids[:4], to_objects, chunk, 0)  # slot 1: still busy
+    assert _slot_waits(drv.log) == [("wait", stream, SLOT_FREE), ("wait", stream, SLOT_FREE + 1)]
+
+
+@pytest.mark.parametrize("to_objects", [True, False])
+def test_kernels_wait_for_the_callers_stream(cpu_engine, monkeypatch, to_objects: bool) -> None:  # type: ignore[no-untyped-def]
+    """Every gather/scatter is ordered after the caller's stream (the model's writes / reads of its KV); a
+    retrieve's first DMA into staging is not (it touches no KV), so it goes first."""
     fmt, chunk, bs = F.NL_X_TWO_NB_BS_NH_HS, 16, 4
     paged = _engine(fmt, torch.bfloat16, 3, False, nb=12)
     geom = describe(fmt, paged, block_size=bs)
     pool = HostPool(1 << 20, alignment=256, pin=False)
-    engine, _ = cpu_engine(pool, 1 << 16)
-    objs = []
-    for _ in range(3):
-        objs.append(pool.alloc(geom.object_shape(chunk), geom.dtype))
-        pool.alloc((256,), torch.uint8)  # a gap: every object is its own DMA
+    engine, world = cpu_engine(pool, 2 * geom.bytes_per_token * chunk)
+    drv = engine._driver
+
+    def logged(*args, **kwargs):  # type: ignore[no-untyped-def]
+        drv.log.append(("launch", KS, 0))
+        world.launch_raw(*args, **kwargs)
+
+    monkeypatch.setattr(triton_copy, "launch_raw", logged)
+    objs = pool.try_alloc_many(geom.object_shape(chunk), geom.dtype, 3)
     engine.submit(triton_copy.build_plan(geom), objs, torch.randperm(12), to_objects, chunk, 0).wait()
-    log = engine._driver.log
-    copies = [i for i, (call, stream, _) in enumerate(log) if call in ("dtoh", "htod") and stream != KS]  # not metadata
-    assert [log[i][1] for i in copies] == [CS, CS2, CS]
-    joined = log.index(("record", CS2, JOINED))
-    assert copies[1] < joined < log.index(("wait", CS, JOINED))
-    handed_on = ("record", CS, log[log.index(("wait", CS, JOINED)) + 1][2])  # the slot's event, on the first stream
-    assert log[log.index(("wait", CS, JOINED)) + 1] == handed_on
-    if not to_objects:  # then the scatter waits for that event
-        assert ("wait", KS, handed_on[2]) in log[joined:]
+    calls = [(call, stream) for call, stream, _ in drv.log]
+    ordered = drv.log.index(("wait", KS, START))
+    assert drv.log.index(("record", 0, START)) < ordered < calls.index(("launch", KS))  # 0: the caller's stream
+    assert calls.count(("launch", KS)) == 3
+    if not to_objects:
+        assert calls.index(("htod", CS)) < ordered

@@ -42,25 +42,34 @@ class _Completion:
 
     Pooled because creating an event costs more CPU than recording one. An event only returns to the pool after
     the request has finished (the lane retires it only then, and a handle's holder is gone), so reusing it is safe.
+    Whoever sees it fire tells its lane (`_Lane.finished`), which then knows the slots it used are idle.
     """
 
-    __slots__ = ("_driver", "_pool", "context", "event")
+    __slots__ = ("_driver", "_pool", "context", "event", "lane", "meta", "slots")
 
-    def __init__(self, drv: Driver, context: int) -> None:
+    def __init__(self, drv: Driver, context: int, lane: _Lane | None = None) -> None:
         self._driver = drv
         self.context = context
         self._pool = _event_pools.setdefault(context, [])
         self.event = self._pool.pop() if self._pool else drv.event()
+        self.lane = lane
+        self.slots: tuple[int, ...] = ()  # staging slots this request used
+        self.meta = -1  # its metadata slot (-1: none)
 
     def query(self) -> bool:
         d = self._driver
         with d.current(self.context):
-            return d.query(self.event)
+            fired = d.query(self.event)
+        if fired and self.lane is not None:
+            self.lane.finished(self)
+        return fired
 
     def synchronize(self) -> None:
         d = self._driver
         with d.current(self.context):
             d.synchronize(self.event)  # ctypes lets go of the GIL while it blocks
+        if self.lane is not None:
+            self.lane.finished(self)
 
     def order(self, stream: int) -> None:
         d = self._driver
@@ -111,14 +120,8 @@ class _Lane:
         self._driver = drv
         self.kernel_stream = torch.cuda.Stream(device, priority=priority)
         self.copy_stream = torch.cuda.Stream(device)
-        # A slice of objects scattered in host memory is one DMA per object. On one stream each waits for the one
-        # before it (~1.3 us gap plus ramp-up per 3 MiB DMA, ~5% on qwen2.5-0.5b); alternating them over two
-        # streams (two copy engines) overlaps one's set-up with the other's transfer.
-        self.copy_stream2 = torch.cuda.Stream(device)
         self.ks = self.kernel_stream.cuda_stream
         self.cs = self.copy_stream.cuda_stream
-        self.cs2 = self.copy_stream2.cuda_stream
-        self.joined = drv.event()  # the second copy stream's DMAs of a slice, joined back into the first
         self.slot_bytes = slot_bytes
         self.staging = torch.empty(slots * slot_bytes, dtype=torch.uint8, device=device)
         self.staging_ptr = self.staging.data_ptr()
@@ -131,19 +134,27 @@ class _Lane:
         self.meta_dev = torch.empty((self.META_SLOTS, self.META_INTS), dtype=torch.int64, device=device)
         self.meta_uploaded = [drv.event() for _ in range(self.META_SLOTS)]  # the host slot is reusable
         self.next_meta = 0
+        # The request that used each staging / metadata slot last, until it is seen finished (then None): a slot
+        # whose owner is None needs no wait and no query, which takes driver calls (~5 us each on a slow host)
+        # off the path to a request's first GPU operation.
+        self.slot_owner: list[_Completion | None] = [None] * slots
+        self.meta_owner: list[_Completion | None] = [None] * self.META_SLOTS
         self.lock = threading.Lock()
         self.inflight: deque[tuple[_Completion, object]] = deque()  # what a request's GPU work still reads
 
-    def upload(self, parts: list[np.ndarray | list[int]], n: int) -> tuple[int, object]:
+    def upload(self, parts: list[np.ndarray | list[int]], n: int, done: _Completion) -> tuple[int, object]:
         """Copy request metadata to the device on the kernel stream; return its device address and a keepalive.
 
         Device slots are reused in kernel-stream order; a host slot whose last upload has not run yet (requests
-        queued behind a busy compute stream) is skipped for a one-off pinned buffer rather than waited for.
+        queued behind a busy compute stream) is skipped for a one-off pinned buffer rather than waited for. (The
+        slot's event is recorded by `submit` after the request's kernels: later than needed, off the critical path.)
         """
         d = self._driver
         k = self.next_meta
-        if n <= self.META_INTS and d.query(self.meta_uploaded[k]):
+        if n <= self.META_INTS and (self.meta_owner[k] is None or d.query(self.meta_uploaded[k])):
             self.next_meta = (k + 1) % self.META_SLOTS
+            self.meta_owner[k] = done
+            done.meta = k
             row = self.meta_host_np[k]
             at = 0
             for p in parts:
@@ -152,7 +163,6 @@ class _Lane:
             offset = k * self.META_INTS * 8
             dev = self.meta_dev.data_ptr() + offset
             d.htod(dev, self.meta_host.data_ptr() + offset, n * 8, self.ks)
-            d.record(self.meta_uploaded[k], self.ks)
             return dev, None
         host = torch.from_numpy(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])).pin_memory()
         buf = torch.empty(n, dtype=torch.int64, device=self.staging.device)
@@ -161,13 +171,25 @@ class _Lane:
         return buf.data_ptr(), (host, buf)
 
     def retire(self) -> None:
-        """Drop the keepalives of finished requests (oldest first)."""
+        """Drop the keepalives of finished requests (oldest first). Call with the lock held."""
         while self.inflight and self._driver.query(self.inflight[0][0].event):
-            self.inflight.popleft()
+            self._release(self.inflight.popleft()[0])
+
+    def finished(self, done: _Completion) -> None:
+        """`done` has fired: the slots it used last are idle."""
+        with self.lock:
+            self._release(done)
+
+    def _release(self, done: _Completion) -> None:
+        for s in done.slots:
+            if self.slot_owner[s] is done:
+                self.slot_owner[s] = None
+        if done.meta >= 0 and self.meta_owner[done.meta] is done:
+            self.meta_owner[done.meta] = None
 
     def __del__(self) -> None:
         try:
-            for e in (*self.slot_free, *self.slot_ready, self.start, self.joined, *self.meta_uploaded):
+            for e in (*self.slot_free, *self.slot_ready, self.start, *self.meta_uploaded):
                 self._driver.destroy(e)
         except Exception:  # a CudaError, __init__ failed half way, or interpreter exit (module globals gone)
             pass
@@ -237,24 +259,27 @@ class TransferEngine:
         caller = torch._C._cuda_getCurrentRawStream(self.device.index)
         # the GPU work first: bookkeeping after it costs no latency
         with d.current(self._context), lane.lock:
+            done = _Completion(d, self._context, lane)
             end = caller
             keep: object = None
             if nbytes and mode == "zero_copy":
                 keep, end = self._zero_copy(lane, caller, plan, ptrs, caps, ids, to_objects, chunk_size,
-                                            skip_prefix_blocks)  # fmt: skip
+                                            skip_prefix_blocks, done)  # fmt: skip
             elif nbytes:
                 rows = objects[0].shape[0] * objects[0].shape[1]
                 keep, end = self._staged(lane, caller, plan, objects, ptrs, caps, ids, rows, to_objects,
-                                         chunk_size, skip_prefix_blocks)  # fmt: skip
-            done = _Completion(d, self._context)
+                                         chunk_size, skip_prefix_blocks, done)  # fmt: skip
             d.record(done.event, end)
+            if done.meta >= 0:  # its metadata slot is reusable once the request's kernels have run
+                d.record(lane.meta_uploaded[done.meta], lane.ks)
             lane.retire()
             lane.inflight.append((done, (objects, keep)))
         return TransferHandle(done, nbytes, mode)
 
     def _after(self, lane: _Lane, caller: int) -> None:
         """Order the lane's kernels after the caller's stream: the gather sees what the model wrote, and the model
-        never waits. (Called after the metadata upload, which need not wait.)"""
+        never waits. (Called after the metadata upload, and for a retrieve after its first DMA into staging: neither
+        touches the engine's KV, so neither waits.)"""
         self._driver.record(lane.start, caller)
         self._driver.wait(lane.ks, lane.start, 0)
 
@@ -269,10 +294,11 @@ class TransferEngine:
         to_objects: bool,
         chunk_size: int,
         skip: int,
+        done: _Completion,
     ) -> tuple[object, int]:
         n_ids, n_obj = len(ids), len(ptrs)
         offsets = [(p - ptrs[0]) // plan.word for p in ptrs]
-        meta, keep = lane.upload([ids, offsets, caps], n_ids + 2 * n_obj)
+        meta, keep = lane.upload([ids, offsets, caps], n_ids + 2 * n_obj, done)
         self._after(lane, caller)
         off = meta + n_ids * 8
         rows = (n_ids - skip) * plan.bs
@@ -293,6 +319,7 @@ class TransferEngine:
         to_objects: bool,
         chunk_size: int,
         skip: int,
+        done: _Completion,
     ) -> tuple[object, int]:
         key = (tuple(caps), skip, rows, chunk_size, plan.bs, plan.bytes_per_token, plan.word, to_objects,
                lane.next_slot)  # fmt: skip
@@ -306,8 +333,9 @@ class TransferEngine:
             self._schedules[key] = sched
         lane.next_slot = sched.next_slot
         n_ids = len(ids)
-        meta, keep = lane.upload([ids, sched.tables], n_ids + len(sched.tables))
-        self._after(lane, caller)
+        meta, keep = lane.upload([ids, sched.tables], n_ids + len(sched.tables), done)
+        if to_objects:
+            self._after(lane, caller)  # a retrieve's first DMA need not wait for the caller: only its scatters do
         off, cap = meta + n_ids * 8, meta + (n_ids + len(caps)) * 8
         d, ks, cs = self._driver, lane.ks, lane.cs
         launch_raw, wait, record = triton_copy.launch_raw, d.wait, d.record
@@ -318,42 +346,45 @@ class TransferEngine:
                        chunk_size, head_rows, caps[first] - head_rows)  # fmt: skip
         staging, programs = lane.staging_ptr, self.config.programs
         one_slab = sched.runs and _one_slab(ptrs, caps, plan.bytes_per_token)
+        owner = lane.slot_owner
         for step in sched.steps:
             slot_free, slot_ready = lane.slot_free[step.slot], lane.slot_ready[step.slot]
+            idle = owner[step.slot] is None  # its last user was seen finished (a slice of this one owns it)
+            owner[step.slot] = done
             runs = _runs(objects, step, ptrs, one_slab)
             if to_objects:
-                wait(ks, slot_free, 0)
+                if not idle:
+                    wait(ks, slot_free, 0)
                 launch_raw(plan, ks, staging, off, cap, meta, True, chunk_size, step.row0, step.n_rows, step.rows,
                            step.shift, programs)  # fmt: skip
                 record(slot_ready, ks)
                 self._dma(lane, runs, slot_ready, d.dtoh, True)
                 record(slot_free, cs)
             else:
-                self._dma(lane, runs, slot_free, d.htod, False)
+                self._dma(lane, runs, None if idle else slot_free, d.htod, False)
                 record(slot_ready, cs)
+                if step is sched.steps[0]:
+                    self._after(lane, caller)
                 wait(ks, slot_ready, 0)
                 launch_raw(plan, ks, staging, off, cap, meta, False, chunk_size, step.row0, step.n_rows, step.rows,
                            step.shift, programs)  # fmt: skip
                 record(slot_free, ks)
+        done.slots = sched.slots
         # A store ends on the copy stream, unless it was all head (then the kernel stream holds everything).
         return keep, (cs if to_objects and sched.steps else ks)
 
-    def _dma(self, lane: _Lane, runs: list[tuple[int, int, int]], after: int, copy: Any, to_host: bool) -> None:
-        """Copy a slice's `runs` (host, staging, bytes) between its slot and host memory once `after` has fired,
-        alternating over both copy streams when there are several; ends on the first copy stream."""
-        wait, cs = self._driver.wait, lane.cs
-        wait(cs, after, 0)
-        if len(runs) == 1:
-            host, dev, n = runs[0]
+    def _dma(self, lane: _Lane, runs: list[tuple[int, int, int]], after: int | None, copy: Any, to_host: bool) -> None:
+        """Copy a slice's `runs` (host, staging, bytes) between its slot and host memory once `after` (if any) has
+        fired.
+
+        (Scattered objects cost a DMA each: ~1.3 us apart and each ~3% slower than one long copy, so a slice of
+        3 MiB objects loses ~5%. Alternating them over two copy streams changed nothing: the DMAs still ran one
+        after another, measured.)"""
+        cs = lane.cs
+        if after is not None:
+            self._driver.wait(cs, after, 0)
+        for host, dev, n in runs:
             copy(host, dev, n, cs) if to_host else copy(dev, host, n, cs)
-            return
-        cs2 = lane.cs2
-        wait(cs2, after, 0)
-        for i, (host, dev, n) in enumerate(runs):
-            stream = cs2 if i & 1 else cs
-            copy(host, dev, n, stream) if to_host else copy(dev, host, n, stream)
-        self._driver.record(lane.joined, cs2)
-        wait(cs, lane.joined, 0)
 
 
 def _runs(objects: list[torch.Tensor], step: Step, ptrs: list[int], one_slab: bool) -> list[tuple[int, int, int]]:

@@ -47,6 +47,7 @@ class Schedule:
     steps: tuple[Step, ...]
     next_slot: int  # the ring's next slot after this request
     runs: bool  # some slice holds several objects (its DMA may run across adjacent ones)
+    slots: tuple[int, ...]  # the slots this request uses
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,7 @@ def schedule(
         steps=tuple(steps),
         next_slot=(ring.next_slot + len(slices)) % ring.slots,
         runs=any(len(step.parts) > 1 for step in steps),
+        slots=tuple(sorted({step.slot for step in steps})),
     )
 
 
