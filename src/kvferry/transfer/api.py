@@ -304,25 +304,15 @@ class _PlanCache:
         self._lock = threading.Lock()
 
     def torch(self, geom: KVGeometry) -> Any:
-        from kvferry.kernels.torch_copy import build_plan
-
-        return self._get(geom, "torch", build_plan)
+        return self._cached(geom, "torch") or self._get(geom, "torch", self._build_torch)
 
     def triton(self, geom: KVGeometry) -> Any:
-        from kvferry.kernels.triton_copy import build_plan
+        return self._cached(geom, "triton") or self._get(geom, "triton", self._build_triton)
 
-        def by_layout(g: KVGeometry) -> Any:
-            tensors = {id(t): t for s in g.stripes for t in s.tensors}.values()
-            key = (g.fmt, g.bs, g.dtype, tuple((t.data_ptr(), tuple(t.shape), t.stride()) for t in tensors))
-            plan = self._by_layout.get(key)
-            if plan is None:
-                plan = self._by_layout[key] = build_plan(g)
-                if len(self._by_layout) > self.LAYOUTS:
-                    self._by_layout.popitem(last=False)
-            self._by_layout.move_to_end(key)
-            return plan
-
-        return self._get(geom, "triton", by_layout if geom.device.type == "cuda" else build_plan)
+    def _cached(self, geom: KVGeometry, name: str) -> Any:
+        """The plan if built already (every call after the first: no lock, no allocation)."""
+        plans = self._plans.get(geom)
+        return plans.get(name) if plans is not None else None
 
     def _get(self, geom: KVGeometry, name: str, build: Any) -> Any:
         with self._lock:
@@ -330,6 +320,27 @@ class _PlanCache:
             if name not in plans:
                 plans[name] = build(geom)
             return plans[name]
+
+    @staticmethod
+    def _build_torch(geom: KVGeometry) -> Any:
+        from kvferry.kernels.torch_copy import build_plan
+
+        return build_plan(geom)
+
+    def _build_triton(self, geom: KVGeometry) -> Any:
+        from kvferry.kernels.triton_copy import build_plan
+
+        if geom.device.type != "cuda":
+            return build_plan(geom)
+        tensors = {id(t): t for s in geom.stripes for t in s.tensors}.values()
+        key = (geom.fmt, geom.bs, geom.dtype, tuple((t.data_ptr(), tuple(t.shape), t.stride()) for t in tensors))
+        plan = self._by_layout.get(key)  # called with the lock held
+        if plan is None:
+            plan = self._by_layout[key] = build_plan(geom)
+            if len(self._by_layout) > self.LAYOUTS:
+                self._by_layout.popitem(last=False)
+        self._by_layout.move_to_end(key)
+        return plan
 
 
 _plans = _PlanCache()
