@@ -88,11 +88,9 @@ def _stripe_copy_kernel(
             o0 = g0 // chunk
             o_run = tl.load(obj_off + o0) + obj_shift + (row * tl.load(obj_cap + o0) + g0 % chunk) * obj_row
             e_run = e_base + tl.load(ids + g0 // BS) * block_stride + (g0 % BS) * token_stride
-            # No token mask: BLOCK_T divides BS and a launch's token range is whole blocks (`launch_raw` checks),
-            # so a flat tile is never partial. (Its per-element division by WIDTH cost the narrow rows speed.)
             for f0 in tl.static_range(0, BLOCK_T * WIDTH, BLOCK_F):
                 f = f0 + tl.arange(0, BLOCK_F)
-                mask = f < BLOCK_T * WIDTH
+                mask = (f < BLOCK_T * WIDTH) & (g0 + f // WIDTH < row0 + n_rows)
                 if TO_OBJECT:
                     tl.store(obj_p + o_run + f, tl.load(eng_p + e_run + f, mask=mask), mask=mask)
                 else:
@@ -243,7 +241,6 @@ def launch(
     """
     if n_rows <= 0:
         return
-    _check_whole_blocks(plan, row0, n_rows)
     if block_ids.device.type == "cuda":
         stream = torch.cuda.current_stream(block_ids.device).cuda_stream
         off = table.data_ptr()
@@ -289,7 +286,6 @@ def launch_raw(
         return
     if not -(2**31) <= obj_shift < 2**31 or row0 + n_rows >= 2**31:
         raise ValueError("a launch's token range and staging shift must fit 32 bits (the kernel's argument types)")
-    _check_whole_blocks(plan, row0, n_rows)
     for index, s in enumerate(plan.stripes):
         e0, e1 = _entries(s, rows)
         if e1 == e0:
@@ -353,12 +349,6 @@ def _compile(plan: TritonPlan, s: _StripeArgs, obj_ptr: int, to_objects: bool) -
         direct = direct_launcher(driver(), compiled, names, list(head), len(names) - len(head))
     launch = direct or _FastLaunch(compiled, head, tuple(consts.values()))
     return _Launcher(launch, tiling.block_t, _programs(device))
-
-
-def _check_whole_blocks(plan: TritonPlan, row0: int, n_rows: int) -> None:
-    """A launch copies whole blocks (flat tiles rely on it: they have no token mask)."""
-    if row0 % plan.bs or n_rows % plan.bs:
-        raise ValueError(f"a launch copies whole blocks: rows {row0}+{n_rows} are not multiples of BS={plan.bs}")
 
 
 def _entries(s: _StripeArgs, rows: tuple[int, int] | None) -> tuple[int, int]:
