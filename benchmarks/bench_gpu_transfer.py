@@ -54,7 +54,10 @@ def memcpy_ms(nbytes: int, to_host: bool, reps: int) -> float:
 
 
 class Setup:
-    def __init__(self, model: str, fmt: F, n_chunks: int, chunk: int = 256, nb: int = 4096, gaps: bool = True) -> None:
+    def __init__(
+        self, model: str, fmt: F, n_chunks: int, chunk: int = 256, nb: int = 4096, gaps: bool = True, run: bool = False
+    ) -> None:
+        """`gaps`: objects scattered in the pool (a small hole after each); `run`: one tensor of all objects."""
         dims = MODELS[model]
         if layout_of(fmt).is_mla and not layout_of(fmt).nesting.count("NP"):
             dims = ModelDims(nl=dims.nl, nh=1, hs=sum(dims.plane_widths) or dims.hs)
@@ -69,11 +72,12 @@ class Setup:
         self.geom = describe(fmt, self.paged, block_size=bs)
         obj_bytes = self.geom.bytes_per_token * chunk
         self.pool = HostPool(1 << max(30, (obj_bytes * n_chunks * 2).bit_length()))
-        self.objects = []
-        for _ in range(n_chunks):  # scattered in the pool: a small hole between objects (unless gaps=False)
-            self.objects.append(self.pool.alloc(self.geom.object_shape(chunk), dtype))
-            if gaps:
+        listed: list[torch.Tensor] = []
+        for _ in range(0 if run else n_chunks):
+            listed.append(self.pool.alloc(self.geom.object_shape(chunk), dtype))
+            if gaps:  # scattered in the pool: a small hole after each object
                 self.pool.alloc((4096,), torch.uint8)
+        self.objects = self.pool.alloc((n_chunks, *self.geom.object_shape(chunk)), dtype) if run else listed
         self.ids = torch.randperm(nb)[: n_chunks * chunk // bs]
         self.nbytes = obj_bytes * n_chunks
 
@@ -183,6 +187,12 @@ def main() -> int:
             row("bulk", f"{model} {d.name} staged, adjacent objects", s.nbytes, run_ms(adjacent, d, engine, "staged",
                 reps), ceil)  # fmt: skip
         del adjacent
+        run = Setup(model, fmt, n, run=True)  # the objects as one tensor [n, *object_shape]
+        for d in (Direction.D2H, Direction.H2D):
+            ceil = memcpy_ms(s.nbytes, d is Direction.D2H, reps)
+            row("bulk", f"{model} {d.name} staged, objects as one tensor", s.nbytes, run_ms(run, d, engine, "staged",
+                reps), ceil)  # fmt: skip
+        del run
         del s
         torch.cuda.empty_cache()
     if "formats" in sections:

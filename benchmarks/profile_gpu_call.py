@@ -16,7 +16,8 @@ from kvferry.formats.synthetic import MODELS, make_paged
 from kvferry.kernels import triton_copy
 from kvferry.kernels.cuda_driver import driver
 from kvferry.memory import HostPool
-from kvferry.transfer.api import _plans, check_request
+from kvferry.transfer import check_request
+from kvferry.transfer.api import _plans
 from kvferry.transfer.gpu_engine import TransferEngine
 
 
@@ -152,7 +153,7 @@ def stages(paged, objs, ids, fmt, geom, engine) -> None:  # type: ignore[no-unty
 
         setattr(module, name, wrapper)
 
-    for module, name in ((api, "_check"), (api, "_backend"), (triton_copy, "launch_raw")):
+    for module, name in ((api, "check"), (api, "_backend"), (triton_copy, "launch_raw")):
         timed(module, name)
     orig_upload = gpu_engine._Lane.upload
 

@@ -95,3 +95,24 @@ def test_fp8_moves_as_bytes() -> None:
     ref = [poisoned(kvferry.object_shape(fmt, paged, 8), torch.float8_e4m3fn) for _ in range(2)]
     kvferry.transfer(paged, ref, [5, 1, 0, 3], Direction.D2H, fmt, 8, backend="reference")
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(objs, ref, strict=True))
+
+
+@pytest.mark.parametrize("fmt", [F.NL_X_TWO_NB_BS_NH_HS, F.NL_X_NB_BS_HS, F.NL_X_NB_NH_BS_TWO_HS], ids=lambda f: f.name)
+@pytest.mark.parametrize("backend", ["reference", "torch", "triton"])
+def test_objects_as_one_tensor_equal_a_list(fmt: F, backend: str) -> None:
+    """`objects` as one tensor [n, *object_shape] moves exactly what the list of its objects moves."""
+    chunk, bs = 8, 4
+    paged = _engine(fmt, torch.bfloat16, 3, False)
+    geom = describe(fmt, paged, block_size=bs)
+    ids = [3, 9, 0, 5, 7, 1]
+    run = poisoned((3, *geom.object_shape(chunk)), geom.dtype)
+    listed = _objects(geom.object_shape(chunk), geom.dtype, chunk, 3, fill=False)
+    kvferry.transfer(paged, run, ids, Direction.D2H, fmt, chunk, 1, backend=backend, block_size=bs)
+    kvferry.transfer(paged, listed, ids, Direction.D2H, fmt, chunk, 1, backend="reference", block_size=bs)
+    assert torch.equal(run.view(torch.uint8), torch.stack(listed).view(torch.uint8))
+
+    random_fill(run)
+    got, want = _engine(fmt, torch.bfloat16, 5, False), _engine(fmt, torch.bfloat16, 5, False)
+    kvferry.transfer(got, run, ids, Direction.H2D, fmt, chunk, 1, backend=backend, block_size=bs)
+    kvferry.transfer(want, list(run), ids, Direction.H2D, fmt, chunk, 1, backend="reference", block_size=bs)
+    assert all(torch.equal(a, b) for a, b in zip(engine_bytes(got), engine_bytes(want), strict=True))

@@ -19,6 +19,7 @@ from kvferry.kernels import triton_copy
 from kvferry.memory import HostPool
 from kvferry.transfer import gpu_engine
 from kvferry.transfer.pinned import register_pinned
+from kvferry.transfer.request import check
 from tests.conftest import engine_bytes
 from tests.transfer.cpu_engine import (
     CS,
@@ -101,22 +102,28 @@ def test_submit_equals_the_reference(cpu_engine, fmt: F, skip: int, spread: bool
         assert any(st.rows is not None for sched in engine._schedules.values() for st in sched.steps)
 
 
-@pytest.mark.parametrize("registered", [False, True])
-def test_adjacent_objects_move_in_one_dma(cpu_engine, registered: bool) -> None:  # type: ignore[no-untyped-def]
-    """Objects back to back in one allocation are one DMA per slice, whether the slab is a registered pinned one
-    (known without asking the objects) or not (each pair's storage compared)."""
+@pytest.mark.parametrize("given", ["list", "list-in-registered-slab", "one-tensor"])
+def test_adjacent_objects_move_in_one_dma(cpu_engine, given: str) -> None:  # type: ignore[no-untyped-def]
+    """Objects back to back in one allocation are one DMA per slice: a list whose slab is a registered pinned one
+    (known without asking the objects), a list in another allocation (each pair's storage compared), or the
+    objects given as one tensor."""
     fmt, chunk, bs = F.NL_X_TWO_NB_BS_NH_HS, 16, 4
     paged = _engine(fmt, torch.bfloat16, 3, False, nb=12)
     geom = describe(fmt, paged, block_size=bs)
     pool = HostPool(1 << 20, alignment=256, pin=False)
-    if registered:
+    if given == "list-in-registered-slab":
         register_pinned(pool, pool.slab.data_ptr(), pool.slab.numel())
     engine, _ = cpu_engine(pool, 1 << 16)
-    objs = pool.try_alloc_many(geom.object_shape(chunk), geom.dtype, 3)
-    assert [o.data_ptr() - objs[0].data_ptr() for o in objs] == [0, objs[0].nbytes, 2 * objs[0].nbytes]
+    shape = geom.object_shape(chunk)
+    if given == "one-tensor":
+        objs: list[torch.Tensor] | torch.Tensor = pool.alloc((3, *shape), geom.dtype)
+    else:
+        objs = pool.try_alloc_many(shape, geom.dtype, 3)
+        assert [o.data_ptr() - objs[0].data_ptr() for o in objs] == [0, objs[0].nbytes, 2 * objs[0].nbytes]
     ids = torch.randperm(12)
-    engine.submit(triton_copy.build_plan(geom), objs, ids, True, chunk, 0).wait()
-    want = [torch.empty_like(o) for o in objs]
+    request = check(geom, objs, ids, Direction.D2H, chunk, 0)
+    engine.submit(triton_copy.build_plan(geom), objs, request, True, chunk, 0).wait()
+    want = [torch.empty(shape, dtype=geom.dtype) for _ in range(3)]
     kvferry.transfer(paged, want, ids, Direction.D2H, fmt, chunk, backend="reference", block_size=bs)
     assert all(torch.equal(a, b) for a, b in zip(objs, want, strict=True))
     assert [call for call, *_ in engine._driver.log].count("dtoh") == 1

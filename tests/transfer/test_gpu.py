@@ -208,3 +208,29 @@ def test_gpu_objects_and_sync_api() -> None:
     want = [torch.empty(o.shape, dtype=o.dtype) for o in objs]
     kvferry.transfer(_to_cpu(paged), want, ids, Direction.D2H, fmt, backend="reference")
     assert all(torch.equal(a.cpu(), b) for a, b in zip(objs, want, strict=True))
+
+
+@pytest.mark.parametrize(("model", "fmt", "bs"), CASES)
+@pytest.mark.parametrize("mode", ["staged", "zero_copy"])
+def test_objects_as_one_tensor(model: str, fmt: F, bs: int, mode: str, pool: HostPool) -> None:
+    """A request whose objects come as one tensor [n, *object_shape] (adjacent in the pool) moves the same bytes."""
+    paged = make_paged(fmt, MODELS[model], 128, bs, device="cuda")
+    geom = describe(fmt, paged, block_size=bs)
+    chunk = 256
+    run = pool.alloc((5, *geom.object_shape(chunk)), geom.dtype)
+    run.view(torch.uint8).fill_(0x5A)
+    ids = torch.randperm(128)[: 5 * chunk // bs]
+    engine = TransferEngine("cuda", EngineConfig(mode=mode, slice_bytes=chunk * geom.bytes_per_token * 2))
+    kvferry.transfer_async(paged, run, ids, Direction.D2H, fmt, chunk, 2, block_size=bs, engine=engine).wait()
+    want = torch.empty_like(run).view(torch.uint8).fill_(0x5A).view(geom.dtype)
+    kvferry.transfer(_to_cpu(paged), want, ids, Direction.D2H, fmt, chunk, 2, backend="torch", block_size=bs)
+    assert torch.equal(run.view(torch.uint8), want.view(torch.uint8))
+
+    random_fill(run)
+    target = make_paged(fmt, MODELS[model], 128, bs, device="cuda")
+    target_cpu = _to_cpu(target)
+    kvferry.transfer_async(target, run, ids, Direction.H2D, fmt, chunk, 2, block_size=bs, engine=engine).wait()
+    kvferry.transfer(target_cpu, run, ids, Direction.H2D, fmt, chunk, 2, backend="torch", block_size=bs)
+    got = [t.cpu().contiguous().view(torch.uint8) for t in leaves(target)]
+    assert all(torch.equal(a, b.contiguous().view(torch.uint8)) for a, b in zip(got, leaves(target_cpu), strict=True))
+    pool.free(run)

@@ -90,3 +90,19 @@ def test_range_and_repeat_checks_at_every_length(n_blocks: int) -> None:
     assert all(torch.equal(a, b) for a, b in zip(before, engine_bytes(paged), strict=True))
     kvferry.transfer(paged, objs, repeated, Direction.D2H, F, chunk_size=4 * n_blocks)  # a store may repeat
     kvferry.transfer(paged, objs, ids, Direction.H2D, F, chunk_size=4 * n_blocks, skip_prefix_blocks=1)
+
+
+def test_objects_as_one_tensor_are_checked_as_a_whole(setup) -> None:  # type: ignore[no-untyped-def]
+    paged, objs = setup
+    run = torch.stack(objs)  # [2, *object_shape]
+    before = engine_bytes(paged)
+    for bad, error, match in [
+        (run[:, :, :, :4], ValueError, r"objects given as one tensor must be \[n >= 1, 2, 2, 8, 8\]"),
+        (run[:0], ValueError, "n >= 1"),
+        (run[0], ValueError, "must be a torch.Tensor|one tensor"),
+        (run.float(), TypeError, "dtype torch.float32"),
+        (run.transpose(3, 4).contiguous().transpose(3, 4), ValueError, "contiguous"),
+    ]:
+        with pytest.raises(error, match=match):
+            kvferry.transfer(paged, bad, [0, 1, 2, 3], Direction.H2D, F, chunk_size=8)
+    assert all(torch.equal(a, b) for a, b in zip(before, engine_bytes(paged), strict=True))

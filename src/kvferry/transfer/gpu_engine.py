@@ -30,11 +30,10 @@ import torch
 
 from kvferry.kernels import triton_copy
 from kvferry.kernels.cuda_driver import Driver, driver
-from kvferry.transfer.pinned import is_known_pinned
-from kvferry.transfer.schedule import MiB, Ring, Schedule, Step, schedule
+from kvferry.transfer.schedule import MiB, Ring, Schedule, dma_runs, one_pinned_slab, schedule
 
 if TYPE_CHECKING:
-    from kvferry.transfer.api import Checked
+    from kvferry.transfer.request import Checked
 
 
 class _Completion:
@@ -232,20 +231,22 @@ class TransferEngine:
     def submit(
         self,
         plan: triton_copy.TritonPlan,
-        objects: list[torch.Tensor],
+        objects: list[torch.Tensor] | torch.Tensor,
         request: Checked | torch.Tensor,
         to_objects: bool,
         chunk_size: int,
         skip_prefix_blocks: int,
         mode: str | None = None,
     ) -> TransferHandle:
-        """Enqueue a validated request: `kvferry.transfer`'s `Checked` (or just its block ids, then the objects'
-        addresses are read here); objects are pinned host tensors."""
+        """Enqueue a validated request (`kvferry.transfer.request.check`) on pinned host objects. `request` is the
+        `Checked` result, or just the block ids of a list of objects (their addresses are then read here)."""
         if isinstance(request, torch.Tensor):
+            assert not isinstance(objects, torch.Tensor)
             ids, ptrs = request.numpy(), [o.data_ptr() for o in objects]
             caps = [o.shape[2] for o in objects]
+            rows, one_run = objects[0].shape[0] * objects[0].shape[1], False
         else:
-            ids, ptrs, caps = request.ids, request.ptrs, request.caps
+            ids, ptrs, caps, rows, one_run = request.ids, request.ptrs, request.caps, request.rows, request.one_run
         lane = self._store if to_objects else self._retrieve
         nbytes = (len(ids) - skip_prefix_blocks) * plan.bs * plan.bytes_per_token
         mode = mode or self.config.mode
@@ -266,8 +267,7 @@ class TransferEngine:
                 keep, end = self._zero_copy(lane, caller, plan, ptrs, caps, ids, to_objects, chunk_size,
                                             skip_prefix_blocks, done)  # fmt: skip
             elif nbytes:
-                rows = objects[0].shape[0] * objects[0].shape[1]
-                keep, end = self._staged(lane, caller, plan, objects, ptrs, caps, ids, rows, to_objects,
+                keep, end = self._staged(lane, caller, plan, objects, ptrs, caps, ids, rows, one_run, to_objects,
                                          chunk_size, skip_prefix_blocks, done)  # fmt: skip
             d.record(done.event, end)
             if done.meta >= 0:  # its metadata slot is reusable once the request's kernels have run
@@ -311,11 +311,12 @@ class TransferEngine:
         lane: _Lane,
         caller: int,
         plan: triton_copy.TritonPlan,
-        objects: list[torch.Tensor],
+        objects: list[torch.Tensor] | torch.Tensor,
         ptrs: list[int],
         caps: list[int],
         ids: np.ndarray,
         rows: int,
+        one_run: bool,
         to_objects: bool,
         chunk_size: int,
         skip: int,
@@ -345,22 +346,27 @@ class TransferEngine:
             launch_raw(plan, ks, ptrs[first], tail, tail + 8, meta + first * (chunk_size // plan.bs) * 8, True,
                        chunk_size, head_rows, caps[first] - head_rows)  # fmt: skip
         staging, programs = lane.staging_ptr, self.config.programs
-        one_slab = sched.runs and _one_slab(ptrs, caps, plan.bytes_per_token)
+        # Adjacent objects may share a DMA if they are one allocation; worked out after a store's first launch.
+        one_slab = one_run or (None if sched.runs else False)
         owner = lane.slot_owner
         for step in sched.steps:
             slot_free, slot_ready = lane.slot_free[step.slot], lane.slot_ready[step.slot]
             idle = owner[step.slot] is None  # its last user was seen finished (a slice of this one owns it)
             owner[step.slot] = done
-            runs = _runs(objects, step, ptrs, one_slab)
             if to_objects:
                 if not idle:
                     wait(ks, slot_free, 0)
                 launch_raw(plan, ks, staging, off, cap, meta, True, chunk_size, step.row0, step.n_rows, step.rows,
                            step.shift, programs)  # fmt: skip
                 record(slot_ready, ks)
-                self._dma(lane, runs, slot_ready, d.dtoh, True)
+                if one_slab is None:
+                    one_slab = one_pinned_slab(ptrs, caps, plan.bytes_per_token)
+                self._dma(lane, dma_runs(objects, step, ptrs, one_slab), slot_ready, d.dtoh, True)
                 record(slot_free, cs)
             else:
+                if one_slab is None:
+                    one_slab = one_pinned_slab(ptrs, caps, plan.bytes_per_token)
+                runs = dma_runs(objects, step, ptrs, one_slab)
                 self._dma(lane, runs, None if idle else slot_free, d.htod, False)
                 record(slot_ready, cs)
                 if step is sched.steps[0]:
@@ -385,36 +391,6 @@ class TransferEngine:
             self._driver.wait(cs, after, 0)
         for host, dev, n in runs:
             copy(host, dev, n, cs) if to_host else copy(dev, host, n, cs)
-
-
-def _runs(objects: list[torch.Tensor], step: Step, ptrs: list[int], one_slab: bool) -> list[tuple[int, int, int]]:
-    """A slice's DMAs: (host address, staging address, bytes), one per run of objects adjacent in host memory.
-
-    A run may only extend across objects of one pinned allocation: `one_slab` says all of them lie in one
-    registered pinned slab (the pool's objects); otherwise each pair is compared by storage."""
-    parts = step.parts
-    last, offset, n, dev = parts[0]
-    host = ptrs[last] + offset
-    runs = []
-    for o, _, size, _ in parts[1:]:
-        if host + n == ptrs[o] and (one_slab or _same_storage(objects[last], objects[o])):
-            n += size  # the same pinned allocation continues: extend the run
-        else:
-            runs.append((host, dev, n))
-            host, dev, n = ptrs[o], dev + n, size
-        last = o
-    runs.append((host, dev, n))
-    return runs
-
-
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-def _one_slab(ptrs: list[int], caps: list[int], bytes_per_token: int) -> bool:
-    """Do all these objects lie in one registered pinned slab (so adjacent ones are one allocation)?"""
-    top = ptrs.index(max(ptrs))
-    return is_known_pinned(min(ptrs), ptrs[top] + caps[top] * bytes_per_token)
 
 
 _engines: dict[torch.device, TransferEngine] = {}

@@ -4,7 +4,8 @@ A request's objects (after the skipped ones) are cut into slices of about a targ
 or row ranges of one object larger than the target (rows are contiguous in an object, so each range is one DMA).
 Each slice gets the next slot of the ring; the kernel places whole objects at word offsets in their slot (the
 offsets table) and a row range at the start of its slot (a shift). The result depends only on the shape, so the
-engine caches it (`TransferEngine._staged`): a request then fills in only its block ids and object addresses.
+engine caches it (`TransferEngine._staged`): a request then fills in only its block ids and object addresses, and
+`dma_runs` joins the DMAs of objects that sit back to back in one allocation.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
+import torch
+
+from kvferry.transfer.pinned import is_known_pinned
 
 MiB = 1 << 20
 
@@ -142,3 +146,36 @@ def cut_slices(sizes: list[int], first: int, rows: int, slot_bytes: int, target:
             slices.append(Slice([o]))
             size = sizes[o]
     return slices
+
+
+def dma_runs(
+    objects: list[torch.Tensor] | torch.Tensor, step: Step, ptrs: list[int], one_slab: bool
+) -> list[tuple[int, int, int]]:
+    """A slice's DMAs: (host address, staging address, bytes), one per run of objects adjacent in host memory.
+
+    A run may only extend across objects of one pinned allocation: `one_slab` says they are one (a registered
+    pinned slab, the pool's, holds them all, or they came as one tensor); otherwise each pair is compared by
+    storage. This part depends on the objects' addresses, so it runs per request, not in the cached schedule."""
+    parts = step.parts
+    last, offset, n, dev = parts[0]
+    host = ptrs[last] + offset
+    runs = []
+    for o, _, size, _ in parts[1:]:
+        if host + n == ptrs[o] and (one_slab or _same_storage(objects[last], objects[o])):
+            n += size  # the same pinned allocation continues: extend the run
+        else:
+            runs.append((host, dev, n))
+            host, dev, n = ptrs[o], dev + n, size
+        last = o
+    runs.append((host, dev, n))
+    return runs
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def one_pinned_slab(ptrs: list[int], caps: list[int], bytes_per_token: int) -> bool:
+    """Do all these objects lie in one registered pinned slab (so adjacent ones are one allocation)?"""
+    top = ptrs.index(max(ptrs))
+    return is_known_pinned(min(ptrs), ptrs[top] + caps[top] * bytes_per_token)

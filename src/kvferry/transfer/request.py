@@ -1,0 +1,210 @@
+"""What a transfer request is, and its validation: everything is checked before a byte moves.
+
+Objects come as a list of chunk-object tensors, or as one tensor `[n, *object_shape]` holding `n` whole objects
+back to back (what `HostPool.try_alloc_many` carves for a request): one shape/dtype/contiguity check for all of
+them, their addresses by arithmetic, and one DMA per slice on the GPU path. With 32 small objects the per-object
+checks of a list were most of a request's CPU time before its first GPU operation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from enum import IntEnum
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from kvferry.formats import KVGeometry
+from kvferry.transfer.pinned import is_known_pinned
+
+Objects = Sequence[torch.Tensor] | torch.Tensor
+
+
+class Direction(IntEnum):
+    """H2D = retrieve (objects -> engine), D2H = store (engine -> objects); the seed's TransferDirection."""
+
+    H2D = 0
+    D2H = 1
+
+
+class Checked(NamedTuple):
+    """A validated request: its block ids (a private int64 copy) and what the GPU path reads off each object."""
+
+    ids: np.ndarray
+    ptrs: list[int]  # each object's address
+    caps: list[int]  # each object's token capacity
+    rows: int  # object rows: planes x layers
+    on_host: bool  # every object is in CPU (host) memory
+    one_run: bool  # the objects were given as one tensor: back to back in one allocation
+
+
+def as_objects(objects: Objects) -> list[torch.Tensor] | torch.Tensor:
+    """A caller's objects as the checks take them: one tensor stays one tensor, anything else becomes a list."""
+    return objects if isinstance(objects, torch.Tensor) else list(objects)
+
+
+def object_list(objects: list[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
+    """One tensor per object (for the backends that walk objects one by one)."""
+    return list(objects.unbind(0)) if isinstance(objects, torch.Tensor) else objects
+
+
+def check_request(
+    geom: KVGeometry,
+    objects: Objects,
+    block_ids: Sequence[int] | torch.Tensor,
+    direction: Direction,
+    chunk_size: int,
+    skip_prefix_blocks: int,
+) -> torch.Tensor:
+    """Validate a request against the geometry; return the block ids as a CPU int64 tensor."""
+    objs = as_objects(objects)
+    return torch.from_numpy(check(geom, objs, block_ids, direction, chunk_size, skip_prefix_blocks).ids)
+
+
+# Below this many ids, range and repeat checks run on a Python list (a numpy reduction costs ~1.5 us however small).
+_SMALL_IDS = 128
+
+
+def check(
+    geom: KVGeometry,
+    objects: list[torch.Tensor] | torch.Tensor,
+    block_ids: Sequence[int] | torch.Tensor,
+    direction: Direction,
+    chunk_size: int,
+    skip_prefix_blocks: int,
+) -> Checked:
+    """`check_request`, keeping what the GPU path needs of every object (one pass of attribute reads)."""
+    bs = geom.bs
+    if not isinstance(chunk_size, int) or chunk_size <= 0 or chunk_size % bs:
+        raise ValueError(f"chunk_size={chunk_size} must be a positive multiple of the block size {bs}")
+    want = geom.object_shape(chunk_size)
+    full = (want[0], want[1], chunk_size, want[3])
+    if isinstance(objects, torch.Tensor):
+        ptrs, caps, on_host = _check_run(objects, full, geom.dtype)
+    else:
+        ptrs, caps, on_host = _check_list(objects, full, want, geom.dtype, chunk_size, bs)
+    ids = _as_id_array(block_ids)
+    if len(ids) != sum(caps) // bs:
+        raise ValueError(
+            f"block_ids has {len(ids)} entries but the {len(caps)} objects hold {sum(caps) // bs} blocks "
+            f"({sum(caps)} tokens / block size {bs})"
+        )
+    if not 0 <= skip_prefix_blocks <= len(ids):
+        raise ValueError(f"skip_prefix_blocks={skip_prefix_blocks} must be within 0..{len(ids)}")
+    copied = ids[skip_prefix_blocks:]
+    if len(copied):
+        small = copied.tolist() if len(copied) < _SMALL_IDS else None
+        lo, hi = (min(small), max(small)) if small is not None else (copied.min(), copied.max())
+        if lo < 0 or hi >= geom.nb:
+            bad = int(np.flatnonzero((copied < 0) | (copied >= geom.nb))[0]) + skip_prefix_blocks
+            raise ValueError(f"block_ids[{bad}]={int(ids[bad])} is outside the pool of {geom.nb} blocks")
+        if direction is Direction.H2D and len(copied) > 1 and _repeats(copied, small):
+            raise ValueError("block_ids repeats a block: a retrieve would write one block from two places")
+    return Checked(ids, ptrs, caps, want[0] * want[1], on_host, isinstance(objects, torch.Tensor))
+
+
+def _check_list(
+    objects: list[torch.Tensor],
+    full: tuple[int, int, int, int],
+    want: tuple[int, int, int, int],
+    dtype: torch.dtype,
+    chunk_size: int,
+    bs: int,
+) -> tuple[list[int], list[int], bool]:
+    if not objects:
+        raise ValueError("objects is empty: pass at least one chunk object")
+    ptrs = []
+    on_host = True
+    last_index = len(objects) - 1
+    for i, obj in enumerate(objects):  # attribute reads only: ~0.5 us per object
+        if not isinstance(obj, torch.Tensor):
+            raise TypeError(f"objects[{i}] must be a torch.Tensor, got {type(obj).__name__}")
+        shape = obj.shape
+        if shape != full and not (i == last_index and _partial_ok(shape, want, chunk_size, bs)):
+            hint = " (only the last object may be partial, a multiple of BS tokens)" if i < last_index else ""
+            raise ValueError(f"objects[{i}] has shape {tuple(shape)}, expected {want}{hint}")
+        if obj.dtype != dtype:
+            raise TypeError(f"objects[{i}] has dtype {obj.dtype}; the engine's KV is {dtype}")
+        if not obj.is_contiguous():
+            raise ValueError(f"objects[{i}] must be contiguous")
+        ptrs.append(obj.data_ptr())
+        on_host = on_host and obj.is_cpu
+    caps = [chunk_size] * last_index + [objects[-1].shape[2]]  # only the last may be partial (checked above)
+    return ptrs, caps, on_host
+
+
+def _check_run(
+    objects: torch.Tensor, full: tuple[int, int, int, int], dtype: torch.dtype
+) -> tuple[list[int], list[int], bool]:
+    """`n` whole objects as one tensor `[n, *object_shape]`."""
+    if objects.dim() != 5 or tuple(objects.shape[1:]) != full or objects.shape[0] == 0:
+        raise ValueError(
+            f"objects given as one tensor must be [n >= 1, {', '.join(map(str, full))}] (n whole objects), "
+            f"got shape {tuple(objects.shape)}"
+        )
+    if objects.dtype != dtype:
+        raise TypeError(f"objects has dtype {objects.dtype}; the engine's KV is {dtype}")
+    if not objects.is_contiguous():
+        raise ValueError("objects given as one tensor must be contiguous")
+    size = objects.stride(0) * objects.element_size()
+    base = objects.data_ptr()
+    n = objects.shape[0]
+    return list(range(base, base + n * size, size)), [full[2]] * n, objects.is_cpu
+
+
+def _repeats(ids: np.ndarray, small: list[int] | None) -> bool:
+    if small is not None:
+        return len(set(small)) != len(small)
+    ordered = np.sort(ids)  # a repeat sits next to itself once sorted (np.unique costs twice this)
+    return bool((ordered[1:] == ordered[:-1]).any())
+
+
+def _partial_ok(shape: torch.Size, want: tuple[int, int, int, int], chunk_size: int, bs: int) -> bool:
+    return (
+        len(shape) == 4
+        and (shape[0], shape[1], shape[3]) == (want[0], want[1], want[3])
+        and 0 < shape[2] < chunk_size
+        and shape[2] % bs == 0
+    )
+
+
+def _as_id_array(block_ids: Sequence[int] | torch.Tensor) -> np.ndarray:
+    if isinstance(block_ids, torch.Tensor):
+        if block_ids.dtype is torch.int64 and block_ids.is_cpu and block_ids.dim() == 1:  # the common case, fast
+            return block_ids.numpy().copy()
+        if block_ids.dtype.is_floating_point or block_ids.dtype.is_complex or block_ids.dtype == torch.bool:
+            raise TypeError(f"block_ids must hold integers, got dtype {block_ids.dtype}")
+        if block_ids.dim() != 1:
+            raise ValueError(f"block_ids must be 1-D, got shape {tuple(block_ids.shape)}")
+        if block_ids.dtype != torch.int64 or block_ids.device.type != "cpu":
+            block_ids = block_ids.to(device="cpu", dtype=torch.int64)
+        return block_ids.numpy().copy()  # a private copy: what was validated is what moves
+    try:
+        ids = np.asarray(block_ids, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise TypeError(f"block_ids must be a sequence of ints or an int tensor: {exc}") from None
+    if ids.ndim != 1:
+        raise ValueError(f"block_ids must be 1-D, got shape {ids.shape}")
+    return ids
+
+
+def check_pinned(objects: list[torch.Tensor] | torch.Tensor, checked: Checked) -> None:
+    """Host objects for a GPU kernel or DMA must be pinned: one range check when they lie in a registered slab
+    (the pool's objects), else a CUDA query per allocation."""
+    ptrs = checked.ptrs
+    if isinstance(objects, torch.Tensor):
+        if is_known_pinned(ptrs[0], ptrs[0] + objects.nbytes) or objects.is_pinned():
+            return
+        raise ValueError("objects is pageable host memory; a GPU kernel needs pinned or device memory")
+    top = ptrs.index(max(ptrs))
+    if is_known_pinned(min(ptrs), ptrs[top] + objects[top].nbytes):
+        return
+    asked: set[int] = set()  # pinned-ness is a property of the allocation: ask once per storage
+    for i, o in enumerate(objects):
+        if is_known_pinned(ptrs[i]):
+            continue
+        storage = o.untyped_storage().data_ptr()
+        if storage not in asked and not o.is_pinned():
+            raise ValueError(f"objects[{i}] is pageable host memory; a GPU kernel needs pinned or device memory")
+        asked.add(storage)
