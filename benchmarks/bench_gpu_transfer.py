@@ -134,8 +134,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="gpu_bench.json")
     ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--sections", default="bulk,formats,onechunk,bidir,gemm,crossover",
-                    help="comma-separated subset of: bulk, formats, onechunk, bidir, gemm, crossover")  # fmt: skip
+    ap.add_argument("--sections", default="bulk,formats,formats-run,onechunk,bidir,gemm,crossover",
+                    help="comma-separated subset of: bulk, formats, formats-run (objects as one tensor), onechunk, "
+                         "bidir, gemm, crossover")  # fmt: skip
     args = ap.parse_args()
     reps = args.reps
     rows: list[dict] = []
@@ -195,14 +196,15 @@ def main() -> int:
         del run
         del s
         torch.cuda.empty_cache()
-    if "formats" in sections:
-        # 2. every format at a realistic shape, 16 chunks
-        for fmt in F:
+    # 2. every format at a realistic shape, 16 chunks: objects scattered in the pool (one DMA each), or as one
+    # tensor (as the cache allocates a request's objects: one DMA per slice)
+    for section, run in (("formats", False), ("formats-run", True)):
+        for fmt in F if section in sections else ():
             model = "deepseek-v3-mla" if layout_of(fmt).is_mla else "llama3-8b"
-            s = Setup(model, fmt, 16, nb=2048)
+            s = Setup(model, fmt, 16, nb=2048, run=run)
             for d in (Direction.D2H, Direction.H2D):
                 ceil = memcpy_ms(s.nbytes, d is Direction.D2H, reps)
-                row("formats", f"{fmt.name} {d.name}", s.nbytes, run_ms(s, d, engine, None, reps), ceil)
+                row(section, f"{fmt.name} {d.name}", s.nbytes, run_ms(s, d, engine, None, reps), ceil)
             del s
     # 3. one chunk, wall time from the Python call to completion vs a single memcpy's
     for model in ("llama3-8b", "qwen2.5-0.5b") if "onechunk" in sections else ():

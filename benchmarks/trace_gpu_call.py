@@ -112,11 +112,12 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--chunks", type=int, default=1, help="chunks per request (a bulk request's anatomy)")
     ap.add_argument("--models", default="llama3-8b,qwen2.5-0.5b")
+    ap.add_argument("--format", default=F.NL_X_TWO_NB_BS_NH_HS.name, help="engine layout (an EngineKVFormat name)")
     args = ap.parse_args()
     result: dict = {"device": torch.cuda.get_device_name(), "onechunk": [], "timelines": {}}
     engines = {name: TransferEngine("cuda", cfg) for name, cfg in VARIANTS.items()}
     for model in args.models.split(","):
-        s = Setup(model, F.NL_X_TWO_NB_BS_NH_HS, args.chunks)
+        s = Setup(model, F[args.format], args.chunks)
         for d in (Direction.D2H, Direction.H2D):
             one_chunk(s, model, d, engines, args.reps, args.out, result)
     args.out.write_text(json.dumps(result, indent=1))
