@@ -25,7 +25,11 @@ from bench_gpu_transfer import F, Setup
 from kvferry import Direction
 from kvferry.transfer.gpu_engine import EngineConfig, MiB, TransferEngine
 
-VARIANTS = {"default": EngineConfig(), "slices 8 MiB": EngineConfig(slice_bytes=8 * MiB)}
+VARIANTS = {
+    "default": EngineConfig(),
+    "slices 8 MiB": EngineConfig(slice_bytes=8 * MiB),
+    "one DMA per object": EngineConfig(batch_dma=False),
+}
 
 
 def wall_us(fn, reps: int) -> list[float]:  # type: ignore[no-untyped-def]

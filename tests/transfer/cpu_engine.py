@@ -46,6 +46,14 @@ class CopyingDriver:
         if self.copies:
             ctypes.memmove(dev, host, n)
 
+    has_batch = True
+
+    def copy_batch(self, dsts: Any, srcs: Any, sizes: Any, stream: int) -> None:
+        self.log.append(("batch", stream, len(sizes)))
+        for dst, src, n in zip(dsts, srcs, sizes, strict=True):
+            if self.copies:
+                ctypes.memmove(dst, src, n)
+
     def record(self, event: int, stream: int) -> None:
         self.log.append(("record", stream, event))
 
@@ -130,6 +138,6 @@ def engine_on(world: World, driver: CopyingDriver, config: gpu_engine.EngineConf
     engine = gpu_engine.TransferEngine.__new__(gpu_engine.TransferEngine)
     engine.__dict__.update(
         device=torch.device("cuda", 0), config=config, _driver=driver, _store=_lane(driver, world, slot_bytes, 2),
-        _retrieve=_lane(driver, world, slot_bytes, 2), _context=0, _schedules={},
+        _retrieve=_lane(driver, world, slot_bytes, 2), _context=0, _schedules={}, _batch=config.batch_dma,
     )  # fmt: skip
     return engine

@@ -44,10 +44,10 @@ def cpu_engine(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
     monkeypatch.setattr(gpu_engine._Completion, "__init__", completion_init)
     monkeypatch.setattr(gpu_engine._Completion, "__del__", lambda self: None)
 
-    def make(pool: HostPool, slot_bytes: int, mode: str = "staged"):  # type: ignore[no-untyped-def]
+    def make(pool: HostPool, slot_bytes: int, mode: str = "staged", batch: bool = True):  # type: ignore[no-untyped-def]
         world = World(pool, slot_bytes)
         monkeypatch.setattr(triton_copy, "launch_raw", world.launch_raw)
-        config = gpu_engine.EngineConfig(slot_bytes=slot_bytes, mode=mode)
+        config = gpu_engine.EngineConfig(slot_bytes=slot_bytes, mode=mode, batch_dma=batch)
         return engine_on(world, CopyingDriver(), config), world
 
     return make
@@ -64,7 +64,7 @@ CASES = [  # (format, skip_prefix_blocks, spread objects in the pool)
 
 
 @pytest.mark.parametrize(("fmt", "skip", "spread"), CASES, ids=lambda c: getattr(c, "name", str(c)))
-@pytest.mark.parametrize("mode", ["row-slices", "whole-objects", "zero_copy"])
+@pytest.mark.parametrize("mode", ["row-slices", "whole-objects", "whole-objects-unbatched", "zero_copy"])
 def test_submit_equals_the_reference(cpu_engine, fmt: F, skip: int, spread: bool, mode: str) -> None:  # type: ignore[no-untyped-def]
     chunk, bs = 16, 4
     paged = _engine(fmt, torch.bfloat16, 3, False)
@@ -74,7 +74,9 @@ def test_submit_equals_the_reference(cpu_engine, fmt: F, skip: int, spread: bool
     pool = HostPool(1 << 20, alignment=256, pin=False)
     row_bytes = chunk * geom.width * geom.element_size  # one object row: the smallest slice
     slot_bytes = 2 * row_bytes if mode == "row-slices" else 1 << 16
-    engine, world = cpu_engine(pool, slot_bytes, "zero_copy" if mode == "zero_copy" else "staged")
+    engine, world = cpu_engine(
+        pool, slot_bytes, "zero_copy" if mode == "zero_copy" else "staged", "unbatched" not in mode
+    )
     ids = torch.randperm(11, generator=torch.Generator().manual_seed(4))[:10]  # 2 full objects + a half one
     objs = []
     for s in [shape, shape, (*shape[:2], 8, shape[3])]:
@@ -100,6 +102,9 @@ def test_submit_equals_the_reference(cpu_engine, fmt: F, skip: int, spread: bool
     assert world.launches > 0
     if mode == "row-slices":  # every object was cut: more launches than objects and stripes
         assert any(st.rows is not None for sched in engine._schedules.values() for st in sched.steps)
+    copies = [call for call, stream, _ in engine._driver.log if call in ("dtoh", "htod", "batch") and stream != KS]
+    if mode.startswith("whole-objects") and spread:  # scattered objects share a slice: batched, or one copy each
+        assert ("batch" in copies) == (mode == "whole-objects")
 
 
 @pytest.mark.parametrize("given", ["list", "list-in-registered-slab", "one-tensor"])

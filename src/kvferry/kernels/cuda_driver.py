@@ -12,11 +12,27 @@ Every call returns a CUresult; anything but success raises `CudaError` naming th
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from functools import cache
 from typing import Any
 
 CUDA_ERROR_NOT_READY = 600
 _EVENT_DISABLE_TIMING = 0x2  # timing-free events are the cheap kind: record/wait/query only
+_SRC_ACCESS_ORDER_STREAM = 1  # a batched copy reads its source in stream order, like any async copy
+_PREFER_OVERLAP_WITH_COMPUTE = 1  # ask for the copy engines: the SMs belong to the model
+
+
+class _Location(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _MemcpyAttributes(ctypes.Structure):  # CUmemcpyAttributes_v1
+    _fields_ = [
+        ("srcAccessOrder", ctypes.c_int),
+        ("srcLocHint", _Location),
+        ("dstLocHint", _Location),
+        ("flags", ctypes.c_uint),
+    ]
 
 
 class CudaError(RuntimeError):
@@ -45,6 +61,10 @@ class Driver:
         )
         self._get_ctx = self._bind("cuCtxGetCurrent", ctypes.POINTER(c_void_p))
         self._set_ctx = self._bind("cuCtxSetCurrent", c_void_p)
+        self._batch = self._bind_batch()
+        self._batch_attrs = _MemcpyAttributes(_SRC_ACCESS_ORDER_STREAM, _Location(), _Location(),
+                                              _PREFER_OVERLAP_WITH_COMPUTE)  # fmt: skip
+        self._batch_first = ctypes.c_size_t(0)  # the one attribute set applies from copy 0 on
 
     def _bind(self, name: str, *argtypes: Any) -> Any:
         fn = getattr(self._lib, name)
@@ -58,6 +78,31 @@ class Driver:
             text = ctypes.c_char_p()
             self._name(result, ctypes.byref(text))
             raise CudaError(f"{fn.__name__} failed: {(text.value or b'?').decode()} ({result})")
+
+    def _bind_batch(self) -> Any:
+        """cuMemcpyBatchAsync (CUDA 12.8+; the `_v2` of CUDA 13 drops the failure index), or None."""
+        c_void_p, c_size_t, p_size = ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)
+        common = [c_void_p, c_void_p, c_void_p, c_size_t, ctypes.POINTER(_MemcpyAttributes), p_size, c_size_t]
+        if hasattr(self._lib, "cuMemcpyBatchAsync_v2"):
+            fn = self._bind("cuMemcpyBatchAsync_v2", *common, c_void_p)
+            return lambda d, s, n, count, a, i, stream: fn(d, s, n, count, a, i, 1, stream)
+        if hasattr(self._lib, "cuMemcpyBatchAsync"):
+            fn = self._bind("cuMemcpyBatchAsync", *common, p_size, c_void_p)
+            failed = ctypes.c_size_t()
+            return lambda d, s, n, count, a, i, stream: fn(d, s, n, count, a, i, 1, ctypes.byref(failed), stream)
+        return None
+
+    @property
+    def has_batch(self) -> bool:
+        return self._batch is not None
+
+    def copy_batch(self, dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int], stream: int) -> None:
+        """Several async copies (any direction, pinned host or device) in stream order as one call: the copy
+        engine takes them as one batch instead of one operation each (only where `has_batch`)."""
+        n = len(sizes)
+        addresses = ctypes.c_uint64 * n
+        self._batch(addresses(*dsts), addresses(*srcs), (ctypes.c_size_t * n)(*sizes), n,
+                    ctypes.byref(self._batch_attrs), ctypes.byref(self._batch_first), stream)  # fmt: skip
 
     def event(self) -> int:
         """A new timing-free event; the caller destroys it (`destroy`)."""
