@@ -23,14 +23,14 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from kvferry.kernels import triton_copy
 from kvferry.kernels.cuda_driver import Driver, driver
-from kvferry.transfer.schedule import MiB, Ring, Schedule, dma_runs, one_pinned_slab, schedule
+from kvferry.transfer.schedule import MiB, Ring, Schedule, Step, dma_runs, one_pinned_slab, schedule
 
 if TYPE_CHECKING:
     from kvferry.transfer.request import Checked
@@ -348,8 +348,7 @@ class TransferEngine:
             launch_raw(plan, ks, ptrs[first], tail, tail + 8, meta + first * (chunk_size // plan.bs) * 8, True,
                        chunk_size, head_rows, caps[first] - head_rows)  # fmt: skip
         staging, programs = lane.staging_ptr, self.config.programs
-        # Adjacent objects may share a DMA if they are one allocation; worked out after a store's first launch.
-        one_slab = one_run or (None if sched.runs else False)
+        runs = _Runs(objects, ptrs, caps, plan.bytes_per_token, one_run)
         owner = lane.slot_owner
         for step in sched.steps:
             slot_free, slot_ready = lane.slot_free[step.slot], lane.slot_ready[step.slot]
@@ -361,15 +360,10 @@ class TransferEngine:
                 launch_raw(plan, ks, staging, off, cap, meta, True, chunk_size, step.row0, step.n_rows, step.rows,
                            step.shift, programs)  # fmt: skip
                 record(slot_ready, ks)
-                if one_slab is None:
-                    one_slab = one_pinned_slab(ptrs, caps, plan.bytes_per_token)
-                self._dma(lane, dma_runs(objects, step, ptrs, one_slab), slot_ready, d.dtoh, True)
+                self._dma(lane, runs, step, slot_ready, True)
                 record(slot_free, cs)
             else:
-                if one_slab is None:
-                    one_slab = one_pinned_slab(ptrs, caps, plan.bytes_per_token)
-                runs = dma_runs(objects, step, ptrs, one_slab)
-                self._dma(lane, runs, None if idle else slot_free, d.htod, False)
+                self._dma(lane, runs, step, None if idle else slot_free, False)
                 record(slot_ready, cs)
                 if step is sched.steps[0]:
                     self._after(lane, caller)
@@ -381,9 +375,8 @@ class TransferEngine:
         # A store ends on the copy stream, unless it was all head (then the kernel stream holds everything).
         return keep, (cs if to_objects and sched.steps else ks)
 
-    def _dma(self, lane: _Lane, runs: list[tuple[int, int, int]], after: int | None, copy: Any, to_host: bool) -> None:
-        """Copy a slice's `runs` (host, staging, bytes) between its slot and host memory once `after` (if any) has
-        fired.
+    def _dma(self, lane: _Lane, runs: _Runs, step: Step, after: int | None, to_host: bool) -> None:
+        """Copy a slice between its slot and host memory once `after` (if any) has fired.
 
         Scattered objects cost a DMA each: ~1.3 us apart and each ~3% slower than one long copy, so a slice of
         3 MiB objects loses ~5% (2 MiB ones ~9%). Where the driver has cuMemcpyBatchAsync they go as one batch.
@@ -391,12 +384,36 @@ class TransferEngine:
         cs, d = lane.cs, self._driver
         if after is not None:
             d.wait(cs, after, 0)
-        if len(runs) > 1 and self._batch:  # scattered objects: one batch for the copy engine
-            hosts, devs, sizes = zip(*runs, strict=True)
+        if len(step.parts) == 1:  # one object, or a row range of one
+            o, offset, n, dev = step.parts[0]
+            host = runs.ptrs[o] + offset
+            d.dtoh(host, dev, n, cs) if to_host else d.htod(dev, host, n, cs)
+            return
+        parts = runs.of(step)
+        if len(parts) > 1 and self._batch:  # scattered objects: one batch for the copy engine
+            hosts, devs, sizes = zip(*parts, strict=True)
             d.copy_batch(hosts, devs, sizes, cs) if to_host else d.copy_batch(devs, hosts, sizes, cs)
             return
-        for host, dev, n in runs:
-            copy(host, dev, n, cs) if to_host else copy(dev, host, n, cs)
+        for host, dev, n in parts:
+            d.dtoh(host, dev, n, cs) if to_host else d.htod(dev, host, n, cs)
+
+
+class _Runs:
+    """A request's objects for `dma_runs`; whether they are one allocation is asked once, on first need (after a
+    store's first launch)."""
+
+    __slots__ = ("_bytes_per_token", "_caps", "_objects", "_one_slab", "ptrs")
+
+    def __init__(
+        self, objects: list[torch.Tensor] | torch.Tensor, ptrs: list[int], caps: list[int], bpt: int, one_run: bool
+    ) -> None:
+        self._objects, self.ptrs, self._caps, self._bytes_per_token = objects, ptrs, caps, bpt
+        self._one_slab = True if one_run else None
+
+    def of(self, step: Step) -> list[tuple[int, int, int]]:
+        if self._one_slab is None:
+            self._one_slab = one_pinned_slab(self.ptrs, self._caps, self._bytes_per_token)
+        return dma_runs(self._objects, step, self.ptrs, self._one_slab)
 
 
 _engines: dict[torch.device, TransferEngine] = {}
