@@ -27,8 +27,8 @@ from kvferry.transfer import gpu_engine
 def main() -> None:
     torch._C._cuda_getCurrentRawStream = lambda index: 0  # no CUDA here
     triton_copy.launch_raw = lambda *args, **kwargs: None  # type: ignore[assignment]
-    gpu_engine._Completion.__init__ = completion_init  # type: ignore[method-assign]
-    gpu_engine._Completion.__del__ = lambda self: None  # type: ignore[method-assign]
+    gpu_engine.Completion.__init__ = completion_init  # type: ignore[method-assign]
+    gpu_engine.Completion.__del__ = lambda self: None  # type: ignore[method-assign]
     config = gpu_engine.EngineConfig()
     engine = engine_on(World(HostPool(1 << 20, pin=False), config.slot_bytes), CopyingDriver(copies=False), config)
     plan = types.SimpleNamespace(bs=16, bytes_per_token=32 * 2 * 1024 * 2, word=8)  # llama3-8b, format 1

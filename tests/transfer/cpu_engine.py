@@ -133,7 +133,7 @@ def completion_init(self: Any, drv: Any, context: int, lane: Any = None) -> None
 
 def engine_on(world: World, driver: CopyingDriver, config: gpu_engine.EngineConfig) -> gpu_engine.TransferEngine:
     """A TransferEngine over `world`'s memory. The caller patches `torch._C._cuda_getCurrentRawStream`,
-    `triton_copy.launch_raw` (to `world.launch_raw`) and `_Completion.__init__`/`__del__` (see `completion_init`)."""
+    `triton_copy.launch_raw` (to `world.launch_raw`) and `Completion.__init__`/`__del__` (see `completion_init`)."""
     slot_bytes = world.staging.numel() // 2
     engine = gpu_engine.TransferEngine.__new__(gpu_engine.TransferEngine)
     engine.__dict__.update(

@@ -41,8 +41,8 @@ F = EngineKVFormat
 def cpu_engine(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
     """make(pool, slot_bytes, mode) -> (TransferEngine on CPU memory, its world)."""
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
-    monkeypatch.setattr(gpu_engine._Completion, "__init__", completion_init)
-    monkeypatch.setattr(gpu_engine._Completion, "__del__", lambda self: None)
+    monkeypatch.setattr(gpu_engine.Completion, "__init__", completion_init)
+    monkeypatch.setattr(gpu_engine.Completion, "__del__", lambda self: None)
 
     def make(pool: HostPool, slot_bytes: int, mode: str = "staged", batch: bool = True):  # type: ignore[no-untyped-def]
         world = World(pool, slot_bytes)

@@ -22,7 +22,8 @@ from kvferry.transfer.request import (
 )
 
 if TYPE_CHECKING:
-    from kvferry.transfer.gpu_engine import TransferEngine, TransferHandle
+    from kvferry.transfer.gpu_engine import TransferEngine
+    from kvferry.transfer.handle import TransferHandle
 
 Backend = Literal["auto", "reference", "torch", "triton"]
 BACKENDS = ("auto", "reference", "torch", "triton")

@@ -30,79 +30,11 @@ import torch
 
 from kvferry.kernels import triton_copy
 from kvferry.kernels.cuda_driver import Driver, driver
+from kvferry.transfer.handle import Completion, TransferHandle
 from kvferry.transfer.schedule import MiB, Ring, Schedule, Step, dma_runs, one_pinned_slab, schedule
 
 if TYPE_CHECKING:
     from kvferry.transfer.request import Checked
-
-
-class _Completion:
-    """A request's done-event (a raw CUDA event), back to its context's pool when its last holder lets go.
-
-    Pooled because creating an event costs more CPU than recording one. An event only returns to the pool after
-    the request has finished (the lane retires it only then, and a handle's holder is gone), so reusing it is safe.
-    Whoever sees it fire tells its lane (`_Lane.finished`), which then knows the slots it used are idle.
-    """
-
-    __slots__ = ("_driver", "_pool", "context", "event", "lane", "meta", "slots")
-
-    def __init__(self, drv: Driver, context: int, lane: _Lane | None = None) -> None:
-        self._driver = drv
-        self.context = context
-        self._pool = _event_pools.setdefault(context, [])
-        self.event = self._pool.pop() if self._pool else drv.event()
-        self.lane = lane
-        self.slots: tuple[int, ...] = ()  # staging slots this request used
-        self.meta = -1  # its metadata slot (-1: none)
-
-    def query(self) -> bool:
-        d = self._driver
-        with d.current(self.context):
-            fired = d.query(self.event)
-        if fired and self.lane is not None:
-            self.lane.finished(self)
-        return fired
-
-    def synchronize(self) -> None:
-        d = self._driver
-        with d.current(self.context):
-            d.synchronize(self.event)  # ctypes lets go of the GIL while it blocks
-        if self.lane is not None:
-            self.lane.finished(self)
-
-    def order(self, stream: int) -> None:
-        d = self._driver
-        with d.current(self.context):
-            d.wait(stream, self.event, 0)
-
-    def __del__(self) -> None:
-        if getattr(self, "event", None):  # None if __init__ failed
-            self._pool.append(self.event)
-
-
-_event_pools: dict[int, list[int]] = {}  # context -> finished, reusable done-events
-
-
-class TransferHandle:
-    """Completion of one enqueued request: poll it, wait for it, or order a stream after it."""
-
-    __slots__ = ("_completion", "mode", "nbytes")
-
-    def __init__(self, completion: _Completion, nbytes: int, mode: str) -> None:
-        self._completion = completion
-        self.nbytes = nbytes
-        self.mode = mode
-
-    def done(self) -> bool:
-        return self._completion.query()
-
-    def wait(self) -> None:
-        """Block the calling CPU thread until the bytes have moved."""
-        self._completion.synchronize()
-
-    def wait_on(self, stream: torch.cuda.Stream | None = None) -> None:
-        """Make `stream` (default: the current one) wait for this transfer, without blocking the CPU."""
-        self._completion.order((stream or torch.cuda.current_stream()).cuda_stream)
 
 
 class _Lane:
@@ -136,12 +68,12 @@ class _Lane:
         # The request that used each staging / metadata slot last, until it is seen finished (then None): a slot
         # whose owner is None needs no wait and no query, which takes driver calls (~5 us each on a slow host)
         # off the path to a request's first GPU operation.
-        self.slot_owner: list[_Completion | None] = [None] * slots
-        self.meta_owner: list[_Completion | None] = [None] * self.META_SLOTS
+        self.slot_owner: list[Completion | None] = [None] * slots
+        self.meta_owner: list[Completion | None] = [None] * self.META_SLOTS
         self.lock = threading.Lock()
-        self.inflight: deque[tuple[_Completion, object]] = deque()  # what a request's GPU work still reads
+        self.inflight: deque[tuple[Completion, object]] = deque()  # what a request's GPU work still reads
 
-    def upload(self, parts: list[np.ndarray | list[int]], n: int, done: _Completion) -> tuple[int, object]:
+    def upload(self, parts: list[np.ndarray | list[int]], n: int, done: Completion) -> tuple[int, object]:
         """Copy request metadata to the device on the kernel stream; return its device address and a keepalive.
 
         Device slots are reused in kernel-stream order; a host slot whose last upload has not run yet (requests
@@ -174,12 +106,12 @@ class _Lane:
         while self.inflight and self._driver.query(self.inflight[0][0].event):
             self._release(self.inflight.popleft()[0])
 
-    def finished(self, done: _Completion) -> None:
+    def finished(self, done: Completion) -> None:
         """`done` has fired: the slots it used last are idle."""
         with self.lock:
             self._release(done)
 
-    def _release(self, done: _Completion) -> None:
+    def _release(self, done: Completion) -> None:
         for s in done.slots:
             if self.slot_owner[s] is done:
                 self.slot_owner[s] = None
@@ -262,7 +194,7 @@ class TransferEngine:
         caller = torch._C._cuda_getCurrentRawStream(self.device.index)
         # the GPU work first: bookkeeping after it costs no latency
         with d.current(self._context), lane.lock:
-            done = _Completion(d, self._context, lane)
+            done = Completion(d, self._context, lane)
             end = caller
             keep: object = None
             if nbytes and mode == "zero_copy":
@@ -296,7 +228,7 @@ class TransferEngine:
         to_objects: bool,
         chunk_size: int,
         skip: int,
-        done: _Completion,
+        done: Completion,
     ) -> tuple[object, int]:
         n_ids, n_obj = len(ids), len(ptrs)
         offsets = [(p - ptrs[0]) // plan.word for p in ptrs]
@@ -322,7 +254,7 @@ class TransferEngine:
         to_objects: bool,
         chunk_size: int,
         skip: int,
-        done: _Completion,
+        done: Completion,
     ) -> tuple[object, int]:
         key = (tuple(caps), skip, rows, chunk_size, plan.bs, plan.bytes_per_token, plan.word, to_objects,
                lane.next_slot)  # fmt: skip

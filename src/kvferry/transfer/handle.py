@@ -1,0 +1,86 @@
+"""What a caller holds for an enqueued GPU transfer: a handle on the request's done-event.
+
+`Completion` is the event itself, pooled per CUDA context (creating an event costs more CPU than recording one), and
+tells its lane when it is seen to have fired, so the lane knows the staging and metadata slots the request used are
+idle (no stream wait or event query needed before the next request reuses them).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvferry.kernels.cuda_driver import Driver
+
+if TYPE_CHECKING:
+    from kvferry.transfer.gpu_engine import _Lane
+
+
+class Completion:
+    """A request's done-event (a raw CUDA event), back to its context's pool when its last holder lets go.
+
+    Pooled because creating an event costs more CPU than recording one. An event only returns to the pool after
+    the request has finished (the lane retires it only then, and a handle's holder is gone), so reusing it is safe.
+    Whoever sees it fire tells its lane (`_Lane.finished`), which then knows the slots it used are idle.
+    """
+
+    __slots__ = ("_driver", "_pool", "context", "event", "lane", "meta", "slots")
+
+    def __init__(self, drv: Driver, context: int, lane: _Lane | None = None) -> None:
+        self._driver = drv
+        self.context = context
+        self._pool = _event_pools.setdefault(context, [])
+        self.event = self._pool.pop() if self._pool else drv.event()
+        self.lane = lane
+        self.slots: tuple[int, ...] = ()  # staging slots this request used
+        self.meta = -1  # its metadata slot (-1: none)
+
+    def query(self) -> bool:
+        d = self._driver
+        with d.current(self.context):
+            fired = d.query(self.event)
+        if fired and self.lane is not None:
+            self.lane.finished(self)
+        return fired
+
+    def synchronize(self) -> None:
+        d = self._driver
+        with d.current(self.context):
+            d.synchronize(self.event)  # ctypes lets go of the GIL while it blocks
+        if self.lane is not None:
+            self.lane.finished(self)
+
+    def order(self, stream: int) -> None:
+        d = self._driver
+        with d.current(self.context):
+            d.wait(stream, self.event, 0)
+
+    def __del__(self) -> None:
+        if getattr(self, "event", None):  # None if __init__ failed
+            self._pool.append(self.event)
+
+
+_event_pools: dict[int, list[int]] = {}  # context -> finished, reusable done-events
+
+
+class TransferHandle:
+    """Completion of one enqueued request: poll it, wait for it, or order a stream after it."""
+
+    __slots__ = ("_completion", "mode", "nbytes")
+
+    def __init__(self, completion: Completion, nbytes: int, mode: str) -> None:
+        self._completion = completion
+        self.nbytes = nbytes
+        self.mode = mode
+
+    def done(self) -> bool:
+        return self._completion.query()
+
+    def wait(self) -> None:
+        """Block the calling CPU thread until the bytes have moved."""
+        self._completion.synchronize()
+
+    def wait_on(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Make `stream` (default: the current one) wait for this transfer, without blocking the CPU."""
+        self._completion.order((stream or torch.cuda.current_stream()).cuda_stream)
