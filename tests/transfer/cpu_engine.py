@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import threading
+import weakref
 from collections import deque
 from typing import Any
 
@@ -123,6 +124,7 @@ def _lane(drv: CopyingDriver, world: World, slot_bytes: int, slots: int) -> gpu_
         meta_owner=[None] * world.meta.shape[0],
     )  # fmt: skip
     lane.meta_host_np = lane.meta_host.numpy()
+    lane.ref = weakref.ref(lane)
     return lane
 
 

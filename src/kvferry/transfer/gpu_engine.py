@@ -21,6 +21,7 @@ kernel's launcher: torch's copy and event wrappers cost more CPU than a small re
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -72,6 +73,7 @@ class _Lane:
         self.meta_owner: list[Completion | None] = [None] * self.META_SLOTS
         self.lock = threading.Lock()
         self.inflight: deque[tuple[Completion, object]] = deque()  # what a request's GPU work still reads
+        self.ref = weakref.ref(self)  # how a request's completion reaches its lane (weakly: no cycle)
 
     def upload(self, parts: list[np.ndarray | list[int]], n: int, done: Completion) -> tuple[int, object]:
         """Copy request metadata to the device on the kernel stream; return its device address and a keepalive.
@@ -194,7 +196,7 @@ class TransferEngine:
         caller = torch._C._cuda_getCurrentRawStream(self.device.index)
         # the GPU work first: bookkeeping after it costs no latency
         with d.current(self._context), lane.lock:
-            done = Completion(d, self._context, lane)
+            done = Completion(d, self._context, lane.ref)
             end = caller
             keep: object = None
             if nbytes and mode == "zero_copy":

@@ -7,6 +7,7 @@ idle (no stream wait or event query needed before the next request reuses them).
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,12 +23,14 @@ class Completion:
 
     Pooled because creating an event costs more CPU than recording one. An event only returns to the pool after
     the request has finished (the lane retires it only then, and a handle's holder is gone), so reusing it is safe.
-    Whoever sees it fire tells its lane (`_Lane.finished`), which then knows the slots it used are idle.
+    Whoever sees it fire tells its lane (`_Lane.finished`), which then knows the slots it used are idle. It holds
+    the lane weakly: the lane holds it (in flight, or as a slot's last user), and a cycle would keep a dropped
+    engine's staging memory until the garbage collector ran.
     """
 
     __slots__ = ("_driver", "_pool", "context", "event", "lane", "meta", "slots")
 
-    def __init__(self, drv: Driver, context: int, lane: _Lane | None = None) -> None:
+    def __init__(self, drv: Driver, context: int, lane: weakref.ref[_Lane] | None = None) -> None:
         self._driver = drv
         self.context = context
         self._pool = _event_pools.setdefault(context, [])
@@ -40,16 +43,20 @@ class Completion:
         d = self._driver
         with d.current(self.context):
             fired = d.query(self.event)
-        if fired and self.lane is not None:
-            self.lane.finished(self)
+        if fired:
+            self._tell_lane()
         return fired
 
     def synchronize(self) -> None:
         d = self._driver
         with d.current(self.context):
             d.synchronize(self.event)  # ctypes lets go of the GIL while it blocks
-        if self.lane is not None:
-            self.lane.finished(self)
+        self._tell_lane()
+
+    def _tell_lane(self) -> None:
+        lane = self.lane() if self.lane is not None else None
+        if lane is not None:
+            lane.finished(self)
 
     def order(self, stream: int) -> None:
         d = self._driver
