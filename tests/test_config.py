@@ -77,3 +77,23 @@ def test_sections_are_frozen() -> None:
     cfg = CacheConfig()
     with pytest.raises(ValidationError):
         cfg.chunk_size = 5  # type: ignore[misc]
+
+
+def test_transfer_section_gives_the_gpu_engine_settings(tmp_path: Path) -> None:
+    from kvferry.transfer.gpu_engine import EngineConfig
+
+    path = tmp_path / "kvferry.yaml"
+    path.write_text("transfer:\n  staging_slots: 3\n  slice_mib: 8\n  mode: staged\n")
+    env = {"KVFERRY_TRANSFER__STAGING_SLOT_MIB": "128", "KVFERRY_TRANSFER__KERNEL_PRIORITY": "0"}
+    cfg = KvferryConfig.load(path, env=env)
+    engine = EngineConfig(**cfg.transfer.engine_settings())
+    assert (engine.slots, engine.slot_bytes, engine.slice_bytes) == (3, 128 << 20, 8 << 20)
+    assert (engine.mode, engine.kernel_priority, engine.zero_copy_below, engine.batch_dma) == (
+        "staged",
+        0,
+        4 << 20,
+        True,
+    )
+    assert EngineConfig(**KvferryConfig.load(env={}).transfer.engine_settings()) == EngineConfig()  # same defaults
+    with pytest.raises(ValidationError, match="staging_slot_mib"):
+        KvferryConfig.load(env={"KVFERRY_TRANSFER__STAGING_SLOT_MIB": "0"})

@@ -2,7 +2,8 @@
 from explicit overrides (the CLI's flags), in that order of precedence (later wins).
 
 Environment variables name a section field with a double underscore: ``KVFERRY_CACHE__CHUNK_SIZE=512``,
-``KVFERRY_SERVER__PORT=6000``; the tier list is ``KVFERRY_TIERS`` (a JSON list or comma-separated URLs).
+``KVFERRY_SERVER__PORT=6000``, ``KVFERRY_TRANSFER__STAGING_SLOT_MIB=128``; the tier list is ``KVFERRY_TIERS`` (a
+JSON list or comma-separated URLs).
 """
 
 from __future__ import annotations
@@ -61,12 +62,46 @@ class CacheConfig(BaseModel):
         return int(self.l1_size_gb * 2**30) // 4096 * 4096
 
 
+class TransferConfig(BaseModel):
+    """The GPU data path's engines (`kvferry.transfer.gpu_engine.EngineConfig`), one per GPU, process-wide."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    staging_slots: int = Field(2, gt=0, description="staging slots per direction and GPU")
+    staging_slot_mib: int = Field(64, gt=0, description="MiB per staging slot (GPU memory: 2 directions x slots)")
+    slice_mib: float | None = Field(
+        None, gt=0, description="bytes per pipeline slice; default a quarter of the request, 16 MiB to half a slot"
+    )
+    zero_copy_below_mib: float = Field(4.0, ge=0, description="requests smaller than this run zero-copy (auto mode)")
+    mode: Literal["auto", "staged", "zero_copy"] = "auto"
+    kernel_priority: int = Field(
+        -1, description="CUDA stream priority of the gathers/scatters (lower = higher; 0 where decode latency rules)"
+    )
+    batch_dma: bool = Field(True, description="a slice's scattered objects as one cuMemcpyBatchAsync (CUDA 12.8+)")
+    programs: int | None = Field(None, gt=0, description="programs per gather/scatter launch (default two per SM)")
+
+    def engine_settings(self) -> dict[str, Any]:
+        """The `EngineConfig` keyword arguments these settings give."""
+        mib = 1 << 20
+        return dict(
+            slots=self.staging_slots,
+            slot_bytes=self.staging_slot_mib * mib,
+            slice_bytes=int(self.slice_mib * mib) if self.slice_mib is not None else None,
+            zero_copy_below=int(self.zero_copy_below_mib * mib),
+            mode=self.mode,
+            programs=self.programs,
+            kernel_priority=self.kernel_priority,
+            batch_dma=self.batch_dma,
+        )
+
+
 class KvferryConfig(BaseModel):
     """All of kvferry's settings. ``tiers`` are storage tier URLs below the host pool, searched in order."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     cache: CacheConfig = Field(default_factory=CacheConfig)
+    transfer: TransferConfig = Field(default_factory=TransferConfig)
     tiers: list[str] = Field(default_factory=list)
     server: ServerConfig = Field(default_factory=ServerConfig)
 
@@ -94,7 +129,7 @@ class KvferryConfig(BaseModel):
 
 def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     """The nested settings that ``KVFERRY_*`` variables in ``env`` give; unknown names raise ValueError."""
-    sections = {"CACHE": CacheConfig, "SERVER": ServerConfig}
+    sections = {"CACHE": CacheConfig, "SERVER": ServerConfig, "TRANSFER": TransferConfig}
     out: dict[str, Any] = {}
     for name, value in env.items():
         if not name.startswith(ENV_PREFIX):
@@ -146,4 +181,4 @@ def _merge(into: dict[str, Any], new: dict[str, Any]) -> None:
             into[key] = dict(value) if isinstance(value, Mapping) else value
 
 
-__all__ = ["CacheConfig", "KvferryConfig", "ServerConfig", "env_overrides"]
+__all__ = ["CacheConfig", "KvferryConfig", "ServerConfig", "TransferConfig", "env_overrides"]

@@ -28,11 +28,11 @@ from kvferry.cache.request import (
 )
 from kvferry.cache.residency import Residency
 from kvferry.cache.tiering import TierLink
-from kvferry.config import KvferryConfig
+from kvferry.config import KvferryConfig, TransferConfig
 from kvferry.formats import EngineKVFormat, KVGeometry, describe
 from kvferry.memory import HostPool
 from kvferry.tiers import Tier, make_tier
-from kvferry.transfer import Direction, transfer
+from kvferry.transfer import Direction, configure_gpu, transfer
 
 
 class LookupResult(NamedTuple):
@@ -59,6 +59,8 @@ class CacheEngine:
     ) -> None:
         self.config = config if config is not None else KvferryConfig()
         cfg = self.config.cache
+        if self.config.transfer != TransferConfig():  # the GPU engines are process-wide: set only when asked
+            configure_gpu(**self.config.transfer.engine_settings())
         self.chunk_size = cfg.chunk_size
         self.namespace = namespace
         self.pool = pool if pool is not None else HostPool(cfg.l1_size_bytes)

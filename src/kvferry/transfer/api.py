@@ -22,7 +22,7 @@ from kvferry.transfer.request import (
 )
 
 if TYPE_CHECKING:
-    from kvferry.transfer.gpu_engine import TransferEngine
+    from kvferry.transfer.gpu_engine import EngineConfig, TransferEngine
     from kvferry.transfer.handle import TransferHandle
 
 Backend = Literal["auto", "reference", "torch", "triton"]
@@ -121,8 +121,21 @@ def _submit(
 ) -> TransferHandle:
     from kvferry.transfer.gpu_engine import default_engine
 
-    engine = engine or default_engine(geom.device)
+    engine = engine or default_engine(geom.device, _gpu_config)
     return engine.submit(_plans.triton(geom), objs, checked, to_objects, chunk_size, skip, mode)
+
+
+_gpu_config: EngineConfig | None = None  # of the default engines (configure_gpu); None: EngineConfig()
+
+
+def configure_gpu(**settings: Any) -> None:
+    """Settings (`EngineConfig` fields) of the GPU engines that `transfer` and `transfer_async` use when given none,
+    process-wide, for the requests that follow. `kvferry.config.TransferConfig.engine_settings()` gives them from a
+    config file; a `CacheEngine` applies its config's `transfer` section when it is made."""
+    global _gpu_config
+    from kvferry.transfer.gpu_engine import EngineConfig
+
+    _gpu_config = EngineConfig(**settings)  # a bad name or value fails here, not on the first transfer
 
 
 def _direction(direction: Direction | int | str) -> Direction:

@@ -122,6 +122,9 @@ class _Lane:
 
     def __del__(self) -> None:
         try:
+            if self.inflight:  # requests may still read staging or metadata: drain before the memory goes back
+                self.kernel_stream.synchronize()
+                self.copy_stream.synchronize()
             for e in (*self.slot_free, *self.slot_ready, self.start, *self.meta_uploaded):
                 self._driver.destroy(e)
         except Exception:  # a CudaError, __init__ failed half way, or interpreter exit (module globals gone)
@@ -144,6 +147,12 @@ class EngineConfig:
     kernel_priority: int = -1
     batch_dma: bool = True  # a slice's scattered objects as one cuMemcpyBatchAsync where the driver has it
 
+    def __post_init__(self) -> None:
+        if self.mode not in ("auto", "staged", "zero_copy"):
+            raise ValueError(f"mode={self.mode!r} must be 'auto', 'staged' or 'zero_copy'")
+        if self.slots < 1 or self.slot_bytes < 1 or (self.programs is not None and self.programs < 1):
+            raise ValueError(f"slots, slot_bytes and programs must be positive: {self}")
+
 
 class TransferEngine:
     """Owns the streams and staging of one GPU; `submit` enqueues one request and returns a handle."""
@@ -153,8 +162,6 @@ class TransferEngine:
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.config = config or EngineConfig()
-        if self.config.mode not in ("auto", "staged", "zero_copy"):
-            raise ValueError(f"mode={self.config.mode!r} must be 'auto', 'staged' or 'zero_copy'")
         self._driver = driver()
         with torch.cuda.device(self.device):
             lane = (self._driver, self.device, self.config.slots, self.config.slot_bytes, self.config.kernel_priority)
@@ -350,15 +357,19 @@ class _Runs:
         return dma_runs(self._objects, step, self.ptrs, self._one_slab)
 
 
+_DEFAULT_CONFIG = EngineConfig()
 _engines: dict[torch.device, TransferEngine] = {}
 _engines_lock = threading.Lock()
 
 
-def default_engine(device: torch.device) -> TransferEngine:
-    """One engine per GPU for the synchronous `kvferry.transfer` (created on first use)."""
+def default_engine(device: torch.device, config: EngineConfig | None = None) -> TransferEngine:
+    """One engine per GPU for `kvferry.transfer` (created on first use). A `config` other than the current engine's
+    replaces it for later requests; the old one's streams drain before its staging is freed (`_Lane.__del__`)."""
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    config = config or _DEFAULT_CONFIG
     with _engines_lock:
-        if device not in _engines:
-            _engines[device] = TransferEngine(device)
-        return _engines[device]
+        engine = _engines.get(device)
+        if engine is None or engine.config != config:
+            engine = _engines[device] = TransferEngine(device, config)
+        return engine
