@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections import OrderedDict
@@ -58,6 +59,9 @@ def transfer(
     checked = check(geom, objs, block_ids, direction, chunk_size, skip_prefix_blocks)
     chosen = _backend(backend, geom, objs, checked)
     to_objects = direction is Direction.D2H
+    if geom.device.type == "cuda" and checked.on_host and chosen == "triton":  # the GPU data path
+        _submit(geom, objs, checked, to_objects, chunk_size, skip_prefix_blocks, None, None).wait()
+        return
     ids = torch.from_numpy(checked.ids)
     if chosen == "reference":
         from kvferry.kernels.reference import copy_reference
@@ -68,8 +72,6 @@ def transfer(
 
         copy_torch(_plans.torch(geom), object_list(objs), ids.to(geom.device), to_objects, chunk_size,
                    skip_prefix_blocks)  # fmt: skip
-    elif geom.device.type == "cuda" and checked.on_host:
-        _submit(geom, objs, checked, to_objects, chunk_size, skip_prefix_blocks, None, None).wait()
     else:
         from kvferry.kernels.triton_copy import copy_triton
 
@@ -119,10 +121,17 @@ def _submit(
     engine: TransferEngine | None,
     mode: str | None,
 ) -> TransferHandle:
-    from kvferry.transfer.gpu_engine import default_engine
-
-    engine = engine or default_engine(geom.device, _gpu_config)
+    engine = engine or _gpu_engine().default_engine(geom.device, _gpu_config)
     return engine.submit(_plans.triton(geom), objs, checked, to_objects, chunk_size, skip, mode)
+
+
+@functools.cache
+def _gpu_engine() -> Any:
+    """The GPU engine module, imported on first use (it imports Triton) and then found in ~0.1 us: an import
+    statement in the request path costs ~1 us per call."""
+    from kvferry.transfer import gpu_engine
+
+    return gpu_engine
 
 
 _gpu_config: EngineConfig | None = None  # of the default engines (configure_gpu); None: EngineConfig()
