@@ -229,3 +229,31 @@ def test_a_dropped_engine_frees_its_lanes_without_the_collector(cpu_engine) -> N
     finally:
         gc.enable()
     handle.wait()  # its lane is gone: nothing to tell
+
+
+@pytest.mark.parametrize("mode", ["row-slices", "whole-objects", "zero_copy"])
+def test_objects_as_one_tensor_through_the_engine(cpu_engine, mode: str) -> None:  # type: ignore[no-untyped-def]
+    """One tensor of objects through every engine path, with a skip into the first object (a store writes its
+    tail zero-copy): the same bytes as the reference."""
+    fmt, chunk, bs, skip = F.NL_X_TWO_NB_BS_NH_HS, 16, 4, 3
+    paged = _engine(fmt, torch.bfloat16, 3, False, nb=12)
+    geom = describe(fmt, paged, block_size=bs)
+    plan = triton_copy.build_plan(geom)
+    pool = HostPool(1 << 20, alignment=256, pin=False)
+    row_bytes = chunk * geom.width * geom.element_size
+    slot_bytes = 2 * row_bytes if mode == "row-slices" else 1 << 16
+    engine, _ = cpu_engine(pool, slot_bytes, "zero_copy" if mode == "zero_copy" else "staged")
+    run = pool.alloc((3, *geom.object_shape(chunk)), geom.dtype)
+    ids = torch.randperm(12)
+    run.view(torch.uint8).fill_(0xA5)
+    want = run.clone()  # a skipped head keeps what the object held
+    engine.submit(plan, run, check(geom, run, ids, Direction.D2H, chunk, skip), True, chunk, skip).wait()
+    kvferry.transfer(paged, want, ids, Direction.D2H, fmt, chunk, skip, backend="reference", block_size=bs)
+    assert torch.equal(run.view(torch.uint8), want.view(torch.uint8))
+
+    random_fill(run)
+    got, expected = (_engine(fmt, torch.bfloat16, 7, False, nb=12) for _ in range(2))
+    got_plan = triton_copy.build_plan(describe(fmt, got, block_size=bs))
+    engine.submit(got_plan, run, check(geom, run, ids, Direction.H2D, chunk, skip), False, chunk, skip).wait()
+    kvferry.transfer(expected, run, ids, Direction.H2D, fmt, chunk, skip, backend="reference", block_size=bs)
+    assert all(torch.equal(a, b) for a, b in zip(engine_bytes(got), engine_bytes(expected), strict=True))
