@@ -24,7 +24,7 @@ import threading
 import weakref
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -32,7 +32,7 @@ import torch
 from kvferry.kernels import triton_copy
 from kvferry.kernels.cuda_driver import Driver, driver
 from kvferry.transfer.handle import Completion, TransferHandle
-from kvferry.transfer.schedule import MiB, Ring, Schedule, Step, dma_runs, one_pinned_slab, schedule
+from kvferry.transfer.schedule import MiB, Ring, Schedule, Step, dma_runs, schedule
 
 if TYPE_CHECKING:
     from kvferry.transfer.request import Checked
@@ -187,9 +187,10 @@ class TransferEngine:
             assert not isinstance(objects, torch.Tensor)
             ids, ptrs = request.numpy(), [o.data_ptr() for o in objects]
             caps = [o.shape[2] for o in objects]
-            rows, one_run = objects[0].shape[0] * objects[0].shape[1], False
+            rows, one_allocation = objects[0].shape[0] * objects[0].shape[1], False  # pairs compared by storage
         else:
-            ids, ptrs, caps, rows, one_run = request.ids, request.ptrs, request.caps, request.rows, request.one_run
+            ids, ptrs, caps, rows = request.ids, request.ptrs, request.caps, request.rows
+            one_allocation = request.one_allocation
         lane = self._store if to_objects else self._retrieve
         nbytes = (len(ids) - skip_prefix_blocks) * plan.bs * plan.bytes_per_token
         mode = mode or self.config.mode
@@ -210,7 +211,7 @@ class TransferEngine:
                 keep, end = self._zero_copy(lane, caller, plan, ptrs, caps, ids, to_objects, chunk_size,
                                             skip_prefix_blocks, done)  # fmt: skip
             elif nbytes:
-                keep, end = self._staged(lane, caller, plan, objects, ptrs, caps, ids, rows, one_run, to_objects,
+                keep, end = self._staged(lane, caller, plan, objects, ptrs, caps, ids, rows, one_allocation, to_objects,
                                          chunk_size, skip_prefix_blocks, done)  # fmt: skip
             d.record(done.event, end)
             if done.meta >= 0:  # its metadata slot is reusable once the request's kernels have run
@@ -259,7 +260,7 @@ class TransferEngine:
         caps: list[int],
         ids: np.ndarray,
         rows: int,
-        one_run: bool,
+        one_allocation: bool,
         to_objects: bool,
         chunk_size: int,
         skip: int,
@@ -289,7 +290,6 @@ class TransferEngine:
             launch_raw(plan, ks, ptrs[first], tail, tail + 8, meta + first * (chunk_size // plan.bs) * 8, True,
                        chunk_size, head_rows, caps[first] - head_rows)  # fmt: skip
         staging, programs = lane.staging_ptr, self.config.programs
-        runs = _Runs(objects, ptrs, caps, plan.bytes_per_token, one_run)
         owner = lane.slot_owner
         for step in sched.steps:
             slot_free, slot_ready = lane.slot_free[step.slot], lane.slot_ready[step.slot]
@@ -301,10 +301,10 @@ class TransferEngine:
                 launch_raw(plan, ks, staging, off, cap, meta, True, chunk_size, step.row0, step.n_rows, step.rows,
                            step.shift, programs)  # fmt: skip
                 record(slot_ready, ks)
-                self._dma(lane, runs, step, slot_ready, True)
+                self._dma(lane, step, objects, ptrs, one_allocation, slot_ready, True)
                 record(slot_free, cs)
             else:
-                self._dma(lane, runs, step, None if idle else slot_free, False)
+                self._dma(lane, step, objects, ptrs, one_allocation, None if idle else slot_free, False)
                 record(slot_ready, cs)
                 if step is sched.steps[0]:
                     self._after(lane, caller)
@@ -316,7 +316,16 @@ class TransferEngine:
         # A store ends on the copy stream, unless it was all head (then the kernel stream holds everything).
         return keep, (cs if to_objects and sched.steps else ks)
 
-    def _dma(self, lane: _Lane, runs: _Runs, step: Step, after: int | None, to_host: bool) -> None:
+    def _dma(
+        self,
+        lane: _Lane,
+        step: Step,
+        objects: Any,
+        ptrs: list[int],
+        one_allocation: bool,
+        after: int | None,
+        to_host: bool,
+    ) -> None:
         """Copy a slice between its slot and host memory once `after` (if any) has fired.
 
         Scattered objects cost a DMA each: ~1.3 us apart and each ~3% slower than one long copy, so a slice of
@@ -327,34 +336,16 @@ class TransferEngine:
             d.wait(cs, after, 0)
         if len(step.parts) == 1:  # one object, or a row range of one
             o, offset, n, dev = step.parts[0]
-            host = runs.ptrs[o] + offset
+            host = ptrs[o] + offset
             d.dtoh(host, dev, n, cs) if to_host else d.htod(dev, host, n, cs)
             return
-        parts = runs.of(step)
+        parts = dma_runs(objects, step, ptrs, one_allocation)
         if len(parts) > 1 and self._batch:  # scattered objects: one batch for the copy engine
             hosts, devs, sizes = zip(*parts, strict=True)
             d.copy_batch(hosts, devs, sizes, cs) if to_host else d.copy_batch(devs, hosts, sizes, cs)
             return
         for host, dev, n in parts:
             d.dtoh(host, dev, n, cs) if to_host else d.htod(dev, host, n, cs)
-
-
-class _Runs:
-    """A request's objects for `dma_runs`; whether they are one allocation is asked once, on first need (after a
-    store's first launch)."""
-
-    __slots__ = ("_bytes_per_token", "_caps", "_objects", "_one_slab", "ptrs")
-
-    def __init__(
-        self, objects: list[torch.Tensor] | torch.Tensor, ptrs: list[int], caps: list[int], bpt: int, one_run: bool
-    ) -> None:
-        self._objects, self.ptrs, self._caps, self._bytes_per_token = objects, ptrs, caps, bpt
-        self._one_slab = True if one_run else None
-
-    def of(self, step: Step) -> list[tuple[int, int, int]]:
-        if self._one_slab is None:
-            self._one_slab = one_pinned_slab(self.ptrs, self._caps, self._bytes_per_token)
-        return dma_runs(self._objects, step, self.ptrs, self._one_slab)
 
 
 _DEFAULT_CONFIG = EngineConfig()

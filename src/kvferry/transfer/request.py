@@ -37,6 +37,12 @@ class Checked(NamedTuple):
     rows: int  # object rows: planes x layers
     on_host: bool  # every object is in CPU (host) memory
     one_run: bool  # the objects were given as one tensor: back to back in one allocation
+    in_pinned_slab: bool  # they all lie in one registered pinned slab (the pool's): pinned, and one allocation
+
+    @property
+    def one_allocation(self) -> bool:
+        """Objects back to back in memory may share a DMA: they are one allocation."""
+        return self.one_run or self.in_pinned_slab
 
 
 def as_objects(objects: Objects) -> list[torch.Tensor] | torch.Tensor:
@@ -82,8 +88,12 @@ def check(
     full = (want[0], want[1], chunk_size, want[3])
     if isinstance(objects, torch.Tensor):
         ptrs, caps, on_host = _check_run(objects, full, geom.dtype)
+        end = ptrs[0] + objects.nbytes
     else:
         ptrs, caps, on_host = _check_list(objects, full, want, geom.dtype, chunk_size, bs)
+        top = ptrs.index(max(ptrs))
+        end = ptrs[top] + objects[top].nbytes
+    in_pinned_slab = on_host and is_known_pinned(min(ptrs), end)  # one range lookup for all of them
     ids = _as_id_array(block_ids)
     if len(ids) != sum(caps) // bs:
         raise ValueError(
@@ -101,7 +111,7 @@ def check(
             raise ValueError(f"block_ids[{bad}]={int(ids[bad])} is outside the pool of {geom.nb} blocks")
         if direction is Direction.H2D and len(copied) > 1 and _repeats(copied, small):
             raise ValueError("block_ids repeats a block: a retrieve would write one block from two places")
-    return Checked(ids, ptrs, caps, want[0] * want[1], on_host, isinstance(objects, torch.Tensor))
+    return Checked(ids, ptrs, caps, want[0] * want[1], on_host, isinstance(objects, torch.Tensor), in_pinned_slab)
 
 
 def _check_list(
@@ -190,19 +200,17 @@ def _as_id_array(block_ids: Sequence[int] | torch.Tensor) -> np.ndarray:
 
 
 def check_pinned(objects: list[torch.Tensor] | torch.Tensor, checked: Checked) -> None:
-    """Host objects for a GPU kernel or DMA must be pinned: one range check when they lie in a registered slab
-    (the pool's objects), else a CUDA query per allocation."""
-    ptrs = checked.ptrs
+    """Host objects for a GPU kernel or DMA must be pinned: known at once for the pool's objects, else a CUDA
+    query per allocation."""
+    if checked.in_pinned_slab:
+        return
     if isinstance(objects, torch.Tensor):
-        if is_known_pinned(ptrs[0], ptrs[0] + objects.nbytes) or objects.is_pinned():
-            return
-        raise ValueError("objects is pageable host memory; a GPU kernel needs pinned or device memory")
-    top = ptrs.index(max(ptrs))
-    if is_known_pinned(min(ptrs), ptrs[top] + objects[top].nbytes):
+        if not objects.is_pinned():
+            raise ValueError("objects is pageable host memory; a GPU kernel needs pinned or device memory")
         return
     asked: set[int] = set()  # pinned-ness is a property of the allocation: ask once per storage
     for i, o in enumerate(objects):
-        if is_known_pinned(ptrs[i]):
+        if is_known_pinned(checked.ptrs[i]):
             continue
         storage = o.untyped_storage().data_ptr()
         if storage not in asked and not o.is_pinned():

@@ -16,8 +16,6 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kvferry.transfer.pinned import is_known_pinned
-
 MiB = 1 << 20
 
 
@@ -154,8 +152,9 @@ def dma_runs(
     """A slice's DMAs: (host address, staging address, bytes), one per run of objects adjacent in host memory.
 
     A run may only extend across objects of one pinned allocation: `one_slab` says they are one (a registered
-    pinned slab, the pool's, holds them all, or they came as one tensor); otherwise each pair is compared by
-    storage. This part depends on the objects' addresses, so it runs per request, not in the cached schedule."""
+    pinned slab, the pool's, holds them all, or they came as one tensor: `Checked.one_allocation`); otherwise
+    each pair is compared by storage. This part depends on the objects' addresses, so it runs per request, not
+    in the cached schedule."""
     parts = step.parts
     last, offset, n, dev = parts[0]
     host = ptrs[last] + offset
@@ -173,9 +172,3 @@ def dma_runs(
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-def one_pinned_slab(ptrs: list[int], caps: list[int], bytes_per_token: int) -> bool:
-    """Do all these objects lie in one registered pinned slab (so adjacent ones are one allocation)?"""
-    top = ptrs.index(max(ptrs))
-    return is_known_pinned(min(ptrs), ptrs[top] + caps[top] * bytes_per_token)
