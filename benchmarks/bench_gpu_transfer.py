@@ -27,30 +27,37 @@ F = EngineKVFormat
 SHAPES = {"llama3-8b": 16, "qwen2.5-0.5b": 16, "deepseek-v3-mla": 64}
 
 
-def events_ms(fn, reps: int) -> float:  # type: ignore[no-untyped-def]
-    """Median wall time in ms of fn() including its completion (fn must synchronize)."""
+def paired_ms(fn, ceiling, reps: int) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+    """Median wall times in ms of fn() and of its ceiling, timed alternately (both must synchronize): a machine
+    whose PCIe or host speed drifts during a run then moves both alike (a ceiling timed once before the row
+    moved ratios by +-0.02 on noisy starts)."""
     fn()
-    times = []
+    ceiling()
+    ours, ceil = [], []
     for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+        for f, out in ((fn, ours), (ceiling, ceil)):
+            t = time.perf_counter()
+            f()
+            out.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(ours), statistics.median(ceil)
 
 
-def run_ms(s: Setup, d: Direction, engine: TransferEngine, mode: str | None, reps: int) -> float:
-    return events_ms(lambda: s.run(d, engine, mode), reps)
+_memcpy_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def memcpy_ms(nbytes: int, to_host: bool, reps: int) -> float:
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+def memcpy(nbytes: int, to_host: bool):  # type: ignore[no-untyped-def]
+    """The ceiling: one pinned <-> device copy of nbytes (torch's copy_, i.e. cudaMemcpyAsync), then a sync."""
+    if nbytes not in _memcpy_buffers:
+        _memcpy_buffers.clear()  # one size at a time: 512 MiB buffers add up
+        _memcpy_buffers[nbytes] = (torch.empty(nbytes, dtype=torch.uint8, device="cuda").fill_(2),
+                                   torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).fill_(1))  # fmt: skip
+    dev, host = _memcpy_buffers[nbytes]
 
     def once() -> None:
         (host.copy_(dev, non_blocking=True) if to_host else dev.copy_(host, non_blocking=True))
         torch.cuda.synchronize()
 
-    return events_ms(once, reps)
+    return once
 
 
 class Setup:
@@ -88,7 +95,7 @@ class Setup:
         ).wait()  # fmt: skip
 
 
-def by_hand_ms(s: Setup, reps: int) -> float:
+def by_hand(s: Setup):  # type: ignore[no-untyped-def]
     """LIMITS.md's 'torch by hand': per layer kv[l][:, ids] into a GPU buffer, then one D2H copy."""
     ids = s.ids.cuda()
     buf = torch.empty(s.nbytes, dtype=torch.uint8, device="cuda")
@@ -101,7 +108,7 @@ def by_hand_ms(s: Setup, reps: int) -> float:
         host.copy_(buf, non_blocking=True)
         torch.cuda.synchronize()
 
-    return events_ms(once, reps)
+    return once
 
 
 def gemm_tflops(during=None, seconds: float = 1.0) -> tuple[float, float]:  # type: ignore[no-untyped-def]
@@ -142,13 +149,18 @@ def main() -> int:
     rows: list[dict] = []
     engine = TransferEngine("cuda")
     serial = TransferEngine("cuda", EngineConfig(slots=1, mode="staged"))
+    old_floor = TransferEngine("cuda", EngineConfig(slice_bytes=16 << 20))  # the slice floor before 8 MiB
 
-    def row(section: str, what: str, nbytes: int, ms: float, ceiling_ms: float, **extra) -> None:  # type: ignore[no-untyped-def]
+    def row(section: str, what: str, nbytes: int, fn, ceiling, n: int = reps, **extra) -> None:  # type: ignore[no-untyped-def]
+        ms, ceiling_ms = paired_ms(fn, ceiling, n)
         r = dict(section=section, what=what, mib=nbytes / 2**20, gbps=nbytes / ms / 1e6,
                  ceiling_gbps=nbytes / ceiling_ms / 1e6, ratio=ceiling_ms / ms, **extra)  # fmt: skip
         rows.append(r)
         print(f"{section:10s} {what:58s} {r['gbps']:7.1f} GB/s  ceil {r['ceiling_gbps']:6.1f}  ratio {r['ratio']:.3f}",
               flush=True)  # fmt: skip
+
+    def run(s: Setup, d: Direction, eng: TransferEngine, mode: str | None):  # type: ignore[no-untyped-def]
+        return lambda: s.run(d, eng, mode)
 
     sections = set(args.sections.split(","))
     # 1. bulk: 16 chunks of scattered blocks (32 for qwen)
@@ -158,59 +170,39 @@ def main() -> int:
         fmt = F.NL_X_NB_BS_HS if model == "deepseek-v3-mla" else F.NL_X_TWO_NB_BS_NH_HS
         s = Setup(model, fmt, n)
         for d in (Direction.D2H, Direction.H2D):
-            ceil = memcpy_ms(s.nbytes, d is Direction.D2H, reps)
-            row(
-                "bulk",
-                f"{model} {d.name} staged pipeline",
-                s.nbytes,
-                run_ms(s, d, engine, "staged", reps),
-                ceil,
-            )
-            row(
-                "bulk",
-                f"{model} {d.name} serial gather+DMA (1 slot)",
-                s.nbytes,
-                run_ms(s, d, serial, "staged", reps),
-                ceil,
-            )
-            row(
-                "bulk",
-                f"{model} {d.name} zero-copy kernel",
-                s.nbytes,
-                run_ms(s, d, engine, "zero_copy", reps),
-                ceil,
-            )
+            ceil = memcpy(s.nbytes, d is Direction.D2H)
+            row("bulk", f"{model} {d.name} staged pipeline", s.nbytes, run(s, d, engine, "staged"), ceil)
+            row("bulk", f"{model} {d.name} serial gather+DMA (1 slot)", s.nbytes, run(s, d, serial, "staged"), ceil)
+            row("bulk", f"{model} {d.name} zero-copy kernel", s.nbytes, run(s, d, engine, "zero_copy"), ceil)
         if fmt == F.NL_X_TWO_NB_BS_NH_HS:
-            row("bulk", f"{model} D2H torch by hand", s.nbytes, by_hand_ms(s, reps), memcpy_ms(s.nbytes, True, reps))
+            row("bulk", f"{model} D2H torch by hand", s.nbytes, by_hand(s), memcpy(s.nbytes, True))
         adjacent = Setup(model, fmt, n, gaps=False)  # a fresh pool hands one request's objects out back to back
         for d in (Direction.D2H, Direction.H2D):
-            ceil = memcpy_ms(s.nbytes, d is Direction.D2H, reps)
-            row("bulk", f"{model} {d.name} staged, adjacent objects", s.nbytes, run_ms(adjacent, d, engine, "staged",
-                reps), ceil)  # fmt: skip
+            row("bulk", f"{model} {d.name} staged, adjacent objects", s.nbytes, run(adjacent, d, engine, "staged"),
+                memcpy(s.nbytes, d is Direction.D2H))  # fmt: skip
         del adjacent
-        run = Setup(model, fmt, n, run=True)  # the objects as one tensor [n, *object_shape]
+        one = Setup(model, fmt, n, run=True)  # the objects as one tensor [n, *object_shape]
         for d in (Direction.D2H, Direction.H2D):
-            ceil = memcpy_ms(s.nbytes, d is Direction.D2H, reps)
-            row("bulk", f"{model} {d.name} staged, objects as one tensor", s.nbytes, run_ms(run, d, engine, "staged",
-                reps), ceil)  # fmt: skip
-        del run
+            row("bulk", f"{model} {d.name} staged, objects as one tensor", s.nbytes, run(one, d, engine, "staged"),
+                memcpy(s.nbytes, d is Direction.D2H))  # fmt: skip
+        del one
         del s
         torch.cuda.empty_cache()
     # 2. every format at a realistic shape, 16 chunks: objects scattered in the pool (one DMA each), or as one
     # tensor (as the cache allocates a request's objects: one DMA per slice)
-    for section, run in (("formats", False), ("formats-run", True)):
+    for section, as_one in (("formats", False), ("formats-run", True)):
         for fmt in F if section in sections else ():
             model = "deepseek-v3-mla" if layout_of(fmt).is_mla else "llama3-8b"
-            s = Setup(model, fmt, 16, nb=2048, run=run)
+            s = Setup(model, fmt, 16, nb=2048, run=as_one)
             for d in (Direction.D2H, Direction.H2D):
-                ceil = memcpy_ms(s.nbytes, d is Direction.D2H, reps)
-                row(section, f"{fmt.name} {d.name}", s.nbytes, run_ms(s, d, engine, None, reps), ceil)
+                ceil = memcpy(s.nbytes, d is Direction.D2H)
+                row(section, f"{fmt.name} {d.name}", s.nbytes, run(s, d, engine, None), ceil)
             del s
     # 3. one chunk, wall time from the Python call to completion vs a single memcpy's
     for model in ("llama3-8b", "qwen2.5-0.5b") if "onechunk" in sections else ():
         s = Setup(model, F.NL_X_TWO_NB_BS_NH_HS, 1)
         for d in (Direction.D2H, Direction.H2D):
-            ceil = memcpy_ms(s.nbytes, d is Direction.D2H, reps * 4)
+            ceil = memcpy(s.nbytes, d is Direction.D2H)
             enqueue = []
             for _ in range(50):
                 t0 = time.perf_counter()
@@ -219,13 +211,11 @@ def main() -> int:
                 h.wait()
             print(f"one-chunk  {model} {d.name}: CPU time of the call (enqueue) {statistics.median(enqueue):.0f} us")
             for mode in ("staged", "zero_copy", None):
-                row(
-                    "one-chunk",
-                    f"{model} {d.name} {mode or 'auto'}",
-                    s.nbytes,
-                    run_ms(s, d, engine, mode, reps * 4),
-                    ceil,
-                )
+                what = f"{model} {d.name} {mode or 'auto'}"
+                row("one-chunk", what, s.nbytes, run(s, d, engine, mode), ceil, reps * 4)
+            row("one-chunk", f"{model} {d.name} staged, 16 MiB slices", s.nbytes, run(s, d, old_floor, "staged"),
+                ceil, reps * 4)  # fmt: skip
+        row("one-chunk", f"{model} D2H torch by hand", s.nbytes, by_hand(s), memcpy(s.nbytes, True), reps * 4)
     # 4. both directions at once vs two-stream memcpy
     s = Setup("llama3-8b", F.NL_X_TWO_NB_BS_NH_HS, 16)
     t = Setup("llama3-8b", F.NL_X_TWO_NB_BS_NH_HS, 16)
@@ -251,8 +241,8 @@ def main() -> int:
             "bidir",
             "llama3-8b store+retrieve at once (bytes both ways)",
             2 * s.nbytes,
-            events_ms(both, reps),
-            events_ms(two_memcpy, reps),
+            both,
+            two_memcpy,
         )
     # 5. GEMM interference. The GEMM's own speed drifts with the card's power/thermal state (the first second of
     # GEMMs ran 12% faster than the next, measured): warm it up, and compare each run beside a transfer with the mean
@@ -299,15 +289,9 @@ def main() -> int:
     for n in (1, 2, 4, 8) if "crossover" in sections else ():
         q = Setup("qwen2.5-0.5b", F.NL_X_TWO_NB_BS_NH_HS, n)
         for d in (Direction.D2H, Direction.H2D):
-            ceil = memcpy_ms(q.nbytes, d is Direction.D2H, reps * 2)
             for mode in ("staged", "zero_copy"):
-                row(
-                    "crossover",
-                    f"qwen {n} chunks {d.name} {mode}",
-                    q.nbytes,
-                    run_ms(q, d, engine, mode, reps * 2),
-                    ceil,
-                )
+                row("crossover", f"qwen {n} chunks {d.name} {mode}", q.nbytes, run(q, d, engine, mode),
+                    memcpy(q.nbytes, d is Direction.D2H), reps * 2)  # fmt: skip
     meta = dict(device=torch.cuda.get_device_name(), date=datetime.datetime.now().isoformat(timespec="seconds"),
                 torch=torch.__version__, command=" ".join(sys.argv))  # fmt: skip
     import triton
