@@ -87,6 +87,7 @@ class World:
     def __init__(self, pool: HostPool, slot_bytes: int, slots: int = 2) -> None:
         self.staging = poisoned((slots * slot_bytes,), torch.uint8)
         self.meta = torch.zeros((gpu_engine._Lane.META_SLOTS, gpu_engine._Lane.META_INTS), dtype=torch.int64)
+        self.meta_host = torch.zeros_like(self.meta)  # the pinned ring: zero-copy kernels read it in place
         self.pool = pool
         self.launches = 0
 
@@ -99,10 +100,13 @@ class World:
         raise AssertionError(f"kernel launched on an address outside staging and the pool: {ptr:#x}")
 
     def ints_at(self, ptr: int) -> torch.Tensor:
-        flat = self.meta.view(-1)
-        offset = ptr - flat.data_ptr()
-        assert 0 <= offset < flat.numel() * 8 and offset % 8 == 0, "a table outside the metadata ring"
-        return flat[offset // 8 :]
+        for ring in (self.meta, self.meta_host):
+            flat = ring.view(-1)
+            offset = ptr - flat.data_ptr()
+            if 0 <= offset < flat.numel() * 8:
+                assert offset % 8 == 0, "a misaligned table"
+                return flat[offset // 8 :]
+        raise AssertionError(f"a table outside the metadata rings: {ptr:#x}")
 
     def launch_raw(self, plan, stream, obj_ptr, off_ptr, cap_ptr, ids_ptr, to_objects, chunk, row0, n_rows,
                    rows=None, obj_shift=0, programs=None) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
@@ -118,7 +122,8 @@ def _lane(drv: CopyingDriver, world: World, slot_bytes: int, slots: int) -> gpu_
         _driver=drv, ks=KS, cs=CS, slot_bytes=slot_bytes, staging=world.staging,
         staging_ptr=world.staging.data_ptr(),
         slot_free=[SLOT_FREE + s for s in range(slots)], slot_ready=[SLOT_READY + s for s in range(slots)],
-        start=START, next_slot=0, meta_host=torch.zeros_like(world.meta), meta_dev=world.meta,
+        start=START, next_slot=0, meta_host=world.meta_host, meta_dev=world.meta,
+        meta_host_ptr=world.meta_host.data_ptr(), meta_dev_ptr=world.meta.data_ptr(),
         meta_uploaded=[META + k for k in range(world.meta.shape[0])],
         next_meta=0, lock=threading.Lock(), inflight=deque(), slot_owner=[None] * slots,
         meta_owner=[None] * world.meta.shape[0],

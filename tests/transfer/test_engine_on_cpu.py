@@ -210,6 +210,36 @@ def test_kernels_wait_for_the_callers_stream(cpu_engine, monkeypatch, to_objects
         assert calls.index(("htod", CS)) < ordered
 
 
+@pytest.mark.parametrize("to_objects", [True, False])
+def test_zero_copy_kernels_read_the_pinned_metadata_slot(cpu_engine, monkeypatch, to_objects: bool) -> None:  # type: ignore[no-untyped-def]
+    """A zero-copy request's kernel reads its block ids and tables in the pinned ring itself (no upload before the
+    launch); a staged request's kernels read a device copy. The slot is not reused while the kernel may read it."""
+    fmt, chunk, bs = F.NL_X_TWO_NB_BS_NH_HS, 16, 4
+    paged = _engine(fmt, torch.bfloat16, 3, False, nb=12)
+    geom = describe(fmt, paged, block_size=bs)
+    pool = HostPool(1 << 20, alignment=256, pin=False)
+    engine, world = cpu_engine(pool, 2 * geom.bytes_per_token * chunk)
+    drv = engine._driver
+    tables: list[int] = []
+
+    def logged(plan, stream, obj_ptr, off_ptr, cap_ptr, ids_ptr, *args, **kwargs):  # type: ignore[no-untyped-def]
+        tables.append(ids_ptr)
+        world.launch_raw(plan, stream, obj_ptr, off_ptr, cap_ptr, ids_ptr, *args, **kwargs)
+
+    monkeypatch.setattr(triton_copy, "launch_raw", logged)
+    plan = triton_copy.build_plan(geom)
+    objs = pool.try_alloc_many(geom.object_shape(chunk), geom.dtype, 3)
+    host_ring = range(world.meta_host.data_ptr(), world.meta_host.data_ptr() + world.meta_host.nbytes)
+    drv.requests_finish = False  # in flight: its slot stays taken
+    engine.submit(plan, objs, torch.randperm(12), to_objects, chunk, 0, mode="zero_copy")
+    assert [call for call, _, _ in drv.log].count("htod") == 0
+    assert tables[-1] in host_ring
+    engine.submit(plan, objs, torch.randperm(12), to_objects, chunk, 0, mode="zero_copy")
+    assert tables[-1] in host_ring and tables[-1] != tables[-2]
+    engine.submit(plan, objs, torch.randperm(12), to_objects, chunk, 0, mode="staged")
+    assert tables[-1] not in host_ring and ("htod", KS, 12 * 8 + len(objs) * 2 * 8 + 16) in drv.log
+
+
 def test_a_dropped_engine_frees_its_lanes_without_the_collector(cpu_engine) -> None:  # type: ignore[no-untyped-def]
     """Requests in flight reach their lane weakly: a lane holds them, so a strong link back would be a cycle that
     keeps a dropped engine's staging memory until the garbage collector runs."""

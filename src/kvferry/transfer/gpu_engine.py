@@ -64,6 +64,7 @@ class _Lane:
         self.meta_host = torch.empty((self.META_SLOTS, self.META_INTS), dtype=torch.int64, pin_memory=True)
         self.meta_host_np = self.meta_host.numpy()
         self.meta_dev = torch.empty((self.META_SLOTS, self.META_INTS), dtype=torch.int64, device=device)
+        self.meta_host_ptr, self.meta_dev_ptr = self.meta_host.data_ptr(), self.meta_dev.data_ptr()
         self.meta_uploaded = [drv.event() for _ in range(self.META_SLOTS)]  # the host slot is reusable
         self.next_meta = 0
         # The request that used each staging / metadata slot last, until it is seen finished (then None): a slot
@@ -75,12 +76,17 @@ class _Lane:
         self.inflight: deque[tuple[Completion, object]] = deque()  # what a request's GPU work still reads
         self.ref = weakref.ref(self)  # how a request's completion reaches its lane (weakly: no cycle)
 
-    def upload(self, parts: list[np.ndarray | list[int]], n: int, done: Completion) -> tuple[int, object]:
-        """Copy request metadata to the device on the kernel stream; return its device address and a keepalive.
+    def upload(
+        self, parts: list[np.ndarray | list[int]], n: int, done: Completion, to_device: bool = True
+    ) -> tuple[int, object]:
+        """Write request metadata into a pinned slot; return the address the kernels read it at, and a keepalive.
 
-        Device slots are reused in kernel-stream order; a host slot whose last upload has not run yet (requests
-        queued behind a busy compute stream) is skipped for a one-off pinned buffer rather than waited for. (The
-        slot's event is recorded by `submit` after the request's kernels: later than needed, off the critical path.)
+        `to_device`: copied to a device slot on the kernel stream (device slots are reused in kernel-stream order).
+        Otherwise the kernels read the pinned slot itself: a zero-copy request's kernel reads host memory anyway,
+        and this takes a driver call and a small DMA off the path to its launch. A host slot whose last request
+        has not run yet (requests queued behind a busy compute stream) is skipped for a one-off pinned buffer rather
+        than waited for. (The slot's event is recorded by `submit` after the request's kernels: later than needed
+        for an upload, exactly when needed for kernels that read the slot.)
         """
         d = self._driver
         k = self.next_meta
@@ -94,10 +100,14 @@ class _Lane:
                 row[at : at + len(p)] = p
                 at += len(p)
             offset = k * self.META_INTS * 8
-            dev = self.meta_dev.data_ptr() + offset
-            d.htod(dev, self.meta_host.data_ptr() + offset, n * 8, self.ks)
+            if not to_device:
+                return self.meta_host_ptr + offset, None
+            dev = self.meta_dev_ptr + offset
+            d.htod(dev, self.meta_host_ptr + offset, n * 8, self.ks)
             return dev, None
         host = torch.from_numpy(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])).pin_memory()
+        if not to_device:
+            return host.data_ptr(), host
         buf = torch.empty(n, dtype=torch.int64, device=self.staging.device)
         buf.record_stream(self.kernel_stream)  # allocated on the caller's stream, read on the kernel stream
         d.htod(buf.data_ptr(), host.data_ptr(), n * 8, self.ks)
@@ -137,7 +147,7 @@ class EngineConfig:
 
     slots: int = 2
     slot_bytes: int = 64 * MiB
-    slice_bytes: int | None = None  # default: a quarter of the request, 16 MiB .. half a slot
+    slice_bytes: int | None = None  # default: a quarter of the request, 8 MiB .. half a slot
     zero_copy_below: int = 4 * MiB  # requests smaller than this run zero-copy (see docs/gpu_data_path.md)
     mode: str = "auto"  # "auto" | "staged" | "zero_copy"
     programs: int | None = None  # programs per staged gather/scatter launch (default: two per SM)
@@ -242,7 +252,7 @@ class TransferEngine:
     ) -> tuple[object, int]:
         n_ids, n_obj = len(ids), len(ptrs)
         offsets = [(p - ptrs[0]) // plan.word for p in ptrs]
-        meta, keep = lane.upload([ids, offsets, caps], n_ids + 2 * n_obj, done)
+        meta, keep = lane.upload([ids, offsets, caps], n_ids + 2 * n_obj, done, to_device=False)
         self._after(lane, caller)
         off = meta + n_ids * 8
         rows = (n_ids - skip) * plan.bs
