@@ -70,7 +70,7 @@ class TransferConfig(BaseModel):
     staging_slots: int = Field(2, gt=0, description="staging slots per direction and GPU")
     staging_slot_mib: int = Field(64, gt=0, description="MiB per staging slot (GPU memory: 2 directions x slots)")
     slice_mib: float | None = Field(
-        None, gt=0, description="bytes per pipeline slice; default a quarter of the request, 16 MiB to half a slot"
+        None, gt=0, description="bytes per pipeline slice; default a quarter of the request, 8 MiB to half a slot"
     )
     zero_copy_below_mib: float = Field(4.0, ge=0, description="requests smaller than this run zero-copy (auto mode)")
     mode: Literal["auto", "staged", "zero_copy"] = "auto"
