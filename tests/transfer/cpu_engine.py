@@ -23,9 +23,10 @@ from kvferry.memory import HostPool
 from kvferry.transfer import gpu_engine
 from tests.conftest import poisoned
 
-KS, CS = 1, 2  # a lane's kernel and copy streams, as the fake driver sees them
-# Events as the fake driver sees them: a lane's slot-free, slot-ready, start and metadata events, and done-events.
-SLOT_FREE, SLOT_READY, START, META, DONE = 10, 20, 30, 100, 1000
+STREAMS = (1, 2)  # a lane's slot streams, as the fake driver sees them (the caller's stream is 0)
+# Events as the fake driver sees them: a lane's start, metadata-ready, per-slot joined and metadata-slot events, and
+# done-events.
+START, META_READY, JOINED, META, DONE = 30, 40, 50, 100, 1000
 _done_events = itertools.count(DONE)
 
 
@@ -35,15 +36,18 @@ class CopyingDriver:
     def __init__(self, copies: bool = True) -> None:
         self.copies = copies  # False: copies are skipped (to time the Python around them)
         self.log: list[tuple[str, int, int]] = []  # (call, stream, event or bytes): the order streams see
+        self.copied: list[tuple[int, int, int]] = []  # (stream, destination, source) of every copy, in order
         self.requests_finish = True  # False: a request's done-event never reports finished
 
     def dtoh(self, host: int, dev: int, n: int, stream: int) -> None:
         self.log.append(("dtoh", stream, n))
+        self.copied.append((stream, host, dev))
         if self.copies:
             ctypes.memmove(host, dev, n)
 
     def htod(self, dev: int, host: int, n: int, stream: int) -> None:
         self.log.append(("htod", stream, n))
+        self.copied.append((stream, dev, host))
         if self.copies:
             ctypes.memmove(dev, host, n)
 
@@ -52,6 +56,7 @@ class CopyingDriver:
     def copy_batch(self, dsts: Any, srcs: Any, sizes: Any, stream: int) -> None:
         self.log.append(("batch", stream, len(sizes)))
         for dst, src, n in zip(dsts, srcs, sizes, strict=True):
+            self.copied.append((stream, dst, src))
             if self.copies:
                 ctypes.memmove(dst, src, n)
 
@@ -119,14 +124,12 @@ class World:
 def _lane(drv: CopyingDriver, world: World, slot_bytes: int, slots: int) -> gpu_engine._Lane:
     lane = gpu_engine._Lane.__new__(gpu_engine._Lane)
     lane.__dict__.update(
-        _driver=drv, ks=KS, cs=CS, slot_bytes=slot_bytes, staging=world.staging,
-        staging_ptr=world.staging.data_ptr(),
-        slot_free=[SLOT_FREE + s for s in range(slots)], slot_ready=[SLOT_READY + s for s in range(slots)],
-        start=START, next_slot=0, meta_host=world.meta_host, meta_dev=world.meta,
+        _driver=drv, streams=[], handles=list(STREAMS[:slots]), slot_bytes=slot_bytes, staging=world.staging,
+        staging_ptr=world.staging.data_ptr(), start=START, meta_ready=META_READY,
+        joined=[JOINED + s for s in range(slots)], next_slot=0, meta_host=world.meta_host, meta_dev=world.meta,
         meta_host_ptr=world.meta_host.data_ptr(), meta_dev_ptr=world.meta.data_ptr(),
         meta_uploaded=[META + k for k in range(world.meta.shape[0])],
-        next_meta=0, lock=threading.Lock(), inflight=deque(), slot_owner=[None] * slots,
-        meta_owner=[None] * world.meta.shape[0],
+        next_meta=0, lock=threading.Lock(), inflight=deque(), meta_owner=[None] * world.meta.shape[0],
     )  # fmt: skip
     lane.meta_host_np = lane.meta_host.numpy()
     lane.ref = weakref.ref(lane)
@@ -135,7 +138,7 @@ def _lane(drv: CopyingDriver, world: World, slot_bytes: int, slots: int) -> gpu_
 
 def completion_init(self: Any, drv: Any, context: int, lane: Any = None) -> None:
     self._driver, self.context, self._pool, self.event = drv, context, [], next(_done_events)
-    self.lane, self.slots, self.meta = lane, (), -1
+    self.lane, self.meta = lane, -1
 
 
 def engine_on(world: World, driver: CopyingDriver, config: gpu_engine.EngineConfig) -> gpu_engine.TransferEngine:

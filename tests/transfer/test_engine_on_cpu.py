@@ -25,11 +25,11 @@ from kvferry.transfer.pinned import register_pinned
 from kvferry.transfer.request import check
 from tests.conftest import engine_bytes
 from tests.transfer.cpu_engine import (
-    CS,
-    KS,
-    META,
-    SLOT_FREE,
+    DONE,
+    JOINED,
+    META_READY,
     START,
+    STREAMS,
     CopyingDriver,
     World,
     completion_init,
@@ -105,9 +105,9 @@ def test_submit_equals_the_reference(cpu_engine, fmt: F, skip: int, spread: bool
     assert world.launches > 0
     if mode == "row-slices":  # every object was cut: more launches than objects and stripes
         assert any(st.rows is not None for sched in engine._schedules.values() for st in sched.steps)
-    copies = [call for call, stream, _ in engine._driver.log if call in ("dtoh", "htod", "batch") and stream != KS]
+    calls = [call for call, *_ in engine._driver.log]
     if mode.startswith("whole-objects") and spread:  # scattered objects share a slice: batched, or one copy each
-        assert ("batch" in copies) == (mode == "whole-objects")
+        assert ("batch" in calls) == (mode == "whole-objects")
 
 
 @pytest.mark.parametrize("given", ["list", "list-in-registered-slab", "one-tensor"])
@@ -137,77 +137,78 @@ def test_adjacent_objects_move_in_one_dma(cpu_engine, given: str) -> None:  # ty
     assert [call for call, *_ in engine._driver.log].count("dtoh") == 1
 
 
-def _slot_waits(log: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
-    return [e for e in log if e[0] == "wait" and SLOT_FREE <= e[2] < SLOT_FREE + 10]
+def _logged_launches(monkeypatch: pytest.MonkeyPatch, drv: CopyingDriver, world: World) -> None:
+    def logged(plan, stream, *args, **kwargs):  # type: ignore[no-untyped-def]
+        drv.log.append(("launch", stream, 0))
+        world.launch_raw(plan, stream, *args, **kwargs)
+
+    monkeypatch.setattr(triton_copy, "launch_raw", logged)
+
+
+def _small_slices(cpu_engine, monkeypatch):  # type: ignore[no-untyped-def]
+    """An engine whose slices are one object each over two slots; its plan (and the engine KV the plan addresses:
+    keep it alive), 6 objects, ids and world."""
+    fmt, chunk, bs = F.NL_X_TWO_NB_BS_NH_HS, 16, 4
+    paged = _engine(fmt, torch.bfloat16, 3, False, nb=24)
+    geom = describe(fmt, paged, block_size=bs)
+    pool = HostPool(1 << 20, alignment=256, pin=False)
+    engine, world = cpu_engine(pool, 2 * geom.bytes_per_token * chunk)  # a slice is one object (half a slot)
+    _logged_launches(monkeypatch, engine._driver, world)
+    objs = pool.try_alloc_many(geom.object_shape(chunk), geom.dtype, 6)
+    return engine, (triton_copy.build_plan(geom), paged), objs, torch.randperm(24), chunk, world
 
 
 @pytest.mark.parametrize("to_objects", [True, False])
-def test_slots_of_finished_requests_are_used_without_waiting(cpu_engine, to_objects: bool) -> None:  # type: ignore[no-untyped-def]
-    """A slot whose last user was seen finished takes no stream wait, a metadata slot no query (each a driver
-    call before the request's first GPU operation); a slot still owned by an unfinished request, or reused within
-    one request, is waited for."""
-    fmt, chunk, bs = F.NL_X_TWO_NB_BS_NH_HS, 16, 4
-    paged = _engine(fmt, torch.bfloat16, 3, False, nb=12)
-    geom = describe(fmt, paged, block_size=bs)
-    plan = triton_copy.build_plan(geom)
-    pool = HostPool(1 << 20, alignment=256, pin=False)
-    obj_bytes = geom.bytes_per_token * chunk
-    engine, _ = cpu_engine(pool, 2 * obj_bytes)  # a slice is one object (half a slot), two slots
-    drv = engine._driver
-    objs = pool.try_alloc_many(geom.object_shape(chunk), geom.dtype, 3)
-    ids = torch.randperm(12)
-    engine.submit(plan, objs[:1], ids[:4], to_objects, chunk, 0).wait()  # slot 0, seen finished
-    drv.log.clear()
-    engine.submit(plan, objs[:1], ids[:4], to_objects, chunk, 0).wait()  # slot 1, never used
-    engine.submit(plan, objs[:1], ids[:4], to_objects, chunk, 0).wait()  # slot 0 again, its user finished
-    assert _slot_waits(drv.log) == []
-    assert not [e for e in drv.log if e[0] == "query" or (e[0] == "wait" and e[2] >= META)]
-
-    drv.requests_finish = False  # from here on no request is seen finished
-    engine.submit(plan, objs[:1], ids[:4], to_objects, chunk, 0)  # slot 1: its user finished
-    assert _slot_waits(drv.log) == []
-    drv.log.clear()
-    engine.submit(plan, objs[:3], ids, to_objects, chunk, 0)  # slots 0, 1, 0: the last two are busy
-    stream = KS if to_objects else CS
-    assert _slot_waits(drv.log) == [("wait", stream, SLOT_FREE + 1), ("wait", stream, SLOT_FREE)]
-
-    # A request seen finished late frees only the slots nobody took since.
-    first = engine.submit(plan, objs[:1], ids[:4], to_objects, chunk, 0)  # slot 1
-    engine.submit(plan, objs[:1], ids[:4], to_objects, chunk, 0)  # slot 0
-    engine.submit(plan, objs[:1], ids[:4], to_objects, chunk, 0)  # slot 1, taken from `first`
-    drv.requests_finish = True
-    first.wait()
-    drv.requests_finish = False
-    drv.log.clear()
-    engine.submit(plan, objs[:1], ids[:4], to_objects, chunk, 0)  # slot 0
-    engine.submit(plan, objs[:1], ids[:4], to_objects, chunk, 0)  # slot 1: still busy
-    assert _slot_waits(drv.log) == [("wait", stream, SLOT_FREE), ("wait", stream, SLOT_FREE + 1)]
+def test_a_slots_slices_run_on_its_stream(cpu_engine, monkeypatch, to_objects: bool) -> None:  # type: ignore[no-untyped-def]
+    """Every DMA to or from a staging slot, and the gather (scatter) of its slice, run on that slot's stream, in
+    every request: stream order alone frees a slot for its next slice, so a request's event calls do not grow with
+    its slices. A metadata slot whose last user was seen finished takes no event query."""
+    engine, (plan, _paged), objs, ids, chunk, world = _small_slices(cpu_engine, monkeypatch)
+    drv, lane = engine._driver, engine._store if to_objects else engine._retrieve
+    staging, ring_bytes = world.staging.data_ptr(), 2 * lane.slot_bytes
+    event_calls = []
+    for n in (1, 3, 6, 3):  # slices; the ring turns over within and between requests
+        drv.log.clear()
+        drv.copied.clear()
+        engine.submit(plan, objs[:n], ids[: 4 * n], to_objects, chunk, 0).wait()
+        slot_streams = []
+        for stream, dst, src in drv.copied:
+            at = (dst if 0 <= dst - staging < ring_bytes else src) - staging
+            if 0 <= at < ring_bytes:  # a slice's DMA (not the metadata upload)
+                slot_streams.append(lane.handles[at // lane.slot_bytes])
+                assert stream == slot_streams[-1], "a slot's DMA off its stream"
+        assert len(slot_streams) == n
+        assert [s for call, s, _ in drv.log if call == "launch"] == slot_streams  # each slice's kernel beside it
+        event_calls.append(sum(1 for call, *_ in drv.log if call in ("record", "wait")))
+        assert not [e for e in drv.log if e[0] == "query"]  # every earlier request was seen finished
+    assert event_calls[0] < event_calls[1] == event_calls[2] == event_calls[3]
 
 
 @pytest.mark.parametrize("to_objects", [True, False])
 def test_kernels_wait_for_the_callers_stream(cpu_engine, monkeypatch, to_objects: bool) -> None:  # type: ignore[no-untyped-def]
-    """Every gather/scatter is ordered after the caller's stream (the model's writes / reads of its KV); a
-    retrieve's first DMA into staging is not (it touches no KV), so it goes first."""
-    fmt, chunk, bs = F.NL_X_TWO_NB_BS_NH_HS, 16, 4
-    paged = _engine(fmt, torch.bfloat16, 3, False, nb=12)
-    geom = describe(fmt, paged, block_size=bs)
-    pool = HostPool(1 << 20, alignment=256, pin=False)
-    engine, world = cpu_engine(pool, 2 * geom.bytes_per_token * chunk)
-    drv = engine._driver
-
-    def logged(*args, **kwargs):  # type: ignore[no-untyped-def]
-        drv.log.append(("launch", KS, 0))
-        world.launch_raw(*args, **kwargs)
-
-    monkeypatch.setattr(triton_copy, "launch_raw", logged)
-    objs = pool.try_alloc_many(geom.object_shape(chunk), geom.dtype, 3)
-    engine.submit(triton_copy.build_plan(geom), objs, torch.randperm(12), to_objects, chunk, 0).wait()
-    calls = [(call, stream) for call, stream, _ in drv.log]
-    ordered = drv.log.index(("wait", KS, START))
-    assert drv.log.index(("record", 0, START)) < ordered < calls.index(("launch", KS))  # 0: the caller's stream
-    assert calls.count(("launch", KS)) == 3
-    if not to_objects:
-        assert calls.index(("htod", CS)) < ordered
+    """Every gather/scatter is ordered after the caller's stream (the model's writes / reads of its KV) and after
+    its metadata upload; a retrieve's DMAs into staging are not (they touch no KV), so each goes first on its
+    stream. The request ends (its done-event) on a stream that waited for every other stream it used."""
+    engine, (plan, _paged), objs, ids, chunk, _ = _small_slices(cpu_engine, monkeypatch)
+    drv, lane = engine._driver, engine._store if to_objects else engine._retrieve
+    engine.submit(plan, objs[:3], ids[:12], to_objects, chunk, 0).wait()
+    log, home = drv.log, lane.handles[0]
+    upload = next(i for i, e in enumerate(log) if e[0] == "htod" and e[1] == home)
+    assert log.index(("record", 0, START)) < upload < log.index(("record", home, META_READY))
+    for stream in lane.handles:
+        first_launch = log.index(("launch", stream, 0))
+        ordered = log.index(("wait", stream, START))
+        assert ordered < first_launch
+        if stream != home:
+            assert log.index(("record", home, META_READY)) < log.index(("wait", stream, META_READY)) < first_launch
+        if not to_objects:
+            copies = [i for i, e in enumerate(log) if e[0] in ("htod", "batch") and e[1] == stream and i != upload]
+            assert copies[0] < ordered
+    done = next(e for e in log if e[0] == "record" and e[2] >= DONE)
+    for slot, stream in enumerate(lane.handles):
+        if stream != done[1]:
+            joined = log.index(("record", stream, JOINED + slot))
+            assert joined < log.index(("wait", done[1], JOINED + slot)) < log.index(done)
 
 
 @pytest.mark.parametrize("to_objects", [True, False])
@@ -237,7 +238,7 @@ def test_zero_copy_kernels_read_the_pinned_metadata_slot(cpu_engine, monkeypatch
     engine.submit(plan, objs, torch.randperm(12), to_objects, chunk, 0, mode="zero_copy")
     assert tables[-1] in host_ring and tables[-1] != tables[-2]
     engine.submit(plan, objs, torch.randperm(12), to_objects, chunk, 0, mode="staged")
-    assert tables[-1] not in host_ring and ("htod", KS, 12 * 8 + len(objs) * 2 * 8 + 16) in drv.log
+    assert tables[-1] not in host_ring and ("htod", STREAMS[0], 12 * 8 + len(objs) * 2 * 8 + 16) in drv.log
 
 
 def test_a_dropped_engine_frees_its_lanes_without_the_collector(cpu_engine) -> None:  # type: ignore[no-untyped-def]

@@ -9,10 +9,12 @@ Slices are cut by bytes, not by a fixed number of chunks: small objects are grou
 would otherwise be launch-bound) and a large one is cut into ranges of its rows (so even a one-chunk request
 overlaps its gather with its DMA, and an object may be larger than a slot).
 
-Each direction has its own kernel stream, copy stream and ring, so a store and a retrieve can be in flight at
-once. A request orders itself after the caller's current stream with an event and never blocks it; the caller gets
-a `TransferHandle` to poll or wait on, and the CPU returns right after enqueueing. Below a size crossover, or
-when configured, the request runs zero-copy in one launch (lower latency).
+Each direction has its own ring and one stream per slot, so a store and a retrieve can be in flight at once. A
+slot's stream runs that slot's gathers (scatters) and DMAs in order, so the stream itself frees a slot for its next
+slice: slices take no events, and a request takes a handful of event calls however many slices it has. A
+request orders itself after the caller's current stream with an event and never blocks it; the caller gets a
+`TransferHandle` to poll or wait on, and the CPU returns right after enqueueing. Below a size crossover, or when
+configured, the request runs zero-copy in one launch (lower latency).
 
 The enqueue itself goes straight to the driver (`cuda_driver`: memcpys, events, waits) and to the compiled
 kernel's launcher: torch's copy and event wrappers cost more CPU than a small request's whole transfer.
@@ -50,16 +52,16 @@ class _Lane:
 
     def __init__(self, drv: Driver, device: torch.device, slots: int, slot_bytes: int, priority: int) -> None:
         self._driver = drv
-        self.kernel_stream = torch.cuda.Stream(device, priority=priority)
-        self.copy_stream = torch.cuda.Stream(device)
-        self.ks = self.kernel_stream.cuda_stream
-        self.cs = self.copy_stream.cuda_stream
+        # One stream per staging slot runs that slot's gathers (scatters) and DMAs in order: stream order is what
+        # frees a slot for its next slice, so slices need no events. (High priority: see EngineConfig.)
+        self.streams = [torch.cuda.Stream(device, priority=priority) for _ in range(slots)]
+        self.handles = [stream.cuda_stream for stream in self.streams]
         self.slot_bytes = slot_bytes
         self.staging = torch.empty(slots * slot_bytes, dtype=torch.uint8, device=device)
         self.staging_ptr = self.staging.data_ptr()
-        self.slot_free = [drv.event() for _ in range(slots)]
-        self.slot_ready = [drv.event() for _ in range(slots)]
         self.start = drv.event()  # the caller's stream, as of the request being enqueued
+        self.meta_ready = drv.event()  # a request's metadata upload, for its streams other than the first
+        self.joined = [drv.event() for _ in range(slots)]  # a slot stream's part of a request, for the last stream
         self.next_slot = 0
         self.meta_host = torch.empty((self.META_SLOTS, self.META_INTS), dtype=torch.int64, pin_memory=True)
         self.meta_host_np = self.meta_host.numpy()
@@ -67,21 +69,19 @@ class _Lane:
         self.meta_host_ptr, self.meta_dev_ptr = self.meta_host.data_ptr(), self.meta_dev.data_ptr()
         self.meta_uploaded = [drv.event() for _ in range(self.META_SLOTS)]  # the host slot is reusable
         self.next_meta = 0
-        # The request that used each staging / metadata slot last, until it is seen finished (then None): a slot
-        # whose owner is None needs no wait and no query, which takes driver calls (~5 us each on a slow host)
-        # off the path to a request's first GPU operation.
-        self.slot_owner: list[Completion | None] = [None] * slots
+        # The request that used each metadata slot last, until it is seen finished (then None): a slot whose owner
+        # is None needs no event query, a driver call (~5 us on a slow host) on the path to the first GPU operation.
         self.meta_owner: list[Completion | None] = [None] * self.META_SLOTS
         self.lock = threading.Lock()
         self.inflight: deque[tuple[Completion, object]] = deque()  # what a request's GPU work still reads
         self.ref = weakref.ref(self)  # how a request's completion reaches its lane (weakly: no cycle)
 
     def upload(
-        self, parts: list[np.ndarray | list[int]], n: int, done: Completion, to_device: bool = True
+        self, parts: list[np.ndarray | list[int]], n: int, done: Completion, stream: int, to_device: bool = True
     ) -> tuple[int, object]:
         """Write request metadata into a pinned slot; return the address the kernels read it at, and a keepalive.
 
-        `to_device`: copied to a device slot on the kernel stream (device slots are reused in kernel-stream order).
+        `to_device`: copied to a device slot on `stream` (a device slot is reused only once the host slot is).
         Otherwise the kernels read the pinned slot itself: a zero-copy request's kernel reads host memory anyway,
         and this takes a driver call and a small DMA off the path to its launch. A host slot whose last request
         has not run yet (requests queued behind a busy compute stream) is skipped for a one-off pinned buffer rather
@@ -103,14 +103,15 @@ class _Lane:
             if not to_device:
                 return self.meta_host_ptr + offset, None
             dev = self.meta_dev_ptr + offset
-            d.htod(dev, self.meta_host_ptr + offset, n * 8, self.ks)
+            d.htod(dev, self.meta_host_ptr + offset, n * 8, stream)
             return dev, None
         host = torch.from_numpy(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])).pin_memory()
         if not to_device:
             return host.data_ptr(), host
         buf = torch.empty(n, dtype=torch.int64, device=self.staging.device)
-        buf.record_stream(self.kernel_stream)  # allocated on the caller's stream, read on the kernel stream
-        d.htod(buf.data_ptr(), host.data_ptr(), n * 8, self.ks)
+        for s in self.streams:  # allocated on the caller's stream, read on the lane's
+            buf.record_stream(s)
+        d.htod(buf.data_ptr(), host.data_ptr(), n * 8, stream)
         return buf.data_ptr(), (host, buf)
 
     def retire(self) -> None:
@@ -119,23 +120,20 @@ class _Lane:
             self._release(self.inflight.popleft()[0])
 
     def finished(self, done: Completion) -> None:
-        """`done` has fired: the slots it used last are idle."""
+        """`done` has fired: the metadata slot it used is idle."""
         with self.lock:
             self._release(done)
 
     def _release(self, done: Completion) -> None:
-        for s in done.slots:
-            if self.slot_owner[s] is done:
-                self.slot_owner[s] = None
         if done.meta >= 0 and self.meta_owner[done.meta] is done:
             self.meta_owner[done.meta] = None
 
     def __del__(self) -> None:
         try:
             if self.inflight:  # requests may still read staging or metadata: drain before the memory goes back
-                self.kernel_stream.synchronize()
-                self.copy_stream.synchronize()
-            for e in (*self.slot_free, *self.slot_ready, self.start, *self.meta_uploaded):
+                for stream in self.streams:
+                    stream.synchronize()
+            for e in (self.start, self.meta_ready, *self.joined, *self.meta_uploaded):
                 self._driver.destroy(e)
         except Exception:  # a CudaError, __init__ failed half way, or interpreter exit (module globals gone)
             pass
@@ -215,32 +213,25 @@ class TransferEngine:
         # the GPU work first: bookkeeping after it costs no latency
         with d.current(self._context), lane.lock:
             done = Completion(d, self._context, lane.ref)
+            d.record(lane.start, caller)  # what the request's kernels wait for (its DMAs to and from staging do not)
             end = caller
             keep: object = None
             if nbytes and mode == "zero_copy":
-                keep, end = self._zero_copy(lane, caller, plan, ptrs, caps, ids, to_objects, chunk_size,
-                                            skip_prefix_blocks, done)  # fmt: skip
+                keep, end = self._zero_copy(lane, plan, ptrs, caps, ids, to_objects, chunk_size, skip_prefix_blocks,
+                                            done)  # fmt: skip
             elif nbytes:
-                keep, end = self._staged(lane, caller, plan, objects, ptrs, caps, ids, rows, one_allocation, to_objects,
+                keep, end = self._staged(lane, plan, objects, ptrs, caps, ids, rows, one_allocation, to_objects,
                                          chunk_size, skip_prefix_blocks, done)  # fmt: skip
             d.record(done.event, end)
             if done.meta >= 0:  # its metadata slot is reusable once the request's kernels have run
-                d.record(lane.meta_uploaded[done.meta], lane.ks)
+                d.record(lane.meta_uploaded[done.meta], end)
             lane.retire()
             lane.inflight.append((done, (objects, keep)))
         return TransferHandle(done, nbytes, mode)
 
-    def _after(self, lane: _Lane, caller: int) -> None:
-        """Order the lane's kernels after the caller's stream: the gather sees what the model wrote, and the model
-        never waits. (Called after the metadata upload, and for a retrieve after its first DMA into staging: neither
-        touches the engine's KV, so neither waits.)"""
-        self._driver.record(lane.start, caller)
-        self._driver.wait(lane.ks, lane.start, 0)
-
     def _zero_copy(
         self,
         lane: _Lane,
-        caller: int,
         plan: triton_copy.TritonPlan,
         ptrs: list[int],
         caps: list[int],
@@ -252,18 +243,18 @@ class TransferEngine:
     ) -> tuple[object, int]:
         n_ids, n_obj = len(ids), len(ptrs)
         offsets = [(p - ptrs[0]) // plan.word for p in ptrs]
-        meta, keep = lane.upload([ids, offsets, caps], n_ids + 2 * n_obj, done, to_device=False)
-        self._after(lane, caller)
+        stream = lane.handles[lane.next_slot]
+        meta, keep = lane.upload([ids, offsets, caps], n_ids + 2 * n_obj, done, stream, to_device=False)
+        self._driver.wait(stream, lane.start, 0)
         off = meta + n_ids * 8
         rows = (n_ids - skip) * plan.bs
-        triton_copy.launch_raw(plan, lane.ks, ptrs[0], off, off + n_obj * 8, meta, to_objects, chunk_size,
+        triton_copy.launch_raw(plan, stream, ptrs[0], off, off + n_obj * 8, meta, to_objects, chunk_size,
                                skip * plan.bs, rows)  # fmt: skip
-        return keep, lane.ks
+        return keep, stream
 
     def _staged(
         self,
         lane: _Lane,
-        caller: int,
         plan: triton_copy.TritonPlan,
         objects: list[torch.Tensor] | torch.Tensor,
         ptrs: list[int],
@@ -276,86 +267,76 @@ class TransferEngine:
         skip: int,
         done: Completion,
     ) -> tuple[object, int]:
+        """Each slice runs on its slot's stream: gather then DMA (a store), or DMA then scatter (a retrieve). The
+        next slice, on the next slot's stream, overlaps it; the slice after that waits for it by stream order."""
         key = (tuple(caps), skip, rows, chunk_size, plan.bs, plan.bytes_per_token, plan.word, to_objects,
                lane.next_slot)  # fmt: skip
         sched = self._schedules.get(key)
         if sched is None:
             if len(self._schedules) >= 256:
                 self._schedules.clear()
-            ring = Ring(lane.staging_ptr, lane.slot_bytes, len(lane.slot_free), lane.next_slot)
+            ring = Ring(lane.staging_ptr, lane.slot_bytes, len(lane.handles), lane.next_slot)
             sched = schedule(caps, rows, to_objects, chunk_size, skip, plan.bs, plan.bytes_per_token, plan.word, ring,
                              self.config.slice_bytes)  # fmt: skip
             self._schedules[key] = sched
+        d, handles = self._driver, lane.handles
+        home = handles[lane.next_slot]  # the request's first slice (the schedule starts there)
         lane.next_slot = sched.next_slot
         n_ids = len(ids)
-        meta, keep = lane.upload([ids, sched.tables], n_ids + len(sched.tables), done)
-        if to_objects:
-            self._after(lane, caller)  # a retrieve's first DMA need not wait for the caller: only its scatters do
+        meta, keep = lane.upload([ids, sched.tables], n_ids + len(sched.tables), done, home)
+        if len(sched.slots) > 1:
+            d.record(lane.meta_ready, home)
         off, cap = meta + n_ids * 8, meta + (n_ids + len(caps)) * 8
-        d, ks, cs = self._driver, lane.ks, lane.cs
-        launch_raw, wait, record = triton_copy.launch_raw, d.wait, d.record
+        launch_raw, wait = triton_copy.launch_raw, d.wait
+        ordered: set[int] = set()  # streams already waiting for the caller's stream (and the metadata)
         if sched.head_rows:
+            wait(home, lane.start, 0)
+            ordered.add(home)
             first, head_rows = sched.first, sched.head_rows
             tail = meta + (n_ids + 2 * len(caps)) * 8  # the [0, cap] table of the head object alone
-            launch_raw(plan, ks, ptrs[first], tail, tail + 8, meta + first * (chunk_size // plan.bs) * 8, True,
+            launch_raw(plan, home, ptrs[first], tail, tail + 8, meta + first * (chunk_size // plan.bs) * 8, True,
                        chunk_size, head_rows, caps[first] - head_rows)  # fmt: skip
         staging, programs = lane.staging_ptr, self.config.programs
-        owner = lane.slot_owner
         for step in sched.steps:
-            slot_free, slot_ready = lane.slot_free[step.slot], lane.slot_ready[step.slot]
-            idle = owner[step.slot] is None  # its last user was seen finished (a slice of this one owns it)
-            owner[step.slot] = done
+            stream = handles[step.slot]
+            if not to_objects:  # into staging: touches no KV, waits for nothing but its slot's last scatter
+                self._dma(stream, step, objects, ptrs, one_allocation, False)
+            if stream not in ordered:  # the gather sees what the model wrote; the scatter overwrites what it read
+                wait(stream, lane.start, 0)
+                if stream != home:
+                    wait(stream, lane.meta_ready, 0)
+                ordered.add(stream)
+            launch_raw(plan, stream, staging, off, cap, meta, to_objects, chunk_size, step.row0, step.n_rows,
+                       step.rows, step.shift, programs)  # fmt: skip
             if to_objects:
-                if not idle:
-                    wait(ks, slot_free, 0)
-                launch_raw(plan, ks, staging, off, cap, meta, True, chunk_size, step.row0, step.n_rows, step.rows,
-                           step.shift, programs)  # fmt: skip
-                record(slot_ready, ks)
-                self._dma(lane, step, objects, ptrs, one_allocation, slot_ready, True)
-                record(slot_free, cs)
-            else:
-                self._dma(lane, step, objects, ptrs, one_allocation, None if idle else slot_free, False)
-                record(slot_ready, cs)
-                if step is sched.steps[0]:
-                    self._after(lane, caller)
-                wait(ks, slot_ready, 0)
-                launch_raw(plan, ks, staging, off, cap, meta, False, chunk_size, step.row0, step.n_rows, step.rows,
-                           step.shift, programs)  # fmt: skip
-                record(slot_free, ks)
-        done.slots = sched.slots
-        # A store ends on the copy stream, unless it was all head (then the kernel stream holds everything).
-        return keep, (cs if to_objects and sched.steps else ks)
+                self._dma(stream, step, objects, ptrs, one_allocation, True)
+        # The request ends on its last slice's stream, once its other streams' parts have run too.
+        end = handles[sched.steps[-1].slot] if sched.steps else home
+        for slot in sched.slots:
+            if handles[slot] != end:
+                d.record(lane.joined[slot], handles[slot])
+                wait(end, lane.joined[slot], 0)
+        return keep, end
 
-    def _dma(
-        self,
-        lane: _Lane,
-        step: Step,
-        objects: Any,
-        ptrs: list[int],
-        one_allocation: bool,
-        after: int | None,
-        to_host: bool,
-    ) -> None:
-        """Copy a slice between its slot and host memory once `after` (if any) has fired.
+    def _dma(self, stream: int, step: Step, objects: Any, ptrs: list[int], one_allocation: bool, to_host: bool) -> None:
+        """Copy a slice between its slot and host memory on the slot's stream.
 
         Scattered objects cost a DMA each: ~1.3 us apart and each ~3% slower than one long copy, so a slice of
         3 MiB objects loses ~5% (2 MiB ones ~9%). Where the driver has cuMemcpyBatchAsync they go as one batch.
-        (Alternating them over two copy streams changed nothing: the DMAs still ran one after another, measured.)"""
-        cs, d = lane.cs, self._driver
-        if after is not None:
-            d.wait(cs, after, 0)
+        (Same-direction DMAs of two streams run one after another on the copy engine, measured.)"""
+        d = self._driver
         if len(step.parts) == 1:  # one object, or a row range of one
             o, offset, n, dev = step.parts[0]
             host = ptrs[o] + offset
-            d.dtoh(host, dev, n, cs) if to_host else d.htod(dev, host, n, cs)
+            d.dtoh(host, dev, n, stream) if to_host else d.htod(dev, host, n, stream)
             return
         parts = dma_runs(objects, step, ptrs, one_allocation)
         if len(parts) > 1 and self._batch:  # scattered objects: one batch for the copy engine
             hosts, devs, sizes = zip(*parts, strict=True)
-            d.copy_batch(hosts, devs, sizes, cs) if to_host else d.copy_batch(devs, hosts, sizes, cs)
+            d.copy_batch(hosts, devs, sizes, stream) if to_host else d.copy_batch(devs, hosts, sizes, stream)
             return
         for host, dev, n in parts:
-            d.dtoh(host, dev, n, cs) if to_host else d.htod(dev, host, n, cs)
+            d.dtoh(host, dev, n, stream) if to_host else d.htod(dev, host, n, stream)
 
 
 _DEFAULT_CONFIG = EngineConfig()

@@ -1,8 +1,8 @@
 """What a caller holds for an enqueued GPU transfer: a handle on the request's done-event.
 
 `Completion` is the event itself, pooled per CUDA context (creating an event costs more CPU than recording one), and
-tells its lane when it is seen to have fired, so the lane knows the staging and metadata slots the request used are
-idle (no stream wait or event query needed before the next request reuses them).
+tells its lane when it is seen to have fired, so the lane knows the metadata slot the request used is idle (no event
+query needed before the next request reuses it).
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ class Completion:
 
     Pooled because creating an event costs more CPU than recording one. An event only returns to the pool after
     the request has finished (the lane retires it only then, and a handle's holder is gone), so reusing it is safe.
-    Whoever sees it fire tells its lane (`_Lane.finished`), which then knows the slots it used are idle. It holds
-    the lane weakly: the lane holds it (in flight, or as a slot's last user), and a cycle would keep a dropped
+    Whoever sees it fire tells its lane (`_Lane.finished`), which then knows the metadata slot it used is idle. It
+    holds the lane weakly: the lane holds it (in flight, or as a slot's last user), and a cycle would keep a dropped
     engine's staging memory until the garbage collector ran.
     """
 
-    __slots__ = ("_driver", "_pool", "context", "event", "lane", "meta", "slots")
+    __slots__ = ("_driver", "_pool", "context", "event", "lane", "meta")
 
     def __init__(self, drv: Driver, context: int, lane: weakref.ref[_Lane] | None = None) -> None:
         self._driver = drv
@@ -36,7 +36,6 @@ class Completion:
         self._pool = _event_pools.setdefault(context, [])
         self.event = self._pool.pop() if self._pool else drv.event()
         self.lane = lane
-        self.slots: tuple[int, ...] = ()  # staging slots this request used
         self.meta = -1  # its metadata slot (-1: none)
 
     def query(self) -> bool:
