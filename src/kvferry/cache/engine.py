@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -27,7 +27,7 @@ from kvferry.cache.request import (
     select_blocks,
 )
 from kvferry.cache.residency import Residency
-from kvferry.cache.tiering import TierLink
+from kvferry.cache.tiering import TierLink, when_all
 from kvferry.config import KvferryConfig, TransferConfig
 from kvferry.formats import EngineKVFormat, KVGeometry, describe
 from kvferry.memory import HostPool
@@ -142,7 +142,7 @@ class CacheEngine:
             with self._res.lock:
                 hits = len(self._res.readable_prefix_locked(keys))
             _, waits = self._tiers.fall_through(keys[hits:], keys[hits - 1] if hits else None)
-        return _when_all(waits, lambda: self._pool_hits(keys))
+        return when_all(waits, lambda: self._pool_hits(keys))
 
     def free_lookup_locks(self, lock_id: int) -> bool:
         """End a lookup lock without retrieving; False if it already ended (retrieved, freed or timed out)."""
@@ -388,32 +388,6 @@ class CacheEngine:
         values["retrieve_gbps"] = gbps(values["retrieved_bytes"], values["retrieve_seconds"])
         assert set(GAUGES) <= set(values)
         return values
-
-
-def _when_all(futures: list[Future[None]], then: Callable[[], int]) -> Future[int]:
-    """A future of ``then()``, computed once every future in ``futures`` is done (no thread waits)."""
-    result: Future[int] = Future()
-    remaining = [len(futures)]
-    lock = threading.Lock()
-
-    def finish() -> None:
-        try:
-            result.set_result(then())
-        except BaseException as exc:
-            result.set_exception(exc)
-
-    def one_done(_: Future[None]) -> None:
-        with lock:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if last:
-            finish()
-
-    if not futures:
-        finish()
-    for future in futures:
-        future.add_done_callback(one_done)
-    return result
 
 
 __all__ = ["CacheEngine", "LookupResult"]
