@@ -44,8 +44,8 @@ class _Lane:
     """One direction's streams, staging ring and request-metadata ring (all allocated once)."""
 
     # Block ids + object tables of one request per slot (16K ints: a 250K-token request at 16-token blocks). A slot
-    # is free once its upload has run, and uploads queue behind the caller's stream like the rest of a request: the
-    # ring holds that many requests waiting on a busy model. Beyond it (or a larger request) a one-off buffer is
+    # is free once its request's kernels have run, and they queue behind the caller's stream: the ring holds that
+    # many requests waiting on a busy model. Beyond it (or a larger request) a one-off buffer is
     # allocated, and allocating pinned or device memory synchronises the device, so the ring is generous.
     META_SLOTS = 32
     META_INTS = 1 << 14
@@ -67,7 +67,7 @@ class _Lane:
         self.meta_host_np = self.meta_host.numpy()
         self.meta_dev = torch.empty((self.META_SLOTS, self.META_INTS), dtype=torch.int64, device=device)
         self.meta_host_ptr, self.meta_dev_ptr = self.meta_host.data_ptr(), self.meta_dev.data_ptr()
-        self.meta_uploaded = [drv.event() for _ in range(self.META_SLOTS)]  # the host slot is reusable
+        self.meta_uploaded = [drv.event() for _ in range(self.META_SLOTS)]  # the slot's request's kernels have run
         self.next_meta = 0
         # The request that used each metadata slot last, until it is seen finished (then None): a slot whose owner
         # is None needs no event query, a driver call (~5 us on a slow host) on the path to the first GPU operation.
