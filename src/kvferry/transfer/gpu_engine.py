@@ -45,8 +45,8 @@ class _Lane:
 
     # Block ids + object tables of one request per slot (16K ints: a 250K-token request at 16-token blocks). A slot
     # is free once its request's kernels have run, and they queue behind the caller's stream: the ring holds that
-    # many requests waiting on a busy model. Beyond it (or a larger request) a one-off buffer is
-    # allocated, and allocating pinned or device memory synchronises the device, so the ring is generous.
+    # many requests waiting on a busy model. Beyond it (or a larger request) a one-off buffer is allocated, and
+    # allocating pinned or device memory synchronises the device, so the ring is generous.
     META_SLOTS = 32
     META_INTS = 1 << 14
 
@@ -301,7 +301,7 @@ class TransferEngine:
             stream = handles[step.slot]
             if not to_objects:  # into staging: touches no KV, waits for nothing but its slot's last scatter
                 self._dma(stream, step, objects, ptrs, one_allocation, False)
-            if stream not in ordered:  # the gather sees what the model wrote; the scatter overwrites what it read
+            if stream not in ordered:  # a gather sees what the model wrote; a scatter waits until the model is done
                 wait(stream, lane.start, 0)
                 if stream != home:
                     wait(stream, lane.meta_ready, 0)
