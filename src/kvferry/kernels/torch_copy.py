@@ -2,8 +2,8 @@
 
 Each stripe's entries are folded into one strided view `[planes, layers, NB, BS, *features]` over the engine's
 storage when they are evenly spaced in it (engines allocate their layers as views of one buffer). Stores gather with
-`index_select(..., out=<object slice>)`; retrieves scatter with numpy fancy assignment on CPU (a memcpy per block
-piece; torch's CPU index_copy_ is elementwise and ~3x slower) and `index_copy_` elsewhere.
+`index_select(..., out=<object slice>)`; retrieves scatter with numpy fancy assignment on CPU (a copy loop per block
+piece; torch's CPU index_copy_ is elementwise and ~3x slower), one object per thread, and `index_copy_` elsewhere.
 
 On CPU, when every block piece is one contiguous run (token-major layouts: NHD, MLA, fused NHD) and the object slice
 is contiguous, the engine storage is seen as a 2-D array of piece-sized rows: a store is one torch `index_select`
@@ -19,6 +19,7 @@ import functools
 import itertools
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -78,7 +79,7 @@ def copy_torch(
     per_object = chunk_size // plan.bs
     n = len(block_ids)
     ids_np = block_ids.numpy() if plan.device.type == "cpu" else None
-    scatters: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # row retrieves, run together at the end
+    scatters: list[_Scatter] = []  # retrieves on CPU, run together at the end over threads
     for o, obj in enumerate(objects):
         j0, j1 = max(o * per_object, skip_prefix_blocks), min(o * per_object + obj.shape[2] // plan.bs, n)
         if j0 >= j1:
@@ -100,43 +101,55 @@ def copy_torch(
                         out=torch.from_numpy(object_rows),
                     )
                 else:
-                    scatters.append((b.rows.array, engine_rows, object_rows))
+                    scatters.append(_Scatter(b.rows.array, 0, engine_rows, object_rows))
                 continue
             piece = piece.unflatten(2, (j1 - j0, plan.bs)).unflatten(-1, b.view.shape[4:])
             if to_objects:
                 torch.index_select(b.view, 2, block_ids[j0:j1], out=piece)
             elif ids_np is not None:
-                b.view.numpy()[:, :, ids_np[j0:j1]] = piece.numpy()
+                scatters.append(_Scatter(b.view.numpy(), 2, ids_np[j0:j1], piece.numpy()))
             else:
                 b.view.index_copy_(2, block_ids[j0:j1], piece)
     if scatters:
-        _scatter_rows(scatters)
+        _scatter(scatters)
 
 
-def _scatter_rows(jobs: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
-    """`array[engine_rows] = object_rows` for every job, spread over threads (numpy releases the GIL).
+class _Scatter(NamedTuple):
+    """`array[..., index, ...] = values` with `index` on `axis`: one object's rows (axis 0 of the row array), or
+    one object's blocks of a folded view (axis 2) where block pieces are not single runs (HND, transposed K)."""
 
-    Threads take whole jobs (one object's rows each) and meet once at the end: splitting every object across
+    array: np.ndarray
+    axis: int
+    index: np.ndarray
+    values: np.ndarray
+
+    def run(self) -> None:
+        self.array[(slice(None),) * self.axis + (self.index,)] = self.values
+
+    def split(self, parts: int) -> list[_Scatter]:
+        bounds = np.linspace(0, len(self.index), parts + 1, dtype=np.int64)
+        at = (slice(None),) * self.axis
+        return [self._replace(index=self.index[a:b], values=self.values[(*at, slice(a, b))])
+                for a, b in itertools.pairwise(bounds)]  # fmt: skip
+
+
+def _scatter(jobs: list[_Scatter]) -> None:
+    """Every job, spread over threads (numpy releases the GIL).
+
+    Threads take whole jobs (one object's piece each) and meet once at the end: splitting every object across
     the threads and waiting after each (0.6-0.7 of memcpy) idles a thread whenever its half runs slower; this
-    reaches 0.8-1.0. A request of fewer objects than threads is cut into spans instead.
+    reaches 0.8-1.0 for row jobs. A request of fewer objects than threads is cut into spans instead. Block jobs
+    copy many short runs (a head's 256 bytes in HND layouts, 2-byte elements of a transposed K), which is CPU work
+    more than memory traffic: two threads lift an HND retrieve from 0.44-0.48 to 0.68-0.72 of memcpy.
     """
-    workers = min(torch.get_num_threads(), max(1, sum(rows.nbytes for _, _, rows in jobs) // _MIN_PART_BYTES))
+    workers = min(torch.get_num_threads(), max(1, sum(job.values.nbytes for job in jobs) // _MIN_PART_BYTES))
     if len(jobs) < workers:
-        spans = []
-        for array, engine_rows, object_rows in jobs:
-            bounds = np.linspace(0, len(engine_rows), -(-workers // len(jobs)) + 1, dtype=np.int64)
-            spans += [(array, engine_rows[a:b], object_rows[a:b]) for a, b in itertools.pairwise(bounds)]
-        jobs = spans
-
-    def scatter(job: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
-        array, engine_rows, object_rows = job
-        array[engine_rows] = object_rows
-
+        jobs = [span for job in jobs for span in job.split(-(-workers // len(jobs)))]
     if workers == 1:
         for job in jobs:
-            scatter(job)
+            job.run()
     else:
-        list(_pool(workers).map(scatter, jobs))
+        list(_pool(workers).map(_Scatter.run, jobs))
 
 
 @functools.cache
