@@ -116,3 +116,27 @@ def test_objects_as_one_tensor_equal_a_list(fmt: F, backend: str) -> None:
     kvferry.transfer(got, run, ids, Direction.H2D, fmt, chunk, 1, backend=backend, block_size=bs)
     kvferry.transfer(want, list(run), ids, Direction.H2D, fmt, chunk, 1, backend="reference", block_size=bs)
     assert all(torch.equal(a, b) for a, b in zip(engine_bytes(got), engine_bytes(want), strict=True))
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [F.NL_X_TWO_NB_BS_NH_HS, F.NL_X_TWO_NB_NH_BS_HS, F.NL_X_NB_BS_NH_TWO_HS, F.VLLM_CPU_NL_X_NB_NH_KT_V],
+    ids=lambda f: f.name,
+)
+@pytest.mark.parametrize("objects", [3, 1])
+def test_cpu_retrieve_over_threads_matches_reference(monkeypatch: pytest.MonkeyPatch, fmt: F, objects: int) -> None:
+    """The CPU retrieve's scatter jobs (rows, or blocks where pieces are not single runs) spread over threads: one
+    object per thread, or one object cut into spans when there are fewer objects than threads. Test tensors are
+    far below the size that engages threads, so the threshold is lowered here."""
+    from kvferry.kernels import torch_copy
+
+    monkeypatch.setattr(torch_copy, "_MIN_PART_BYTES", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    chunk, bs = 16, 4
+    geom = describe(fmt, _engine(fmt, torch.bfloat16, 1, True, nb=16), block_size=bs)
+    ids = torch.randperm(16, generator=torch.Generator().manual_seed(5))[: objects * chunk // bs]
+    sources = _objects(geom.object_shape(chunk), geom.dtype, chunk, objects, fill=True)
+    got, want = (_engine(fmt, torch.bfloat16, 7, True, nb=16) for _ in range(2))
+    kvferry.transfer(got, sources, ids, Direction.H2D, fmt, chunk, 1, backend="torch", block_size=bs)
+    kvferry.transfer(want, sources, ids, Direction.H2D, fmt, chunk, 1, backend="reference", block_size=bs)
+    assert all(torch.equal(a, b) for a, b in zip(engine_bytes(got), engine_bytes(want), strict=True))
