@@ -34,7 +34,7 @@ class CacheConfig(BaseModel):
         0.9,
         gt=0,
         le=1,
-        description="evict a batch when an allocation would push the pool above this fraction",
+        description="evict a batch once a store's objects push the pool above this fraction (while they are copied)",
     )
     eviction_batch: int = Field(16, gt=0, description="objects evicted at least, once the watermark is crossed")
     lock_timeout_s: float = Field(30.0, gt=0, description="a lookup lock is released after this many seconds")

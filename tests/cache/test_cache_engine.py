@@ -224,6 +224,28 @@ def test_watermark_evicts_a_batch() -> None:
     assert [engine.lookup(_tokens(CHUNK, s)) for s in range(6)] == [0, 0, 0, CHUNK, CHUNK, CHUNK]
 
 
+def test_a_store_evicts_while_its_copy_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store takes its objects from the room above the watermark and evicts back under it after its copy has
+    been started (the eviction then overlaps the copy), never with its own objects as victims."""
+    fmt = F.NL_X_TWO_NB_BS_NH_HS
+    src = make_paged(fmt, NB)
+    with _engine(objects=10, paged=src, watermark=0.5, eviction_batch=3) as engine:
+        for seed in range(5):
+            engine.store(_tokens(CHUNK, seed), src, _blocks(2, 0), fmt)
+        copy = engine._dispatch
+        seen: list[tuple[int, int]] = []
+
+        def dispatch(*args: Any) -> Any:
+            seen.append((engine.stats()["evictions"], engine.pool.num_allocations))
+            return copy(*args)
+
+        monkeypatch.setattr(engine, "_dispatch", dispatch)
+        engine.store(_tokens(CHUNK, 5), src, _blocks(2, 0), fmt)
+        assert seen == [(0, 6)]  # the copy starts with 6 of 10 objects held: above the 50% watermark
+        assert (engine.stats()["evictions"], engine.pool.num_allocations) == (3, 3)
+        assert engine.lookup(_tokens(CHUNK, 5)) == CHUNK
+
+
 def test_a_locked_object_is_never_evicted_until_unlocked() -> None:
     fmt = F.NL_X_TWO_NB_BS_NH_HS
     src, dst = make_paged(fmt, NB, seed=1), make_paged(fmt, NB, seed=2)

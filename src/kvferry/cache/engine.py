@@ -12,7 +12,7 @@ import time
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvferry.cache.index import Entry, object_checksum, readable_run
 from kvferry.cache.keys import CacheNamespace, ChunkHasher, TokenIds
@@ -32,7 +32,10 @@ from kvferry.config import KvferryConfig, TransferConfig
 from kvferry.formats import EngineKVFormat, KVGeometry, describe
 from kvferry.memory import HostPool
 from kvferry.tiers import Tier, make_tier
-from kvferry.transfer import Direction, configure_gpu, transfer
+from kvferry.transfer import Direction, configure_gpu, transfer, transfer_async
+
+if TYPE_CHECKING:
+    from kvferry.transfer.handle import TransferHandle
 
 
 class LookupResult(NamedTuple):
@@ -188,7 +191,12 @@ class CacheEngine:
             ids = select_blocks(block_ids, [first + i for i, _ in new], per_chunk)
             started = time.perf_counter()
             try:
-                self._dispatch(paged, geom, entries, ids, Direction.D2H, 0)
+                in_flight = self._dispatch(paged, geom, entries, ids, Direction.D2H, 0)
+                try:
+                    self._res.settle()  # back under the watermark while the bytes move
+                finally:
+                    if in_flight is not None:
+                        in_flight.wait()
             except BaseException:
                 self._res.abort(entries)
                 raise
@@ -246,7 +254,9 @@ class CacheEngine:
             end = first + len(entries)
             started = time.perf_counter()
             ids = block_ids[first * per_chunk : end * per_chunk]
-            self._dispatch(paged, geom, entries, ids, Direction.H2D, (skip - first * self.chunk_size) // bs)
+            in_flight = self._dispatch(paged, geom, entries, ids, Direction.H2D, (skip - first * self.chunk_size) // bs)
+            if in_flight is not None:
+                in_flight.wait()
             seconds = time.perf_counter() - started
             with self._res.lock:
                 self.counters.retrieves += 1
@@ -297,25 +307,15 @@ class CacheEngine:
     # --- internals ----------------------------------------------------------------------------------------
 
     def _dispatch(
-        self,
-        paged: Any,
-        geom: KVGeometry,
-        entries: list[Entry],
-        block_ids: BlockIds,
-        direction: Direction,
-        skip_prefix_blocks: int,
-    ) -> None:
-        """The one place that moves bytes (so an event-based GPU transfer engine replaces only this)."""
-        transfer(
-            paged,
-            [e.obj for e in entries],
-            block_ids,
-            direction,
-            geom.fmt,
-            chunk_size=self.chunk_size,
-            skip_prefix_blocks=skip_prefix_blocks,
-            geometry=geom,
-        )
+        self, paged: Any, geom: KVGeometry, entries: list[Entry], ids: BlockIds, direction: Direction, skip: int
+    ) -> TransferHandle | None:
+        """The one place that moves bytes: a GPU engine's transfer is returned in flight (its handle), anything
+        else has moved when this returns (None)."""
+        objects = [e.obj for e in entries]
+        if geom.device.type == "cuda" and objects[0].is_cpu:
+            return transfer_async(paged, objects, ids, direction, geom.fmt, self.chunk_size, skip, geometry=geom)
+        transfer(paged, objects, ids, direction, geom.fmt, self.chunk_size, skip, geometry=geom)
+        return None
 
     def _ns(self, namespace: CacheNamespace | None) -> CacheNamespace:
         ns = namespace if namespace is not None else self.namespace

@@ -127,10 +127,12 @@ class Residency:
         their positions in ``keys``. ``keys`` are consecutive chunks; ``parent`` is the key of the chunk before
         ``keys[0]`` (None when it is chunk 0): entries record their parent for lookups to walk.
 
-        When the pool is full and evicted objects are still being written to a tier, waits up to
-        ``spill_wait_s`` for their memory. Once an allocation fails for good (the pool is full of locked or
-        in-use objects), every later new chunk is skipped: with prefix lookups a chunk after a hole could
-        never be hit. Present and skipped chunks are counted.
+        Objects come from the pool's free room first, even above the watermark: ``settle`` evicts back under
+        it, which the caller runs while the new objects are being written (eviction is then off a store's path
+        to its copy). Only a pool with no room for them evicts here. When the pool is full and evicted objects
+        are still being written to a tier, waits up to ``spill_wait_s`` for their memory. Once an allocation
+        fails for good (the pool is full of locked or in-use objects), every later new chunk is skipped: with
+        prefix lookups a chunk after a hole could never be hit. Present and skipped chunks are counted.
         """
         new: list[tuple[int, Entry]] = []
         deadline = time.monotonic() + self._config.spill_wait_s
@@ -139,9 +141,9 @@ class Residency:
             with self.lock:
                 self.expire_locks_locked()
                 missing = sum(1 for key in keys[start:] if key not in self.index)
-                to_spill = self._make_room_locked(missing * nbytes)
                 # All at once while they fit (one pool call); one by one, evicting more, after that.
                 fresh = iter(self.pool.try_alloc_many(shape, dtype, missing))
+                to_spill: list[Entry] = []
                 blocked = False
                 for i in range(start, len(keys)):
                     if keys[i] in self.index:
@@ -169,6 +171,12 @@ class Residency:
             with self._spill_finished:
                 while self._spills_finished == generation and (left := deadline - time.monotonic()) > 0:
                     self._spill_finished.wait(left)
+
+    def settle(self) -> None:
+        """Evict down to the watermark (after ``reserve``; see there)."""
+        with self.lock:
+            to_spill = self._make_room_locked(0)
+        self._spill(to_spill)
 
     def commit(self, entries: list[Entry], checksums: list[bytes | None], tier_writers: int) -> list[Entry]:
         """Make stored entries readable. Returns those still indexed, each holding ``tier_writers`` readers
