@@ -73,9 +73,81 @@ def one_model(model: str) -> None:
     cache.close()
 
 
+def breakdown(model: str) -> None:
+    """Where one chunk's store spends its time: the cache's steps timed by wrapping its enqueue (`_dispatch`) and the
+    handle's wait (wrappers add ~1 us), next to the bare transfer_async of the same chunk into a pool object."""
+    from kvferry import transfer_async
+    from kvferry.transfer.handle import TransferHandle
+
+    fmt = EngineKVFormat.NL_X_TWO_NB_BS_NH_HS
+    paged = make_paged(fmt, MODELS[model], 1024, 16, device="cuda")
+    geom = describe(fmt, paged)
+    cache = CacheEngine(KvferryConfig.load(overrides={"cache": {"l1_size_gb": 2.0}}))
+    ns = cache.namespace_for(model, fmt, paged, geometry=geom)
+    stamps: dict[str, float] = {}
+    real_dispatch, real_wait = CacheEngine._dispatch, TransferHandle.wait
+
+    def stamped_dispatch(self: CacheEngine, *args, **kwargs):  # type: ignore[no-untyped-def]
+        stamps["enter"] = time.perf_counter()
+        handle = real_dispatch(self, *args, **kwargs)
+        stamps["enqueued"] = time.perf_counter()
+        return handle
+
+    def stamped_wait(self: TransferHandle) -> None:
+        stamps["wait"] = time.perf_counter()
+        real_wait(self)
+        stamps["waited"] = time.perf_counter()
+
+    obj = cache.pool.alloc(geom.object_shape(256), geom.dtype)
+    parts: dict[str, list[float]] = {k: [] for k in ("before", "enqueue", "settle", "wait", "after", "store", "bare")}
+    CacheEngine._dispatch = stamped_dispatch  # type: ignore[method-assign]
+    TransferHandle.wait = stamped_wait  # type: ignore[method-assign]
+    try:
+        for i in range(60):
+            tokens = list(range(i * 1000, i * 1000 + 256))
+            ids = torch.randperm(1024)[:16].tolist()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            transfer_async(paged, [obj], ids, "D2H", fmt, geometry=geom).wait()
+            parts["bare"].append((time.perf_counter() - t) * 1e6)
+            t = time.perf_counter()
+            cache.store(tokens, paged, ids, fmt, namespace=ns, geometry=geom)
+            end = time.perf_counter()
+            marks = [t, stamps["enter"], stamps["enqueued"], stamps["wait"], stamps["waited"], end]
+            for k, a, b in zip(("before", "enqueue", "settle", "wait", "after"), marks[:-1], marks[1:], strict=True):
+                parts[k].append((b - a) * 1e6)
+            parts["store"].append((end - t) * 1e6)
+    finally:
+        CacheEngine._dispatch, TransferHandle.wait = real_dispatch, real_wait  # type: ignore[method-assign]
+    med = {k: statistics.median(v[10:]) for k, v in parts.items()}
+    print(f"{model} one chunk store, where the time goes (us, medians; the bare wait includes its own wrapper): "
+          + ", ".join(f"{k} {v:.0f}" for k, v in med.items()), flush=True)  # fmt: skip
+    # The same store alternated with the ceiling alone (no other kvferry call in between, unlike one_model's loop,
+    # and unlike the loop above, which keeps kvferry's code and data warm in the CPU's caches for the store).
+    nbytes = geom.bytes_per_token * 256
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    pairs: dict[str, list[float]] = {"store": [], "memcpy": []}
+    for i in range(60, 120):
+        tokens = list(range(i * 1000, i * 1000 + 256))
+        ids = torch.randperm(1024)[:16].tolist()
+        t = time.perf_counter()
+        cache.store(tokens, paged, ids, fmt, namespace=ns, geometry=geom)
+        pairs["store"].append((time.perf_counter() - t) * 1e6)
+        t = time.perf_counter()
+        host.copy_(dev, non_blocking=True)
+        torch.cuda.synchronize()
+        pairs["memcpy"].append((time.perf_counter() - t) * 1e6)
+    store, ceil = (statistics.median(v[10:]) for v in pairs.values())
+    print(f"{model} one chunk store alternated with the memcpy alone: {store:.0f} us, memcpy {ceil:.0f} us "
+          f"(ratio {ceil / store:.3f})", flush=True)  # fmt: skip
+    cache.close()
+
+
 def main() -> None:
     for model in ("llama3-8b", "qwen2.5-0.5b"):
         one_model(model)
+    breakdown("llama3-8b")
 
 
 if __name__ == "__main__":

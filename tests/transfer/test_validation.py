@@ -7,8 +7,10 @@ import torch
 
 import kvferry
 from kvferry import Direction
-from kvferry.formats import EngineKVFormat
+from kvferry.formats import EngineKVFormat, describe
 from kvferry.formats.synthetic import ModelDims, make_paged
+from kvferry.memory import HostPool
+from kvferry.transfer.request import check, check_pool_objects
 from tests.conftest import engine_bytes, poisoned
 
 F = EngineKVFormat.NL_X_TWO_NB_BS_NH_HS
@@ -106,3 +108,34 @@ def test_objects_as_one_tensor_are_checked_as_a_whole(setup) -> None:  # type: i
         with pytest.raises(error, match=match):
             kvferry.transfer(paged, bad, [0, 1, 2, 3], Direction.H2D, F, chunk_size=8)
     assert all(torch.equal(a, b) for a, b in zip(before, engine_bytes(paged), strict=True))
+
+
+def test_pool_object_check_agrees_with_the_full_check() -> None:
+    """The cache's lighter check gives what `check` gives for the pool's own objects, and still refuses a wrong
+    shape or dtype (a tier's header shapes promoted objects), bad block ids and a retrieve that repeats a block."""
+    paged = make_paged(F, DIMS, 16, 4)
+    geom = describe(F, paged)
+    pool = HostPool(1 << 20)
+    objs = [pool.alloc(geom.object_shape(8), geom.dtype) for _ in range(2)]
+    for direction, skip in ((Direction.D2H, 0), (Direction.H2D, 1)):
+        full = check(geom, objs, [3, 1, 7, 2], direction, 8, skip)
+        light = check_pool_objects(geom, objs, [3, 1, 7, 2], direction, 8, skip)
+        assert (light.ids.tolist(), light.ptrs, light.caps, light.rows) == (
+            full.ids.tolist(),
+            full.ptrs,
+            full.caps,
+            full.rows,
+        )
+        assert light.on_host and light.one_allocation
+    other = pool.alloc((*geom.object_shape(8)[:3], geom.width // 2), geom.dtype)
+    for bad_objs, ids, direction, match in [
+        ([objs[0], other], [0, 1, 2, 3], Direction.D2H, r"objects\[1\] is .* expected whole objects"),
+        ([objs[0], objs[1].view(torch.float16)], [0, 1, 2, 3], Direction.D2H, "expected whole objects"),
+        ([objs[0][:, :, :4]], [0], Direction.D2H, "expected whole objects"),
+        ([], [], Direction.D2H, "objects is empty"),
+        (objs, [0, 1, 2, 16], Direction.D2H, r"block_ids\[3\]=16 is outside the pool of 16 blocks"),
+        (objs, [0, 1, 2], Direction.D2H, "block_ids has 3 entries but the 2 objects hold 4 blocks"),
+        (objs, [0, 1, 2, 2], Direction.H2D, "repeats a block"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            check_pool_objects(geom, bad_objs, ids, direction, 8, 0)

@@ -33,6 +33,7 @@ from kvferry.formats import EngineKVFormat, KVGeometry, describe
 from kvferry.memory import HostPool
 from kvferry.tiers import Tier, make_tier
 from kvferry.transfer import Direction, configure_gpu, transfer, transfer_async
+from kvferry.transfer.api import transfer_pool_async
 
 if TYPE_CHECKING:
     from kvferry.transfer.handle import TransferHandle
@@ -82,6 +83,7 @@ class CacheEngine:
         # Geometries already checked against a namespace (registered engines pass the same one every call).
         # Weak: a geometry holds the engine's tensors, which must go when their owner unregisters.
         self._matched: weakref.WeakValueDictionary[tuple[int, bytes], KVGeometry] = weakref.WeakValueDictionary()
+        self._last_match: tuple[weakref.ref[KVGeometry], CacheNamespace] | None = None
 
     # --- keys ---------------------------------------------------------------------------------------------
 
@@ -176,16 +178,14 @@ class CacheEngine:
         ns = self._ns(namespace)
         geom = self._geometry(fmt, paged, block_size, geometry, ns)
         shape, dtype, bs = geom.object_shape(self.chunk_size), geom.dtype, geom.bs
-        prefix = self._hasher.prefix(tokens, ns)
         first = check_skip(skip_prefix_tokens, len(tokens)) // self.chunk_size
         per_chunk = self.chunk_size // bs
-        check_block_ids(block_ids, prefix.n * per_chunk, bs)
-        if first >= prefix.n:
+        parent, keys = self._hasher.keys_after(tokens, ns, first)  # validates tokens, even when nothing is stored
+        check_block_ids(block_ids, self._hasher.num_chunks(tokens) * per_chunk, bs)
+        if not keys:
             return 0
-        nbytes = dtype.itemsize * shape[0] * shape[1] * shape[2] * shape[3]
-        # The skipped chunks are hashed in bulk; only the chunks to store get a key each.
-        parent = prefix.key(first - 1) if first else None
-        new = self._res.reserve(prefix.keys(first), parent, shape, dtype, nbytes)
+        nbytes = geom.bytes_per_token * self.chunk_size
+        new = self._res.reserve(keys, parent, shape, dtype, nbytes)
         entries = [entry for _, entry in new]
         if entries:
             ids = select_blocks(block_ids, [first + i for i, _ in new], per_chunk)
@@ -312,7 +312,9 @@ class CacheEngine:
         """The one place that moves bytes: a GPU engine's transfer is returned in flight (its handle), anything
         else has moved when this returns (None)."""
         objects = [e.obj for e in entries]
-        if geom.device.type == "cuda" and objects[0].is_cpu:
+        if geom.device.type == "cuda" and self.pool.is_pinned:  # the pool's own objects: the lighter check
+            return transfer_pool_async(geom, objects, ids, direction, self.chunk_size, skip)
+        if geom.device.type == "cuda" and objects[0].is_cpu:  # an unpinned pool: transfer_async explains
             return transfer_async(paged, objects, ids, direction, geom.fmt, self.chunk_size, skip, geometry=geom)
         transfer(paged, objects, ids, direction, geom.fmt, self.chunk_size, skip, geometry=geom)
         return None
@@ -341,7 +343,10 @@ class CacheEngine:
             raise ValueError(f"geometry={geometry!r} does not describe fmt={EngineKVFormat(fmt).name}")
         else:
             geom = geometry
-        if ns is not None and self._matched.get((id(geom), ns.digest)) is not geom:
+        last = self._last_match  # the pair checked last: one engine calls with the same pair every time
+        if ns is None or (last is not None and last[1] is ns and last[0]() is geom):
+            return geom
+        if self._matched.get((id(geom), ns.digest)) is not geom:
             layout = layout_name(geom.fmt, geom.object_shape(self.chunk_size))
             kv_dtype = dtype_name(geom.dtype)
             if ns.layout != layout or ns.kv_dtype != kv_dtype:
@@ -350,6 +355,7 @@ class CacheEngine:
                     f"{layout} / {kv_dtype}: build the namespace with namespace_for() for this KV cache"
                 )
             self._matched[(id(geom), ns.digest)] = geom  # an entry dies with geom, so its id is never stale
+        self._last_match = (weakref.ref(geom), ns)
         return geom
 
     def _pool_hits(self, keys: list[bytes]) -> int:

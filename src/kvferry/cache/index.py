@@ -22,7 +22,7 @@ class State(Enum):
 
 READABLE = frozenset({State.RESIDENT, State.SPILLING})  # states whose object a retrieve may read
 # Hot loops test `state is RESIDENT or state is SPILLING`: `in READABLE` calls Enum.__hash__, a Python function.
-RESIDENT, SPILLING = State.RESIDENT, State.SPILLING
+RESIDENT, SPILLING, WRITING = State.RESIDENT, State.SPILLING, State.WRITING
 
 
 @dataclass(slots=True, eq=False)

@@ -104,7 +104,7 @@ class PrefixKeys:
         """Keys of chunks ``first .. n-1``: a bulk hash up to ``first``, then one update and digest per chunk."""
         if first >= self.n:
             return []
-        h = self._state_at(first)
+        h = self._states[0].copy() if first == 0 else self._state_at(first)  # a store from token 0: no search
         update, digest = h.update, h.digest
         data, step = self._data, self._step
         out = []
@@ -133,7 +133,8 @@ class PrefixKeys:
 
 
 class ChunkHasher:
-    """Computes the chunk keys of token sequences; safe to share between threads (it holds no hash state)."""
+    """Computes the chunk keys of token sequences; safe to share between threads (the only hash states it holds
+    are each namespace's seed, which it copies and never updates)."""
 
     def __init__(self, chunk_size: int, algo: str = "blake3") -> None:
         if not _is_int(chunk_size) or chunk_size <= 0:
@@ -141,6 +142,7 @@ class ChunkHasher:
         self.chunk_size = chunk_size
         self.algo = algo
         self._seed = _seed_function(algo)
+        self._seeds: dict[bytes, _Hasher] = {}  # namespace digest -> a hasher that has absorbed it
 
     def num_chunks(self, tokens: TokenIds) -> int:
         """Number of full chunks in ``tokens`` (the tail is not cached)."""
@@ -148,13 +150,35 @@ class ChunkHasher:
 
     def prefix(self, tokens: TokenIds, namespace: CacheNamespace) -> PrefixKeys:
         """Keys of ``tokens``'s full chunks on demand (validates and converts ``tokens`` now)."""
-        return PrefixKeys(token_view(tokens), self.chunk_size * 4, self._seed(namespace.digest))
+        return PrefixKeys(token_view(tokens), self.chunk_size * 4, self._seeded(namespace.digest))
+
+    def keys_after(self, tokens: TokenIds, namespace: CacheNamespace, first: int) -> tuple[bytes | None, list[bytes]]:
+        """The key of chunk ``first - 1`` (None when ``first`` is 0) and the keys of the full chunks from ``first``
+        on, in one pass: what a store needs. The chunks before ``first`` are hashed in bulk, without a key each.
+        (A store of one chunk is on the path to its copy: this costs half of ``prefix(...).keys(first)``.)"""
+        data = token_view(tokens)
+        step = self.chunk_size * 4
+        end = len(data) // step * step
+        at = first * step
+        if at >= end:
+            return None, []
+        h = self._seeded(namespace.digest)
+        update, digest = h.update, h.digest
+        parent = None
+        if at:
+            update(data[:at])
+            parent = digest()
+        keys = []
+        for start in range(at, end, step):
+            update(data[start : start + step])
+            keys.append(digest())
+        return parent, keys
 
     def iter_keys(self, tokens: TokenIds, namespace: CacheNamespace) -> Iterator[bytes]:
         """Keys of the full chunks of ``tokens``, lazily (a caller that stops at the first miss hashes less)."""
         data = token_view(tokens)
         step = self.chunk_size * 4
-        h = self._seed(namespace.digest)
+        h = self._seeded(namespace.digest)
         for start in range(0, (len(data) // step) * step, step):
             h.update(data[start : start + step])
             yield h.digest()
@@ -162,6 +186,16 @@ class ChunkHasher:
     def keys(self, tokens: TokenIds, namespace: CacheNamespace) -> list[bytes]:
         """Keys of all full chunks of ``tokens``."""
         return self.prefix(tokens, namespace).keys()
+
+    def _seeded(self, digest: bytes) -> _Hasher:
+        """A fresh hasher seeded with a namespace digest (a copy of the one kept per namespace: half the cost)."""
+        seed = self._seeds.get(digest)
+        if seed is None:
+            seed = self._seed(digest)
+            if len(self._seeds) >= 256:  # a server's namespaces are few; bound it anyway
+                self._seeds.clear()
+            self._seeds[digest] = seed
+        return seed.copy()
 
 
 def token_view(tokens: TokenIds) -> memoryview:

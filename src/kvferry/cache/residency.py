@@ -16,7 +16,7 @@ from concurrent.futures import Future
 
 import torch
 
-from kvferry.cache.index import RESIDENT, SPILLING, CacheIndex, Entry, State
+from kvferry.cache.index import RESIDENT, SPILLING, WRITING, CacheIndex, Entry, State
 from kvferry.cache.locks import LeaseTable
 from kvferry.cache.metrics import CacheCounters
 from kvferry.cache.policies import EvictionPolicy
@@ -135,19 +135,21 @@ class Residency:
         prefix lookups a chunk after a hole could never be hit. Present and skipped chunks are counted.
         """
         new: list[tuple[int, Entry]] = []
-        deadline = time.monotonic() + self._config.spill_wait_s
+        deadline: float | None = None  # set once a store first finds no room: the common case never reads a clock
         start = 0  # keys[:start] are placed or present
+        get, add, touch = self.index.get, self.index.add, self.policy.touch
         while True:
             with self.lock:
                 self.expire_locks_locked()
-                missing = sum(1 for key in keys[start:] if key not in self.index)
+                missing = sum(1 for i in range(start, len(keys)) if get(keys[i]) is None)
                 # All at once while they fit (one pool call); one by one, evicting more, after that.
-                fresh = iter(self.pool.try_alloc_many(shape, dtype, missing))
+                fresh = iter(self.pool.try_alloc_many(shape, dtype, missing)) if missing else iter(())
                 to_spill: list[Entry] = []
                 blocked = False
                 for i in range(start, len(keys)):
-                    if keys[i] in self.index:
-                        self.policy.touch(keys[i])
+                    key = keys[i]
+                    if get(key) is not None:
+                        touch(key)
                     else:
                         obj = next(fresh, None)
                         if obj is None:
@@ -155,19 +157,24 @@ class Residency:
                         if obj is None:
                             blocked = True
                             break
-                        entry = Entry(keys[i], State.WRITING, obj, nbytes, parent=keys[i - 1] if i else parent)
-                        self.index.add(entry)
+                        entry = Entry(key, WRITING, obj, nbytes, parent=keys[i - 1] if i else parent)
+                        add(entry)
                         new.append((i, entry))
                     start = i + 1
+                wait = False
+                if blocked and self._spilling_bytes > 0:
+                    now = time.monotonic()
+                    deadline = now + self._config.spill_wait_s if deadline is None else deadline
+                    wait = now < deadline
                 generation = self._spills_finished
-                wait = blocked and self._spilling_bytes > 0 and time.monotonic() < deadline
                 if not wait:
-                    skipped = sum(1 for key in keys[start:] if key not in self.index)
+                    skipped = sum(1 for i in range(start, len(keys)) if get(keys[i]) is None) if blocked else 0
                     self.counters.skipped_chunks += skipped
                     self.counters.present_chunks += len(keys) - len(new) - skipped
             self._spill(to_spill)
             if not wait:
                 return new
+            assert deadline is not None
             with self._spill_finished:
                 while self._spills_finished == generation and (left := deadline - time.monotonic()) > 0:
                     self._spill_finished.wait(left)

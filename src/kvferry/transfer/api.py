@@ -19,6 +19,7 @@ from kvferry.transfer.request import (
     as_objects,
     check,
     check_pinned,
+    check_pool_objects,
     object_list,
 )
 
@@ -109,6 +110,23 @@ def transfer_async(
         raise ValueError("transfer_async needs chunk objects in pinned host memory")
     _backend("triton", geom, objs, checked)
     return _submit(geom, objs, checked, direction is Direction.D2H, chunk_size, skip_prefix_blocks, engine, mode)
+
+
+def transfer_pool_async(
+    geom: KVGeometry,
+    objects: list[torch.Tensor],
+    block_ids: Sequence[int] | torch.Tensor,
+    direction: Direction,
+    chunk_size: int,
+    skip_prefix_blocks: int,
+) -> TransferHandle:
+    """`transfer_async` for whole chunk objects carved from a pinned `HostPool` (what the cache moves): checked by
+    `check_pool_objects`, which skips what the pool guarantees. Objects from anywhere else go through
+    `transfer_async`."""
+    if geom.device.type != "cuda":
+        raise ValueError(f"transfer_pool_async moves GPU KV; the engine's KV is on {geom.device}")
+    checked = check_pool_objects(geom, objects, block_ids, direction, chunk_size, skip_prefix_blocks)
+    return _submit(geom, objects, checked, direction is Direction.D2H, chunk_size, skip_prefix_blocks, None, None)
 
 
 def _submit(

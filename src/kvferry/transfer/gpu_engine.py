@@ -352,6 +352,6 @@ def default_engine(device: torch.device, config: EngineConfig | None = None) -> 
     config = config or _DEFAULT_CONFIG
     with _engines_lock:
         engine = _engines.get(device)
-        if engine is None or engine.config != config:
+        if engine is None or (engine.config is not config and engine.config != config):  # `is`: ~1 us less
             engine = _engines[device] = TransferEngine(device, config)
         return engine

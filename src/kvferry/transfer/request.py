@@ -80,43 +80,90 @@ def check(
     chunk_size: int,
     skip_prefix_blocks: int,
 ) -> Checked:
-    """`check_request`, keeping what the GPU path needs of every object (one pass of attribute reads)."""
+    """`check_request`, keeping what the GPU path needs of every object (one pass of attribute reads).
+
+    A one-chunk request's whole check is on the path to its first GPU operation: the per-object test is one
+    expression, and only a failing object is looked at again (`_explain`) to say what is wrong with it."""
     bs = geom.bs
     if not isinstance(chunk_size, int) or chunk_size <= 0 or chunk_size % bs:
         raise ValueError(f"chunk_size={chunk_size} must be a positive multiple of the block size {bs}")
     want = geom.object_shape(chunk_size)
-    full = (want[0], want[1], chunk_size, want[3])
     if isinstance(objects, torch.Tensor):
-        ptrs, caps, on_host = _check_run(objects, full, geom.dtype)
-        end = ptrs[0] + objects.nbytes
+        ptrs, caps, on_host = _check_run(objects, want, geom.dtype)
+        n_blocks = len(caps) * (chunk_size // bs)
+        first, end = ptrs[0], ptrs[0] + objects.nbytes
     else:
-        ptrs, caps, on_host = _check_list(objects, full, want, geom.dtype, chunk_size, bs)
-        top = ptrs.index(max(ptrs))
-        end = ptrs[top] + objects[top].nbytes
-    in_pinned_slab = on_host and is_known_pinned(min(ptrs), end)  # one range lookup for all of them
+        ptrs, caps, on_host = _check_list(objects, want, geom.dtype, chunk_size, bs)
+        n_blocks = sum(caps) // bs
+        first = min(ptrs)
+        top = max(ptrs)
+        end = top + objects[ptrs.index(top)].nbytes
+    in_pinned_slab = on_host and is_known_pinned(first, end)  # one range lookup for all of them
+    ids = _checked_ids(geom, block_ids, n_blocks, len(caps), direction, skip_prefix_blocks)
+    return Checked(ids, ptrs, caps, want[0] * want[1], on_host, isinstance(objects, torch.Tensor), in_pinned_slab)
+
+
+def check_pool_objects(
+    geom: KVGeometry,
+    objects: list[torch.Tensor],
+    block_ids: Sequence[int] | torch.Tensor,
+    direction: Direction,
+    chunk_size: int,
+    skip_prefix_blocks: int,
+) -> Checked:
+    """`check` for whole chunk objects the caller carved from one pinned `HostPool` (the cache's own). The pool's
+    views are contiguous and lie in its pinned slab by construction, so only what could still be wrong is checked:
+    each object's shape and dtype (an object promoted from a tier was shaped by the tier's header) and the block
+    ids. A one-chunk store's check is on the path to its first GPU operation: this is about half of `check`."""
+    bs = geom.bs
+    if not isinstance(chunk_size, int) or chunk_size <= 0 or chunk_size % bs:
+        raise ValueError(f"chunk_size={chunk_size} must be a positive multiple of the block size {bs}")
+    want, dtype = geom.object_shape(chunk_size), geom.dtype
+    ptrs = []
+    for i, obj in enumerate(objects):
+        if obj.shape != want or obj.dtype != dtype:
+            raise ValueError(f"objects[{i}] is {tuple(obj.shape)} {obj.dtype}; expected whole objects {want} {dtype}")
+        ptrs.append(obj.data_ptr())
+    if not ptrs:
+        raise ValueError("objects is empty: pass at least one chunk object")
+    n = len(ptrs)
+    ids = _checked_ids(geom, block_ids, n * (chunk_size // bs), n, direction, skip_prefix_blocks)
+    return Checked(ids, ptrs, [chunk_size] * n, want[0] * want[1], True, False, True)
+
+
+def _checked_ids(
+    geom: KVGeometry,
+    block_ids: Sequence[int] | torch.Tensor,
+    n_blocks: int,
+    n_objects: int,
+    direction: Direction,
+    skip_prefix_blocks: int,
+) -> np.ndarray:
+    """The block ids as a private int64 array, checked: one per block the objects hold, in the pool's range, and
+    no block written twice by a retrieve."""
     ids = _as_id_array(block_ids)
-    if len(ids) != sum(caps) // bs:
+    n = len(ids)
+    if n != n_blocks:
         raise ValueError(
-            f"block_ids has {len(ids)} entries but the {len(caps)} objects hold {sum(caps) // bs} blocks "
-            f"({sum(caps)} tokens / block size {bs})"
+            f"block_ids has {n} entries but the {n_objects} objects hold {n_blocks} blocks "
+            f"({n_blocks * geom.bs} tokens / block size {geom.bs})"
         )
-    if not 0 <= skip_prefix_blocks <= len(ids):
-        raise ValueError(f"skip_prefix_blocks={skip_prefix_blocks} must be within 0..{len(ids)}")
-    copied = ids[skip_prefix_blocks:]
-    if len(copied):
-        small = copied.tolist() if len(copied) < _SMALL_IDS else None
+    if not 0 <= skip_prefix_blocks <= n:
+        raise ValueError(f"skip_prefix_blocks={skip_prefix_blocks} must be within 0..{n}")
+    if skip_prefix_blocks < n:
+        copied = ids[skip_prefix_blocks:] if skip_prefix_blocks else ids
+        small = copied.tolist() if n < _SMALL_IDS else None
         lo, hi = (min(small), max(small)) if small is not None else (copied.min(), copied.max())
         if lo < 0 or hi >= geom.nb:
             bad = int(np.flatnonzero((copied < 0) | (copied >= geom.nb))[0]) + skip_prefix_blocks
             raise ValueError(f"block_ids[{bad}]={int(ids[bad])} is outside the pool of {geom.nb} blocks")
-        if direction is Direction.H2D and len(copied) > 1 and _repeats(copied, small):
+        if direction is Direction.H2D and n - skip_prefix_blocks > 1 and _repeats(copied, small):
             raise ValueError("block_ids repeats a block: a retrieve would write one block from two places")
-    return Checked(ids, ptrs, caps, want[0] * want[1], on_host, isinstance(objects, torch.Tensor), in_pinned_slab)
+    return ids
 
 
 def _check_list(
     objects: list[torch.Tensor],
-    full: tuple[int, int, int, int],
     want: tuple[int, int, int, int],
     dtype: torch.dtype,
     chunk_size: int,
@@ -126,22 +173,33 @@ def _check_list(
         raise ValueError("objects is empty: pass at least one chunk object")
     ptrs = []
     on_host = True
-    last_index = len(objects) - 1
-    for i, obj in enumerate(objects):  # attribute reads only: ~0.5 us per object
-        if not isinstance(obj, torch.Tensor):
-            raise TypeError(f"objects[{i}] must be a torch.Tensor, got {type(obj).__name__}")
-        shape = obj.shape
-        if shape != full and not (i == last_index and _partial_ok(shape, want, chunk_size, bs)):
-            hint = " (only the last object may be partial, a multiple of BS tokens)" if i < last_index else ""
-            raise ValueError(f"objects[{i}] has shape {tuple(shape)}, expected {want}{hint}")
-        if obj.dtype != dtype:
-            raise TypeError(f"objects[{i}] has dtype {obj.dtype}; the engine's KV is {dtype}")
-        if not obj.is_contiguous():
-            raise ValueError(f"objects[{i}] must be contiguous")
+    for obj in objects:  # attribute reads only: ~0.5 us per object; a failure is explained below
+        if type(obj) is not torch.Tensor or obj.shape != want or obj.dtype != dtype or not obj.is_contiguous():
+            _explain(objects, len(ptrs), want, dtype, chunk_size, bs)  # raises, unless a partial last object
         ptrs.append(obj.data_ptr())
         on_host = on_host and obj.is_cpu
-    caps = [chunk_size] * last_index + [objects[-1].shape[2]]  # only the last may be partial (checked above)
+    caps = [chunk_size] * len(objects)
+    if objects[-1].shape[2] != chunk_size:
+        caps[-1] = objects[-1].shape[2]
     return ptrs, caps, on_host
+
+
+def _explain(
+    objects: list[torch.Tensor], i: int, want: tuple[int, int, int, int], dtype: torch.dtype, chunk_size: int, bs: int
+) -> None:
+    """Raise the error that ``objects[i]`` deserves; return if it is fine after all (a partial last object, or a
+    tensor subclass)."""
+    obj, last = objects[i], len(objects) - 1
+    if not isinstance(obj, torch.Tensor):
+        raise TypeError(f"objects[{i}] must be a torch.Tensor, got {type(obj).__name__}")
+    shape = obj.shape
+    if shape != want and not (i == last and _partial_ok(shape, want, chunk_size, bs)):
+        hint = " (only the last object may be partial, a multiple of BS tokens)" if i < last else ""
+        raise ValueError(f"objects[{i}] has shape {tuple(shape)}, expected {want}{hint}")
+    if obj.dtype != dtype:
+        raise TypeError(f"objects[{i}] has dtype {obj.dtype}; the engine's KV is {dtype}")
+    if not obj.is_contiguous():
+        raise ValueError(f"objects[{i}] must be contiguous")
 
 
 def _check_run(
