@@ -16,6 +16,7 @@ from kvferry.cache.keys import _KEY_SCHEMA, CacheNamespace, ChunkHasher, token_b
 
 ALGOS = ("sha256", "blake3")
 NS = CacheNamespace("llama-3-8b", "bfloat16", "NL_X_TWO_NB_BS_NH_HS:2x32x256x1024", world_size=2, rank=1)
+OTHER = CacheNamespace("llama-3-8b", "bfloat16", "NL_X_TWO_NB_BS_NH_HS:2x32x256x1024", world_size=2, rank=0)
 
 
 def _random_tokens(n: int, seed: int = 0) -> list[int]:
@@ -62,6 +63,22 @@ def test_prefix_keys_in_any_probe_order_match_the_stream(n_chunks: int, probes: 
     assert prefix.keys(first) == expected[first:]
     with pytest.raises(IndexError):
         prefix.key(n_chunks)
+
+
+@settings(max_examples=30, deadline=None)
+@given(n_chunks=st.integers(0, 150), first=st.integers(0, 160), algo=st.sampled_from(ALGOS))
+def test_a_stores_keys_in_one_pass_match_the_stream(n_chunks: int, first: int, algo: str) -> None:
+    """`keys_after` (a store's keys: the parent of chunk `first` and the keys from it on) equals the streamed keys,
+    for any start, including past the end; and a second namespace through the same hasher gets its own keys (the
+    seeded hashers it keeps per namespace are copied, never updated)."""
+    hasher = ChunkHasher(4, algo)
+    tokens = _random_tokens(4 * n_chunks + 3, seed=first)
+    expected = list(hasher.iter_keys(tokens, NS))
+    for ns, want in ((NS, expected), (OTHER, list(ChunkHasher(4, algo).iter_keys(tokens, OTHER))), (NS, expected)):
+        parent, keys = hasher.keys_after(tokens, ns, first)
+        assert keys == want[first:]
+        assert parent == (want[first - 1] if 0 < first <= n_chunks and keys else None)
+    assert not set(expected) & set(hasher.keys(tokens, OTHER))
 
 
 @settings(max_examples=40, deadline=None)

@@ -338,3 +338,20 @@ def test_alloc_many_failed_views_give_every_reservation_back(monkeypatch: pytest
         pool.try_alloc_many((10,), torch.uint8, 4)
     assert pool.used_bytes == pool.requested_bytes == pool.num_allocations == 0
     assert pool.largest_free_bytes == pool.capacity_bytes and pool.num_free_extents == 1
+
+
+def test_a_view_carved_before_comes_back_only_with_its_own_layout() -> None:
+    """The pool hands out a view it carved before at the same offset, shape and dtype (no new as_strided); any
+    other layout at that offset gets its own view, and each view covers exactly its allocation."""
+    pool = HostPool(16 * KIB)
+    first = pool.alloc((4, 256), torch.float32)
+    pool.free(first)
+    again = pool.alloc((4, 256), torch.float32)
+    assert again is first  # same offset, shape, dtype
+    pool.free(again)
+    for shape, dtype in (((256, 4), torch.float32), ((4, 256), torch.int32), ((2, 512), torch.bfloat16)):
+        view = pool.alloc(shape, dtype)
+        assert view is not first and tuple(view.shape) == shape and view.dtype == dtype and view.is_contiguous()
+        assert pool.offset_of(view) == 0 and view.nbytes == pool.allocation(view).requested_bytes
+        pool.free(view)
+    assert pool.used_bytes == 0 and pool.num_allocations == 0
