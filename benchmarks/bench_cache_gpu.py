@@ -74,9 +74,12 @@ def one_model(model: str) -> None:
 
 
 def breakdown(model: str) -> None:
-    """Where one chunk's store spends its time: the cache's steps timed by wrapping its enqueue (`_dispatch`) and the
-    handle's wait (wrappers add ~1 us), next to the bare transfer_async of the same chunk into a pool object."""
+    """Where one chunk's store spends its time: the cache's steps timed by wrapping its enqueue (the writer's
+    `transfer_pool_at_async`) and the handle's wait (wrappers add ~1 us), next to the bare transfer_async of the same
+    chunk into a pool object. Between the two: the store's keys, index entries and eviction."""
     from kvferry import transfer_async
+    from kvferry.cache import writer
+    from kvferry.kernels.cuda_driver import driver
     from kvferry.transfer.handle import TransferHandle
 
     fmt = EngineKVFormat.NL_X_TWO_NB_BS_NH_HS
@@ -85,11 +88,11 @@ def breakdown(model: str) -> None:
     cache = CacheEngine(KvferryConfig.load(overrides={"cache": {"l1_size_gb": 2.0}}))
     ns = cache.namespace_for(model, fmt, paged, geometry=geom)
     stamps: dict[str, float] = {}
-    real_dispatch, real_wait = CacheEngine._dispatch, TransferHandle.wait
+    real_enqueue, real_wait = writer.transfer_pool_at_async, TransferHandle.wait
 
-    def stamped_dispatch(self: CacheEngine, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def stamped_enqueue(*args, **kwargs):  # type: ignore[no-untyped-def]
         stamps["enter"] = time.perf_counter()
-        handle = real_dispatch(self, *args, **kwargs)
+        handle = real_enqueue(*args, **kwargs)
         stamps["enqueued"] = time.perf_counter()
         return handle
 
@@ -98,9 +101,22 @@ def breakdown(model: str) -> None:
         real_wait(self)
         stamps["waited"] = time.perf_counter()
 
+    # The driver calls on the path to the first DMA, stamped when each returns (first of each kind per store).
+    drv = driver()
+    calls = {name: getattr(drv, name) for name in ("record", "htod", "wait", "launch", "dtoh")}
+
+    def stamping(name: str, call):  # type: ignore[no-untyped-def]
+        def stamped(*args):  # type: ignore[no-untyped-def]
+            result = call(*args)
+            stamps.setdefault("cu " + name, time.perf_counter())
+            return result
+
+        return stamped
+
     obj = cache.pool.alloc(geom.object_shape(256), geom.dtype)
-    parts: dict[str, list[float]] = {k: [] for k in ("before", "enqueue", "settle", "wait", "after", "store", "bare")}
-    CacheEngine._dispatch = stamped_dispatch  # type: ignore[method-assign]
+    steps = ("before", "enqueue", "keys+index+evict", "wait", "after")
+    parts: dict[str, list[float]] = {k: [] for k in (*steps, "store", "bare", *("cu " + c for c in calls))}
+    writer.transfer_pool_at_async = stamped_enqueue
     TransferHandle.wait = stamped_wait  # type: ignore[method-assign]
     try:
         for i in range(60):
@@ -110,18 +126,32 @@ def breakdown(model: str) -> None:
             t = time.perf_counter()
             transfer_async(paged, [obj], ids, "D2H", fmt, geometry=geom).wait()
             parts["bare"].append((time.perf_counter() - t) * 1e6)
+            stamped = i % 2 == 1  # every other store: the driver calls stamped (each wrapper adds ~1 us)
+            for name, call in calls.items():
+                setattr(drv, name, stamping(name, call) if stamped else call)
+            stamps.clear()
             t = time.perf_counter()
             cache.store(tokens, paged, ids, fmt, namespace=ns, geometry=geom)
             end = time.perf_counter()
+            for name, call in calls.items():
+                setattr(drv, name, call)
             marks = [t, stamps["enter"], stamps["enqueued"], stamps["wait"], stamps["waited"], end]
-            for k, a, b in zip(("before", "enqueue", "settle", "wait", "after"), marks[:-1], marks[1:], strict=True):
-                parts[k].append((b - a) * 1e6)
-            parts["store"].append((end - t) * 1e6)
+            if not stamped:
+                for k, a, b in zip(steps, marks[:-1], marks[1:], strict=True):
+                    parts[k].append((b - a) * 1e6)
+                parts["store"].append((end - t) * 1e6)
+            else:
+                for name in calls:
+                    parts["cu " + name].append((stamps["cu " + name] - t) * 1e6)
     finally:
-        CacheEngine._dispatch, TransferHandle.wait = real_dispatch, real_wait  # type: ignore[method-assign]
-    med = {k: statistics.median(v[10:]) for k, v in parts.items()}
+        writer.transfer_pool_at_async, TransferHandle.wait = real_enqueue, real_wait  # type: ignore[method-assign]
+        for name, call in calls.items():
+            setattr(drv, name, call)
+    med = {k: statistics.median(v[5:]) for k, v in parts.items()}
     print(f"{model} one chunk store, where the time goes (us, medians; the bare wait includes its own wrapper): "
-          + ", ".join(f"{k} {v:.0f}" for k, v in med.items()), flush=True)  # fmt: skip
+          + ", ".join(f"{k} {med[k]:.0f}" for k in (*steps, "store", "bare"))
+          + "; from the call to the first driver call of each kind returning: "
+          + ", ".join(f"{k} {med['cu ' + k]:.0f}" for k in calls), flush=True)  # fmt: skip
     # The same store alternated with the ceiling alone (no other kvferry call in between, unlike one_model's loop,
     # and unlike the loop above, which keeps kvferry's code and data warm in the CPU's caches for the store).
     nbytes = geom.bytes_per_token * 256

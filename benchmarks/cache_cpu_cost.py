@@ -1,55 +1,102 @@
-"""CPU cost of one chunk's `CacheEngine.store` / `.retrieve` around its copy, on any machine: the copy itself is
-replaced by the request check the GPU path runs (`check_pool_objects`), so this times the cache's Python only.
+"""CPU time of one llama3-8b chunk's `CacheEngine.store` up to its first GPU operation, on any machine, warm and cold.
 
     python benchmarks/cache_cpu_cost.py [calls]
 
-Prints the store's time up to its copy (what delays the first GPU operation), the same plus the check, the time
-after it, and the retrieve's; the 10th percentile over the calls (this shared machine's speed swings 1.5x between
-runs, and the low end is the code's own cost).
+The store runs the GPU path's code (`transfer_pool_async` into the transfer engine, `tests/transfer/cpu_engine.py`:
+the engine on CPU memory, its driver calls and launches stubbed), so what is timed is the Python from the call to
+its first kernel launch, then to the end of the store. "cold": 64 MB of memory are written between two stores,
+so none of the path's code or data is in the CPU's caches; on the GPU host a store after idling or after other
+work runs like that (`benchmarks/store_context_gpu.py`: +150-200 us). Both orders of a store are timed
+(`kvferry.cache.writer`): in order (keys, pool objects, copy) and ahead (copy, then keys and index entries).
+Prints medians and 10th percentiles (this shared machine's speed swings 1.5x between runs).
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
+import types
+from pathlib import Path
+from typing import Any
 
-import kvferry.cache.engine as cache_engine
-from kvferry.cache import CacheEngine
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root, for tests.transfer
+from tests.transfer.cpu_engine import CopyingDriver, World, completion_init, engine_on
+
+from kvferry.cache import CacheEngine, writer
 from kvferry.config import KvferryConfig
 from kvferry.formats import EngineKVFormat, describe
 from kvferry.formats.synthetic import MODELS, make_paged
-from kvferry.transfer.request import check_pool_objects
+from kvferry.kernels import triton_copy
+from kvferry.transfer import gpu_engine
+from kvferry.transfer.request import check_pool_addresses, check_pool_objects
+
+FMT = EngineKVFormat.NL_X_TWO_NB_BS_NH_HS
+
+
+class Done:
+    def wait(self) -> None:
+        pass
 
 
 def main() -> None:
-    calls = int(sys.argv[1]) if len(sys.argv) > 1 else 3000
-    stamps: list[tuple[float, float]] = []
+    calls = int(sys.argv[1]) if len(sys.argv) > 1 else 400
+    launches: list[float] = []
+    torch._C._cuda_getCurrentRawStream = lambda index: 0  # no CUDA here
+    triton_copy.launch_raw = lambda *args, **kwargs: launches.append(time.perf_counter())  # type: ignore[assignment]
+    gpu_engine.Completion.__init__ = completion_init  # type: ignore[method-assign]
+    gpu_engine.Completion.__del__ = lambda self: None  # type: ignore[method-assign]
+    config = gpu_engine.EngineConfig()
+    cache = CacheEngine(KvferryConfig.load(overrides={"cache": {"l1_size_gb": 0.5}}))
+    engine = engine_on(World(cache.pool, config.slot_bytes), CopyingDriver(copies=False), config)
+    plan = types.SimpleNamespace(bs=16, bytes_per_token=32 * 2 * 1024 * 2, word=8)  # llama3-8b, format 1
 
-    def checked_only(paged, objects, ids, direction, fmt, chunk, skip, geometry=None, **_):  # type: ignore[no-untyped-def]
-        started = time.perf_counter()
-        check_pool_objects(geometry, objects, ids, direction, chunk, skip)
-        stamps.append((started, time.perf_counter()))
+    def enqueue(geom: Any, objects: list[torch.Tensor], ids: Any, direction: Any, chunk: int, skip: int) -> Done:
+        checked = check_pool_objects(geom, objects, ids, direction, chunk, skip)
+        engine.submit(plan, objects, checked, True, chunk, skip)  # type: ignore[arg-type]
+        return Done()
 
-    cache_engine.transfer = checked_only  # a CPU engine's copy goes through this name
-    fmt = EngineKVFormat.NL_X_TWO_NB_BS_NH_HS
-    paged = make_paged(fmt, MODELS["llama3-8b"], 64, 16, device="cpu")
-    geom = describe(fmt, paged)
-    cache = CacheEngine(KvferryConfig.load(overrides={"cache": {"l1_size_gb": 2.0}}))
-    ns = cache.namespace_for("llama3-8b", fmt, paged, geometry=geom)
-    times: dict[str, list[float]] = {k: [] for k in ("store to its copy", "+ check", "after", "retrieve to its copy")}
-    for i in range(calls):
-        tokens, ids = list(range(i * 1000, i * 1000 + 256)), list(range(16))
-        t = time.perf_counter()
-        cache.store(tokens, paged, ids, fmt, namespace=ns, geometry=geom)
-        end = time.perf_counter()
-        times["store to its copy"].append(stamps[-1][0] - t)
-        times["+ check"].append(stamps[-1][1] - t)
-        times["after"].append(end - stamps[-1][1])
-        t = time.perf_counter()
-        cache.retrieve(tokens, paged, ids, fmt, namespace=ns, geometry=geom)
-        times["retrieve to its copy"].append(stamps[-1][0] - t)
-    low = {k: sorted(v[200:])[len(v[200:]) // 10] * 1e6 for k, v in times.items()}
-    print("one llama3-8b chunk, us (10th percentile): " + ", ".join(f"{k} {v:.1f}" for k, v in low.items()))
+    def enqueue_at(geom: Any, addresses: list[int], ids: Any, direction: Any, chunk: int, skip: int) -> Done:
+        checked = check_pool_addresses(geom, addresses, ids, direction, chunk, skip)
+        engine.submit(plan, addresses, checked, True, chunk, skip)  # type: ignore[arg-type]
+        return Done()
+
+    writer.transfer_pool_async = enqueue  # type: ignore[assignment]  # the API's GPU entry points, minus the device
+    writer.transfer_pool_at_async = enqueue_at  # type: ignore[assignment]
+    writer._gpu_with_pinned_pool = lambda geom, pool: True  # type: ignore[assignment]
+    paged = make_paged(FMT, MODELS["llama3-8b"], 64, 16, device="cpu")
+    geom = describe(FMT, paged)
+    ns = cache.namespace_for("llama3-8b", FMT, paged, geometry=geom)
+    scratch = np.ones(64 << 20, dtype=np.uint8)
+    rows: dict[str, tuple[list[float], list[float]]] = {}
+    n = 0
+    for _ in range(2):  # each case twice, interleaved
+        for order in ("in order", "ahead"):
+            ahead = order == "ahead"
+            writer.copies_in_background = lambda geom, pool, ahead=ahead: ahead  # type: ignore[assignment]
+            for cold in (False, True):
+                first, total = rows.setdefault(f"{order}, {'cold' if cold else 'warm'}", ([], []))
+                for i in range(calls):
+                    n += 1
+                    tokens, ids = list(range(n * 1000, n * 1000 + 256)), list(range(16))
+                    if cold:
+                        scratch += 1
+                    launches.clear()
+                    t = time.perf_counter()
+                    assert cache.store(tokens, paged, ids, FMT, namespace=ns, geometry=geom) == 256
+                    end = time.perf_counter()
+                    if i >= 20:
+                        first.append((launches[0] - t) * 1e6)
+                        total.append((end - t) * 1e6)
+                    if n % 8 == 0:
+                        cache.clear()
+    print("one llama3-8b chunk's store, CPU us: to its first launch / whole call, median (10th percentile)")
+    for name, (first, total) in rows.items():
+        print(f"  {name:16s} {statistics.median(first):6.1f} ({np.percentile(first, 10):5.1f})   "
+              f"{statistics.median(total):6.1f} ({np.percentile(total, 10):5.1f})")  # fmt: skip
     cache.close()
 
 

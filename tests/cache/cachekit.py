@@ -6,6 +6,8 @@ code they test: a block's contents are everything in the engine's tensors that b
 
 from __future__ import annotations
 
+import ctypes
+import math
 from typing import Any
 
 import torch
@@ -55,3 +57,48 @@ def assert_blocks_equal(src: Any, src_ids: list[int], dst: Any, dst_ids: list[in
     assert len(src_ids) == len(dst_ids)
     for i, (s, d) in enumerate(zip(src_ids, dst_ids, strict=True)):
         assert torch.equal(block_contents(src, fmt, s), block_contents(dst, fmt, d)), f"block {i}: {s}->{d} differs"
+
+
+class AheadCopies:
+    """Makes a CPU engine's stores take the GPU path's order (`ChunkWriter._ahead`): the copy is enqueued first and
+    lands only when waited for, into objects poisoned at enqueue, so a chunk made readable before its copy has
+    landed reads as poison. Counts the copies enqueued and waited for."""
+
+    POISON = -7.25
+
+    def __init__(self, monkeypatch: Any) -> None:
+        from kvferry.cache import writer
+        from kvferry.transfer import transfer
+        from kvferry.transfer.request import check_pool_addresses
+
+        self.enqueued = 0
+        self.waited = 0
+        owner = self
+
+        class Later:
+            def __init__(self, geom: Any, objects: list[torch.Tensor], ids: Any) -> None:
+                self.args, self.done = (geom, objects, ids), False
+                for obj in objects:
+                    obj.fill_(AheadCopies.POISON)
+
+            def wait(self) -> None:
+                if not self.done:
+                    geom, objects, ids = self.args
+                    transfer(None, objects, ids, "D2H", geom.fmt, CHUNK, 0, geometry=geom)
+                    self.done = True
+                    owner.waited += 1
+
+        def enqueue(geom: Any, addresses: list[int], ids: Any, direction: Any, chunk: int, skip: int) -> Any:
+            checked = check_pool_addresses(geom, addresses, ids, direction, chunk, skip)  # what the GPU path refuses
+            owner.enqueued += 1
+            shape = geom.object_shape(chunk)
+            return Later(geom, [_tensor_at(a, shape, geom.dtype) for a in addresses], list(checked.ids))
+
+        monkeypatch.setattr(writer, "copies_in_background", lambda geom, pool: True)
+        monkeypatch.setattr(writer, "transfer_pool_at_async", enqueue)
+
+
+def _tensor_at(address: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor over host memory at ``address`` (what a GPU kernel would write through the address)."""
+    nbytes = dtype.itemsize * math.prod(shape)
+    return torch.frombuffer((ctypes.c_char * nbytes).from_address(address), dtype=dtype).view(shape)

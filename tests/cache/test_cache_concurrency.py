@@ -17,10 +17,11 @@ import pytest
 import torch
 
 from kvferry.cache import CacheEngine
+from kvferry.cache.writer import ChunkWriter
 from kvferry.config import KvferryConfig
 from kvferry.formats.kinds import EngineKVFormat as F
 from kvferry.memory import HostPool
-from tests.cache.cachekit import CHUNK, PER_CHUNK, block_contents, make_paged
+from tests.cache.cachekit import CHUNK, PER_CHUNK, AheadCopies, block_contents, make_paged
 
 FMT = F.NL_X_TWO_NB_BS_NH_HS
 FAMILIES, CHUNKS, SHARED = 4, 6, 2  # 4 prompts of 6 chunks; the first 2 chunks are common to all
@@ -39,8 +40,14 @@ def _source_blocks(family: int) -> list[int]:
     return ids
 
 
-@pytest.mark.parametrize("policy", ["lru", "s3fifo"])
-def test_eight_threads_overlapping_prefixes_no_corruption_no_deadlock(policy: str) -> None:
+@pytest.mark.parametrize(("policy", "ahead"), [("lru", False), ("s3fifo", False), ("lru", True)])
+def test_eight_threads_overlapping_prefixes_no_corruption_no_deadlock(
+    policy: str, ahead: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`ahead`: stores copy before they index (the GPU path's order), their copies landing only when waited for."""
+    if ahead:
+        AheadCopies(monkeypatch)
+        monkeypatch.setattr(ChunkWriter, "AHEAD_PAUSE", 0)  # ahead every time, present chunks or not
     rng = np.random.default_rng(0)
     common = rng.integers(0, 32_000, size=SHARED * CHUNK).tolist()
     prompts = [common + rng.integers(0, 32_000, size=(CHUNKS - SHARED) * CHUNK).tolist() for _ in range(FAMILIES)]

@@ -10,7 +10,7 @@ import pytest
 import torch
 from prometheus_client import generate_latest
 
-from kvferry.cache import CacheEngine, CacheNamespace
+from kvferry.cache import CacheEngine, CacheNamespace, writer
 from kvferry.config import KvferryConfig
 from kvferry.formats.kinds import EngineKVFormat as F
 from kvferry.memory import HostPool
@@ -232,14 +232,14 @@ def test_a_store_evicts_while_its_copy_runs(monkeypatch: pytest.MonkeyPatch) -> 
     with _engine(objects=10, paged=src, watermark=0.5, eviction_batch=3) as engine:
         for seed in range(5):
             engine.store(_tokens(CHUNK, seed), src, _blocks(2, 0), fmt)
-        copy = engine._dispatch
+        copy = writer.copy_chunks
         seen: list[tuple[int, int]] = []
 
-        def dispatch(*args: Any) -> Any:
+        def copy_chunks(*args: Any) -> Any:
             seen.append((engine.stats()["evictions"], engine.pool.num_allocations))
             return copy(*args)
 
-        monkeypatch.setattr(engine, "_dispatch", dispatch)
+        monkeypatch.setattr(writer, "copy_chunks", copy_chunks)
         engine.store(_tokens(CHUNK, 5), src, _blocks(2, 0), fmt)
         assert seen == [(0, 6)]  # the copy starts with 6 of 10 objects held: above the 50% watermark
         assert (engine.stats()["evictions"], engine.pool.num_allocations) == (3, 3)

@@ -31,10 +31,13 @@ def test_store_then_retrieve_into_other_blocks_is_bit_exact(fmt: EngineKVFormat)
         tokens = list(range(1000, 1000 + 3 * CHUNK + 5))  # three chunks and a tail
         source = torch.randperm(64)[:13].tolist()
         assert cache.store(tokens[:CHUNK], paged, source, fmt, namespace=ns, geometry=geom) == CHUNK  # one chunk
-        assert cache.store(tokens, paged, source, fmt, namespace=ns, geometry=geom) == 2 * CHUNK  # the rest
+        # The rest: the GPU path copies before it looks, so chunk 0 is copied again and its object given back.
+        assert cache.store(tokens, paged, source, fmt, namespace=ns, geometry=geom) == 2 * CHUNK
+        assert cache.stats()["present_chunks"] == 1 and cache.pool.num_allocations == 3
         with pytest.raises(ValueError, match="outside the pool of 64 blocks"):
             cache.store(list(range(5000, 5000 + CHUNK)), paged, [0, 1, 2, 64], fmt, namespace=ns, geometry=geom)
         assert cache.lookup(list(range(5000, 5000 + CHUNK)), namespace=ns) == 0  # nothing half-stored
+        assert cache.pool.num_allocations == 3
         target = [b for b in range(64) if b not in source][:13]
         assert cache.retrieve(tokens, paged, target, fmt, namespace=ns, geometry=geom) == 3 * CHUNK
         torch.cuda.synchronize()

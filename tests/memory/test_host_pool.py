@@ -355,3 +355,33 @@ def test_a_view_carved_before_comes_back_only_with_its_own_layout() -> None:
         assert pool.offset_of(view) == 0 and view.nbytes == pool.allocation(view).requested_bytes
         pool.free(view)
     assert pool.used_bytes == 0 and pool.num_allocations == 0
+
+
+def test_reserve_many_then_views_then_free_by_address() -> None:
+    """Allocations by address first (what a GPU store hands its copy before it needs tensors), their views carved
+    later: the same places and accounting as try_alloc_many; freed by address or by view, each exactly once."""
+    pool = HostPool(MIB)
+    addresses = pool.try_reserve_many((3, 100), torch.bfloat16, 4)
+    assert [a - pool.slab.data_ptr() for a in addresses] == [k * 4096 for k in range(4)]
+    assert pool.requested_bytes == 4 * 600 and pool.used_bytes == 4 * 4096 and pool.num_allocations == 4
+    views = pool.views(addresses, (3, 100), torch.bfloat16)
+    assert [v.data_ptr() for v in views] == addresses
+    assert all(v.shape == (3, 100) and v.dtype == torch.bfloat16 and v.is_contiguous() for v in views)
+    written = [random_fill(v, torch.Generator().manual_seed(i)) for i, v in enumerate(views)]
+    assert all(torch.equal(v.view(-1).view(torch.uint8), w) for v, w in zip(views, written, strict=True))
+    with pytest.raises(ValueError, match="no live allocation of 1,200 bytes"):
+        pool.views(addresses[:1], (6, 100), torch.bfloat16)  # not the reserved size
+    pool.free_address(addresses[0])
+    pool.free(views[1])
+    with pytest.raises(ValueError, match="not a live allocation"):
+        pool.free_address(addresses[0])
+    with pytest.raises(ValueError, match="no live allocation"):
+        pool.views(addresses[:2], (3, 100), torch.bfloat16)
+    with pytest.raises(ValueError, match="does not point into this pool"):
+        pool.free_address(12345)
+    for a in addresses[2:]:
+        pool.free_address(a)
+    assert pool.used_bytes == pool.requested_bytes == pool.num_allocations == 0
+    assert pool.largest_free_bytes == pool.capacity_bytes and pool.num_free_extents == 1
+    full = HostPool(2 * 4096)
+    assert len(full.try_reserve_many((4096,), torch.uint8, 3)) == 2  # fewer once full

@@ -131,7 +131,8 @@ def _lane(drv: CopyingDriver, world: World, slot_bytes: int, slots: int) -> gpu_
         meta_uploaded=[META + k for k in range(world.meta.shape[0])],
         next_meta=0, lock=threading.Lock(), inflight=deque(), meta_owner=[None] * world.meta.shape[0],
     )  # fmt: skip
-    lane.meta_host_np = lane.meta_host.numpy()
+    lane.meta_host_flat = lane.meta_host.numpy().reshape(-1)
+    lane.meta_host_bytes = memoryview(lane.meta_host_flat).cast("B")
     lane.ref = weakref.ref(lane)
     return lane
 

@@ -22,7 +22,7 @@ from kvferry.kernels import triton_copy
 from kvferry.memory import HostPool
 from kvferry.transfer import gpu_engine
 from kvferry.transfer.pinned import register_pinned
-from kvferry.transfer.request import check
+from kvferry.transfer.request import check, check_pool_addresses
 from tests.conftest import engine_bytes
 from tests.transfer.cpu_engine import (
     DONE,
@@ -188,13 +188,18 @@ def test_a_slots_slices_run_on_its_stream(cpu_engine, monkeypatch, to_objects: b
 def test_kernels_wait_for_the_callers_stream(cpu_engine, monkeypatch, to_objects: bool) -> None:  # type: ignore[no-untyped-def]
     """Every gather/scatter is ordered after the caller's stream (the model's writes / reads of its KV) and after
     its metadata upload; a retrieve's DMAs into staging are not (they touch no KV), so each goes first on its
-    stream. The request ends (its done-event) on a stream that waited for every other stream it used."""
+    stream. The upload's event is recorded after the first kernel (off the path to the first GPU operation) but
+    before a store's first DMA (which the other streams' gathers must not wait for). The request ends (its
+    done-event) on a stream that waited for every other stream it used."""
     engine, (plan, _paged), objs, ids, chunk, _ = _small_slices(cpu_engine, monkeypatch)
     drv, lane = engine._driver, engine._store if to_objects else engine._retrieve
     engine.submit(plan, objs[:3], ids[:12], to_objects, chunk, 0).wait()
     log, home = drv.log, lane.handles[0]
     upload = next(i for i, e in enumerate(log) if e[0] == "htod" and e[1] == home)
-    assert log.index(("record", 0, START)) < upload < log.index(("record", home, META_READY))
+    ready = log.index(("record", home, META_READY))
+    assert log.index(("record", 0, START)) < upload < log.index(("launch", home, 0)) < ready
+    if to_objects:
+        assert ready < next(i for i, e in enumerate(log) if e[0] in ("dtoh", "batch") and e[1] == home)
     for stream in lane.handles:
         first_launch = log.index(("launch", stream, 0))
         ordered = log.index(("wait", stream, START))
@@ -287,4 +292,40 @@ def test_objects_as_one_tensor_through_the_engine(cpu_engine, mode: str) -> None
     got_plan = triton_copy.build_plan(describe(fmt, got, block_size=bs))
     engine.submit(got_plan, run, check(geom, run, ids, Direction.H2D, chunk, skip), False, chunk, skip).wait()
     kvferry.transfer(expected, run, ids, Direction.H2D, fmt, chunk, skip, backend="reference", block_size=bs)
+    assert all(torch.equal(a, b) for a, b in zip(engine_bytes(got), engine_bytes(expected), strict=True))
+
+
+@pytest.mark.parametrize("mode", ["row-slices", "whole-objects", "zero_copy"])
+@pytest.mark.parametrize("skip", [0, 3])
+def test_objects_by_address_with_a_list_of_ids(cpu_engine, mode: str, skip: int) -> None:  # type: ignore[no-untyped-def]
+    """What a GPU store enqueues first: objects by address (`check_pool_addresses`), block ids as a plain list
+    (packed into the metadata slot with struct, no numpy): the same bytes as the reference, both directions."""
+    fmt, chunk, bs = F.NL_X_TWO_NB_BS_NH_HS, 16, 4
+    paged = _engine(fmt, torch.bfloat16, 3, False, nb=12)
+    geom = describe(fmt, paged, block_size=bs)
+    plan = triton_copy.build_plan(geom)
+    pool = HostPool(1 << 20, alignment=256, pin=False)
+    row_bytes = chunk * geom.width * geom.element_size
+    engine, _ = cpu_engine(pool, 2 * row_bytes if mode == "row-slices" else 1 << 16,
+                           "zero_copy" if mode == "zero_copy" else "staged")  # fmt: skip
+    shape = geom.object_shape(chunk)
+    addresses = pool.try_reserve_many(shape, geom.dtype, 3)
+    objs = pool.views(addresses, shape, geom.dtype)
+    ids = torch.randperm(12).tolist()
+    for o in objs:
+        o.view(torch.uint8).fill_(0xA5)
+    want = [o.clone() for o in objs]
+    checked = check_pool_addresses(geom, addresses, ids, Direction.D2H, chunk, skip)
+    assert type(checked.ids) is list and checked.ids == ids and checked.ids is not ids  # a private copy
+    engine.submit(plan, addresses, checked, True, chunk, skip).wait()
+    kvferry.transfer(paged, want, ids, Direction.D2H, fmt, chunk, skip, backend="reference", block_size=bs)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(objs, want, strict=True))
+
+    for o in objs:
+        random_fill(o)
+    got, expected = (_engine(fmt, torch.bfloat16, 7, False, nb=12) for _ in range(2))
+    got_plan = triton_copy.build_plan(describe(fmt, got, block_size=bs))
+    checked = check_pool_addresses(geom, addresses, ids, Direction.H2D, chunk, skip)
+    engine.submit(got_plan, addresses, checked, False, chunk, skip).wait()
+    kvferry.transfer(expected, objs, ids, Direction.H2D, fmt, chunk, skip, backend="reference", block_size=bs)
     assert all(torch.equal(a, b) for a, b in zip(engine_bytes(got), engine_bytes(expected), strict=True))

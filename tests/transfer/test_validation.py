@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -10,7 +11,7 @@ from kvferry import Direction
 from kvferry.formats import EngineKVFormat, describe
 from kvferry.formats.synthetic import ModelDims, make_paged
 from kvferry.memory import HostPool
-from kvferry.transfer.request import check, check_pool_objects
+from kvferry.transfer.request import check, check_pool_addresses, check_pool_objects
 from tests.conftest import engine_bytes, poisoned
 
 F = EngineKVFormat.NL_X_TWO_NB_BS_NH_HS
@@ -139,3 +140,40 @@ def test_pool_object_check_agrees_with_the_full_check() -> None:
     ]:
         with pytest.raises(ValueError, match=match):
             check_pool_objects(geom, bad_objs, ids, direction, 8, 0)
+
+
+def test_pool_address_check_refuses_what_the_object_check_refuses() -> None:
+    """Objects by address (just reserved in the pool): a short list of ids stays a private list, anything else is
+    the checked array; the ids are refused for what `check_pool_objects` refuses them for, and a list holding
+    something other than ints is refused as the array path refuses it."""
+    paged = make_paged(F, DIMS, 16, 4)
+    geom = describe(F, paged)
+    pool = HostPool(1 << 20)
+    addresses = pool.try_reserve_many(geom.object_shape(8), geom.dtype, 2)
+    objs = pool.views(addresses, geom.object_shape(8), geom.dtype)
+    for ids in ([3, 1, 7, 2], (3, 1, 7, 2), torch.tensor([3, 1, 7, 2]), np.array([3, 1, 7, 2])):
+        for direction, skip in ((Direction.D2H, 0), (Direction.H2D, 1)):
+            by_address = check_pool_addresses(geom, addresses, ids, direction, 8, skip)
+            by_object = check_pool_objects(geom, objs, ids, direction, 8, skip)
+            assert list(by_address.ids) == by_object.ids.tolist() == [3, 1, 7, 2]
+            assert type(by_address.ids) is (list if type(ids) is list else np.ndarray)
+            a, o = by_address, by_object
+            assert (a.ptrs, a.caps, a.rows, a.one_allocation) == (o.ptrs, o.caps, o.rows, o.one_allocation)
+    for ids, direction, skip, error, match in [
+        ([0, 1, 2, 16], Direction.D2H, 0, ValueError, r"block_ids\[3\]=16 is outside the pool of 16 blocks"),
+        ([0, -1, 2, 3], Direction.D2H, 0, ValueError, r"block_ids\[1\]=-1 is outside"),
+        ([99, 1, 2, 3], Direction.D2H, 1, None, None),  # a skipped id is never read
+        ([0, 1, 2], Direction.D2H, 0, ValueError, "block_ids has 3 entries but the 2 objects hold 4 blocks"),
+        ([0, 1, 2, 2], Direction.H2D, 0, ValueError, "repeats a block"),
+        ([0, 1, 2, "x"], Direction.D2H, 0, TypeError, "block_ids must be a sequence of ints"),
+        ([0, 1, 2, "3"], Direction.D2H, 0, TypeError, "got <U21 values"),  # not parsed
+        ([0, 1, 2, 3.5], Direction.D2H, 0, TypeError, "got float64 values"),  # not truncated
+        ([0, 1, 2, 3], Direction.D2H, 5, ValueError, "skip_prefix_blocks=5 must be within 0..4"),
+    ]:
+        if error is None:
+            check_pool_addresses(geom, addresses, ids, direction, 8, skip)
+            continue
+        with pytest.raises(error, match=match):
+            check_pool_addresses(geom, addresses, ids, direction, 8, skip)
+    with pytest.raises(ValueError, match="addresses is empty"):
+        check_pool_addresses(geom, [], [], Direction.D2H, 8, 0)

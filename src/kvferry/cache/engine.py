@@ -12,7 +12,7 @@ import time
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from kvferry.cache.index import Entry, object_checksum, readable_run
 from kvferry.cache.keys import CacheNamespace, ChunkHasher, TokenIds
@@ -24,19 +24,15 @@ from kvferry.cache.request import (
     check_skip,
     dtype_name,
     layout_name,
-    select_blocks,
 )
 from kvferry.cache.residency import Residency
 from kvferry.cache.tiering import TierLink, when_all
+from kvferry.cache.writer import ChunkWriter, copy_chunks
 from kvferry.config import KvferryConfig, TransferConfig
 from kvferry.formats import EngineKVFormat, KVGeometry, describe
 from kvferry.memory import HostPool
 from kvferry.tiers import Tier, make_tier
-from kvferry.transfer import Direction, configure_gpu, transfer, transfer_async
-from kvferry.transfer.api import transfer_pool_async
-
-if TYPE_CHECKING:
-    from kvferry.transfer.handle import TransferHandle
+from kvferry.transfer import Direction, configure_gpu
 
 
 class LookupResult(NamedTuple):
@@ -77,6 +73,7 @@ class CacheEngine:
             self._owned_tiers = [make_tier(url) for url in self.config.tiers]
             tiers = self._owned_tiers
         self._tiers = TierLink(list(tiers), self._res, cfg.tier_write, self._checksum) if tiers else None
+        self._writer = ChunkWriter(self._res, self._hasher, cfg.chunk_size, self._checksum, self._tiers)
         self._executor = ThreadPoolExecutor(cfg.async_workers, thread_name_prefix=f"kvferry-{name}")
         self.metrics_registry = make_registry(name, self._metric_values)
         self._closed = threading.Event()
@@ -177,36 +174,11 @@ class CacheEngine:
         """
         ns = self._ns(namespace)
         geom = self._geometry(fmt, paged, block_size, geometry, ns)
-        shape, dtype, bs = geom.object_shape(self.chunk_size), geom.dtype, geom.bs
         first = check_skip(skip_prefix_tokens, len(tokens)) // self.chunk_size
-        per_chunk = self.chunk_size // bs
-        parent, keys = self._hasher.keys_after(tokens, ns, first)  # validates tokens, even when nothing is stored
-        check_block_ids(block_ids, self._hasher.num_chunks(tokens) * per_chunk, bs)
-        if not keys:
-            return 0
+        per_chunk = self.chunk_size // geom.bs
+        check_block_ids(block_ids, self._hasher.num_chunks(tokens) * per_chunk, geom.bs)
+        entries, seconds = self._writer.write(tokens, ns, paged, geom, block_ids, first)
         nbytes = geom.bytes_per_token * self.chunk_size
-        new = self._res.reserve(keys, parent, shape, dtype, nbytes)
-        entries = [entry for _, entry in new]
-        if entries:
-            ids = select_blocks(block_ids, [first + i for i, _ in new], per_chunk)
-            started = time.perf_counter()
-            try:
-                in_flight = self._dispatch(paged, geom, entries, ids, Direction.D2H, 0)
-                try:
-                    self._res.settle()  # back under the watermark while the bytes move
-                finally:
-                    if in_flight is not None:
-                        in_flight.wait()
-            except BaseException:
-                self._res.abort(entries)
-                raise
-            seconds = time.perf_counter() - started
-            checksums = self._checksums(entries)
-            writers = len(self._tiers.tiers) if self._tiers is not None and self._tiers.write_on_store else 0
-            kept = self._res.commit(entries, checksums, writers)
-            if writers:
-                assert self._tiers is not None
-                self._tiers.write_through(kept)
         with self._res.lock:
             self.counters.stores += 1
             if entries:
@@ -254,7 +226,9 @@ class CacheEngine:
             end = first + len(entries)
             started = time.perf_counter()
             ids = block_ids[first * per_chunk : end * per_chunk]
-            in_flight = self._dispatch(paged, geom, entries, ids, Direction.H2D, (skip - first * self.chunk_size) // bs)
+            objects = [entry.obj for entry in entries]
+            skip_blocks = (skip - first * self.chunk_size) // bs
+            in_flight = copy_chunks(self.pool, self.chunk_size, paged, geom, objects, ids, Direction.H2D, skip_blocks)
             if in_flight is not None:
                 in_flight.wait()
             seconds = time.perf_counter() - started
@@ -306,19 +280,6 @@ class CacheEngine:
 
     # --- internals ----------------------------------------------------------------------------------------
 
-    def _dispatch(
-        self, paged: Any, geom: KVGeometry, entries: list[Entry], ids: BlockIds, direction: Direction, skip: int
-    ) -> TransferHandle | None:
-        """The one place that moves bytes: a GPU engine's transfer is returned in flight (its handle), anything
-        else has moved when this returns (None)."""
-        objects = [e.obj for e in entries]
-        if geom.device.type == "cuda" and self.pool.is_pinned:  # the pool's own objects: the lighter check
-            return transfer_pool_async(geom, objects, ids, direction, self.chunk_size, skip)
-        if geom.device.type == "cuda" and objects[0].is_cpu:  # an unpinned pool: transfer_async explains
-            return transfer_async(paged, objects, ids, direction, geom.fmt, self.chunk_size, skip, geometry=geom)
-        transfer(paged, objects, ids, direction, geom.fmt, self.chunk_size, skip, geometry=geom)
-        return None
-
     def _ns(self, namespace: CacheNamespace | None) -> CacheNamespace:
         ns = namespace if namespace is not None else self.namespace
         if not isinstance(ns, CacheNamespace):
@@ -361,12 +322,6 @@ class CacheEngine:
     def _pool_hits(self, keys: list[bytes]) -> int:
         with self._res.lock:
             return len(self._res.readable_prefix_locked(keys)) * self.chunk_size
-
-    def _checksums(self, entries: list[Entry]) -> list[bytes | None]:
-        if self._checksum is None:
-            return [None] * len(entries)
-        checksum = self._checksum
-        return [checksum(e.obj) for e in entries if e.obj is not None]
 
     def _verified(self, entries: list[Entry]) -> list[Entry]:
         """The leading ``entries`` whose checksum matches; the first that fails is dropped from the cache."""

@@ -179,6 +179,28 @@ class Residency:
                 while self._spills_finished == generation and (left := deadline - time.monotonic()) > 0:
                     self._spill_finished.wait(left)
 
+    def index_written(
+        self, keys: list[bytes], parent: bytes | None, objects: list[torch.Tensor], nbytes: int
+    ) -> tuple[list[tuple[int, Entry]], list[torch.Tensor]]:
+        """``reserve`` for objects the caller allocated from the pool and is already copying into (one per key):
+        a WRITING entry with its object for every key not yet present. Returns the entries with their positions,
+        and the objects of the keys found present, which the caller frees once its copy has finished."""
+        new: list[tuple[int, Entry]] = []
+        spare: list[torch.Tensor] = []
+        with self.lock:
+            self.expire_locks_locked()
+            get, add, touch = self.index.get, self.index.add, self.policy.touch
+            for i, key in enumerate(keys):
+                if get(key) is not None:
+                    touch(key)
+                    spare.append(objects[i])
+                else:
+                    entry = Entry(key, WRITING, objects[i], nbytes, parent=keys[i - 1] if i else parent)
+                    add(entry)
+                    new.append((i, entry))
+            self.counters.present_chunks += len(spare)
+        return new, spare
+
     def settle(self) -> None:
         """Evict down to the watermark (after ``reserve``; see there)."""
         with self.lock:

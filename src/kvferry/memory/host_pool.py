@@ -242,6 +242,39 @@ class HostPool:
         per slice instead of one per object. Each is still its own allocation, freed on its own.
         """
         dims, strides, nbytes = self._layout(shape, dtype)
+        offsets, run = self._reserve_many(nbytes, count)
+        step = ((nbytes + self._alignment - 1) >> self._unit_shift) << self._unit_shift if run else None
+        return self._carve(offsets, dims, strides, dtype, step)
+
+    def try_reserve_many(self, shape: Sequence[int], dtype: torch.dtype, count: int) -> list[int]:
+        """``try_alloc_many`` without the views: the allocations' addresses, for a caller that hands them to a copy
+        before it needs tensors (carving views touches torch; a store's path to its first GPU operation is kept
+        short). ``views`` carves them later; each is freed with ``free_address`` or ``free``."""
+        offsets, _ = self._reserve_many(self._layout(shape, dtype)[2], count)
+        return [self._base_ptr + offset for offset in offsets]
+
+    def views(self, addresses: Sequence[int], shape: Sequence[int], dtype: torch.dtype) -> list[torch.Tensor]:
+        """Views of ``shape``/``dtype`` at live allocations' ``addresses`` (from ``try_reserve_many``)."""
+        dims, strides, nbytes = self._layout(shape, dtype)
+        offsets = []
+        for address in addresses:
+            allocation = self._live.get(address)
+            if allocation is None or allocation.requested_bytes != nbytes:
+                raise ValueError(f"views: no live allocation of {nbytes:,} bytes at {address:#x}")
+            offsets.append(allocation.offset)
+        return self._views_at(offsets, dims, strides, dtype)
+
+    def free_address(self, address: int) -> None:
+        """``free`` by the allocation's address."""
+        with self._lock:
+            allocation = self._live.pop(address, None)
+            if allocation is not None:
+                self._give_back(allocation)
+                return
+        raise ValueError(f"free_address: {self._describe_unknown(address)}")
+
+    def _reserve_many(self, nbytes: int, count: int) -> tuple[list[int], bool]:
+        """Up to ``count`` reservations of ``nbytes`` (slab offsets); True if they are one run back to back."""
         units = (nbytes + self._alignment - 1) >> self._unit_shift
         offsets: list[int] = []
         with self._lock:
@@ -258,8 +291,7 @@ class HostPool:
                     if offset is None:
                         break
                     offsets.append(offset)
-        step = units << self._unit_shift if run is not None else None
-        return self._carve(offsets, dims, strides, dtype, step)
+        return offsets, run is not None
 
     def _reserve_locked(self, units: int, nbytes: int) -> int | None:
         unit = self._extents.reserve(units)
@@ -278,32 +310,38 @@ class HostPool:
         dtype: torch.dtype,
         step: int | None = None,
     ) -> list[torch.Tensor]:
-        """Views at reserved ``offsets`` (``step`` bytes apart, if given: then one strided view, unbound, which
-        costs half as much per object); if carving fails or is interrupted, none of them stays reserved."""
+        """``_views_at`` for reservations just made: if carving fails or is interrupted, none stays reserved."""
         try:
-            typed = self._typed_slabs.get(dtype)
-            if typed is None:
-                typed = self._typed_slabs.setdefault(dtype, self._slab.view(dtype))
-            base, size = self._slab_storage_offset, dtype.itemsize
-            if step is not None and offsets:
-                run = typed.as_strided((len(offsets), *dims), (step // size, *strides), (base + offsets[0]) // size)
-                return list(run.unbind(0))
-            views = self._views
-            out = []
-            for offset in offsets:
-                view = views.get((offset, dims, dtype))
-                if view is None:
-                    view = typed.as_strided(dims, strides, (base + offset) // size)
-                    if len(views) >= _MAX_VIEWS:
-                        views.clear()
-                    views[(offset, dims, dtype)] = view
-                out.append(view)
-            return out
+            return self._views_at(offsets, dims, strides, dtype, step)
         except BaseException:
             with self._lock:
                 for offset in offsets:
                     self._give_back(self._live.pop(self._base_ptr + offset))
             raise
+
+    def _views_at(
+        self, offsets: list[int], dims: tuple[int, ...], strides: list[int], dtype: torch.dtype, step: int | None = None
+    ) -> list[torch.Tensor]:
+        """Views at reserved ``offsets`` (``step`` bytes apart, if given: then one strided view, unbound, which
+        costs half as much per object)."""
+        typed = self._typed_slabs.get(dtype)
+        if typed is None:
+            typed = self._typed_slabs.setdefault(dtype, self._slab.view(dtype))
+        base, size = self._slab_storage_offset, dtype.itemsize
+        if step is not None and offsets:
+            run = typed.as_strided((len(offsets), *dims), (step // size, *strides), (base + offsets[0]) // size)
+            return list(run.unbind(0))
+        views = self._views
+        out = []
+        for offset in offsets:
+            view = views.get((offset, dims, dtype))
+            if view is None:
+                view = typed.as_strided(dims, strides, (base + offset) // size)
+                if len(views) >= _MAX_VIEWS:
+                    views.clear()
+                views[(offset, dims, dtype)] = view
+            out.append(view)
+        return out
 
     def _layout(self, shape: Sequence[int], dtype: torch.dtype) -> tuple[tuple[int, ...], list[int], int]:
         """``_checked_layout``, remembered per (shape, dtype): a cache allocates the same few shapes forever."""

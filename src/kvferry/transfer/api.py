@@ -19,6 +19,7 @@ from kvferry.transfer.request import (
     as_objects,
     check,
     check_pinned,
+    check_pool_addresses,
     check_pool_objects,
     object_list,
 )
@@ -129,9 +130,26 @@ def transfer_pool_async(
     return _submit(geom, objects, checked, direction is Direction.D2H, chunk_size, skip_prefix_blocks, None, None)
 
 
+def transfer_pool_at_async(
+    geom: KVGeometry,
+    addresses: list[int],
+    block_ids: Sequence[int] | torch.Tensor,
+    direction: Direction,
+    chunk_size: int,
+    skip_prefix_blocks: int,
+) -> TransferHandle:
+    """`transfer_pool_async` for whole objects by address, just reserved in a pinned `HostPool` with this geometry's
+    object shape and dtype (`HostPool.try_reserve_many`; the caller carves their views after this returns):
+    `check_pool_addresses` checks only the block ids. What a GPU store enqueues before anything else."""
+    if geom.device.type != "cuda":
+        raise ValueError(f"transfer_pool_at_async moves GPU KV; the engine's KV is on {geom.device}")
+    checked = check_pool_addresses(geom, addresses, block_ids, direction, chunk_size, skip_prefix_blocks)
+    return _submit(geom, addresses, checked, direction is Direction.D2H, chunk_size, skip_prefix_blocks, None, None)
+
+
 def _submit(
     geom: KVGeometry,
-    objs: list[torch.Tensor] | torch.Tensor,
+    objs: list[torch.Tensor] | torch.Tensor | list[int],
     checked: Checked,
     to_objects: bool,
     chunk_size: int,

@@ -22,6 +22,8 @@ kernel's launcher: torch's copy and event wrappers cost more CPU than a small re
 
 from __future__ import annotations
 
+import functools
+import struct
 import threading
 import weakref
 from collections import deque
@@ -64,7 +66,8 @@ class _Lane:
         self.joined = [drv.event() for _ in range(slots)]  # a slot stream's part of a request, for the last stream
         self.next_slot = 0
         self.meta_host = torch.empty((self.META_SLOTS, self.META_INTS), dtype=torch.int64, pin_memory=True)
-        self.meta_host_np = self.meta_host.numpy()
+        self.meta_host_flat = self.meta_host.numpy().reshape(-1)
+        self.meta_host_bytes = memoryview(self.meta_host_flat).cast("B")
         self.meta_dev = torch.empty((self.META_SLOTS, self.META_INTS), dtype=torch.int64, device=device)
         self.meta_host_ptr, self.meta_dev_ptr = self.meta_host.data_ptr(), self.meta_dev.data_ptr()
         self.meta_uploaded = [drv.event() for _ in range(self.META_SLOTS)]  # the slot's request's kernels have run
@@ -77,16 +80,18 @@ class _Lane:
         self.ref = weakref.ref(self)  # how a request's completion reaches its lane (weakly: no cycle)
 
     def upload(
-        self, parts: list[np.ndarray | list[int]], n: int, done: Completion, stream: int, to_device: bool = True
+        self, parts: list[np.ndarray | list[int] | bytes], n: int, done: Completion, stream: int, to_device: bool = True
     ) -> tuple[int, object]:
-        """Write request metadata into a pinned slot; return the address the kernels read it at, and a keepalive.
+        """Write request metadata (`n` int64s: arrays, lists or their bytes) into a pinned slot; return the address
+        the kernels read it at, and a keepalive.
 
         `to_device`: copied to a device slot on `stream` (a device slot is reused only once the host slot is).
         Otherwise the kernels read the pinned slot itself: a zero-copy request's kernel reads host memory anyway,
         and this takes a driver call and a small DMA off the path to its launch. A host slot whose last request
         has not run yet (requests queued behind a busy compute stream) is skipped for a one-off pinned buffer rather
         than waited for. (The slot's event is recorded by `submit` after the request's kernels: later than needed
-        for an upload, exactly when needed for kernels that read the slot.)
+        for an upload, exactly when needed for kernels that read the slot.) Lists are packed with `struct`: a short
+        request's ids touch no numpy on the way to its first GPU operation.
         """
         d = self._driver
         k = self.next_meta
@@ -94,18 +99,25 @@ class _Lane:
             self.next_meta = (k + 1) % self.META_SLOTS
             self.meta_owner[k] = done
             done.meta = k
-            row = self.meta_host_np[k]
-            at = 0
-            for p in parts:
-                row[at : at + len(p)] = p
-                at += len(p)
             offset = k * self.META_INTS * 8
+            at, slab = offset, self.meta_host_bytes
+            for p in parts:
+                if type(p) is bytes:
+                    slab[at : at + len(p)] = p
+                    at += len(p)
+                elif type(p) is list:
+                    _int64s(len(p)).pack_into(slab, at, *p)
+                    at += 8 * len(p)
+                else:
+                    self.meta_host_flat[at // 8 : at // 8 + len(p)] = p
+                    at += 8 * len(p)
             if not to_device:
                 return self.meta_host_ptr + offset, None
             dev = self.meta_dev_ptr + offset
             d.htod(dev, self.meta_host_ptr + offset, n * 8, stream)
             return dev, None
-        host = torch.from_numpy(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])).pin_memory()
+        flat = [np.frombuffer(p, dtype=np.int64) if type(p) is bytes else np.asarray(p, dtype=np.int64) for p in parts]
+        host = torch.from_numpy(np.concatenate(flat)).pin_memory()
         if not to_device:
             return host.data_ptr(), host
         buf = torch.empty(n, dtype=torch.int64, device=self.staging.device)
@@ -137,6 +149,11 @@ class _Lane:
                 self._driver.destroy(e)
         except Exception:  # a CudaError, __init__ failed half way, or interpreter exit (module globals gone)
             pass
+
+
+@functools.cache
+def _int64s(n: int) -> struct.Struct:
+    return struct.Struct(f"<{n}q")
 
 
 @dataclass(frozen=True)
@@ -283,9 +300,14 @@ class TransferEngine:
         home = handles[lane.next_slot]  # the request's first slice (the schedule starts there)
         lane.next_slot = sched.next_slot
         n_ids = len(ids)
-        meta, keep = lane.upload([ids, sched.tables], n_ids + len(sched.tables), done, home)
-        if len(sched.slots) > 1:
+        meta, keep = lane.upload([ids, sched.tables], n_ids + len(sched.tables) // 8, done, home)
+        # The other slot streams' kernels wait for the upload on `meta_ready`. Recorded after the first kernel on
+        # `home` (one driver call fewer before the first GPU operation; those kernels then wait for it too, a few
+        # us, while the first DMA runs), except behind a zero-copy head kernel, which may run for a whole chunk.
+        ready = len(sched.slots) == 1
+        if not ready and sched.head_rows:
             d.record(lane.meta_ready, home)
+            ready = True
         off, cap = meta + n_ids * 8, meta + (n_ids + len(caps)) * 8
         launch_raw, wait = triton_copy.launch_raw, d.wait
         ordered: set[int] = set()  # streams already waiting for the caller's stream (and the metadata)
@@ -308,6 +330,9 @@ class TransferEngine:
                 ordered.add(stream)
             launch_raw(plan, stream, staging, off, cap, meta, to_objects, chunk_size, step.row0, step.n_rows,
                        step.rows, step.shift, programs)  # fmt: skip
+            if not ready:  # the first step runs on `home`
+                d.record(lane.meta_ready, home)
+                ready = True
             if to_objects:
                 self._dma(stream, step, objects, ptrs, one_allocation, True)
         # The request ends on its last slice's stream, once its other streams' parts have run too.

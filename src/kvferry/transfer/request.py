@@ -31,7 +31,7 @@ class Direction(IntEnum):
 class Checked(NamedTuple):
     """A validated request: its block ids (a private int64 copy) and what the GPU path reads off each object."""
 
-    ids: np.ndarray
+    ids: np.ndarray | list[int]  # a list only from check_pool_addresses (a short list given)
     ptrs: list[int]  # each object's address
     caps: list[int]  # each object's token capacity
     rows: int  # object rows: planes x layers
@@ -131,6 +131,29 @@ def check_pool_objects(
     return Checked(ids, ptrs, [chunk_size] * n, want[0] * want[1], True, False, True)
 
 
+def check_pool_addresses(
+    geom: KVGeometry,
+    addresses: list[int],
+    block_ids: Sequence[int] | torch.Tensor,
+    direction: Direction,
+    chunk_size: int,
+    skip_prefix_blocks: int,
+) -> Checked:
+    """`check_pool_objects` for whole objects given by address, just reserved in one pinned `HostPool` for this
+    geometry's object shape and dtype (`HostPool.try_reserve_many`): only the block ids are left to check, and a
+    short list of them stays a list (no numpy and no tensor on a one-chunk store's path to its first GPU
+    operation)."""
+    bs = geom.bs
+    if not isinstance(chunk_size, int) or chunk_size <= 0 or chunk_size % bs:
+        raise ValueError(f"chunk_size={chunk_size} must be a positive multiple of the block size {bs}")
+    if not addresses:
+        raise ValueError("addresses is empty: pass at least one chunk object")
+    n = len(addresses)
+    ids = _checked_ids(geom, block_ids, n * (chunk_size // bs), n, direction, skip_prefix_blocks, keep_list=True)
+    want = geom.object_shape(chunk_size)
+    return Checked(ids, list(addresses), [chunk_size] * n, want[0] * want[1], True, False, True)
+
+
 def _checked_ids(
     geom: KVGeometry,
     block_ids: Sequence[int] | torch.Tensor,
@@ -138,10 +161,14 @@ def _checked_ids(
     n_objects: int,
     direction: Direction,
     skip_prefix_blocks: int,
-) -> np.ndarray:
-    """The block ids as a private int64 array, checked: one per block the objects hold, in the pool's range, and
-    no block written twice by a retrieve."""
-    ids = _as_id_array(block_ids)
+    keep_list: bool = False,
+) -> np.ndarray | list[int]:
+    """The block ids as a private int64 array (``keep_list``: a short list of ints as a private list), checked:
+    one per block the objects hold, in the pool's range, and no block written twice by a retrieve."""
+    short = (
+        keep_list and type(block_ids) is list and len(block_ids) < _SMALL_IDS and all(type(i) is int for i in block_ids)
+    )
+    ids = list(block_ids) if short else _as_id_array(block_ids)
     n = len(ids)
     if n != n_blocks:
         raise ValueError(
@@ -152,12 +179,15 @@ def _checked_ids(
         raise ValueError(f"skip_prefix_blocks={skip_prefix_blocks} must be within 0..{n}")
     if skip_prefix_blocks < n:
         copied = ids[skip_prefix_blocks:] if skip_prefix_blocks else ids
-        small = copied.tolist() if n < _SMALL_IDS else None
-        lo, hi = (min(small), max(small)) if small is not None else (copied.min(), copied.max())
+        small = copied if short else (copied.tolist() if n < _SMALL_IDS else None)  # type: ignore[union-attr]
+        lo, hi = (min(small), max(small)) if small is not None else (copied.min(), copied.max())  # type: ignore[union-attr]
         if lo < 0 or hi >= geom.nb:
-            bad = int(np.flatnonzero((copied < 0) | (copied >= geom.nb))[0]) + skip_prefix_blocks
+            if small is not None:
+                bad = next(i for i, b in enumerate(small) if not 0 <= b < geom.nb) + skip_prefix_blocks
+            else:
+                bad = int(np.flatnonzero((copied < 0) | (copied >= geom.nb))[0]) + skip_prefix_blocks  # type: ignore[operator]
             raise ValueError(f"block_ids[{bad}]={int(ids[bad])} is outside the pool of {geom.nb} blocks")
-        if direction is Direction.H2D and n - skip_prefix_blocks > 1 and _repeats(copied, small):
+        if direction is Direction.H2D and n - skip_prefix_blocks > 1 and _repeats(copied, small):  # type: ignore[arg-type]
             raise ValueError("block_ids repeats a block: a retrieve would write one block from two places")
     return ids
 
@@ -249,7 +279,10 @@ def _as_id_array(block_ids: Sequence[int] | torch.Tensor) -> np.ndarray:
             block_ids = block_ids.to(device="cpu", dtype=torch.int64)
         return block_ids.numpy().copy()  # a private copy: what was validated is what moves
     try:
-        ids = np.asarray(block_ids, dtype=np.int64)
+        given = np.asarray(block_ids)
+        if given.size and given.dtype.kind not in "iu":  # a float would be truncated, a digit string parsed
+            raise TypeError(f"got {given.dtype} values")
+        ids = given.astype(np.int64, copy=given is block_ids)
     except (TypeError, ValueError, OverflowError) as exc:
         raise TypeError(f"block_ids must be a sequence of ints or an int tensor: {exc}") from None
     if ids.ndim != 1:

@@ -45,7 +45,7 @@ class Step:
 class Schedule:
     first: int  # first object not skipped entirely
     head_rows: int  # a store's partly skipped first object: its skipped token count (it goes zero-copy); else 0
-    tables: np.ndarray  # staging word offset and capacity of every object, then the head object's [0, cap]
+    tables: bytes  # staging word offset and capacity of every object, then the head object's [0, cap] (int64s)
     steps: tuple[Step, ...]
     next_slot: int  # the ring's next slot after this request
     runs: bool  # some slice holds several objects (its DMA may run across adjacent ones)
@@ -101,7 +101,7 @@ def schedule(
             shift = (slot * ring.slot_bytes - sl.rows[0] * row_bytes) // word
             part = (o0, sl.rows[0] * row_bytes, (sl.rows[1] - sl.rows[0]) * row_bytes, dev)
             steps.append(Step(slot, row0, n_rows, sl.rows, shift, (part,)))
-    tables = np.asarray([*offsets, *caps, 0, caps[first] if first < len(caps) else 0], dtype=np.int64)
+    tables = np.asarray([*offsets, *caps, 0, caps[first] if first < len(caps) else 0], dtype=np.int64).tobytes()
     return Schedule(
         first=first,
         head_rows=skip % per_object * bs if head else 0,

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# A renamed copy of kvferry as of a commit, importable beside the working tree, for in-process A/B benchmarks
+# (the GPU host's speed drifts between runs more than most changes move a number):
+#   benchmarks/baseline_tree.sh REV      ->  src/kvferry_base (untracked: delete it when done)
+# Imports are renamed, and so are Prometheus metric names (both trees register metrics in one process).
+set -euo pipefail
+rev=${1:?usage: benchmarks/baseline_tree.sh REV}
+cd "$(dirname "$0")/.."
+rm -rf src/kvferry_base
+tmp=$(mktemp -d)
+git archive "$rev" src/kvferry | tar -x -C "$tmp"
+mv "$tmp/src/kvferry" src/kvferry_base
+rm -rf "$tmp"
+find src/kvferry_base -name '*.py' -exec sed -i -e 's/\bkvferry\./kvferry_base./g' -e 's/\bfrom kvferry import/from kvferry_base import/g' \
+    -e 's/^import kvferry$/import kvferry_base/' -e 's/"kvferry_/"kvferrybase_/g' {} +
+echo "src/kvferry_base: kvferry as of $(git rev-parse --short "$rev")"

@@ -1,0 +1,201 @@
+"""How the cache's chunks move: one transfer per request (`copy_chunks`), and a store's two orders of work.
+
+In order: keys, then pool objects for the chunks not present, then their copy. Ahead (GPU engines with a pinned
+pool): the copy of every chunk after the skipped ones is enqueued first, and the keys and index entries are made
+while the bytes move. On the GPU host the CPU time before a store's first GPU operation was most of a one-chunk
+store's overhead, and after idling (or any other work) that CPU time is several times its warm cost: every module
+the path touches comes back from memory (`benchmarks/store_context_gpu.py`). Ahead takes the keys and the index off
+that path.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+from kvferry.cache.index import Entry
+from kvferry.cache.keys import CacheNamespace, ChunkHasher, TokenIds
+from kvferry.cache.request import BlockIds, select_blocks
+from kvferry.cache.residency import Residency
+from kvferry.formats import KVGeometry
+from kvferry.memory import HostPool
+from kvferry.transfer import Direction, transfer, transfer_async
+from kvferry.transfer.api import transfer_pool_async, transfer_pool_at_async
+
+if TYPE_CHECKING:
+    from kvferry.cache.tiering import TierLink
+    from kvferry.transfer.handle import TransferHandle
+
+
+def copy_chunks(
+    pool: HostPool,
+    chunk_size: int,
+    paged: Any,
+    geom: KVGeometry,
+    objects: list[torch.Tensor],
+    ids: BlockIds,
+    direction: Direction,
+    skip: int,
+) -> TransferHandle | None:
+    """The one place the cache moves bytes: a GPU engine's transfer is returned in flight (its handle), anything
+    else has moved when this returns (None)."""
+    if _gpu_with_pinned_pool(geom, pool):  # the pool's own objects: the lighter check
+        return transfer_pool_async(geom, objects, ids, direction, chunk_size, skip)
+    if geom.device.type == "cuda" and objects[0].is_cpu:  # an unpinned pool: transfer_async explains
+        return transfer_async(paged, objects, ids, direction, geom.fmt, chunk_size, skip, geometry=geom)
+    transfer(paged, objects, ids, direction, geom.fmt, chunk_size, skip, geometry=geom)
+    return None
+
+
+def copies_in_background(geom: KVGeometry, pool: HostPool) -> bool:
+    """Whether `copy_chunks` returns with the copy still running (a GPU engine and a pinned pool), so work done
+    after enqueueing it overlaps it: the condition for storing ahead."""
+    return _gpu_with_pinned_pool(geom, pool)
+
+
+def _gpu_with_pinned_pool(geom: KVGeometry, pool: HostPool) -> bool:
+    return geom.device.type == "cuda" and pool.is_pinned
+
+
+class _Write(NamedTuple):
+    """A store's chunks being written: their entries (WRITING), their copy in flight (None: done already), the
+    objects copied into for chunks found present (freed once the copy is done) and when the copy started."""
+
+    entries: list[Entry]
+    in_flight: TransferHandle | None
+    spare: list[torch.Tensor]
+    started: float
+
+
+class ChunkWriter:
+    """Writes a store's new chunks into the pool and makes them readable. Thread-safe (state is in `Residency`)."""
+
+    AHEAD_PAUSE = 64  # stores made in order after a store ahead copied a chunk that was present
+
+    def __init__(
+        self,
+        residency: Residency,
+        hasher: ChunkHasher,
+        chunk_size: int,
+        checksum: Callable[[torch.Tensor], bytes] | None,
+        tiers: TierLink | None,
+    ) -> None:
+        self._res = residency
+        self._pool = residency.pool
+        self._hasher = hasher
+        self._chunk_size = chunk_size
+        self._checksum = checksum
+        self._tiers = tiers
+        self._ahead_pause = 0  # stores left to make in order (a plain int: a lost update under a race is harmless)
+
+    def write(
+        self, tokens: TokenIds, ns: CacheNamespace, paged: Any, geom: KVGeometry, block_ids: BlockIds, first: int
+    ) -> tuple[list[Entry], float]:
+        """Store the full chunks of ``tokens`` from chunk ``first`` on that are not present; returns the new
+        (now readable) entries and the seconds their copy took. ``block_ids`` was checked to cover them."""
+        n_full = self._hasher.num_chunks(tokens)
+        write = None
+        if first < n_full and copies_in_background(geom, self._pool):
+            if self._ahead_pause:
+                self._ahead_pause -= 1
+            else:
+                write = self._ahead(tokens, ns, geom, block_ids, first, n_full)
+        if write is None:
+            write = self._in_order(tokens, ns, paged, geom, block_ids, first)
+        if not write.entries and not write.spare:
+            return [], 0.0
+        return write.entries, self._finish(write)
+
+    def _ahead(
+        self, tokens: TokenIds, ns: CacheNamespace, geom: KVGeometry, block_ids: BlockIds, first: int, n_full: int
+    ) -> _Write | None:
+        """The copy of chunks ``first..n_full-1`` enqueued before their keys are made, into objects from the pool's
+        free room (None: not enough of it; store in order). A chunk found present gives its object back after the
+        copy, and pauses this for the next ``AHEAD_PAUSE`` stores: a caller that re-stores what is cached would
+        otherwise copy it for nothing every time."""
+        n = n_full - first
+        shape = geom.object_shape(self._chunk_size)
+        addresses = self._pool.try_reserve_many(shape, geom.dtype, n)  # the views are carved after the enqueue
+        if len(addresses) < n:
+            self._free_addresses(addresses)
+            return None
+        per_chunk = self._chunk_size // geom.bs
+        started = time.perf_counter()
+        try:
+            ids = block_ids[first * per_chunk : n_full * per_chunk]
+            in_flight = transfer_pool_at_async(geom, addresses, ids, Direction.D2H, self._chunk_size, 0)
+        except BaseException:
+            self._free_addresses(addresses)
+            raise
+        try:
+            objects = self._pool.views(addresses, shape, geom.dtype)
+            parent, keys = self._hasher.keys_after(tokens, ns, first)  # validates tokens
+            new, spare = self._res.index_written(keys, parent, objects, geom.bytes_per_token * self._chunk_size)
+        except BaseException:
+            try:
+                in_flight.wait()
+            finally:
+                self._free_addresses(addresses)
+            raise
+        if spare:
+            self._ahead_pause = self.AHEAD_PAUSE
+        return _Write([entry for _, entry in new], in_flight, spare, started)
+
+    def _in_order(
+        self, tokens: TokenIds, ns: CacheNamespace, paged: Any, geom: KVGeometry, block_ids: BlockIds, first: int
+    ) -> _Write:
+        """Keys, then objects for the chunks not present, then their copy (done on return unless on a GPU)."""
+        parent, keys = self._hasher.keys_after(tokens, ns, first)  # validates tokens, even when nothing is stored
+        nbytes = geom.bytes_per_token * self._chunk_size
+        shape = geom.object_shape(self._chunk_size)
+        new = self._res.reserve(keys, parent, shape, geom.dtype, nbytes) if keys else []
+        entries = [entry for _, entry in new]
+        if not entries:
+            return _Write(entries, None, [], 0.0)
+        ids = select_blocks(block_ids, [first + i for i, _ in new], self._chunk_size // geom.bs)
+        started = time.perf_counter()
+        try:
+            objects = [entry.obj for entry in entries]
+            in_flight = copy_chunks(self._pool, self._chunk_size, paged, geom, objects, ids, Direction.D2H, 0)
+        except BaseException:
+            self._res.abort(entries)
+            raise
+        return _Write(entries, in_flight, [], started)
+
+    def _finish(self, write: _Write) -> float:
+        """Evict back under the watermark while the bytes move, wait for them, make the new chunks readable (and
+        start their tier writes); returns the copy's seconds."""
+        entries, in_flight, spare, started = write
+        try:
+            try:
+                self._res.settle()
+            finally:
+                if in_flight is not None:
+                    in_flight.wait()
+        except BaseException:
+            self._res.abort(entries)
+            self._free(spare)
+            raise
+        seconds = time.perf_counter() - started
+        self._free(spare)
+        checksum = self._checksum
+        checksums = [checksum(e.obj) if e.obj is not None else None for e in entries] if checksum else [None] * len(
+            entries)  # fmt: skip
+        tiers = self._tiers
+        writers = len(tiers.tiers) if tiers is not None and tiers.write_on_store else 0
+        kept = self._res.commit(entries, checksums, writers)
+        if writers:
+            assert tiers is not None
+            tiers.write_through(kept)
+        return seconds
+
+    def _free(self, objects: list[torch.Tensor]) -> None:
+        for obj in objects:
+            self._pool.free(obj)
+
+    def _free_addresses(self, addresses: list[int]) -> None:
+        for address in addresses:
+            self._pool.free_address(address)

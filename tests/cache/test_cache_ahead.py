@@ -1,0 +1,93 @@
+"""A store whose copy is enqueued before its keys and index entries are made (`ChunkWriter._ahead`, the GPU
+path's order), run on a CPU engine whose copy lands only when waited for (`cachekit.AheadCopies`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvferry.cache import CacheEngine
+from kvferry.cache.writer import ChunkWriter
+from kvferry.config import KvferryConfig
+from kvferry.formats.kinds import EngineKVFormat as F
+from kvferry.memory import HostPool
+from tests.cache.cachekit import CHUNK, PER_CHUNK, AheadCopies, assert_blocks_equal, make_paged
+
+NB = 64
+FMT = F.NL_X_TWO_NB_BS_NH_HS
+
+
+def _tokens(n: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 32_000, size=n).tolist()
+
+
+def _blocks(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).permutation(NB)[:n].tolist()
+
+
+def _engine(objects: int = 16, fmt: F = FMT, **cache: Any) -> tuple[CacheEngine, Any]:
+    config = KvferryConfig.load(env={}, overrides={"cache": {"chunk_size": CHUNK, **cache}})
+    engine = CacheEngine(config, pool=HostPool(objects * 4096, pin=False))
+    src = make_paged(fmt, NB, seed=1)
+    engine.namespace = engine.namespace_for("ahead", fmt, src)
+    return engine, src
+
+
+@pytest.fixture
+def ahead(monkeypatch: pytest.MonkeyPatch) -> AheadCopies:
+    return AheadCopies(monkeypatch)
+
+
+@pytest.mark.parametrize("fmt", [F.NL_X_TWO_NB_BS_NH_HS, F.NB_NL_TWO_BS_NH_HS, F.NL_X_NB_BS_HS, F.NL_X_NB_NH_BS_TWO_HS])
+def test_round_trip_bit_exact(ahead: AheadCopies, fmt: F) -> None:
+    engine, src = _engine(fmt=fmt)
+    dst = make_paged(fmt, NB, seed=2)
+    tokens, ids, back = _tokens(3 * CHUNK + 5), _blocks(3 * PER_CHUNK + 1, 0), _blocks(3 * PER_CHUNK, 1)
+    with engine:
+        assert engine.store(tokens, src, ids, fmt, skip_prefix_tokens=CHUNK) == 2 * CHUNK  # chunks 1 and 2
+        assert (ahead.enqueued, ahead.waited) == (1, 1)
+        assert engine.store(tokens, src, ids, fmt) == CHUNK  # chunk 0; 1 and 2 present: copied for nothing
+        assert engine.stats()["present_chunks"] == 2 and engine.pool.num_allocations == 3  # spare objects freed
+        assert engine.lookup(tokens) == 3 * CHUNK
+        assert engine.retrieve(tokens, dst, back, fmt) == 3 * CHUNK
+        assert_blocks_equal(src, ids[: 3 * PER_CHUNK], dst, back, fmt)
+
+
+def test_a_store_that_copied_a_present_chunk_pauses_ahead(ahead: AheadCopies, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ChunkWriter, "AHEAD_PAUSE", 2)
+    engine, src = _engine()
+    with engine:
+        engine.store(_tokens(CHUNK, 0), src, _blocks(PER_CHUNK, 0), FMT)
+        engine.store(_tokens(CHUNK, 0), src, _blocks(PER_CHUNK, 0), FMT)  # present: copied for nothing
+        assert ahead.enqueued == 2
+        for seed in (1, 2):  # the pause: in order (the CPU engine's own copy)
+            assert engine.store(_tokens(CHUNK, seed), src, _blocks(PER_CHUNK, seed), FMT) == CHUNK
+        assert ahead.enqueued == 2
+        assert engine.store(_tokens(CHUNK, 3), src, _blocks(PER_CHUNK, 3), FMT) == CHUNK
+        assert ahead.enqueued == 3 and engine.pool.num_allocations == 4
+
+
+def test_bad_tokens_found_after_the_copy_started_leave_nothing_behind(ahead: AheadCopies) -> None:
+    engine, src = _engine()
+    with engine:
+        with pytest.raises((TypeError, ValueError)):
+            engine.store([1] * (CHUNK - 1) + ["x"], src, _blocks(PER_CHUNK, 0), FMT)  # type: ignore[list-item]
+        assert (ahead.enqueued, ahead.waited) == (1, 1)  # the copy landed before its objects went back
+        assert engine.pool.num_allocations == 0 and engine.stats()["objects"] == 0
+
+
+def test_a_refused_copy_leaves_nothing_behind(ahead: AheadCopies) -> None:
+    engine, src = _engine()
+    with engine:
+        with pytest.raises(ValueError, match="outside the pool"):
+            engine.store(_tokens(2 * CHUNK), src, [0, 1, 2, NB], FMT)
+        assert ahead.enqueued == 0 and engine.pool.num_allocations == 0 and engine.stats()["objects"] == 0
+
+
+def test_without_room_for_every_chunk_the_store_goes_in_order(ahead: AheadCopies) -> None:
+    engine, src = _engine(objects=2, watermark=1.0)
+    with engine:
+        assert engine.store(_tokens(3 * CHUNK), src, _blocks(3 * PER_CHUNK, 0), FMT) == 2 * CHUNK
+        assert ahead.enqueued == 0 and engine.stats()["skipped_chunks"] == 1
