@@ -121,7 +121,7 @@ def test_pool_object_check_agrees_with_the_full_check() -> None:
     for direction, skip in ((Direction.D2H, 0), (Direction.H2D, 1)):
         full = check(geom, objs, [3, 1, 7, 2], direction, 8, skip)
         light = check_pool_objects(geom, objs, [3, 1, 7, 2], direction, 8, skip)
-        assert (light.ids.tolist(), light.ptrs, light.caps, light.rows) == (
+        assert (list(light.ids), light.ptrs, light.caps, light.rows) == (
             full.ids.tolist(),
             full.ptrs,
             full.caps,
@@ -143,9 +143,9 @@ def test_pool_object_check_agrees_with_the_full_check() -> None:
 
 
 def test_pool_address_check_refuses_what_the_object_check_refuses() -> None:
-    """Objects by address (just reserved in the pool): a short list of ids stays a private list, anything else is
-    the checked array; the ids are refused for what `check_pool_objects` refuses them for, and a list holding
-    something other than ints is refused as the array path refuses it."""
+    """Objects by address (just reserved in the pool): a short list of ids stays a private list (as for objects),
+    anything else is the checked array; the ids are refused for what `check_pool_objects` refuses them for, and a
+    list holding something other than ints is refused as the array path refuses it."""
     paged = make_paged(F, DIMS, 16, 4)
     geom = describe(F, paged)
     pool = HostPool(1 << 20)
@@ -155,8 +155,9 @@ def test_pool_address_check_refuses_what_the_object_check_refuses() -> None:
         for direction, skip in ((Direction.D2H, 0), (Direction.H2D, 1)):
             by_address = check_pool_addresses(geom, addresses, ids, direction, 8, skip)
             by_object = check_pool_objects(geom, objs, ids, direction, 8, skip)
-            assert list(by_address.ids) == by_object.ids.tolist() == [3, 1, 7, 2]
-            assert type(by_address.ids) is (list if type(ids) is list else np.ndarray)
+            assert list(by_address.ids) == list(by_object.ids) == [3, 1, 7, 2]
+            kind = list if type(ids) is list else np.ndarray
+            assert type(by_address.ids) is kind and type(by_object.ids) is kind
             a, o = by_address, by_object
             assert (a.ptrs, a.caps, a.rows, a.one_allocation) == (o.ptrs, o.caps, o.rows, o.one_allocation)
     for ids, direction, skip, error, match in [

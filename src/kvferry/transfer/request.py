@@ -114,7 +114,8 @@ def check_pool_objects(
     """`check` for whole chunk objects the caller carved from one pinned `HostPool` (the cache's own). The pool's
     views are contiguous and lie in its pinned slab by construction, so only what could still be wrong is checked:
     each object's shape and dtype (an object promoted from a tier was shaped by the tier's header) and the block
-    ids. A one-chunk store's check is on the path to its first GPU operation: this is about half of `check`."""
+    ids (a short list of them kept a list). A one-chunk retrieve's check is on the path to its first GPU operation:
+    this is about half of `check`."""
     bs = geom.bs
     if not isinstance(chunk_size, int) or chunk_size <= 0 or chunk_size % bs:
         raise ValueError(f"chunk_size={chunk_size} must be a positive multiple of the block size {bs}")
@@ -127,7 +128,7 @@ def check_pool_objects(
     if not ptrs:
         raise ValueError("objects is empty: pass at least one chunk object")
     n = len(ptrs)
-    ids = _checked_ids(geom, block_ids, n * (chunk_size // bs), n, direction, skip_prefix_blocks)
+    ids = _checked_ids(geom, block_ids, n * (chunk_size // bs), n, direction, skip_prefix_blocks, keep_list=True)
     return Checked(ids, ptrs, [chunk_size] * n, want[0] * want[1], True, False, True)
 
 
