@@ -1,4 +1,5 @@
-"""The cache on a GPU engine: its objects move through the GPU data path (`transfer_pool_async`).
+"""The cache on a GPU engine: its objects move through the GPU data path (`transfer_pool_async`, and a store's by
+address first: `transfer_pool_at_async`).
 
 Run on a CUDA machine: `.ci/gpu-tests 4 tests/cache/test_cache_gpu.py`.
 """

@@ -116,13 +116,7 @@ class HostPool:
 
     def free(self, tensor: torch.Tensor) -> None:
         """Return the allocation that starts at ``tensor.data_ptr()``; ValueError if there is none."""
-        ptr = tensor.data_ptr()
-        with self._lock:
-            allocation = self._live.pop(ptr, None)
-            if allocation is not None:
-                self._give_back(allocation)
-                return
-        raise ValueError(f"free: {self._describe_unknown(ptr)}")
+        self.free_address(tensor.data_ptr())
 
     def allocation(self, tensor: torch.Tensor) -> Allocation:
         """The live allocation that starts at ``tensor.data_ptr()``; ValueError if there is none."""
@@ -265,13 +259,13 @@ class HostPool:
         return self._views_at(offsets, dims, strides, dtype)
 
     def free_address(self, address: int) -> None:
-        """``free`` by the allocation's address."""
+        """``free`` by the allocation's address (from ``try_reserve_many``)."""
         with self._lock:
             allocation = self._live.pop(address, None)
             if allocation is not None:
                 self._give_back(allocation)
                 return
-        raise ValueError(f"free_address: {self._describe_unknown(address)}")
+        raise ValueError(f"free: {self._describe_unknown(address)}")
 
     def _reserve_many(self, nbytes: int, count: int) -> tuple[list[int], bool]:
         """Up to ``count`` reservations of ``nbytes`` (slab offsets); True if they are one run back to back."""

@@ -151,7 +151,7 @@ class _Lane:
             pass
 
 
-@functools.cache
+@functools.lru_cache(maxsize=64)
 def _int64s(n: int) -> struct.Struct:
     return struct.Struct(f"<{n}q")
 

@@ -127,9 +127,7 @@ def check_pool_objects(
         ptrs.append(obj.data_ptr())
     if not ptrs:
         raise ValueError("objects is empty: pass at least one chunk object")
-    n = len(ptrs)
-    ids = _checked_ids(geom, block_ids, n * (chunk_size // bs), n, direction, skip_prefix_blocks, keep_list=True)
-    return Checked(ids, ptrs, [chunk_size] * n, want[0] * want[1], True, False, True)
+    return check_pool_addresses(geom, ptrs, block_ids, direction, chunk_size, skip_prefix_blocks)
 
 
 def check_pool_addresses(
