@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
 
-from kvferry.formats import EngineKVFormat
+from kvferry.formats import EngineKVFormat, layout_of
+from kvferry.formats.synthetic import ModelDims
 
 POISON = 0x5A  # a byte pattern no random fill is likely to leave in place everywhere
 
@@ -32,7 +35,24 @@ def poisoned(shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu") ->
 
 
 def kv_dtype_for(fmt: EngineKVFormat, dtype: torch.dtype) -> torch.dtype:
-    return torch.uint8 if fmt == EngineKVFormat.NL_X_NB_BSV_BSS else dtype
+    """`dtype`, or one the layout holds where it takes only some element sizes (the indexer's bytes, AMX tiles)."""
+    sizes = layout_of(fmt).element_sizes
+    if sizes is None or dtype.itemsize in sizes:
+        return dtype
+    return {1: torch.uint8, 2: torch.bfloat16}[sizes[-1]]
+
+
+def tile_scale(fmt: EngineKVFormat, bs: int) -> int:
+    """By how much a test's block size (and with it its token counts) must grow for `fmt`: layouts that pack
+    tokens in tiles need the block size to be a multiple of the tile (vLLM's AMX layout: 16)."""
+    multiple = layout_of(fmt).tail_multiple("BS")
+    return math.lcm(bs, multiple) // bs
+
+
+def dims_for(fmt: EngineKVFormat, dims: ModelDims) -> ModelDims:
+    """`dims` with the head size rounded up to the layout's head-size tile (vLLM's AMX layout: 16)."""
+    multiple = layout_of(fmt).tail_multiple("HS")
+    return replace(dims, hs=-(-dims.hs // multiple) * multiple)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

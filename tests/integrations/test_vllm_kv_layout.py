@@ -25,12 +25,16 @@ def test_cpu_layout_is_recognised_in_layer_order() -> None:
     assert all(a is b for a, b in zip(found.layers, kv.values(), strict=True))
     assert found.block_size == 32
     assert recognise(kv, isa="vec16", kv_cache_dtype="bfloat16").block_size == 32
+    amx = recognise(kv, isa="amx", kv_cache_dtype="auto")
+    assert amx.fmt is EngineKVFormat.VLLM_CPU_AMX_NL_X_NB_NH_KV_TILED and amx.kv_dtype == "bfloat16"
 
 
 @pytest.mark.parametrize(
     ("kwargs", "kv", "message"),
     [
-        ({"isa": "amx", "kv_cache_dtype": "auto"}, cpu_kv(), "ISA is 'amx'"),
+        ({"isa": "neon", "kv_cache_dtype": "auto"}, cpu_kv(), "ISA is 'neon'"),
+        ({"isa": "amx", "kv_cache_dtype": "auto"}, cpu_kv(hs=40), "packs HS in tiles of 16"),
+        ({"isa": "amx", "kv_cache_dtype": "auto"}, {"l.0.x": torch.randn(6, 2, 32, 64)}, "1 or 2-byte elements"),
         ({"isa": None, "kv_cache_dtype": "auto"}, cpu_kv(), "ISA is None"),
         ({"isa": "vec", "kv_cache_dtype": "fp8"}, cpu_kv(), "dtype 'fp8'"),
         ({"isa": "vec", "kv_cache_dtype": "auto"}, {}, "kv_caches is empty"),

@@ -9,7 +9,7 @@ import kvferry
 from kvferry import Direction
 from kvferry.formats import EngineKVFormat, describe
 from kvferry.formats.synthetic import ModelDims, make_paged, random_fill
-from tests.conftest import engine_bytes, kv_dtype_for, poisoned
+from tests.conftest import dims_for, engine_bytes, kv_dtype_for, poisoned, tile_scale
 
 F = EngineKVFormat
 DIMS = ModelDims(nl=3, nh=2, hs=8, plane_widths=(8, 4))
@@ -19,8 +19,9 @@ PADDED = {F.NL_X_NB_BS_HS, F.NL_X_NB_BSV_BSS, F.NL_X_NB_BS_NH_HS, F.NL_X_NB_NH_B
 def _engine(fmt: F, dtype: torch.dtype, seed: int, one_buffer: bool, bs: int = 4, nb: int = 11):
     gen = torch.Generator().manual_seed(seed)
     pad = 5 if fmt in PADDED else 0
+    dims = dims_for(fmt, DIMS)
     return make_paged(
-        fmt, DIMS, nb, bs, kv_dtype_for(fmt, dtype), one_buffer=one_buffer, block_padding=pad, generator=gen
+        fmt, dims, nb, bs, kv_dtype_for(fmt, dtype), one_buffer=one_buffer, block_padding=pad, generator=gen
     )
 
 
@@ -35,8 +36,9 @@ def _objects(shape: tuple[int, ...], dtype: torch.dtype, last_tokens: int, count
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("one_buffer", [True, False], ids=["one-buffer", "separate"])
 def test_store_and_retrieve_match_reference(fmt: F, dtype: torch.dtype, one_buffer: bool) -> None:
-    chunk, bs = 16, 4
-    paged = _engine(fmt, dtype, 1, one_buffer)
+    scale = tile_scale(fmt, 4)
+    chunk, bs = 16 * scale, 4 * scale
+    paged = _engine(fmt, dtype, 1, one_buffer, bs)
     geom = describe(fmt, paged, block_size=bs)
     kv_dtype = geom.dtype
     ids = torch.randperm(11, generator=torch.Generator().manual_seed(2))[:10]  # 2 full objects + 8 tokens
@@ -45,7 +47,7 @@ def test_store_and_retrieve_match_reference(fmt: F, dtype: torch.dtype, one_buff
 
     stored = {}
     for backend in ("reference", "torch", "triton"):
-        objs = _objects(shape, kv_dtype, 8, 3, fill=False)
+        objs = _objects(shape, kv_dtype, 8 * scale, 3, fill=False)
         kvferry.transfer(paged, objs, ids, Direction.D2H, fmt, chunk, skip, backend=backend, block_size=bs)
         stored[backend] = [o.view(torch.uint8) for o in objs]
     for backend in ("torch", "triton"):
@@ -56,10 +58,10 @@ def test_store_and_retrieve_match_reference(fmt: F, dtype: torch.dtype, one_buff
     assert bool((first[:, :, : skip * bs] == 0x5A).all())
     assert not bool((first[:, :, skip * bs :] == 0x5A).all())
 
-    sources = _objects(shape, kv_dtype, 8, 3, fill=True)
+    sources = _objects(shape, kv_dtype, 8 * scale, 3, fill=True)
     retrieved = {}
     for backend in ("reference", "torch", "triton"):
-        target = _engine(fmt, dtype, 7, one_buffer)
+        target = _engine(fmt, dtype, 7, one_buffer, bs)
         before = engine_bytes(target)
         kvferry.transfer(target, sources, ids, Direction.H2D, fmt, chunk, skip, backend=backend, block_size=bs)
         retrieved[backend] = engine_bytes(target)
@@ -72,9 +74,10 @@ def test_store_and_retrieve_match_reference(fmt: F, dtype: torch.dtype, one_buff
 @pytest.mark.parametrize("fmt", list(F), ids=lambda f: f.name)
 def test_round_trip_into_other_blocks(fmt: F) -> None:
     """Store from one block set, retrieve into another: the engine holds the same KV at the new blocks."""
-    chunk, bs = 8, 4
-    src = _engine(fmt, torch.bfloat16, 3, True)
-    dst = _engine(fmt, torch.bfloat16, 4, True)
+    scale = tile_scale(fmt, 4)
+    chunk, bs = 8 * scale, 4 * scale
+    src = _engine(fmt, torch.bfloat16, 3, True, bs)
+    dst = _engine(fmt, torch.bfloat16, 4, True, bs)
     geom = describe(fmt, src, block_size=bs)
     ids_a = [3, 9, 0, 5, 7, 1]
     ids_b = [10, 2, 6, 4, 8, 1]

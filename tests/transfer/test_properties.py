@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 
 import kvferry
 from kvferry import Direction
-from kvferry.formats import EngineKVFormat, describe
+from kvferry.formats import EngineKVFormat, describe, layout_of
 from kvferry.formats.synthetic import ModelDims, make_paged, random_fill
-from tests.conftest import engine_bytes, kv_dtype_for, poisoned
+from tests.conftest import dims_for, engine_bytes, kv_dtype_for, poisoned, tile_scale
 
 
 @st.composite
@@ -22,9 +22,9 @@ def requests(draw: st.DrawFn):  # type: ignore[no-untyped-def]
         hs=draw(st.integers(1, 9)),
         plane_widths=tuple(draw(st.lists(st.integers(1, 7), min_size=1, max_size=3))),
     )
-    if fmt == EngineKVFormat.VLLM_CPU_NL_X_NB_NH_KT_V or fmt == EngineKVFormat.NL_X_NB_BSV_BSS:
-        dims = ModelDims(dims.nl, dims.nh, dims.hs)
-    bs = draw(st.integers(1, 5))
+    if "NP" not in layout_of(fmt).nesting:
+        dims = dims_for(fmt, ModelDims(dims.nl, dims.nh, dims.hs))
+    bs = draw(st.integers(1, 5)) * tile_scale(fmt, 1)
     per_object = draw(st.integers(1, 3))
     n_objects = draw(st.integers(1, 3))
     last_blocks = draw(st.integers(1, per_object))

@@ -14,7 +14,7 @@ import kvferry
 from kvferry import Direction
 from kvferry.formats import EngineKVFormat, describe
 from kvferry.kernels import triton_copy
-from tests.conftest import engine_bytes, poisoned
+from tests.conftest import engine_bytes, poisoned, tile_scale
 from tests.transfer.test_backends import _engine
 
 F = EngineKVFormat
@@ -22,8 +22,9 @@ F = EngineKVFormat
 
 @pytest.mark.parametrize("fmt", list(F), ids=lambda f: f.name)
 def test_two_row_slices_equal_the_whole_object(fmt: F) -> None:
-    chunk, bs = 8, 4
-    paged = _engine(fmt, torch.bfloat16, 5, False)
+    scale = tile_scale(fmt, 4)
+    chunk, bs = 8 * scale, 4 * scale
+    paged = _engine(fmt, torch.bfloat16, 5, False, bs)
     geom = describe(fmt, paged, block_size=bs)
     plan = triton_copy.build_plan(geom)
     shape = geom.object_shape(chunk)
@@ -44,9 +45,9 @@ def test_two_row_slices_equal_the_whole_object(fmt: F) -> None:
     assert torch.equal(torch.cat(pieces).view(torch.uint8), whole.view(n_rows, chunk, -1).view(torch.uint8))
 
     source = whole.view(n_rows, chunk, -1)
-    want = _engine(fmt, torch.bfloat16, 9, False)
+    want = _engine(fmt, torch.bfloat16, 9, False, bs)
     kvferry.transfer(want, [whole], ids, Direction.H2D, fmt, chunk, backend="reference", block_size=bs)
-    got = _engine(fmt, torch.bfloat16, 9, False)
+    got = _engine(fmt, torch.bfloat16, 9, False, bs)
     got_geom = describe(fmt, got, block_size=bs)
     got_plan = triton_copy.build_plan(got_geom)
     for r0, r1 in ((0, split), (split, n_rows)):

@@ -116,9 +116,9 @@ def parse_formats(text: str, dims: ModelDims) -> tuple[EngineKVFormat, ...]:
 
 def kv_dtype(fmt: EngineKVFormat, dtype: torch.dtype) -> torch.dtype:
     """The dtype the engine would hold for `fmt`: byte layouts (the fp8 indexer cache) move uint8."""
-    size = layout_of(fmt).element_size
-    if size is not None and size != dtype.itemsize:
-        return {1: torch.uint8, 2: torch.int16, 4: torch.int32}[size]
+    sizes = layout_of(fmt).element_sizes
+    if sizes is not None and dtype.itemsize not in sizes:
+        return {1: torch.uint8, 2: torch.int16, 4: torch.int32}[sizes[-1]]
     return dtype
 
 

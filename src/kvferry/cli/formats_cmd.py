@@ -20,13 +20,18 @@ def object_shape_rule(layout: Layout) -> str:
         width = "NH*2*HS" if "NH" in layout.axes else "2*HS"
     else:
         width = "NH*HS" if "NH" in layout.axes else "HS"
-    unit = f" ({layout.element_size}-byte elements)" if layout.element_size else ""
+    sizes = " or ".join(map(str, layout.element_sizes or ()))
+    unit = f" ({sizes}-byte elements)" if sizes else ""
     return f"[{layout.kv_size}, NL, chunk, {width}]{unit}"
 
 
 def nesting_and_axes(layout: Layout) -> str:
     nest = "".join(f"{level} x " for level in layout.nesting)
-    return f"{nest}[{', '.join(layout.axes)}]"
+    axes = list(layout.axes)
+    if layout.split_tail is not None:  # the (BS, CS) tail holds a K block then a V block, each in its own order
+        k, v = (", ".join(order) for order in layout.split_tail)
+        axes[-2:] = [f"(K [{k}], V [{v}])"]
+    return f"{nest}[{', '.join(axes)}]"
 
 
 def rows() -> list[tuple[str, ...]]:
@@ -58,7 +63,9 @@ def run_formats(args: argparse.Namespace, console: Console) -> int:
     table = Table(title=f"Engine KV formats ({len(EngineKVFormat)})", title_justify="left")
     for column in COLUMNS:
         table.add_column(
-            column, justify="right" if column in ("id", "kv_size") else "left", no_wrap=column != "engines"
+            column,
+            justify="right" if column in ("id", "kv_size") else "left",
+            no_wrap=column not in ("engines", "nesting x axes"),
         )
     for row in rows():
         table.add_row(*row)

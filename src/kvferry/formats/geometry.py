@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from kvferry.formats.kinds import EngineKVFormat
-from kvferry.formats.layouts import Layout, layout_of
+from kvferry.formats.layouts import Layout, layout_of, tail_factor
 
 Feature = tuple[int, int]  # (size, stride in elements), outermost first
 
@@ -25,14 +25,17 @@ class Stripe:
     """One stride pattern of engine memory that fills object-row elements `[w_offset, w_offset + width)`.
 
     Entry `i` says: object plane `planes[i]` of layer `layers[i]` starts at element `offsets[i]` of
-    `tensors[i]`; token `t` of block `b` is at `b * block_stride + t * token_stride`, and its features walk
-    `features` (sizes multiply to `width`).
+    `tensors[i]`; token `t` of block `b` is at `b * block_stride + (t // token_tile) * tile_stride +
+    (t % token_tile) * token_stride`, and its features walk `features` (sizes multiply to `width`). Blocks are
+    one tile (`token_tile == BS`, `tile_stride == 0`) except where the engine packs tokens in tiles (vLLM's AMX).
     """
 
     w_offset: int
     width: int
     block_stride: int
     token_stride: int
+    token_tile: int
+    tile_stride: int
     features: tuple[Feature, ...]
     planes: tuple[int, ...]
     layers: tuple[int, ...]
@@ -113,11 +116,15 @@ def describe(fmt: EngineKVFormat | int, paged: Any, block_size: int | None = Non
     plane_widths = _plane_widths(layout, entries)
     if "NP" in layout.nesting:
         hs = sum(plane_widths)
-    if layout.element_size is not None and first.element_size() != layout.element_size:
+    if layout.element_sizes is not None and first.element_size() not in layout.element_sizes:
+        sizes_text = " or ".join(map(str, layout.element_sizes))
         raise TypeError(
-            f"{fmt.name} moves {layout.element_size}-byte elements; got dtype {first.dtype} "
-            f"({first.element_size()} bytes)"
+            f"{fmt.name} moves {sizes_text}-byte elements; got dtype {first.dtype} ({first.element_size()} bytes)"
         )
+    for axis, size in (("BS", bs), ("HS", hs)):
+        multiple = layout.tail_multiple(axis)
+        if size % multiple:
+            raise ValueError(f"{fmt.name} packs {axis} in tiles of {multiple}: {axis}={size} is not a multiple")
     if first.element_size() not in (1, 2, 4, 8):
         raise TypeError(f"unsupported element size {first.element_size()} of dtype {first.dtype}")
 
@@ -128,10 +135,10 @@ def describe(fmt: EngineKVFormat | int, paged: Any, block_size: int | None = Non
         w_offset = sum(plane_widths[:p])
         layers = range(nl) if "NL" in strides else (index["NL"],)
         planes = _planes(layout, strides, index, bs, hs, nh, plane_widths[p])
-        for plane, plane_offset, token_stride, features in planes:
+        for plane, plane_offset, token_levels, features in planes:
             block_stride = strides["NB"] if "NB" in strides else bs * strides["NBBS"]
             feats = _normalise(features)
-            key = (w_offset, plane_widths[p], block_stride, token_stride, feats)
+            key = (w_offset, plane_widths[p], block_stride, *_token_tiles(token_levels), feats)
             for layer in layers:
                 offset = plane_offset + (layer * strides["NL"] if "NL" in strides else 0)
                 groups.setdefault(key, []).append((plane, layer, tensor, offset))
@@ -141,14 +148,16 @@ def describe(fmt: EngineKVFormat | int, paged: Any, block_size: int | None = Non
             w_offset=w_off,
             width=width,
             block_stride=bstride,
+            token_tile=tile,
             token_stride=tstride,
+            tile_stride=tile_stride,
             features=feats,
             planes=tuple(e[0] for e in members),
             layers=tuple(e[1] for e in members),
             tensors=tuple(e[2] for e in members),
             offsets=tuple(e[3] for e in members),
         )
-        for (w_off, width, bstride, tstride, feats), members in groups.items()
+        for (w_off, width, bstride, tile, tstride, tile_stride, feats), members in groups.items()
     )
     block_axis = "NB" if "NB" in layout.axes else "NBBS"
     return KVGeometry(
@@ -261,27 +270,55 @@ def _plane_widths(layout: Layout, entries: list[tuple[torch.Tensor, dict[str, in
 
 def _planes(
     layout: Layout, strides: dict[str, int], index: dict[str, int], bs: int, hs: int, nh: int, width: int
-) -> list[tuple[int, int, int, list[Feature]]]:
-    """Per object plane held by one tensor: (plane, element offset, token stride, features)."""
-    token_stride = strides["BS"] if "BS" in strides else strides.get("NBBS", 0)
+) -> list[tuple[int, int, list[Feature], list[Feature]]]:
+    """Per object plane held by one tensor: (plane, element offset, token levels, features); levels and features
+    are (size, stride) pairs, outermost first."""
+    tokens = [(bs, strides["BS"] if "BS" in strides else strides.get("NBBS", 0))]
     head = [(nh, strides["NH"])] if "NH" in strides else []
     if layout.split_tail is not None:
         if strides["CS"] != 1 or strides["BS"] != 2 * hs:
             raise ValueError(f"{layout.engines}: the (BS, CS) tail of each block must be contiguous")
-        planes = []
-        for plane, order in enumerate(layout.split_tail):
-            inner = {axis: 1 for axis in order}
-            inner[order[0]] = {"HS": hs, "BS": bs}[order[1]]
-            planes.append((plane, plane * bs * hs, inner["BS"], [*head, (hs, inner["HS"])]))
-        return planes
+        return [
+            (plane, plane * bs * hs, *_tail_levels(order, bs, hs, head))
+            for plane, order in enumerate(layout.split_tail)
+        ]
     if layout.fused:
         if "CS" in strides:
-            return [(0, 0, token_stride, [*head, (2 * hs, strides["CS"])])]
-        return [(0, 0, token_stride, [*head, (2, strides["TWO"]), (hs, strides["HS"])])]
+            return [(0, 0, tokens, [*head, (2 * hs, strides["CS"])])]
+        return [(0, 0, tokens, [*head, (2, strides["TWO"]), (hs, strides["HS"])])]
     feats = [*head, (width if "NP" in layout.nesting else hs, strides["HS"])]
     if "TWO" in strides:
-        return [(k, k * strides["TWO"], token_stride, feats) for k in range(2)]
-    return [(index.get("TWO", 0), 0, token_stride, feats)]
+        return [(k, k * strides["TWO"], tokens, feats) for k in range(2)]
+    return [(index.get("TWO", 0), 0, tokens, feats)]
+
+
+def _tail_levels(order: tuple[str, ...], bs: int, hs: int, head: list[Feature]) -> tuple[list[Feature], list[Feature]]:
+    """(token levels, features) of one split-tail plane: each factor's stride is the product of the sizes of the
+    factors inside it; an axis's levels are its factors, the tile index (`/n`) outside the position in it (`%n`)."""
+    full = {"BS": bs, "HS": hs}
+    levels: dict[str, dict[str, Feature]] = {"BS": {}, "HS": {}}
+    stride = 1
+    for axis, kind, n in map(tail_factor, reversed(order)):
+        size = {"whole": full[axis], "outer": full[axis] // n, "inner": n}[kind]
+        levels[axis][kind] = (size, stride)
+        stride *= size
+    rank = {"whole": 0, "outer": 0, "inner": 1}
+    bs_levels, hs_levels = ([levels[a][k] for k in sorted(levels[a], key=rank.__getitem__)] for a in ("BS", "HS"))
+    return bs_levels, [*head, *hs_levels]
+
+
+def _token_tiles(levels: list[Feature]) -> tuple[int, int, int]:
+    """(tokens per tile, token stride inside a tile, tile stride) from one or two token levels."""
+    if len(levels) == 1:
+        return levels[0][0], levels[0][1], 0
+    (tiles, tile_stride), (tile, stride) = levels
+    if tiles == 1:
+        return tile, stride, 0
+    if tile == 1:
+        return tiles, tile_stride, 0
+    if tile_stride == tile * stride:  # the tiles are back to back: one level
+        return tiles * tile, stride, 0
+    return tile, stride, tile_stride
 
 
 def _normalise(features: list[Feature]) -> tuple[Feature, ...]:

@@ -35,3 +35,4 @@ class EngineKVFormat(IntEnum):
     NB_NL_NH_BS_CS = 100
     NB_NL_BS_NH_CS = 101
     VLLM_CPU_NL_X_NB_NH_KT_V = 102
+    VLLM_CPU_AMX_NL_X_NB_NH_KV_TILED = 103

@@ -19,27 +19,44 @@ A TWO or CS axis that sits after NH keeps K and V interleaved per head, exactly 
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 
 from kvferry.formats.kinds import EngineKVFormat
 
 NESTING_AXES = frozenset({"NL", "TWO", "NP"})
+_TAIL_FACTOR = re.compile(r"(BS|HS)(?:([/%])([1-9][0-9]*))?")
 TENSOR_AXES = frozenset({"NL", "TWO", "NB", "BS", "NBBS", "NH", "HS", "CS", "ONE"})
+
+
+def tail_factor(name: str) -> tuple[str, str, int]:
+    """`"BS/16"` -> ("BS", "outer", 16); `"BS%16"` -> ("BS", "inner", 16); `"BS"` -> ("BS", "whole", 1)."""
+    match = _TAIL_FACTOR.fullmatch(name)
+    if match is None:
+        raise ValueError(f"split tail factor {name!r} is not BS, HS, BS/n, BS%n, HS/n or HS%n")
+    axis, op, n = match.groups()
+    return axis, {None: "whole", "/": "outer", "%": "inner"}[op], int(n or 1)
 
 
 @dataclass(frozen=True)
 class Layout:
     """The static facts of one engine layout.
 
-    `split_tail`, when set, says that the memory of the two innermost axes of `axes` does not follow their declared
-    order: it holds the K plane then the V plane, each with its own axis order (vLLM's CPU backend keeps K transposed
-    inside each block). Strides inside the tail are then derived from the sizes, which requires a contiguous tail.
+    `split_tail`, when set, says that the memory of the two innermost axes of `axes` (BS, CS) does not follow their
+    declared order: it holds the K plane then the V plane, each a block of BS*HS elements with its own order of
+    *factors*, outermost first. A factor is `BS` or `HS` whole, or a tile split of one: `BS/16` (which tile of 16
+    tokens) and `BS%16` (the token inside its tile), likewise for HS. vLLM's CPU backend keeps K transposed inside
+    each block (`("HS", "BS")`), and its AMX ISA packs both planes in tiles. Strides inside the tail are derived
+    from the sizes, which requires a contiguous tail.
+
+    `element_sizes`, when set, are the only element sizes (bytes) the layout holds.
     """
 
     nesting: tuple[str, ...]
     axes: tuple[str, ...]
     engines: str
-    element_size: int | None = None
+    element_sizes: tuple[int, ...] | None = None
     split_tail: tuple[tuple[str, ...], tuple[str, ...]] | None = None
 
     def __post_init__(self) -> None:
@@ -48,6 +65,22 @@ class Layout:
             raise ValueError(f"unknown axis names {sorted(unknown)} in layout declaration")
         if not ({"NB", "NBBS"} & set(self.axes)):
             raise ValueError("a layout needs a block axis (NB or NBBS)")
+        for order in self.split_tail or ():
+            factors = [tail_factor(f) for f in order]
+            for axis in ("BS", "HS"):
+                kinds = sorted((kind, n) for a, kind, n in factors if a == axis)
+                whole = kinds == [("whole", 1)]
+                split = len(kinds) == 2 and kinds[0][0] == "inner" and kinds[1] == ("outer", kinds[0][1])
+                if not (whole or split):
+                    raise ValueError(f"split tail {order}: {axis} must appear whole, or as {axis}/n and {axis}%n")
+
+    def tail_multiple(self, axis: str) -> int:
+        """What the size of `axis` (BS or HS) must be a multiple of: the tile its split tail cuts it into."""
+        multiple = 1
+        for order in self.split_tail or ():
+            for a, _, n in map(tail_factor, order):
+                multiple = math.lcm(multiple, n) if a == axis else multiple
+        return multiple
 
     @property
     def fused(self) -> bool:
@@ -95,7 +128,7 @@ LAYOUTS: dict[EngineKVFormat, Layout] = {
     F.NL_X_NB_BS_NH_CS: Layout(("NL",), ("NB", "BS", "NH", "CS"), "vLLM blocks-first fused, NHD"),
     # Each page is [BS x 128 B fp8 values][BS x 4 B scales]; viewed as [NB, BS, 132] bytes, copying rows of the
     # view moves every page verbatim.
-    F.NL_X_NB_BSV_BSS: Layout(("NL",), ("NB", "BS", "HS"), "DeepSeek V3.2/V4 indexer k-cache", element_size=1),
+    F.NL_X_NB_BSV_BSS: Layout(("NL",), ("NB", "BS", "HS"), "DeepSeek V3.2/V4 indexer k-cache", element_sizes=(1,)),
     F.NL_X_TWO_NB_NH_ONE_BS_HS: Layout(("NL",), ("TWO", "NB", "NH", "ONE", "BS", "HS"), "vLLM-RBLN"),
     F.NL_X_TWO_X_NB_BS_NH_HS: Layout(("NL", "TWO"), ("NB", "BS", "NH", "HS"), "vLLM-Ascend"),
     F.NL_X_NP_X_NB_BS_ONE_HS: Layout(("NL", "NP"), ("NB", "BS", "ONE", "HS"), "vLLM-Ascend MLA"),
@@ -107,6 +140,16 @@ LAYOUTS: dict[EngineKVFormat, Layout] = {
         ("NB", "NH", "BS", "CS"),
         "vLLM CPU backend (CPU_ATTN): K transposed inside each block",
         split_tail=(("HS", "BS"), ("BS", "HS")),
+    ),
+    # The AMX ISA keeps 16-token tiles of K with pairs of head-size elements together, and 16-element tiles of V's
+    # head size with pairs of tokens together (checked against vLLM 0.32's cpu_attn_reshape_and_cache: bf16, fp16
+    # and fp8 caches pack pairs; vLLM never picks AMX for fp32, whose tiles would not pair).
+    F.VLLM_CPU_AMX_NL_X_NB_NH_KV_TILED: Layout(
+        ("NL",),
+        ("NB", "NH", "BS", "CS"),
+        "vLLM CPU backend (CPU_ATTN), AMX ISA: K and V in AMX tiles inside each block",
+        element_sizes=(1, 2),
+        split_tail=(("BS/16", "HS/2", "BS%16", "HS%2"), ("HS/16", "BS/2", "HS%16", "BS%2")),
     ),
 }
 

@@ -6,17 +6,21 @@ tensor into views `[NB, BS, *features]` by permuting named axes, then copies blo
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
 from kvferry.formats import KVGeometry, flatten_paged
+from kvferry.formats.layouts import tail_factor
 
 
-def engine_views(geom: KVGeometry, paged: Any) -> list[tuple[int, int, int, torch.Tensor]]:
-    """(object plane, layer, row offset, view [NB, BS, *features]) for every piece of the engine's KV."""
+def engine_views(geom: KVGeometry, paged: Any) -> list[tuple[int, int, int, torch.Tensor, int]]:
+    """(object plane, layer, row offset, view [NB, BS, *features], token dims) for every piece of the engine's KV.
+
+    A layout that packs tokens in tiles gives views `[NB, BS/n, n, *features]` (two token dims)."""
     layout = geom.layout
-    views: list[tuple[int, int, int, torch.Tensor]] = []
+    views: list[tuple[int, int, int, torch.Tensor, int]] = []
     entries = flatten_paged(layout, paged)
     plane_widths = {idx.get("NP", 0): t.shape[-1] for t, idx, _ in entries}
     for tensor, index, _ in entries:
@@ -31,8 +35,11 @@ def engine_views(geom: KVGeometry, paged: Any) -> list[tuple[int, int, int, torc
             t = t.flatten(-2).unflatten(-1, (2, geom.bs * geom.hs))
             pieces = []
             for plane, order in enumerate(layout.split_tail):
-                sizes = tuple({"BS": geom.bs, "HS": geom.hs}[a] for a in order)
-                pieces.append((plane, t.select(-2, plane).unflatten(-1, sizes), [*names[:-2], *order]))
+                factors = [tail_factor(f) for f in order]
+                full = {"BS": geom.bs, "HS": geom.hs}
+                sizes = tuple({"whole": full[a], "outer": full[a] // n, "inner": n}[k] for a, k, n in factors)
+                factor_names = [a + ("_IN" if k == "inner" else "") for a, k, _ in factors]
+                pieces.append((plane, t.select(-2, plane).unflatten(-1, sizes), [*names[:-2], *factor_names]))
         else:
             if "CS" in names:
                 i = names.index("CS")
@@ -45,14 +52,15 @@ def engine_views(geom: KVGeometry, paged: Any) -> list[tuple[int, int, int, torc
             for sub_plane, layer, view in _select_outer(piece, piece_names, index):
                 plane_id = sub_plane if sub_plane is not None else plane
                 w_offset = sum(w for p, w in plane_widths.items() if p < index.get("NP", 0))
-                views.append((plane_id, layer, w_offset, view))
+                views.append((plane_id, layer, w_offset, view, 1 + ("BS_IN" in piece_names)))
     return views
 
 
 def _select_outer(
     t: torch.Tensor, names: list[str], index: dict[str, int]
 ) -> list[tuple[int | None, int, torch.Tensor]]:
-    """Split off in-tensor layer and K/V axes, drop ONE axes, order the rest as [NB, BS, NH, KVF, HS]."""
+    """Split off in-tensor layer and K/V axes, drop ONE axes, order the rest as [NB, BS, NH, KVF, HS] (a tile
+    split of BS or HS puts the position inside the tile, `_IN`, right after the tile index)."""
     out = []
     layers = range(t.shape[names.index("NL")]) if "NL" in names else [index["NL"]]
     planes: list[int | None] = list(range(2)) if "TWO" in names else [None]
@@ -68,7 +76,7 @@ def _select_outer(
             while "ONE" in n:
                 v = v.squeeze(n.index("ONE"))
                 n.remove("ONE")
-            order = [a for a in ("NB", "BS", "NH", "KVF", "HS") if a in n]
+            order = [a for a in ("NB", "BS", "BS_IN", "NH", "KVF", "HS", "HS_IN") if a in n]
             out.append((plane, layer, v.permute(*[n.index(a) for a in order])))
     return out
 
@@ -89,10 +97,11 @@ def copy_reference(
             continue
         obj = objects[j // per_object]
         tok = (j % per_object) * geom.bs
-        for plane, layer, w_offset, view in views:
+        for plane, layer, w_offset, view, token_dims in views:
             engine = view[block]
-            width = engine[0].numel()
-            piece = obj[plane, layer, tok : tok + geom.bs, w_offset : w_offset + width].unflatten(-1, engine.shape[1:])
+            tokens, features = engine.shape[:token_dims], engine.shape[token_dims:]
+            piece = obj[plane, layer, tok : tok + geom.bs, w_offset : w_offset + math.prod(features)]
+            piece = piece.unflatten(-1, features).unflatten(0, tokens)
             if to_objects:
                 piece.copy_(engine)
             else:

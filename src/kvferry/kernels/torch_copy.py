@@ -43,7 +43,8 @@ class _Rows:
 class _Block:
     """Evenly spaced stripe entries as one strided engine view, and where they go in an object."""
 
-    view: torch.Tensor  # [P, L, NB, BS, *features], dtype = the word type of the element size
+    view: torch.Tensor  # [P, L, NB, *tokens, *features], dtype = the word type of the element size
+    tokens: tuple[int, ...]  # (BS,), or (BS / tile, tile) where the engine packs tokens in tiles
     planes: slice
     layers: slice
     w: slice
@@ -103,7 +104,7 @@ def copy_torch(
                 else:
                     scatters.append(_Scatter(b.rows.array, 0, engine_rows, object_rows))
                 continue
-            piece = piece.unflatten(2, (j1 - j0, plan.bs)).unflatten(-1, b.view.shape[4:])
+            piece = piece.unflatten(2, (j1 - j0, *b.tokens)).unflatten(-1, b.view.shape[3 + len(b.tokens) :])
             if to_objects:
                 torch.index_select(b.view, 2, block_ids[j0:j1], out=piece)
             elif ids_np is not None:
@@ -209,11 +210,17 @@ def _fold(geom: KVGeometry, stripe: Stripe, members: list[int], word: torch.dtyp
     first = min(members, key=lambda i: (stripe.planes[i], stripe.layers[i]))
     storage = stripe.tensors[first].untyped_storage()
     words = torch.empty(0, dtype=word, device=geom.device).set_(storage)
-    sizes = [len(planes), len(layers), geom.nb, geom.bs, *(n for n, _ in stripe.features)]
-    strides = [sp, sl, stripe.block_stride, stripe.token_stride, *(s for _, s in stripe.features)]
+    if stripe.token_tile == geom.bs:
+        tokens, token_strides = [geom.bs], [stripe.token_stride]
+    else:
+        tokens = [geom.bs // stripe.token_tile, stripe.token_tile]
+        token_strides = [stripe.tile_stride, stripe.token_stride]
+    sizes = [len(planes), len(layers), geom.nb, *tokens, *(n for n, _ in stripe.features)]
+    strides = [sp, sl, stripe.block_stride, *token_strides, *(s for _, s in stripe.features)]
     view = words.as_strided(sizes, strides, _storage_offset(stripe, first))
     return _Block(
         view=view,
+        tokens=tuple(tokens),
         planes=_as_slice(planes),
         layers=_as_slice(layers),
         w=slice(stripe.w_offset, stripe.w_offset + stripe.width),
@@ -233,7 +240,7 @@ def _rows(
     run = geom.bs * stripe.width
     if words.device.type != "cpu" or stripe.features != ((stripe.width, 1),):
         return None
-    if geom.bs > 1 and stripe.token_stride != stripe.width:
+    if geom.bs > 1 and (stripe.token_stride != stripe.width or stripe.token_tile != geom.bs):
         return None
     if any(x % run for x in (origin, stripe.block_stride, *grid_strides)):
         return None

@@ -46,6 +46,7 @@ def _stripe_copy_kernel(
     w_offset,  # where this stripe starts in the row, words
     block_stride,
     token_stride,
+    tile_stride,  # between tiles of TILE tokens (engines that pack tokens in tiles; unused when TILE == BS)
     s0,
     s1,
     s2,
@@ -61,6 +62,7 @@ def _stripe_copy_kernel(
     chunk,
     obj_shift,  # words added to every object offset (places a slice of rows at the start of a staging slot)
     BS: tl.constexpr,
+    TILE: tl.constexpr,
     F0: tl.constexpr,
     F1: tl.constexpr,
     F2: tl.constexpr,
@@ -103,7 +105,10 @@ def _stripe_copy_kernel(
             o_base = tl.load(obj_off + o, mask=t_mask, other=0) + obj_shift
             cap = tl.load(obj_cap + o, mask=t_mask, other=0)
             o_tok = o_base + (row * cap + g % chunk) * obj_row + w_offset
-            e_tok = e_base + block * block_stride + (g % BS) * token_stride
+            if TILE == BS:
+                e_tok = e_base + block * block_stride + (g % BS) * token_stride
+            else:
+                e_tok = e_base + block * block_stride + (g % BS) // TILE * tile_stride + (g % TILE) * token_stride
             for w0 in tl.static_range(0, WIDTH, BLOCK_W):
                 w = w0 + tl.arange(0, BLOCK_W)
                 w_mask = w < WIDTH
@@ -128,6 +133,8 @@ class _StripeArgs:
     w_offset: int
     block_stride: int
     token_stride: int
+    token_tile: int
+    tile_stride: int
     sizes: tuple[int, int, int]
     strides: tuple[int, int, int]
 
@@ -155,7 +162,7 @@ def _word_size(geom: KVGeometry) -> int:
     base = geom.stripes[0].tensors[0].data_ptr()
     quantities = [geom.width * es, base]
     for s in geom.stripes:
-        quantities += [s.w_offset * es, s.block_stride * es, s.token_stride * es]
+        quantities += [s.w_offset * es, s.block_stride * es, s.token_stride * es, s.tile_stride * es]
         inner_size, inner_stride = s.features[-1]
         quantities.append(inner_size * es if inner_stride == 1 else es)
         quantities += [stride * es for _, stride in s.features[:-1]]
@@ -191,6 +198,8 @@ def build_plan(geom: KVGeometry) -> TritonPlan:
                 w_offset=s.w_offset * es // word,
                 block_stride=s.block_stride * es // word,
                 token_stride=s.token_stride * es // word,
+                token_tile=s.token_tile,
+                tile_stride=s.tile_stride * es // word,
                 sizes=(feats[0][0], feats[1][0], feats[2][0]),
                 strides=(feats[0][1], feats[1][1], feats[2][1]),
             )
@@ -255,7 +264,8 @@ def launch(
         tiling = _tiling(plan, s, 65536, n_rows)  # the interpreter pays ~2 ms per program: few, large tiles
         grid = ((e1 - e0) * triton.cdiv(n_rows, tiling.block_t),)
         _interpreted()[grid](
-            s.base, s.eng_off, s.ent_row, obj_row, s.w_offset, s.block_stride, s.token_stride, *s.strides,
+            s.base, s.eng_off, s.ent_row, obj_row, s.w_offset, s.block_stride, s.token_stride,
+            s.tile_stride, *s.strides,
             obj_base, table[0], table[1], block_ids, e0, e1 - e0, row0, n_rows, chunk_size, obj_shift,
             **_constants(plan, s, tiling, to_objects),
         )  # fmt: skip
@@ -338,10 +348,11 @@ def _compile(plan: TritonPlan, s: _StripeArgs, obj_ptr: int, to_objects: bool) -
     table = torch.zeros(5, dtype=torch.int64, device=device)[1:]
     obj_row = plan.obj_row
     head = (s.base.data_ptr(), s.eng_off.data_ptr(), s.ent_row.data_ptr(), obj_row, s.w_offset, s.block_stride,
-            s.token_stride, *s.strides)  # fmt: skip
+            s.token_stride, s.tile_stride, *s.strides)  # fmt: skip
     with torch.cuda.device(device):
         compiled = _stripe_copy_kernel.warmup(
-            s.base, s.eng_off, s.ent_row, obj_row, s.w_offset, s.block_stride, s.token_stride, *s.strides,
+            s.base, s.eng_off, s.ent_row, obj_row, s.w_offset, s.block_stride, s.token_stride,
+            s.tile_stride, *s.strides,
             obj, table, table, table, 0, 2, 0, 2, 2, 0, grid=(1,), **consts,
         )  # fmt: skip
         names = _stripe_copy_kernel.arg_names
@@ -377,7 +388,9 @@ def _tiling(plan: TritonPlan, s: _StripeArgs, max_words: int, n_rows: int | None
     width = f0 * f1 * f2
     s0, s1, s2 = s.strides
     identity = (f2 == 1 or s2 == 1) and (f1 == 1 or s1 == f2) and (f0 == 1 or s0 == f1 * f2)  # word w is at w
-    flat = identity and width == plan.obj_row and s.w_offset == 0 and s.token_stride == width and width & (width - 1)
+    untiled = s.token_tile == plan.bs
+    flat = identity and untiled and width == plan.obj_row and s.w_offset == 0 and s.token_stride == width
+    flat = flat and bool(width & (width - 1))
     if flat:
         block_t = plan.bs & -plan.bs  # the largest power of two dividing BS
         while block_t > 1 and block_t * width > max_words:
@@ -390,7 +403,7 @@ def _tiling(plan: TritonPlan, s: _StripeArgs, max_words: int, n_rows: int | None
 
 def _constants(plan: TritonPlan, s: _StripeArgs, tiling: _Tiling, to_objects: bool) -> dict[str, Any]:
     return dict(
-        BS=plan.bs, F0=s.sizes[0], F1=s.sizes[1], F2=s.sizes[2], WORD=_WORD_DTYPES[plan.word],
+        BS=plan.bs, TILE=s.token_tile, F0=s.sizes[0], F1=s.sizes[1], F2=s.sizes[2], WORD=_WORD_DTYPES[plan.word],
         BLOCK_T=tiling.block_t, BLOCK_W=tiling.block_w, TO_OBJECT=to_objects, FLAT=tiling.flat,
         BLOCK_F=tiling.block_f,
     )  # fmt: skip

@@ -1,10 +1,16 @@
 """Recognise the KV cache vLLM hands to ``register_kv_caches`` and name it as a kvferry format.
 
 vLLM's CPU backend (CPU_ATTN) gives one tensor per attention layer, ``[NB, NH, BS, 2*HS]``, all views of one
-buffer; inside each (block, head) K is stored transposed (``[HS][BS]``) and V row-major (``[BS][HS]``): kvferry's
-``VLLM_CPU_NL_X_NB_NH_KT_V``. That holds for the "vec" and "vec16" attention ISAs with a bf16/fp16/fp32 cache.
-The "amx" ISA packs K and V into AMX tiles and other ISAs / fp8 caches are unverified: those are refused here
-(the connector then stays out of the way) rather than moved with the wrong layout.
+buffer; what each (block, head) holds depends on the attention ISA vLLM picked for the machine:
+
+- ``vec`` / ``vec16``: K transposed (``[HS][BS]``), then V row-major (``[BS][HS]``): ``VLLM_CPU_NL_X_NB_NH_KT_V``;
+- ``amx`` (Intel CPUs with AMX tiles, bf16 models): K in 16-token tiles with head-size pairs together, V in
+  16-wide head-size tiles with token pairs together: ``VLLM_CPU_AMX_NL_X_NB_NH_KV_TILED``.
+
+Both were read off vLLM 0.32's own ``cpu_attn_reshape_and_cache`` for bf16, fp16, fp32 and fp8 (uint8) caches
+(tests/integrations/test_vllm_kv_layout.py checks them against it on every run). The ISAs of other architectures
+(``neon``, ``vsx``, ``vxe``, ``rvv``) have not been checked: they are refused with the reason, never moved with a
+guessed layout.
 """
 
 from __future__ import annotations
@@ -15,10 +21,15 @@ from dataclasses import dataclass
 
 import torch
 
-from kvferry.formats import EngineKVFormat
+from kvferry.formats import EngineKVFormat, describe
 
-CPU_ISAS_WITH_SPLIT_KV = frozenset({"vec", "vec16"})
-_KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FORMAT_OF_ISA = {
+    "vec": EngineKVFormat.VLLM_CPU_NL_X_NB_NH_KT_V,
+    "vec16": EngineKVFormat.VLLM_CPU_NL_X_NB_NH_KT_V,
+    "amx": EngineKVFormat.VLLM_CPU_AMX_NL_X_NB_NH_KV_TILED,
+}
+_KV_DTYPES = {"auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2"}
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class UnsupportedKVLayout(ValueError):
@@ -27,12 +38,15 @@ class UnsupportedKVLayout(ValueError):
 
 @dataclass(frozen=True)
 class EngineKV:
-    """The engine's KV as kvferry sees it: the format, the per-layer tensors in layer order, the block size."""
+    """The engine's KV as kvferry sees it: the format, the per-layer tensors in layer order, the block size and
+    the cache's element type (vLLM's ``cache_dtype`` where it quantises, else the tensors' dtype): fp8 caches of
+    both encodings are uint8 tensors, so the encoding must name the cache key space."""
 
     fmt: EngineKVFormat
     layers: list[torch.Tensor]
     layer_names: list[str]
     block_size: int
+    kv_dtype: str
 
 
 def recognise(kv_caches: Mapping[str, torch.Tensor], *, isa: str | None, kv_cache_dtype: str) -> EngineKV:
@@ -53,14 +67,18 @@ def recognise(kv_caches: Mapping[str, torch.Tensor], *, isa: str | None, kv_cach
         raise UnsupportedKVLayout(
             f"kv_caches are on {first.device}; this connector moves vLLM's CPU backend layout only"
         )
-    if isa not in CPU_ISAS_WITH_SPLIT_KV:
+    fmt = FORMAT_OF_ISA.get(str(isa))
+    if fmt is None:
         raise UnsupportedKVLayout(
-            f"vLLM's CPU attention ISA is {isa!r}; the KV layout is known for {sorted(CPU_ISAS_WITH_SPLIT_KV)} "
-            "only (the 'amx' ISA packs K/V in AMX tiles)"
+            f"vLLM's CPU attention ISA is {isa!r}; kvferry knows the KV layout of {sorted(FORMAT_OF_ISA)} only "
+            "(checked against vLLM's own cache writes); moving another with a guessed layout would corrupt KV"
         )
-    if kv_cache_dtype not in ("auto", "bfloat16", "float16", "float32") or first.dtype not in _KV_DTYPES:
+    quantised = kv_cache_dtype.startswith("fp8")
+    dtype_fits = first.dtype == torch.uint8 if quantised else first.dtype in _FLOAT_DTYPES
+    if kv_cache_dtype not in _KV_DTYPES or not dtype_fits:
         raise UnsupportedKVLayout(
-            f"KV cache dtype {kv_cache_dtype!r} ({first.dtype}) is not supported; expected a bf16/fp16/fp32 cache"
+            f"KV cache dtype {kv_cache_dtype!r} ({first.dtype}) is not supported; expected a bf16/fp16/fp32 cache "
+            "or an fp8 one (uint8 tensors)"
         )
     for name, t in zip(names, layers, strict=True):
         if t.dim() != 4 or t.shape != first.shape or t.dtype != first.dtype or not t.is_contiguous():
@@ -68,9 +86,12 @@ def recognise(kv_caches: Mapping[str, torch.Tensor], *, isa: str | None, kv_cach
                 f"kv_caches[{name!r}] is {tuple(t.shape)} {t.dtype} (contiguous={t.is_contiguous()}); expected "
                 f"contiguous [NB, NH, BS, 2*HS] tensors like {tuple(first.shape)} {first.dtype} in every layer"
             )
-    if first.shape[3] % 2:
-        raise UnsupportedKVLayout(f"last dim {first.shape[3]} of the CPU KV cache must be 2*head_size (even)")
-    return EngineKV(EngineKVFormat.VLLM_CPU_NL_X_NB_NH_KT_V, layers, names, int(first.shape[2]))
+    try:
+        describe(fmt, layers)
+    except (TypeError, ValueError) as exc:
+        raise UnsupportedKVLayout(f"vLLM's {isa!r} KV cache does not fit {fmt.name}: {exc}") from None
+    kv_dtype = kv_cache_dtype if quantised else str(first.dtype).removeprefix("torch.")
+    return EngineKV(fmt, layers, names, int(first.shape[2]), kv_dtype)
 
 
 def _in_layer_order(names: list[str]) -> list[str]:
