@@ -29,10 +29,10 @@ from kvferry.cache.residency import Residency
 from kvferry.cache.tiering import TierLink, when_all
 from kvferry.cache.writer import ChunkWriter, copy_chunks
 from kvferry.config import KvferryConfig, TransferConfig
-from kvferry.formats import EngineKVFormat, KVGeometry, describe
+from kvferry.formats import EngineKVFormat, KVGeometry
 from kvferry.memory import HostPool
 from kvferry.tiers import Tier, make_tier
-from kvferry.transfer import Direction, configure_gpu
+from kvferry.transfer import Direction, configure_gpu, geometry_of
 
 
 class LookupResult(NamedTuple):
@@ -297,9 +297,10 @@ class CacheEngine:
         geometry: KVGeometry | None,
         ns: CacheNamespace | None = None,
     ) -> KVGeometry:
-        """``geometry``, or ``paged`` described now; checked against ``fmt`` and against ``ns`` when given."""
+        """``geometry``, or ``paged``'s (described now, or recognised if described before); checked against
+        ``fmt`` and against ``ns`` when given."""
         if geometry is None:
-            geom = describe(fmt, paged, block_size)
+            geom = geometry_of(fmt, paged, block_size)
         elif not isinstance(geometry, KVGeometry) or geometry.fmt != EngineKVFormat(fmt):
             raise ValueError(f"geometry={geometry!r} does not describe fmt={EngineKVFormat(fmt).name}")
         else:

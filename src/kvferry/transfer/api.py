@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from kvferry.formats import EngineKVFormat, KVGeometry, describe
+from kvferry.formats import EngineKVFormat, KVGeometry
+from kvferry.transfer.geometry_cache import GeometryCache
 from kvferry.transfer.request import (
     Checked,
     Direction,
@@ -51,9 +52,10 @@ def transfer(
     `skip_prefix_blocks` entries are not copied in either direction. Everything is validated before a byte moves.
     `objects` is a list of object tensors, or one tensor `[n, *object_shape]` of `n` whole objects back to back
     (cheaper to check; one DMA per slice on the GPU). Pass `geometry` (from `kvferry.formats.describe`) to skip
-    re-validating the engine tensors on every call.
+    re-validating the engine tensors on every call (without it, tensors described before are recognised by their
+    addresses, shapes, strides and dtype: see `geometry_cache`).
     """
-    geom = geometry if geometry is not None else describe(fmt, paged, block_size)
+    geom = geometry if geometry is not None else _geometries.get(fmt, paged, block_size)
     if geometry is not None and EngineKVFormat(fmt) != geom.fmt:
         raise ValueError(f"fmt={EngineKVFormat(fmt).name} but the geometry describes {geom.fmt.name}")
     direction = _direction(direction)
@@ -83,6 +85,12 @@ def transfer(
             torch.cuda.current_stream(geom.device).synchronize()
 
 
+def geometry_of(fmt: EngineKVFormat | int, paged: Any, block_size: int | None = None) -> KVGeometry:
+    """`kvferry.formats.describe(fmt, paged, block_size)`, recognised without re-describing when these tensors (same
+    addresses, shapes, strides, dtype) were described before; what `transfer` does when given no `geometry`."""
+    return _geometries.get(fmt, paged, block_size)
+
+
 def transfer_async(
     paged: Any,
     objects: Objects,
@@ -101,7 +109,7 @@ def transfer_async(
     The request is ordered after the caller's current CUDA stream (the engine's compute) and never blocks it.
     Use `handle.wait_on(stream)` before the engine reads retrieved blocks, `handle.done()` to poll.
     """
-    geom = geometry if geometry is not None else describe(fmt, paged, block_size)
+    geom = geometry if geometry is not None else _geometries.get(fmt, paged, block_size)
     if geom.device.type != "cuda":
         raise ValueError(f"transfer_async moves GPU KV; the engine's KV is on {geom.device} (use transfer())")
     objs = as_objects(objects)
@@ -275,3 +283,4 @@ class _PlanCache:
 
 
 _plans = _PlanCache()
+_geometries = GeometryCache()
