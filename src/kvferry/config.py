@@ -29,6 +29,11 @@ class CacheConfig(BaseModel):
 
     chunk_size: int = Field(256, gt=0, description="tokens per chunk object (a multiple of the engine's block size)")
     l1_size_gb: float = Field(4.0, gt=0, description="host pool capacity in GiB (2**30 bytes)")
+    l1_populate: bool = Field(
+        True,
+        description="map every page of the pool at start (an unpinned pool's stores into fresh pages otherwise "
+        "fault page by page, ~3x slower; a pinned pool is mapped by pinning)",
+    )
     eviction_policy: Literal["lru", "s3fifo"] = "lru"
     watermark: float = Field(
         0.9,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import sys
 import threading
 
 import numpy as np
@@ -385,3 +386,25 @@ def test_reserve_many_then_views_then_free_by_address() -> None:
     assert pool.largest_free_bytes == pool.capacity_bytes and pool.num_free_extents == 1
     full = HostPool(2 * 4096)
     assert len(full.try_reserve_many((4096,), torch.uint8, 3)) == 2  # fewer once full
+
+
+def _resident_fraction(t: torch.Tensor) -> float:
+    """Fraction of `t`'s pages mapped in memory (mincore)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    start = t.data_ptr() // page * page
+    pages = -(-(t.data_ptr() + t.numel() * t.element_size() - start) // page)
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(pages * page), vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec) / pages
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="mincore")
+def test_populate_maps_every_page_of_an_unpinned_slab() -> None:
+    lazy = HostPool(64 * MIB, pin=False)
+    populated = HostPool(64 * MIB, pin=False, populate=True)
+    assert _resident_fraction(lazy.slab) < 0.5  # fresh anonymous memory: mapped on first touch
+    assert _resident_fraction(populated.slab) == 1.0

@@ -63,7 +63,7 @@ class CacheEngine:
             configure_gpu(**self.config.transfer.engine_settings())
         self.chunk_size = cfg.chunk_size
         self.namespace = namespace
-        self.pool = pool if pool is not None else HostPool(cfg.l1_size_bytes)
+        self.pool = pool if pool is not None else HostPool(cfg.l1_size_bytes, populate=cfg.l1_populate)
         self.counters = CacheCounters()
         self._hasher = ChunkHasher(cfg.chunk_size, cfg.hash_algo)
         self._res = Residency(self.pool, make_policy(cfg.eviction_policy), cfg, self.counters)
