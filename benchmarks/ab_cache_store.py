@@ -4,7 +4,7 @@
     PYTHONPATH=src python3 benchmarks/ab_cache_store.py [turns]
 
 The two caches store by turns, one store each per turn, next to a pinned memcpy of the same bytes, so a host whose
-speed drifts moves all three alike. Two contexts: what issue 4's acceptance loop runs between two stores (memcpys
+speed drifts moves all three alike. Two contexts: what bench_cache_gpu.py's loop runs between two stores (memcpys
 both ways and a retrieve) and a 2 ms sleep (the CPU's caches go cold: `store_context_gpu.py`). Prints the medians
 and the median of per-turn ratios to the memcpy.
 """
@@ -69,7 +69,7 @@ def main() -> None:
         torch.cuda.synchronize()
         return (time.perf_counter() - t) * 1e6
 
-    def acceptance(side: Side) -> None:
+    def bench_loop(side: Side) -> None:
         memcpy()
         memcpy(False)
         side.retrieve()
@@ -80,7 +80,7 @@ def main() -> None:
     for side in sides.values():
         for _ in range(8):
             side.store()
-    for context, between in (("acceptance loop", acceptance), ("after a 2 ms sleep", sleep)):
+    for context, between in (("bench_cache_gpu loop", bench_loop), ("after a 2 ms sleep", sleep)):
         walls: dict[str, list[float]] = {k: [] for k in (*sides, "memcpy")}
         ratios: dict[str, list[float]] = {k: [] for k in sides}
         for turn in range(turns):

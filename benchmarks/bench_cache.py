@@ -10,7 +10,7 @@ Cases:
                    into/out of the same objects, divided by the number of chunks: the cache's bookkeeping
                    (hashing, index, locks, eviction checks, metrics) per chunk. With ``geometry=`` (an engine
                    that registered its KV once) and without (the engine's tensors described on every call).
-Targets (issue 4): lookup_128k < 1 ms; per-chunk overhead < 20 us. Medians of ``--repeats`` runs.
+Targets: lookup_128k < 1 ms; per-chunk overhead < 20 us. Medians of ``--repeats`` runs.
 """
 
 from __future__ import annotations

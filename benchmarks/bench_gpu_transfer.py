@@ -1,4 +1,4 @@
-"""GPU data path benchmark (issue 3): every number is a ratio to a same-run pinned memcpy of the same bytes.
+"""GPU data path benchmark: every number is a ratio to a same-run pinned memcpy of the same bytes.
 
 Run on the GPU machine:  PYTHONPATH=src python3 benchmarks/bench_gpu_transfer.py --out $OUT/gpu.json
 Sections: bulk (16+ scattered chunks, staged / serial / zero-copy / torch by hand), every format, one-chunk latency,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Everything one GPU measurement session needs, in one call of the device tool (it has no network):
+# Everything a GPU measurement needs, in one command on a machine without network access:
 #   benchmarks/gpu_suite.sh OUT [SECTIONS]     e.g.  benchmarks/gpu_suite.sh $OUT bulk,formats,onechunk
-# Installs the wheels carried in .whl/ (pyzmq, pydantic, blake3, redis: the image lacks them) into /tmp/site, runs
+# Installs the wheels placed in .whl/ (pyzmq, pydantic, blake3, redis: the image lacks them) into /tmp/site, runs
 # the GPU tests, then the transfer benchmark sections (default: all but the slow crossover), the cache's one-chunk
 # benchmark and the GPU timelines of a one-chunk and a 32-chunk request. Results and logs land in OUT.
 # About 5 minutes on the H200 machine, a third of it compiling kernels (shared .triton-cache).

@@ -1,10 +1,10 @@
 """What runs between two stores changes a store's time: one llama3-8b chunk through `CacheEngine.store` on a GPU
-engine, with different work between consecutive stores (issue 4's acceptance loop is the first).
+engine, with different work between consecutive stores (the loop of bench_cache_gpu.py is the first).
 
 Run on the GPU machine:  PYTHONPATH=src python3 benchmarks/store_context_gpu.py [--trace OUT_DIR]
 Every variant runs in turns of 8 stores, round robin, so a host whose speed drifts moves them alike; each store's
 wall time is divided into the same turn's memcpy medians. `--trace`: a torch.profiler (CUPTI) timeline of the
-acceptance loop, summarised per store: when its first GPU operation starts after the Python call, its DMAs, and
+bench_cache_gpu loop, summarised per store: when its first GPU operation starts after the Python call, its DMAs, and
 when the last one ends (the profiler slows the CPU side; the GPU spans are what it is for).
 """
 
@@ -77,14 +77,14 @@ def variants(loop: Loop) -> dict[str, Callable[[], None]]:
         return run
 
     return {
-        "acceptance (memcpy d2h, memcpy h2d, retrieve)": between(loop.memcpy, loop.memcpy_h2d, loop.retrieve),
+        "bench loop (memcpy d2h, memcpy h2d, retrieve)": between(loop.memcpy, loop.memcpy_h2d, loop.retrieve),
         "memcpy d2h only": between(loop.memcpy),
         "retrieve only": between(loop.retrieve),
         "another store": between(loop.store),  # type: ignore[arg-type]
         "sleep 2 ms": between(lambda: time.sleep(0.002)),
         "64 MB of CPU cache thrash": between(loop.thrash),
         "thrash then memcpy": between(loop.thrash, loop.memcpy),
-        "acceptance, gc off": between(loop.memcpy, loop.memcpy_h2d, loop.retrieve),
+        "bench loop, gc off": between(loop.memcpy, loop.memcpy_h2d, loop.retrieve),
     }
 
 
