@@ -143,3 +143,31 @@ def test_cpu_retrieve_over_threads_matches_reference(monkeypatch: pytest.MonkeyP
     kvferry.transfer(got, sources, ids, Direction.H2D, fmt, chunk, 1, backend="torch", block_size=bs)
     kvferry.transfer(want, sources, ids, Direction.H2D, fmt, chunk, 1, backend="reference", block_size=bs)
     assert all(torch.equal(a, b) for a, b in zip(engine_bytes(got), engine_bytes(want), strict=True))
+
+
+@pytest.mark.parametrize("direction", [Direction.D2H, Direction.H2D])
+def test_cpu_rows_of_a_storage_that_does_not_start_on_a_row(direction: Direction) -> None:
+    """A server maps a client's shared memory from the file's start, 64 bytes before the KV (torch's header): the
+    blocks are whole rows apart, but not from the storage's start. The torch backend still copies them as rows."""
+    from kvferry.kernels.torch_copy import build_plan
+
+    fmt, chunk = F.NL_X_TWO_NB_BS_NH_HS, 8
+    plain = _engine(fmt, torch.bfloat16, 3, True)
+    storage = torch.empty(plain[0].untyped_storage().nbytes() // 2 + 32, dtype=torch.bfloat16)
+    storage[32:].copy_(torch.empty(0, dtype=torch.bfloat16).set_(plain[0].untyped_storage()))
+    storage[:32].view(torch.uint8).fill_(0x5A)  # the header: never written
+    shifted = [storage.as_strided(t.shape, t.stride(), t.storage_offset() + 32) for t in plain]
+    geom = describe(fmt, shifted)
+    assert all(b.rows is not None for b in build_plan(geom).blocks)
+    ids = [7, 2, 9, 0]
+    if direction is Direction.D2H:
+        got, want = (_objects(geom.object_shape(chunk), geom.dtype, chunk, 2, fill=False) for _ in range(2))
+        kvferry.transfer(shifted, got, ids, direction, fmt, chunk, 1, backend="torch")
+        kvferry.transfer(plain, want, ids, direction, fmt, chunk, 1, backend="reference")
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want, strict=True))
+    else:
+        sources = _objects(geom.object_shape(chunk), geom.dtype, chunk, 2, fill=True)
+        kvferry.transfer(shifted, sources, ids, direction, fmt, chunk, 1, backend="torch")
+        kvferry.transfer(plain, sources, ids, direction, fmt, chunk, 1, backend="reference")
+        assert torch.equal(storage[32:].view(torch.uint8), engine_bytes(plain)[0])
+    assert bool((storage[:32].view(torch.uint8) == 0x5A).all())

@@ -236,15 +236,18 @@ def _rows(
     grid: tuple[int, int],
     grid_strides: tuple[int, int],
 ) -> _Rows | None:
-    """Rows of `BS * width` words, if every block piece of the folded view is one run that starts on a row."""
+    """Rows of `BS * width` words, if every block piece of the folded view is one run and the pieces sit a whole
+    number of runs apart. The rows start at the first piece's offset modulo a run: storage need not begin on a row
+    (a server's mapping of a client's shared memory starts 64 bytes before the KV, past torch's header)."""
     run = geom.bs * stripe.width
     if words.device.type != "cpu" or stripe.features != ((stripe.width, 1),):
         return None
     if geom.bs > 1 and (stripe.token_stride != stripe.width or stripe.token_tile != geom.bs):
         return None
-    if any(x % run for x in (origin, stripe.block_stride, *grid_strides)):
+    if any(x % run for x in (stripe.block_stride, *grid_strides)):
         return None
-    array = words.as_strided((words.numel() // run, run), (run, 1), 0).numpy()
+    shift = origin % run
+    array = words.as_strided(((words.numel() - shift) // run, run), (run, 1), shift).numpy()
     planes = np.arange(grid[0], dtype=np.int64)[:, None] * (grid_strides[0] // run)
     layers = np.arange(grid[1], dtype=np.int64)[None, :] * (grid_strides[1] // run)
     return _Rows(array=array, base=origin // run + planes + layers, step=stripe.block_stride // run)
