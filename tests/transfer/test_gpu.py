@@ -234,3 +234,24 @@ def test_objects_as_one_tensor(model: str, fmt: F, bs: int, mode: str, pool: Hos
     got = [t.cpu().contiguous().view(torch.uint8) for t in leaves(target)]
     assert all(torch.equal(a, b.contiguous().view(torch.uint8)) for a, b in zip(got, leaves(target_cpu), strict=True))
     pool.free(run)
+
+
+@pytest.mark.parametrize("mode", ["staged", "zero_copy"])
+def test_a_slice_of_the_heads_moves_its_columns_only(mode: str, pool: HostPool) -> None:
+    """A tensor-parallel rank (heads 2..3 of 8) writes only its columns of whole objects, whatever mode is asked:
+    a staged DMA of whole rows would overwrite the other ranks' heads, so such requests run zero-copy."""
+    fmt, bs, chunk = F.NL_X_TWO_NB_BS_NH_HS, 16, 256
+    dims = ModelDims(nl=4, nh=2, hs=128)
+    paged = make_paged(fmt, dims, 64, bs, device="cuda")
+    geom = describe(fmt, paged, block_size=bs, heads=(2, 8))
+    objs = _objects(pool, geom.object_shape(chunk), geom.dtype, 2)
+    ids = torch.randperm(64)[: 2 * chunk // bs]
+    engine = TransferEngine("cuda", EngineConfig(mode=mode))
+    handle = kvferry.transfer_async(paged, objs, ids, Direction.D2H, fmt, chunk, geometry=geom, engine=engine)
+    handle.wait()
+    want = [torch.empty_like(o).view(torch.uint8).fill_(0x5A).view(geom.dtype) for o in objs]
+    cpu_geom = describe(fmt, _to_cpu(paged), block_size=bs, heads=(2, 8))
+    kvferry.transfer(_to_cpu(paged), want, ids, Direction.D2H, fmt, chunk, backend="torch", geometry=cpu_geom)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(objs, want, strict=True))
+    for o in objs:
+        pool.free(o)

@@ -45,7 +45,12 @@ class Stripe:
 
 @dataclass(frozen=True, eq=False)
 class KVGeometry:
-    """The engine's KV cache as kvferry sees it (the seed's PageBufferShapeDesc, plus where the bytes are)."""
+    """The engine's KV cache as kvferry sees it (the seed's PageBufferShapeDesc, plus where the bytes are).
+
+    `width` is the engine's per-token row (its `nh` heads), `object_width` the chunk object's: wider when the engine
+    holds a slice of the model's heads (a tensor-parallel rank, `first_head` of `total_heads`), whose columns of
+    the object row it reads and writes. Objects then hold every head, whichever parallelism stored them.
+    """
 
     fmt: EngineKVFormat
     layout: Layout
@@ -61,13 +66,20 @@ class KVGeometry:
     width: int
     block_stride_elems: int
     stripes: tuple[Stripe, ...]
+    first_head: int = 0
+    total_heads: int = 0  # 0: nh
 
     def object_shape(self, chunk_size: int) -> tuple[int, int, int, int]:
-        return (self.kv_size, self.nl, chunk_size, self.width)
+        return (self.kv_size, self.nl, chunk_size, self.object_width)
+
+    @property
+    def object_width(self) -> int:
+        return self.width // self.nh * self.total_heads if self.total_heads else self.width
 
     @property
     def bytes_per_token(self) -> int:
-        return self.kv_size * self.nl * self.width * self.element_size
+        """Bytes of one token in a chunk object (every head)."""
+        return self.kv_size * self.nl * self.object_width * self.element_size
 
 
 def flatten_paged(layout: Layout, paged: Any) -> list[tuple[torch.Tensor, dict[str, int], str]]:
@@ -95,8 +107,14 @@ def _walk(layout: Layout, node: Any, depth: int, index: dict[str, int], path: st
         _walk(layout, child, depth + 1, {**index, level: i}, f"{path}[{i}]", out)
 
 
-def describe(fmt: EngineKVFormat | int, paged: Any, block_size: int | None = None) -> KVGeometry:
-    """Validate `paged` against the layout of `fmt` and derive its geometry. Raises TypeError/ValueError."""
+def describe(
+    fmt: EngineKVFormat | int, paged: Any, block_size: int | None = None, heads: tuple[int, int] | None = None
+) -> KVGeometry:
+    """Validate `paged` against the layout of `fmt` and derive its geometry. Raises TypeError/ValueError.
+
+    `heads=(first, total)`: the engine holds heads `first .. first + NH - 1` of the model's `total` KV heads (a
+    tensor-parallel rank); objects then hold all `total` heads, this engine's in their columns.
+    """
     fmt = EngineKVFormat(fmt) if isinstance(fmt, EngineKVFormat) else _format(fmt)
     layout = layout_of(fmt)
     entries = flatten_paged(layout, paged)
@@ -116,6 +134,8 @@ def describe(fmt: EngineKVFormat | int, paged: Any, block_size: int | None = Non
     plane_widths = _plane_widths(layout, entries)
     if "NP" in layout.nesting:
         hs = sum(plane_widths)
+    first_head, total_heads = _head_slice(fmt, layout, nh, heads)
+    head_shift = first_head * plane_widths[0] // nh  # columns of the object row before this engine's heads
     if layout.element_sizes is not None and first.element_size() not in layout.element_sizes:
         sizes_text = " or ".join(map(str, layout.element_sizes))
         raise TypeError(
@@ -132,7 +152,7 @@ def describe(fmt: EngineKVFormat | int, paged: Any, block_size: int | None = Non
     for tensor, index, _ in entries:
         strides = dict(zip(layout.axes, tensor.stride(), strict=True))
         p = index.get("NP", 0)
-        w_offset = sum(plane_widths[:p])
+        w_offset = sum(plane_widths[:p]) + head_shift
         layers = range(nl) if "NL" in strides else (index["NL"],)
         planes = _planes(layout, strides, index, bs, hs, nh, plane_widths[p])
         for plane, plane_offset, token_levels, features in planes:
@@ -175,6 +195,8 @@ def describe(fmt: EngineKVFormat | int, paged: Any, block_size: int | None = Non
         width=sum(plane_widths),
         block_stride_elems=first.stride(layout.axes.index(block_axis)) * (bs if block_axis == "NBBS" else 1),
         stripes=stripes,
+        first_head=first_head,
+        total_heads=total_heads,
     )
 
 
@@ -233,6 +255,19 @@ def _check_tensors(layout: Layout, entries: list[tuple[torch.Tensor, dict[str, i
             counts[idx["NL"]] += 1
         if len(set(counts.values())) != 1:
             raise ValueError(f"every layer must hold the same number of planes, got {counts}")
+
+
+def _head_slice(fmt: EngineKVFormat, layout: Layout, nh: int, heads: tuple[int, int] | None) -> tuple[int, int]:
+    if heads is None:
+        return 0, nh
+    if "NH" not in layout.axes:
+        raise ValueError(f"{fmt.name} has no head axis: heads= does not apply (every rank holds the whole KV)")
+    if len(heads) != 2 or not all(isinstance(h, int) and not isinstance(h, bool) for h in heads):
+        raise ValueError(f"heads={heads!r} must be (first head, total heads), two integers")
+    first, total = heads
+    if first < 0 or first + nh > total:
+        raise ValueError(f"heads={heads!r}: this engine's {nh} heads from head {first} do not fit in {total}")
+    return first, total
 
 
 def _block_size(layout: Layout, sizes: dict[str, int], block_size: int | None) -> int:

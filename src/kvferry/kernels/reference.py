@@ -52,6 +52,7 @@ def engine_views(geom: KVGeometry, paged: Any) -> list[tuple[int, int, int, torc
             for sub_plane, layer, view in _select_outer(piece, piece_names, index):
                 plane_id = sub_plane if sub_plane is not None else plane
                 w_offset = sum(w for p, w in plane_widths.items() if p < index.get("NP", 0))
+                w_offset += geom.first_head * geom.width // geom.nh  # a slice of the model's heads
                 views.append((plane_id, layer, w_offset, view, 1 + ("BS_IN" in piece_names)))
     return views
 

@@ -144,7 +144,8 @@ class TritonPlan:
     """Everything about one engine KV cache that does not change between requests (build once, reuse)."""
 
     bs: int
-    width: int
+    width: int  # of an object row, elements
+    partial_rows: bool  # the engine's KV fills only some columns of each object row (a slice of the model's heads)
     element_size: int
     bytes_per_token: int
     word: int
@@ -160,7 +161,7 @@ class TritonPlan:
 def _word_size(geom: KVGeometry) -> int:
     es = geom.element_size
     base = geom.stripes[0].tensors[0].data_ptr()
-    quantities = [geom.width * es, base]
+    quantities = [geom.object_width * es, base]
     for s in geom.stripes:
         quantities += [s.w_offset * es, s.block_stride * es, s.token_stride * es, s.tile_stride * es]
         inner_size, inner_stride = s.features[-1]
@@ -207,7 +208,8 @@ def build_plan(geom: KVGeometry) -> TritonPlan:
     # The plan holds no reference to the geometry: plans are cached per geometry, weakly.
     return TritonPlan(
         bs=geom.bs,
-        width=geom.width,
+        width=geom.object_width,
+        partial_rows=geom.object_width != geom.width,
         element_size=geom.element_size,
         bytes_per_token=geom.bytes_per_token,
         word=word,

@@ -272,7 +272,8 @@ class _PlanCache:
         if geom.device.type != "cuda":
             return build_plan(geom)
         tensors = {id(t): t for s in geom.stripes for t in s.tensors}.values()
-        key = (geom.fmt, geom.bs, geom.dtype, tuple((t.data_ptr(), tuple(t.shape), t.stride()) for t in tensors))
+        views = tuple((t.data_ptr(), tuple(t.shape), t.stride()) for t in tensors)
+        key = (geom.fmt, geom.bs, geom.dtype, geom.first_head, geom.total_heads, views)
         plan = self._by_layout.get(key)  # called with the lock held
         if plan is None:
             plan = self._by_layout[key] = build_plan(geom)

@@ -219,7 +219,9 @@ class TransferEngine:
         lane = self._store if to_objects else self._retrieve
         nbytes = (len(ids) - skip_prefix_blocks) * plan.bs * plan.bytes_per_token
         mode = mode or self.config.mode
-        if mode == "auto":
+        if plan.partial_rows:  # staging rows would be whole object rows: a DMA of them would overwrite other heads
+            mode = "zero_copy"
+        elif mode == "auto":
             mode = "zero_copy" if nbytes < self.config.zero_copy_below else "staged"
         if mode == "zero_copy" or (to_objects and skip_prefix_blocks * plan.bs % chunk_size):
             for i, p in enumerate(ptrs):  # the kernel addresses objects in words
