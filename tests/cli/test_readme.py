@@ -7,7 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from kvferry.cache import CacheEngine
 from kvferry.cli.main import main
+from kvferry.config import KvferryConfig
+from kvferry.server import KvferryServer, ServerConfig
 
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
 
@@ -28,11 +31,20 @@ def test_readme_formats_table_is_what_kvferry_formats_prints(capsys: pytest.Capt
 
 
 def test_readme_python_examples_run() -> None:
-    """Every python block, in order, in one namespace (later examples continue earlier ones)."""
+    """Every python block, in order, in one namespace (later examples continue earlier ones); the client example
+    against a real server (only its port is changed, to a free one)."""
     namespace: dict[str, object] = {"__name__": "readme_example"}
     blocks = _blocks("python")
-    assert len(blocks) >= 2
-    for example in blocks:
-        if example.startswith("# needs a running `kvferry server`"):
-            continue  # the client example; the server tests cover that API
-        exec(compile(example, "README.md", "exec"), namespace)
+    assert len(blocks) >= 3
+    server = KvferryServer(
+        ServerConfig(port=0, http_port=0),
+        CacheEngine(KvferryConfig.load(env={}, overrides={"cache": {"l1_size_gb": 0.05}})),
+    )
+    server.start()
+    try:
+        for example in blocks:
+            if example.startswith("# needs a running `kvferry server`"):
+                example = example.replace("tcp://127.0.0.1:5555", f"tcp://127.0.0.1:{server.port}")
+            exec(compile(example, "README.md", "exec"), namespace)
+    finally:
+        server.stop()

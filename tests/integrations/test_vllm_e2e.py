@@ -1,17 +1,21 @@
 """KvferryConnector on a real vLLM (the CPU build), end to end, with a tiny random-weight Llama written here.
 
-Four engines (see vllm_driver.py), each in a process of its own: a reference without kvferry; one with the cache
-embedded (a miss, a hit, a hit with the loaded KV corrupted); two that share one kvferry server (a miss, then a
-hit in the other, which runs vLLM's usual multiprocess layout). vLLM's own prefix cache is off, so every reused
-token comes from kvferry. Finally the objects kvferry stored (read back from its disk tier) are checked against K
-(after RoPE) and V computed from the weights.
+Each engine runs in a process of its own (see vllm_driver.py): a reference without kvferry; one with the cache
+embedded (a miss, a hit, a hit with the loaded KV corrupted, a hit whose load fails); one per CPU attention ISA and
+per dtype; a 2 MiB pool over a disk tier serving a batch; two that share one kvferry server (the second in vLLM's
+usual multiprocess layout); one that starts before its server and outlives it; engines ended by SIGINT and SIGKILL;
+and one that must refuse a chunk size that is not a multiple of vLLM's block size. vLLM's own prefix cache is off,
+so every reused token comes from kvferry. Finally the objects kvferry stored (read back from its disk tier) are
+checked against K (after RoPE) and V computed from the weights.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -32,21 +36,47 @@ pytestmark = [
 ]
 
 HERE = Path(__file__).resolve().parent
-PROMPT_TOKENS = 1000
+PROMPT_TOKENS = 1000  # not a multiple of the chunk: the hit is its 3 full chunks
 CHUNK = 256
 HIT = PROMPT_TOKENS // CHUNK * CHUNK  # 768: the full chunks of the prompt
+BATCH, BATCH_TOKENS = 6, 600  # 12 chunk objects of 256 KiB: more than the 2 MiB pool holds
 DRIVER_TIMEOUT_S = 300
 LAYERS, KV_HEADS, HEAD_SIZE = 2, 2, 64
 
 
-def run_driver(phase: str, tmp: Path, model: Path, prompt: Path, *extra: str) -> dict[str, Any]:
+def run_driver(phase: str, tmp: Path, model: Path, *extra: str) -> dict[str, Any]:
     out = tmp / f"{phase}-{time.monotonic_ns()}.json"
-    cmd = [sys.executable, str(HERE / "vllm_driver.py"), phase, "--model", str(model), "--prompt", str(prompt)]
-    proc = subprocess.run([*cmd, "--out", str(out), *extra], capture_output=True, text=True, timeout=DRIVER_TIMEOUT_S)
+    cmd = [sys.executable, str(HERE / "vllm_driver.py"), phase, "--model", str(model)]
+    cmd += ["--prompts", str(tmp / "prompts.json"), "--out", str(out), *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=DRIVER_TIMEOUT_S)
     assert proc.returncode == 0 and out.exists(), (
         f"{phase} driver failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     )
-    return json.loads(out.read_text())
+    report = json.loads(out.read_text())
+    report["output"] = proc.stdout + proc.stderr
+    return report
+
+
+def tokens_of(run: dict[str, Any]) -> list[int]:
+    (tokens,) = run["tokens"]
+    return tokens
+
+
+def cached_of(run: dict[str, Any]) -> int:
+    (cached,) = run["cached"]
+    return cached
+
+
+def assert_no_leak(report: dict[str, Any]) -> None:
+    assert report["requests_held"] == 0  # a stored request's blocks went back once its stores were done
+    assert report["tracked"] == 0 and report["scheduler_locks"] == 0  # every request forgotten, every lock freed
+    assert report.get("cache_locks", 0) == 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -81,19 +111,19 @@ def model_dir(workdir: Path) -> Path:
 def prompt(workdir: Path) -> list[int]:
     rng = random.Random(7)
     tokens = [rng.randrange(1024) for _ in range(PROMPT_TOKENS)]
-    (workdir / "prompt.json").write_text(json.dumps(tokens))
+    batch = [[rng.randrange(1024) for _ in range(BATCH_TOKENS)] for _ in range(BATCH)]
+    (workdir / "prompts.json").write_text(json.dumps({"main": tokens, "batch": batch}))
     return tokens
 
 
 @pytest.fixture(scope="module")
 def reference(workdir: Path, model_dir: Path, prompt: list[int]) -> dict[str, Any]:
-    return run_driver("reference", workdir, model_dir, workdir / "prompt.json")
+    return run_driver("reference", workdir, model_dir)
 
 
 @pytest.fixture(scope="module")
 def embedded(workdir: Path, model_dir: Path, prompt: list[int]) -> dict[str, Any]:
-    tiers = workdir / "tier"
-    return run_driver("embedded", workdir, model_dir, workdir / "prompt.json", "--tier-dir", str(tiers))
+    return run_driver("embedded", workdir, model_dir, "--tier-dir", str(workdir / "tier"))
 
 
 @pytest.fixture(scope="module")
@@ -101,9 +131,7 @@ def server_url(workdir: Path) -> Any:
     """A `kvferry server` process (the CLI, as users run it) on a free loopback port."""
     from kvferry.client import KvferryClient
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     url = f"tcp://127.0.0.1:{port}"
     flags = ["--port", str(port), "--no-http", "--chunk-size", str(CHUNK), "--l1-size-gb", "0.25"]
     log = (workdir / "server.log").open("w")
@@ -126,39 +154,159 @@ def server_url(workdir: Path) -> Any:
 
 def test_reference_is_a_real_generation(reference: dict[str, Any]) -> None:
     (run,) = reference["runs"]
-    assert run["cached"] == 0
-    assert len(set(run["tokens"])) > 1  # the negative control below needs tokens that depend on the KV
+    assert run["cached"] == [0] * (1 + BATCH)
+    assert len(set(run["tokens"][0])) > 1  # the negative control below needs tokens that depend on the KV
 
 
 def test_embedded_hit_reproduces_the_reference(reference: dict[str, Any], embedded: dict[str, Any]) -> None:
-    miss, hit, _ = embedded["runs"]
-    expected = reference["runs"][0]["tokens"]
-    assert miss["cached"] == 0 and miss["tokens"] == expected
-    assert hit["cached"] == HIT  # vLLM reports the prefix kvferry loaded
-    assert hit["tokens"] == expected
-    assert embedded["requests_held"] == 0  # the stored request's blocks went back once its stores were done
+    miss, hit, _, _ = embedded["runs"]
+    expected = reference["runs"][0]["tokens"][0]
+    assert cached_of(miss) == 0 and tokens_of(miss) == expected
+    assert cached_of(hit) == HIT  # vLLM reports the prefix kvferry loaded
+    assert tokens_of(hit) == expected
+    assert_no_leak(embedded)
+    assert embedded["failure_policy"] == "recompute"
+    counters = {**embedded["scheduler_counters"], **embedded["worker_counters"]}
+    assert counters["lookup_requests"] == 4  # one per request, however often vLLM asked
+    assert counters["lookup_hit_tokens"] == 3 * HIT and counters["hit_tokens_taken"] == 3 * HIT
+    assert counters["tokens_loaded"] == 2 * HIT and counters["load_failures"] == 1
+    assert counters["tokens_stored"] == HIT
 
 
 def test_corrupted_load_changes_the_tokens(reference: dict[str, Any], embedded: dict[str, Any]) -> None:
     corrupted = embedded["runs"][2]
-    assert corrupted["cached"] == HIT
+    assert cached_of(corrupted) == HIT
     assert embedded["corrupt_calls"] >= 1
-    assert corrupted["tokens"] != reference["runs"][0]["tokens"]
+    assert tokens_of(corrupted) != reference["runs"][0]["tokens"][0]
+
+
+def test_a_failed_load_is_recomputed_not_failed(reference: dict[str, Any], embedded: dict[str, Any]) -> None:
+    failed = embedded["runs"][3]
+    assert failed["finish"] == ["length"]  # vLLM's default policy would have ended it with "error"
+    assert tokens_of(failed) == reference["runs"][0]["tokens"][0]
+    assert "loaded 0 of 768 tokens; vLLM recomputes the rest" in embedded["output"]
+
+
+def test_the_connector_says_it_is_active_in_vllms_output(embedded: dict[str, Any]) -> None:
+    lines = [line for line in embedded["output"].splitlines() if "kvferry connector active" in line]
+    assert len(lines) == 1, embedded["output"][-3000:]
+    assert "embedded mode" in lines[0] and "VLLM_CPU_NL_X_NB_NH_KT_V" in lines[0] and "chunk size 256" in lines[0]
+    assert lines[0].startswith("(") or "INFO" in lines[0]  # vLLM's own format: the line went through its handler
+
+
+def _amx() -> bool:
+    return bool(torch.cpu._is_amx_tile_supported())
+
+
+@pytest.mark.parametrize(
+    ("isa", "dtype"),
+    [
+        ("vec", "bfloat16"),
+        ("vec16", "bfloat16"),
+        pytest.param(
+            "amx",
+            "bfloat16",
+            marks=pytest.mark.skipif(not _amx(), reason="no AMX tiles on this CPU (vLLM's amx ISA would SIGILL)"),
+        ),
+        (None, "float16"),
+    ],
+    ids=["vec", "vec16", "amx", "fp16"],
+)
+def test_each_isa_and_dtype_hits_with_the_tokens_of_a_miss(
+    workdir: Path, model_dir: Path, prompt: list[int], isa: str | None, dtype: str
+) -> None:
+    tier = workdir / f"tier-{isa}-{dtype}"
+    flags = ["--dtype", dtype, "--tier-dir", str(tier), *(["--isa", isa] if isa else [])]
+    report = run_driver("isa", workdir, model_dir, *flags)
+    miss, hit = report["runs"]
+    assert cached_of(miss) == 0 and len(set(tokens_of(miss))) > 1
+    assert cached_of(hit) == HIT and tokens_of(hit) == tokens_of(miss)
+    assert_no_leak(report)
+    if isa:
+        assert f"(CPU attention ISA {isa})" in report["output"]
+
+
+def test_a_tiny_pool_over_disk_serves_a_batch_without_failing_a_request(
+    workdir: Path, model_dir: Path, reference: dict[str, Any]
+) -> None:
+    report = run_driver("pool", workdir, model_dir, "--tier-dir", str(workdir / "pool-tier"))
+    expected = reference["runs"][0]["tokens"][1:]
+    for run in report["runs"]:
+        assert run["finish"] == ["length"] * BATCH
+        assert run["tokens"] == expected
+    assert sum(report["runs"][-1]["cached"]) > 0  # later batches were served by kvferry, from the pool or disk
+    assert_no_leak(report)
+
+
+def test_a_chunk_that_is_not_whole_blocks_is_refused_at_start(workdir: Path, model_dir: Path) -> None:
+    report = run_driver("bad-chunk", workdir, model_dir)
+    assert report["error"] is not None
+    assert (
+        "cache.chunk_size" in report["error"]
+        and "= 200 is not a multiple of vLLM's block size = 128" in report["error"]
+    )
 
 
 def test_two_engines_share_one_server(
     workdir: Path, model_dir: Path, prompt: list[int], reference: dict[str, Any], server_url: str
 ) -> None:
-    first = run_driver("server", workdir, model_dir, workdir / "prompt.json", "--server-url", server_url)
+    first = run_driver("server", workdir, model_dir, "--server-url", server_url)
     # vLLM's default process layout: engine core and CPU worker in processes of their own, so the connector's
     # scheduler half looks up in the server by itself, in the key space its worker reported.
-    second = run_driver(
-        "server", workdir, model_dir, workdir / "prompt.json", "--server-url", server_url, "--multiprocessing"
-    )
-    expected = reference["runs"][0]["tokens"]
-    assert first["runs"][0]["cached"] == 0 and first["runs"][0]["tokens"] == expected
-    assert second["runs"][0]["cached"] == HIT
-    assert second["runs"][0]["tokens"] == expected
+    second = run_driver("server", workdir, model_dir, "--server-url", server_url, "--multiprocessing")
+    expected = reference["runs"][0]["tokens"][0]
+    assert cached_of(first["runs"][0]) == 0 and tokens_of(first["runs"][0]) == expected
+    assert cached_of(second["runs"][0]) == HIT
+    assert tokens_of(second["runs"][0]) == expected
+    assert_no_leak(first)
+
+
+def shm_entries() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+def test_a_server_absent_at_start_and_killed_mid_run_costs_no_request_and_no_time(
+    workdir: Path, model_dir: Path, reference: dict[str, Any]
+) -> None:
+    before = shm_entries()
+    report = run_driver("resilience", workdir, model_dir)
+    expected = reference["runs"][0]["tokens"][0]
+    assert all(run["finish"] == ["length"] and tokens_of(run) == expected for run in report["runs"])
+    assert [cached_of(run) for run in report["runs"]] == [0, 0, HIT, 0, 0, 0, 0, 0]
+    assert report["engine_start_seconds"] < 60  # one 2 s handshake attempt at most, not a 30 s wait
+    assert report["after_kill_seconds"] < 20  # 5 requests: one lookup times out (2 s), then immediate misses
+    output = report["output"]
+    assert output.count("is unavailable") == 2  # one warning per outage, however many requests
+    assert "kvferry/integrations" not in output  # no traceback through the connector (vLLM prints its own)
+    assert_no_leak(report)
+    assert not {e for e in shm_entries() - before if e.startswith("torch_")}
+
+
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
+def test_an_engine_ended_by_a_signal_leaves_nothing_in_dev_shm(
+    workdir: Path, model_dir: Path, prompt: list[int], server_url: str, how: signal.Signals
+) -> None:
+    before = shm_entries()
+    out = workdir / f"hold-{how.name}.json"
+    cmd = [sys.executable, str(HERE / "vllm_driver.py"), "hold", "--model", str(model_dir)]
+    cmd += ["--prompts", str(workdir / "prompts.json"), "--out", str(out), "--server-url", server_url]
+    # Its own process group, signalled as a whole as a terminal's Ctrl-C does (torch's shm manager included).
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + DRIVER_TIMEOUT_S
+        while not out.exists():
+            assert proc.poll() is None, "the engine exited before it was signalled"
+            assert time.monotonic() < deadline, "the engine did not serve its request in time"
+            time.sleep(0.2)
+        assert json.loads(out.read_text())["runs"][0]["finish"] == ["length"]
+        os.killpg(proc.pid, how)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    time.sleep(1)  # the group's other processes go too
+    assert shm_entries() - before == set(), "shared memory left behind"
 
 
 def test_stored_objects_are_token_major_k_and_v(

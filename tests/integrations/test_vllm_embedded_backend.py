@@ -9,7 +9,7 @@ import torch
 
 from kvferry.cache import CacheEngine
 from kvferry.config import KvferryConfig
-from kvferry.integrations.vllm.backends import EmbeddedBackend
+from kvferry.integrations.vllm.backends import EmbeddedBackend, Hit
 from kvferry.integrations.vllm.kv_layout import recognise
 from kvferry.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
 from kvferry.integrations.vllm.worker_side import WorkerSide
@@ -37,15 +37,18 @@ def test_store_then_load_into_other_blocks_skipping_vllms_prefix(setup) -> None:
     rng = random.Random(1)
     tokens = [rng.randrange(32_000) for _ in range(300)]
     src, dst = [3, 9, 1, 14, 7, 20, 11, 5], [2, 17, 8, 23, 12, 4, 19, 6]
-    assert backend.lookup(tokens) == 0
+    assert backend.lookup(tokens) == Hit(0)
     worker.start_stores(StepPlan(stores=[StoreSpec("a", tokens[:256], src, skip_tokens=0)]))
-    worker.wait_for_requests(["a"])
-    assert worker.tokens_stored == 256
-    assert backend.lookup(tokens) == 256
-    assert backend.lookup(tokens[:100] + tokens[101:]) == 0  # a different prefix shares nothing
+    worker.preempted(["a"])
+    assert worker.counters.tokens_stored == 256
+    hit = backend.lookup(tokens)
+    assert hit is not None and hit.tokens == 256 and backend.engine.stats()["locks"] == 1
+    backend.free_lock(hit.lock)
+    assert backend.engine.stats()["locks"] == 0
+    assert backend.lookup(tokens[:100] + tokens[101:]) == Hit(0)  # a different prefix shares nothing
 
     before = [layer.clone() for layer in layers]
-    worker.load(StepPlan(loads=[LoadSpec("b", tokens[:256], dst, skip_tokens=64)]))
+    worker.start_loads(StepPlan(loads=[LoadSpec("b", tokens[:256], dst, skip_tokens=64)]))
     assert worker.take_load_errors() == set()
     assert loaded == [dst[2:]]
     for layer, old in zip(layers, before, strict=True):
@@ -60,7 +63,7 @@ def test_evicted_objects_turn_into_load_errors(setup) -> None:
     tokens = [rng.randrange(32_000) for _ in range(256)]
     ids = [3, 9, 1, 14, 7, 20, 11, 5]
     worker.start_stores(StepPlan(stores=[StoreSpec("a", tokens, ids, skip_tokens=0)]))
-    worker.wait_for_requests(["a"])
+    worker.preempted(["a"])
     backend.engine.clear()  # evicted between the scheduler's lookup and the worker's load
-    worker.load(StepPlan(loads=[LoadSpec("b", tokens, ids, skip_tokens=32)]))
+    worker.start_loads(StepPlan(loads=[LoadSpec("b", tokens, ids, skip_tokens=32)]))
     assert worker.take_load_errors() == set(ids[1:])

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from kvferry.integrations.vllm.backends import Hit
 from kvferry.integrations.vllm.plan import LoadSpec, StoreSpec
 from kvferry.integrations.vllm.scheduler_side import SchedulerSide
 
@@ -39,13 +40,30 @@ class Step:
 
 
 class FakeCache:
+    """Answers ``hit`` (None: "not known yet") and locks every hit; ``held`` are the locks not freed yet."""
+
     def __init__(self, hit: int | None = 0) -> None:
         self.hit = hit
         self.calls: list[list[int]] = []
+        self.held: set[int] = set()
+        self._next_lock = 0
 
-    def __call__(self, tokens: list[int]) -> int | None:
+    def lookup(self, tokens: list[int]) -> Hit | None:
         self.calls.append(tokens)
-        return self.hit
+        if self.hit is None:
+            return None
+        if not self.hit:
+            return Hit(0)
+        self._next_lock += 1
+        self.held.add(self._next_lock)
+        return Hit(self.hit, self._next_lock)
+
+    def free_lock(self, lock: int) -> None:
+        self.held.remove(lock)  # KeyError on a double free
+
+
+def make_side(cache: FakeCache, **kwargs: object) -> SchedulerSide:
+    return SchedulerSide(cache.lookup, cache.free_lock, block_size=BS, chunk_size=CHUNK, **kwargs)
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:
@@ -57,23 +75,30 @@ def blocks(n: int, start: int = 100) -> list[int]:
     return list(range(start + n - 1, start - 1, -1))  # descending: order must be kept, not sorted
 
 
+def matched(side: SchedulerSide, req_id: str, toks: list[int], num_tokens: int, computed: int) -> int | None:
+    count, in_background = side.num_new_matched_tokens(req_id, toks, num_tokens, computed)
+    assert in_background == (side.in_background and bool(count))
+    return count
+
+
 def test_miss_then_store_full_chunks_only() -> None:
     cache = FakeCache(hit=0)
-    side = SchedulerSide(cache, block_size=BS, chunk_size=CHUNK)
+    side = make_side(cache)
     toks, ids = prompt(300), blocks(10)
-    assert side.num_new_matched_tokens("a", toks, len(toks), 0) == 0
-    side.after_alloc("a", toks, 0)
+    assert matched(side, "a", toks, len(toks), 0) == 0
+    side.after_alloc("a", toks, ids, 0)
     plan = side.build_plan(Step([NewReq("a", toks, (ids,), 0)], num_scheduled_tokens={"a": 300}))
     assert plan.loads == []
     assert plan.stores == [StoreSpec("a", toks[:256], ids[:8], skip_tokens=0)]
     assert side.request_finished("a") is True
     assert list(side.tracked_requests()) == []
+    assert side.counters.lookup_requests == 1 and side.counters.lookup_hit_tokens == 0
 
 
 def test_chunked_prefill_stores_each_chunk_once_after_it_is_computed() -> None:
-    side = SchedulerSide(FakeCache(0), block_size=BS, chunk_size=CHUNK)
+    side = make_side(FakeCache(0))
     toks, ids = prompt(300), blocks(10)
-    side.num_new_matched_tokens("a", toks, 300, 0)
+    matched(side, "a", toks, 300, 0)
     first = side.build_plan(Step([NewReq("a", toks, (ids[:4],), 0)], num_scheduled_tokens={"a": 100}))
     assert first.stores == []  # 100 tokens computed: no whole chunk yet
     cached = Cached(["a"], set(), [(ids[4:8],)], [100])
@@ -88,43 +113,65 @@ def test_chunked_prefill_stores_each_chunk_once_after_it_is_computed() -> None:
     assert decode.is_empty()
 
 
-def test_hit_is_loaded_and_not_stored_again() -> None:
+def test_hit_is_loaded_and_not_stored_again_and_its_lock_goes_when_the_load_ran() -> None:
     cache = FakeCache(hit=256)
-    side = SchedulerSide(cache, block_size=BS, chunk_size=CHUNK)
+    side = make_side(cache)
     toks, ids = prompt(300), blocks(10)
-    assert side.num_new_matched_tokens("a", toks, 300, 0) == 256
-    assert cache.calls == [toks]
-    side.after_alloc("a", toks, 256)
+    assert matched(side, "a", toks, 300, 0) == 256
+    assert cache.calls == [toks] and len(cache.held) == 1  # the hit is pinned from the lookup on
+    side.after_alloc("a", toks, ids, 256)
     plan = side.build_plan(Step([NewReq("a", toks, (ids,), 256)], num_scheduled_tokens={"a": 44}))
     assert plan.loads == [LoadSpec("a", toks[:256], ids[:8], skip_tokens=0)]
     assert plan.stores == []
+    assert cache.held  # still pinned: the worker has not run the load yet
+    side.loads_done({"a"})
+    assert not cache.held
     assert side.request_finished("a") is False  # nothing stored: vLLM may free the blocks at once
+    assert side.counters.lookup_hit_tokens == 256 and side.counters.hit_tokens_taken == 256
+
+
+def test_vllm_asking_again_reuses_the_lookup_until_it_is_stale() -> None:
+    cache, now = FakeCache(hit=256), [0.0]
+    side = make_side(cache, refresh_s=10.0, clock=lambda: now[0])
+    toks = prompt(300)
+    for computed in (0, 0, 32, 0):  # a request that cannot be scheduled yet is asked about every step
+        assert matched(side, "a", toks, 300, computed) == 256 - computed
+    assert len(cache.calls) == 1 and len(cache.held) == 1
+    assert side.counters.lookup_requests == 1 and side.counters.lookup_hit_tokens == 256
+    now[0] = 11.0  # older than refresh_s: looked up again, the old lock freed, a new one taken
+    assert matched(side, "a", toks, 300, 0) == 256
+    assert len(cache.calls) == 2 and len(cache.held) == 1
+    assert side.counters.lookup_requests == 1  # still one request
+    assert side.request_finished("a") is False
+    assert not cache.held
 
 
 def test_full_prompt_hit_leaves_one_token_to_compute_but_loads_every_block() -> None:
-    side = SchedulerSide(FakeCache(hit=256), block_size=BS, chunk_size=CHUNK)
+    side = make_side(FakeCache(hit=256))
     toks, ids = prompt(256), blocks(8)
-    assert side.num_new_matched_tokens("a", toks, 256, 0) == 255
-    side.after_alloc("a", toks, 255)
+    assert matched(side, "a", toks, 256, 0) == 255
+    side.after_alloc("a", toks, ids, 255)
     plan = side.build_plan(Step([NewReq("a", toks, (ids,), 255)], num_scheduled_tokens={"a": 1}))
     assert plan.loads == [LoadSpec("a", toks, ids, skip_tokens=0)]
     assert plan.stores == []
 
 
 def test_vllm_prefix_hit_is_skipped_by_the_load() -> None:
-    side = SchedulerSide(FakeCache(hit=256), block_size=BS, chunk_size=CHUNK)
+    side = make_side(FakeCache(hit=256))
     toks, ids = prompt(300), blocks(10)
-    assert side.num_new_matched_tokens("a", toks, 300, 64) == 192
-    side.after_alloc("a", toks, 192)
+    assert matched(side, "a", toks, 300, 64) == 192
+    side.after_alloc("a", toks, ids, 192)
     plan = side.build_plan(Step([NewReq("a", toks, (ids,), 256)], num_scheduled_tokens={"a": 44}))
     assert plan.loads == [LoadSpec("a", toks[:256], ids[:8], skip_tokens=64)]
 
 
-def test_vllm_prefix_hit_longer_than_ours_loads_nothing_and_stores_only_new_chunks() -> None:
-    side = SchedulerSide(FakeCache(hit=128), block_size=BS, chunk_size=CHUNK)
+def test_a_hit_vllm_does_not_take_is_unlocked_at_once() -> None:
+    cache = FakeCache(hit=128)
+    side = make_side(cache)
     toks, ids = prompt(300), blocks(10)
-    assert side.num_new_matched_tokens("a", toks, 300, 160) == 0
-    side.after_alloc("a", toks, 0)
+    assert matched(side, "a", toks, 300, 160) == 0  # vLLM's own prefix hit is longer
+    side.after_alloc("a", toks, ids, 0)
+    assert not cache.held
     plan = side.build_plan(Step([NewReq("a", toks, (ids,), 160)], num_scheduled_tokens={"a": 140}))
     assert plan.loads == []
     assert plan.stores == [StoreSpec("a", toks[:256], ids[:8], skip_tokens=128)]
@@ -132,66 +179,167 @@ def test_vllm_prefix_hit_longer_than_ours_loads_nothing_and_stores_only_new_chun
 
 def test_unknown_hit_and_short_prompts() -> None:
     cache = FakeCache(hit=None)
-    side = SchedulerSide(cache, block_size=BS, chunk_size=CHUNK)
-    assert side.num_new_matched_tokens("a", prompt(300), 300, 0) is None  # vLLM asks again later
-    assert side.num_new_matched_tokens("b", prompt(127), 127, 0) == 0
+    side = make_side(cache)
+    assert matched(side, "a", prompt(300), 300, 0) is None  # vLLM asks again later
+    assert matched(side, "b", prompt(127), 127, 0) == 0
     assert len(cache.calls) == 1  # a prompt shorter than a chunk never costs a lookup
+    assert side.counters.lookup_requests == 0  # an answer not known yet is not a lookup
 
 
 def test_a_hit_past_the_prompt_is_clipped_to_whole_prompt_chunks() -> None:
-    side = SchedulerSide(FakeCache(hit=1024), block_size=BS, chunk_size=CHUNK)
-    assert side.num_new_matched_tokens("a", prompt(300), 300, 0) == 256
+    side = make_side(FakeCache(hit=1024))
+    assert matched(side, "a", prompt(300), 300, 0) == 256
 
 
-def test_preempted_request_gets_its_new_block_table_and_loads_again() -> None:
-    side = SchedulerSide(FakeCache(hit=0), block_size=BS, chunk_size=CHUNK)
+def test_background_load_is_planned_when_blocks_are_allocated_then_the_request_runs() -> None:
+    cache = FakeCache(hit=256)
+    side = make_side(cache, in_background=True)
+    toks, ids = prompt(300), blocks(10)
+    assert side.num_new_matched_tokens("a", toks, 300, 0) == (256, True)
+    side.after_alloc("a", toks, ids[:8], 256)  # blocks for the hit; vLLM does not schedule the request yet
+    plan = side.build_plan(Step())
+    assert plan.loads == [LoadSpec("a", toks[:256], ids[:8], 0, in_background=True)]
+    assert side.build_plan(Step()).is_empty()  # planned once
+    side.loads_done({"a"})
+    assert not cache.held
+    side.after_alloc("a", toks, [], 0)  # vLLM's second allocation, once the load is in
+    plan = side.build_plan(Step([NewReq("a", toks, (ids,), 256)], num_scheduled_tokens={"a": 44}))
+    assert plan.loads == [] and plan.stores == []  # the loaded chunks are in the cache already
+    assert side.request_finished("a") is False
+    assert list(side.tracked_requests()) == []
+
+
+def test_a_request_aborted_while_its_background_load_runs_is_forgotten_once_the_load_ends() -> None:
+    cache = FakeCache(hit=256)
+    side = make_side(cache, in_background=True)
+    toks, ids = prompt(300), blocks(8)
+    side.num_new_matched_tokens("a", toks, 300, 0)
+    side.after_alloc("a", toks, ids, 256)
+    side.build_plan(Step())
+    assert side.request_finished("a") is False  # vLLM keeps the blocks until the load is reported
+    assert not cache.held  # the request is gone: nothing to pin for
+    assert list(side.tracked_requests()) == ["a"]
+    side.loads_done({"a"})
+    assert list(side.tracked_requests()) == []
+
+
+def test_a_failed_load_is_not_offered_again_and_its_chunks_are_stored_again() -> None:
+    cache = FakeCache(hit=256)
+    side = make_side(cache, in_background=True)
     toks, ids = prompt(300), blocks(10)
     side.num_new_matched_tokens("a", toks, 300, 0)
+    side.after_alloc("a", toks, ids[:8], 256)
+    side.build_plan(Step())
+    side.loads_done({"a"}, failed={"a"})
+    # vLLM recomputes: the request comes back with nothing computed and is asked about again
+    assert side.num_new_matched_tokens("a", toks, 300, 0) == (0, False)
+    assert len(cache.calls) == 1 and not cache.held
+    side.after_alloc("a", toks, ids, 0)
+    plan = side.build_plan(Step([NewReq("a", toks, (ids,), 0)], num_scheduled_tokens={"a": 300}))
+    assert plan.stores == [StoreSpec("a", toks[:256], ids[:8], skip_tokens=0)]
+
+
+def test_preempted_request_frees_its_lock_gets_its_new_block_table_and_loads_again() -> None:
+    cache = FakeCache(hit=0)
+    side = make_side(cache)
+    toks, ids = prompt(300), blocks(10)
+    matched(side, "a", toks, 300, 0)
     side.build_plan(Step([NewReq("a", toks, (ids,), 0)], num_scheduled_tokens={"a": 300}))
     preempt = side.build_plan(Step(preempted_req_ids={"a"}))
     assert preempt.preempted == ["a"]
     # resumed: the cache now holds the first two chunks; vLLM gives the request a new block table
-    side._lookup = FakeCache(hit=256)  # the cache filled up meanwhile
-    assert side.num_new_matched_tokens("a", toks, 301, 0) == 256
-    side.after_alloc("a", toks, 256)
+    cache.hit = 256
+    assert matched(side, "a", toks, 301, 0) == 256
+    side.after_alloc("a", toks, blocks(10, start=500), 256)
     new_ids = blocks(10, start=500)
     cached = Cached(["a"], {"a"}, [(new_ids,)], [256])
     plan = side.build_plan(Step(scheduled_cached_reqs=cached, num_scheduled_tokens={"a": 45}))
     assert plan.loads == [LoadSpec("a", toks[:256], new_ids[:8], skip_tokens=0)]
     assert plan.stores == []
-    assert side.request_finished("a") is True  # its first run stored chunks
+    assert side.request_finished("a") is False  # its stores before the preemption were waited for then
+    assert not cache.held
+
+
+def test_a_preempted_request_waiting_with_a_locked_hit_releases_it() -> None:
+    cache = FakeCache(hit=256)
+    side = make_side(cache)
+    toks, ids = prompt(300), blocks(10)
+    matched(side, "a", toks, 300, 0)
+    side.after_alloc("a", toks, ids, 256)
+    side.build_plan(Step([NewReq("a", toks, (ids,), 256)], num_scheduled_tokens={"a": 44}))
+    side.loads_done({"a"})
+    cache.hit = 256
+    side.build_plan(Step(preempted_req_ids={"a"}))
+    assert matched(side, "a", toks, 300, 0) == 256  # looked up again after the preemption
+    assert len(cache.held) == 1
+    side.build_plan(Step(preempted_req_ids={"a"}))  # preempted again before it was scheduled
+    assert not cache.held
+    side.request_finished("a")
+    assert list(side.tracked_requests()) == []
+
+
+def test_locks_never_outlive_a_request_whatever_path_it_takes() -> None:
+    """Random interleavings of lookups, re-asks, allocations, loads, preemptions and aborts: once every request
+    finished (and its loads ran), no lock is held and no request is tracked."""
+    rng = random.Random(5)
+    for in_background in (False, True):
+        cache = FakeCache(hit=256)
+        side = make_side(cache, in_background=in_background)
+        loading: set[str] = set()
+        for i in range(200):
+            req_id, toks, ids = f"r{i}", prompt(300, seed=i), blocks(10)
+            cache.hit = rng.choice([0, 128, 256, None])
+            for _ in range(rng.randrange(1, 4)):
+                got = matched(side, req_id, toks, 300, 0)
+            if got and rng.random() < 0.7:
+                side.after_alloc(req_id, toks, ids, got)
+                plan = side.build_plan(
+                    Step() if in_background else Step([NewReq(req_id, toks, (ids,), got)], num_scheduled_tokens={})
+                )
+                loading.update(spec.req_id for spec in plan.loads)
+                if rng.random() < 0.3:
+                    side.build_plan(Step(preempted_req_ids={req_id}))
+            if rng.random() < 0.5:
+                side.loads_done(loading, failed={r for r in loading if rng.random() < 0.2})
+                loading.clear()
+            side.request_finished(req_id)
+        side.loads_done(loading)
+        assert not cache.held and side.locks_held() == 0
+        assert list(side.tracked_requests()) == []
 
 
 def test_bad_geometry_and_broken_promises_raise() -> None:
     with pytest.raises(ValueError, match="chunk_size=100 must be a positive multiple"):
-        SchedulerSide(FakeCache(), block_size=BS, chunk_size=100)
-    side = SchedulerSide(FakeCache(hit=0), block_size=BS, chunk_size=CHUNK)
+        SchedulerSide(FakeCache().lookup, FakeCache().free_lock, block_size=BS, chunk_size=100)
+    cache = FakeCache(hit=0)
+    side = make_side(cache)
     with pytest.raises(RuntimeError, match="accepted 128 external tokens"):
-        side.after_alloc("never-looked-up", prompt(300), 128)
+        side.after_alloc("never-looked-up", prompt(300), blocks(10), 128)
     toks = prompt(300)
-    side._lookup = FakeCache(hit=256)
-    side.num_new_matched_tokens("a", toks, 300, 0)
-    side.after_alloc("a", toks, 256)
+    cache.hit = 256
+    matched(side, "a", toks, 300, 0)
+    side.after_alloc("a", toks, blocks(2), 256)
     with pytest.raises(RuntimeError, match="holds 2 blocks, 256 tokens need 8"):
         side.build_plan(Step([NewReq("a", toks, (blocks(2),), 256)], num_scheduled_tokens={"a": 44}))
 
 
 def test_uncacheable_requests_are_neither_looked_up_nor_stored() -> None:
     cache = FakeCache(hit=256)
-    side = SchedulerSide(cache, block_size=BS, chunk_size=CHUNK)
+    side = make_side(cache)
     toks, ids = prompt(300), blocks(10)
-    assert side.num_new_matched_tokens("img", toks, 300, 0, cacheable=False) == 0
+    assert side.num_new_matched_tokens("img", toks, 300, 0, cacheable=False) == (0, False)
     assert cache.calls == []
-    side.after_alloc("img", toks, 0)
+    side.after_alloc("img", toks, ids, 0)
     plan = side.build_plan(Step([NewReq("img", toks, (ids,), 0)], num_scheduled_tokens={"img": 300}))
     assert plan.is_empty()
     assert side.request_finished("img") is False
+    assert list(side.tracked_requests()) == []
 
 
 def test_a_short_block_table_skips_the_store_instead_of_failing(caplog: pytest.LogCaptureFixture) -> None:
-    side = SchedulerSide(FakeCache(hit=0), block_size=BS, chunk_size=CHUNK)
+    side = make_side(FakeCache(hit=0))
     toks = prompt(300)
-    side.num_new_matched_tokens("a", toks, 300, 0)
+    matched(side, "a", toks, 300, 0)
     plan = side.build_plan(Step([NewReq("a", toks, (blocks(3),), 0)], num_scheduled_tokens={"a": 300}))
     assert plan.stores == []
     assert "holds too few blocks for 256 tokens" in caplog.text

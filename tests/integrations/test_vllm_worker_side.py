@@ -16,18 +16,27 @@ BS = 32
 
 
 class ScriptedBackend:
-    """Records calls; ``retrieve`` answers ``self.leading`` (or raises it), stores give pending futures."""
+    """Records calls; a load answers ``self.leading`` (or fails with it) at once, or stays pending while
+    ``hold_loads``; stores give pending futures."""
 
     def __init__(self) -> None:
         self.leading: int | Exception | None = None  # None: everything asked for
-        self.retrieves: list[tuple[list[int], list[int], int]] = []
+        self.hold_loads = False
+        self.retrieves: list[tuple[list[int], list[int], int, Future[int]]] = []
         self.stores: list[tuple[list[int], list[int], int, Future[int]]] = []
 
-    def retrieve(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> int:
-        self.retrieves.append((tokens, block_ids, skip_prefix_tokens))
+    def retrieve_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
+        future: Future[int] = Future()
+        self.retrieves.append((tokens, block_ids, skip_prefix_tokens, future))
+        if not self.hold_loads:
+            self.answer(future, len(tokens))
+        return future
+
+    def answer(self, future: Future[int], asked: int) -> None:
         if isinstance(self.leading, Exception):
-            raise self.leading
-        return len(tokens) if self.leading is None else self.leading
+            future.set_exception(self.leading)
+        else:
+            future.set_result(asked if self.leading is None else self.leading)
 
     def store_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
         future: Future[int] = Future()
@@ -46,11 +55,12 @@ IDS = [17, 3, 40, 8, 22, 9, 31, 5]
 def test_load_calls_the_backend_and_hands_the_written_blocks_to_the_hook() -> None:
     backend, seen = ScriptedBackend(), []
     worker = WorkerSide(backend, block_size=BS, after_load=seen.append)
-    worker.load(StepPlan(loads=[LoadSpec("a", tokens(256), IDS, skip_tokens=64)]))
-    assert backend.retrieves == [(tokens(256), IDS, 64)]
+    worker.start_loads(StepPlan(loads=[LoadSpec("a", tokens(256), IDS, skip_tokens=64)]))
+    assert [r[:3] for r in backend.retrieves] == [(tokens(256), IDS, 64)]
     assert seen == [IDS[2:]]  # the two skipped blocks are vLLM's: never written, never handed to the hook
     assert worker.take_load_errors() == set()
-    assert worker.tokens_loaded == 192
+    assert worker.counters.tokens_loaded == 192 and worker.counters.loads == 1
+    assert worker.take_load_report() == ({"a"}, set())
 
 
 def test_a_short_load_reports_exactly_the_blocks_not_written(caplog: pytest.LogCaptureFixture) -> None:
@@ -58,18 +68,19 @@ def test_a_short_load_reports_exactly_the_blocks_not_written(caplog: pytest.LogC
     worker = WorkerSide(backend, block_size=BS, after_load=seen.append)
     backend.leading = 128  # the second chunk was evicted between lookup and load
     with caplog.at_level(logging.WARNING):
-        worker.load(StepPlan(loads=[LoadSpec("a", tokens(256), IDS, skip_tokens=0)]))
+        worker.start_loads(StepPlan(loads=[LoadSpec("a", tokens(256), IDS, skip_tokens=0)]))
     assert worker.take_load_errors() == set(IDS[4:])
     assert worker.take_load_errors() == set()  # reported once
     assert seen == [IDS[:4]]  # the hook sees only the blocks written
     assert "loaded 128 of 256 tokens" in caplog.text
     backend.leading = RuntimeError("server gone")
-    with caplog.at_level(logging.ERROR):
-        worker.load(StepPlan(loads=[LoadSpec("b", tokens(256), IDS, skip_tokens=64)]))
+    with caplog.at_level(logging.WARNING):
+        worker.start_loads(StepPlan(loads=[LoadSpec("b", tokens(256), IDS, skip_tokens=64)]))
     assert worker.take_load_errors() == set(IDS[2:])
     assert "server gone" in caplog.text
     assert seen == [IDS[:4]]  # nothing written, no hook call
-    assert worker.tokens_loaded == 128
+    assert worker.counters.tokens_loaded == 128 and worker.counters.load_failures == 2
+    assert worker.take_load_report() == ({"a", "b"}, {"a", "b"})
 
 
 def test_stores_keep_the_request_unfinished_until_they_complete() -> None:
@@ -84,7 +95,7 @@ def test_stores_keep_the_request_unfinished_until_they_complete() -> None:
     backend.stores[1][3].set_result(128)
     assert worker.finished_sending(set()) == set()  # "b" done storing but not finished by vLLM yet
     assert worker.finished_sending({"b"}) == {"b"}
-    assert worker.tokens_stored == 384
+    assert worker.counters.tokens_stored == 384 and worker.counters.stores == 2
 
 
 def test_a_failed_store_is_logged_and_still_releases_the_request(caplog: pytest.LogCaptureFixture) -> None:
@@ -92,18 +103,49 @@ def test_a_failed_store_is_logged_and_still_releases_the_request(caplog: pytest.
     worker = WorkerSide(backend, block_size=BS)
     worker.start_stores(StepPlan(stores=[StoreSpec("a", tokens(256), IDS, 0)]))
     backend.stores[0][3].set_exception(OSError("pool full"))
-    with caplog.at_level(logging.ERROR):
+    with caplog.at_level(logging.WARNING):
         assert worker.finished_sending({"a"}) == {"a"}
+    assert worker.counters.store_failures == 1
     assert "a store for request a failed" in caplog.text
 
 
-def test_preempted_requests_wait_for_their_stores() -> None:
+def test_preempted_requests_wait_for_their_stores_and_are_forgotten() -> None:
     backend = ScriptedBackend()
     worker = WorkerSide(backend, block_size=BS)
     worker.start_stores(StepPlan(stores=[StoreSpec("a", tokens(256), IDS, 0)]))
     future = backend.stores[0][3]
     threading.Timer(0.05, future.set_result, args=(256,)).start()
-    worker.wait_for_requests(["a", "not-storing"])
+    worker.preempted(["a", "not-storing"])
     assert future.done()
-    assert worker.tokens_stored == 256
+    assert worker.finished_sending({"a"}) == set()  # vLLM freed its blocks at the preemption: nothing to report
+    assert worker.counters.tokens_stored == 256
     worker.close()
+
+
+def test_background_loads_are_reported_once_done_with_their_failed_blocks() -> None:
+    backend, seen = ScriptedBackend(), []
+    worker = WorkerSide(backend, block_size=BS, after_load=seen.append)
+    backend.hold_loads = True
+    loads = [LoadSpec(r, tokens(256), IDS, 0, in_background=True) for r in ("a", "b")]
+    worker.start_loads(StepPlan(loads=loads))
+    assert worker.finished_loading() == set()  # running: the step does not wait for them
+    assert worker.take_load_report() == (set(), set())
+    backend.answer(backend.retrieves[1][3], 256)
+    assert worker.finished_loading() == {"b"}
+    backend.leading = 128
+    backend.answer(backend.retrieves[0][3], 256)
+    assert worker.finished_loading() == {"a"}
+    assert worker.take_load_errors() == set(IDS[4:])  # reported with the request, in the same step
+    assert worker.take_load_report() == ({"a", "b"}, {"a"})
+    assert seen == [IDS, IDS[:4]]
+    worker.close()
+
+
+def test_close_waits_for_background_loads() -> None:
+    backend = ScriptedBackend()
+    worker = WorkerSide(backend, block_size=BS)
+    backend.hold_loads = True
+    worker.start_loads(StepPlan(loads=[LoadSpec("a", tokens(256), IDS, 0, in_background=True)]))
+    threading.Timer(0.05, backend.answer, args=(backend.retrieves[0][3], 256)).start()
+    worker.close()
+    assert worker.counters.tokens_loaded == 256

@@ -1,14 +1,23 @@
-"""Runs one vLLM engine for the end-to-end test (one process per engine, so engines never share state).
+"""Runs one vLLM engine for the end-to-end tests (one process per engine, so engines never share state).
 
-    python vllm_driver.py PHASE --model DIR --prompt FILE --out FILE [--tier-dir DIR | --server-url URL]
-                          [--multiprocessing]
+    python vllm_driver.py PHASE --model DIR --prompts FILE --out FILE [options]
 
-PHASE reference: no connector, one greedy generation. embedded: KvferryConnector with the cache in this process
-(and a disk tier written on store, which the test reads objects back from): the prompt three times, the third
-with the loaded KV corrupted by the test hook. server: KvferryConnector talking to a kvferry server, once.
+PHASE
+  reference   no connector: every prompt of the prompts file, greedy.
+  embedded    the cache in this process (and a disk tier written on store, which the test reads objects back
+              from): the main prompt as a miss, a hit, a hit whose loaded KV the test hook corrupts, and a hit
+              whose load fails (vLLM must recompute it).
+  isa         embedded, the main prompt as a miss then a hit (for --isa / --dtype variants).
+  pool        embedded with a 2 MiB pool over a disk tier: the batch of prompts, three times, as one batch.
+  bad-chunk   embedded with a chunk size that is not a multiple of vLLM's block size: must refuse to start.
+  server      a kvferry server at --server-url: the main prompt once.
+  resilience  server mode with no server at start: misses; then the driver starts a server, waits for the
+              connector to reconnect, stores, hits; then kills the server (SIGKILL) and goes on (misses).
+  hold        server mode: the main prompt once, then writes --out and waits to be killed by the test.
+
 Engines run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) unless --multiprocessing: then vLLM's engine
 core and its CPU worker are two more processes, so the connector's scheduler half runs apart from its KV.
-Writes a JSON report: generated tokens, vLLM's cached-token count per run, timings.
+``--isa`` forces vLLM's CPU attention ISA (this process only). Writes a JSON report.
 """
 
 from __future__ import annotations
@@ -16,8 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
+import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +44,15 @@ CHUNK_SIZE = 256
 MAX_TOKENS = 12
 
 
-def make_llm(model: str, extra: dict[str, Any] | None) -> Any:
+def force_isa(isa: str) -> None:
+    """Make vLLM's CPU attention backend pick ``isa`` (an ISA the CPU lacks would crash the engine: the test
+    skips those)."""
+    from vllm.v1.attention.backends import cpu_attn
+
+    cpu_attn._get_attn_isa = lambda *args, **kwargs: isa
+
+
+def make_llm(model: str, extra: dict[str, Any] | None, dtype: str) -> Any:
     from vllm import LLM
 
     kv_transfer = None
@@ -46,7 +66,7 @@ def make_llm(model: str, extra: dict[str, Any] | None) -> Any:
     return LLM(
         model=model,
         skip_tokenizer_init=True,
-        dtype="bfloat16",
+        dtype=dtype,
         enable_prefix_caching=False,  # so a repeat is served by kvferry, not vLLM's own prefix cache
         max_model_len=2048,
         enforce_eager=True,
@@ -55,86 +75,185 @@ def make_llm(model: str, extra: dict[str, Any] | None) -> Any:
     )
 
 
-def generate(llm: Any, prompt: list[int]) -> dict[str, Any]:
+def generate(llm: Any, prompts: list[list[int]]) -> dict[str, Any]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     started = time.perf_counter()
-    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     return {
-        "tokens": list(out.outputs[0].token_ids),
-        "cached": int(out.num_cached_tokens or 0),
+        "tokens": [list(o.outputs[0].token_ids) for o in outs],
+        "cached": [int(o.num_cached_tokens or 0) for o in outs],
+        "finish": [o.outputs[0].finish_reason for o in outs],
         "seconds": time.perf_counter() - started,
     }
 
 
-def namespace_of(llm: Any) -> dict[str, Any]:
+def connector_state(llm: Any) -> dict[str, Any]:
+    """What the test checks after the runs (vLLM internals, in-process engines only)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
     from kvferry.integrations.vllm import backends
 
-    engine_id = llm.llm_engine.vllm_config.kv_transfer_config.engine_id
-    backend = backends.find(engine_id)
-    assert isinstance(backend, backends.EmbeddedBackend), backend
-    ns = backend.namespace
-    fields = ("model", "kv_dtype", "layout", "world_size", "rank", "salt")
-    return {
-        "namespace": {name: getattr(ns, name) for name in fields},
-        "hash_algo": backend.engine.config.cache.hash_algo,
-        "chunk_size": backend.engine.chunk_size,
+    # A request whose stores were running when it finished is released by the connector's report in a later
+    # step: one short request (no lookup, no store) makes sure that step ran.
+    generate(llm, [list(range(16))])
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    side = scheduler.connector._scheduler
+    worker = get_kv_transfer_group()._worker
+    backend = backends.find(llm.llm_engine.vllm_config.kv_transfer_config.engine_id)
+    state: dict[str, Any] = {
+        # The first run stored chunks, so vLLM kept its blocks until the connector reported the stores done; a
+        # request still held after the later runs would be leaked blocks.
+        "requests_held": len(scheduler.requests),
+        "tracked": len(list(side.tracked_requests())) if side is not None else 0,
+        "scheduler_locks": side.locks_held() if side is not None else 0,
+        "scheduler_counters": vars(side.counters) if side is not None else {},
+        "worker_counters": vars(worker.counters) if worker is not None else {},
+        "failure_policy": llm.llm_engine.vllm_config.kv_transfer_config.kv_load_failure_policy,
     }
+    if isinstance(backend, backends.EmbeddedBackend):
+        ns = backend.namespace
+        fields = ("model", "kv_dtype", "layout", "world_size", "rank", "salt")
+        state.update(
+            namespace={name: getattr(ns, name) for name in fields},
+            hash_algo=backend.engine.config.cache.hash_algo,
+            chunk_size=backend.engine.chunk_size,
+            cache_locks=backend.engine.stats()["locks"],
+        )
+    return state
+
+
+def start_server(port: int, log_path: Path) -> subprocess.Popen[bytes]:
+    flags = ["--port", str(port), "--no-http", "--chunk-size", str(CHUNK_SIZE), "--l1-size-gb", "0.25"]
+    with log_path.open("ab") as log:
+        return subprocess.Popen([sys.executable, "-m", "kvferry.cli", "server", *flags], stdout=log, stderr=log)
+
+
+def wait_until(condition: Any, timeout_s: float, what: str) -> float:
+    started = time.monotonic()
+    while not condition():
+        if time.monotonic() - started > timeout_s:
+            raise TimeoutError(f"{what} within {timeout_s} s")
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def resilience(llm_factory: Any, prompt: list[int], report: dict[str, Any], out_dir: Path) -> Any:
+    from kvferry.integrations.vllm import backends
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"tcp://127.0.0.1:{port}"
+    started = time.perf_counter()
+    llm = llm_factory({"mode": "server", "server_url": url, "timeout_s": 2.0})
+    report["engine_start_seconds"] = time.perf_counter() - started
+    link = backends.find(llm.llm_engine.vllm_config.kv_transfer_config.engine_id).link
+    runs = [generate(llm, [prompt])]  # no server: a miss
+    server = start_server(port, out_dir / "resilience-server.log")
+    try:
+        report["reconnect_seconds"] = wait_until(lambda: link.up, 60, "the connector did not reconnect")
+        runs.append(generate(llm, [prompt]))  # stores
+        runs.append(generate(llm, [prompt]))  # hits
+    finally:
+        server.kill()
+        server.wait()
+    started = time.perf_counter()
+    runs.extend(generate(llm, [prompt]) for _ in range(5))  # the server is gone mid-run
+    report["after_kill_seconds"] = time.perf_counter() - started
+    report["runs"] = runs
+    return llm
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("phase", choices=["reference", "embedded", "server"])
+    phases = ["reference", "embedded", "isa", "pool", "bad-chunk", "server", "resilience", "hold"]
+    parser.add_argument("phase", choices=phases)
     parser.add_argument("--model", required=True)
-    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--prompts", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--tier-dir")
     parser.add_argument("--server-url")
     parser.add_argument("--multiprocessing", action="store_true")
+    parser.add_argument("--isa", choices=["vec", "vec16", "amx"])
+    parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
     for name, value in ENGINE_ENV.items():
         os.environ.setdefault(name, value)
     # In-process engines start faster and let the test hooks reach the worker.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.multiprocessing else "0"
-    prompt = json.loads(Path(args.prompt).read_text())
+    if args.isa:
+        force_isa(args.isa)
+    prompts = json.loads(Path(args.prompts).read_text())
+    main_prompt = prompts["main"]
+    out = Path(args.out)
     report: dict[str, Any] = {"phase": args.phase}
 
-    if args.phase == "reference":
-        extra = None
-    elif args.phase == "embedded":
-        extra = {
-            "mode": "embedded",
-            "config": {
-                "cache": {"chunk_size": CHUNK_SIZE, "l1_size_gb": 0.25, "tier_write": "on_store"},
-                "tiers": [f"disk:{args.tier_dir}?size=1GB"],
-            },
-            "after_load_hook": "vllm_hooks:corrupt_loaded_kv",
-        }
-    else:
-        extra = {"mode": "server", "server_url": args.server_url}
+    def llm_factory(extra: dict[str, Any] | None) -> Any:
+        return make_llm(args.model, extra, args.dtype)
 
-    started = time.perf_counter()
-    llm = make_llm(args.model, extra)
-    report["engine_start_seconds"] = time.perf_counter() - started
-    report["runs"] = [generate(llm, prompt)]
+    embedded = {
+        "mode": "embedded",
+        "config": {
+            "cache": {"chunk_size": CHUNK_SIZE, "l1_size_gb": 0.25, "tier_write": "on_store"},
+            "tiers": [f"disk:{args.tier_dir}?size=1GB"],
+        },
+        "after_load_hook": "vllm_hooks:corrupt_loaded_kv",
+    }
+    if args.phase == "bad-chunk":
+        try:
+            llm_factory({**embedded, "config": {"cache": {"chunk_size": 200}}})
+            report["error"] = None
+        except Exception:
+            report["error"] = traceback.format_exc()
+        out.write_text(json.dumps(report))
+        os._exit(0)
+    if args.phase == "resilience":
+        llm = resilience(llm_factory, main_prompt, report, out.parent)
+    else:
+        extra = {
+            "reference": None,
+            "embedded": embedded,
+            "isa": embedded,
+            "pool": {
+                "mode": "embedded",
+                "config": {
+                    "cache": {"chunk_size": CHUNK_SIZE, "l1_size_gb": 2 / 1024},  # 2 MiB: 8 chunk objects
+                    "tiers": [f"disk:{args.tier_dir}?size=1GB"],
+                },
+            },
+            "server": {"mode": "server", "server_url": args.server_url},
+            "hold": {"mode": "server", "server_url": args.server_url},
+        }[args.phase]
+        started = time.perf_counter()
+        llm = llm_factory(extra)
+        report["engine_start_seconds"] = time.perf_counter() - started
+        batch = prompts["batch"] if args.phase == "pool" else [main_prompt]
+        repeats = {"reference": 1, "server": 1, "hold": 1, "isa": 2, "pool": 3, "embedded": 2}[args.phase]
+        if args.phase == "reference":
+            batch = [main_prompt, *prompts["batch"]]
+        report["runs"] = [generate(llm, batch) for _ in range(repeats)]
     if args.phase == "embedded":
         import vllm_hooks
 
-        report["runs"].append(generate(llm, prompt))
         vllm_hooks.CORRUPT["on"] = True
-        report["runs"].append(generate(llm, prompt))
+        report["runs"].append(generate(llm, [main_prompt]))
         vllm_hooks.CORRUPT["on"] = False
         report["corrupt_calls"] = vllm_hooks.CORRUPT["calls"]
-        report.update(namespace_of(llm))
-        # The first run stored chunks, so vLLM kept its blocks until the connector reported the stores done;
-        # a request still held here after two more runs would be leaked blocks. (vLLM internals: test only.)
-        report["requests_held"] = len(llm.llm_engine.engine_core.engine_core.scheduler.requests)
-    # Shut the engine down (the connector waits for its stores and flushes its tiers), then exit without
-    # running interpreter teardown, which vLLM's background threads can stall.
+        with vllm_hooks.failing_loads(llm):
+            report["runs"].append(generate(llm, [main_prompt]))
+    if args.phase == "hold":
+        out.write_text(json.dumps(report))
+        while True:  # the test ends this process with a signal
+            time.sleep(1)
+    if not args.multiprocessing and args.phase != "reference":
+        report.update(connector_state(llm))
+    # Shut the engine down (the connector waits for its loads and stores and flushes its tiers), then exit
+    # without running interpreter teardown, which vLLM's background threads can stall.
     llm.llm_engine.engine_core.shutdown()
-    Path(args.out).write_text(json.dumps(report))
+    out.write_text(json.dumps(report))
     os._exit(0)
 
 

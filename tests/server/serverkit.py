@@ -8,6 +8,7 @@ lets a test hold a transfer mid-way (to end a session under it).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import Future
@@ -149,6 +150,13 @@ def raw_request(endpoint: str, op: str, args: dict[str, Any]) -> dict[str, Any]:
         return msgpack.unpackb(sock.recv())
 
 
+def shm_name(tensor: torch.Tensor) -> str:
+    """The shared-memory name ("/torch_...") of a CPU tensor a client registered (torch's fd strategy: the
+    file is unlinked, so the name only shows through the descriptor and in /proc/<pid>/maps)."""
+    fd, _ = tensor.untyped_storage()._share_fd_cpu_()  # the descriptor torch already holds
+    return os.readlink(f"/proc/self/fd/{fd}").removeprefix("/dev/shm").removesuffix(" (deleted)")
+
+
 def shm_mappings(name: str, pid: int | str = "self") -> int:
     """Mappings of shared-memory file `name` ("/torch_...") in process `pid`, unlinked ones included."""
     path = "/dev/shm" + name
@@ -244,7 +252,7 @@ def victim_process(endpoint: str, locked_tokens: list[int], big_tokens: list[int
     reg = client.register_kv_cache(kv, FMT_REAL, namespace=REAL_NS)
     client.store(reg, big_tokens[:REAL_CHUNK], list(range(PER_CHUNK)))  # the cache has used this KV
     assert client.lookup(locked_tokens, registration=reg, lock=True).lock is not None
-    ready.put(kv[0].untyped_storage()._share_filename_cpu_()[1].decode())
+    ready.put(shm_name(kv[0]))
     client.store_async(reg, big_tokens, list(range(len(big_tokens) // REAL_BS)))
     time.sleep(0.002)  # the frame is on its way or being served
     os.kill(os.getpid(), signal.SIGKILL)

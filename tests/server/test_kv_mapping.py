@@ -13,7 +13,7 @@ from kvferry.client.kv_export import export_kv
 from kvferry.server.kv_mapping import map_kv
 from kvferry.server.protocol import ProtocolError
 from kvferry.server.requests import RegisterArgs
-from tests.server.serverkit import shm_mappings
+from tests.server.serverkit import shm_mappings, shm_name
 
 
 def register_args(storages: list[dict[str, Any]], kv: Any) -> RegisterArgs:
@@ -40,7 +40,8 @@ def test_round_trip_keeps_nesting_views_and_bytes(dtype: torch.dtype) -> None:
     for a, b in zip(flat_in, flat_out, strict=True):
         assert a.shape == b.shape and a.stride() == b.stride()
         assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
-    name = storages[0]["filename"]
+    name = shm_name(buffer)
+    assert not os.path.exists("/dev/shm" + name)  # unlinked from the start: nothing in /dev/shm can leak
     assert shm_mappings(name) == 2
     mapped.close()
     del flat_out, b  # (the loop variable holds the last view)
@@ -50,7 +51,7 @@ def test_round_trip_keeps_nesting_views_and_bytes(dtype: torch.dtype) -> None:
 def test_separate_allocations_are_separate_storages() -> None:
     paged = [torch.randn(4, 8), torch.randn(4, 8)]
     storages, kv = exported(paged)
-    assert [v["storage"] for v in kv] == [0, 1] and len({s["filename"] for s in storages}) == 2
+    assert [v["storage"] for v in kv] == [0, 1] and len({s["fd"] for s in storages}) == 2
     mapped = map_kv(register_args(storages, kv))
     assert all(torch.equal(a, b) for a, b in zip(paged, mapped.paged, strict=True))
 
@@ -83,12 +84,15 @@ def test_out_of_bounds_views_are_refused() -> None:
 
 
 def test_bad_storages_are_refused() -> None:
-    assert "not a torch shared-memory name" in corrupt(lambda s, v: s.update(filename="/../etc/passwd"))
-    assert "cannot open /dev/shm/torch_1_1_1" in corrupt(lambda s, v: s.update(filename="/torch_1_1_1"))
+    with open(__file__) as other_file:  # a descriptor of this process that is not torch's shared memory
+        assert "not torch's unlinked shared memory" in corrupt(lambda s, v: s.update(fd=other_file.fileno()))
+    assert "cannot read /proc/" in corrupt(lambda s, v: s.update(fd=1_000_000))
+    assert "cannot read /proc/" in corrupt(lambda s, v: s.update(pid=2**22 + 1))
     assert "must be non-empty and inside" in corrupt(lambda s, v: s.update(nbytes=s["nbytes"] + 4096))
     assert "'kv.storage'=3 is outside the 1 registered storages" in corrupt(lambda s, v: v.update(storage=3))
     assert "not one of" in corrupt(lambda s, v: v.update(dtype="complex64"))
-    assert "not a multiple of 4" in corrupt(lambda s, v: s.update(offset_bytes=62, nbytes=s["nbytes"]))
+    misaligned = lambda s, v: (s.update(offset_bytes=2, nbytes=s["nbytes"] - 4), v.update(shape=[4, 16]))  # noqa: E731
+    assert "not a multiple of 4" in corrupt(misaligned)
 
 
 def test_bad_nesting_is_refused() -> None:

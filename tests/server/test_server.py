@@ -10,7 +10,7 @@ import torch
 
 from kvferry.client import KvferryClient, ServerError
 from kvferry.server import KvferryServer
-from tests.server.serverkit import FakeEngine, random_kv, raw_request, shm_mappings, wait_for
+from tests.server.serverkit import FakeEngine, random_kv, raw_request, shm_mappings, shm_name, wait_for
 
 FMT = 3  # NL_X_NB_BS_HS: one layer of [NB, BS, W] is what the fake engine copies
 NS = {"model": "fake-model"}
@@ -105,7 +105,7 @@ def test_bad_arguments_get_errors_naming_them(client: KvferryClient) -> None:
 def test_unregister_and_end_session_unmap_the_memory(client: KvferryClient, server: KvferryServer) -> None:
     kv = random_kv(8)
     first = client.register_kv_cache(kv, FMT, namespace=NS)
-    name = kv[0].untyped_storage()._share_filename_cpu_()[1].decode()
+    name = shm_name(kv[0])
     assert shm_mappings(name) == 2  # the client's own storage and the server's mapping of it
     second = client.register_kv_cache(kv, FMT, namespace=NS)
     assert shm_mappings(name) == 3 and server.stats()["open_registrations"] == 2

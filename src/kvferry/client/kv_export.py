@@ -1,9 +1,18 @@
 """Describe an engine's KV tensors so the server can map the same memory (the client half of registration).
 
-CPU tensors are moved into shared memory *in place* (like `tensor.share_memory_()`, but with torch's
-file_system strategy so the memory has a name the server can open); every tensor viewing the storage,
-the engine's included, keeps working. GPU tensors are exported by CUDA IPC handle. Only plain msgpack
-fields leave the process: names, handles, offsets, shapes, strides, dtype names.
+CPU tensors are moved into shared memory *in place* (`tensor.share_memory_()` with torch's file-descriptor
+strategy); every tensor viewing the storage, the engine's included, keeps working. GPU tensors are exported by
+CUDA IPC handle. Only plain msgpack fields leave the process: pids, fds, handles, offsets, shapes, strides,
+dtype names.
+
+Why file descriptors: torch's fd strategy unlinks the shared-memory file the moment it is created and keeps only
+an open descriptor, so the memory can never outlive its last user. The server opens ``/proc/<pid>/fd/<fd>``
+(the same host, the same user: what shared memory needs anyway) and maps it; once the engine and the server
+have both exited or unmapped -- however they exited, SIGKILL included -- the kernel frees it. The file_system
+strategy leaves a named file in /dev/shm that only torch's shm manager daemon removes, and a Ctrl-C that takes
+the daemon down with the engine leaves the whole KV cache there. Passing the descriptor over a Unix socket
+(SCM_RIGHTS) would also reach a server in another pid namespace, but needs a second channel beside ZMQ, which
+cannot carry descriptors; a server in another container could not map the engine's /dev/shm either.
 """
 
 from __future__ import annotations
@@ -12,8 +21,6 @@ import os
 from typing import Any
 
 import torch
-
-_SHM_DIR = "/dev/shm"
 
 
 def export_kv(paged: Any) -> tuple[list[dict[str, Any]], Any]:
@@ -63,13 +70,10 @@ def _view(
 
 
 def _share_cpu(storage: torch.UntypedStorage) -> dict[str, Any]:
-    # Moves the bytes into "/dev/shm/torch_<pid>_..." once (a copy, then every view of the storage points
-    # there); later calls return the same name. The file carries a reference-count header in front of the
-    # data, which is what the size difference measures.
-    _manager, filename, nbytes = storage._share_filename_cpu_()
-    name = filename.decode()
-    header = os.stat(_SHM_DIR + name).st_size - nbytes
-    return {"kind": "shm", "filename": name, "offset_bytes": header, "nbytes": nbytes}
+    # Moves the bytes into an unlinked shared-memory file once (a copy, then every view of the storage points
+    # there); later calls return the same descriptor, which torch keeps open as long as the storage lives.
+    fd, nbytes = storage._share_fd_cpu_()
+    return {"kind": "shm_fd", "pid": os.getpid(), "fd": fd, "offset_bytes": 0, "nbytes": nbytes}
 
 
 def _share_cuda(storage: torch.UntypedStorage) -> dict[str, Any]:

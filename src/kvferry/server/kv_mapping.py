@@ -1,6 +1,6 @@
 """Map a client's registered KV tensors into the server process: CPU shared memory and CUDA IPC.
 
-The client sends plain descriptions (storage names or IPC handles, offsets, shapes, strides, dtypes); this
+The client sends plain descriptions (shared-memory descriptors or IPC handles, offsets, shapes, strides, dtypes); this
 module checks each one against the storage it names before building a view, because `Tensor.set_` itself
 does not bounds-check and a wrong stride would let the server read or write another process's memory.
 Dropping every reference to a `MappedKV` (see `close`) unmaps its storages.
@@ -19,11 +19,10 @@ from pydantic import ValidationError
 from kvferry.server.protocol import ErrorCode, ProtocolError
 from kvferry.server.requests import CudaIpcStorage, RegisterArgs, ShmStorage, TensorView
 
-SHM_DIR = "/dev/shm"
-# torch names file_system-strategy shared memory "/torch_<pid>_<random>_<counter>"
-# (at::NewProcessWideShmHandle); accepting nothing else keeps a client from making the server map other
-# files.
-_TORCH_SHM_NAME = re.compile(r"/torch_[0-9]+_[0-9]+_[0-9]+")
+# torch's fd strategy creates "/dev/shm/torch_<pid>_<random>_<counter>" (at::NewProcessWideShmHandle) and
+# unlinks it at once, so the client's descriptor reads as that name plus " (deleted)". Accepting nothing else
+# keeps a client from making the server map any other file it can name through /proc.
+_TORCH_SHM_FD_TARGET = re.compile(r"/dev/shm/torch_[0-9]+_[0-9]+_[0-9]+ \(deleted\)")
 _MAX_TENSORS = 65536
 _MAX_DEPTH = 4
 _MAX_DIMS = 8
@@ -122,21 +121,38 @@ def _map_storage(desc: ShmStorage | CudaIpcStorage, where: str) -> _Region:
 
 
 def _map_shm(desc: ShmStorage, where: str) -> _Region:
-    if not _TORCH_SHM_NAME.fullmatch(desc.filename):
-        raise _bad(f"'{where}.filename'={desc.filename!r} is not a torch shared-memory name (/torch_<pid>_<n>_<n>)")
-    path = SHM_DIR + desc.filename
+    path = f"/proc/{desc.pid}/fd/{desc.fd}"
+    _check_torch_shm(path, where)  # before opening: never open a device or a pipe a client points at
     try:
-        file_size = os.stat(path).st_size
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     except OSError as exc:
-        raise _bad(f"'{where}.filename': cannot open {path} ({exc.strerror}); is the client on this host?") from None
-    end = desc.offset_bytes + desc.nbytes
-    if desc.nbytes == 0 or end > file_size:
-        raise _bad(
-            f"'{where}': bytes [{desc.offset_bytes}, {end}) must be non-empty and inside {path} of {file_size} bytes"
-        )
-    # MAP_SHARED over the file up to `end`; views start past torch's reference-count header (`offset_bytes`).
-    whole = torch.from_file(path, shared=True, size=end, dtype=torch.uint8)
-    return _Region(whole.untyped_storage(), desc.offset_bytes, desc.nbytes)
+        raise _bad(f"'{where}': cannot open {path} ({exc.strerror}); is the client on this host?") from None
+    try:
+        # Checked again on this process's own descriptor: the client cannot swap the file before the map.
+        own = f"/proc/self/fd/{fd}"
+        _check_torch_shm(own, where)
+        file_size = os.fstat(fd).st_size
+        end = desc.offset_bytes + desc.nbytes
+        if desc.nbytes == 0 or end > file_size:
+            raise _bad(
+                f"'{where}': bytes [{desc.offset_bytes}, {end}) must be non-empty and inside the {file_size}-byte "
+                "shared memory"
+            )
+        # MAP_SHARED up to `end` (never past the file's end: that would grow it): the mapping, not the
+        # descriptor, keeps the memory alive from here.
+        storage = torch.UntypedStorage.from_file(own, True, end)
+    finally:
+        os.close(fd)
+    return _Region(storage, desc.offset_bytes, desc.nbytes)
+
+
+def _check_torch_shm(path: str, where: str) -> None:
+    try:
+        target = os.readlink(path)
+    except OSError as exc:
+        raise _bad(f"'{where}': cannot read {path} ({exc.strerror}); is the client on this host?") from None
+    if not _TORCH_SHM_FD_TARGET.fullmatch(target):
+        raise _bad(f"'{where}': {path} is {target!r}, not torch's unlinked shared memory (/dev/shm/torch_*)")
 
 
 def _map_cuda_ipc(desc: CudaIpcStorage, where: str) -> torch.UntypedStorage:

@@ -20,15 +20,17 @@ class NoArgs(_Args):
 
 
 class ShmStorage(_Args):
-    """A CPU storage in torch's file_system shared memory (`UntypedStorage._share_filename_cpu_()`).
+    """A CPU storage in torch's file-descriptor shared memory (`UntypedStorage._share_fd_cpu_()`): an unlinked
+    /dev/shm file that the client holds open as descriptor `fd`; the server maps `/proc/<pid>/fd/<fd>`.
 
-    The server maps the file itself and never joins the client's torch_shm_manager, so the file is unlinked
-    as soon as the client's process is gone and the memory returns once the server unmaps it.
+    The file has no name, so nothing is left in /dev/shm however the client or the server ends: the memory
+    returns once the last process mapping it unmaps or exits.
     """
 
-    kind: Literal["shm"]
-    filename: str  # shm object name, "/torch_<pid>_<rand>_<n>"
-    offset_bytes: NonNegative  # where the storage's bytes start in the file (after torch's refcount header)
+    kind: Literal["shm_fd"]
+    pid: Annotated[int, Field(gt=0)]
+    fd: NonNegative
+    offset_bytes: NonNegative  # where the storage's bytes start in the file
     nbytes: NonNegative
 
 

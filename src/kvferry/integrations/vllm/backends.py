@@ -1,12 +1,13 @@
 """Where the connector's KV goes: a cache engine in this process, or a ``kvferry server`` through the client.
 
-Both give the scheduler half a ``lookup`` and the worker half ``retrieve`` / ``store_async`` on the engine's
-registered KV. The worker half creates the backend when vLLM registers its KV cache. When vLLM runs the scheduler
-half in the same process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, or a GPU engine with one worker) it finds the
-backend in this process's registry; otherwise (vLLM's CPU backend runs its worker in a process of its own) the
-scheduler half looks up through its own `ServerLookup`, in the key space the worker reported at start-up.
+Both give the scheduler half ``lookup`` (which locks the hit) and ``free_lock``, and the worker half
+``retrieve_async`` / ``store_async`` on the engine's registered KV. The worker half creates the backend when vLLM
+registers its KV cache. When vLLM runs the scheduler half in the same process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+or a GPU engine with one worker) it finds the backend in this process's registry; otherwise (vLLM's CPU backend
+runs its worker in a process of its own) the scheduler half looks up through a `ServerBackend` of its own, without
+KV, in the key space the worker reported at start-up (`KeySpace`).
 
-A backend never raises into vLLM on the lookup path: a failed lookup is a miss (logged).
+A backend never raises into vLLM: a failed lookup is a miss, a failed load or store a failed future.
 """
 
 from __future__ import annotations
@@ -14,28 +15,71 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import Future
-from typing import Protocol
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
 
-import kvferry
 from kvferry.cache import CacheEngine, CacheNamespace
 from kvferry.cache.request import dtype_name, layout_name
-from kvferry.client import KvferryClient
-from kvferry.formats import describe
+from kvferry.formats import EngineKVFormat, describe
 from kvferry.integrations.vllm.kv_layout import EngineKV
+from kvferry.integrations.vllm.server_link import ServerDown, ServerLink
 
 log = logging.getLogger(__name__)
 
 
-class Backend(Protocol):
-    chunk_size: int
+@dataclass(frozen=True)
+class KeySpace:
+    """The cache key space of an engine's KV without the chunk size, in plain fields: what the worker tells a
+    scheduler in another process, which learns the chunk size from the server."""
 
-    def namespace_fields(self) -> dict[str, str | int]:
-        """The cache key space of this engine's KV, as plain fields (what a lookup from elsewhere names)."""
+    model: str
+    salt: str
+    fmt: str  # EngineKVFormat name
+    kv_dtype: str
+    kv_size: int
+    num_layers: int
+    width: int
+
+    @classmethod
+    def of(cls, kv: EngineKV, *, model: str, salt: str) -> KeySpace:
+        geometry = describe(kv.fmt, kv.layers, kv.block_size)
+        kv_size, num_layers, _, width = geometry.object_shape(1)
+        return cls(model, salt, kv.fmt.name, dtype_name(geometry.dtype), kv_size, num_layers, width)
+
+    def namespace(self, chunk_size: int) -> CacheNamespace:
+        shape = (self.kv_size, self.num_layers, chunk_size, self.width)
+        layout = layout_name(EngineKVFormat[self.fmt], shape)
+        return CacheNamespace(self.model, self.kv_dtype, layout, salt=self.salt)
+
+    def fields(self) -> dict[str, str | int]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Hit:
+    """Leading prompt tokens the cache holds (chunk-aligned); ``lock`` pins them until `free_lock`."""
+
+    tokens: int
+    lock: Any = None
+
+
+class Backend(Protocol):
+    @property
+    def chunk_size(self) -> int | None:
+        """The cache's chunk size; None while a server was never reached."""
         ...
 
-    def lookup(self, tokens: list[int]) -> int | None: ...
+    def lookup(self, tokens: list[int]) -> Hit | None:
+        """The cached prefix of ``tokens``, locked against eviction; None while chunks right after it are still
+        coming up from a lower tier (ask again later). Never raises: a failure is a miss."""
+        ...
 
-    def retrieve(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> int: ...
+    def free_lock(self, lock: Any) -> None: ...
+
+    def retrieve_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
+        """Load the cached prefix of ``tokens``; resolves to how many leading tokens the blocks then hold (the
+        skipped prefix included)."""
+        ...
 
     def store_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]: ...
 
@@ -49,24 +93,27 @@ class EmbeddedBackend:
         self.engine = engine
         self.kv = kv
         self.namespace = namespace
-        self.chunk_size = engine.chunk_size
+        self.chunk_size: int | None = engine.chunk_size
         # Validated once here: every load and store then skips re-describing vLLM's tensors.
         self.geometry = describe(kv.fmt, kv.layers, kv.block_size)
 
-    def namespace_fields(self) -> dict[str, str | int]:
-        return _fields(self.namespace)
-
-    def lookup(self, tokens: list[int]) -> int | None:
-        """The pool's prefix hit; None while chunks right after it are still being promoted from a tier."""
+    def lookup(self, tokens: list[int]) -> Hit | None:
         try:
-            status = self.engine.lookup_status(tokens, namespace=self.namespace)
+            status = self.engine.lookup_status(tokens, namespace=self.namespace, lock=True)
         except Exception:
             log.exception("kvferry: lookup failed (counted as a miss)")
-            return 0
-        return None if status.pending_tokens else status.hit_tokens
+            return Hit(0)
+        if status.pending_tokens:
+            if status.lock_id is not None:
+                self.engine.free_lookup_locks(status.lock_id)
+            return None
+        return Hit(status.hit_tokens, status.lock_id)
 
-    def retrieve(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> int:
-        written = self.engine.retrieve(
+    def free_lock(self, lock: Any) -> None:
+        self.engine.free_lookup_locks(lock)
+
+    def retrieve_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
+        written = self.engine.retrieve_async(
             tokens,
             self.kv.layers,
             block_ids,
@@ -75,7 +122,7 @@ class EmbeddedBackend:
             skip_prefix_tokens=skip_prefix_tokens,
             geometry=self.geometry,
         )
-        return skip_prefix_tokens + written
+        return _plus(written, skip_prefix_tokens)
 
     def store_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
         return self.engine.store_async(
@@ -93,63 +140,94 @@ class EmbeddedBackend:
 
 
 class ServerBackend:
-    """A session with a ``kvferry server`` holding this worker's KV registration."""
+    """A ``kvferry server`` behind a `ServerLink` (misses while it is down). With ``kv`` the link registers the
+    engine's KV cache (the worker); without, it only looks up (a scheduler in another process)."""
 
-    def __init__(self, client: KvferryClient, kv: EngineKV, *, model: str, salt: str = "") -> None:
-        self.client = client
-        self.kv = kv
-        self.chunk_size = client.chunk_size
-        # Moves the engine's CPU KV into shared memory in place (every view, vLLM's included, follows).
-        self.registration = client.register_kv_cache(
-            kv.layers, kv.fmt, block_size=kv.block_size, namespace={"model": model, "salt": salt}
-        )
-        # The key space the server derives from the registration, so a process without the KV can look up in it.
-        shape = kvferry.object_shape(kv.fmt, kv.layers, self.chunk_size, kv.block_size)
-        self.namespace = CacheNamespace(model, dtype_name(kv.layers[0].dtype), layout_name(kv.fmt, shape), salt=salt)
+    def __init__(self, link: ServerLink, key_space: KeySpace) -> None:
+        self.link = link
+        self.key_space = key_space
+        self._namespaces: dict[int, dict[str, Any]] = {}
 
-    def namespace_fields(self) -> dict[str, str | int]:
-        return _fields(self.namespace)
+    @property
+    def chunk_size(self) -> int | None:
+        return None if self.link.incompatible else self.link.chunk_size
 
-    def lookup(self, tokens: list[int]) -> int | None:
+    def lookup(self, tokens: list[int]) -> Hit | None:
         try:
-            return self.client.lookup(tokens, registration=self.registration).tokens
-        except Exception:
-            log.exception("kvferry: lookup at %s failed (counted as a miss)", self.client.endpoint)
-            return 0
+            generation = self.link.generation
+            found = self.link.wait(
+                lambda client, _: client.lookup_async(tokens, namespace=self._namespace(), lock=True),
+                self.link.timeout_s,
+            )
+        except ServerDown:
+            return Hit(0)
+        except Exception as exc:
+            log.warning("kvferry: lookup at %s failed (a miss): %s: %s", self.link.url, type(exc).__name__, exc)
+            return Hit(0)
+        lock = None if found.lock is None else (generation, found.lock)
+        if found.pending:
+            self.free_lock(lock)
+            return None
+        return Hit(found.tokens, lock)
 
-    def retrieve(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> int:
-        written = self.client.retrieve(self.registration, tokens, block_ids, skip_prefix_tokens=skip_prefix_tokens)
-        return skip_prefix_tokens + written
+    def free_lock(self, lock: Any) -> None:
+        if lock is None:
+            return
+        generation, lock_id = lock
+        if generation != self.link.generation:
+            return  # taken from a server since gone (or restarted): it went with it
+        try:
+            self.link.call(lambda client, _: client.free_lookup_locks(lock_id))
+        except Exception as exc:  # an expired lock, or the server went away: nothing to free any more
+            log.debug("kvferry: freeing lookup lock %s: %s", lock_id, exc)
+
+    def retrieve_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
+        written = self.link.submit(
+            lambda client, reg: client.retrieve_async(
+                _registered(reg), tokens, block_ids, skip_prefix_tokens=skip_prefix_tokens
+            )
+        )
+        return _plus(written, skip_prefix_tokens)
 
     def store_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
-        return self.client.store_async(self.registration, tokens, block_ids, skip_prefix_tokens=skip_prefix_tokens)
+        return self.link.submit(
+            lambda client, reg: client.store_async(
+                _registered(reg), tokens, block_ids, skip_prefix_tokens=skip_prefix_tokens
+            )
+        )
 
     def close(self) -> None:
-        self.client.close()
+        self.link.close()
+
+    def _namespace(self) -> dict[str, Any]:
+        chunk_size = self.link.chunk_size
+        assert chunk_size is not None  # the link is up, so the server told it
+        if chunk_size not in self._namespaces:
+            namespace = self.key_space.namespace(chunk_size)
+            names = ("model", "kv_dtype", "layout", "world_size", "rank", "salt")
+            self._namespaces[chunk_size] = {name: getattr(namespace, name) for name in names}
+        return self._namespaces[chunk_size]
 
 
-class ServerLookup:
-    """Lookups at a ``kvferry server`` in a key space named explicitly (for a scheduler without the KV)."""
-
-    def __init__(self, client: KvferryClient, namespace: dict[str, str | int]) -> None:
-        self.client = client
-        self.namespace = namespace
-        self.chunk_size = client.chunk_size
-
-    def lookup(self, tokens: list[int]) -> int | None:
-        try:
-            return self.client.lookup(tokens, namespace=self.namespace).tokens
-        except Exception:
-            log.exception("kvferry: lookup at %s failed (counted as a miss)", self.client.endpoint)
-            return 0
-
-    def close(self) -> None:
-        self.client.close()
+def _registered(registration: int | None) -> int:
+    if registration is None:
+        raise RuntimeError("this connector half registered no KV cache with the kvferry server")
+    return registration
 
 
-def _fields(namespace: CacheNamespace) -> dict[str, str | int]:
-    names = ("model", "kv_dtype", "layout", "world_size", "rank", "salt")
-    return {name: getattr(namespace, name) for name in names}
+def _plus(future: Future[int], offset: int) -> Future[int]:
+    """``future``'s result plus ``offset``, as a future (its exception passed on)."""
+    out: Future[int] = Future()
+
+    def chain(done: Future[int]) -> None:
+        exc = done.exception()
+        if exc is not None:
+            out.set_exception(exc)
+        else:
+            out.set_result(offset + done.result())
+
+    future.add_done_callback(chain)
+    return out
 
 
 _registry: dict[str, Backend] = {}

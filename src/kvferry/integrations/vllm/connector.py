@@ -2,7 +2,8 @@
 
 vLLM makes two instances per engine: one with the scheduler role (`SchedulerSide`: lookups and plans) and one
 with the worker role (`WorkerSide`: loads and stores). Each step's plan travels from the first to the second as
-the connector metadata; once, at start-up, the worker tells the scheduler the cache key space of its KV (the
+the connector metadata, and the loads that ran travel back as worker metadata (so the scheduler frees the locks
+that pinned their hits); once, at start-up, the worker tells the scheduler the cache key space of its KV (the
 handshake metadata), which a scheduler in another process needs for its lookups. This module only translates
 between vLLM's objects and those halves.
 """
@@ -18,24 +19,30 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvferry.cache import CacheEngine
-from kvferry.client import KvferryClient, ServerError
 from kvferry.integrations.vllm import backends
+from kvferry.integrations.vllm.backends import EmbeddedBackend, KeySpace, ServerBackend
 from kvferry.integrations.vllm.kv_layout import EngineKV, UnsupportedKVLayout, recognise
+from kvferry.integrations.vllm.logs import show_in_vllm_log
 from kvferry.integrations.vllm.plan import StepPlan
 from kvferry.integrations.vllm.scheduler_side import SchedulerSide
+from kvferry.integrations.vllm.server_link import ServerLink
 from kvferry.integrations.vllm.settings import ConnectorSettings
+from kvferry.integrations.vllm.vllm_stats import KvferryPromMetrics, KvferryStats
 from kvferry.integrations.vllm.worker_side import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
@@ -48,11 +55,24 @@ class KvferryConnectorMetadata(KVConnectorMetadata):
         self.plan = plan
 
 
+class KvferryWorkerMeta(KVConnectorWorkerMetadata):
+    """What the worker half tells the scheduler half after a step: the loads that ran (their locks can go) and
+    those of them that came back short."""
+
+    def __init__(self, loaded: set[str], failed: set[str]) -> None:
+        self.loaded = loaded
+        self.failed = failed
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KvferryWorkerMeta:
+        assert isinstance(other, KvferryWorkerMeta), type(other)
+        return KvferryWorkerMeta(self.loaded | other.loaded, self.failed | other.failed)
+
+
 class KvferryHandshake(KVConnectorHandshakeMetadata):
     """What the worker half tells the scheduler half once KV is registered: the cache key space (plain fields)."""
 
-    def __init__(self, namespace: dict[str, str | int]) -> None:
-        self.namespace = namespace
+    def __init__(self, key_space: dict[str, str | int]) -> None:
+        self.key_space = key_space
 
 
 class KvferryConnector(KVConnectorBase_V1):
@@ -60,7 +80,8 @@ class KvferryConnector(KVConnectorBase_V1):
 
     Requires tensor and pipeline parallel size 1. Embedded mode also needs the scheduler and the worker in one
     process (vLLM's CPU backend: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``); server mode works either way. Modes and
-    settings: see `ConnectorSettings`.
+    settings: see `ConnectorSettings`. A load that fails is recomputed by vLLM: the connector sets vLLM's
+    ``kv_load_failure_policy`` to "recompute" (a cache miss must never fail a request).
     """
 
     _cache_hit_source = CacheHitSource.HOST
@@ -69,6 +90,7 @@ class KvferryConnector(KVConnectorBase_V1):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        show_in_vllm_log()
         self._settings = ConnectorSettings.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         world_size = vllm_config.parallel_config.world_size
         if world_size != 1:
@@ -77,11 +99,19 @@ class KvferryConnector(KVConnectorBase_V1):
             )
         self._engine_id = str(self._kv_transfer_config.engine_id)
         self._block_size = vllm_config.cache_config.block_size
+        if self._settings.mode == "embedded":
+            self._settings.check_chunk_size(self._settings.kvferry_config().cache.chunk_size, self._block_size)
+        if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+            # vLLM reads it right after making its scheduler's connector. Its default, "fail", would end a request
+            # whose load came back short with an error; a cache's miss must cost only the recomputation.
+            log.info("kvferry: setting vLLM's kv_load_failure_policy to 'recompute' (a failed load is recomputed)")
+            self._kv_transfer_config.kv_load_failure_policy = "recompute"
         self._scheduler: SchedulerSide | None = None
         self._scheduler_warned = False
         self._handshake: KvferryHandshake | None = None  # worker: sent; scheduler: received
-        self._lookup_client: backends.ServerLookup | None = None
+        self._lookup_backend: ServerBackend | None = None
         self._worker: WorkerSide | None = None
+        self._stats_since: dict[str, float] = {}
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -92,32 +122,40 @@ class KvferryConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         try:
             kv = self._recognise(kv_caches)
-            backend = self._make_backend(kv)
-        except (UnsupportedKVLayout, ConnectionError, TimeoutError, ServerError) as exc:
+        except UnsupportedKVLayout as exc:
             log.error("kvferry connector disabled (every lookup is a miss): %s", exc)
             return
+        backend = self._make_backend(kv)
         backends.publish(self._engine_id, backend)
-        self._handshake = KvferryHandshake(backend.namespace_fields())
+        self._handshake = KvferryHandshake(self._key_space(kv).fields())
         hook = self._settings.load_after_load_hook()
         self._worker = WorkerSide(
             backend,
             block_size=kv.block_size,
             after_load=None if hook is None else lambda block_ids: hook(kv.layers, block_ids),
         )
+        chunk = backend.chunk_size
         log.info(
-            "kvferry connector (%s mode): %d layers of %s, format %s, chunk %d tokens",
+            "kvferry connector active: %s mode%s, layout %s (CPU attention ISA %s), %d layers of %s %s, block "
+            "size %d, chunk size %s, %s loads",
             self._settings.mode,
+            f" ({self._settings.server_url})" if self._settings.mode == "server" else "",
+            kv.fmt.name,
+            self._isa(kv_caches),
             len(kv.layers),
             tuple(kv.layers[0].shape),
-            kv.fmt.name,
-            backend.chunk_size,
+            str(kv.layers[0].dtype).removeprefix("torch."),
+            kv.block_size,
+            chunk if chunk is not None else "the server's (not reached yet)",
+            "background" if self._settings.async_load else "foreground",
         )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        # vLLM calls this before the forward pass in steps with loads, so loading here synchronously keeps
-        # every layer's KV in place before any attention layer reads it.
+        # vLLM calls this before the forward pass in steps with foreground loads (which complete here, so every
+        # layer's KV is in place before any attention layer reads it) and after it otherwise (background loads
+        # start here and are reported by get_finished).
         if self._worker is not None:
-            self._worker.load(self._plan())
+            self._worker.start_loads(self._plan())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv already loaded every layer (objects hold all layers of a chunk)
@@ -131,23 +169,31 @@ class KvferryConnector(KVConnectorBase_V1):
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if self._worker is not None and isinstance(kv_connector_metadata, KvferryConnectorMetadata):
-            self._worker.wait_for_requests(kv_connector_metadata.plan.preempted)
+            self._worker.preempted(kv_connector_metadata.plan.preempted)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:
             return None, None
-        return self._worker.finished_sending(finished_req_ids) or None, None
+        return self._worker.finished_sending(finished_req_ids) or None, self._worker.finished_loading() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def build_connector_worker_meta(self) -> KvferryWorkerMeta | None:
+        if self._worker is None:
+            return None
+        loaded, failed = self._worker.take_load_report()
+        return KvferryWorkerMeta(loaded, failed) if loaded else None
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return self._handshake
 
     def shutdown(self) -> None:
-        if self._lookup_client is not None:
-            self._lookup_client.close()
-            self._lookup_client = None
+        if self._scheduler is not None:
+            self._scheduler.close()
+        if self._lookup_backend is not None:
+            self._lookup_backend.close()
+            self._lookup_backend = None
         if self._worker is not None:
             self._worker.close()
             self._worker = None
@@ -159,34 +205,73 @@ class KvferryConnector(KVConnectorBase_V1):
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         received = metadata.get(0)
-        if isinstance(received, KvferryHandshake):
-            self._handshake = received
+        if not isinstance(received, KvferryHandshake):
+            return
+        self._handshake = received
+        if self._settings.mode == "server" and backends.find(self._engine_id) is None and self._lookup_backend is None:
+            # The worker is in another process: this half looks up through a session of its own, made now (at
+            # start-up) so the first request never waits for it.
+            link = ServerLink(self._settings.server_url, timeout_s=self._settings.timeout_s)
+            self._lookup_backend = ServerBackend(link, KeySpace(**received.key_space))
+            try:
+                link.connect(check_chunk_size=self._check_chunk_size)
+            except ValueError as exc:
+                log.error("kvferry connector disabled: %s", exc)
+                link.close()
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         side = self._scheduler_side()
         if side is None:
             return 0, False
-        matched = side.num_new_matched_tokens(
+        return side.num_new_matched_tokens(
             request.request_id,
             request.prompt_token_ids or [],
             request.num_tokens,
             num_computed_tokens,
             cacheable=not (request.mm_features or request.lora_request or request.cache_salt),
         )
-        return matched, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         side = self._scheduler_side()
         if side is not None:
-            side.after_alloc(request.request_id, request.prompt_token_ids or [], num_external_tokens)
+            block_ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
+            side.after_alloc(request.request_id, request.prompt_token_ids or [], block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         side = self._scheduler_side()
         return KvferryConnectorMetadata(side.build_plan(scheduler_output) if side is not None else StepPlan())
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        report = connector_output.kv_connector_worker_meta
+        if self._scheduler is not None and isinstance(report, KvferryWorkerMeta):
+            self._scheduler.loads_done(report.loaded, report.failed)
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        side = self._scheduler_side()
+        side = self._scheduler
         return (side is not None and side.request_finished(request.request_id)), None
+
+    # --- metrics ------------------------------------------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        counters = self._worker.counters if self._worker is not None else None
+        if counters is None and self._scheduler is not None:
+            counters = self._scheduler.counters
+        moved = counters.take(self._stats_since) if counters is not None else {}
+        return KvferryStats(data=moved) if moved else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KvferryStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KvferryPromMetrics:
+        return KvferryPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # --- helpers ------------------------------------------------------------------------------------------
 
@@ -195,46 +280,58 @@ class KvferryConnector(KVConnectorBase_V1):
         assert isinstance(metadata, KvferryConnectorMetadata), type(metadata)
         return metadata.plan
 
-    def _recognise(self, kv_caches: dict[str, torch.Tensor]) -> EngineKV:
+    def _isa(self, kv_caches: dict[str, torch.Tensor]) -> str | None:
         layers = self._vllm_config.compilation_config.static_forward_context
         isas = {getattr(layers.get(name), "isa", None) for name in kv_caches}
         if len(isas) != 1:
             raise UnsupportedKVLayout(f"attention layers use different CPU ISAs {sorted(map(str, isas))}")
-        kv = recognise(kv_caches, isa=isas.pop(), kv_cache_dtype=str(self._vllm_config.cache_config.cache_dtype))
+        return isas.pop()
+
+    def _recognise(self, kv_caches: dict[str, torch.Tensor]) -> EngineKV:
+        isa = self._isa(kv_caches)
+        kv = recognise(kv_caches, isa=isa, kv_cache_dtype=str(self._vllm_config.cache_config.cache_dtype))
         if kv.block_size != self._block_size:
             raise UnsupportedKVLayout(
                 f"the KV tensors hold {kv.block_size}-token blocks but the scheduler uses {self._block_size}"
             )
         return kv
 
-    def _make_backend(self, kv: EngineKV) -> backends.Backend:
+    def _key_space(self, kv: EngineKV) -> KeySpace:
         model = self._settings.model_id or _served_model_name(self._vllm_config)
+        return KeySpace.of(kv, model=model, salt=self._settings.salt)
+
+    def _check_chunk_size(self, chunk_size: int) -> None:
+        self._settings.check_chunk_size(chunk_size, self._block_size)
+
+    def _make_backend(self, kv: EngineKV) -> backends.Backend:
+        key_space = self._key_space(kv)
         if self._settings.mode == "server":
-            client = KvferryClient(self._settings.server_url, timeout_s=self._settings.timeout_s)
+            deployment = {"model": key_space.model, "salt": key_space.salt}
+            link = ServerLink(
+                self._settings.server_url,
+                timeout_s=self._settings.timeout_s,
+                register=lambda client: client.register_kv_cache(
+                    kv.layers, kv.fmt, block_size=kv.block_size, namespace=deployment
+                ),
+            )
             try:
-                return backends.ServerBackend(client, kv, model=model, salt=self._settings.salt)
+                link.connect(check_chunk_size=self._check_chunk_size)  # a bad chunk size refuses to start
             except BaseException:
-                client.close()
+                link.close()
                 raise
+            return ServerBackend(link, key_space)
         engine = CacheEngine(self._settings.kvferry_config(), name=f"vllm-{self._engine_id[:8]}")
         namespace = engine.namespace_for(
-            model, kv.fmt, kv.layers, world_size=1, rank=0, salt=self._settings.salt, block_size=kv.block_size
+            key_space.model, kv.fmt, kv.layers, world_size=1, rank=0, salt=key_space.salt, block_size=kv.block_size
         )
-        return backends.EmbeddedBackend(engine, kv, namespace)
+        return EmbeddedBackend(engine, kv, namespace)
 
     def _scheduler_side(self) -> SchedulerSide | None:
         """The scheduler half, made on first use: over the worker's backend when it lives in this process,
         else over a lookup-only session with the server in the key space the worker reported."""
         if self._scheduler is not None:
             return self._scheduler
-        lookups: backends.Backend | backends.ServerLookup | None = backends.find(self._engine_id)
-        if lookups is None and self._handshake is not None and self._settings.mode == "server":
-            try:
-                client = KvferryClient(self._settings.server_url, timeout_s=self._settings.timeout_s)
-            except (ConnectionError, TimeoutError) as exc:
-                self._warn_once(f"cannot reach {self._settings.server_url} ({exc}); lookups miss")
-                return None
-            lookups = self._lookup_client = backends.ServerLookup(client, self._handshake.namespace)
+        lookups: backends.Backend | None = backends.find(self._engine_id) or self._lookup_backend
         if lookups is None:
             self._warn_once(
                 "no KV cache registered with kvferry for this engine"
@@ -247,7 +344,17 @@ class KvferryConnector(KVConnectorBase_V1):
                 + "; lookups miss"
             )
             return None
-        self._scheduler = SchedulerSide(lookups.lookup, block_size=self._block_size, chunk_size=lookups.chunk_size)
+        chunk_size = lookups.chunk_size
+        if chunk_size is None:
+            return None  # the server was never reached (its link warned and keeps trying): lookups miss
+        self._scheduler = SchedulerSide(
+            lookups.lookup,
+            lookups.free_lock,
+            block_size=self._block_size,
+            chunk_size=chunk_size,
+            in_background=self._settings.async_load,
+            refresh_s=self._settings.lock_refresh_s,
+        )
         return self._scheduler
 
     def _warn_once(self, message: str) -> None:

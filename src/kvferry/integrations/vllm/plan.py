@@ -16,13 +16,15 @@ class LoadSpec:
     ``tokens`` is a chunk-aligned prefix of the prompt that the cache reported as a hit; ``block_ids`` holds one
     engine block per ``block_size`` tokens of it. ``skip_tokens`` (a multiple of the block size) is what vLLM
     already holds in its own prefix cache: those blocks may be shared with running requests, so they are
-    never written.
+    never written. ``in_background``: the request waits for this load (vLLM's async-load path) while the step
+    runs without it; otherwise the load completes before the step's forward pass.
     """
 
     req_id: str
     tokens: list[int]
     block_ids: list[int]
     skip_tokens: int
+    in_background: bool = False
 
 
 @dataclass(frozen=True)

@@ -6,29 +6,36 @@ each running request's block table as the scheduler hands out blocks, and turns 
 it runs in tests without vLLM.
 
 Invariants:
+- One lookup per request, not per re-ask: vLLM asks again every step a request waits, and the answer is kept
+  (renewed after ``refresh_s``). The lookup locks its hit; the lock is freed once the load ran, or when vLLM
+  did not take the hit, or the request was preempted or finished (aborts included). Locks never outlive that.
 - A load never covers vLLM's own prefix hit: ``skip_tokens`` is the block-aligned count vLLM reported as
   computed, and those blocks may be shared with other running requests.
+- A request whose load failed is not offered kvferry's hit again (vLLM recomputes it).
 - Only whole chunks of the prompt are stored, each once per request, and only after the step that computes
   its last token (the worker stores after the forward pass).
 - A request whose KV token ids alone do not determine is neither looked up nor stored.
-- A request that had any store planned is reported to vLLM as "saving asynchronously" when it finishes, so vLLM
-  keeps its blocks until the worker reports the stores done.
+- A request that had any store planned since it last started is reported to vLLM as "saving asynchronously"
+  when it finishes, so vLLM keeps its blocks until the worker reports the stores done. A preempted request's
+  stores are waited for by the worker before its blocks go (and then forgotten on both sides).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
+from kvferry.integrations.vllm.backends import Hit
+from kvferry.integrations.vllm.counters import SchedulerCounters
 from kvferry.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
 
 log = logging.getLogger(__name__)
 
-# tokens -> leading tokens the cache holds (a multiple of the chunk size), or None for "not known yet" (a
-# prefetch from a lower tier is running; vLLM asks again on a later step).
-Lookup = Callable[[list[int]], int | None]
+Lookup = Callable[[list[int]], Hit | None]
+FreeLock = Callable[[Any], None]
 
 
 class NewRequest(Protocol):
@@ -55,128 +62,214 @@ class SchedulerStep(Protocol):
 
 
 @dataclass
-class _Tracked:
-    """A request the scheduler is running: its prompt, its blocks (token i lives in block ``i // block_size``)
-    and how far the cache holds its prompt."""
+class _Request:
+    """What this side knows of one request, from its first lookup until vLLM finished it (and its load ran)."""
 
-    prompt: list[int]
+    prompt: list[int] = field(default_factory=list)
+    hit: int = 0  # the cache's hit at the last lookup (chunk-aligned)
+    skip: int = 0  # vLLM's own computed tokens at the last lookup
+    lock: Any = None
+    looked_up_at: float | None = None
+    pending_load: list[int] | None = None  # an accepted hit's block ids (background load), until planned
+    accepted: bool = False  # vLLM took the hit; its load is planned with the request's first schedule
+    loading: bool = False  # a load was planned and the worker has not reported it done
+    load_failed: bool = False
+    uncacheable: bool = False
+    finished: bool = False
+    # once scheduled: the block table (token i lives in block i // block_size) and what the cache holds
+    running: bool = False
     block_ids: list[int] = field(default_factory=list)
     stored_upto: int = 0
     stores_planned: bool = False
 
 
 class SchedulerSide:
-    def __init__(self, lookup: Lookup, *, block_size: int, chunk_size: int) -> None:
+    def __init__(
+        self,
+        lookup: Lookup,
+        free_lock: FreeLock,
+        *,
+        block_size: int,
+        chunk_size: int,
+        in_background: bool = False,
+        refresh_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if block_size <= 0 or chunk_size <= 0 or chunk_size % block_size:
             raise ValueError(f"chunk_size={chunk_size} must be a positive multiple of vLLM's block_size={block_size}")
         self._lookup = lookup
+        self._free_lock = free_lock
         self.block_size = block_size
         self.chunk_size = chunk_size
-        self._matches: dict[str, tuple[int, int]] = {}  # req_id -> (cache hit, vLLM's hit) at its last lookup
-        self._pending_loads: dict[str, tuple[list[int], int, int]] = {}  # req_id -> (prompt, hit, skip)
-        self._requests: dict[str, _Tracked] = {}
-        self._uncacheable: set[str] = set()
+        self.in_background = in_background
+        self._refresh_s = refresh_s
+        self._clock = clock
+        self._requests: dict[str, _Request] = {}
+        self.counters = SchedulerCounters()
 
     def num_new_matched_tokens(
         self, req_id: str, prompt: Sequence[int], num_tokens: int, num_computed_tokens: int, *, cacheable: bool = True
-    ) -> int | None:
-        """Tokens beyond vLLM's own ``num_computed_tokens`` that kvferry can load, or None if not known yet.
+    ) -> tuple[int | None, bool]:
+        """(tokens beyond vLLM's ``num_computed_tokens`` that kvferry can load, or None if not known yet;
+        whether the load runs in the background).
 
         At most ``num_tokens - 1`` tokens count as computed: vLLM must run at least one token to sample from.
         The load itself still fills every block of the hit; vLLM then recomputes that last token in place.
         ``cacheable=False`` (KV that token ids alone do not determine: images, LoRA adapters, a per-request
         cache salt) means no lookup and no store for this request.
         """
+        req = self._requests.setdefault(req_id, _Request())
         if not cacheable:
-            self._uncacheable.add(req_id)
-            return 0
-        if len(prompt) < self.chunk_size:
-            return 0
-        hit = self._lookup(list(prompt))
-        if hit is None:
-            return None
-        hit = min(hit, len(prompt)) // self.chunk_size * self.chunk_size
-        self._matches[req_id] = (hit, num_computed_tokens)
-        return max(0, min(hit, num_tokens - 1) - num_computed_tokens)
+            req.uncacheable = True
+            return 0, False
+        if req.load_failed or len(prompt) < self.chunk_size:
+            return 0, False
+        stale = req.looked_up_at is not None and self._clock() - req.looked_up_at > self._refresh_s
+        if req.looked_up_at is None or stale:
+            self._release(req)
+            found = self._lookup(list(prompt))
+            if found is None:
+                return None, False
+            req.hit = min(found.tokens, len(prompt)) // self.chunk_size * self.chunk_size
+            req.lock = found.lock
+            if req.hit == 0:
+                self._release(req)  # nothing to pin
+            if req.looked_up_at is None:
+                self.counters.count_lookup(req.hit)
+            req.looked_up_at = self._clock()
+        req.skip = num_computed_tokens
+        matched = max(0, min(req.hit, num_tokens - 1) - num_computed_tokens)
+        return matched, self.in_background and matched > 0
 
-    def after_alloc(self, req_id: str, prompt: Sequence[int], num_external_tokens: int) -> None:
-        """vLLM allocated blocks for the request; ``num_external_tokens`` > 0 means it accepted the hit of the
-        last ``num_new_matched_tokens`` call, whose vLLM-computed prefix the load skips."""
-        if num_external_tokens > 0:
-            hit, skip = self._matches.get(req_id, (0, 0))
-            if hit <= skip:
-                raise RuntimeError(
-                    f"vLLM accepted {num_external_tokens} external tokens for request {req_id!r} "
-                    f"but the last lookup found {hit} (already computed: {skip})"
-                )
-            self._pending_loads[req_id] = (list(prompt), hit, skip)
+    def after_alloc(self, req_id: str, prompt: Sequence[int], block_ids: Sequence[int], num_external: int) -> None:
+        """vLLM allocated ``block_ids`` for the request; ``num_external`` > 0 means it took the hit of the last
+        ``num_new_matched_tokens`` call (whose vLLM-computed prefix the load skips), 0 that it did not."""
+        req = self._requests.get(req_id)
+        if num_external <= 0:
+            if req is not None:
+                self._release(req)  # not taken (or a background load's second allocation, after it ran)
+            return
+        if req is None or req.hit <= req.skip:
+            hit, skip = (0, 0) if req is None else (req.hit, req.skip)
+            raise RuntimeError(
+                f"vLLM accepted {num_external} external tokens for request {req_id!r} "
+                f"but the last lookup found {hit} (already computed: {skip})"
+            )
+        req.prompt = list(prompt)
+        req.accepted = True
+        self.counters.hit_tokens_taken += num_external
+        if self.in_background:
+            req.pending_load = list(block_ids)
 
     def build_plan(self, step: SchedulerStep) -> StepPlan:
         """The loads and stores of one scheduler step; updates each request's block table."""
         plan = StepPlan(preempted=sorted(step.preempted_req_ids or ()))
         for req_id in plan.preempted:
-            if req_id in self._requests:
-                self._requests[req_id].block_ids = []  # freed; a resumed request gets a new table
+            req = self._requests.get(req_id)
+            if req is not None:  # its blocks are freed; it is looked up again when it resumes
+                self._release(req)
+                req.block_ids, req.looked_up_at, req.stores_planned = [], None, False
+        for req_id, req in self._requests.items():
+            if req.pending_load is not None:
+                blocks = req.pending_load
+                req.pending_load = None
+                self._plan_load(plan, req_id, req, blocks, in_background=True)
         for new in step.scheduled_new_reqs:
-            if new.req_id in self._uncacheable:
+            req = self._requests.setdefault(new.req_id, _Request())
+            if req.uncacheable:
                 continue
-            tracked = _Tracked(prompt=list(new.prompt_token_ids or []), block_ids=list(new.block_ids[0]))
-            tracked.stored_upto = self._matches.get(new.req_id, (0, 0))[0]
-            self._requests[new.req_id] = tracked
-            self._plan_request(plan, new.req_id, new.num_computed_tokens, step.num_scheduled_tokens)
+            req.prompt = list(new.prompt_token_ids or [])
+            req.block_ids = list(new.block_ids[0])
+            self._start_running(req)
+            self._plan_request(plan, new.req_id, req, new.num_computed_tokens, step.num_scheduled_tokens)
         cached = step.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            tracked = self._requests.get(req_id)
-            if tracked is None:
-                continue  # an uncacheable request: nothing to load or store
+            req = self._requests.get(req_id)
+            if req is None or req.uncacheable or not req.running:
+                continue
             new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                tracked.block_ids = list(new_blocks[0]) if new_blocks else []
+                req.block_ids = list(new_blocks[0]) if new_blocks else []
+                self._start_running(req)
             elif new_blocks:
-                tracked.block_ids.extend(new_blocks[0])
-            self._plan_request(plan, req_id, cached.num_computed_tokens[i], step.num_scheduled_tokens)
+                req.block_ids.extend(new_blocks[0])
+            self._plan_request(plan, req_id, req, cached.num_computed_tokens[i], step.num_scheduled_tokens)
         return plan
 
+    def loads_done(self, req_ids: Iterable[str], failed: Iterable[str] = ()) -> None:
+        """The worker ran these loads (``failed``: those that came back short): their locks go."""
+        for req_id in failed:
+            req = self._requests.get(req_id)
+            if req is not None:
+                req.load_failed = True
+                req.stored_upto = 0  # what it could not load may be missing from the cache: store it again
+        for req_id in req_ids:
+            req = self._requests.get(req_id)
+            if req is None:
+                continue
+            req.loading = False
+            self._release(req)
+            if req.finished:
+                del self._requests[req_id]
+
     def request_finished(self, req_id: str) -> bool:
-        """Forget the request; True when stores were planned for it (vLLM must keep its blocks until the
-        worker reports them done)."""
-        self._matches.pop(req_id, None)
-        self._uncacheable.discard(req_id)
-        self._pending_loads.pop(req_id, None)
-        tracked = self._requests.pop(req_id, None)
-        return tracked is not None and tracked.stores_planned
+        """vLLM finished (or aborted) the request; True when stores were planned for it (vLLM must keep its
+        blocks until the worker reports them done)."""
+        req = self._requests.get(req_id)
+        if req is None:
+            return False
+        self._release(req)
+        if req.loading:  # vLLM keeps its blocks until the worker reports the load; forget it then
+            req.finished = True
+            return False
+        del self._requests[req_id]
+        return req.stores_planned
 
-    def _plan_request(self, plan: StepPlan, req_id: str, num_computed: int, num_scheduled: Mapping[str, int]) -> None:
-        tracked = self._requests[req_id]
-        pending = self._pending_loads.pop(req_id, None)
-        if pending is not None:
-            prompt, hit, skip = pending
-            plan.loads.append(LoadSpec(req_id, prompt[:hit], self._blocks_for(tracked, hit, req_id), skip_tokens=skip))
-            tracked.stored_upto = max(tracked.stored_upto, hit)
-        computed_after = num_computed + num_scheduled.get(req_id, 0)
-        end = min(computed_after, len(tracked.prompt)) // self.chunk_size * self.chunk_size
-        if end > tracked.stored_upto and len(tracked.block_ids) * self.block_size < end:
-            log.warning("kvferry: request %s holds too few blocks for %d tokens; not storing them", req_id, end)
-        elif end > tracked.stored_upto:
-            plan.stores.append(
-                StoreSpec(
-                    req_id,
-                    tracked.prompt[:end],
-                    self._blocks_for(tracked, end, req_id),
-                    skip_tokens=tracked.stored_upto,
-                )
-            )
-            tracked.stored_upto = end
-            tracked.stores_planned = True
-
-    def _blocks_for(self, tracked: _Tracked, num_tokens: int, req_id: str) -> list[int]:
-        needed = -(-num_tokens // self.block_size)
-        if len(tracked.block_ids) < needed:
-            raise RuntimeError(
-                f"request {req_id!r} holds {len(tracked.block_ids)} blocks, {num_tokens} tokens need {needed}"
-            )
-        return tracked.block_ids[:needed]
+    def close(self) -> None:
+        """Free every lock still held (the engine is shutting down)."""
+        for req in self._requests.values():
+            self._release(req)
 
     def tracked_requests(self) -> Iterable[str]:
-        """Ids of the requests currently tracked (for tests and leak checks)."""
+        """Ids of the requests currently known (for tests and leak checks)."""
         return self._requests.keys()
+
+    def locks_held(self) -> int:
+        return sum(req.lock is not None for req in self._requests.values())
+
+    # -- helpers ---------------------------------------------------------------------------------------------
+
+    def _release(self, req: _Request) -> None:
+        if req.lock is not None:
+            lock, req.lock = req.lock, None
+            self._free_lock(lock)
+
+    def _start_running(self, req: _Request) -> None:
+        req.running = True
+        if req.stored_upto == 0 and not req.load_failed:
+            req.stored_upto = req.hit  # what the cache held at lookup need not be stored again
+
+    def _plan_load(
+        self, plan: StepPlan, req_id: str, req: _Request, block_ids: list[int], *, in_background: bool
+    ) -> None:
+        needed = -(-req.hit // self.block_size)
+        if len(block_ids) < needed:
+            raise RuntimeError(f"request {req_id!r} holds {len(block_ids)} blocks, {req.hit} tokens need {needed}")
+        plan.loads.append(LoadSpec(req_id, req.prompt[: req.hit], block_ids[:needed], req.skip, in_background))
+        req.accepted = False
+        req.loading = True
+
+    def _plan_request(
+        self, plan: StepPlan, req_id: str, req: _Request, num_computed: int, num_scheduled: Mapping[str, int]
+    ) -> None:
+        if req.accepted:  # a hit loaded before this step's forward pass
+            self._plan_load(plan, req_id, req, req.block_ids, in_background=False)
+        computed_after = num_computed + num_scheduled.get(req_id, 0)
+        end = min(computed_after, len(req.prompt)) // self.chunk_size * self.chunk_size
+        if end > req.stored_upto and len(req.block_ids) * self.block_size < end:
+            log.warning("kvferry: request %s holds too few blocks for %d tokens; not storing them", req_id, end)
+        elif end > req.stored_upto:
+            needed = -(-end // self.block_size)
+            plan.stores.append(StoreSpec(req_id, req.prompt[:end], req.block_ids[:needed], req.stored_upto))
+            req.stored_upto = end
+            req.stores_planned = True

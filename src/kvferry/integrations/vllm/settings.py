@@ -26,7 +26,23 @@ class ConnectorSettings(BaseModel):
 
     mode: Literal["embedded", "server"] = "embedded"
     server_url: str = Field("tcp://127.0.0.1:5555", description="kvferry server endpoint (server mode)")
-    timeout_s: float = Field(30.0, gt=0, description="server mode: a request unanswered this long fails")
+    timeout_s: float = Field(
+        5.0,
+        gt=0,
+        description="server mode: a handshake or lookup unanswered this long counts the server as down (lookups "
+        "then miss at once, without waiting, until a background reconnect, retried with backoff, succeeds)",
+    )
+    async_load: bool = Field(
+        True,
+        description="load a hit in the background while vLLM keeps running the other requests (vLLM's async-load "
+        "path); false: load before the forward pass of the step that schedules the request",
+    )
+    lock_refresh_s: float = Field(
+        10.0,
+        gt=0,
+        description="a waiting request's lookup (and the lock pinning its hit) is renewed when vLLM asks again after "
+        "this long; keep it below the cache's lock_timeout_s (30 s by default)",
+    )
     config_file: str | None = Field(None, description="embedded mode: a kvferry YAML config file")
     config: dict[str, Any] = Field(
         default_factory=dict,
@@ -49,6 +65,20 @@ class ConnectorSettings(BaseModel):
         except ValidationError as exc:
             problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'extra config'}: {e['msg']}" for e in exc.errors())
             raise ValueError(f"kv_connector_extra_config for KvferryConnector: {problems}") from None
+
+    def check_chunk_size(self, chunk_size: int, block_size: int) -> None:
+        """ValueError naming both settings unless kvferry's chunks are whole vLLM blocks."""
+        if chunk_size <= 0 or block_size <= 0 or chunk_size % block_size:
+            where = (
+                "the kvferry server's --chunk-size"
+                if self.mode == "server"
+                else "kvferry's cache.chunk_size (the connector's config, config_file or KVFERRY_CACHE__CHUNK_SIZE)"
+            )
+            raise ValueError(
+                f"KvferryConnector: {where} = {chunk_size} is not a multiple of vLLM's block size = {block_size} "
+                "(--block-size): a chunk must hold whole vLLM blocks; pick a chunk size that is a multiple of the "
+                "block size (e.g. 256 with vLLM's default block size on CPU, 128)"
+            )
 
     def kvferry_config(self) -> KvferryConfig:
         """Embedded mode's cache configuration: defaults < config_file < KVFERRY_* environment < config."""

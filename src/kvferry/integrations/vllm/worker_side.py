@@ -1,20 +1,27 @@
 """The worker half of the vLLM connector: carries out each step's `StepPlan` against the engine's KV cache.
 
-Loads run synchronously before the forward pass that needs them (vLLM schedules a step with kvferry hits as a
-"sync load" step, so `start_load_kv` is called before the model runs). Stores start after the forward pass and
-run in the background; a request's blocks stay with it until its stores are done, which this side reports
-through `finished_sending`. A load that comes back short (an object evicted between lookup and load, a tier
-gone) is reported block by block, so vLLM recomputes exactly those tokens instead of reading stale KV.
+Loads come in two kinds. A background load (vLLM's async-load path: the request waits in
+WAITING_FOR_REMOTE_KVS) starts after the step's forward pass and runs while later steps decode the other
+requests; it is reported through `finished_loading` once done. A foreground load completes before the forward
+pass of the step that schedules its request. Either way a load that comes back short (a tier error, the server
+gone) is reported block by block, so vLLM recomputes exactly those tokens instead of reading stale KV, and every
+load, short or not, is reported in `take_load_report` so the scheduler half frees its lock.
+
+Stores start after the forward pass and run in the background; a request's blocks stay with it until its stores
+are done, which this side reports through `finished_sending`.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Protocol
 
+from kvferry.integrations.vllm.counters import WorkerCounters
 from kvferry.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
+from kvferry.integrations.vllm.server_link import ServerDown
 
 log = logging.getLogger(__name__)
 
@@ -22,8 +29,8 @@ log = logging.getLogger(__name__)
 class KVBackend(Protocol):
     """Moves KV between the engine's registered blocks and the cache (in this process or in a server)."""
 
-    def retrieve(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> int:
-        """Load the cached prefix of ``tokens``; returns how many leading tokens the blocks now hold (the
+    def retrieve_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
+        """Load the cached prefix of ``tokens``; resolves to how many leading tokens the blocks now hold (the
         skipped prefix included), a multiple of the chunk size or ``len(tokens)``."""
         ...
 
@@ -45,40 +52,55 @@ class WorkerSide:
         self._backend = backend
         self.block_size = block_size
         self._after_load = after_load
-        self._inflight: dict[str, list[Future[int]]] = {}  # req_id -> its unfinished stores
+        self._loading: dict[str, tuple[LoadSpec, Future[int], _Timer]] = {}  # background loads in flight
+        self._inflight: dict[str, list[tuple[Future[int], _Timer]]] = {}  # req_id -> its unfinished stores
         self._saving: set[str] = set()  # requests vLLM keeps blocks for until their stores are reported done
         self._finished: set[str] = set()  # those of them that vLLM reported finished
         self._load_errors: set[int] = set()
-        self.tokens_loaded = 0
-        self.tokens_stored = 0
+        self._loads_done: set[str] = set()
+        self._loads_failed: set[str] = set()
+        self.counters = WorkerCounters()
 
-    def load(self, plan: StepPlan) -> None:
-        """Carry out the plan's loads now (before the forward pass that reads them)."""
+    def start_loads(self, plan: StepPlan) -> None:
+        """Start the plan's background loads; run its foreground loads to the end."""
         for spec in plan.loads:
-            self._load_one(spec)
+            timer = _Timer()
+            future = timer.watch(self._retrieve(spec))
+            if spec.in_background:
+                self._loading[spec.req_id] = (spec, future, timer)
+            else:
+                self._settle_load(spec, future, timer)
+
+    def finished_loading(self) -> set[str]:
+        """Background loads done since the last call (their failed blocks are in `take_load_errors` now)."""
+        done = {req_id for req_id, (_, future, _) in self._loading.items() if future.done()}
+        for req_id in done:
+            self._settle_load(*self._loading.pop(req_id))
+        return done
 
     def start_stores(self, plan: StepPlan) -> None:
         """Start the plan's stores (after the forward pass that computed them)."""
         for spec in plan.stores:
             self._saving.add(spec.req_id)
-            self._inflight.setdefault(spec.req_id, []).append(self._store_one(spec))
+            timer = _Timer()
+            self._inflight.setdefault(spec.req_id, []).append((timer.watch(self._store(spec)), timer))
 
-    def wait_for_requests(self, req_ids: Iterable[str]) -> None:
-        """Block until every store of these requests is done (their blocks are about to be reused)."""
+    def preempted(self, req_ids: Iterable[str]) -> None:
+        """Wait for these requests' stores (their blocks are about to be reused) and forget them: vLLM frees a
+        preempted request's blocks itself."""
         for req_id in req_ids:
-            for future in self._inflight.pop(req_id, []):
-                self._settle(future, req_id)
+            self._wait_for_stores(req_id)
+            self._saving.discard(req_id)
+            self._finished.discard(req_id)
 
     def finished_sending(self, finished_req_ids: Iterable[str]) -> set[str]:
         """Of the requests vLLM finished (now or earlier) and keeps blocks for, those whose stores are done."""
         self._finished.update(r for r in finished_req_ids if r in self._saving)
         done = set()
         for req_id in list(self._finished):
-            pending = [f for f in self._inflight.get(req_id, []) if not f.done()]
-            if pending:
-                self._inflight[req_id] = pending
+            if any(not future.done() for future, _ in self._inflight.get(req_id, [])):
                 continue
-            self.wait_for_requests([req_id])  # all done: collect their results and errors
+            self._wait_for_stores(req_id)  # all done: collect their results and errors
             done.add(req_id)
         self._finished -= done
         self._saving -= done
@@ -89,42 +111,88 @@ class WorkerSide:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def take_load_report(self) -> tuple[set[str], set[str]]:
+        """(requests whose loads ran since the last call, those of them that came back short)."""
+        report = self._loads_done, self._loads_failed
+        self._loads_done, self._loads_failed = set(), set()
+        return report
+
     def close(self) -> None:
-        """Wait for every store still running."""
-        self.wait_for_requests(list(self._inflight))
+        """Wait for every load and store still running (they read or write vLLM's blocks)."""
+        for spec, future, timer in list(self._loading.values()):
+            self._settle_load(spec, future, timer)
+        self._loading.clear()
+        for req_id in list(self._inflight):
+            self._wait_for_stores(req_id)
 
-    def _load_one(self, spec: LoadSpec) -> None:
-        target = len(spec.tokens)
-        try:
-            got = self._backend.retrieve(spec.tokens, spec.block_ids, spec.skip_tokens)
-        except Exception:
-            log.exception("kvferry: loading %d tokens for request %s failed", target, spec.req_id)
-            got = spec.skip_tokens
-        if got < target:
-            first_bad = max(got, spec.skip_tokens) // self.block_size
-            self._load_errors.update(spec.block_ids[first_bad:])
-            log.warning(
-                "kvferry: request %s: loaded %d of %d tokens; vLLM recomputes the rest",
-                spec.req_id,
-                got,
-                target,
-            )
-        self.tokens_loaded += max(0, min(got, target) - spec.skip_tokens)
-        written = spec.block_ids[spec.skip_tokens // self.block_size : -(-min(got, target) // self.block_size)]
-        if self._after_load is not None and written:
-            self._after_load(written)
+    # -- helpers ---------------------------------------------------------------------------------------------
 
-    def _store_one(self, spec: StoreSpec) -> Future[int]:
+    def _retrieve(self, spec: LoadSpec) -> Future[int]:
         try:
-            return self._backend.store_async(spec.tokens, spec.block_ids, spec.skip_tokens)
-        except Exception as exc:  # a store is best effort: a failed one is a later cache miss
-            log.exception("kvferry: starting the store for request %s failed", spec.req_id)
+            return self._backend.retrieve_async(spec.tokens, spec.block_ids, spec.skip_tokens)
+        except Exception as exc:
             failed: Future[int] = Future()
             failed.set_exception(exc)
             return failed
 
-    def _settle(self, future: Future[int], req_id: str) -> None:
+    def _settle_load(self, spec: LoadSpec, future: Future[int], timer: _Timer) -> None:
+        target = len(spec.tokens)
         try:
-            self.tokens_stored += future.result()
-        except Exception:
-            log.exception("kvferry: a store for request %s failed (a later lookup misses)", req_id)
+            got = future.result()
+        except Exception as exc:
+            if not isinstance(exc, ServerDown):  # the link already said the server is down, once
+                log.warning("kvferry: loading request %s failed: %s: %s", spec.req_id, type(exc).__name__, exc)
+            got = spec.skip_tokens
+        self.counters.loads += 1
+        self.counters.load_seconds += timer.seconds
+        self._loads_done.add(spec.req_id)
+        if got < target:
+            first_bad = max(got, spec.skip_tokens) // self.block_size
+            self._load_errors.update(spec.block_ids[first_bad:])
+            self._loads_failed.add(spec.req_id)
+            self.counters.load_failures += 1
+            log.warning(
+                "kvferry: request %s: loaded %d of %d tokens; vLLM recomputes the rest", spec.req_id, got, target
+            )
+        self.counters.tokens_loaded += max(0, min(got, target) - spec.skip_tokens)
+        written = spec.block_ids[spec.skip_tokens // self.block_size : -(-min(got, target) // self.block_size)]
+        if self._after_load is not None and written:
+            self._after_load(written)
+
+    def _store(self, spec: StoreSpec) -> Future[int]:
+        try:
+            return self._backend.store_async(spec.tokens, spec.block_ids, spec.skip_tokens)
+        except Exception as exc:  # a store is best effort: a failed one is a later cache miss
+            failed: Future[int] = Future()
+            failed.set_exception(exc)
+            return failed
+
+    def _wait_for_stores(self, req_id: str) -> None:
+        for future, timer in self._inflight.pop(req_id, []):
+            try:
+                self.counters.tokens_stored += future.result()
+            except Exception as exc:
+                self.counters.store_failures += 1
+                if not isinstance(exc, ServerDown):
+                    log.warning("kvferry: a store for request %s failed (a later lookup misses): %s", req_id, exc)
+            self.counters.stores += 1
+            self.counters.store_seconds += timer.seconds
+
+
+class _Timer:
+    """From its creation to the end of the future it watches (set on the thread that ends it)."""
+
+    def __init__(self) -> None:
+        self._started = time.perf_counter()
+        self._ended: float | None = None
+
+    def watch(self, future: Future[int]) -> Future[int]:
+        future.add_done_callback(self._end)
+        return future
+
+    def _end(self, _: Future[int]) -> None:
+        self._ended = time.perf_counter()
+
+    @property
+    def seconds(self) -> float:
+        return (self._ended or time.perf_counter()) - self._started
