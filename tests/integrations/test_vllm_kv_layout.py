@@ -76,3 +76,16 @@ def test_after_load_hook_is_resolved_by_module_path() -> None:
         ConnectorSettings(after_load_hook="json.dumps").load_after_load_hook()
     with pytest.raises(ValueError, match="nope is not a callable of json"):
         ConnectorSettings(after_load_hook="json:nope").load_after_load_hook()
+
+
+def test_fp8_encodings_have_key_spaces_of_their_own() -> None:
+    from kvferry.integrations.vllm.backends import KeySpace
+
+    raw = {name: t.view(torch.uint8)[..., : t.shape[-1]].contiguous() for name, t in cpu_kv().items()}
+    spaces = {
+        cache: KeySpace.of(recognise(raw, isa="vec", kv_cache_dtype=cache), model="m", salt="s").namespace(256)
+        for cache in ("fp8_e4m3", "fp8_e5m2")
+    }
+    assert spaces["fp8_e4m3"].digest != spaces["fp8_e5m2"].digest
+    plain = KeySpace.of(recognise(cpu_kv(), isa="vec", kv_cache_dtype="auto"), model="m", salt="s")
+    assert plain.salt == "s"

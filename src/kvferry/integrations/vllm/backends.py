@@ -44,7 +44,10 @@ class KeySpace:
     def of(cls, kv: EngineKV, *, model: str, salt: str) -> KeySpace:
         geometry = describe(kv.fmt, kv.layers, kv.block_size)
         kv_size, num_layers, _, width = geometry.object_shape(1)
-        return cls(model, salt, kv.fmt.name, dtype_name(geometry.dtype), kv_size, num_layers, width)
+        dtype = dtype_name(geometry.dtype)
+        if kv.kv_dtype != dtype:  # fp8 caches of either encoding are uint8 tensors: the encoding splits the keys
+            salt = f"{salt}|kv_cache_dtype={kv.kv_dtype}"
+        return cls(model, salt, kv.fmt.name, dtype, kv_size, num_layers, width)
 
     def namespace(self, chunk_size: int) -> CacheNamespace:
         shape = (self.kv_size, self.num_layers, chunk_size, self.width)
