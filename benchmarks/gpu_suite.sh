@@ -21,8 +21,8 @@ status=0
 python3 benchmarks/bench_gpu_transfer.py --out "$out/gpu.json" --sections "$sections" --reps 15 2>&1 \
     | grep -Ev "serial|zero-copy kernel" | tee "$out/gpu.txt" || status=1
 python3 benchmarks/bench_cache_gpu.py 2>&1 | tail -6 | tee "$out/cache_gpu.txt" || status=1
-python3 benchmarks/trace_gpu_call.py --out "$out/anatomy_1.json" --reps 20 2>&1 | grep -v "^   " \
+python3 benchmarks/experiments/trace_gpu_call.py --out "$out/anatomy_1.json" --reps 20 2>&1 | grep -v "^   " \
     | tee "$out/anatomy_1.txt" || status=1
-python3 benchmarks/trace_gpu_call.py --out "$out/anatomy_32.json" --chunks 32 --models qwen2.5-0.5b --reps 15 2>&1 \
+python3 benchmarks/experiments/trace_gpu_call.py --out "$out/anatomy_32.json" --chunks 32 --models qwen2.5-0.5b --reps 15 2>&1 \
     | grep -v "^   " | tee "$out/anatomy_32.txt" || status=1
 exit "$status"

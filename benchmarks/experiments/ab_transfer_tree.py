@@ -1,11 +1,14 @@
 """Question: does this tree's one-chunk transfer cost more or less than a baseline commit's, on the same host?
 
-One process holds both trees (`benchmarks/baseline_tree.sh REV` makes `src/kvferry_base`); every turn times the
-baseline, this tree and a pinned memcpy of the same bytes back to back (order alternating), so a host whose speed
-drifts moves all three alike. Prints medians of the call-to-completion wall time, its ratio to the memcpy, and the
-CPU time of the enqueue.
+Answer: none recorded yet (added 2026-12-01; docs/benchmark_log.md has no run of it).
 
-    benchmarks/baseline_tree.sh 173cb43 && PYTHONPATH=src python3 benchmarks/experiments/ab_transfer_tree.py [turns]
+One process holds both trees (`benchmarks/experiments/baseline_tree.sh REV` makes `src/kvferry_base`); every turn
+times the baseline, this tree and a pinned memcpy of the same bytes back to back (order alternating), so a host whose
+speed drifts moves all three alike. Prints medians of the call-to-completion wall time, its ratio to the memcpy, and
+the CPU time of the enqueue.
+
+    benchmarks/experiments/baseline_tree.sh 173cb43
+    PYTHONPATH=src python3 benchmarks/experiments/ab_transfer_tree.py [turns]
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 metadata ring in CPU tensors, and kernel launches mapped back to tensors and run in Triton's interpreter.
 
 Used by `test_engine_on_cpu.py` (correctness of the engine's own logic in CI, which has no GPU) and by
-`benchmarks/submit_cpu_cost.py` (the enqueue's Python cost, with `copies=False`). Enqueue order is a valid order for
-every stream dependency the engine records, so running each call at once is faithful; both lanes share one staging
-buffer and ring, which is safe because nothing is ever in flight.
+`benchmarks/experiments/submit_cpu_cost.py` and `cache_cpu_cost.py` (the enqueue's Python cost, with `copies=False`).
+Enqueue order is a valid order for every stream dependency the engine records, so running each call at once is
+faithful; both lanes share one staging buffer and ring, which is safe because nothing is ever in flight.
 """
 
 from __future__ import annotations

@@ -1,8 +1,12 @@
-"""CPU cost of `TransferEngine.submit` (the staged path's Python), on any machine: the engine runs on CPU memory
-(`tests/transfer/cpu_engine.py`) with its copies and kernel launches skipped, so this times only the Python that
-runs per request before and between them.
+"""Question: how much CPU time does `TransferEngine.submit` (the staged path's Python) cost per request?
 
-    python benchmarks/submit_cpu_cost.py
+Answer (2026-11-29, CPU machine, engine v7): store / retrieve, one llama3-8b chunk 15-16 / 15 us, 16 chunks 40-51 /
+40-45 us (engine v6: 21 us for one chunk; before the schedule cache, 78 / 50) (docs/benchmark_log.md, 2026-11-29).
+
+Runs on any machine: the engine runs on CPU memory (`tests/transfer/cpu_engine.py`) with its copies and kernel
+launches skipped, so this times only the Python that runs per request before and between them.
+
+    python benchmarks/experiments/submit_cpu_cost.py
 
 On the GPU machine each real driver call adds ~1-2 us and a launch ~10 us (profile_gpu_call.py times the full call).
 """
@@ -16,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root, for tests.transfer
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for tests.transfer
 from tests.transfer.cpu_engine import CopyingDriver, World, completion_init, engine_on
 
 from kvferry.kernels import triton_copy
@@ -31,7 +35,8 @@ def main() -> None:
     gpu_engine.Completion.__del__ = lambda self: None  # type: ignore[method-assign]
     config = gpu_engine.EngineConfig()
     engine = engine_on(World(HostPool(1 << 20, pin=False), config.slot_bytes), CopyingDriver(copies=False), config)
-    plan = types.SimpleNamespace(bs=16, bytes_per_token=32 * 2 * 1024 * 2, word=8)  # llama3-8b, format 1
+    # llama3-8b, format 1, every head (a stub of the Triton plan: what `submit` reads)
+    plan = types.SimpleNamespace(bs=16, bytes_per_token=32 * 2 * 1024 * 2, word=8, partial_rows=False)
     cases = {
         "one llama chunk (32 MiB)": ([torch.empty((2, 32, 256, 1024), dtype=torch.bfloat16)], 16),
         "16 llama chunks": ([torch.empty((2, 32, 256, 1024), dtype=torch.bfloat16) for _ in range(16)], 256),

@@ -1,6 +1,14 @@
-"""A/B of two GPU engine settings on one-chunk requests, in one process, interleaved with the memcpy ceiling.
+"""Question: does a GPU `EngineConfig` setting (an experiment's new field, or a value) make one-chunk transfers
+faster than the defaults, measured in one process?
 
-Run on the GPU machine:  PYTHONPATH=src python3 benchmarks/ab_engine_config.py metadata_in_place_below=0
+Answers (docs/benchmark_log.md): 2026-11-29 (H200 #20, `metadata_in_place_below=0` on that experiment's tree):
+no, block ids read by the kernels in pinned memory ran slower (llama D2H 0.866 against 0.891, H2D 0.877 against
+0.919), reverted; 2026-11-30 (H200 #5, `edge_slice_bytes=0`): a 4 MiB first slice made no difference above the
+noise (723 vs 712 us, then 683 vs 689), dropped. Neither field exists any more.
+
+An A/B of two GPU engine settings on one-chunk requests, in one process, interleaved with the memcpy ceiling.
+
+Run on the GPU machine:  PYTHONPATH=src python3 benchmarks/experiments/ab_engine_config.py FIELD=INT ...
 The first engine has the default settings, the second the given `EngineConfig` overrides (int values). Every
 repetition times A, B and the ceiling back to back, so a host whose speed drifts moves all three alike.
 """

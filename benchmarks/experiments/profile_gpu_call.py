@@ -1,4 +1,13 @@
-"""Where the CPU time of one GPU transfer call goes (run on the GPU machine; prints microseconds per piece)."""
+"""Question: where does the CPU time of one GPU transfer call go (each driver call, launch, check and the engine's
+submit; a stopwatch through the stages of one call; a profile)?
+
+Answer (2026-11-29, H200 #7, engine v7): one llama3-8b chunk's store: validation done 23 us after the call, `submit`
+entered 35, metadata uploaded 58, first launch 85, return 136, bytes moved 722; on engine v5 a whole call was
+57 us of CPU, `submit` 50, one kernel launch 9.7 (docs/benchmark_log.md, 2026-11-29).
+
+Run on the GPU machine (prints microseconds per piece):
+    PYTHONPATH=src python3 benchmarks/experiments/profile_gpu_call.py
+"""
 
 from __future__ import annotations
 

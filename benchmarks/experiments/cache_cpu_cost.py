@@ -1,12 +1,19 @@
-"""CPU time of one llama3-8b chunk's `CacheEngine.store` up to its first GPU operation, on any machine, warm and cold.
+"""Question: how much CPU time does one llama3-8b chunk's `CacheEngine.store` spend before its first GPU launch, with
+the CPU's caches warm and cold, and does enqueueing the copy first ("ahead") cut it?
 
-    python benchmarks/cache_cpu_cost.py [calls]
+Answer (2026-11-30, CPU machine, `... cache_cpu_cost.py 300`): median (10th percentile) to the first launch, in order
+warm 73 (50) / cold 367 (259) us; ahead warm 42 (36) / cold 220 (165) us: ahead is what the cache does since 4ff66ec
+(docs/benchmark_log.md, 2026-11-30).
+
+The CPU time of one llama3-8b chunk's store up to its first GPU operation, on any machine, warm and cold.
+
+    python benchmarks/experiments/cache_cpu_cost.py [calls]
 
 The store runs the GPU path's code (`transfer_pool_async` into the transfer engine, `tests/transfer/cpu_engine.py`:
 the engine on CPU memory, its driver calls and launches stubbed), so what is timed is the Python from the call to
 its first kernel launch, then to the end of the store. "cold": 64 MB of memory are written between two stores,
 so none of the path's code or data is in the CPU's caches; on the GPU host a store after idling or after other
-work runs like that (`benchmarks/store_context_gpu.py`: +150-200 us). Both orders of a store are timed
+work runs like that (`benchmarks/experiments/store_context_gpu.py`: +150-200 us). Both orders of a store are timed
 (`kvferry.cache.writer`): in order (keys, pool objects, copy) and ahead (copy, then keys and index entries).
 Prints medians and 10th percentiles (this shared machine's speed swings 1.5x between runs).
 """
@@ -23,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root, for tests.transfer
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for tests.transfer
 from tests.transfer.cpu_engine import CopyingDriver, World, completion_init, engine_on
 
 from kvferry.cache import CacheEngine, writer
@@ -52,7 +59,8 @@ def main() -> None:
     config = gpu_engine.EngineConfig()
     cache = CacheEngine(KvferryConfig.load(overrides={"cache": {"l1_size_gb": 0.5}}))
     engine = engine_on(World(cache.pool, config.slot_bytes), CopyingDriver(copies=False), config)
-    plan = types.SimpleNamespace(bs=16, bytes_per_token=32 * 2 * 1024 * 2, word=8)  # llama3-8b, format 1
+    # llama3-8b, format 1, every head (a stub of the Triton plan: what `submit` reads)
+    plan = types.SimpleNamespace(bs=16, bytes_per_token=32 * 2 * 1024 * 2, word=8, partial_rows=False)
 
     def enqueue(geom: Any, objects: list[torch.Tensor], ids: Any, direction: Any, chunk: int, skip: int) -> Done:
         checked = check_pool_objects(geom, objects, ids, direction, chunk, skip)

@@ -1,11 +1,18 @@
-"""A/B of one llama3-8b chunk's `CacheEngine.store` on the GPU: this tree against a baseline, in one process.
+"""Question: does a store that enqueues its copy before its keys and index entries (4ff66ec) make one llama3-8b chunk's
+`CacheEngine.store` on the GPU faster than 411768e's store, measured in one process?
 
-    benchmarks/baseline_tree.sh REV                     # src/kvferry_base: kvferry as of REV
-    PYTHONPATH=src python3 benchmarks/ab_cache_store.py [turns]
+Answer (2026-11-30, H200 #2-#5, `... ab_cache_store.py 80`): yes, 26-85 us less per store in every pairing: the
+bench_cache_gpu loop 0.759 -> 0.817, 0.850 -> 0.885, 0.740 -> 0.811 of the memcpy; after a 2 ms sleep 0.719 -> 0.768,
+0.748 -> 0.805 (docs/benchmark_log.md, 2026-11-30).
+
+An A/B of one llama3-8b chunk's `CacheEngine.store` on the GPU: this tree against a baseline, in one process.
+
+    benchmarks/experiments/baseline_tree.sh REV         # src/kvferry_base: kvferry as of REV
+    PYTHONPATH=src python3 benchmarks/experiments/ab_cache_store.py [turns]
 
 The two caches store by turns, one store each per turn, next to a pinned memcpy of the same bytes, so a host whose
 speed drifts moves all three alike. Two contexts: what bench_cache_gpu.py's loop runs between two stores (memcpys
-both ways and a retrieve) and a 2 ms sleep (the CPU's caches go cold: `store_context_gpu.py`). Prints the medians
+both ways and a retrieve) and a 2 ms sleep (the CPU's caches go cold: `store_context_gpu.py` here). Prints the medians
 and the median of per-turn ratios to the memcpy.
 """
 

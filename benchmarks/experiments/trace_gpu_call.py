@@ -1,6 +1,12 @@
-"""Anatomy of one GPU transfer call: where the wall time of a one-chunk request goes.
+"""Question: where does the wall time of a GPU request go on the GPU's timeline (the CPU before the first GPU
+operation, the gathers, the DMAs), against a memcpy of the same bytes?
 
-Run on the GPU machine:  PYTHONPATH=src python3 benchmarks/trace_gpu_call.py --out $OUT/anatomy.json
+Answer (2026-11-29, H200 #11 and #16): the copy engine runs a request back to back at the memcpy's rate (qwen2.5-0.5b,
+32 scattered chunks: copy span 1833 us against the memcpy's 1823, 0.995 on the GPU; one llama3-8b chunk's first
+gather 14 us, then the DMAs); what the wall clock adds is the CPU time before the first GPU operation
+(docs/benchmark_log.md, 2026-11-29).
+
+Run on the GPU machine:  PYTHONPATH=src python3 benchmarks/experiments/trace_gpu_call.py --out $OUT/anatomy.json
 
 One chunk (llama3-8b 32 MiB, qwen2.5-0.5b 3 MiB; `--chunks N` for N), both directions, for engine variants: wall time of
 call-to-completion against a same-run single pinned memcpy (medians, alternating), then a torch.profiler (CUPTI)
@@ -20,7 +26,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for bench_gpu_transfer
 from bench_gpu_transfer import F, Setup
 from kvferry import Direction
 from kvferry.transfer.gpu_engine import EngineConfig, MiB, TransferEngine

@@ -1,7 +1,13 @@
-"""What runs between two stores changes a store's time: one llama3-8b chunk through `CacheEngine.store` on a GPU
-engine, with different work between consecutive stores (the loop of bench_cache_gpu.py is the first).
+"""Question: does what runs between two stores change a one-chunk `CacheEngine.store`'s time on the GPU host?
 
-Run on the GPU machine:  PYTHONPATH=src python3 benchmarks/store_context_gpu.py [--trace OUT_DIR]
+Answer (2026-11-30, H200 #6, `--turns 4`): yes: of the memcpy, 0.875 after the bench_cache_gpu loop's copies and a
+retrieve, 0.879 after another store, 0.867 after a retrieve, 0.859 after a memcpy, 0.763 after a 2 ms sleep, 0.730
+after 64 MB of CPU-cache thrash: a store that starts with cold CPU caches pays ~120-150 us (docs/benchmark_log.md).
+
+One llama3-8b chunk through `CacheEngine.store` on a GPU engine, with different work between consecutive stores (the
+loop of `kvferry bench cache-gpu` is the first).
+
+Run on the GPU machine:  PYTHONPATH=src python3 benchmarks/experiments/store_context_gpu.py [--trace OUT_DIR]
 Every variant runs in turns of 8 stores, round robin, so a host whose speed drifts moves them alike; each store's
 wall time is divided into the same turn's memcpy medians. `--trace`: a torch.profiler (CUPTI) timeline of the
 bench_cache_gpu loop, summarised per store: when its first GPU operation starts after the Python call, its DMAs, and
