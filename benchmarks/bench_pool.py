@@ -1,117 +1,12 @@
-"""Host pool throughput: alloc+free operations per second, for the pool and for its allocator alone.
+"""Host pool throughput, as a script: `kvferry bench pool` (kvferry/bench/pool_bench.py), its flags, and results also
+written to bench-out/bench_pool.json unless --json names another file.
 
-    python benchmarks/bench_pool.py [--ops 200000] [--capacity-mib 1024] [--out bench-out/bench_pool.json]
-
-Cases:
-  chunk_pairs      alloc then free one llama3-8b chunk object ([2, 32, 256, 1024] bf16, 32 MiB) at a time
-  random_churn     random alloc/free of mixed sizes and dtypes with a pool kept near full (fragmented)
-  allocator_pairs  ExtentAllocator reserve+release alone, without tensor views (the pure-Python part)
-Every case reports operations per second, counting an alloc and a free as one operation each.
+    python3 benchmarks/bench_pool.py [--ops 200000] [--capacity-mib 1024] [--json PATH]
 """
 
-from __future__ import annotations
+import sys
 
-import argparse
-import json
-import platform
-import random
-import time
-from collections.abc import Callable
-from pathlib import Path
-
-import torch
-
-from kvferry.memory import HostPool
-from kvferry.memory.extent_allocator import ExtentAllocator
-
-MIB = 1024 * 1024
-CHUNK_SHAPE = (2, 32, 256, 1024)
-DTYPES = (torch.uint8, torch.bfloat16, torch.float32)
-
-
-def chunk_pairs(pool: HostPool, ops: int) -> int:
-    for _ in range(ops // 2):
-        pool.free(pool.alloc(CHUNK_SHAPE, torch.bfloat16))
-    return ops // 2 * 2
-
-
-def random_churn(pool: HostPool, ops: int) -> int:
-    rng = random.Random(0)
-    requests = []
-    for _ in range(1024):
-        dtype = rng.choice(DTYPES)
-        requests.append(((rng.randint(1, 16), rng.randint(1, 64 * 1024) // dtype.itemsize + 1), dtype))
-    live: list[torch.Tensor] = []
-    done = 0
-    for step in range(ops):
-        if live and rng.random() < 0.47:
-            index = rng.randrange(len(live))
-            live[index], live[-1] = live[-1], live[index]
-            pool.free(live.pop())
-            done += 1
-        else:
-            shape, dtype = requests[step & 1023]
-            tensor = pool.try_alloc(shape, dtype)
-            if tensor is not None:
-                live.append(tensor)
-                done += 1
-    for tensor in live:
-        pool.free(tensor)
-    return done + len(live)
-
-
-def allocator_pairs(pool: HostPool, ops: int) -> int:
-    extents = ExtentAllocator(pool.capacity_bytes // pool.alignment)
-    for units in range(ops // 2):
-        size = 1 + units % 64
-        start = extents.reserve(size)
-        assert start is not None
-        extents.release(start, size)
-    return ops // 2 * 2
-
-
-CASES: dict[str, Callable[[HostPool, int], int]] = {
-    "chunk_pairs": chunk_pairs,
-    "random_churn": random_churn,
-    "allocator_pairs": allocator_pairs,
-}
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ops", type=int, default=200_000, help="operations per case")
-    parser.add_argument("--capacity-mib", type=int, default=1024, help="pool size")
-    parser.add_argument("--out", type=Path, default=Path("bench-out/bench_pool.json"), help="JSON results")
-    args = parser.parse_args()
-
-    pool = HostPool(args.capacity_mib * MIB)
-    rows = []
-    for name, case in CASES.items():
-        start = time.perf_counter()
-        done = case(pool, args.ops)
-        seconds = time.perf_counter() - start
-        assert pool.used_bytes == 0, f"{name} left {pool.used_bytes} bytes allocated"
-        rows.append({"case": name, "ops": done, "seconds": seconds, "ops_per_s": done / seconds})
-
-    result = {
-        "benchmark": "bench_pool",
-        "capacity_bytes": pool.capacity_bytes,
-        "pinned": pool.is_pinned,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "results": rows,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"HostPool {pool.capacity_bytes // MIB} MiB, pinned={pool.is_pinned}, torch {torch.__version__}")
-    print(f"{'case':<16} {'ops':>10} {'seconds':>9} {'ops/s':>12} {'us/op':>8}")
-    for row in rows:
-        print(
-            f"{row['case']:<16} {row['ops']:>10,} {row['seconds']:>9.3f} {row['ops_per_s']:>12,.0f} "
-            f"{1e6 / row['ops_per_s']:>8.2f}"
-        )
-    print(f"results written to {args.out}")
-
+from kvferry.bench.pool_bench import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -26,9 +26,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for bench_gpu_transfer
-from bench_gpu_transfer import F, Setup
 from kvferry import Direction
+from kvferry.bench.gpu_transfer_bench import F, Setup
 from kvferry.transfer.gpu_engine import EngineConfig, MiB, TransferEngine
 
 VARIANTS = {

@@ -1,7 +1,9 @@
-"""`kvferry` top level, `kvferry formats` and the wiring of `kvferry server`."""
+"""`kvferry` top level, every `kvferry bench` subcommand's --help, `kvferry formats` and the wiring of
+`kvferry server`."""
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
@@ -12,6 +14,7 @@ import time
 
 import pytest
 
+from kvferry.cli.bench_cmd import BENCHMARKS
 from kvferry.cli.formats_cmd import object_shape_rule
 from kvferry.cli.main import main
 from kvferry.formats import LAYOUTS, EngineKVFormat
@@ -36,6 +39,69 @@ def test_bench_transfer_help_names_every_option(capsys: pytest.CaptureFixture[st
         assert flag in out
     for flag in ("--device", "--dtype", "--repeats", "--json", "--layers", "--heads", "--head-size", "examples:"):
         assert flag in out
+
+
+def test_bench_help_lists_every_benchmark(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for b in BENCHMARKS:
+        assert b.name in out
+    assert "examples:" in out
+
+
+# Each benchmark's own flags, as its --help must name them (besides --json).
+FLAGS = {
+    "transfer": ("--model", "--format", "--tokens", "--repeats"),
+    "cache": ("--repeats",),
+    "pool": ("--ops", "--capacity-mib"),
+    "tiers": ("--dir", "--total-mib", "--reps", "--redis-url", "--objects"),
+    "server": ("--requests", "--transfers", "--model", "--device", "--pool-gb"),
+    "gpu-transfer": ("--reps", "--sections"),
+    "cache-gpu": (),
+    "vllm-ttft": ("--prompt-tokens", "--prompts", "--layers", "--hidden", "--chunk-size", "--dtype"),
+    "vllm-async-load": ("--prefix-tokens", "--running", "--layers", "--kv-heads"),
+}
+
+
+def test_every_benchmark_has_flags_listed_here() -> None:
+    assert set(FLAGS) == {b.name for b in BENCHMARKS}
+
+
+@pytest.mark.parametrize("name", sorted(FLAGS))
+def test_bench_subcommand_help(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", name, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert f"usage: kvferry bench {name}" in out
+    for flag in (*FLAGS[name], "--json", "examples:"):
+        assert flag in out
+
+
+def test_help_imports_no_benchmark() -> None:
+    """`kvferry --help` and `kvferry bench --help` import no benchmark (nor ZMQ, Redis, the cache); a vLLM
+    benchmark's --help does not import vLLM."""
+    code = (
+        "import json, sys\n"
+        "from kvferry.cli.main import main\n"
+        "def imported(argv):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "    names = ('kvferry.bench', 'kvferry.cache', 'zmq', 'redis', 'vllm', 'transformers', 'rich.progress')\n"
+        "    return sorted(n for n in names if n in sys.modules)\n"
+        "top, bench = imported(['--help']), imported(['bench', '--help'])\n"
+        "ttft, load = imported(['bench', 'vllm-ttft', '--help']), imported(['bench', 'vllm-async-load', '--help'])\n"
+        "print('IMPORTED', json.dumps([top, bench, ttft, load]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    top, bench, ttft, load = json.loads(done.stdout.rsplit("IMPORTED ", 1)[1])
+    assert top == bench == []
+    assert not {"vllm", "transformers"} & {*ttft, *load}
 
 
 def test_no_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,4 +1,4 @@
-"""README.md stays true: its set-up block, its formats table and its Python example."""
+"""README.md stays true: its set-up block, its formats table, its benchmarks table and its Python example."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvferry.cache import CacheEngine
+from kvferry.cli.bench_cmd import BENCHMARKS
 from kvferry.cli.main import main
 from kvferry.config import KvferryConfig
 from kvferry.server import KvferryServer, ServerConfig
@@ -28,6 +29,11 @@ def test_readme_opens_with_the_two_setup_commands() -> None:
 def test_readme_formats_table_is_what_kvferry_formats_prints(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["formats", "--markdown"]) == 0
     assert capsys.readouterr().out.strip() in README
+
+
+def test_readme_benchmarks_table_has_every_benchmark() -> None:
+    rows = re.findall(r"^\| `kvferry bench ([a-z-]+)` \|", README, flags=re.M)
+    assert rows == [b.name for b in BENCHMARKS]
 
 
 def test_readme_python_examples_run() -> None:

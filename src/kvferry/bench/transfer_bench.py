@@ -10,56 +10,27 @@ backend: a fast but wrong backend is never reported. Timed runs alternate with t
 
 from __future__ import annotations
 
+import argparse
 import math
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+from rich.table import Table
 
+from kvferry.bench.harness import BenchError, Outcome, Steps, add_json_argument, description_of
 from kvferry.bench.timing import CopyCeiling, gbps, time_call
-from kvferry.formats import EngineKVFormat, KVGeometry, describe, layout_of
-from kvferry.formats.synthetic import MODELS, ModelDims, make_paged, random_fill
+from kvferry.bench.transfer_spec import DTYPES, BenchSpec, kv_dtype, make_spec
+from kvferry.formats import EngineKVFormat, KVGeometry, describe
+from kvferry.formats.synthetic import MODELS, make_paged, random_fill
 from kvferry.memory import HostPool
 from kvferry.transfer import Direction, transfer
 
-DTYPES: dict[str, torch.dtype] = {
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp32": torch.float32,
-    "fp8": torch.float8_e4m3fn,
-}
 DIRECTION_NAMES = {Direction.D2H: "d2h", Direction.H2D: "h2d"}
 _VERIFY_OBJECTS = 2  # chunk objects' worth of blocks checked against the reference per case
 _POISON = 0x5A
-
-
-class BenchError(ValueError):
-    """A benchmark that cannot run as asked (bad option) or whose backend disagrees with the reference."""
-
-
-@dataclass(frozen=True)
-class BenchSpec:
-    """What to measure. Build it with `make_spec` to get the model defaults and validation."""
-
-    model: str
-    dims: ModelDims
-    formats: tuple[EngineKVFormat, ...]
-    directions: tuple[Direction, ...]
-    tokens: int
-    chunk_size: int
-    block_size: int
-    backend: str
-    device: torch.device
-    dtype: torch.dtype
-    repeats: int
-    seed: int = 0
-
-    @property
-    def steps(self) -> int:
-        """Progress steps of a run: per case, one check against the reference, one warm-up, the repeats."""
-        return len(self.formats) * len(self.directions) * (self.repeats + 2)
 
 
 @dataclass
@@ -82,120 +53,6 @@ class TransferResult:
         self.gbps = gbps(self.nbytes, statistics.median(self.seconds))
         self.ceiling_gbps = gbps(self.nbytes, statistics.median(self.ceiling_seconds))
         self.ratio = self.gbps / self.ceiling_gbps
-
-
-def is_mla(dims: ModelDims) -> bool:
-    return bool(dims.plane_widths)
-
-
-def default_format(dims: ModelDims) -> EngineKVFormat:
-    """vLLM's flash-attention layout for MHA/GQA models; vLLM's MLA layout for MLA models."""
-    return EngineKVFormat.NL_X_NB_BS_HS if is_mla(dims) else EngineKVFormat.NL_X_TWO_NB_BS_NH_HS
-
-
-def default_block_size(dims: ModelDims) -> int:
-    """64-token blocks for MLA models (DeepSeek on vLLM), 16 otherwise."""
-    return 64 if is_mla(dims) else 16
-
-
-def parse_formats(text: str, dims: ModelDims) -> tuple[EngineKVFormat, ...]:
-    """`all` (every layout of the model's attention kind), or comma-separated names or ids."""
-    if text.strip().lower() == "all":
-        return tuple(f for f in EngineKVFormat if layout_of(f).is_mla == is_mla(dims))
-    out = []
-    for item in text.split(","):
-        item = item.strip()
-        try:
-            out.append(EngineKVFormat(int(item)) if item.isdigit() else EngineKVFormat[item.upper()])
-        except (KeyError, ValueError):
-            raise BenchError(
-                f"--format {item!r} is not a format name or id (see `kvferry formats`), nor 'all'"
-            ) from None
-    return tuple(dict.fromkeys(out))
-
-
-def kv_dtype(fmt: EngineKVFormat, dtype: torch.dtype) -> torch.dtype:
-    """The dtype the engine would hold for `fmt`: byte layouts (the fp8 indexer cache) move uint8."""
-    sizes = layout_of(fmt).element_sizes
-    if sizes is not None and dtype.itemsize not in sizes:
-        return {1: torch.uint8, 2: torch.int16, 4: torch.int32}[sizes[-1]]
-    return dtype
-
-
-def make_spec(
-    *,
-    model: str = "llama3-8b",
-    layers: int | None = None,
-    heads: int | None = None,
-    head_size: int | None = None,
-    formats: str | None = None,
-    direction: str = "both",
-    tokens: int = 4096,
-    chunk_size: int = 256,
-    block_size: int | None = None,
-    backend: str = "auto",
-    device: str = "cpu",
-    dtype: str = "bf16",
-    repeats: int = 7,
-    seed: int = 0,
-) -> BenchSpec:
-    """Resolve model defaults and validate every option; raises BenchError naming the bad option."""
-    if model not in MODELS:
-        raise BenchError(f"--model {model!r} must be one of {sorted(MODELS)}")
-    base = MODELS[model]
-    dims = ModelDims(
-        nl=layers if layers is not None else base.nl,
-        nh=heads if heads is not None else base.nh,
-        hs=head_size if head_size is not None else base.hs,
-        # MLA plane widths add up to the head size; explicit head sizes make a plain (non-plane) cache.
-        plane_widths=base.plane_widths if head_size is None else (),
-    )
-    for name, value in (("--layers", dims.nl), ("--heads", dims.nh), ("--head-size", dims.hs)):
-        if value <= 0:
-            raise BenchError(f"{name} must be positive, got {value}")
-    named = model if (layers, heads, head_size) == (None, None, None) else f"custom({model})"
-    fmts = parse_formats(formats, dims) if formats else (default_format(dims),)
-    for fmt in fmts:
-        if "NP" in layout_of(fmt).nesting and not dims.plane_widths:
-            raise BenchError(f"--format {fmt.name} splits the KV into planes: it needs an MLA model's plane widths")
-    dirs = {"d2h": (Direction.D2H,), "h2d": (Direction.H2D,), "both": (Direction.D2H, Direction.H2D)}
-    if direction not in dirs:
-        raise BenchError(f"--direction {direction!r} must be one of {sorted(dirs)}")
-    bs = block_size if block_size is not None else default_block_size(dims)
-    if bs <= 0:
-        raise BenchError(f"--block-size must be positive, got {bs}")
-    if chunk_size <= 0 or chunk_size % bs:
-        raise BenchError(f"--chunk-size {chunk_size} must be a positive multiple of the block size {bs}")
-    if tokens <= 0 or tokens % bs:
-        raise BenchError(f"--tokens {tokens} must be a positive multiple of the block size {bs}")
-    if repeats <= 0:
-        raise BenchError(f"--repeats must be positive, got {repeats}")
-    if dtype not in DTYPES:
-        raise BenchError(f"--dtype {dtype!r} must be one of {sorted(DTYPES)}")
-    dev = torch.device(device)
-    if dev.type not in ("cpu", "cuda"):
-        raise BenchError(f"--device {device!r} must be cpu or cuda")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise BenchError("--device cuda but torch.cuda.is_available() is False")
-    if dev.type == "cuda" and backend in ("torch", "reference"):
-        raise BenchError(
-            f"--backend {backend} moves between tensors of one device; on cuda the objects are pinned host memory: "
-            "use --backend auto or triton"
-        )
-    return BenchSpec(
-        model=named,
-        dims=dims,
-        formats=fmts,
-        directions=dirs[direction],
-        tokens=tokens,
-        chunk_size=chunk_size,
-        block_size=bs,
-        backend=backend,
-        device=dev,
-        dtype=DTYPES[dtype],
-        repeats=repeats,
-        seed=seed,
-    )
 
 
 @dataclass
@@ -329,3 +186,140 @@ def _resolved_backend(spec: BenchSpec) -> str:
     if spec.backend != "auto":
         return spec.backend
     return "triton" if spec.device.type == "cuda" else "torch"
+
+
+DESCRIPTION = description_of(__doc__)
+EXAMPLES = """\
+examples:
+  kvferry bench transfer                                   # llama3-8b, 4096 tokens, store + retrieve
+  kvferry bench transfer --model deepseek-v3-mla           # 64-token blocks, format NL_X_NB_BS_HS
+  kvferry bench transfer --format all --tokens 1024        # every MHA layout
+  kvferry bench transfer --layers 28 --heads 4 --head-size 128 --format 2 --direction h2d
+  kvferry bench transfer --device cuda --tokens 16384 --json bench-out/transfer.json
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    shape = parser.add_argument_group("KV cache shape")
+    shape.add_argument(
+        "--model", default="llama3-8b", choices=sorted(MODELS), help="model shape (default: %(default)s)"
+    )
+    shape.add_argument("--layers", type=int, metavar="NL", help="override the model's layer count")
+    shape.add_argument("--heads", type=int, metavar="NH", help="override the model's kv heads per layer")
+    shape.add_argument("--head-size", type=int, metavar="HS", help="override the model's head size")
+    shape.add_argument(
+        "--format",
+        metavar="FMT",
+        help="format name or id, a comma-separated list, or 'all' (default: NL_X_TWO_NB_BS_NH_HS, "
+        "or NL_X_NB_BS_HS for MLA models; see `kvferry formats`)",
+    )
+    shape.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="KV dtype (default: %(default)s)")
+    shape.add_argument("--block-size", type=int, metavar="BS", help="tokens per block (default: 16; 64 for MLA)")
+    request = parser.add_argument_group("request")
+    request.add_argument("--tokens", type=int, default=4096, help="tokens per transfer (default: %(default)s)")
+    request.add_argument(
+        "--chunk-size", type=int, default=256, metavar="TOKENS", help="tokens per chunk object (default: %(default)s)"
+    )
+    request.add_argument(
+        "--direction", default="both", choices=["d2h", "h2d", "both"], help="d2h = store, h2d = retrieve"
+    )
+    request.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "torch", "triton", "reference"],
+        help="copy implementation (auto: torch on cpu, triton on cuda)",
+    )
+    request.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the engine's KV lives")
+    request.add_argument("--repeats", type=int, default=7, help="timed runs per case; medians are reported")
+    request.add_argument("--seed", type=int, default=0, help="seed of the random data and block ids")
+    add_json_argument(parser)
+
+
+def spec_of(args: argparse.Namespace) -> BenchSpec:
+    return make_spec(
+        model=args.model,
+        layers=args.layers,
+        heads=args.heads,
+        head_size=args.head_size,
+        formats=args.format,
+        direction=args.direction,
+        tokens=args.tokens,
+        chunk_size=args.chunk_size,
+        block_size=args.block_size,
+        backend=args.backend,
+        device=args.device,
+        dtype=args.dtype,
+        repeats=args.repeats,
+        seed=args.seed,
+    )
+
+
+def check(args: argparse.Namespace) -> None:
+    spec_of(args)
+
+
+def run(args: argparse.Namespace, steps: Steps) -> Outcome:
+    spec = spec_of(args)
+    steps.expect(spec.steps)
+    results = run_bench(spec, steps.done)
+    table = results_table(spec, results)
+    return Outcome(_config(spec), [_result_json(r) for r in results], [table], device=spec.device.type)
+
+
+def results_table(spec: BenchSpec, results: list[TransferResult]) -> Table:
+    dims = spec.dims
+    title = (
+        f"kvferry.transfer on {spec.model} (NL={dims.nl}, NH={dims.nh}, HS={dims.hs}), {spec.tokens} tokens, "
+        f"block {spec.block_size}, chunk {spec.chunk_size}, {spec.device.type}, median of {spec.repeats}"
+    )
+    table = Table(title=title, title_justify="left")
+    for name in ("format", "dir", "backend", "dtype", "MiB", "GB/s", "ceiling GB/s", "ratio", "ceiling"):
+        table.add_column(name, justify="right" if name in ("MiB", "GB/s", "ceiling GB/s", "ratio") else "left")
+    for r in results:
+        style = "green" if r.ratio >= 0.8 else "yellow" if r.ratio >= 0.5 else "red"
+        table.add_row(
+            f"{r.fmt.value} {r.fmt.name}",
+            r.direction,
+            r.backend,
+            r.dtype,
+            f"{r.nbytes / 2**20:.0f}",
+            f"{r.gbps:.2f}",
+            f"{r.ceiling_gbps:.2f}",
+            f"[{style}]{r.ratio:.2f}[/{style}]",
+            r.ceiling_method,
+        )
+    return table
+
+
+def _config(spec: BenchSpec) -> dict[str, Any]:
+    return {
+        "model": spec.model,
+        "dims": asdict(spec.dims),
+        "tokens": spec.tokens,
+        "chunk_size": spec.chunk_size,
+        "block_size": spec.block_size,
+        "backend": spec.backend,
+        "device": str(spec.device),
+        "dtype": str(spec.dtype).removeprefix("torch."),
+        "repeats": spec.repeats,
+        "seed": spec.seed,
+    }
+
+
+def _result_json(r: TransferResult) -> dict[str, Any]:
+    return {
+        "format": r.fmt.name,
+        "format_id": r.fmt.value,
+        "direction": r.direction,
+        "backend": r.backend,
+        "dtype": r.dtype,
+        "tokens": r.tokens,
+        "bytes": r.nbytes,
+        "gbps": r.gbps,
+        "ceiling_gbps": r.ceiling_gbps,
+        "ratio": r.ratio,
+        "ceiling_method": r.ceiling_method,
+        "seconds": r.seconds,
+        "ceiling_seconds": r.ceiling_seconds,
+        "verified_blocks": r.verified_blocks,
+    }

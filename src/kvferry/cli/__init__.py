@@ -1,1 +1,1 @@
-"""The `kvferry` command line: `kvferry bench transfer`, `kvferry formats`, `kvferry server`."""
+"""The `kvferry` command line: `kvferry bench NAME` (one per benchmark), `kvferry formats`, `kvferry server`."""

@@ -1,101 +1,109 @@
-"""`kvferry bench transfer`: flags, a progress bar, the results table and the JSON file."""
+"""`kvferry bench NAME`: the benchmarks a user runs, each a module of `kvferry.bench`.
+
+Only the chosen benchmark's module is imported (and its flags attached): `kvferry --help` and `kvferry bench --help`
+import none of them, and a benchmark's `--help` works without CUDA or vLLM. The scripts in benchmarks/ run the same
+commands through `script_main`, with the flags and the default JSON path they always had.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import sys
+import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kvferry.bench import BenchError, make_spec, run_bench
-from kvferry.bench.report import results_table, to_json, write_json
-from kvferry.bench.transfer_bench import DTYPES
-from kvferry.formats.synthetic import MODELS
 
-TRANSFER_EXAMPLES = """\
+@dataclass(frozen=True)
+class Benchmark:
+    name: str
+    module: str  # in kvferry.bench: add_arguments, check, run, DESCRIPTION, EXAMPLES
+    help: str
+    runs_on: str  # where it runs: CPU, GPU, or both; "vLLM" where it needs the vllm extra
+
+
+BENCHMARKS = (
+    Benchmark("transfer", "transfer_bench", "engine KV blocks <-> chunk objects (kvferry.transfer)", "CPU/GPU"),
+    Benchmark("cache", "cache_bench", "CacheEngine lookup time and bookkeeping per chunk", "CPU"),
+    Benchmark("pool", "pool_bench", "HostPool alloc/free operations per second", "CPU"),
+    Benchmark("tiers", "tiers_bench", "disk and Redis tiers against plain I/O of the same bytes", "CPU"),
+    Benchmark("server", "server_bench", "kvferry server over loopback: request rate and latency", "CPU/GPU"),
+    Benchmark("gpu-transfer", "gpu_transfer_bench", "the GPU data path section by section", "GPU"),
+    Benchmark("cache-gpu", "cache_gpu_bench", "one chunk through CacheEngine on a GPU engine", "GPU"),
+    Benchmark("vllm-ttft", "vllm_ttft_bench", "vLLM time to first token with and without a kvferry hit", "CPU, vLLM"),
+    Benchmark("vllm-async-load", "vllm_async_load_bench", "vLLM step time while a prefix loads", "CPU, vLLM"),
+)
+
+BENCH_EXAMPLES = """\
 examples:
-  kvferry bench transfer                                   # llama3-8b, 4096 tokens, store + retrieve
-  kvferry bench transfer --model deepseek-v3-mla           # 64-token blocks, format NL_X_NB_BS_HS
-  kvferry bench transfer --format all --tokens 1024        # every MHA layout
-  kvferry bench transfer --layers 28 --heads 4 --head-size 128 --format 2 --direction h2d
-  kvferry bench transfer --device cuda --tokens 16384 --json bench-out/transfer.json
+  kvferry bench transfer --help
+  kvferry bench cache --repeats 30
+  kvferry bench server --json bench-out/server.json
+  kvferry bench gpu-transfer --sections bulk,onechunk     # on a machine with CUDA
 """
 
 
-def add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
-    shape = parser.add_argument_group("KV cache shape")
-    shape.add_argument(
-        "--model", default="llama3-8b", choices=sorted(MODELS), help="model shape (default: %(default)s)"
+def add_bench_parser(
+    commands: argparse._SubParsersAction,
+    chosen: str | None,
+    formatter: type[argparse.HelpFormatter],
+    defaults: dict[str, object] | None = None,
+) -> None:
+    """`kvferry bench` and one subparser per benchmark; only `chosen`'s module is imported, for its flags."""
+    bench = commands.add_parser(
+        "bench",
+        help="measure kvferry against same-run ceilings (copies, plain I/O, ZMQ)",
+        description=_wrap(
+            "Benchmarks of kvferry, each reported against a ceiling measured in the same run: a plain copy of the "
+            "same bytes, plain I/O to the same filesystem or Redis, a bare ZMQ round trip. Each shows a progress "
+            "bar while it runs and a table at the end; --json PATH also writes the results, the machine and the "
+            "exact command."
+        ),
+        epilog=BENCH_EXAMPLES,
+        formatter_class=formatter,
     )
-    shape.add_argument("--layers", type=int, metavar="NL", help="override the model's layer count")
-    shape.add_argument("--heads", type=int, metavar="NH", help="override the model's kv heads per layer")
-    shape.add_argument("--head-size", type=int, metavar="HS", help="override the model's head size")
-    shape.add_argument(
-        "--format",
-        metavar="FMT",
-        help="format name or id, a comma-separated list, or 'all' (default: NL_X_TWO_NB_BS_NH_HS, "
-        "or NL_X_NB_BS_HS for MLA models; see `kvferry formats`)",
-    )
-    shape.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="KV dtype (default: %(default)s)")
-    shape.add_argument("--block-size", type=int, metavar="BS", help="tokens per block (default: 16; 64 for MLA)")
-    run = parser.add_argument_group("request")
-    run.add_argument("--tokens", type=int, default=4096, help="tokens per transfer (default: %(default)s)")
-    run.add_argument(
-        "--chunk-size", type=int, default=256, metavar="TOKENS", help="tokens per chunk object (default: %(default)s)"
-    )
-    run.add_argument("--direction", default="both", choices=["d2h", "h2d", "both"], help="d2h = store, h2d = retrieve")
-    run.add_argument(
-        "--backend",
-        default="auto",
-        choices=["auto", "torch", "triton", "reference"],
-        help="copy implementation (auto: torch on cpu, triton on cuda)",
-    )
-    run.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the engine's KV lives")
-    run.add_argument("--repeats", type=int, default=7, help="timed runs per case; medians are reported")
-    run.add_argument("--seed", type=int, default=0, help="seed of the random data and block ids")
-    parser.add_argument("--json", metavar="PATH", help="also write machine-readable results here")
+    benches = bench.add_subparsers(title="benchmarks", metavar="BENCHMARK", required=True)
+    for b in BENCHMARKS:
+        sub = benches.add_parser(b.name, help=f"{b.help} [{b.runs_on}]", formatter_class=formatter)
+        if b.name != chosen:
+            continue
+        module = importlib.import_module(f"kvferry.bench.{b.module}")
+        sub.description = module.DESCRIPTION
+        sub.epilog = module.EXAMPLES
+        module.add_arguments(sub)
+        sub.set_defaults(run=_runner(b, module), **(defaults or {}))
 
 
-def run_transfer(args: argparse.Namespace, argv: list[str], console: Console) -> int:
-    """Exit status 2 for options that cannot run, 1 when a backend disagrees with the reference."""
-    errors = Console(stderr=True)
-    try:
-        spec = make_spec(
-            model=args.model,
-            layers=args.layers,
-            heads=args.heads,
-            head_size=args.head_size,
-            formats=args.format,
-            direction=args.direction,
-            tokens=args.tokens,
-            chunk_size=args.chunk_size,
-            block_size=args.block_size,
-            backend=args.backend,
-            device=args.device,
-            dtype=args.dtype,
-            repeats=args.repeats,
-            seed=args.seed,
-        )
-    except BenchError as exc:
-        errors.print(f"kvferry bench transfer: error: {exc}", markup=False, highlight=False)
-        return 2
-    progress = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=errors,
-        transient=True,
-    )
-    try:
-        with progress:
-            task = progress.add_task("setting up", total=spec.steps)
-            results = run_bench(spec, lambda what: progress.update(task, advance=1, description=what))
-    except BenchError as exc:
-        errors.print(f"kvferry bench transfer: {exc}", markup=False, highlight=False)
-        return 1
-    console.print(results_table(spec, results))
-    if args.json:
-        write_json(args.json, to_json(spec, results, ["kvferry", *argv]))
-        console.print(f"results written to {args.json}", markup=False, highlight=False)
-    return 0
+def _runner(b: Benchmark, module: ModuleType) -> Callable[[argparse.Namespace, list[str], Console], int]:
+    from kvferry.bench.harness import run_and_report
+
+    def run(args: argparse.Namespace, argv: list[str], console: Console) -> int:
+        command = getattr(args, "command_line", None) or ["kvferry", *argv]
+        return run_and_report(b.name, module, args, command, console)
+
+    return run
+
+
+def chosen_benchmark(argv: list[str]) -> str | None:
+    """The benchmark named on a `kvferry bench NAME ...` command line (the first word after `bench`)."""
+    words = [a for a in argv if not a.startswith("-")]
+    return words[1] if len(words) > 1 and words[0] == "bench" else None
+
+
+def script_main(name: str, argv: list[str] | None = None, json_default: str | None = None) -> int:
+    """`kvferry bench NAME` for a script in benchmarks/: its JSON goes to `json_default` unless --json/--out says
+    otherwise, and the JSON records the script's own command line."""
+    from kvferry.cli.main import main
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    defaults = {"command_line": [Path(sys.executable).name, sys.argv[0], *args], "json": json_default}
+    return main(["bench", name, *args], bench_defaults=defaults)
+
+
+def _wrap(text: str) -> str:
+    return textwrap.fill(" ".join(text.split()), width=100)

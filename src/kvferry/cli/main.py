@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import textwrap
 from collections.abc import Sequence
 
 from rich.console import Console
 
 from kvferry import __version__
-from kvferry.cli.bench_cmd import TRANSFER_EXAMPLES, add_transfer_arguments, run_transfer
+from kvferry.cli.bench_cmd import add_bench_parser, chosen_benchmark
 from kvferry.cli.formats_cmd import add_formats_arguments, run_formats
 from kvferry.cli.server_cmd import add_server_parser
 
@@ -23,6 +22,7 @@ EXAMPLES = """\
 examples:
   kvferry bench transfer                        # GB/s of the CPU path vs a same-run memcpy (llama3-8b shape)
   kvferry bench transfer --device cuda --json bench-out/transfer.json
+  kvferry bench --help                          # every benchmark: cache, pool, tiers, server, GPU, vLLM
   kvferry formats                               # every engine KV layout kvferry knows
   kvferry server --l1-size-gb 8 --port 5555     # the shared cache server
 
@@ -36,41 +36,18 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         super().__init__(prog, max_help_position=32)
 
 
-def _wrap(text: str) -> str:
-    return textwrap.fill(text, width=100)
-
-
-def build_parser(with_server_flags: bool = False) -> argparse.ArgumentParser:
+def build_parser(
+    with_server_flags: bool = False, bench: str | None = None, bench_defaults: dict[str, object] | None = None
+) -> argparse.ArgumentParser:
+    """The whole command line; the server's flags and benchmark `bench`'s flags only when asked for (importing
+    them costs the server's and that benchmark's imports)."""
     parser = argparse.ArgumentParser(
         prog="kvferry", description=DESCRIPTION, epilog=EXAMPLES, formatter_class=_Formatter
     )
     parser.add_argument("--version", action="version", version=f"kvferry {__version__}")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
 
-    bench = commands.add_parser(
-        "bench",
-        help="measure the data path against a same-run plain copy",
-        description=_wrap(
-            "Benchmarks of kvferry's data path, each reported as a ratio to a same-run copy of the same bytes."
-        ),
-        epilog="examples:\n  kvferry bench transfer --help",
-        formatter_class=_Formatter,
-    )
-    benches = bench.add_subparsers(title="benchmarks", metavar="BENCHMARK", required=True)
-    transfer = benches.add_parser(
-        "transfer",
-        help="engine KV blocks <-> chunk objects (kvferry.transfer)",
-        description=_wrap(
-            "GB/s of kvferry.transfer between a model-shaped paged KV cache (random data, block ids in a random "
-            "permutation) and chunk objects in a HostPool, and its ratio to a plain copy of the same bytes between "
-            "the same memories, measured alternately in the same run. Each backend is checked against the "
-            "reference backend before it is timed."
-        ),
-        epilog=TRANSFER_EXAMPLES,
-        formatter_class=_Formatter,
-    )
-    add_transfer_arguments(transfer)
-    transfer.set_defaults(run=lambda args, argv, console: run_transfer(args, argv, console))
+    add_bench_parser(commands, bench, _Formatter, bench_defaults)
 
     formats = commands.add_parser(
         "formats",
@@ -86,10 +63,11 @@ def build_parser(with_server_flags: bool = False) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, bench_defaults: dict[str, object] | None = None) -> int:
+    """`bench_defaults`: option defaults of the chosen benchmark (a script in benchmarks/ sets its JSON path)."""
     args_list = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in args_list if not a.startswith("-")), None)
-    parser = build_parser(with_server_flags=command == "server")
+    parser = build_parser(command == "server", chosen_benchmark(args_list), bench_defaults)
     args = parser.parse_args(args_list)
     if command == "server":
         return args.run(args)

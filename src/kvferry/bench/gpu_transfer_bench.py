@@ -1,0 +1,371 @@
+"""`kvferry bench gpu-transfer`: the GPU data path, section by section; every number is a ratio to a same-run pinned
+memcpy of the same bytes, timed alternately with it (medians of --reps).
+
+Sections:
+  bulk         16 scattered chunks (qwen2.5-0.5b: 32) of llama3-8b, qwen2.5-0.5b and deepseek-v3-mla: staged,
+               serial (one staging slot), zero-copy, torch by hand; adjacent objects; objects as one tensor
+  formats      every engine format at a realistic shape, 16 chunks, objects scattered in the pool
+  formats-run  the same with the objects as one tensor (as the cache allocates a request's objects)
+  onechunk     one chunk, from the Python call to completion, per mode; the CPU time of the call
+  bidir        a store and a retrieve at once, against two memcpys on two streams
+  gemm         a bf16 8192^3 GEMM loop's TFLOP/s while transfers run beside it, against GEMMs alone
+  crossover    1-8 qwen2.5-0.5b chunks, staged against zero-copy
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import kvferry
+from kvferry import Direction
+from kvferry.bench.gpu_gemm import STEPS as GEMM_STEPS
+from kvferry.bench.gpu_gemm import gemm_rows, gemm_table
+from kvferry.bench.harness import BenchError, Outcome, Steps, add_json_argument, description_of, require_cuda
+from kvferry.bench.report import new_table
+from kvferry.bench.timing import PinnedCopy
+from kvferry.formats import EngineKVFormat, describe, layout_of
+from kvferry.formats.synthetic import MODELS, ModelDims, make_paged
+from kvferry.memory import HostPool
+from kvferry.transfer.gpu_engine import EngineConfig, TransferEngine
+
+F = EngineKVFormat
+SHAPES = {"llama3-8b": 16, "qwen2.5-0.5b": 16, "deepseek-v3-mla": 64}
+SECTIONS = ("bulk", "formats", "formats-run", "onechunk", "bidir", "gemm", "crossover")
+D2H = Direction.D2H
+DIRECTIONS = (Direction.D2H, Direction.H2D)
+
+DESCRIPTION = description_of(__doc__)
+EXAMPLES = """\
+examples:
+  kvferry bench gpu-transfer                                      # every section
+  kvferry bench gpu-transfer --sections bulk,onechunk --reps 15 --json bench-out/gpu.json
+  PYTHONPATH=src python3 benchmarks/bench_gpu_transfer.py --reps 15 --sections bulk   # JSON to gpu_bench.json
+"""
+
+
+def paired_ms(fn: Callable[[], object], ceiling: Callable[[], object], reps: int) -> tuple[float, float]:
+    """Median wall times in ms of fn() and of its ceiling, timed alternately (both must synchronize): a machine
+    whose PCIe or host speed drifts during a run then moves both alike (a ceiling timed once before the row
+    moved ratios by +-0.02 on noisy starts)."""
+    fn()
+    ceiling()
+    ours: list[float] = []
+    ceil: list[float] = []
+    for _ in range(reps):
+        for f, out in ((fn, ours), (ceiling, ceil)):
+            t = time.perf_counter()
+            f()
+            out.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(ours), statistics.median(ceil)
+
+
+_ceilings: dict[int, PinnedCopy] = {}
+
+
+def memcpy(nbytes: int, to_host: bool) -> Callable[[], None]:
+    """The ceiling: one pinned <-> device copy of nbytes (torch's copy_, i.e. cudaMemcpyAsync), then a sync."""
+    if nbytes not in _ceilings:
+        _ceilings.clear()  # one size at a time: 512 MiB buffers add up
+        _ceilings[nbytes] = PinnedCopy(nbytes)
+    copy = _ceilings[nbytes]
+    return lambda: copy(to_host)
+
+
+class Setup:
+    def __init__(
+        self, model: str, fmt: F, n_chunks: int, chunk: int = 256, nb: int = 4096, gaps: bool = True, run: bool = False
+    ) -> None:
+        """`gaps`: objects scattered in the pool (a small hole after each); `run`: one tensor of all objects."""
+        dims = MODELS[model]
+        if layout_of(fmt).is_mla and not layout_of(fmt).nesting.count("NP"):
+            dims = ModelDims(nl=dims.nl, nh=1, hs=sum(dims.plane_widths) or dims.hs)
+        if not layout_of(fmt).is_mla and model == "deepseek-v3-mla":
+            dims = MODELS["llama3-8b"]
+        if fmt == F.NL_X_NB_BSV_BSS:
+            dims = ModelDims(nl=61, nh=1, hs=132)
+        bs = SHAPES[model]
+        dtype = torch.uint8 if fmt == F.NL_X_NB_BSV_BSS else torch.bfloat16
+        self.fmt, self.chunk, self.bs = fmt, chunk, bs
+        self.paged = make_paged(fmt, dims, nb, bs, dtype, device="cuda")
+        self.geom = describe(fmt, self.paged, block_size=bs)
+        obj_bytes = self.geom.bytes_per_token * chunk
+        self.pool = HostPool(1 << max(30, (obj_bytes * n_chunks * 2).bit_length()))
+        listed: list[torch.Tensor] = []
+        for _ in range(0 if run else n_chunks):
+            listed.append(self.pool.alloc(self.geom.object_shape(chunk), dtype))
+            if gaps:  # scattered in the pool: a small hole after each object
+                self.pool.alloc((4096,), torch.uint8)
+        self.objects = self.pool.alloc((n_chunks, *self.geom.object_shape(chunk)), dtype) if run else listed
+        self.ids = torch.randperm(nb)[: n_chunks * chunk // bs]
+        self.nbytes = obj_bytes * n_chunks
+
+    def run(self, direction: Direction, engine: TransferEngine, mode: str | None = None) -> None:
+        kvferry.transfer_async(
+            self.paged,
+            self.objects,
+            self.ids,
+            direction,
+            self.fmt,
+            self.chunk,
+            geometry=self.geom,
+            engine=engine,
+            mode=mode,
+        ).wait()
+
+    def runner(self, direction: Direction, engine: TransferEngine, mode: str | None) -> Callable[[], None]:
+        return lambda: self.run(direction, engine, mode)
+
+
+def by_hand(s: Setup) -> Callable[[], None]:
+    """LIMITS.md's 'torch by hand': per layer kv[l][:, ids] into a GPU buffer, then one D2H copy."""
+    ids = s.ids.cuda()
+    buf = torch.empty(s.nbytes, dtype=torch.uint8, device="cuda")
+    host = torch.empty(s.nbytes, dtype=torch.uint8, pin_memory=True)
+    per_layer = s.nbytes // len(s.paged)
+
+    def once() -> None:
+        for i, t in enumerate(s.paged):
+            buf[i * per_layer : (i + 1) * per_layer].view(t.dtype).view(-1).copy_(t[:, ids].reshape(-1))
+        host.copy_(buf, non_blocking=True)
+        torch.cuda.synchronize()
+
+    return once
+
+
+class Bench:
+    """The engines every section uses, and the rows they produce (each row one progress step)."""
+
+    def __init__(self, reps: int, steps: Steps) -> None:
+        self.reps, self.steps = reps, steps
+        self.rows: list[dict[str, Any]] = []
+        self.enqueue: list[dict[str, Any]] = []
+        self.engine = TransferEngine("cuda")
+        self.serial = TransferEngine("cuda", EngineConfig(slots=1, mode="staged"))
+        self.old_floor = TransferEngine("cuda", EngineConfig(slice_bytes=16 << 20))  # the slice floor before 8 MiB
+
+    def row(
+        self,
+        section: str,
+        what: str,
+        nbytes: int,
+        fn: Callable[[], object],
+        ceiling: Callable[[], object],
+        n: int | None = None,
+    ) -> None:
+        ms, ceiling_ms = paired_ms(fn, ceiling, self.reps if n is None else n)
+        self.rows.append(
+            dict(
+                section=section,
+                what=what,
+                mib=nbytes / 2**20,
+                gbps=nbytes / ms / 1e6,
+                ceiling_gbps=nbytes / ceiling_ms / 1e6,
+                ratio=ceiling_ms / ms,
+            )
+        )
+        self.steps.done(f"{section} {what}")
+
+    def bulk(self) -> None:
+        """16 chunks of scattered blocks (32 for qwen)."""
+        for model, n in (("llama3-8b", 16), ("qwen2.5-0.5b", 32), ("deepseek-v3-mla", 16)):
+            fmt = F.NL_X_NB_BS_HS if model == "deepseek-v3-mla" else F.NL_X_TWO_NB_BS_NH_HS
+            s = Setup(model, fmt, n)
+            for d in DIRECTIONS:
+                ceil = memcpy(s.nbytes, d is D2H)
+                for label, engine, mode in (
+                    ("staged pipeline", self.engine, "staged"),
+                    ("serial gather+DMA (1 slot)", self.serial, "staged"),
+                    ("zero-copy kernel", self.engine, "zero_copy"),
+                ):
+                    self.row("bulk", f"{model} {d.name} {label}", s.nbytes, s.runner(d, engine, mode), ceil)
+            if fmt == F.NL_X_TWO_NB_BS_NH_HS:
+                self.row("bulk", f"{model} D2H torch by hand", s.nbytes, by_hand(s), memcpy(s.nbytes, True))
+            adjacent = Setup(model, fmt, n, gaps=False)  # a fresh pool hands one request's objects out back to back
+            for d in DIRECTIONS:
+                what = f"{model} {d.name} staged, adjacent objects"
+                self.row("bulk", what, s.nbytes, adjacent.runner(d, self.engine, "staged"), memcpy(s.nbytes, d is D2H))
+            del adjacent
+            one = Setup(model, fmt, n, run=True)  # the objects as one tensor [n, *object_shape]
+            for d in DIRECTIONS:
+                what = f"{model} {d.name} staged, objects as one tensor"
+                self.row("bulk", what, s.nbytes, one.runner(d, self.engine, "staged"), memcpy(s.nbytes, d is D2H))
+            del one
+            del s
+            torch.cuda.empty_cache()
+
+    def formats(self, section: str) -> None:
+        """Every format at a realistic shape, 16 chunks: objects scattered in the pool (one DMA each), or as one
+        tensor (as the cache allocates a request's objects: one DMA per slice)."""
+        for fmt in F:
+            model = "deepseek-v3-mla" if layout_of(fmt).is_mla else "llama3-8b"
+            s = Setup(model, fmt, 16, nb=2048, run=section == "formats-run")
+            for d in DIRECTIONS:
+                ceil = memcpy(s.nbytes, d is D2H)
+                self.row(section, f"{fmt.name} {d.name}", s.nbytes, s.runner(d, self.engine, None), ceil)
+            del s
+
+    def onechunk(self) -> None:
+        """One chunk, wall time from the Python call to completion vs a single memcpy's."""
+        reps = self.reps * 4
+        for model in ("llama3-8b", "qwen2.5-0.5b"):
+            s = Setup(model, F.NL_X_TWO_NB_BS_NH_HS, 1)
+            for d in DIRECTIONS:
+                ceil = memcpy(s.nbytes, d is D2H)
+                enqueue = []
+                for _ in range(50):
+                    t0 = time.perf_counter()
+                    h = kvferry.transfer_async(s.paged, s.objects, s.ids, d, s.fmt, geometry=s.geom, engine=self.engine)
+                    enqueue.append((time.perf_counter() - t0) * 1e6)
+                    h.wait()
+                self.enqueue.append({"model": model, "direction": d.name, "enqueue_us": statistics.median(enqueue)})
+                self.steps.done(f"one-chunk {model} {d.name}: CPU time of the call")
+                for label, engine, mode in (
+                    ("staged", self.engine, "staged"),
+                    ("zero_copy", self.engine, "zero_copy"),
+                    ("auto", self.engine, None),
+                    ("staged, 16 MiB slices", self.old_floor, "staged"),
+                ):
+                    self.row("one-chunk", f"{model} {d.name} {label}", s.nbytes, s.runner(d, engine, mode), ceil, reps)
+            self.row("one-chunk", f"{model} D2H torch by hand", s.nbytes, by_hand(s), memcpy(s.nbytes, True), reps)
+
+    def bidir(self, s: Setup) -> None:
+        """Both directions at once vs two-stream memcpy."""
+        t = Setup("llama3-8b", F.NL_X_TWO_NB_BS_NH_HS, 16)
+        copies = [PinnedCopy(s.nbytes), PinnedCopy(s.nbytes)]
+        st = [torch.cuda.Stream(), torch.cuda.Stream()]
+
+        def two_memcpy() -> None:
+            with torch.cuda.stream(st[0]):
+                copies[0].host.copy_(copies[0].dev, non_blocking=True)
+            with torch.cuda.stream(st[1]):
+                copies[1].dev.copy_(copies[1].host, non_blocking=True)
+            torch.cuda.synchronize()
+
+        def both() -> None:
+            h1 = kvferry.transfer_async(
+                s.paged, s.objects, s.ids, Direction.D2H, s.fmt, geometry=s.geom, engine=self.engine
+            )
+            h2 = kvferry.transfer_async(
+                t.paged, t.objects, t.ids, Direction.H2D, t.fmt, geometry=t.geom, engine=self.engine
+            )
+            h1.wait()
+            h2.wait()
+
+        self.row("bidir", "llama3-8b store+retrieve at once (bytes both ways)", 2 * s.nbytes, both, two_memcpy)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--reps", type=int, default=15, help="timed runs per row; medians (default: %(default)s)")
+    parser.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help=f"comma-separated subset of: {', '.join(SECTIONS)} (default: all of them)",
+    )
+    add_json_argument(parser)
+
+
+def _sections(args: argparse.Namespace) -> list[str]:
+    asked = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = [s for s in asked if s not in SECTIONS]
+    if unknown or not asked:
+        raise BenchError(f"--sections {args.sections!r}: each must be one of {', '.join(SECTIONS)}")
+    return asked
+
+
+def check(args: argparse.Namespace) -> None:
+    if args.reps < 1:
+        raise BenchError(f"--reps must be at least 1, got {args.reps}")
+    _sections(args)
+    require_cuda("this benchmark")
+
+
+def planned_steps(sections: list[str]) -> int:
+    """Progress steps: one per row, per one-chunk CPU-time measurement, per GEMM variant and its warm-up."""
+    per_section = {
+        "bulk": 11 + 11 + 10,  # llama and qwen: 3 modes x 2 directions, by hand, adjacent x 2, one tensor x 2
+        "formats": 2 * len(F),
+        "formats-run": 2 * len(F),
+        "onechunk": 2 * (2 * (1 + 3 + 1) + 1),  # per model, per direction: the call's CPU time, 3 modes, 16 MiB
+        "bidir": 1,
+        "gemm": GEMM_STEPS,
+        "crossover": 4 * 2 * 2,
+    }
+    return sum(per_section[s] for s in set(sections))
+
+
+def run(args: argparse.Namespace, steps: Steps) -> Outcome:
+    sections = set(_sections(args))
+    steps.expect(planned_steps(list(sections)))
+    bench = Bench(args.reps, steps)
+    if "bulk" in sections:
+        bench.bulk()
+    for section in ("formats", "formats-run"):
+        if section in sections:
+            bench.formats(section)
+    if "onechunk" in sections:
+        bench.onechunk()
+    if sections & {"bidir", "gemm"}:
+        s = Setup("llama3-8b", F.NL_X_TWO_NB_BS_NH_HS, 16)
+        if "bidir" in sections:
+            bench.bidir(s)
+        if "gemm" in sections:
+            bench.rows += gemm_rows(s, steps)
+    if "crossover" in sections:  # qwen chunks, staged vs zero-copy wall time
+        for n in (1, 2, 4, 8):
+            q = Setup("qwen2.5-0.5b", F.NL_X_TWO_NB_BS_NH_HS, n)
+            for d in DIRECTIONS:
+                for mode in ("staged", "zero_copy"):
+                    bench.row(
+                        "crossover",
+                        f"qwen {n} chunks {d.name} {mode}",
+                        q.nbytes,
+                        q.runner(d, bench.engine, mode),
+                        memcpy(q.nbytes, d is D2H),
+                        args.reps * 2,
+                    )
+    config = {"reps": args.reps, "sections": [name for name in SECTIONS if name in sections]}
+    results = {"rows": bench.rows, "enqueue": bench.enqueue}
+    return Outcome(config, results, _show(bench), device="cuda")
+
+
+def _show(bench: Bench) -> list[Any]:
+    out: list[Any] = []
+    rows = [r for r in bench.rows if r["section"] != "gemm"]
+    if rows:
+        table = new_table(
+            "kvferry GPU transfers against a same-run pinned memcpy of the same bytes",
+            ("section", "what", "MiB", "GB/s", "ceiling GB/s", "ratio"),
+            names=2,
+        )
+        for r in rows:
+            table.add_row(
+                r["section"],
+                r["what"],
+                f"{r['mib']:.0f}",
+                f"{r['gbps']:.1f}",
+                f"{r['ceiling_gbps']:.1f}",
+                f"{r['ratio']:.3f}",
+            )
+        out.append(table)
+    if bench.enqueue:
+        calls = new_table("one chunk: CPU time of the call (enqueue), median of 50", ("model", "dir", "us"), names=2)
+        for e in bench.enqueue:
+            calls.add_row(e["model"], e["direction"], f"{e['enqueue_us']:.0f}")
+        out.append(calls)
+    gemm = [r for r in bench.rows if r["section"] == "gemm"]
+    if gemm:
+        out.append(gemm_table(gemm))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python3 benchmarks/bench_gpu_transfer.py ...`: this benchmark with the script's own default JSON path."""
+    from kvferry.cli.bench_cmd import script_main
+
+    return script_main("gpu-transfer", argv, json_default="gpu_bench.json")

@@ -1,0 +1,310 @@
+"""`kvferry bench server`: `kvferry server` over loopback: request rate and latency of PING, LOOKUP and STORE/RETRIEVE.
+
+The server runs in its own process (`python -m kvferry.server`), the client in this one, as an engine would.
+Cases (each a bounded number of requests):
+  zmq_floor        a bare ZMQ ROUTER echo in another process, same frames as PING: what loopback costs here
+  ping             round trip of the smallest request through the client library and the server
+  lookup           LOOKUP of a 4096-token prompt whose 16 chunks all hit
+  lookup_x32       the same with 32 requests in flight (futures): throughput, not latency
+  store_1chunk     STORE of one new 256-token chunk from scattered blocks (a new prefix each time)
+  retrieve_1chunk  RETRIEVE of one cached chunk into scattered blocks
+  store/retrieve_16chunks  the same for 16 chunks (4096 tokens): GB/s of the server-side copy
+Latencies are client-side wall times per request; `engine_us` is the same store/retrieve through a
+CacheEngine in this process (no server), so the difference is what the server adds. With --device cuda the
+engine's KV is on the GPU (registered by CUDA IPC) and `memcpy_gbps` is a same-run pinned-host <-> GPU
+copy of the same bytes, the ceiling for the GB/s columns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+
+from kvferry.bench.harness import (
+    BenchError,
+    Outcome,
+    Steps,
+    add_json_argument,
+    child_env,
+    description_of,
+    positive,
+    require_cuda,
+)
+from kvferry.bench.report import cell, new_table
+from kvferry.bench.timing import PinnedCopy, latency_summary
+from kvferry.cache import CacheEngine
+from kvferry.client import KvferryClient
+from kvferry.config import KvferryConfig
+from kvferry.formats import EngineKVFormat
+from kvferry.formats.synthetic import MODELS, make_paged
+from kvferry.server.protocol import Op, encode_request
+
+FMT = EngineKVFormat.NL_X_TWO_NB_BS_NH_HS
+CHUNK, BS, NB = 256, 16, 1024
+PER_CHUNK = CHUNK // BS
+NAMESPACE = {"model": "bench", "salt": "bench_server"}
+READY_TIMEOUT_S = 120.0
+
+DESCRIPTION = description_of(__doc__)
+EXAMPLES = """\
+examples:
+  kvferry bench server                                     # qwen2.5-0.5b geometry, KV in shared memory
+  kvferry bench server --requests 500 --transfers 50 --json bench-out/server.json
+  kvferry bench server --device cuda --model llama3-8b --requests 300 --transfers 50
+"""
+
+
+class ServerProcess:
+    def __init__(self, pool_gb: float) -> None:
+        cmd = [sys.executable, "-m", "kvferry.server", "--port", "0", "--no-http", "--chunk-size", str(CHUNK)]
+        cmd += ["--l1-size-gb", str(pool_gb), "--log-level", "INFO"]
+        self.proc = subprocess.Popen(cmd, env=child_env(), stderr=subprocess.PIPE, text=True)
+        assert self.proc.stderr is not None
+        watchdog = threading.Timer(READY_TIMEOUT_S, self.proc.kill)  # a server never ready ends the loop below
+        watchdog.start()
+        try:
+            for line in self.proc.stderr:
+                match = re.search(r"ready: zmq=(tcp://\S+)", line)
+                if match:
+                    self.endpoint = match.group(1)
+                    break
+            else:
+                self.proc.wait()
+                raise BenchError(f"the server exited (status {self.proc.returncode}) before it was ready")
+        finally:
+            watchdog.cancel()
+        threading.Thread(target=self.proc.stderr.read, daemon=True).start()
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        self.proc.wait(timeout=60)
+
+
+# A bare ROUTER that echoes every message, in a process of its own: the floor under every latency measured here.
+# Plain pyzmq, so that it starts in a fraction of a second (no torch, no kvferry).
+_ECHO = """
+import zmq
+router = zmq.Context().socket(zmq.ROUTER)
+print(router.bind_to_random_port("tcp://127.0.0.1"), flush=True)
+while True:
+    router.send_multipart(router.recv_multipart())
+"""
+
+
+def zmq_floor(n: int) -> dict[str, float]:
+    echo = subprocess.Popen([sys.executable, "-c", _ECHO], stdout=subprocess.PIPE, text=True)
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    try:
+        assert echo.stdout is not None
+        port = echo.stdout.readline().strip()
+        if not port.isdigit():
+            raise BenchError("the bare ZMQ echo process did not start")
+        dealer.connect(f"tcp://127.0.0.1:{port}")
+        frame = encode_request(Op.PING, 1, {})
+        return latency_summary(timed(n, lambda i: (dealer.send(frame), dealer.recv()), lambda: None))
+    finally:
+        dealer.close(linger=0)
+        ctx.term()
+        echo.kill()
+        echo.wait()
+
+
+def timed(n: int, call: Callable[[int], Any], sync: Callable[[], None]) -> list[float]:
+    samples = []
+    for i in range(n):
+        start = time.perf_counter()
+        call(i)
+        sync()
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+def memcpy_gbps(nbytes: int, device: str) -> float | None:
+    """GB/s of a pinned host <- GPU copy of `nbytes` (median of 10), the ceiling of the GPU rows; None on CPU."""
+    if device != "cuda":
+        return None
+    copy = PinnedCopy(nbytes)
+    times = []
+    for _ in range(10):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        copy(to_host=True)
+        times.append(time.perf_counter() - start)
+    return nbytes / float(np.median(times)) / 1e9
+
+
+Mover = Callable[[list[int], list[int]], Any]  # (tokens, block ids) -> None
+
+
+def transfer_cases(
+    store: Mover,
+    retrieve: Mover,
+    tokens: Callable[[int], list[int]],
+    transfers: int,
+    sync: Callable[[], None],
+    steps: Steps,
+    where: str,
+) -> dict[str, Any]:
+    """Time `store` of new prefixes, then `retrieve` of the last one, for one chunk and for 16."""
+    rng = np.random.default_rng(1)
+
+    def one_size(chunks: int) -> dict[str, Any]:
+        n = transfers if chunks == 1 else max(10, transfers // 10)
+        ids = [rng.permutation(NB)[: chunks * PER_CHUNK].tolist() for _ in range(8)]  # scattered blocks
+        prefixes = [tokens(chunks) for _ in range(n)]
+        store_case = latency_summary(timed(n, lambda i: store(prefixes[i], ids[i % 8]), sync))
+        steps.done(f"{where}: store_{chunks}chunk")
+        retrieve_case = latency_summary(timed(n, lambda i: retrieve(prefixes[-1], ids[(i + 1) % 8]), sync))
+        steps.done(f"{where}: retrieve_{chunks}chunk")
+        return {f"store_{chunks}chunk": store_case, f"retrieve_{chunks}chunk": retrieve_case}
+
+    return {**one_size(1), **one_size(16)}
+
+
+def request_cases(client: KvferryClient, reg: int, prompt: list[int], n: int, steps: Steps) -> dict[str, Any]:
+    rng = np.random.default_rng(2)
+    client.store(reg, prompt, rng.permutation(NB)[: len(prompt) // BS].tolist())
+    if client.lookup(prompt, registration=reg).tokens != len(prompt):
+        raise BenchError("the server did not find the prompt it just stored")
+    cases = {"ping": latency_summary(timed(n, lambda i: client.ping(), lambda: None))}
+    steps.done("ping")
+    cases["lookup"] = latency_summary(timed(n, lambda i: client.lookup(prompt, registration=reg), lambda: None))
+    steps.done("lookup")
+    start = time.perf_counter()
+    window: list[Any] = []
+    for _ in range(n):
+        window.append(client.lookup_async(prompt, registration=reg))
+        if len(window) == 32:
+            window.pop(0).result()
+    for future in window:
+        future.result()
+    cases["lookup_x32"] = {"req_per_s": n / (time.perf_counter() - start)}
+    steps.done("lookup_x32")
+    return cases
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--requests", type=int, default=2000, help="requests per PING/LOOKUP case (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--transfers",
+        type=int,
+        default=300,
+        help="requests per one-chunk STORE/RETRIEVE case; a tenth (at least 10) for 16 chunks (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--model", choices=sorted(MODELS), default="qwen2.5-0.5b", help="KV geometry (default: %(default)s)"
+    )
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the engine's KV lives")
+    parser.add_argument(
+        "--pool-gb",
+        type=float,
+        default=2.0,
+        help="host pool of the server and of the in-process engine; LRU makes room as prefixes pile up "
+        "(default: %(default)s)",
+    )
+    add_json_argument(parser)
+
+
+def check(args: argparse.Namespace) -> None:
+    positive(args, "requests", "transfers")
+    if args.pool_gb <= 0:
+        raise BenchError(f"--pool-gb must be positive, got {args.pool_gb}")
+    if args.device == "cuda":
+        require_cuda("--device cuda")
+
+
+def run(args: argparse.Namespace, steps: Steps) -> Outcome:
+    steps.expect(1 + 4 + 4 + 4)
+    dims = MODELS[args.model]
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    generator = torch.Generator().manual_seed(0)
+    kv = make_paged(FMT, dims, NB, BS, dtype=torch.bfloat16, device=args.device, generator=generator)
+    chunk_bytes = 2 * dims.nl * CHUNK * dims.nh * dims.hs * 2
+    fresh = iter(range(10**9))
+
+    def new_tokens(chunks: int) -> list[int]:
+        base = next(fresh) * CHUNK * 16
+        return list(range(base, base + chunks * CHUNK))
+
+    server = ServerProcess(pool_gb=args.pool_gb)
+    steps.done("server started")
+    try:
+        with KvferryClient(server.endpoint, timeout_s=120) as client:
+            reg = client.register_kv_cache(kv, FMT, block_size=BS, namespace=NAMESPACE)
+            cases = {"zmq_floor": zmq_floor(args.requests)}
+            steps.done("zmq_floor")
+            cases.update(request_cases(client, reg, new_tokens(16), args.requests, steps))
+            cases.update(
+                transfer_cases(
+                    lambda t, ids: client.store(reg, t, ids),
+                    lambda t, ids: client.retrieve(reg, t, ids),
+                    new_tokens,
+                    args.transfers,
+                    sync,
+                    steps,
+                    "server",
+                )
+            )
+    finally:
+        server.stop()
+    config = KvferryConfig.load(env={}, overrides={"cache": {"chunk_size": CHUNK, "l1_size_gb": args.pool_gb}})
+    with CacheEngine(config, name="bench-embedded") as engine:
+        ns = engine.namespace_for("bench", FMT, kv, block_size=BS)
+        embedded = transfer_cases(
+            lambda t, ids: engine.store(t, kv, ids, FMT, namespace=ns, block_size=BS),
+            lambda t, ids: engine.retrieve(t, kv, ids, FMT, namespace=ns, block_size=BS),
+            new_tokens,
+            args.transfers,
+            sync,
+            steps,
+            "embedded engine",
+        )
+    for name, row in embedded.items():
+        chunks = 1 if name.endswith("_1chunk") else 16
+        cases[name]["gbps"] = chunks * chunk_bytes / (cases[name]["p50_us"] / 1e6) / 1e9
+        cases[name]["engine_us"] = row["p50_us"]
+    results = {"chunk_bytes": chunk_bytes, "memcpy_16chunk_gbps": memcpy_gbps(16 * chunk_bytes, args.device)}
+    results["cases"] = cases
+    config_json = {key: getattr(args, key) for key in ("model", "device", "requests", "transfers", "pool_gb")}
+    return Outcome(config_json | {"chunk_size": CHUNK}, results, _show(args, results), device=args.device)
+
+
+def _show(args: argparse.Namespace, results: dict[str, Any]) -> list[Any]:
+    table = new_table(
+        f"kvferry server over loopback ({args.model}, KV on {args.device}, chunk {CHUNK} tokens)",
+        ("case", "req/s", "p50 us", "p99 us", "GB/s (p50)", "embedded engine p50 us"),
+    )
+    for name, row in results["cases"].items():
+        table.add_row(
+            name,
+            f"{row['req_per_s']:.0f}",
+            cell(row.get("p50_us"), ".0f"),
+            cell(row.get("p99_us"), ".0f"),
+            cell(row.get("gbps"), ".2f"),
+            cell(row.get("engine_us"), ".0f"),
+        )
+    lines: list[Any] = [table, f"one chunk = {results['chunk_bytes'] / 2**20:.2f} MiB"]
+    if results["memcpy_16chunk_gbps"] is not None:
+        lines.append(f"same-run pinned memcpy (GPU -> host) of 16 chunks: {results['memcpy_16chunk_gbps']:.1f} GB/s")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python3 benchmarks/bench_server.py ...`: this benchmark with the script's own default JSON path."""
+    from kvferry.cli.bench_cmd import script_main
+
+    return script_main("server", argv, json_default="bench-out/bench_server.json")

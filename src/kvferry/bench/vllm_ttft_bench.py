@@ -1,0 +1,204 @@
+"""`kvferry bench vllm-ttft`: time to first token on vLLM's CPU backend with and without a kvferry prefix hit, in
+one engine, same run.
+
+Needs the vllm extra. Writes a random-weight Llama (no download) of the given size to a temp dir and starts one
+vLLM engine with KvferryConnector embedded and vLLM's own prefix cache off (in a process of its own). For each of
+--prompts distinct random prompts: a first request (kvferry misses, computes the whole prompt and stores its full
+chunks), then the same prompt again (kvferry loads every full chunk; vLLM computes only the tail). TTFT is the
+wall time of a `generate` with `max_tokens=1` (prefill plus one sampled token). Reported: medians over the
+prompts, the hit's speed-up, and the tokens vLLM reported as cached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvferry.bench.harness import BenchError, Outcome, Steps, add_json_argument, description_of, positive, require_vllm
+from kvferry.bench.report import new_table
+from kvferry.bench.vllm_child import connector_config, run_child, write_llama
+
+VOCAB = 32000
+
+DESCRIPTION = description_of(__doc__)
+EXAMPLES = """\
+examples:
+  kvferry bench vllm-ttft                                  # 3000-token prompts, a 57M-parameter model, fp32
+  kvferry bench vllm-ttft --prompt-tokens 4096 --prompts 5 --json bench-out/vllm_ttft.json
+  kvferry bench vllm-ttft --layers 16 --hidden 1024 --dtype bfloat16
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompt-tokens", type=int, default=3000, help="tokens per prompt (default: %(default)s)")
+    parser.add_argument(
+        "--prompts", type=int, default=3, help="distinct prompts, each a miss, then a hit (default: %(default)s)"
+    )
+    parser.add_argument("--layers", type=int, default=8, help="the model's layers (default: %(default)s)")
+    parser.add_argument("--hidden", type=int, default=512, help="model width, a multiple of 256 (default: %(default)s)")
+    parser.add_argument("--chunk-size", type=int, default=256, help="kvferry's chunk, in tokens (default: %(default)s)")
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="float32 by default: CPUs without AVX-512 BF16 run bf16 matmuls slowly",
+    )
+    add_json_argument(parser)
+
+
+def check(args: argparse.Namespace) -> None:
+    positive(args, "prompt_tokens", "prompts", "layers", "hidden", "chunk_size")
+    if args.hidden % 256:
+        raise BenchError(f"--hidden must be a multiple of 256 (heads of 64, 4 per KV head), got {args.hidden}")
+    require_vllm()
+
+
+def _env() -> dict[str, str]:
+    defaults = {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{max(0, (os.cpu_count() or 1) - 1)}",
+    }
+    return {name: os.environ.get(name, value) for name, value in defaults.items()}
+
+
+def run(args: argparse.Namespace, steps: Steps) -> Outcome:
+    steps.expect(3 + 2 * args.prompts)
+    kv_heads = max(1, args.hidden // 256)
+    model = {"layers": args.layers, "hidden": args.hidden, "heads": args.hidden // 64, "kv_heads": kv_heads}
+    workdir = Path(tempfile.mkdtemp(prefix="kvferry-ttft-"))
+    try:
+        payload = {"model_dir": str(workdir / "model"), "model": model}
+        payload |= {k: getattr(args, k) for k in ("dtype", "prompt_tokens", "prompts", "chunk_size")}
+        measured = run_child("kvferry.bench.vllm_ttft_bench:measure", payload, _env(), steps)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    model |= {"head_dim": 64, "parameters": measured["parameters"]}
+    rows = measured["rows"]
+    miss = statistics.median(r["miss_s"] for r in rows)
+    hit = statistics.median(r["hit_s"] for r in rows)
+    results = {
+        "engine_start_s": measured["engine_start_s"],
+        "ttft_miss_s": miss,
+        "ttft_hit_s": hit,
+        "speedup": miss / hit,
+        "kvferry": measured["kvferry"],
+        "rows": rows,
+    }
+    config = {"model": model, "dtype": args.dtype, "prompt_tokens": args.prompt_tokens, "prompts": args.prompts}
+    config["chunk_size"] = args.chunk_size
+    return Outcome(config, results, _show(args, model, results))
+
+
+def _show(args: argparse.Namespace, model: dict[str, Any], results: dict[str, Any]) -> list[Any]:
+    rows = results["rows"]
+    table = new_table(
+        f"vLLM CPU TTFT, {args.prompt_tokens}-token prompt, {model['parameters'] / 1e6:.0f}M-param random Llama "
+        f"({args.layers} layers, {args.dtype}), kvferry embedded",
+        ("prompt", "miss TTFT s", "hit TTFT s", "cached tokens (miss / hit)", "speed-up"),
+    )
+    for r in rows:
+        table.add_row(
+            str(r["prompt"]),
+            f"{r['miss_s']:.3f}",
+            f"{r['hit_s']:.3f}",
+            f"{r['miss_cached']} / {r['hit_cached']}",
+            f"{r['miss_s'] / r['hit_s']:.1f}x",
+        )
+    miss, hit = results["ttft_miss_s"], results["ttft_hit_s"]
+    table.add_row("median", f"{miss:.3f}", f"{hit:.3f}", "", f"{miss / hit:.1f}x")
+    stats, loads = results["kvferry"], len(rows)
+    line = (
+        f"kvferry: {stats['retrieved_bytes'] / loads / 2**20:.1f} MiB loaded per hit in "
+        f"{stats['retrieve_seconds'] / loads * 1e3:.1f} ms; "
+        f"{stats['stored_bytes'] / loads / 2**20:.1f} MiB stored per miss in "
+        f"{stats['store_seconds'] / loads * 1e3:.1f} ms (in the background)"
+    )
+    return [table, line]
+
+
+def _ttft(llm: Any, prompt: list[int]) -> tuple[float, int]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    started = time.perf_counter()
+    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
+    return time.perf_counter() - started, int(out.num_cached_tokens or 0)
+
+
+def measure(payload: dict[str, Any], step: Callable[[str], None]) -> dict[str, Any]:
+    """In the engine's process (see `vllm_child`): write the model, start vLLM with kvferry embedded, then time
+    misses and hits."""
+    shape = payload["model"]
+    parameters = write_llama(
+        Path(payload["model_dir"]),
+        layers=shape["layers"],
+        hidden=shape["hidden"],
+        heads=shape["heads"],
+        kv_heads=shape["kv_heads"],
+        intermediate=shape["hidden"] * 3,
+        vocab=VOCAB,
+        dtype=payload["dtype"],
+    )
+    step("model written")
+
+    import vllm
+
+    from kvferry.integrations.vllm import backends
+
+    prompt_tokens = payload["prompt_tokens"]
+    started = time.perf_counter()
+    llm = vllm.LLM(
+        model=payload["model_dir"],
+        skip_tokenizer_init=True,
+        dtype=payload["dtype"],
+        enable_prefix_caching=False,
+        enforce_eager=True,
+        max_model_len=prompt_tokens + 16,
+        max_num_batched_tokens=prompt_tokens + 16,  # the whole prompt in one prefill step
+        kv_transfer_config=connector_config(config={"cache": {"chunk_size": payload["chunk_size"], "l1_size_gb": 2}}),
+    )
+    engine_start_s = time.perf_counter() - started
+    step("vLLM engine started")
+    rng = random.Random(0)
+    _ttft(llm, [rng.randrange(VOCAB) for _ in range(64)])  # warm-up: first-call costs out of the numbers
+    step("warm-up")
+    rows = []
+    for i in range(payload["prompts"]):
+        prompt = [rng.randrange(VOCAB) for _ in range(prompt_tokens)]
+        miss_s, miss_cached = _ttft(llm, prompt)
+        step(f"prompt {i + 1}: miss")
+        time.sleep(0.5)  # let the miss's asynchronous store finish: a hit needs the chunks committed
+        hit_s, hit_cached = _ttft(llm, prompt)
+        step(f"prompt {i + 1}: hit")
+        rows.append(
+            {"prompt": i, "miss_s": miss_s, "hit_s": hit_s, "miss_cached": miss_cached, "hit_cached": hit_cached}
+        )
+    backend = backends.find(str(llm.llm_engine.vllm_config.kv_transfer_config.engine_id))
+    if not isinstance(backend, backends.EmbeddedBackend):
+        raise RuntimeError("the connector did not register the KV cache")
+    stats = backend.engine.stats()
+    kvferry_stats = {k: stats[k] for k in ("stored_bytes", "store_seconds", "retrieved_bytes", "retrieve_seconds")}
+    llm.llm_engine.engine_core.shutdown()
+    return {
+        "parameters": parameters,
+        "engine_start_s": engine_start_s,
+        "kvferry": kvferry_stats,
+        "rows": rows,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python3 benchmarks/bench_vllm_ttft.py ...`: this benchmark with the script's own default JSON path."""
+    from kvferry.cli.bench_cmd import script_main
+
+    return script_main("vllm-ttft", argv, json_default="bench-out/bench_vllm_ttft.json")

@@ -1,0 +1,128 @@
+"""`kvferry bench cache | pool | tiers | server` end to end in tiny configurations, their option checks, and a
+benchmarks/ script running the same command with its old flags and default JSON path."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvferry.cli.main import main
+from tests.cli.benchkit import run_bench
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_pool(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    doc, progress = run_bench(monkeypatch, tmp_path, "pool", "--ops", "2000", "--capacity-mib", "64")
+    rows = {r["case"]: r for r in doc["results"]}
+    assert list(rows) == ["chunk_pairs", "random_churn", "allocator_pairs"] == progress.done
+    assert rows["chunk_pairs"]["ops"] == rows["allocator_pairs"]["ops"] == 2000
+    assert all(r["ops_per_s"] > 0 for r in rows.values())
+    assert doc["config"]["capacity_bytes"] == 64 << 20
+    out = capsys.readouterr().out
+    assert "random_churn" in out and "ops/s" in out and "results written to" in out
+
+
+def test_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    threads = torch.get_num_threads()
+    doc, _ = run_bench(monkeypatch, tmp_path, "cache", "--repeats", "2")
+    assert torch.get_num_threads() == threads  # one thread while it ran, then the caller's again
+    results = doc["results"]
+    assert set(results["lookup"]) == {
+        "lookup_128k_numpy_us",
+        "lookup_128k_tensor_us",
+        "lookup_128k_list_us",
+        "lookup_128k_locked_us",
+        "lookup_miss_us",
+    }
+    assert all(v > 0 for v in results["lookup"].values())
+    assert [(r["chunks"], r["geometry_given"]) for r in results["overhead"]] == [
+        (n, g) for g in (True, False) for n in (1, 16, 64)
+    ]
+    for row in results["overhead"]:
+        assert row["api_store_us"] > 0 and row["bare_retrieve_us"] > 0
+        assert set(row["store_overhead_per_chunk_us"]) == {"interleaved_min", "interleaved_median", "in_call_median"}
+    assert results["calibration_10M_steps_s"] > 0
+    out = capsys.readouterr().out
+    assert "lookup_128k_list_us" in out and "store ovh/chunk" in out and "calibration" in out
+
+
+def test_tiers(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ("--total-mib", "4", "--reps", "1", "--objects", "qwen2.5-0.5b", "--dir", str(tmp_path))
+    doc, _ = run_bench(monkeypatch, tmp_path, "tiers", *args)
+    rows = doc["results"]["rows"]
+    tiers = {r["tier"] for r in rows}
+    assert "disk (buffered)" in tiers
+    if shutil.which("redis-server"):
+        assert "redis" in tiers and doc["config"]["redis"] == "local redis-server"
+    for r in rows:
+        assert r["object"] == "qwen2.5-0.5b" and r["count"] == 2  # at least two objects, even below --total-mib
+        assert r["tier_GBps"] > 0 and r["ratio"] > 0
+    assert doc["results"]["checksum_xxh3_1_thread_GBps"]["qwen2.5-0.5b"] > 0
+    assert [p.name for p in tmp_path.iterdir()] == ["tiers.json"]  # its working directory removed
+    assert "plain 4 thr" in capsys.readouterr().out
+
+
+def test_server(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ("--requests", "20", "--transfers", "4", "--pool-gb", "0.25")
+    doc, _ = run_bench(monkeypatch, tmp_path, "server", *args)
+    cases = doc["results"]["cases"]
+    assert list(cases) == [
+        "zmq_floor",
+        "ping",
+        "lookup",
+        "lookup_x32",
+        "store_1chunk",
+        "retrieve_1chunk",
+        "store_16chunk",
+        "retrieve_16chunk",
+    ]
+    assert cases["ping"]["p50_us"] > 0 and cases["lookup_x32"]["req_per_s"] > 0
+    for name in ("store_1chunk", "retrieve_16chunk"):
+        assert cases[name]["gbps"] > 0 and cases[name]["engine_us"] > 0
+    assert doc["results"]["chunk_bytes"] == 2 * 24 * 256 * 2 * 64 * 2  # qwen2.5-0.5b: K,V x layers x tokens x heads
+    assert doc["results"]["memcpy_16chunk_gbps"] is None  # no GPU ceiling for KV on the CPU
+    assert "retrieve_16chunk" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["pool", "--ops", "0"], "--ops"),
+        (["pool", "--capacity-mib", "16"], "--capacity-mib"),
+        (["cache", "--repeats", "0"], "--repeats"),
+        (["tiers", "--objects", "gpt-5"], "--objects"),
+        (["tiers", "--reps", "0"], "--reps"),
+        (["tiers", "--dir", "/nonexistent/kvferry"], "--dir"),
+        (["tiers", "--redis-url", "redis://127.0.0.1:1"], "--redis-url"),
+        (["tiers", "--redis-url", "http://x"], "--redis-url"),
+        (["server", "--transfers", "0"], "--transfers"),
+        (["server", "--pool-gb", "0"], "--pool-gb"),
+    ],
+)
+def test_bad_options_exit_2_naming_them(args: list[str], named: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", *args]) == 2
+    err = capsys.readouterr().err
+    assert f"kvferry bench {args[0]}: error:" in err and named in err
+
+
+def test_script_keeps_its_flags_and_default_json(tmp_path: Path) -> None:
+    """benchmarks/bench_pool.py is `kvferry bench pool`, writing bench-out/bench_pool.json as it always did, or the
+    file --out names; the JSON records the script's command line."""
+    script = ROOT / "benchmarks" / "bench_pool.py"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    runs = (([], tmp_path / "bench-out" / "bench_pool.json"), (["--out", "x.json"], tmp_path / "x.json"))
+    for extra, written in runs:
+        cmd = [sys.executable, str(script), "--ops", "200", "--capacity-mib", "32", *extra]
+        done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert "allocator_pairs" in done.stdout
+        doc = json.loads(written.read_text())
+        assert doc["benchmark"] == "pool" and f"{script} --ops 200" in doc["command"]

@@ -1,0 +1,101 @@
+"""`kvferry bench gpu-transfer` and `kvferry bench cache-gpu`: a clear refusal without CUDA; on a GPU, end to end in
+small configurations."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvferry.bench.gpu_transfer_bench import planned_steps
+from kvferry.cli.main import main
+from tests.cli.benchkit import run_bench
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no CUDA device")
+@pytest.mark.parametrize("args", [["gpu-transfer"], ["cache-gpu"], ["server", "--device", "cuda"]])
+def test_without_cuda_exit_2_saying_so(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", *args]) == 2
+    err = capsys.readouterr().err
+    assert f"kvferry bench {args[0]}: error:" in err and "needs a CUDA device" in err
+
+
+def test_gpu_transfer_refuses_unknown_sections(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "gpu-transfer", "--sections", "bulk,warp"]) == 2
+    assert "--sections" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_transfer_onechunk_and_bidir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    doc, progress = run_bench(monkeypatch, tmp_path, "gpu-transfer", "--sections", "onechunk,bidir", "--reps", "2")
+    assert progress.totals == [planned_steps(["onechunk", "bidir"])]
+    rows = doc["results"]["rows"]
+    assert {r["section"] for r in rows} == {"one-chunk", "bidir"}
+    assert all(r["ratio"] > 0 and r["gbps"] > 0 for r in rows)
+    assert len(doc["results"]["enqueue"]) == 4 and doc["machine"]["device"] != "cpu"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cache_gpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    doc, _ = run_bench(monkeypatch, tmp_path, "cache-gpu")
+    rows = doc["results"]["rows"]
+    assert [(r["model"], r["op"]) for r in rows] == [
+        (m, op) for m in ("llama3-8b", "qwen2.5-0.5b") for op in ("store", "retrieve")
+    ]
+    assert all(r["ratio"] > 0 for r in rows)
+    assert doc["results"]["breakdown"]["alternated_with_memcpy"]["ratio"] > 0
+
+
+class _FakeSetup:
+    """Stands in for a GPU Setup: the same attributes, transfers that do nothing."""
+
+    def __init__(self, model: str, fmt: object, n_chunks: int, **kwargs: object) -> None:
+        self.nbytes = n_chunks << 20
+        self.paged = self.objects = self.ids = self.fmt = self.geom = None
+
+    def run(self, *args: object) -> None:
+        pass
+
+    def runner(self, *args: object) -> Callable[[], None]:
+        return lambda: None
+
+
+def test_gpu_transfer_control_flow_with_the_gpu_faked(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every section's rows, tables and JSON, and a progress bar that ends full, with every GPU operation replaced by
+    a no-op (the measurements themselves run only on a GPU: the gpu-marked tests above)."""
+    import kvferry
+    from kvferry.bench import gpu_gemm, gpu_transfer_bench
+
+    class Handle:
+        def wait(self) -> None:
+            pass
+
+    monkeypatch.setattr(gpu_transfer_bench, "require_cuda", lambda what: None)
+    monkeypatch.setattr(gpu_transfer_bench, "Setup", _FakeSetup)
+    monkeypatch.setattr(gpu_transfer_bench, "paired_ms", lambda fn, ceiling, reps: (2.0, 1.0))
+    monkeypatch.setattr(gpu_transfer_bench, "memcpy", lambda nbytes, to_host: lambda: None)
+    monkeypatch.setattr(gpu_transfer_bench, "by_hand", lambda s: lambda: None)
+    monkeypatch.setattr(kvferry, "transfer_async", lambda *args, **kwargs: Handle())
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "no GPU (faked)")
+    monkeypatch.setattr(gpu_gemm, "gemm_tflops", lambda during=None, seconds=1.0: (100.0, 50.0))
+    for module in (gpu_transfer_bench, gpu_gemm):
+        monkeypatch.setattr(module, "TransferEngine", lambda *args, **kwargs: None)
+        monkeypatch.setattr(module, "PinnedCopy", lambda nbytes: None)
+    doc, progress = run_bench(monkeypatch, tmp_path, "gpu-transfer", "--reps", "1")
+    sections = gpu_transfer_bench.SECTIONS
+    assert progress.totals == [planned_steps(list(sections))]
+    rows = doc["results"]["rows"]
+    assert {r["section"] for r in rows} == {"bulk", "formats", "formats-run", "one-chunk", "bidir", "gemm", "crossover"}
+    assert all(r["ratio"] == 0.5 for r in rows if r["section"] != "gemm")
+    assert sum(r["section"] == "gemm" for r in rows) == gpu_gemm.STEPS - 1
+    assert len(doc["results"]["enqueue"]) == 4 and doc["machine"]["device"] == "no GPU (faked)"
+    out = capsys.readouterr().out
+    assert "serial gather+DMA (1 slot)" in out and "GEMM TFLOP/s" in out and "CPU time of the call" in out

@@ -1,0 +1,60 @@
+"""`kvferry bench vllm-ttft` and `kvferry bench vllm-async-load`: a clear refusal without the vllm extra; where it
+is installed, end to end with a tiny random-weight model (each starts vLLM engines: tens of seconds)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from kvferry.bench import vllm_child
+from kvferry.cli.main import main
+from tests.cli.benchkit import run_bench
+
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None or importlib.util.find_spec("transformers") is None,
+    reason="needs the vllm extra (pip install -e '.[vllm]')",
+)
+
+
+@pytest.mark.parametrize("name", ["vllm-ttft", "vllm-async-load"])
+def test_without_vllm_exit_2_saying_so(
+    name: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "vllm" else real(n, *a))
+    assert main(["bench", name]) == 2
+    err = capsys.readouterr().err
+    assert f"kvferry bench {name}: error: needs the vllm extra" in err
+
+
+def test_ttft_width_must_be_a_multiple_of_256(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "vllm-ttft", "--hidden", "320"]) == 2
+    assert "--hidden" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@needs_vllm
+def test_ttft_tiny(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(vllm_child, "CHILD_TIMEOUT_S", 300.0)
+    args = ("--prompt-tokens", "512", "--prompts", "1", "--layers", "1", "--hidden", "256")
+    doc, _ = run_bench(monkeypatch, tmp_path, "vllm-ttft", *args)
+    (row,) = doc["results"]["rows"]
+    assert row["miss_cached"] == 0 and row["hit_cached"] == 511  # both chunks loaded; vLLM computes the last token
+    assert doc["results"]["ttft_hit_s"] > 0 and doc["results"]["kvferry"]["retrieved_bytes"] > 0
+    assert doc["config"]["model"]["parameters"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@needs_vllm
+def test_async_load_tiny(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(vllm_child, "CHILD_TIMEOUT_S", 300.0)
+    args = ("--prefix-tokens", "256", "--running", "1", "--layers", "1", "--kv-heads", "1")
+    doc, _ = run_bench(monkeypatch, tmp_path, "vllm-async-load", *args)
+    modes = doc["results"]["modes"]
+    assert [m["async_load"] for m in modes] == [False, True]
+    for m in modes:
+        assert m["tokens_loaded"] == 256 and m["steps_while_loading"] >= 1 and m["step_ms_median"] > 0
