@@ -1,5 +1,8 @@
 """Question: does this tree's one-chunk transfer cost more or less than a baseline commit's, on the same host?
 
+Answer (2026-12-01, H200): 1a247f3 (token tiles and head slices in the kernel) against 173cb43: llama3-8b one chunk
+697 / 699 us store, 678 / 677 retrieve; qwen2.5-0.5b 127 / 128, 113 / 113: the same.
+
 Answer: none recorded yet (added 2026-12-01; docs/benchmark_log.md has no run of it).
 
 One process holds both trees (`benchmarks/experiments/baseline_tree.sh REV` makes `src/kvferry_base`); every turn
