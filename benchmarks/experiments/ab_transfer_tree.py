@@ -3,8 +3,6 @@
 Answer (2026-12-01, H200): 1a247f3 (token tiles and head slices in the kernel) against 173cb43: llama3-8b one chunk
 697 / 699 us store, 678 / 677 retrieve; qwen2.5-0.5b 127 / 128, 113 / 113: the same.
 
-Answer: none recorded yet (added 2026-12-01; docs/benchmark_log.md has no run of it).
-
 One process holds both trees (`benchmarks/experiments/baseline_tree.sh REV` makes `src/kvferry_base`); every turn
 times the baseline, this tree and a pinned memcpy of the same bytes back to back (order alternating), so a host whose
 speed drifts moves all three alike. Prints medians of the call-to-completion wall time, its ratio to the memcpy, and
