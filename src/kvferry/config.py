@@ -54,6 +54,12 @@ class CacheConfig(BaseModel):
     spill_wait_s: float = Field(
         1.0, ge=0, description="how long a store may wait for evicted objects' tier writes to free pool memory"
     )
+    in_flight_wait_s: float = Field(
+        2.0,
+        ge=0,
+        description="how long a store waits for chunks a concurrent store of the same prefix is writing (it stores "
+        "them itself if that store fails)",
+    )
     async_workers: int = Field(2, gt=0, description="threads serving store_async / retrieve_async")
 
     @property

@@ -7,6 +7,7 @@ a full pool, a failed tier or a corrupt object is a miss or a skipped chunk, cou
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import weakref
@@ -24,6 +25,7 @@ from kvferry.cache.request import (
     check_skip,
     dtype_name,
     layout_name,
+    token_count,
 )
 from kvferry.cache.residency import Residency
 from kvferry.cache.tiering import TierLink, when_all
@@ -63,7 +65,7 @@ class CacheEngine:
             configure_gpu(**self.config.transfer.engine_settings())
         self.chunk_size = cfg.chunk_size
         self.namespace = namespace
-        self.pool = pool if pool is not None else HostPool(cfg.l1_size_bytes)
+        self.pool = pool if pool is not None else _host_pool(cfg.l1_size_gb, cfg.l1_size_bytes)
         self.counters = CacheCounters()
         self._hasher = ChunkHasher(cfg.chunk_size, cfg.hash_algo)
         self._res = Residency(self.pool, make_policy(cfg.eviction_policy), cfg, self.counters)
@@ -73,7 +75,9 @@ class CacheEngine:
             self._owned_tiers = [make_tier(url) for url in self.config.tiers]
             tiers = self._owned_tiers
         self._tiers = TierLink(list(tiers), self._res, cfg.tier_write, self._checksum) if tiers else None
-        self._writer = ChunkWriter(self._res, self._hasher, cfg.chunk_size, self._checksum, self._tiers)
+        self._writer = ChunkWriter(
+            self._res, self._hasher, cfg.chunk_size, self._checksum, self._tiers, cfg.in_flight_wait_s
+        )
         self._executor = ThreadPoolExecutor(cfg.async_workers, thread_name_prefix=f"kvferry-{name}")
         self.metrics_registry = make_registry(name, self._metric_values)
         self._closed = threading.Event()
@@ -174,9 +178,11 @@ class CacheEngine:
         """
         ns = self._ns(namespace)
         geom = self._geometry(fmt, paged, block_size, geometry, ns)
-        first = check_skip(skip_prefix_tokens, len(tokens)) // self.chunk_size
+        first = check_skip(skip_prefix_tokens, token_count(tokens)) // self.chunk_size
         per_chunk = self.chunk_size // geom.bs
-        check_block_ids(block_ids, self._hasher.num_chunks(tokens) * per_chunk, geom.bs)
+        # Whether or not a chunk turns out to need a copy, every block a copy could read is checked now.
+        needed = self._hasher.num_chunks(tokens) * per_chunk
+        check_block_ids(block_ids, first * per_chunk, needed, geom.nb, geom.bs, distinct=False)
         entries, seconds = self._writer.write(tokens, ns, paged, geom, block_ids, first)
         nbytes = geom.bytes_per_token * self.chunk_size
         with self._res.lock:
@@ -211,10 +217,12 @@ class CacheEngine:
             ns = self._ns(namespace)
             geom = self._geometry(fmt, paged, block_size, geometry, ns)
             bs = geom.bs
-            skip = check_skip(skip_prefix_tokens, len(tokens))
+            skip = check_skip(skip_prefix_tokens, token_count(tokens))
             first = skip // self.chunk_size
             per_chunk = self.chunk_size // bs
-            check_block_ids(block_ids, self._hasher.num_chunks(tokens) * per_chunk, bs)
+            # Checked whole, hit or miss: a retrieve that misses is refused for the same ids as one that hits.
+            needed = self._hasher.num_chunks(tokens) * per_chunk
+            check_block_ids(block_ids, skip // bs, needed, geom.nb, bs, distinct=True)
             prefix, index = self._hasher.prefix(tokens, ns), self._res.index
             removals = index.removals
             held = self._res.acquire_readers(readable_run(index.get, prefix, first), removals)
@@ -349,6 +357,24 @@ class CacheEngine:
         values["retrieve_gbps"] = gbps(values["retrieved_bytes"], values["retrieve_seconds"])
         assert set(GAUGES) <= set(values)
         return values
+
+
+def _host_pool(size_gb: float, size_bytes: int) -> HostPool:
+    """The engine's own pool of ``cache.l1_size_gb``; a size this machine cannot hold is a ValueError naming the
+    setting, not an allocator's traceback."""
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if size_bytes > memory:
+        raise ValueError(
+            f"cache.l1_size_gb={size_gb!r} ({size_bytes / 2**30:.1f} GiB) exceeds this machine's memory "
+            f"({memory / 2**30:.1f} GiB): give the host pool less (--l1-size-gb)"
+        )
+    try:
+        return HostPool(size_bytes)
+    except (RuntimeError, MemoryError) as exc:  # torch's allocator (pinned or not) refusing the slab
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(
+            f"cache.l1_size_gb={size_gb!r}: cannot allocate a {size_bytes / 2**30:.1f} GiB host pool ({reason})"
+        ) from None
 
 
 __all__ = ["CacheEngine", "LookupResult"]
