@@ -11,7 +11,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -34,6 +34,7 @@ from kvferry.config import KvferryConfig, TransferConfig
 from kvferry.formats import EngineKVFormat, KVGeometry, describe
 from kvferry.memory import HostPool
 from kvferry.tiers import Tier, make_tier
+from kvferry.tiers.metrics import TierCollector
 from kvferry.transfer import Direction, configure_gpu
 
 
@@ -79,7 +80,9 @@ class CacheEngine:
             self._res, self._hasher, cfg.chunk_size, self._checksum, self._tiers, cfg.in_flight_wait_s
         )
         self._executor = ThreadPoolExecutor(cfg.async_workers, thread_name_prefix=f"kvferry-{name}")
+        # The cache's counters and its tiers' (`kvferry_tier_*`, labelled by tier): one registry to export.
         self.metrics_registry = make_registry(name, self._metric_values)
+        self.metrics_registry.register(TierCollector(lambda: [tier.metrics for tier in self.tiers]))
         self._closed = threading.Event()
         # Geometries already checked against a namespace (registered engines pass the same one every call).
         # Weak: a geometry holds the engine's tensors, which must go when their owner unregisters.
@@ -120,6 +123,15 @@ class CacheEngine:
     ) -> LookupResult:
         """Like ``lookup``, and reports the tokens in flight from tiers; ``lock=True`` locks the hit chunks
         against eviction until ``retrieve(lock_id=...)`` / ``free_lookup_locks`` / the lock timeout."""
+        found, below = self.lookup_pool(tokens, namespace=namespace, lock=lock)
+        return found if below is None else below()
+
+    def lookup_pool(
+        self, tokens: TokenIds, *, namespace: CacheNamespace | None = None, lock: bool = False
+    ) -> tuple[LookupResult, Callable[[], LookupResult] | None]:
+        """``lookup_status`` in two halves: the pool's answer now, without touching a tier, and -- when tiers may
+        hold the chunks after the pool's hits -- a function that asks them (it waits for the tiers' I/O, so a
+        caller that must stay responsive runs it on another thread) and returns the whole answer."""
         prefix = self._hasher.prefix(tokens, self._ns(namespace))
         index = self._res.index
         removals = index.removals  # read before the index: see CacheIndex
@@ -132,11 +144,18 @@ class CacheEngine:
             self.counters.lookups += 1
             self.counters.hit_tokens += hit_tokens
             self.counters.miss_tokens += len(tokens) - hit_tokens
-        pending = 0
-        if self._tiers is not None and len(hits) < prefix.n:  # only now the keys after the hits are wanted
-            parent = prefix.key(len(hits) - 1) if hits else None
-            pending, _ = self._tiers.fall_through(prefix.keys(len(hits)), parent)
-        return LookupResult(hit_tokens, pending * self.chunk_size, lock_id)
+        found = LookupResult(hit_tokens, 0, lock_id)
+        tiers = self._tiers
+        if tiers is None or len(hits) == prefix.n:
+            return found, None
+        n_hits = len(hits)
+
+        def below() -> LookupResult:
+            parent = prefix.key(n_hits - 1) if n_hits else None  # only now the keys after the hits are wanted
+            pending, _ = tiers.fall_through(prefix.keys(n_hits), parent)
+            return found._replace(pending_tokens=pending * self.chunk_size)
+
+        return found, below
 
     def prefetch(self, tokens: TokenIds, *, namespace: CacheNamespace | None = None) -> Future[int]:
         """Start promoting the tier hits of ``tokens`` into the pool; the future gives the pool's prefix hit
@@ -261,6 +280,11 @@ class CacheEngine:
 
     # --- administration -----------------------------------------------------------------------------------
 
+    @property
+    def tiers(self) -> list[Tier]:
+        """The storage tiers below the pool, in lookup order."""
+        return self._tiers.tiers if self._tiers is not None else []
+
     def clear(self) -> None:
         """Drop every object in the pool and every lookup lock (objects being copied go when their copy ends)."""
         self._res.clear()
@@ -268,7 +292,7 @@ class CacheEngine:
     def stats(self) -> dict[str, Any]:
         values: dict[str, Any] = self._metric_values()
         values["pool"] = self.pool.stats()
-        values["tiers"] = [t.stats() for t in self._tiers.tiers] if self._tiers is not None else []
+        values["tiers"] = [t.stats() for t in self.tiers]  # no tier I/O: what each tier last saw
         return values
 
     def close(self) -> None:
