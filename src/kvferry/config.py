@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvferry.server.config import ServerConfig
 
@@ -110,6 +110,16 @@ class KvferryConfig(BaseModel):
     transfer: TransferConfig = Field(default_factory=TransferConfig)
     tiers: list[str] = Field(default_factory=list)
     server: ServerConfig = Field(default_factory=ServerConfig)
+
+    @field_validator("tiers")
+    @classmethod
+    def _tier_urls_parse(cls, urls: list[str]) -> list[str]:
+        """Every tier URL is checked with the config (scheme, parameters, sizes), before anything is opened."""
+        from kvferry.tiers.url import parse_tier_url  # the tiers pull in redis-py: only when there are any
+
+        for url in urls:
+            parse_tier_url(url)
+        return urls
 
     @classmethod
     def load(

@@ -3,7 +3,8 @@
 The fake engine lets the server's protocol, sessions and memory mapping be tested alone. It keeps whole
 chunks of the first `[NB, BS, W]` tensor of an NL_X_NB_BS_HS KV in a dict keyed by (namespace, token prefix),
 which is enough to check that the server reads and writes the client's memory through its mapping. `gate`
-lets a test hold a transfer mid-way (to end a session under it).
+lets a test hold a transfer mid-way (to end a session under it); `tier_seconds` makes every lookup that misses
+in the pool ask a tier that takes that long to answer (a frozen Redis, say).
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ class FakeEngine:
         self._next_lock = 1
         self.metrics_registry = CollectorRegistry()
         self.fake_calls = Counter("fake_engine_calls", "calls", registry=self.metrics_registry)
+        self.tiers: list[Any] = []
+        self.tier_seconds = 0.0
+        self.pool_gate = threading.Event()  # cleared: lookups wait (on the socket thread) until it is set
+        self.pool_gate.set()
 
     def namespace_for(
         self,
@@ -58,6 +63,17 @@ class FakeEngine:
         return [(namespace.digest, data[: end + step]) for end in range(0, len(data) // step * step, step)]
 
     def lookup_status(self, tokens: Any, *, namespace: CacheNamespace, lock: bool = False) -> Found:
+        found, below = self.lookup_pool(tokens, namespace=namespace, lock=lock)
+        return found if below is None else below()
+
+    def lookup_pool(self, tokens: Any, *, namespace: CacheNamespace, lock: bool = False) -> tuple[Found, Any]:
+        found = self._pool_lookup(tokens, namespace, lock)
+        if not self.tier_seconds or found.hit_tokens == len(tokens) // self.chunk_size * self.chunk_size:
+            return found, None
+        return found, lambda: (time.sleep(self.tier_seconds), found)[1]
+
+    def _pool_lookup(self, tokens: Any, namespace: CacheNamespace, lock: bool) -> Found:
+        self.pool_gate.wait()
         self.fake_calls.inc()
         hits = 0
         for key in self._keys(tokens, namespace):
