@@ -37,6 +37,7 @@ class FakeEngine:
         self._next_lock = 1
         self.metrics_registry = CollectorRegistry()
         self.fake_calls = Counter("fake_engine_calls", "calls", registry=self.metrics_registry)
+        self.stores = 0  # store calls that got past the gate
         self.tiers: list[Any] = []
         self.tier_seconds = 0.0
         self.pool_gate = threading.Event()  # cleared: lookups wait (on the socket thread) until it is set
@@ -90,6 +91,7 @@ class FakeEngine:
     def store(self, tokens, paged, block_ids, fmt, *, namespace, block_size, geometry, skip_prefix_tokens) -> int:
         self.in_transfer.set()
         self.gate.wait()
+        self.stores += 1
         paged = paged[0]
         bs = paged.shape[1]
         per = self.chunk_size // bs
@@ -150,6 +152,24 @@ def wait_for(predicate: Any, what: str, timeout: float = 10.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
         time.sleep(0.02)
+
+
+def freeze(pid: int) -> None:
+    """SIGSTOP `pid` and return once it is stopped (the signal is delivered asynchronously)."""
+    import os
+    import signal
+
+    os.kill(pid, signal.SIGSTOP)
+    wait_for(lambda: process_state(pid) == "T", f"process {pid} to stop", 5.0)
+
+
+def process_state(pid: int) -> str:
+    """The one-letter state of `pid` (R, S, T, Z, ...) from /proc; "" once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
 
 
 def raw_request(endpoint: str, op: str, args: dict[str, Any]) -> dict[str, Any]:

@@ -188,10 +188,17 @@ class KvferryServer:
         for sock in (router, monitor, replies_in):
             poller.register(sock, zmq.POLLIN)
         sweep_every = min(self.config.heartbeat_interval_s, self.config.heartbeat_timeout_s / 4)
-        next_sweep = self._clock() + sweep_every
+        last_turn = self._clock()
+        next_sweep = last_turn + sweep_every
         try:
             while not self._stopping.is_set():
                 ready = dict(poller.poll(timeout=100))
+                now = self._clock()
+                if now - last_turn > self.config.heartbeat_timeout_s / 2:
+                    # This process was stalled (stopped, swapped): its clients' silence is its own. Give each
+                    # a whole timeout to be heard again before any is judged.
+                    next_sweep = max(next_sweep, now + self.config.heartbeat_timeout_s)
+                last_turn = now
                 if monitor in ready:
                     self._drain_monitor(monitor)
                 if replies_in in ready:
