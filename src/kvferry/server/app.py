@@ -26,6 +26,8 @@ _FLAG_FIELDS: dict[str, tuple[str, str]] = {
     "heartbeat_interval": ("server", "heartbeat_interval_s"),
     "heartbeat_timeout": ("server", "heartbeat_timeout_s"),
     "transfer_workers": ("server", "transfer_workers"),
+    "tier_workers": ("server", "tier_workers"),
+    "tier_check_interval": ("server", "tier_check_interval_s"),
     "chunk_size": ("cache", "chunk_size"),
     "l1_size_gb": ("cache", "l1_size_gb"),
     "eviction": ("cache", "eviction_policy"),
@@ -44,6 +46,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--heartbeat-timeout", type=float, metavar="S", help="end silent sessions after (s)")
     net.add_argument("--max-message-mb", type=float, metavar="MB", help="largest request frame (MiB)")
     net.add_argument("--transfer-workers", type=int, metavar="N", help="threads running transfers")
+    net.add_argument("--tier-workers", type=int, metavar="N", help="threads finishing lookups that ask a tier")
+    net.add_argument("--tier-check-interval", type=float, metavar="S", help="probe each tier this often (s)")
     cache = parser.add_argument_group("cache")
     cache.add_argument("--chunk-size", type=int, metavar="TOKENS", help="tokens per chunk object")
     cache.add_argument("--l1-size-gb", type=float, metavar="GB", help="host pool capacity (GiB)")
