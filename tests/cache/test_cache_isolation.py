@@ -4,6 +4,7 @@ evicts nothing, and a failed store does not take a concurrent store of the same 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -180,3 +181,23 @@ def test_a_store_waits_for_the_chunks_a_concurrent_store_is_writing(monkeypatch:
         assert _concurrent_stores(engine, src, tokens, ids, held) == [2 * CHUNK, CHUNK, 3 * CHUNK]
         assert held.calls == 2 and engine.lookup(tokens) == 3 * CHUNK
         assert engine.pool.used_bytes == 3 * 4096
+
+
+def test_a_copy_that_ends_after_the_callers_deadline_is_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The caller stops waiting at ``valid_until`` and may reuse its blocks: bytes copied later are suspect."""
+    src = make_paged(FMT, NB)
+    tokens = _tokens(2 * CHUNK, 11)
+    with _full_engine(src) as engine:
+        engine.clear()
+        original = writer.copy_chunks
+
+        def slow_copy(*args: Any) -> Any:
+            time.sleep(0.3)
+            return original(*args)
+
+        monkeypatch.setattr(writer, "copy_chunks", slow_copy)
+        assert engine.store(tokens, src, _blocks(4, 1), FMT, valid_until=time.time() + 0.1) == 0
+        stats = engine.stats()
+        assert (stats["late_chunks"], stats["objects"], stats["pool_used_bytes"]) == (2, 0, 0)
+        assert engine.store(tokens, src, _blocks(4, 1), FMT, valid_until=time.time() + 10) == 2 * CHUNK
+        assert engine.lookup(tokens) == 2 * CHUNK

@@ -88,7 +88,9 @@ class FakeEngine:
             self.locks.add(lock_id)
         return Found(hits * self.chunk_size, 0, lock_id)
 
-    def store(self, tokens, paged, block_ids, fmt, *, namespace, block_size, geometry, skip_prefix_tokens) -> int:
+    def store(
+        self, tokens, paged, block_ids, fmt, *, namespace, block_size, geometry, skip_prefix_tokens, valid_until=None
+    ) -> int:
         self.in_transfer.set()
         self.gate.wait()
         self.stores += 1

@@ -186,6 +186,7 @@ class CacheEngine:
         block_size: int | None = None,
         skip_prefix_tokens: int = 0,
         geometry: KVGeometry | None = None,
+        valid_until: float | None = None,
     ) -> int:
         """Copy the full chunks of ``tokens`` not cached yet out of the engine's blocks; returns tokens stored.
 
@@ -193,7 +194,9 @@ class CacheEngine:
         entirely within ``skip_prefix_tokens`` are not stored. Chunks that find the pool full of locked or
         in-use objects are skipped (counted in ``stats()['skipped_chunks']``), never an exception.
         ``geometry`` (``kvferry.formats.describe(fmt, paged, block_size)``, made once at registration) saves
-        re-validating the engine's tensors on every call.
+        re-validating the engine's tensors on every call. ``valid_until`` (time.time()): when the caller stops
+        waiting and may reuse the blocks; chunks whose copy ends later are dropped, never cached with bytes that
+        may be another request's (counted in ``stats()['late_chunks']``).
         """
         ns = self._ns(namespace)
         geom = self._geometry(fmt, paged, block_size, geometry, ns)
@@ -202,7 +205,7 @@ class CacheEngine:
         # Whether or not a chunk turns out to need a copy, every block a copy could read is checked now.
         needed = self._hasher.num_chunks(tokens) * per_chunk
         check_block_ids(block_ids, first * per_chunk, needed, geom.nb, geom.bs, distinct=False)
-        entries, seconds = self._writer.write(tokens, ns, paged, geom, block_ids, first)
+        entries, seconds = self._writer.write(tokens, ns, paged, geom, block_ids, first, valid_until)
         nbytes = geom.bytes_per_token * self.chunk_size
         with self._res.lock:
             self.counters.stores += 1

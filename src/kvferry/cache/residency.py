@@ -278,6 +278,13 @@ class Residency:
             if self._written_waiters:
                 self._written.notify_all()
 
+    def drop_late(self, entries: list[Entry]) -> None:
+        """Undo ``reserve`` for entries whose copy ended after their caller stopped waiting (its blocks may have
+        held other KV by then)."""
+        self.abort(entries)
+        with self.lock:
+            self.counters.late_chunks += len(entries)
+
     # --- tiers --------------------------------------------------------------------------------------------
 
     def tier_write_done(self, entry: Entry, ok: bool, spilled: bool) -> None:

@@ -96,10 +96,18 @@ class ChunkWriter:
         self._ahead_pause = 0  # stores left to make in order (a plain int: a lost update under a race is harmless)
 
     def write(
-        self, tokens: TokenIds, ns: CacheNamespace, paged: Any, geom: KVGeometry, block_ids: BlockIds, first: int
+        self,
+        tokens: TokenIds,
+        ns: CacheNamespace,
+        paged: Any,
+        geom: KVGeometry,
+        block_ids: BlockIds,
+        first: int,
+        valid_until: float | None = None,
     ) -> tuple[list[Entry], float]:
         """Store the full chunks of ``tokens`` from chunk ``first`` on that are not present; returns the new
-        (now readable) entries and the seconds their copy took. ``block_ids`` was checked to cover them."""
+        (now readable) entries and the seconds their copy took. ``block_ids`` was checked to cover them. A copy
+        that ends after ``valid_until`` (time.time()) is dropped: see ``CacheEngine.store``."""
         n_full = self._hasher.num_chunks(tokens)
         write = None
         if first < n_full and copies_in_background(geom, self._pool):
@@ -109,11 +117,11 @@ class ChunkWriter:
                 write = self._ahead(tokens, ns, geom, block_ids, first, n_full)
         if write is None:
             write = self._in_order(tokens, ns, paged, geom, block_ids, first)
-        seconds = self._finish(write) if write.entries or write.spare else 0.0
+        stored, seconds = self._finish(write, valid_until) if write.entries or write.spare else ([], 0.0)
         if not write.others:
-            return write.entries, seconds
-        taken, more = self._take_over(tokens, ns, paged, geom, block_ids, write.others)
-        return write.entries + taken, seconds + more
+            return stored, seconds
+        taken, more = self._take_over(tokens, ns, paged, geom, block_ids, write.others, valid_until)
+        return stored + taken, seconds + more
 
     def _take_over(
         self,
@@ -123,6 +131,7 @@ class ChunkWriter:
         geom: KVGeometry,
         block_ids: BlockIds,
         others: list[tuple[int, Entry]],
+        valid_until: float | None,
     ) -> tuple[list[Entry], float]:
         """Chunks this store found in flight for a concurrent store of the same prefix: wait for them (up to
         ``in_flight_wait_s``), and store from its own blocks those whose store failed meanwhile. Otherwise the
@@ -136,8 +145,9 @@ class ChunkWriter:
                 break
             write = self._in_order(tokens, ns, paged, geom, block_ids, min(lost))
             if write.entries:
-                seconds += self._finish(write)
-                stored += write.entries
+                kept, more = self._finish(write, valid_until)
+                stored += kept
+                seconds += more
             others = write.others
         return stored, seconds
 
@@ -199,9 +209,9 @@ class ChunkWriter:
             raise
         return _Write(entries, in_flight, [], started, in_flight_elsewhere)
 
-    def _finish(self, write: _Write) -> float:
+    def _finish(self, write: _Write, valid_until: float | None) -> tuple[list[Entry], float]:
         """Evict back under the watermark while the bytes move, wait for them, make the new chunks readable (and
-        start their tier writes); returns the copy's seconds."""
+        start their tier writes); returns them and the copy's seconds. Past ``valid_until`` they are dropped."""
         entries, in_flight, spare, started, _ = write
         try:
             try:
@@ -215,6 +225,9 @@ class ChunkWriter:
             raise
         seconds = time.perf_counter() - started
         self._free(spare)
+        if valid_until is not None and time.time() > valid_until:
+            self._res.drop_late(entries)
+            return [], seconds
         checksum = self._checksum
         checksums = [checksum(e.obj) if e.obj is not None else None for e in entries] if checksum else [None] * len(
             entries)  # fmt: skip
@@ -224,7 +237,7 @@ class ChunkWriter:
         if writers:
             assert tiers is not None
             tiers.write_through(kept)
-        return seconds
+        return entries, seconds
 
     def _free(self, objects: list[torch.Tensor]) -> None:
         for obj in objects:

@@ -93,6 +93,10 @@ class Connection:
     ) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s  # each request's deadline
+        # The deadline the server gets is a little earlier than the one this client keeps: whatever the server
+        # finishes by its deadline (a store's copy of the caller's blocks, say) is done before the caller gives
+        # up and reuses them, clock-offset errors included.
+        self._server_wait_s = timeout_s - min(0.1, timeout_s / 10)
         self.heartbeat_interval_s = heartbeat_interval_s
         self.silence_timeout_s = silence_timeout_s
         self.connect_timeout_s = min(connect_timeout_s, timeout_s)
@@ -138,7 +142,7 @@ class Connection:
         """Queue a request; ServerUnavailable at once (nothing sent) while the server is known unreachable."""
         future: Future[Any] = Future()
         request_id = next(self._ids)
-        payload = encode_request(op, request_id, args, time.time() + self._clock_offset + self.timeout_s)
+        payload = encode_request(op, request_id, args, time.time() + self._clock_offset + self._server_wait_s)
         if self.max_message_bytes is not None and len(payload) > self.max_message_bytes:
             raise ValueError(
                 f"{op.value} request of {len(payload)} bytes exceeds the server's max_message_bytes="

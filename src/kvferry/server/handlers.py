@@ -88,6 +88,12 @@ class RequestHandlers:
             Op.STATS: self.stats,
         }
 
+    def run(self, op: Op, session: Session, args: Any, deadline: float | None) -> dict[str, Any] | Deferred:
+        """Run op `op`; a STORE keeps only chunks copied by `deadline` (when its client stops waiting)."""
+        if op is Op.STORE:
+            return self._transfer(session, args, store=True, deadline=deadline)
+        return self.table[op](session, args)
+
     def ping(self, session: Session, _: NoArgs) -> dict[str, Any]:
         return {**self._hello, "session": session.id.hex(), "time": time.time()}
 
@@ -182,7 +188,9 @@ class RequestHandlers:
     def stats(self, _: Session, __: NoArgs) -> dict[str, Any]:
         return {"server": self._server_stats(), "cache": self._engine.stats()}
 
-    def _transfer(self, session: Session, args: TransferArgs, *, store: bool) -> dict[str, Any]:
+    def _transfer(
+        self, session: Session, args: TransferArgs, *, store: bool, deadline: float | None = None
+    ) -> dict[str, Any]:
         tokens = unpack_ids(args.tokens, "tokens")
         block_ids = unpack_ids(args.block_ids, "block_ids")
         if store and args.lock is not None:
@@ -203,7 +211,7 @@ class RequestHandlers:
             if store:
                 if args.ready_event is not None:
                     _wait_for_client_event(reg, args.ready_event)
-                done = self._engine.store(tokens, reg.kv.paged, block_ids, reg.format, **where)
+                done = self._engine.store(tokens, reg.kv.paged, block_ids, reg.format, valid_until=deadline, **where)
             else:
                 done = self._engine.retrieve(tokens, reg.kv.paged, block_ids, reg.format, lock_id=args.lock, **where)
         finally:

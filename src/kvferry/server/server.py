@@ -277,7 +277,8 @@ class KvferryServer:
             return self._reply(request, received, late)
 
         def handle() -> Any:
-            return self._handlers.table[request.op](session, parse_args(request.op, request.args, request.id))
+            args = parse_args(request.op, request.args, request.id)
+            return self._handlers.run(request.op, session, args, request.deadline)
 
         outcome = _attempt(handle)
         if isinstance(outcome, Deferred):
