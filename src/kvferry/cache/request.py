@@ -46,7 +46,7 @@ def token_count(tokens: object) -> int:
         ) from None
 
 
-# Below this many ids a list is checked as a packed array (its own C loops); above, numpy's reductions win.
+# Below this many ids the range and repeat checks run on a Python list (C-level builtins); above, numpy's.
 _SMALL_IDS = 128
 
 
@@ -70,41 +70,50 @@ def check_block_ids(
         )
     if start >= needed:
         return
-    ids = _id_values(block_ids[start:needed])
-    if isinstance(ids, array.array):
+    ids = block_ids if start == 0 and needed == given else block_ids[start:needed]
+    if type(ids) is not list or len(ids) >= _SMALL_IDS or not _all_ints(ids):
+        ids = _id_values(ids)
+    if isinstance(ids, list):
         lo, hi = min(ids), max(ids)
     else:
         lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= num_blocks:
-        bad = next(i for i, b in enumerate(ids.tolist()) if not 0 <= b < num_blocks)  # only on the error path
+        bad = next(i for i, b in enumerate(ids) if not 0 <= b < num_blocks)  # only on the error path
         raise ValueError(f"block_ids[{start + bad}]={int(ids[bad])} is outside the pool of {num_blocks} blocks")
     if distinct and len(ids) > 1 and _repeats(ids):
         raise ValueError("block_ids repeats a block: a retrieve would write one block from two places")
 
 
-def _id_values(ids: BlockIds) -> array.array[int] | np.ndarray:
-    """``ids`` as a packed int64 array (a short list) or a 1-D integer numpy array (a view where possible)."""
+def _all_ints(ids: list[object]) -> bool:
+    """Whether a list holds Python ints only, in one C-level pass: any float makes the sum a float."""
+    try:
+        return type(sum(ids)) is int  # type: ignore[arg-type]
+    except TypeError:
+        return False
+
+
+def _id_values(ids: BlockIds) -> list[int] | np.ndarray:
+    """``ids`` (not a short list of Python ints) as a list of ints when short, else a 1-D integer numpy array."""
     if isinstance(ids, torch.Tensor):
         if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise TypeError(f"block_ids must hold integers, got dtype {ids.dtype}")
         if ids.dim() != 1:
             raise ValueError(f"block_ids must be 1-D, got shape {tuple(ids.shape)}")
         ids = ids.detach().cpu().numpy()
-    elif not isinstance(ids, np.ndarray) and len(ids) < _SMALL_IDS:
+    if not isinstance(ids, np.ndarray):
         try:
-            return array.array("q", ids)
-        except (TypeError, OverflowError) as exc:
+            ids = np.asarray(array.array("q", ids)) if len(ids) < _SMALL_IDS else np.asarray(ids)
+        except (TypeError, OverflowError, ValueError) as exc:
             raise TypeError(f"block_ids must be a sequence of ints: {exc}") from None
-    arr = np.asarray(ids)
-    if arr.ndim != 1:
-        raise ValueError(f"block_ids must be 1-D, got shape {arr.shape}")
-    if arr.dtype.kind not in "iu":  # a float would be truncated, a digit string parsed
-        raise TypeError(f"block_ids must hold integers, got {arr.dtype} values")
-    return arr
+    if ids.ndim != 1:
+        raise ValueError(f"block_ids must be 1-D, got shape {ids.shape}")
+    if ids.dtype.kind not in "iu":  # a float would be truncated, a digit string parsed
+        raise TypeError(f"block_ids must hold integers, got {ids.dtype} values")
+    return ids.tolist() if len(ids) < _SMALL_IDS else ids  # small: builtins beat numpy's per-call cost
 
 
-def _repeats(ids: array.array[int] | np.ndarray) -> bool:
-    if isinstance(ids, array.array):
+def _repeats(ids: list[int] | np.ndarray) -> bool:
+    if isinstance(ids, list):
         return len(set(ids)) != len(ids)
     ordered = np.sort(ids)  # a repeat sits next to itself once sorted
     return bool((ordered[1:] == ordered[:-1]).any())
