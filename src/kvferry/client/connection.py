@@ -35,7 +35,15 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from kvferry.server.protocol import ErrorCode, Op, ProtocolError, Reply, decode_reply, encode_request
+from kvferry.server.protocol import (
+    ErrorCode,
+    Op,
+    ProtocolError,
+    Reply,
+    decode_reply,
+    decode_request,
+    encode_request,
+)
 
 log = logging.getLogger("kvferry.client")
 
@@ -154,7 +162,7 @@ class Connection:
             if self._state is _DOWN:
                 raise self._unavailable(op.value)
             self._pending[request_id] = _Pending(op, future, convert, keepalive, time.monotonic() + self.timeout_s)
-            self._outbox.send_multipart([request_id.to_bytes(8, "little"), payload])
+            self._outbox.send(payload)
         future.request_id = request_id  # type: ignore[attr-defined]
         return future
 
@@ -181,6 +189,7 @@ class Connection:
         poller = zmq.Poller()
         poller.register(outbox_in, zmq.POLLIN)
         link.attach(poller)
+        due = 0.0  # when heartbeats, probes and deadlines are looked at next (not on every request's turn)
         try:
             while not self._closed:
                 wait_ms = max(1, int(min(self.heartbeat_interval_s / 4, 0.25 if self._state is _UP else 0.05) * 1e3))
@@ -196,8 +205,12 @@ class Connection:
                     self._fail_pending(RegistrationLost("request", ErrorCode.SESSION_ENDED, "the session ended"))
                     link = _Link(self)
                     link.attach(poller)
-                link.tick()
-                self._expire_pending()
+                    due = 0.0
+                now = time.monotonic()
+                if now >= due:
+                    due = now + 0.01
+                    link.tick(now)
+                    self._expire_pending(now)
         finally:
             link.detach(poller)
             outbox_in.close(linger=0)
@@ -246,9 +259,8 @@ class Connection:
         if pending is not None and not pending.future.done():
             pending.future.set_exception(error)
 
-    def _expire_pending(self) -> None:
+    def _expire_pending(self, now: float) -> None:
         """Fail requests past their deadline (oldest first: every request has the same timeout)."""
-        now = time.monotonic()
         expired = []
         with self._lock:
             for request_id, pending in self._pending.items():
@@ -295,7 +307,7 @@ class _Link:
         self.monitor = self.dealer.get_monitor_socket(_EVENTS)
         self.dealer.connect(conn.endpoint)
         self.rotate = False
-        self.held: list[tuple[int, bytes]] = []  # requests made before the first reply
+        self.held: list[zmq.Frame] = []  # requests made before the first reply
         self.last_heard = time.monotonic()
         self.probe_id: int | None = None  # the PING in flight (a heartbeat, or a probe while down)
         self.probe_sent = 0.0
@@ -314,8 +326,8 @@ class _Link:
         self.dealer.disable_monitor()
         self.monitor.close(linger=0)
         self.dealer.close(linger=0)
-        for request_id, _ in self.held:
-            self.conn._fail(request_id, ConnectionError("the client's session was replaced before it was sent"))
+        for frame in self.held:
+            self.conn._fail(_request_id(frame), ConnectionError("the client's session was replaced before it was sent"))
         self.held.clear()
 
     # -- events --------------------------------------------------------------------------------------------
@@ -360,35 +372,35 @@ class _Link:
         conn = self.conn
         while True:
             try:
-                frames = outbox_in.recv_multipart(zmq.NOBLOCK)
+                frame = outbox_in.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            if len(frames) != 2:  # an empty frame only wakes the thread (close)
+            if not len(frame):  # an empty frame only wakes the thread (close)
                 continue
-            request_id, payload = int.from_bytes(frames[0], "little"), frames[1]
             state = conn._state
             if state is _UP:
-                self.send(request_id, payload)
+                self.send(frame)
             elif state is _CONNECTING:
-                self.held.append((request_id, payload))
+                self.held.append(frame)
             else:
-                conn._fail(request_id, conn._unavailable("the request"))
+                conn._fail(_request_id(frame), conn._unavailable("the request"))
 
-    def send(self, request_id: int, payload: bytes) -> None:
+    def send(self, frame: zmq.Frame) -> None:
         try:
-            self.dealer.send(payload, zmq.NOBLOCK)
+            self.dealer.send(frame, zmq.NOBLOCK, copy=False)
         except zmq.Again:  # no live connection: it is not queued for later
-            self.conn._fail(request_id, ServerUnavailable(f"kvferry server {self.conn.endpoint}: not connected"))
+            failed = ServerUnavailable(f"kvferry server {self.conn.endpoint}: not connected")
+            self.conn._fail(_request_id(frame), failed)
             self.down("not connected")
 
     def flush(self) -> None:
         held, self.held = self.held, []
-        for request_id, payload in held:
-            self.send(request_id, payload)
+        for frame in held:
+            self.send(frame)
 
     def down(self, reason: str) -> None:
-        for request_id, _ in self.held:
-            self.conn._fail(request_id, ServerUnavailable(f"kvferry server {self.conn.endpoint}: {reason}"))
+        for frame in self.held:
+            self.conn._fail(_request_id(frame), ServerUnavailable(f"kvferry server {self.conn.endpoint}: {reason}"))
         self.held.clear()
         self.probe_id = None
         self.backoff = Connection.BACKOFF_S
@@ -397,10 +409,9 @@ class _Link:
 
     # -- time ----------------------------------------------------------------------------------------------
 
-    def tick(self) -> None:
+    def tick(self, now: float) -> None:
         """Heartbeats while up; probes with backoff while down; a connection attempt that takes too long."""
         conn = self.conn
-        now = time.monotonic()
         state = conn._state
         if state is _CONNECTING:
             if now - conn._since > conn.connect_timeout_s:
@@ -428,3 +439,8 @@ class _Link:
         except zmq.Again:
             return  # not connected (yet): ZMQ keeps reconnecting; the handshake event probes again
         self.probe_id, self.probe_sent, self.probe_wall = probe_id, time.monotonic(), time.time()
+
+
+def _request_id(frame: zmq.Frame) -> int:
+    """The id of a request frame this client encoded (read back only when it cannot be sent)."""
+    return decode_request(frame.bytes).id
