@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvferry.server.config import ServerConfig
 
@@ -58,6 +58,12 @@ class CacheConfig(BaseModel):
     )
     spill_wait_s: float = Field(
         1.0, ge=0, description="how long a store may wait for evicted objects' tier writes to free pool memory"
+    )
+    in_flight_wait_s: float = Field(
+        2.0,
+        ge=0,
+        description="how long a store waits for chunks a concurrent store of the same prefix is writing (it stores "
+        "them itself if that store fails)",
     )
     async_workers: int = Field(2, gt=0, description="threads serving store_async / retrieve_async")
 
@@ -109,6 +115,16 @@ class KvferryConfig(BaseModel):
     transfer: TransferConfig = Field(default_factory=TransferConfig)
     tiers: list[str] = Field(default_factory=list)
     server: ServerConfig = Field(default_factory=ServerConfig)
+
+    @field_validator("tiers")
+    @classmethod
+    def _tier_urls_parse(cls, urls: list[str]) -> list[str]:
+        """Every tier URL is checked with the config (scheme, parameters, sizes), before anything is opened."""
+        from kvferry.tiers.url import parse_tier_url  # the tiers pull in redis-py: only when there are any
+
+        for url in urls:
+            parse_tier_url(url)
+        return urls
 
     @classmethod
     def load(

@@ -3,7 +3,8 @@
 The fake engine lets the server's protocol, sessions and memory mapping be tested alone. It keeps whole
 chunks of the first `[NB, BS, W]` tensor of an NL_X_NB_BS_HS KV in a dict keyed by (namespace, token prefix),
 which is enough to check that the server reads and writes the client's memory through its mapping. `gate`
-lets a test hold a transfer mid-way (to end a session under it).
+lets a test hold a transfer mid-way (to end a session under it); `tier_seconds` makes every lookup that misses
+in the pool ask a tier that takes that long to answer (a frozen Redis, say).
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ class FakeEngine:
         self._next_lock = 1
         self.metrics_registry = CollectorRegistry()
         self.fake_calls = Counter("fake_engine_calls", "calls", registry=self.metrics_registry)
+        self.stores = 0  # store calls that got past the gate
+        self.tiers: list[Any] = []
+        self.tier_seconds = 0.0
+        self.pool_gate = threading.Event()  # cleared: lookups wait (on the socket thread) until it is set
+        self.pool_gate.set()
 
     def namespace_for(
         self,
@@ -59,6 +65,17 @@ class FakeEngine:
         return [(namespace.digest, data[: end + step]) for end in range(0, len(data) // step * step, step)]
 
     def lookup_status(self, tokens: Any, *, namespace: CacheNamespace, lock: bool = False) -> Found:
+        found, below = self.lookup_pool(tokens, namespace=namespace, lock=lock)
+        return found if below is None else below()
+
+    def lookup_pool(self, tokens: Any, *, namespace: CacheNamespace, lock: bool = False) -> tuple[Found, Any]:
+        found = self._pool_lookup(tokens, namespace, lock)
+        if not self.tier_seconds or found.hit_tokens == len(tokens) // self.chunk_size * self.chunk_size:
+            return found, None
+        return found, lambda: (time.sleep(self.tier_seconds), found)[1]
+
+    def _pool_lookup(self, tokens: Any, namespace: CacheNamespace, lock: bool) -> Found:
+        self.pool_gate.wait()
         self.fake_calls.inc()
         hits = 0
         for key in self._keys(tokens, namespace):
@@ -72,9 +89,12 @@ class FakeEngine:
             self.locks.add(lock_id)
         return Found(hits * self.chunk_size, 0, lock_id)
 
-    def store(self, tokens, paged, block_ids, fmt, *, namespace, block_size, geometry, skip_prefix_tokens) -> int:
+    def store(
+        self, tokens, paged, block_ids, fmt, *, namespace, block_size, geometry, skip_prefix_tokens, valid_until=None
+    ) -> int:
         self.in_transfer.set()
         self.gate.wait()
+        self.stores += 1
         paged = paged[0]
         bs = paged.shape[1]
         per = self.chunk_size // bs
@@ -135,6 +155,24 @@ def wait_for(predicate: Any, what: str, timeout: float = 10.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
         time.sleep(0.02)
+
+
+def freeze(pid: int) -> None:
+    """SIGSTOP `pid` and return once it is stopped (the signal is delivered asynchronously)."""
+    import os
+    import signal
+
+    os.kill(pid, signal.SIGSTOP)
+    wait_for(lambda: process_state(pid) == "T", f"process {pid} to stop", 5.0)
+
+
+def process_state(pid: int) -> str:
+    """The one-letter state of `pid` (R, S, T, Z, ...) from /proc; "" once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
 
 
 def raw_request(endpoint: str, op: str, args: dict[str, Any]) -> dict[str, Any]:

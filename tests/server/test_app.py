@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import socket
 from pathlib import Path
 
 import pytest
 
 from kvferry.server import ServerConfig, add_server_arguments, config_from_args
+from kvferry.server.app import run_from_command_line
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -45,3 +48,65 @@ def test_bad_values_name_the_field() -> None:
         config_from_args(parse(["--heartbeat-timeout", "1"]))
     with pytest.raises(ValueError, match="port"):
         config_from_args(parse(["--port", "70000"]))
+
+
+def _start_failure(argv: list[str], caplog: pytest.LogCaptureFixture) -> str:
+    """Run `kvferry server` in this process with flags that must keep it from starting; its one error line."""
+    caplog.set_level(logging.INFO, logger="kvferry.server")
+    assert run_from_command_line(["--port", "0", "--l1-size-gb", "0.01", *argv]) == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "\n" not in errors[0]
+    return errors[0]
+
+
+def test_a_busy_http_port_is_reported_as_the_http_port(caplog: pytest.LogCaptureFixture) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        error = _start_failure(["--http-port", str(port)], caplog)
+    assert f"cannot serve HTTP on 127.0.0.1:{port}" in error and "tcp://" not in error
+
+
+def test_a_busy_zmq_port_is_reported_as_the_client_port(caplog: pytest.LogCaptureFixture) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        error = _start_failure(["--no-http", "--port", str(port)], caplog)
+    assert f"cannot listen for clients on tcp://127.0.0.1:{port}" in error
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--l2", "disk:/proc/self?size=1GB"], "disk tier directory '/proc/self' is not writable"),
+        (["--l1-size-gb", "1000000"], "cache.l1_size_gb=1000000.0 (1000000.0 GiB) exceeds this machine's memory"),
+    ],
+    ids=["unwritable-tier-directory", "pool-larger-than-memory"],
+)
+def test_what_keeps_the_server_from_starting_is_one_line(
+    flags: list[str], says: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert says in _start_failure(["--no-http", *flags], caplog)
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--l2", "ftp://cache"], "tiers: tier URL 'ftp://cache': unknown scheme 'ftp'"),
+        (["--l2", "disk:/tmp/x?size=lots"], "size 'lots' is not a size"),
+        (["--heartbeat-timeout", "1"], "server: heartbeat_timeout_s=1.0 must exceed heartbeat_interval_s=2.0"),
+    ],
+    ids=["unknown-scheme", "bad-size", "bad-heartbeat"],
+)
+def test_config_errors_are_one_line_and_exit_2(
+    flags: list[str], says: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in [n for n in os.environ if n.startswith("KVFERRY_")]:
+        monkeypatch.delenv(name)
+    with pytest.raises(SystemExit) as exited:
+        run_from_command_line(flags)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kvferry server: error: ") and says in err

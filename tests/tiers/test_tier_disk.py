@@ -7,11 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from prometheus_client import REGISTRY
 
 import kvferry.tiers.disk as disk_module
 from kvferry.memory import HostPool
-from kvferry.tiers import DiskTier
+from kvferry.tiers import DiskTier, TierURLError, make_tier
 from tests.tiers.tierkit import AlignedAlloc, key, plain_alloc, random_tensor, same_bits
 
 SHAPE = (2, 2, 64, 96)  # 48 KiB of bf16: 12 whole blocks
@@ -32,7 +31,9 @@ def _flip_byte(path: Path, offset: int) -> None:
 
 
 def _metric(tier: DiskTier, op: str, result: str) -> float:
-    value = REGISTRY.get_sample_value("kvferry_tier_ops_total", {"tier": tier.name, "op": op, "result": result})
+    value = tier.metrics_registry.get_sample_value(
+        "kvferry_tier_ops_total", {"tier": tier.name, "op": op, "result": result}
+    )
     return value or 0.0
 
 
@@ -222,6 +223,30 @@ def test_broken_directory_marks_unhealthy_then_recovers(tmp_path: Path) -> None:
         assert tier.put(key(1), obj).result() and tier.healthy
     finally:
         tier.close()
+
+
+def test_check_finds_an_idle_tier_broken_and_then_whole(tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    tier = DiskTier(root, 1 << 20, backoff_s=0.05, backoff_max_s=0.05)
+    try:
+        assert tier.check() and tier.stats()["ops"] == {}  # a probe is no operation on objects
+        shutil.rmtree(root)
+        root.write_bytes(b"not a directory")
+        assert not tier.check() and not tier.healthy
+        root.unlink()
+        root.mkdir()
+        time.sleep(0.06)
+        assert tier.check() and tier.healthy
+    finally:
+        tier.close()
+
+
+def test_a_directory_that_cannot_be_written_is_refused_at_once(tmp_path: Path) -> None:
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(TierURLError, match="cannot be created"):
+        make_tier(f"disk:{tmp_path}/file/sub?size=1MB")
+    with pytest.raises(TierURLError, match="is not writable"):
+        make_tier("disk:/proc/self?size=1MB")  # exists; no files can be made there, even by root
 
 
 def test_stale_temp_files_are_removed_at_start(tmp_path: Path) -> None:

@@ -4,7 +4,6 @@ import time
 
 import pytest
 import torch
-from prometheus_client import REGISTRY
 
 from kvferry.tiers import RedisTier, make_tier
 from tests.tiers.tierkit import AlignedAlloc, RedisServer, key, plain_alloc, random_tensor, redis_key_count, same_bits
@@ -42,6 +41,8 @@ def test_round_trip_bit_exact(any_url: str, dtype: torch.dtype) -> None:
         assert all(same_bits(f.result(), objs[i]) for i, f in zip(objs, got, strict=True))
         assert tier.get(key("absent"), alloc).result() is None
         assert tier.contains_many([key(0), key("absent"), key(5)]) == [True, False, True]
+        assert tier.stats()["used_bytes"] is None  # stats() never asks the server; check() does
+        assert tier.check()
         stats = tier.stats()
         assert stats["ops"]["get"] == {"hit": 6, "miss": 1} and stats["healthy"]
         assert stats["capacity_bytes"] is None and stats["used_bytes"] > 6 * 6400
@@ -134,7 +135,7 @@ def test_damaged_value_is_a_miss_and_deleted(redis_url: str, redis_server: Redis
         assert alloc.allocated == 0  # verified before asking the pool for memory
         assert redis_server.client().exists(redis_key) == 0
         sample = {"tier": tier.name, "op": "get", "result": "corrupt"}
-        assert REGISTRY.get_sample_value("kvferry_tier_ops_total", sample) >= 1
+        assert tier.metrics_registry.get_sample_value("kvferry_tier_ops_total", sample) >= 1
     finally:
         tier.close()
 
@@ -152,12 +153,12 @@ def test_server_killed_mid_run_gives_misses_then_recovers(own_redis: RedisServer
         tier.delete(key(0))  # no exception either
         assert tier.stats()["ops"]["get"] == {"unavailable": 1}
         sample = {"tier": tier.name}
-        assert REGISTRY.get_sample_value("kvferry_tier_healthy", sample) == 0
+        assert tier.metrics_registry.get_sample_value("kvferry_tier_healthy", sample) == 0
 
         own_redis.start()
         time.sleep(0.25)
         assert tier.put(key(1), objs[1]).result()
-        assert tier.healthy and REGISTRY.get_sample_value("kvferry_tier_healthy", sample) == 1
+        assert tier.healthy and tier.metrics_registry.get_sample_value("kvferry_tier_healthy", sample) == 1
         assert same_bits(tier.get(key(1), plain_alloc).result(), objs[1])
         assert redis_key_count(own_redis) == 1  # the restarted server kept nothing; no persistence
     finally:
@@ -178,6 +179,27 @@ def test_hung_server_times_out_into_misses(own_redis: RedisServer) -> None:
             own_redis.process.send_signal(signal.SIGCONT)
         time.sleep(0.15)
         assert same_bits(tier.get(key(1), plain_alloc).result(), obj) and tier.healthy
+    finally:
+        tier.close()
+
+
+def test_check_finds_an_idle_server_down_and_stats_never_wait_for_it(own_redis: RedisServer) -> None:
+    tier = _tier(own_redis.url, timeout="300ms", backoff="100ms", backoff_max="100ms")
+    try:
+        assert tier.check() and tier.used_bytes is not None
+        own_redis.process.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            for _ in range(20):
+                tier.stats()
+            assert time.monotonic() - started < 0.2  # no round trip: the answer is what was last seen
+            assert not tier.check() and not tier.healthy and tier.used_bytes is None
+            sample = {"tier": tier.name}
+            assert tier.metrics_registry.get_sample_value("kvferry_tier_healthy", sample) == 0
+        finally:
+            own_redis.process.send_signal(signal.SIGCONT)
+        time.sleep(0.15)
+        assert tier.check() and tier.healthy
     finally:
         tier.close()
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -18,12 +18,14 @@ from kvferry.cache.index import Entry, object_checksum, readable_run
 from kvferry.cache.keys import CacheNamespace, ChunkHasher, TokenIds
 from kvferry.cache.metrics import GAUGES, CacheCounters, counters_dict, gbps, make_registry
 from kvferry.cache.policies import make_policy
+from kvferry.cache.pool_sizing import host_pool
 from kvferry.cache.request import (
     BlockIds,
     check_block_ids,
     check_skip,
     dtype_name,
     layout_name,
+    token_count,
 )
 from kvferry.cache.residency import Residency
 from kvferry.cache.tiering import TierLink, when_all
@@ -32,6 +34,7 @@ from kvferry.config import KvferryConfig, TransferConfig
 from kvferry.formats import EngineKVFormat, KVGeometry
 from kvferry.memory import HostPool
 from kvferry.tiers import Tier, make_tier
+from kvferry.tiers.metrics import TierCollector
 from kvferry.transfer import Direction, configure_gpu, geometry_of
 
 
@@ -63,7 +66,7 @@ class CacheEngine:
             configure_gpu(**self.config.transfer.engine_settings())
         self.chunk_size = cfg.chunk_size
         self.namespace = namespace
-        self.pool = pool if pool is not None else HostPool(cfg.l1_size_bytes, populate=cfg.l1_populate)
+        self.pool = pool if pool is not None else host_pool(cfg.l1_size_gb, cfg.l1_size_bytes, cfg.l1_populate)
         self.counters = CacheCounters()
         self._hasher = ChunkHasher(cfg.chunk_size, cfg.hash_algo)
         self._res = Residency(self.pool, make_policy(cfg.eviction_policy), cfg, self.counters)
@@ -73,9 +76,13 @@ class CacheEngine:
             self._owned_tiers = [make_tier(url) for url in self.config.tiers]
             tiers = self._owned_tiers
         self._tiers = TierLink(list(tiers), self._res, cfg.tier_write, self._checksum) if tiers else None
-        self._writer = ChunkWriter(self._res, self._hasher, cfg.chunk_size, self._checksum, self._tiers)
+        self._writer = ChunkWriter(
+            self._res, self._hasher, cfg.chunk_size, self._checksum, self._tiers, cfg.in_flight_wait_s
+        )
         self._executor = ThreadPoolExecutor(cfg.async_workers, thread_name_prefix=f"kvferry-{name}")
+        # The cache's counters and its tiers' (`kvferry_tier_*`, labelled by tier): one registry to export.
         self.metrics_registry = make_registry(name, self._metric_values)
+        self.metrics_registry.register(TierCollector(lambda: [tier.metrics for tier in self.tiers]))
         self._closed = threading.Event()
         # Geometries already checked against a namespace (registered engines pass the same one every call).
         # Weak: a geometry holds the engine's tensors, which must go when their owner unregisters.
@@ -116,6 +123,15 @@ class CacheEngine:
     ) -> LookupResult:
         """Like ``lookup``, and reports the tokens in flight from tiers; ``lock=True`` locks the hit chunks
         against eviction until ``retrieve(lock_id=...)`` / ``free_lookup_locks`` / the lock timeout."""
+        found, below = self.lookup_pool(tokens, namespace=namespace, lock=lock)
+        return found if below is None else below()
+
+    def lookup_pool(
+        self, tokens: TokenIds, *, namespace: CacheNamespace | None = None, lock: bool = False
+    ) -> tuple[LookupResult, Callable[[], LookupResult] | None]:
+        """``lookup_status`` in two halves: the pool's answer now, without touching a tier, and -- when tiers may
+        hold the chunks after the pool's hits -- a function that asks them (it waits for the tiers' I/O, so a
+        caller that must stay responsive runs it on another thread) and returns the whole answer."""
         prefix = self._hasher.prefix(tokens, self._ns(namespace))
         index = self._res.index
         removals = index.removals  # read before the index: see CacheIndex
@@ -128,11 +144,18 @@ class CacheEngine:
             self.counters.lookups += 1
             self.counters.hit_tokens += hit_tokens
             self.counters.miss_tokens += len(tokens) - hit_tokens
-        pending = 0
-        if self._tiers is not None and len(hits) < prefix.n:  # only now the keys after the hits are wanted
-            parent = prefix.key(len(hits) - 1) if hits else None
-            pending, _ = self._tiers.fall_through(prefix.keys(len(hits)), parent)
-        return LookupResult(hit_tokens, pending * self.chunk_size, lock_id)
+        found = LookupResult(hit_tokens, 0, lock_id)
+        tiers = self._tiers
+        if tiers is None or len(hits) == prefix.n:
+            return found, None
+        n_hits = len(hits)
+
+        def below() -> LookupResult:
+            parent = prefix.key(n_hits - 1) if n_hits else None  # only now the keys after the hits are wanted
+            pending, _ = tiers.fall_through(prefix.keys(n_hits), parent)
+            return found._replace(pending_tokens=pending * self.chunk_size)
+
+        return found, below
 
     def prefetch(self, tokens: TokenIds, *, namespace: CacheNamespace | None = None) -> Future[int]:
         """Start promoting the tier hits of ``tokens`` into the pool; the future gives the pool's prefix hit
@@ -163,6 +186,7 @@ class CacheEngine:
         block_size: int | None = None,
         skip_prefix_tokens: int = 0,
         geometry: KVGeometry | None = None,
+        valid_until: float | None = None,
     ) -> int:
         """Copy the full chunks of ``tokens`` not cached yet out of the engine's blocks; returns tokens stored.
 
@@ -170,14 +194,18 @@ class CacheEngine:
         entirely within ``skip_prefix_tokens`` are not stored. Chunks that find the pool full of locked or
         in-use objects are skipped (counted in ``stats()['skipped_chunks']``), never an exception.
         ``geometry`` (``kvferry.formats.describe(fmt, paged, block_size)``, made once at registration) saves
-        re-validating the engine's tensors on every call.
+        re-validating the engine's tensors on every call. ``valid_until`` (time.time()): when the caller stops
+        waiting and may reuse the blocks; chunks whose copy ends later are dropped, never cached with bytes that
+        may be another request's (counted in ``stats()['late_chunks']``).
         """
         ns = self._ns(namespace)
         geom = self._geometry(fmt, paged, block_size, geometry, ns)
-        first = check_skip(skip_prefix_tokens, len(tokens)) // self.chunk_size
+        first = check_skip(skip_prefix_tokens, token_count(tokens)) // self.chunk_size
         per_chunk = self.chunk_size // geom.bs
-        check_block_ids(block_ids, self._hasher.num_chunks(tokens) * per_chunk, geom.bs)
-        entries, seconds = self._writer.write(tokens, ns, paged, geom, block_ids, first)
+        # Whether or not a chunk turns out to need a copy, every block a copy could read is checked now.
+        needed = self._hasher.num_chunks(tokens) * per_chunk
+        check_block_ids(block_ids, first * per_chunk, needed, geom.nb, geom.bs, distinct=False)
+        entries, seconds = self._writer.write(tokens, ns, paged, geom, block_ids, first, valid_until)
         nbytes = geom.bytes_per_token * self.chunk_size
         with self._res.lock:
             self.counters.stores += 1
@@ -211,10 +239,12 @@ class CacheEngine:
             ns = self._ns(namespace)
             geom = self._geometry(fmt, paged, block_size, geometry, ns)
             bs = geom.bs
-            skip = check_skip(skip_prefix_tokens, len(tokens))
+            skip = check_skip(skip_prefix_tokens, token_count(tokens))
             first = skip // self.chunk_size
             per_chunk = self.chunk_size // bs
-            check_block_ids(block_ids, self._hasher.num_chunks(tokens) * per_chunk, bs)
+            # Checked whole, hit or miss: a retrieve that misses is refused for the same ids as one that hits.
+            needed = self._hasher.num_chunks(tokens) * per_chunk
+            check_block_ids(block_ids, skip // bs, needed, geom.nb, bs, distinct=True)
             prefix, index = self._hasher.prefix(tokens, ns), self._res.index
             removals = index.removals
             held = self._res.acquire_readers(readable_run(index.get, prefix, first), removals)
@@ -253,6 +283,11 @@ class CacheEngine:
 
     # --- administration -----------------------------------------------------------------------------------
 
+    @property
+    def tiers(self) -> list[Tier]:
+        """The storage tiers below the pool, in lookup order."""
+        return self._tiers.tiers if self._tiers is not None else []
+
     def clear(self) -> None:
         """Drop every object in the pool and every lookup lock (objects being copied go when their copy ends)."""
         self._res.clear()
@@ -260,7 +295,7 @@ class CacheEngine:
     def stats(self) -> dict[str, Any]:
         values: dict[str, Any] = self._metric_values()
         values["pool"] = self.pool.stats()
-        values["tiers"] = [t.stats() for t in self._tiers.tiers] if self._tiers is not None else []
+        values["tiers"] = [t.stats() for t in self.tiers]  # no tier I/O: what each tier last saw
         return values
 
     def close(self) -> None:

@@ -25,6 +25,7 @@ class CacheCounters:
     store_seconds: float = 0.0  # time in the store transfers (D2H copies)
     present_chunks: int = 0  # chunks a store found already cached (no copy)
     skipped_chunks: int = 0  # chunks a store could not place: pool full of locked or in-use objects
+    late_chunks: int = 0  # chunks whose copy ended after the store's deadline: dropped (the blocks may have changed)
     retrieves: int = 0
     retrieved_chunks: int = 0
     retrieved_bytes: int = 0
@@ -49,6 +50,7 @@ _HELP = {
     "store_seconds": "seconds spent in store copies",
     "present_chunks": "chunks a store found already cached",
     "skipped_chunks": "chunks a store skipped because the pool was full of locked or in-use objects",
+    "late_chunks": "chunks a store copied after its caller stopped waiting, dropped",
     "retrieves": "retrieve calls",
     "retrieved_chunks": "chunk objects copied into engines",
     "retrieved_bytes": "bytes copied from the host pool into engines",

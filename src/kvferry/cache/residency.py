@@ -47,6 +47,9 @@ class Residency:
         self._spilling_bytes = 0  # pool bytes of SPILLING entries: freed once their tier writes finish
         self._spills_finished = 0  # count of finished spills; a store waiting for room watches it change
         self._spill_finished = threading.Condition(self.lock)
+        # Stores waiting for another store's chunks in flight (await_written); commit and abort wake them.
+        self._written = threading.Condition(self.lock)
+        self._written_waiters = 0
 
     # --- lookups and locks --------------------------------------------------------------------------------
 
@@ -122,10 +125,11 @@ class Residency:
 
     def reserve(
         self, keys: list[bytes], parent: bytes | None, shape: tuple[int, ...], dtype: torch.dtype, nbytes: int
-    ) -> list[tuple[int, Entry]]:
+    ) -> tuple[list[tuple[int, Entry]], list[tuple[int, Entry]]]:
         """Index a WRITING entry with pool memory for every key not yet present, in order; returns them with
-        their positions in ``keys``. ``keys`` are consecutive chunks; ``parent`` is the key of the chunk before
-        ``keys[0]`` (None when it is chunk 0): entries record their parent for lookups to walk.
+        their positions in ``keys``, and the entries found WRITING for another store (with their positions: the
+        caller waits for them, see ``await_written``). ``keys`` are consecutive chunks; ``parent`` is the key of
+        the chunk before ``keys[0]`` (None when it is chunk 0): entries record their parent for lookups to walk.
 
         Objects come from the pool's free room first, even above the watermark: ``settle`` evicts back under
         it, which the caller runs while the new objects are being written (eviction is then off a store's path
@@ -135,9 +139,16 @@ class Residency:
         prefix lookups a chunk after a hole could never be hit. Present and skipped chunks are counted.
         """
         new: list[tuple[int, Entry]] = []
+        others: list[tuple[int, Entry]] = []
         deadline: float | None = None  # set once a store first finds no room: the common case never reads a clock
         start = 0  # keys[:start] are placed or present
         get, add, touch = self.index.get, self.index.add, self.policy.touch
+        if nbytes > self.pool.capacity_bytes:  # could never fit: evicting for it would only empty the pool
+            with self.lock:
+                missing = sum(1 for key in keys if get(key) is None)
+                self.counters.skipped_chunks += missing
+                self.counters.present_chunks += len(keys) - missing
+            return new, others
         while True:
             with self.lock:
                 self.expire_locks_locked()
@@ -148,8 +159,11 @@ class Residency:
                 blocked = False
                 for i in range(start, len(keys)):
                     key = keys[i]
-                    if get(key) is not None:
+                    present = get(key)
+                    if present is not None:
                         touch(key)
+                        if present.state is WRITING:
+                            others.append((i, present))
                     else:
                         obj = next(fresh, None)
                         if obj is None:
@@ -173,7 +187,7 @@ class Residency:
                     self.counters.present_chunks += len(keys) - len(new) - skipped
             self._spill(to_spill)
             if not wait:
-                return new
+                return new, others
             assert deadline is not None
             with self._spill_finished:
                 while self._spills_finished == generation and (left := deadline - time.monotonic()) > 0:
@@ -181,25 +195,53 @@ class Residency:
 
     def index_written(
         self, keys: list[bytes], parent: bytes | None, objects: list[torch.Tensor], nbytes: int
-    ) -> tuple[list[tuple[int, Entry]], list[torch.Tensor]]:
+    ) -> tuple[list[tuple[int, Entry]], list[torch.Tensor], list[tuple[int, Entry]]]:
         """``reserve`` for objects the caller allocated from the pool and is already copying into (one per key):
         a WRITING entry with its object for every key not yet present. Returns the entries with their positions,
-        and the objects of the keys found present, which the caller frees once its copy has finished."""
+        the objects of the keys found present, which the caller frees once its copy has finished, and the entries
+        found WRITING for another store (as ``reserve``)."""
         new: list[tuple[int, Entry]] = []
         spare: list[torch.Tensor] = []
+        others: list[tuple[int, Entry]] = []
         with self.lock:
             self.expire_locks_locked()
             get, add, touch = self.index.get, self.index.add, self.policy.touch
             for i, key in enumerate(keys):
-                if get(key) is not None:
+                present = get(key)
+                if present is not None:
                     touch(key)
                     spare.append(objects[i])
+                    if present.state is WRITING:
+                        others.append((i, present))
                 else:
                     entry = Entry(key, WRITING, objects[i], nbytes, parent=keys[i - 1] if i else parent)
                     add(entry)
                     new.append((i, entry))
             self.counters.present_chunks += len(spare)
-        return new, spare
+        return new, spare, others
+
+    def await_written(self, others: list[tuple[int, Entry]], deadline: float) -> list[int]:
+        """Wait (until ``deadline``, time.monotonic) for other stores' entries found WRITING to be committed or
+        aborted; returns the positions of those that are no longer cached (their store failed, or they left the
+        pool meanwhile): the caller stores them itself. Entries still being written at the deadline are left to
+        their store."""
+        with self._written:
+            self._written_waiters += 1
+            try:
+                while True:
+                    writing = False
+                    lost = []
+                    for i, entry in others:
+                        if entry.detached or self.index.get(entry.key) is not entry:
+                            lost.append(i)
+                        elif entry.state is WRITING:
+                            writing = True
+                    left = deadline - time.monotonic()
+                    if not writing or left <= 0:
+                        return lost
+                    self._written.wait(left)
+            finally:
+                self._written_waiters -= 1
 
     def settle(self) -> None:
         """Evict down to the watermark (after ``reserve``; see there)."""
@@ -221,6 +263,8 @@ class Residency:
                 entry.readers += tier_writers
                 self.policy.insert(entry.key)
                 kept.append(entry)
+            if self._written_waiters:
+                self._written.notify_all()
         return kept
 
     def abort(self, entries: list[Entry]) -> None:
@@ -229,7 +273,17 @@ class Residency:
             for entry in entries:
                 if not entry.detached:
                     self.index.pop(entry.key)
+                    entry.detached = True  # a store waiting for it (await_written) sees it gone
                 self._free_locked(entry)
+            if self._written_waiters:
+                self._written.notify_all()
+
+    def drop_late(self, entries: list[Entry]) -> None:
+        """Undo ``reserve`` for entries whose copy ended after their caller stopped waiting (its blocks may have
+        held other KV by then)."""
+        self.abort(entries)
+        with self.lock:
+            self.counters.late_chunks += len(entries)
 
     # --- tiers --------------------------------------------------------------------------------------------
 
@@ -276,7 +330,7 @@ class Residency:
         for dim in shape:
             nbytes *= dim
         with self.lock:
-            if entry.detached or entry.obj is not None:
+            if entry.detached or entry.obj is not None or nbytes > self.pool.capacity_bytes:
                 return None
             to_spill = self._make_room_locked(nbytes)
             obj = self._alloc_locked(tuple(shape), dtype, nbytes, to_spill)
@@ -348,7 +402,7 @@ class Residency:
         self, shape: tuple[int, ...], dtype: torch.dtype, nbytes: int, to_spill: list[Entry]
     ) -> torch.Tensor | None:
         obj = self.pool.try_alloc(shape, dtype)
-        if obj is None:
+        if obj is None and nbytes <= self.pool.capacity_bytes:
             # Below the watermark but no room (fragmentation, or memory still held by spills): one more batch.
             for key in self.policy.evict(self._config.eviction_batch, self._evictable):
                 entry = self.index.get(key)

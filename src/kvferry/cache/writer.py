@@ -62,12 +62,14 @@ def _gpu_with_pinned_pool(geom: KVGeometry, pool: HostPool) -> bool:
 
 class _Write(NamedTuple):
     """A store's chunks being written: their entries (WRITING), their copy in flight (None: done already), the
-    objects copied into for chunks found present (freed once the copy is done) and when the copy started."""
+    objects copied into for chunks found present (freed once the copy is done), when the copy started, and the
+    chunks (by index) found WRITING for another store."""
 
     entries: list[Entry]
     in_flight: TransferHandle | None
     spare: list[torch.Tensor]
     started: float
+    others: list[tuple[int, Entry]]
 
 
 class ChunkWriter:
@@ -82,8 +84,10 @@ class ChunkWriter:
         chunk_size: int,
         checksum: Callable[[torch.Tensor], bytes] | None,
         tiers: TierLink | None,
+        in_flight_wait_s: float = 0.0,
     ) -> None:
         self._res = residency
+        self._in_flight_wait_s = in_flight_wait_s
         self._pool = residency.pool
         self._hasher = hasher
         self._chunk_size = chunk_size
@@ -92,10 +96,18 @@ class ChunkWriter:
         self._ahead_pause = 0  # stores left to make in order (a plain int: a lost update under a race is harmless)
 
     def write(
-        self, tokens: TokenIds, ns: CacheNamespace, paged: Any, geom: KVGeometry, block_ids: BlockIds, first: int
+        self,
+        tokens: TokenIds,
+        ns: CacheNamespace,
+        paged: Any,
+        geom: KVGeometry,
+        block_ids: BlockIds,
+        first: int,
+        valid_until: float | None = None,
     ) -> tuple[list[Entry], float]:
         """Store the full chunks of ``tokens`` from chunk ``first`` on that are not present; returns the new
-        (now readable) entries and the seconds their copy took. ``block_ids`` was checked to cover them."""
+        (now readable) entries and the seconds their copy took. ``block_ids`` was checked to cover them. A copy
+        that ends after ``valid_until`` (time.time()) is dropped: see ``CacheEngine.store``."""
         n_full = self._hasher.num_chunks(tokens)
         write = None
         if first < n_full and copies_in_background(geom, self._pool):
@@ -105,9 +117,39 @@ class ChunkWriter:
                 write = self._ahead(tokens, ns, geom, block_ids, first, n_full)
         if write is None:
             write = self._in_order(tokens, ns, paged, geom, block_ids, first)
-        if not write.entries and not write.spare:
-            return [], 0.0
-        return write.entries, self._finish(write)
+        stored, seconds = self._finish(write, valid_until) if write.entries or write.spare else ([], 0.0)
+        if not write.others:
+            return stored, seconds
+        taken, more = self._take_over(tokens, ns, paged, geom, block_ids, write.others, valid_until)
+        return stored + taken, seconds + more
+
+    def _take_over(
+        self,
+        tokens: TokenIds,
+        ns: CacheNamespace,
+        paged: Any,
+        geom: KVGeometry,
+        block_ids: BlockIds,
+        others: list[tuple[int, Entry]],
+        valid_until: float | None,
+    ) -> tuple[list[Entry], float]:
+        """Chunks this store found in flight for a concurrent store of the same prefix: wait for them (up to
+        ``in_flight_wait_s``), and store from its own blocks those whose store failed meanwhile. Otherwise the
+        failure of the first store would leave the prefix uncached though the second held every byte of it."""
+        deadline = time.monotonic() + self._in_flight_wait_s
+        stored: list[Entry] = []
+        seconds = 0.0
+        while others:
+            lost = self._res.await_written(others, deadline)
+            if not lost:
+                break
+            write = self._in_order(tokens, ns, paged, geom, block_ids, min(lost))
+            if write.entries:
+                kept, more = self._finish(write, valid_until)
+                stored += kept
+                seconds += more
+            others = write.others
+        return stored, seconds
 
     def _ahead(
         self, tokens: TokenIds, ns: CacheNamespace, geom: KVGeometry, block_ids: BlockIds, first: int, n_full: int
@@ -133,7 +175,8 @@ class ChunkWriter:
         try:
             objects = self._pool.views(addresses, shape, geom.dtype)
             parent, keys = self._hasher.keys_after(tokens, ns, first)  # validates tokens
-            new, spare = self._res.index_written(keys, parent, objects, geom.bytes_per_token * self._chunk_size)
+            nbytes = geom.bytes_per_token * self._chunk_size
+            new, spare, others = self._res.index_written(keys, parent, objects, nbytes)
         except BaseException:
             try:
                 in_flight.wait()
@@ -142,7 +185,7 @@ class ChunkWriter:
             raise
         if spare:
             self._ahead_pause = self.AHEAD_PAUSE
-        return _Write([entry for _, entry in new], in_flight, spare, started)
+        return _Write([entry for _, entry in new], in_flight, spare, started, [(first + i, e) for i, e in others])
 
     def _in_order(
         self, tokens: TokenIds, ns: CacheNamespace, paged: Any, geom: KVGeometry, block_ids: BlockIds, first: int
@@ -151,10 +194,11 @@ class ChunkWriter:
         parent, keys = self._hasher.keys_after(tokens, ns, first)  # validates tokens, even when nothing is stored
         nbytes = geom.bytes_per_token * self._chunk_size
         shape = geom.object_shape(self._chunk_size)
-        new = self._res.reserve(keys, parent, shape, geom.dtype, nbytes) if keys else []
+        new, others = self._res.reserve(keys, parent, shape, geom.dtype, nbytes) if keys else ([], [])
         entries = [entry for _, entry in new]
+        in_flight_elsewhere = [(first + i, entry) for i, entry in others] if others else others
         if not entries:
-            return _Write(entries, None, [], 0.0)
+            return _Write(entries, None, [], 0.0, in_flight_elsewhere)
         ids = select_blocks(block_ids, [first + i for i, _ in new], self._chunk_size // geom.bs)
         started = time.perf_counter()
         try:
@@ -163,12 +207,12 @@ class ChunkWriter:
         except BaseException:
             self._res.abort(entries)
             raise
-        return _Write(entries, in_flight, [], started)
+        return _Write(entries, in_flight, [], started, in_flight_elsewhere)
 
-    def _finish(self, write: _Write) -> float:
+    def _finish(self, write: _Write, valid_until: float | None) -> tuple[list[Entry], float]:
         """Evict back under the watermark while the bytes move, wait for them, make the new chunks readable (and
-        start their tier writes); returns the copy's seconds."""
-        entries, in_flight, spare, started = write
+        start their tier writes); returns them and the copy's seconds. Past ``valid_until`` they are dropped."""
+        entries, in_flight, spare, started, _ = write
         try:
             try:
                 self._res.settle()
@@ -181,6 +225,9 @@ class ChunkWriter:
             raise
         seconds = time.perf_counter() - started
         self._free(spare)
+        if valid_until is not None and time.time() > valid_until:
+            self._res.drop_late(entries)
+            return [], seconds
         checksum = self._checksum
         checksums = [checksum(e.obj) if e.obj is not None else None for e in entries] if checksum else [None] * len(
             entries)  # fmt: skip
@@ -190,7 +237,7 @@ class ChunkWriter:
         if writers:
             assert tiers is not None
             tiers.write_through(kept)
-        return seconds
+        return entries, seconds
 
     def _free(self, objects: list[torch.Tensor]) -> None:
         for obj in objects:

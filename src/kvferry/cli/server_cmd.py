@@ -41,11 +41,7 @@ def add_server_parser(
 
 
 def run_server(args: argparse.Namespace) -> int:
-    from kvferry.server import config_from_args, main
+    from kvferry.server.app import config_or_exit, main
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        config = config_from_args(args)
-    except ValueError as exc:  # pydantic's ValidationError is a ValueError naming the bad field
-        args.parser.error(str(exc))
-    return main(config)
+    return main(config_or_exit(args.parser, args))

@@ -10,6 +10,12 @@ After registration only token ids and block ids cross the socket; the server cop
 Every `*_async` method returns a `concurrent.futures.Future` (resolved by the client's background thread,
 so `add_done_callback` callbacks run there: keep them short); the plain methods wait for it. A client
 belongs to the process that made it: make it after any fork.
+
+An engine never stalls on its cache server (see `kvferry.client.connection`): making a client does not wait for
+the server; while the server is unreachable every request raises `ServerUnavailable` (a ConnectionError) at
+once, and the client becomes usable again by itself once the server answers; no request waits longer than
+`timeout_s` (TimeoutError), and the server never starts one its client has stopped waiting for. A server that
+lost this client's registrations (it restarted) answers with `RegistrationLost`: register again.
 """
 
 from __future__ import annotations
@@ -47,26 +53,34 @@ class KvferryClient:
     """A session with one server. Thread-safe; `close()` (or `with`) ends the session and frees its state."""
 
     def __init__(self, endpoint: str = "tcp://127.0.0.1:5555", *, timeout_s: float = 30.0) -> None:
-        """Connect and handshake; raises TimeoutError if no server answers within `timeout_s`."""
+        """Start connecting to `endpoint` in the background; returns at once, server up or not. Requests then
+        wait at most `timeout_s` for their reply; `wait_available()` waits for the server itself."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s} must be > 0")
         self.endpoint = endpoint
         self.timeout_s = timeout_s
-        self._conn = Connection(endpoint, heartbeat_interval_s=1.0, silence_timeout_s=timeout_s)
+        self._conn = Connection(endpoint, timeout_s=timeout_s, heartbeat_interval_s=1.0, silence_timeout_s=timeout_s)
         self._cuda_registrations: dict[int, torch.device] = {}
-        try:
-            hello = self.ping()
-        except BaseException:
-            self._conn.close()
-            raise
-        self.chunk_size: int = hello["chunk_size"]
-        self._conn.max_message_bytes = hello["max_message_bytes"]
-        self._conn.heartbeat_interval_s = hello["heartbeat_interval_s"]
-        self._conn.silence_timeout_s = hello["heartbeat_timeout_s"]
 
     @property
     def session_id(self) -> bytes:
+        """This client's current session id (a new one after the server ended the previous session)."""
         return self._conn.session_id
+
+    @property
+    def chunk_size(self) -> int:
+        """The server's chunk size in tokens (asked on first use: ServerUnavailable/TimeoutError if it cannot)."""
+        hello = self._conn.hello if self._conn.hello is not None else self.ping()
+        return int(hello["chunk_size"])
+
+    @property
+    def available(self) -> bool:
+        """Whether the server answers now (False while connecting, and while it is unreachable)."""
+        return self._conn.available
+
+    def wait_available(self, timeout_s: float | None = None) -> bool:
+        """Block until the server answers, at most `timeout_s` (default: the client's timeout); True if it did."""
+        return self._conn.wait_available(self.timeout_s if timeout_s is None else timeout_s)
 
     def __enter__(self) -> KvferryClient:
         return self
@@ -86,7 +100,10 @@ class KvferryClient:
     # -- requests -------------------------------------------------------------------------------------------
 
     def ping(self) -> dict[str, Any]:
-        return self._wait(self._conn.submit(Op.PING, {}))
+        """The server's hello (protocol version, chunk size, limits, this session's id)."""
+        hello = self._wait(self._conn.submit(Op.PING, {}))
+        self._conn.hello = hello
+        return hello
 
     def get_chunk_size(self) -> int:
         return self._wait(self._conn.submit(Op.GET_CHUNK_SIZE, {}, lambda r: int(r["chunk_size"])))

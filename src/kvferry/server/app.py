@@ -10,10 +10,11 @@ import threading
 from typing import Any
 
 import zmq
+from pydantic import ValidationError
 
 from kvferry.cache import CacheEngine
 from kvferry.config import KvferryConfig
-from kvferry.server.server import KvferryServer
+from kvferry.server.server import KvferryServer, ServerStartError
 
 log = logging.getLogger("kvferry.server")
 
@@ -25,6 +26,8 @@ _FLAG_FIELDS: dict[str, tuple[str, str]] = {
     "heartbeat_interval": ("server", "heartbeat_interval_s"),
     "heartbeat_timeout": ("server", "heartbeat_timeout_s"),
     "transfer_workers": ("server", "transfer_workers"),
+    "tier_workers": ("server", "tier_workers"),
+    "tier_check_interval": ("server", "tier_check_interval_s"),
     "chunk_size": ("cache", "chunk_size"),
     "l1_size_gb": ("cache", "l1_size_gb"),
     "eviction": ("cache", "eviction_policy"),
@@ -43,6 +46,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--heartbeat-timeout", type=float, metavar="S", help="end silent sessions after (s)")
     net.add_argument("--max-message-mb", type=float, metavar="MB", help="largest request frame (MiB)")
     net.add_argument("--transfer-workers", type=int, metavar="N", help="threads running transfers")
+    net.add_argument("--tier-workers", type=int, metavar="N", help="threads finishing lookups that ask a tier")
+    net.add_argument("--tier-check-interval", type=float, metavar="S", help="probe each tier this often (s)")
     cache = parser.add_argument_group("cache")
     cache.add_argument("--chunk-size", type=int, metavar="TOKENS", help="tokens per chunk object")
     cache.add_argument("--l1-size-gb", type=float, metavar="GB", help="host pool capacity (GiB)")
@@ -72,15 +77,42 @@ def config_from_args(args: argparse.Namespace) -> KvferryConfig:
     return KvferryConfig.load(getattr(args, "config", None), overrides=overrides)
 
 
+def config_or_exit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> KvferryConfig:
+    """`config_from_args`, or exit 2 with one line naming the setting at fault (no traceback, no usage dump)."""
+    try:
+        return config_from_args(args)
+    except ValueError as exc:  # pydantic's ValidationError is a ValueError: it names the bad field
+        parser.exit(2, f"{parser.prog}: error: {one_line(exc)}\n")
+
+
+def one_line(exc: ValueError) -> str:
+    """A config error on one line: each pydantic error as `field: message`, anything else as it is."""
+    if isinstance(exc, ValidationError):
+        problems = []
+        for err in exc.errors():
+            where = ".".join(str(part) for part in err["loc"])
+            message = str(err["msg"]).removeprefix("Value error, ")
+            problems.append(f"{where}: {message}" if where else message)
+        return "; ".join(problems)
+    return " ".join(str(exc).split())
+
+
 def main(config: KvferryConfig) -> int:
-    """Serve until SIGINT/SIGTERM, then release every session and port; returns the exit status."""
+    """Serve until SIGINT/SIGTERM, then release every session and port; returns the exit status (2: the server
+    could not start, said in one line: a tier it cannot open, a pool it cannot allocate, a port in use)."""
     log.info("kvferry server starting with config %s", json.dumps(config.model_dump(mode="json")))
-    engine = CacheEngine(config, name="server")
+    try:
+        engine = CacheEngine(config, name="server")
+    except (ValueError, OSError, MemoryError) as exc:  # tier URLs and directories, the pool's size: named
+        log.debug("cache engine construction failed", exc_info=exc)
+        log.error("kvferry server cannot start: %s", exc)
+        return 2
     server = KvferryServer(config.server, engine)
     try:
         server.start()
-    except (zmq.ZMQError, OSError) as exc:
-        log.error("cannot listen on %s: %s", config.server.endpoint, exc)
+    except (ServerStartError, zmq.ZMQError) as exc:
+        log.error("kvferry server cannot start: %s", exc)
+        server.stop()
         engine.close()
         return 2
     http = f"http://{config.server.host}:{server.http_port}" if server.http_port is not None else "off"
@@ -107,8 +139,4 @@ def run_from_command_line(argv: list[str] | None = None) -> int:
     add_server_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        config = config_from_args(args)
-    except ValueError as exc:  # pydantic's ValidationError is a ValueError: it names the bad field
-        parser.error(str(exc))
-    return main(config)
+    return main(config_or_exit(parser, args))

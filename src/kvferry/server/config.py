@@ -36,6 +36,16 @@ class ServerConfig(BaseModel):
         le=256,
         description="Threads that run STORE/RETRIEVE/REGISTER so the socket loop never blocks.",
     )
+    tier_workers: int = Field(
+        4,
+        ge=1,
+        le=256,
+        description="Threads that finish LOOKUP/PREFETCH requests needing a tier's answer (a slow tier slows only "
+        "those).",
+    )
+    tier_check_interval_s: float = Field(
+        5.0, gt=0, description="How often each tier is probed, so /health knows a tier is down before a request does."
+    )
 
     @model_validator(mode="after")
     def _timeout_exceeds_interval(self) -> ServerConfig:

@@ -2,13 +2,16 @@
 
 Handlers raise ProtocolError for requests they refuse; ValueError/TypeError from the cache engine (bad block
 ids, a format that does not match the tensors) become BAD_ARGUMENT replies carrying the engine's message.
-`INLINE_OPS` run on the socket thread (they are quick and touch no KV memory); the rest run on a worker.
+`INLINE_OPS` run on the socket thread (they are quick and touch no KV memory); the rest run on a worker. An
+inline op that needs a storage tier's answer (a LOOKUP that misses in the pool, a PREFETCH) returns `Deferred`:
+the server finishes it on its tier workers, so a slow or frozen tier never holds up the socket thread.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from kvferry.cache import CacheEngine, CacheNamespace
@@ -41,7 +44,15 @@ INLINE_OPS = frozenset(
     }
 )
 
-Handler = Callable[[Session, Any], dict[str, Any]]
+
+@dataclass(frozen=True, slots=True)
+class Deferred:
+    """The rest of a request that waits for tier I/O: `finish()` gives its result map, on a tier worker."""
+
+    finish: Callable[[], dict[str, Any]]
+
+
+Handler = Callable[[Session, Any], "dict[str, Any] | Deferred"]
 
 
 class RequestHandlers:
@@ -76,6 +87,12 @@ class RequestHandlers:
             Op.CLEAR: self.clear,
             Op.STATS: self.stats,
         }
+
+    def run(self, op: Op, session: Session, args: Any, deadline: float | None) -> dict[str, Any] | Deferred:
+        """Run op `op`; a STORE keeps only chunks copied by `deadline` (when its client stops waiting)."""
+        if op is Op.STORE:
+            return self._transfer(session, args, store=True, deadline=deadline)
+        return self.table[op](session, args)
 
     def ping(self, session: Session, _: NoArgs) -> dict[str, Any]:
         return {**self._hello, "session": session.id.hex(), "time": time.time()}
@@ -125,10 +142,12 @@ class RequestHandlers:
     def lookup(self, session: Session, args: LookupArgs) -> dict[str, Any]:
         namespace = self._namespace(session, args.registration, args.namespace)
         tokens = unpack_ids(args.tokens, "tokens")
-        found = self._engine.lookup_status(tokens, namespace=namespace, lock=args.lock)
+        found, below = self._engine.lookup_pool(tokens, namespace=namespace, lock=args.lock)
         if found.lock_id is not None:
             self._sessions.add_lock(session, found.lock_id)
-        return {"tokens": found.hit_tokens, "pending": found.pending_tokens, "lock": found.lock_id}
+        if below is None:
+            return _lookup_result(found)
+        return Deferred(lambda: _lookup_result(below()))
 
     def store(self, session: Session, args: TransferArgs) -> dict[str, Any]:
         return self._transfer(session, args, store=True)
@@ -138,8 +157,13 @@ class RequestHandlers:
 
     def prefetch(self, session: Session, args: PrefetchArgs) -> dict[str, Any]:
         namespace = self._namespace(session, args.registration, args.namespace)
-        future = self._engine.prefetch(unpack_ids(args.tokens, "tokens"), namespace=namespace)
-        return {"prefetch": self._sessions.add_prefetch(session, future)}
+        tokens = unpack_ids(args.tokens, "tokens")
+
+        def start() -> dict[str, Any]:
+            future = self._engine.prefetch(tokens, namespace=namespace)  # asks the tiers which chunks they hold
+            return {"prefetch": self._sessions.add_prefetch(session, future)}
+
+        return Deferred(start) if self._engine.tiers else start()
 
     def prefetch_status(self, session: Session, args: PrefetchStatusArgs) -> dict[str, Any]:
         future = self._sessions.get_prefetch(session, args.prefetch)
@@ -164,7 +188,9 @@ class RequestHandlers:
     def stats(self, _: Session, __: NoArgs) -> dict[str, Any]:
         return {"server": self._server_stats(), "cache": self._engine.stats()}
 
-    def _transfer(self, session: Session, args: TransferArgs, *, store: bool) -> dict[str, Any]:
+    def _transfer(
+        self, session: Session, args: TransferArgs, *, store: bool, deadline: float | None = None
+    ) -> dict[str, Any]:
         tokens = unpack_ids(args.tokens, "tokens")
         block_ids = unpack_ids(args.block_ids, "block_ids")
         if store and args.lock is not None:
@@ -185,7 +211,7 @@ class RequestHandlers:
             if store:
                 if args.ready_event is not None:
                     _wait_for_client_event(reg, args.ready_event)
-                done = self._engine.store(tokens, reg.kv.paged, block_ids, reg.format, **where)
+                done = self._engine.store(tokens, reg.kv.paged, block_ids, reg.format, valid_until=deadline, **where)
             else:
                 done = self._engine.retrieve(tokens, reg.kv.paged, block_ids, reg.format, lock_id=args.lock, **where)
         finally:
@@ -203,6 +229,10 @@ class RequestHandlers:
         reg = self._sessions.use_registration(session, registration)
         self._sessions.done_with(reg)
         return reg.namespace
+
+
+def _lookup_result(found: Any) -> dict[str, Any]:
+    return {"tokens": found.hit_tokens, "pending": found.pending_tokens, "lock": found.lock_id}
 
 
 def _wait_for_client_event(reg: Registration, handle: bytes) -> None:

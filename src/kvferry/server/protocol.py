@@ -2,11 +2,14 @@
 
 One request or reply is one ZMQ frame holding one msgpack map (never pickle: a frame is data, not code):
 
-    request  {"v": 1, "id": <int>, "op": "<Op>", "args": {...}}
+    request  {"v": 1, "id": <int>, "op": "<Op>", "args": {...}[, "deadline": <unix seconds>]}
     reply    {"v": 1, "id": <int | None>, "ok": true, "result": {...}}
              {"v": 1, "id": <int | None>, "ok": false, "error": {"code": "<ErrorCode>", "message": "..."}}
 
 Clients (ZMQ DEALER) pick request ids; the server (ROUTER) echoes them, so replies may arrive in any order.
+A request's optional `deadline` (the server's clock, `time.time()`) is when its client stops waiting for it: the
+server does not start a request past its deadline (DEADLINE_EXCEEDED), so a request a client has given up on --
+and may have reused the blocks of -- is never carried out later.
 A reply to a frame whose id could not be read carries id None. Token ids and block ids travel as packed
 little-endian uint32 bytes (`pack_ids`), which is ~10x smaller and faster than msgpack lists of ints.
 """
@@ -51,9 +54,16 @@ class ErrorCode(StrEnum):
     UNKNOWN_OP = "UNKNOWN_OP"
     BAD_ARGUMENT = "BAD_ARGUMENT"  # the message names the argument and what was expected
     TOO_LARGE = "TOO_LARGE"
+    # The session holds no such registration: it was never made in this session, was unregistered, or the
+    # server forgot it (a server restart, or a session ended by disconnect or heartbeat timeout). Register the
+    # KV again and use the new id; registration ids are never reused by another server process.
     UNKNOWN_REGISTRATION = "UNKNOWN_REGISTRATION"
     UNKNOWN_PREFETCH = "UNKNOWN_PREFETCH"
     UNKNOWN_LOCK = "UNKNOWN_LOCK"
+    # The sender's session was ended by the server (its connection dropped, or it missed heartbeats) and the
+    # request was not run: a session id is never reopened. Reconnect with a new id and register again.
+    SESSION_ENDED = "SESSION_ENDED"
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"  # the request's deadline passed before it could start; not run
     SHUTTING_DOWN = "SHUTTING_DOWN"
     INTERNAL = "INTERNAL"  # a bug on the server side; the server logs the traceback
 
@@ -73,6 +83,7 @@ class Request:
     id: int
     op: Op
     args: dict[str, Any]
+    deadline: float | None = None  # time.time() after which the client no longer waits for it
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,8 +109,11 @@ def _unpack_map(payload: bytes, what: str) -> dict[str, Any]:
     return obj
 
 
-def encode_request(op: Op, request_id: int, args: dict[str, Any]) -> bytes:
-    return _pack({"v": PROTOCOL_VERSION, "id": request_id, "op": op.value, "args": args})
+def encode_request(op: Op, request_id: int, args: dict[str, Any], deadline: float | None = None) -> bytes:
+    msg = {"v": PROTOCOL_VERSION, "id": request_id, "op": op.value, "args": args}
+    if deadline is not None:
+        msg["deadline"] = deadline
+    return _pack(msg)
 
 
 def decode_request(payload: bytes) -> Request:
@@ -126,10 +140,15 @@ def decode_request(payload: bytes) -> Request:
     args = msg.get("args", {})
     if not isinstance(args, dict):
         raise ProtocolError(ErrorCode.MALFORMED, f"request 'args' must be a map, got {type(args).__name__}", request_id)
-    unknown = set(msg) - {"v", "id", "op", "args"}
+    unknown = set(msg) - {"v", "id", "op", "args", "deadline"}
     if unknown:
         raise ProtocolError(ErrorCode.MALFORMED, f"request has unknown fields {sorted(map(str, unknown))}", request_id)
-    return Request(request_id, op, args)
+    deadline = msg.get("deadline")
+    if deadline is not None and (type(deadline) not in (int, float) or not deadline >= 0):
+        raise ProtocolError(
+            ErrorCode.MALFORMED, f"request 'deadline' must be unix seconds >= 0, got {deadline!r}", request_id
+        )
+    return Request(request_id, op, args, deadline)
 
 
 def encode_result(request_id: int | None, result: dict[str, Any]) -> bytes:

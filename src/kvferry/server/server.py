@@ -1,10 +1,12 @@
 """The server: one ZMQ ROUTER socket, a worker pool for transfers, session tracking, the HTTP side port.
 
 Threading: the ROUTER socket belongs to one loop thread (ZMQ sockets are not thread-safe). Quick requests
-run on that thread; transfers and registrations run on a worker pool and hand their reply frames back to
-the loop through an inproc PUSH/PULL pair. The loop also watches the socket's monitor for dropped
-connections (the ZMQ monitor reports the file descriptor, and each request frame carries the descriptor it
-came on) and sweeps sessions whose heartbeats stopped.
+run on that thread; transfers and registrations run on a worker pool, and the part of a LOOKUP or PREFETCH
+that waits for a storage tier on a pool of its own (a frozen tier then holds up only the requests that need
+it); both hand their reply frames back to the loop through an inproc PUSH/PULL pair. The loop also watches the
+socket's monitor for dropped connections (the ZMQ monitor reports the file descriptor, and each request frame
+carries the descriptor it came on) and sweeps sessions whose heartbeats stopped. A request is not started
+after its deadline (the client has given up on it), nor for a session the server has ended.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvferry.cache import CacheEngine
 from kvferry.server.config import ServerConfig
-from kvferry.server.handlers import INLINE_OPS, RequestHandlers
+from kvferry.server.handlers import INLINE_OPS, Deferred, RequestHandlers
+from kvferry.server.health import TierWatch, tier_health
 from kvferry.server.http import HttpSidePort
 from kvferry.server.metrics import ServerMetrics
 from kvferry.server.protocol import (
@@ -44,6 +47,10 @@ _BATCH = 256  # requests taken off the socket per loop turn before looking at re
 _instances = itertools.count()
 
 
+class ServerStartError(OSError):
+    """The server could not open one of its ports; the message names which one and why."""
+
+
 class KvferryServer:
     """Serve `engine` to clients; `start()` binds and returns, `stop()` releases every session and port."""
 
@@ -53,6 +60,8 @@ class KvferryServer:
         self.config = config
         self.engine = engine
         self.metrics = ServerMetrics()
+        # One registry for everything /metrics exports: the server's, the cache's and its tiers' families.
+        self.metrics.registry.register(engine.metrics_registry)
         self._clock = clock
         self._started_at = clock()
         self._sessions = SessionTable(clock)
@@ -67,9 +76,11 @@ class KvferryServer:
                 "max_message_bytes": config.max_message_bytes,
             },
             end_session=self._end_session,
-            server_stats=self.stats,
+            server_stats=self._server_stats,
         )
         self._workers = ThreadPoolExecutor(config.transfer_workers, thread_name_prefix="kvferry-worker")
+        self._tier_workers = ThreadPoolExecutor(config.tier_workers, thread_name_prefix="kvferry-tier")
+        self._tier_watch: TierWatch | None = None
         self._ctx = zmq.Context()
         self._reply_addr = f"inproc://kvferry-replies-{next(_instances)}"
         self._reply_lock = threading.Lock()
@@ -82,29 +93,38 @@ class KvferryServer:
     # -- lifecycle ------------------------------------------------------------------------------------------
 
     def start(self) -> None:
+        """Bind both ports and start serving; ServerStartError (naming the port) if either cannot be bound."""
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         # Frames up to twice the limit are read and answered TOO_LARGE; beyond that ZMQ drops the connection
         # rather than buffer an unbounded frame.
         router.setsockopt(zmq.MAXMSGSIZE, 2 * self.config.max_message_bytes)
-        if self.config.port == 0:
-            self.port = router.bind_to_random_port(f"tcp://{self.config.host}")
-        else:
-            router.bind(f"tcp://{self.config.host}:{self.config.port}")
+        host = self.config.host
+        try:
+            if self.config.port == 0:
+                self.port = router.bind_to_random_port(f"tcp://{host}")
+            else:
+                router.bind(f"tcp://{host}:{self.config.port}")
+        except zmq.ZMQError as exc:
+            router.close(linger=0)
+            raise ServerStartError(f"cannot listen for clients on tcp://{host}:{self.config.port}: {exc}") from exc
+        if self.config.http_port is not None:
+            try:
+                self._http = HttpSidePort(
+                    host, self.config.http_port, health=self.health, metrics=self.prometheus_text, stats=self.stats
+                )
+            except OSError as exc:
+                router.close(linger=0)
+                reason = exc.strerror or str(exc)
+                raise ServerStartError(f"cannot serve HTTP on {host}:{self.config.http_port}: {reason}") from exc
+            self.http_port = self._http.port
         monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         replies_in = self._ctx.socket(zmq.PULL)
         replies_in.bind(self._reply_addr)
         self._replies_out = self._ctx.socket(zmq.PUSH)
         self._replies_out.connect(self._reply_addr)
-        if self.config.http_port is not None:
-            self._http = HttpSidePort(
-                self.config.host,
-                self.config.http_port,
-                health=self.health,
-                metrics=self.prometheus_text,
-                stats=self.stats,
-            )
-            self.http_port = self._http.port
+        if self.engine.tiers:
+            self._tier_watch = TierWatch(lambda: self.engine.tiers, self.config.tier_check_interval_s)
         self._loop_thread = threading.Thread(
             target=self._loop, args=(router, monitor, replies_in), name="kvferry-server", daemon=True
         )
@@ -118,23 +138,37 @@ class KvferryServer:
         if self._loop_thread is not None:
             self._loop_thread.join()
         self._workers.shutdown(wait=True)
+        self._tier_workers.shutdown(wait=True)
         for session_id in self._sessions.ids():
             self._end_session(session_id, "shutdown")
+        if self._tier_watch is not None:
+            self._tier_watch.close()
         if self._http is not None:
             self._http.close()
-        self._replies_out.close(linger=0)
+        if self._loop_thread is not None:
+            self._replies_out.close(linger=0)
         self._ctx.term()
 
     # -- views ----------------------------------------------------------------------------------------------
 
     def health(self) -> dict[str, Any]:
+        """ "ok"; "degraded" while a storage tier is down (named in `unhealthy_tiers`: its lookups miss and its
+        writes are dropped); "stopping"; or "down" when the socket loop has died. No I/O: tiers as last probed."""
+        tiers = tier_health(self.engine.tiers)
+        unhealthy = [t["name"] for t in tiers if not t["healthy"]]
         if self._stopping.is_set():
             status = "stopping"
+        elif self._loop_thread is None or not self._loop_thread.is_alive():
+            status = "down"
         else:
-            status = "ok" if self._loop_thread is not None and self._loop_thread.is_alive() else "down"
-        return {"status": status, "sessions": len(self._sessions)}
+            status = "degraded" if unhealthy else "ok"
+        return {"status": status, "sessions": len(self._sessions), "tiers": tiers, "unhealthy_tiers": unhealthy}
 
     def stats(self) -> dict[str, Any]:
+        """The server's sessions, and the cache's counters, pool and tiers (what /stats serves)."""
+        return {**self._server_stats(), "cache": self.engine.stats()}
+
+    def _server_stats(self) -> dict[str, Any]:
         return {
             "uptime_s": round(self._clock() - self._started_at, 3),
             "port": self.port,
@@ -145,7 +179,7 @@ class KvferryServer:
     def prometheus_text(self) -> bytes:
         self.metrics.sessions.set(len(self._sessions))
         self.metrics.registrations.set(self._sessions.open_registrations)
-        return generate_latest(self.metrics.registry) + generate_latest(self.engine.metrics_registry)
+        return generate_latest(self.metrics.registry)
 
     # -- the socket loop ------------------------------------------------------------------------------------
 
@@ -154,10 +188,17 @@ class KvferryServer:
         for sock in (router, monitor, replies_in):
             poller.register(sock, zmq.POLLIN)
         sweep_every = min(self.config.heartbeat_interval_s, self.config.heartbeat_timeout_s / 4)
-        next_sweep = self._clock() + sweep_every
+        last_turn = self._clock()
+        next_sweep = last_turn + sweep_every
         try:
             while not self._stopping.is_set():
                 ready = dict(poller.poll(timeout=100))
+                now = self._clock()
+                if now - last_turn > self.config.heartbeat_timeout_s / 2:
+                    # This process was stalled (stopped, swapped): its clients' silence is its own. Give each
+                    # a whole timeout to be heard again before any is judged.
+                    next_sweep = max(next_sweep, now + self.config.heartbeat_timeout_s)
+                last_turn = now
                 if monitor in ready:
                     self._drain_monitor(monitor)
                 if replies_in in ready:
@@ -167,8 +208,9 @@ class KvferryServer:
                 if drained and self._clock() >= next_sweep:
                     next_sweep = self._clock() + sweep_every
                     self._sweep()
-            # Let transfers already running answer before the socket closes.
+            # Let transfers and tier lookups already running answer before the socket closes.
             self._workers.shutdown(wait=True)
+            self._tier_workers.shutdown(wait=True)
             self._forward_replies(replies_in, router)
         finally:
             router.disable_monitor()
@@ -203,6 +245,8 @@ class KvferryServer:
             # A new client may sit on the descriptor of one that just left: end that one first (its
             # disconnect event was queued before the descriptor could be reused).
             self._drain_monitor(monitor)
+            if self._sessions.was_ended(identity):  # frames queued by a client that is gone: never reopen
+                return self._refuse_ended(identity, frame)
             session = self._sessions.open(identity, frame.get(zmq.SRCFD))
         if len(frame) > self.config.max_message_bytes:
             return self._refuse(
@@ -217,30 +261,62 @@ class KvferryServer:
         if self._stopping.is_set():
             return self._refuse(request.id, ErrorCode.SHUTTING_DOWN, "the server is shutting down")
         if request.op in INLINE_OPS:
-            return self._run(session, request, received)
+            return self._run(identity, session, request, received)
         self._workers.submit(self._run_on_worker, identity, session, request, received)
         return None
 
     def _run_on_worker(self, identity: bytes, session: Session, request: Request, received: float) -> None:
-        reply = self._run(session, request, received)
+        reply = self._run(identity, session, request, received)
+        if reply is not None:
+            self._send_from_worker(identity, reply)
+
+    def _run(self, identity: bytes, session: Session, request: Request, received: float) -> bytes | None:
+        """Run one request; its reply, or None when its tier part was handed to the tier workers."""
+        if request.deadline is not None and time.time() > request.deadline:
+            late = ProtocolError(ErrorCode.DEADLINE_EXCEEDED, "the client stopped waiting before it could start")
+            return self._reply(request, received, late)
+
+        def handle() -> Any:
+            args = parse_args(request.op, request.args, request.id)
+            return self._handlers.run(request.op, session, args, request.deadline)
+
+        outcome = _attempt(handle)
+        if isinstance(outcome, Deferred):
+            self._tier_workers.submit(self._finish_deferred, identity, request, received, outcome)
+            return None
+        return self._reply(request, received, outcome)
+
+    def _finish_deferred(self, identity: bytes, request: Request, received: float, deferred: Deferred) -> None:
+        self._send_from_worker(identity, self._reply(request, received, _attempt(deferred.finish)))
+
+    def _send_from_worker(self, identity: bytes, reply: bytes) -> None:
         with self._reply_lock:
             self._replies_out.send_multipart([identity, reply])
 
-    def _run(self, session: Session, request: Request, received: float) -> bytes:
-        try:
-            args = parse_args(request.op, request.args, request.id)
-            result = self._handlers.table[request.op](session, args)
-            reply, status = encode_result(request.id, result), "ok"
-        except ProtocolError as exc:
-            reply, status = encode_error(request.id, exc.code, exc.message), exc.code.value
-        except (ValueError, TypeError) as exc:  # the cache engine's verdict on the arguments
-            reply, status = encode_error(request.id, ErrorCode.BAD_ARGUMENT, str(exc)), ErrorCode.BAD_ARGUMENT
-        except Exception as exc:
-            log.exception("%s (request %d) failed", request.op.value, request.id)
-            reply = encode_error(request.id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+    def _reply(self, request: Request, received: float, outcome: Any) -> bytes:
+        """The reply frame for a handler's result, or for the exception it raised; counted in the metrics."""
+        if not isinstance(outcome, BaseException):
+            reply, status = encode_result(request.id, outcome), "ok"
+        elif isinstance(outcome, ProtocolError):
+            reply, status = encode_error(request.id, outcome.code, outcome.message), outcome.code.value
+        elif isinstance(outcome, ValueError | TypeError):  # the cache engine's verdict on the arguments
+            reply, status = encode_error(request.id, ErrorCode.BAD_ARGUMENT, str(outcome)), ErrorCode.BAD_ARGUMENT
+        else:
+            log.error("%s (request %d) failed", request.op.value, request.id, exc_info=outcome)
+            reply = encode_error(request.id, ErrorCode.INTERNAL, f"{type(outcome).__name__}: {outcome}")
             status = ErrorCode.INTERNAL
         self.metrics.record(request.op.value, status, self._clock() - received)
         return reply
+
+    def _refuse_ended(self, identity: bytes, frame: zmq.Frame) -> bytes:
+        request_id = None
+        if len(frame) <= self.config.max_message_bytes:
+            try:
+                request_id = decode_request(frame.buffer).id
+            except ProtocolError as exc:
+                request_id = exc.request_id
+        message = f"session {identity.hex()} was ended by the server; connect under a new id and register again"
+        return self._refuse(request_id, ErrorCode.SESSION_ENDED, message)
 
     def _refuse(self, request_id: int | None, code: ErrorCode, message: str) -> bytes:
         self.metrics.record("?", code.value, None)
@@ -282,3 +358,11 @@ class KvferryServer:
             released.deferred,
         )
         return {"locks": len(released.locks), "registrations": released.registrations}
+
+
+def _attempt(run: Callable[[], Any]) -> Any:
+    """``run()``'s result, or the exception it raised (a bug must cost one request, never a thread)."""
+    try:
+        return run()
+    except Exception as exc:
+        return exc

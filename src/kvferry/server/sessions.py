@@ -5,12 +5,19 @@ locks and prefetch handles. It ends on END_SESSION, when its TCP connection drop
 silent for the heartbeat timeout. Ending frees its locks and closes its registrations; a registration that
 a transfer is still using is closed by that transfer when it finishes, so memory is never unmapped under a
 running copy.
+
+A session the server ended (disconnect, heartbeat, shutdown) is remembered for a while, and frames still
+arriving under its id are refused (SESSION_ENDED) rather than opening it again: a killed client's requests
+queued behind its disconnect must not take locks nobody will free. A client that asked to end its session
+(END_SESSION) may go on under the same id: that opens a new session.
 """
 
 from __future__ import annotations
 
 import itertools
+import secrets
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -56,6 +63,13 @@ class Released:
     deferred: int  # registrations still in use by a transfer; closed when it finishes
 
 
+# Ended session ids remembered (at most this many, for at most this long): a killed client's frames are all
+# queued when its disconnect is seen, so minutes are plenty; a client frozen for longer than that and thawed
+# opens a new session under its old id, which knows none of its registrations (UNKNOWN_REGISTRATION).
+ENDED_KEPT = 65536
+ENDED_KEPT_S = 600.0
+
+
 class SessionTable:
     """All live sessions; thread-safe (the socket loop and transfer workers both use it)."""
 
@@ -63,7 +77,10 @@ class SessionTable:
         self._clock = clock
         self._lock = threading.Lock()
         self._sessions: dict[bytes, Session] = {}
-        self._ids = itertools.count(1)
+        self._ended: OrderedDict[bytes, float] = OrderedDict()  # session id -> when the server ended it
+        # Registration, lock and prefetch ids start at a random point: an id held by a client of an earlier
+        # server process (before a restart) names nothing here, never another registration.
+        self._ids = itertools.count(secrets.randbelow(1 << 40) + 1)
         self.open_registrations = 0  # registrations whose memory is still mapped, closing ones included
 
     def touch(self, session_id: bytes) -> Session | None:
@@ -84,6 +101,11 @@ class SessionTable:
         with self._lock:
             session = self._sessions[session_id] = Session(session_id, self._clock(), fd, requests=1)
             return session
+
+    def was_ended(self, session_id: bytes) -> bool:
+        """Whether the server ended session `session_id` recently (its frames are refused, see the module)."""
+        with self._lock:
+            return session_id in self._ended
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -173,6 +195,8 @@ class SessionTable:
             session = self._sessions.pop(session_id, None)
             if session is None:
                 return None
+            if reason != "end_session":
+                self._remember_ended(session_id)
             deferred = sum(not self._retire(reg) for reg in session.registrations.values())
             released = Released(session_id, reason, sorted(session.locks), len(session.registrations), deferred)
             session.registrations.clear()
@@ -203,6 +227,14 @@ class SessionTable:
                 }
                 for sid, s in self._sessions.items()
             ]
+
+    def _remember_ended(self, session_id: bytes) -> None:
+        now = self._clock()
+        ended = self._ended
+        ended[session_id] = now
+        ended.move_to_end(session_id)
+        while ended and (len(ended) > ENDED_KEPT or next(iter(ended.values())) < now - ENDED_KEPT_S):
+            ended.popitem(last=False)
 
     def _retire(self, reg: Registration) -> bool:
         """Close `reg` now if no transfer uses it (True), else mark it for `done_with` to close (False)."""

@@ -10,7 +10,7 @@ from kvferry.tiers.chain import TierChain
 from kvferry.tiers.disk import DiskTier
 from kvferry.tiers.header import FORMAT_VERSION, CorruptObject
 from kvferry.tiers.redis_tier import RedisTier
-from kvferry.tiers.url import TierURLError, make_tier, parse_duration, parse_size
+from kvferry.tiers.url import TierURLError, make_tier, parse_duration, parse_size, parse_tier_url
 
 __all__ = [
     "FORMAT_VERSION",
@@ -27,4 +27,5 @@ __all__ = [
     "make_tier",
     "parse_duration",
     "parse_size",
+    "parse_tier_url",
 ]

@@ -5,6 +5,10 @@ promise to the cache: nothing it returns is unverified (header + checksum are ch
 does raises into the caller because the backend is down, slow, full or holds garbage -- those are misses,
 counted in Prometheus metrics labelled by tier name and logged. Programming errors (a key that is not bytes,
 a tensor that is not a contiguous CPU tensor) still raise, immediately, naming the argument.
+
+Which calls touch the backend: put/get (on the tier's workers), contains/contains_many/delete (on the caller's
+thread, bounded by the backend's timeout) and `check`. `stats()`, `healthy`, `used_bytes` and `capacity_bytes`
+never do: a server answers them from any thread, whatever state the backend is in.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import torch
 
 from kvferry.tiers.header import check_key, tensor_bytes
 from kvferry.tiers.health import HealthGate
-from kvferry.tiers.metrics import TierMetrics
+from kvferry.tiers.metrics import TierMetrics, tier_registry
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +62,12 @@ class Tier(ABC):
         self._health = HealthGate(name, backoff_s, backoff_max_s, on_change=self._metrics.set_healthy)
         self._closed = False
         self._last_full_log = -_FULL_LOG_INTERVAL_S
+        # This tier's `kvferry_tier_*` metrics; a cache engine exports all of its tiers' in its own registry.
+        self.metrics_registry = tier_registry(lambda: [self._metrics])
+
+    @property
+    def metrics(self) -> TierMetrics:
+        return self._metrics
 
     # --- public interface -------------------------------------------------------------------------------
 
@@ -110,6 +120,21 @@ class Tier(ABC):
             return
         self._record_success("delete", "ok")
 
+    def check(self) -> bool:
+        """Probe the backend now with one cheap round trip (through the health gate: an unhealthy tier is only
+        probed when its backoff allows) and refresh the usage `stats()` reports; returns whether it is healthy.
+        Nobody else may be touching an idle tier, so a server calls this periodically to know a tier is down."""
+        if self._closed or not self._health.allow():
+            return self.healthy
+        try:
+            probed = self._check()
+        except Exception as exc:
+            self._record_failure("check", exc if isinstance(exc, TierUnavailable) else TierUnavailable(str(exc)))
+            return False
+        if probed:
+            self._health.success()
+        return self.healthy
+
     @property
     def healthy(self) -> bool:
         return self._health.healthy
@@ -122,7 +147,7 @@ class Tier(ABC):
     @property
     @abstractmethod
     def used_bytes(self) -> int | None:
-        """Bytes held, as this process can tell; None when it cannot (backend down)."""
+        """Bytes held, as this process last saw (no I/O); None when it cannot tell (backend down, not checked)."""
 
     @abstractmethod
     def evict(self, nbytes: int) -> int:
@@ -155,6 +180,11 @@ class Tier(ABC):
 
     @abstractmethod
     def _delete(self, key: bytes) -> None: ...
+
+    def _check(self) -> bool:
+        """One cheap round trip to the backend (refreshing what it reports of its usage); raises if it fails.
+        False: this tier has no such probe, and its health is what its operations last showed."""
+        return False
 
     def _admit(self, op: str) -> bool:
         if not self._closed and self._health.allow():

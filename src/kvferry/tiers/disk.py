@@ -67,6 +67,10 @@ class DiskTier(Tier):
             os.makedirs(self.root, exist_ok=True)
         except OSError as exc:
             raise ValueError(f"disk tier directory {self.root!r} cannot be created: {exc}") from exc
+        try:
+            _probe_write(self.root)
+        except OSError as exc:
+            raise ValueError(f"disk tier directory {self.root!r} is not writable: {exc.strerror}") from exc
         can_direct = supports_direct(self.root)
         if direct and not can_direct:
             raise ValueError(f"direct=True but the filesystem of {self.root!r} does not accept O_DIRECT")
@@ -219,6 +223,15 @@ class DiskTier(Tier):
             found.append(size is not None)
         return found
 
+    def _check(self) -> bool:
+        try:
+            _probe_write(self.root)
+        except OSError as exc:
+            if exc.errno in _FULL_ERRNOS:
+                return True  # full, but there: a full disk refuses puts and stays healthy for reads
+            raise TierUnavailable(f"{self.root} is not writable: {exc.strerror}") from exc
+        return True
+
     def _delete(self, key: bytes) -> None:
         name = _object_name(key)
         self._index.remove(name)
@@ -249,6 +262,13 @@ def _classify(exc: Exception) -> Exception:
             return TierFull(str(exc))
         return TierUnavailable(str(exc))
     return exc
+
+
+def _probe_write(directory: str) -> None:
+    """Create and remove an empty file in ``directory``: what a put needs, whoever runs it (root too)."""
+    path = os.path.join(directory, f".write-probe-{os.getpid()}-{threading.get_ident()}")
+    os.close(os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600))
+    os.unlink(path)
 
 
 def _file_size(path: str) -> int | None:

@@ -42,9 +42,6 @@ from kvferry.tiers.header import (
 )
 from kvferry.tiers.redis_conn import SplitValue, make_client
 
-# used_bytes asks the server (INFO); callers may poll stats() often.
-_USED_BYTES_TTL_S = 2.0
-
 
 @dataclass(eq=False)
 class _Request:
@@ -102,7 +99,7 @@ class RedisTier(Tier):
         self._client: redis.Redis | RedisCluster | None = None
         self._client_lock = threading.Lock()
         self._typical_bytes = 0  # size of the last object seen; a get is assumed to move that much
-        self._used: tuple[float, int | None] = (-_USED_BYTES_TTL_S, None)
+        self._used: int | None = None  # what the server(s) reported at the last check
         self._batcher = Batcher(
             self._run_batch,
             workers=workers,
@@ -117,12 +114,11 @@ class RedisTier(Tier):
 
     @property
     def used_bytes(self) -> int | None:
-        """Memory the server(s) report in use (all primaries of a cluster), refreshed at most every 2 s."""
-        if not self.healthy:
-            return None
-        checked, used = self._used
-        if time.monotonic() - checked < _USED_BYTES_TTL_S:
-            return used
+        """Memory the server(s) reported in use (all primaries of a cluster) at the last `check()`; None while
+        unhealthy or before the first check."""
+        return self._used if self.healthy else None
+
+    def _check(self) -> bool:
         try:
             client = self._connect()
             if isinstance(client, RedisCluster):
@@ -131,10 +127,12 @@ class RedisTier(Tier):
             else:
                 used = int(client.info("memory")["used_memory"])
         except Exception as exc:
-            self._record_failure("info", _classify(exc))
-            used = None
-        self._used = (time.monotonic(), used)
-        return used
+            self._used = None
+            self._metrics.set_usage(None, None)
+            raise _classify(exc) from exc
+        self._used = used
+        self._metrics.set_usage(used, None)
+        return True
 
     def evict(self, nbytes: int) -> int:
         """Redis evicts by its own maxmemory-policy; the tier frees nothing itself."""

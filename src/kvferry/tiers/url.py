@@ -15,6 +15,7 @@ import math
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 from urllib.parse import parse_qsl, unquote
 
 from kvferry.tiers.base import Tier
@@ -77,7 +78,24 @@ def parse_duration(text: str) -> float:
     return float(match.group(1)) / (1000 if match.group(2) == "ms" else 1)
 
 
+class TierSpec(NamedTuple):
+    """A parsed tier URL: what `make_tier` builds (nothing opened yet)."""
+
+    kind: type[Tier]
+    args: tuple[object, ...]
+    kwargs: dict[str, object]
+    shown: str  # the URL with any password hidden
+
+
 def make_tier(url: str) -> Tier:
+    """The tier ``url`` describes, opened (a disk tier's directory made and probed; Redis is reached lazily)."""
+    spec = parse_tier_url(url)
+    with _naming(spec.shown):
+        return spec.kind(*spec.args, **spec.kwargs)
+
+
+def parse_tier_url(url: str) -> TierSpec:
+    """Check ``url`` without opening anything (a config check); TierURLError names what is wrong."""
     if not isinstance(url, str) or ":" not in url:
         raise TierURLError(f"tier URL {url!r} has no scheme; expected e.g. {EXAMPLES}")
     scheme, _, rest = url.partition(":")
@@ -96,7 +114,7 @@ def make_tier(url: str) -> Tier:
     )
 
 
-def _disk(shown: str, location: str, params: dict[str, str]) -> DiskTier:
+def _disk(shown: str, location: str, params: dict[str, str]) -> TierSpec:
     if location.startswith("//"):
         host, _, path = location[2:].partition("/")
         if host:
@@ -110,17 +128,16 @@ def _disk(shown: str, location: str, params: dict[str, str]) -> DiskTier:
     if direct != "auto" and direct not in _BOOLS:
         raise TierURLError(f"tier URL {shown!r}: direct={direct!r}, expected auto, on or off")
     with _naming(shown):
-        return DiskTier(
-            unquote(location),
-            parse_size(params.pop("size")),
-            workers=_int(params.pop("workers", "4"), "workers"),
-            direct=None if direct == "auto" else _BOOLS[direct],
-            fsync=_bool(params.pop("fsync", "off"), "fsync"),
+        kwargs = {
+            "workers": _int(params.pop("workers", "4"), "workers"),
+            "direct": None if direct == "auto" else _BOOLS[direct],
+            "fsync": _bool(params.pop("fsync", "off"), "fsync"),
             **_common(params),
-        )
+        }
+        return TierSpec(DiskTier, (unquote(location), parse_size(params.pop("size"))), kwargs, shown)
 
 
-def _redis(shown: str, location: str, params: dict[str, str], *, cluster: bool) -> RedisTier:
+def _redis(shown: str, location: str, params: dict[str, str], *, cluster: bool) -> TierSpec:
     if not location.startswith("//"):
         raise TierURLError(f"tier URL {shown!r}: expected //host:port after the scheme")
     netloc, _, path = location[2:].partition("/")
@@ -135,19 +152,19 @@ def _redis(shown: str, location: str, params: dict[str, str], *, cluster: bool) 
             raise TierURLError(f"tier URL {shown!r}: path /{path} must be a database number (not for a cluster)")
         db = int(path)
     with _naming(shown):
-        return RedisTier(
-            nodes,
-            cluster=cluster,
-            db=db,
-            username=unquote(username) or None,
-            password=unquote(password) or None,
-            prefix=params.pop("prefix", "kvferry:").encode(),
-            workers=_int(params.pop("workers", "2"), "workers"),
-            timeout_s=parse_duration(params.pop("timeout", "5")),
-            connect_timeout_s=parse_duration(params.pop("connect_timeout", "1")),
-            max_batch=_int(params.pop("batch", "16"), "batch"),
+        kwargs = {
+            "cluster": cluster,
+            "db": db,
+            "username": unquote(username) or None,
+            "password": unquote(password) or None,
+            "prefix": params.pop("prefix", "kvferry:").encode(),
+            "workers": _int(params.pop("workers", "2"), "workers"),
+            "timeout_s": parse_duration(params.pop("timeout", "5")),
+            "connect_timeout_s": parse_duration(params.pop("connect_timeout", "1")),
+            "max_batch": _int(params.pop("batch", "16"), "batch"),
             **_common(params),
-        )
+        }
+        return TierSpec(RedisTier, (nodes,), kwargs, shown)
 
 
 def _node(shown: str, text: str) -> tuple[str, int]:
