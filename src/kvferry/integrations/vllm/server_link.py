@@ -7,8 +7,9 @@ vLLM calls the connector on its scheduling path, so a server that is down or gon
 - A background thread reconnects with exponential backoff (0.25 s doubling to 30 s). On success it registers the
   engine's KV cache again (a restarted server has forgotten it) and bumps `generation`, so lock ids taken from an
   earlier server are never sent to a later one.
-- What trips it: a connection error or timeout, the server's SHUTTING_DOWN, or UNKNOWN_REGISTRATION (the server
-  restarted: our registration must be made again). Other server errors fail only that call.
+- What trips it: a connection error or timeout, the server's SHUTTING_DOWN, UNKNOWN_REGISTRATION (the server
+  restarted) or SESSION_ENDED (the server ended our session, e.g. after a stall): our registration must be made
+  again. Other server errors fail only that call.
 
 It works with a client whose constructor waits for a handshake (it then runs in the background thread, bounded by
 ``timeout_s``) as well as with one that fails fast while the server is unreachable.
@@ -29,7 +30,7 @@ from kvferry.client import KvferryClient, ServerError
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-_OUTAGE_CODES = frozenset({"UNKNOWN_REGISTRATION", "SHUTTING_DOWN"})
+_OUTAGE_CODES = frozenset({"UNKNOWN_REGISTRATION", "SESSION_ENDED", "SHUTTING_DOWN"})
 _BACKOFF_FIRST_S, _BACKOFF_MAX_S = 0.25, 30.0
 
 
