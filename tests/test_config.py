@@ -29,7 +29,11 @@ def test_yaml_then_env_then_overrides(tmp_path: Path) -> None:
     assert (cfg.cache.chunk_size, cfg.cache.eviction_policy, cfg.server.port) == (512, "s3fifo", 7000)
     assert cfg.tiers == ["disk:/tmp/kv?size=1GB"]
     assert cfg.cache.l1_size_bytes == int(1.5 * 2**30)
-    env = {"KVFERRY_CACHE__CHUNK_SIZE": "1024", "KVFERRY_TIERS": "redis://127.0.0.1:6379, disk:/x?size=1GB", "HOME": "/"}
+    env = {
+        "KVFERRY_CACHE__CHUNK_SIZE": "1024",
+        "KVFERRY_TIERS": "redis://127.0.0.1:6379, disk:/x?size=1GB",
+        "HOME": "/",
+    }
     cfg = KvferryConfig.load(path, env=env, overrides={"server": {"port": 7100}})
     assert cfg.cache.chunk_size == 1024
     assert cfg.cache.eviction_policy == "s3fifo"  # from YAML, untouched by env

@@ -88,7 +88,8 @@ def test_server(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.
     for name in ("store_1chunk", "retrieve_16chunk"):
         assert cases[name]["gbps"] > 0 and cases[name]["engine_us"] > 0
     assert doc["results"]["chunk_bytes"] == 2 * 24 * 256 * 2 * 64 * 2  # qwen2.5-0.5b: K,V x layers x tokens x heads
-    assert doc["results"]["memcpy_16chunk_gbps"] is None  # no GPU ceiling for KV on the CPU
+    store = doc["results"]["cases"]["store_16chunk"]
+    assert 0 < store["ratio"] < 2 and 0 < store["engine_ratio"] < 2 and store["ceiling_us"] > 0
     assert "retrieve_16chunk" in capsys.readouterr().out
 
 

@@ -10,9 +10,10 @@ Cases (each a bounded number of requests):
   retrieve_1chunk  RETRIEVE of one cached chunk into scattered blocks
   store/retrieve_16chunks  the same for 16 chunks (4096 tokens): GB/s of the server-side copy
 Latencies are client-side wall times per request; `engine_us` is the same store/retrieve through a
-CacheEngine in this process (no server), so the difference is what the server adds. With --device cuda the
-engine's KV is on the GPU (registered by CUDA IPC) and `memcpy_gbps` is a same-run pinned-host <-> GPU
-copy of the same bytes, the ceiling for the GB/s columns.
+CacheEngine in this process (no server), so the difference is what the server adds. Every store/retrieve
+alternates with a plain copy of its bytes between the same memories (on the CPU the faster of numpy.copyto and
+torch copy_; with --device cuda, where the engine's KV is on the GPU and registered by CUDA IPC, a pinned
+host <-> GPU copy_): `ratio` is that copy's median time over the request's p50.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from kvferry.bench.harness import (
     require_cuda,
 )
 from kvferry.bench.report import cell, new_table
-from kvferry.bench.timing import PinnedCopy, latency_summary
+from kvferry.bench.timing import CopyCeiling, latency_summary
 from kvferry.cache import CacheEngine
 from kvferry.client import KvferryClient
 from kvferry.config import KvferryConfig
@@ -131,20 +132,6 @@ def timed(n: int, call: Callable[[int], Any], sync: Callable[[], None]) -> list[
     return samples
 
 
-def memcpy_gbps(nbytes: int, device: str) -> float | None:
-    """GB/s of a pinned host <- GPU copy of `nbytes` (median of 10), the ceiling of the GPU rows; None on CPU."""
-    if device != "cuda":
-        return None
-    copy = PinnedCopy(nbytes)
-    times = []
-    for _ in range(10):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        copy(to_host=True)
-        times.append(time.perf_counter() - start)
-    return nbytes / float(np.median(times)) / 1e9
-
-
 Mover = Callable[[list[int], list[int]], Any]  # (tokens, block ids) -> None
 
 
@@ -156,17 +143,37 @@ def transfer_cases(
     sync: Callable[[], None],
     steps: Steps,
     where: str,
+    ceiling: Callable[[int, str], CopyCeiling],
+    device: str,
 ) -> dict[str, Any]:
-    """Time `store` of new prefixes, then `retrieve` of the last one, for one chunk and for 16."""
+    """Time `store` of new prefixes, then `retrieve` of the last one, for one chunk and for 16, each request
+    alternating with a plain copy of its bytes (`ceiling(chunks, direction)`): `ratio` is the copy's median time
+    over the request's (client to reply)."""
     rng = np.random.default_rng(1)
+
+    def case(n: int, call: Callable[[int], Any], copy: CopyCeiling | None) -> dict[str, Any]:
+        samples = []
+        for i in range(n):
+            samples += timed(1, lambda _, i=i: call(i), sync)
+            if copy is not None:
+                copy.time_once()
+        summary = latency_summary(samples)
+        if copy is not None:
+            summary["ceiling_us"] = copy.best()[1] * 1e6
+            summary["ratio"] = summary["ceiling_us"] / summary["p50_us"]
+        return summary
 
     def one_size(chunks: int) -> dict[str, Any]:
         n = transfers if chunks == 1 else max(10, transfers // 10)
         ids = [rng.permutation(NB)[: chunks * PER_CHUNK].tolist() for _ in range(8)]  # scattered blocks
         prefixes = [tokens(chunks) for _ in range(n)]
-        store_case = latency_summary(timed(n, lambda i: store(prefixes[i], ids[i % 8]), sync))
+        # One chunk's copy on the CPU runs from the caches when repeated (3 MiB): no ceiling for it there.
+        copies = chunks > 1 or device == "cuda"
+        store_case = case(n, lambda i: store(prefixes[i], ids[i % 8]), ceiling(chunks, "d2h") if copies else None)
         steps.done(f"{where}: store_{chunks}chunk")
-        retrieve_case = latency_summary(timed(n, lambda i: retrieve(prefixes[-1], ids[(i + 1) % 8]), sync))
+        retrieve_case = case(
+            n, lambda i: retrieve(prefixes[-1], ids[(i + 1) % 8]), ceiling(chunks, "h2d") if copies else None
+        )
         steps.done(f"{where}: retrieve_{chunks}chunk")
         return {f"store_{chunks}chunk": store_case, f"retrieve_{chunks}chunk": retrieve_case}
 
@@ -240,6 +247,15 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
         base = next(fresh) * CHUNK * 16
         return list(range(base, base + chunks * CHUNK))
 
+    ceilings: dict[tuple[int, str], CopyCeiling] = {}
+
+    def ceiling(chunks: int, direction: str) -> CopyCeiling:
+        """A plain copy of `chunks` chunks' bytes between the memories of the transfer (kept across cases)."""
+        key = (chunks, direction)
+        if key not in ceilings:
+            ceilings[key] = CopyCeiling(torch.device(args.device), chunks * chunk_bytes, direction)
+        return ceilings[key]
+
     server = ServerProcess(pool_gb=args.pool_gb)
     steps.done("server started")
     try:
@@ -257,6 +273,8 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
                     sync,
                     steps,
                     "server",
+                    ceiling,
+                    args.device,
                 )
             )
     finally:
@@ -272,12 +290,16 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
             sync,
             steps,
             "embedded engine",
+            ceiling,
+            args.device,
         )
     for name, row in embedded.items():
         chunks = 1 if name.endswith("_1chunk") else 16
         cases[name]["gbps"] = chunks * chunk_bytes / (cases[name]["p50_us"] / 1e6) / 1e9
         cases[name]["engine_us"] = row["p50_us"]
-    results = {"chunk_bytes": chunk_bytes, "memcpy_16chunk_gbps": memcpy_gbps(16 * chunk_bytes, args.device)}
+        if "ratio" in row:
+            cases[name]["engine_ratio"] = row["ratio"]
+    results: dict[str, Any] = {"chunk_bytes": chunk_bytes}
     results["cases"] = cases
     config_json = {key: getattr(args, key) for key in ("model", "device", "requests", "transfers", "pool_gb")}
     return Outcome(config_json | {"chunk_size": CHUNK}, results, _show(args, results), device=args.device)
@@ -286,7 +308,7 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
 def _show(args: argparse.Namespace, results: dict[str, Any]) -> list[Any]:
     table = new_table(
         f"kvferry server over loopback ({args.model}, KV on {args.device}, chunk {CHUNK} tokens)",
-        ("case", "req/s", "p50 us", "p99 us", "GB/s (p50)", "embedded engine p50 us"),
+        ("case", "req/s", "p50 us", "p99 us", "GB/s (p50)", "ratio", "embedded engine p50 us (ratio)"),
     )
     for name, row in results["cases"].items():
         table.add_row(
@@ -295,12 +317,17 @@ def _show(args: argparse.Namespace, results: dict[str, Any]) -> list[Any]:
             cell(row.get("p50_us"), ".0f"),
             cell(row.get("p99_us"), ".0f"),
             cell(row.get("gbps"), ".2f"),
-            cell(row.get("engine_us"), ".0f"),
+            cell(row.get("ratio"), ".3f"),
+            f"{row['engine_us']:.0f}" + (f" ({row['engine_ratio']:.3f})" if "engine_ratio" in row else "")
+            if "engine_us" in row
+            else "",
         )
-    lines: list[Any] = [table, f"one chunk = {results['chunk_bytes'] / 2**20:.2f} MiB"]
-    if results["memcpy_16chunk_gbps"] is not None:
-        lines.append(f"same-run pinned memcpy (GPU -> host) of 16 chunks: {results['memcpy_16chunk_gbps']:.1f} GB/s")
-    return lines
+    ceiling = "a pinned host <-> GPU copy_" if args.device == "cuda" else "the faster of numpy.copyto and torch copy_"
+    return [
+        table,
+        f"one chunk = {results['chunk_bytes'] / 2**20:.2f} MiB; ratio: the same bytes copied by {ceiling}, timed "
+        "after each request (median) over the request's p50 (client call to reply)",
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
