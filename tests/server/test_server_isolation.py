@@ -15,10 +15,20 @@ import torch
 import zmq
 
 from kvferry.cache import CacheNamespace
-from kvferry.client import KvferryClient
+from kvferry.client import KvferryClient, ServerError
 from kvferry.server import KvferryServer, ServerConfig
 from kvferry.server.protocol import pack_ids
-from tests.server.serverkit import FakeEngine, wait_for
+from tests.server.serverkit import (
+    FMT_REAL,
+    PER_CHUNK,
+    REAL_CHUNK,
+    REAL_NB,
+    REAL_NS,
+    FakeEngine,
+    ServerProcess,
+    real_kv,
+    wait_for,
+)
 
 KEY_SPACE = {"model": "m", "kv_dtype": "bfloat16", "layout": "fake:3"}
 TOKENS = list(range(100, 108))  # two 4-token chunks
@@ -156,3 +166,31 @@ def test_health_names_a_tier_that_is_down_and_stats_carry_the_cache(engine: Fake
     finally:
         server.stop()
     assert server.health()["status"] == "stopping"
+
+
+def test_a_client_with_bad_block_ids_cannot_flush_the_cache() -> None:
+    """Through a real server with a small pool: refused requests evict nothing, hit or miss."""
+    server = ServerProcess("--chunk-size", str(REAL_CHUNK), "--l1-size-gb", "0.001")
+    try:
+        with KvferryClient(server.endpoint) as owner, KvferryClient(server.endpoint) as attacker:
+            reg = owner.register_kv_cache(real_kv(seed=1), FMT_REAL, namespace=REAL_NS)
+            cached = [list(range(i * 1000, i * 1000 + REAL_CHUNK)) for i in range(14)]  # 14 of 16 objects
+            for tokens in cached:
+                assert owner.store(reg, tokens, list(range(PER_CHUNK))) == REAL_CHUNK
+            before = owner.stats()["cache"]
+            assert (before["objects"], before["evictions"]) == (14, 0)
+            bad = attacker.register_kv_cache(real_kv(seed=2), FMT_REAL, namespace=REAL_NS)
+            outside = [REAL_NB + 1] * (4 * PER_CHUNK)
+            for i in range(3):
+                with pytest.raises(ServerError, match=r"BAD_ARGUMENT.*outside the pool"):
+                    attacker.store(bad, list(range(50_000 + i, 50_000 + i + 4 * REAL_CHUNK)), outside)
+            after = owner.stats()["cache"]
+            assert (after["objects"], after["evictions"]) == (14, 0)
+            assert after["pool_used_bytes"] == before["pool_used_bytes"]
+            with pytest.raises(ServerError, match=r"BAD_ARGUMENT.*outside the pool"):  # cached: no copy needed
+                attacker.store(bad, cached[0], outside[:PER_CHUNK])
+            with pytest.raises(ServerError, match=r"BAD_ARGUMENT.*outside the pool"):  # a miss: nothing to copy
+                attacker.retrieve(bad, list(range(90_000, 90_000 + REAL_CHUNK)), outside[:PER_CHUNK])
+            assert all(owner.lookup(tokens, registration=reg).tokens == REAL_CHUNK for tokens in cached)
+    finally:
+        assert server.stop() == 0

@@ -89,11 +89,13 @@ class KvferryClient:
         self.close()
 
     def close(self) -> None:
-        """End the session (the server frees its registrations and locks) and stop the background thread."""
+        """End the session (the server frees its registrations and locks) and stop the background thread. Never
+        waits for a server that is not answering: the server frees a session whose connection drops anyway."""
         try:
-            self.end_session()
+            if self._conn.available:
+                self.end_session()
         except (ServerError, ConnectionError, TimeoutError):
-            pass  # the server is gone or going: it frees the session on disconnect anyway
+            pass  # the server is gone or going
         finally:
             self._conn.close()
 
