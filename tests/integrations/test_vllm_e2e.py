@@ -138,12 +138,9 @@ def server_url(workdir: Path) -> Any:
     proc = subprocess.Popen([sys.executable, "-m", "kvferry.cli", "server", *flags], stdout=log, stderr=log)
     try:
         deadline = time.monotonic() + 60
-        while True:  # ready once it answers a handshake
-            assert proc.poll() is None, f"kvferry server exited: {(workdir / 'server.log').read_text()[-3000:]}"
-            try:
-                KvferryClient(url, timeout_s=2).close()
-                break
-            except TimeoutError:
+        with KvferryClient(url, timeout_s=2) as client:
+            while not client.wait_available(timeout_s=1):  # ready once it answers
+                assert proc.poll() is None, f"kvferry server exited: {(workdir / 'server.log').read_text()[-3000:]}"
                 assert time.monotonic() < deadline, "kvferry server did not answer within 60 s"
         yield url
     finally:
