@@ -1,6 +1,6 @@
 """Question: where does a request through `kvferry server` spend the time beyond what the cache engine itself takes?
 
-Answer (2026-12-01, H200 host, 1f6d2d4): outside the server. PING: client p50 251 us, the server's own time 36 us
+Answer (2026-12-01, H200 host, 7cb8832): outside the server. PING: client p50 251 us, the server's own time 36 us
 (a bare ZMQ round trip there: 69 us); LOOKUP of 256 tokens: 297 / 77 us. The server's threads sit in their poll;
 the client's caller waits on its future while its I/O thread polls: the hops between threads (the caller, the
 client's I/O thread, ZMQ's I/O threads, the server's loop) cost ~150 us a request on that host.
