@@ -190,3 +190,24 @@ def test_prefetch_status_clear_and_stats(client: KvferryClient, engine: FakeEngi
     assert stats["cache"] == {"objects": 3, "locks": 0} and stats["server"]["open_registrations"] == 1
     client.clear()
     assert client.lookup(tokens, registration=reg).tokens == 0
+
+
+def test_ready_events_belong_to_stores_of_cuda_registrations(client: KvferryClient) -> None:
+    """A CUDA registration's STORE names which of its opened IPC events it recorded (`ready_slot`); anywhere
+    else the fields are refused by name (the GPU path itself: tests/server/test_server_gpu.py)."""
+    from kvferry.client.kv_export import export_kv
+    from kvferry.server.protocol import Op, pack_ids
+
+    paged = random_kv(9)  # its shared memory stays open while the server maps it
+    storages, kv = export_kv(paged)
+    args = {"format": FMT, "namespace": NS, "storages": storages, "kv": kv, "ready_events": [b"\0" * 64]}
+    reply = raw_request(client.endpoint, "REGISTER_KV_CACHE", args)
+    assert "'ready_events' are only meaningful for a CUDA registration" in reply["error"]["message"]
+
+    reg = client.register_kv_cache(random_kv(10), FMT, namespace=NS)
+    store = {"registration": reg, "tokens": pack_ids(range(8), "t"), "block_ids": pack_ids([0, 1, 2, 3], "b")}
+    with pytest.raises(ServerError, match="'ready_slot'=0, but the registration has 0 events"):
+        client._wait(client._conn.submit(Op.STORE, {**store, "ready_slot": 0}))
+    with pytest.raises(ServerError, match="belong to STORE, not RETRIEVE"):
+        client._wait(client._conn.submit(Op.RETRIEVE, {**store, "ready_slot": 0}))
+    assert client.store(reg, list(range(8)), [0, 1, 2, 3]) == 8  # the session is fine

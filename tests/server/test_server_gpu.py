@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvferry.client import KvferryClient
-from tests.server.serverkit import FMT_REAL, REAL_BS, REAL_CHUNK, REAL_NS, ServerProcess, blocks, real_kv
+from tests.server.serverkit import FMT_REAL, REAL_BS, REAL_CHUNK, REAL_NB, REAL_NS, ServerProcess, blocks, real_kv
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -60,3 +60,30 @@ def test_two_gpu_sessions_share_through_the_server(server: ServerProcess) -> Non
         assert writer.store(w, tokens, ids) == len(tokens)
         assert reader.retrieve(r, tokens, [i + 20 for i in ids]) == len(tokens)
     assert torch.equal(blocks(reader_kv, [i + 20 for i in ids]), blocks(writer_kv, ids))
+
+
+def test_stores_in_flight_beyond_the_ready_event_ring(server: ServerProcess) -> None:
+    """More STOREs in flight than the registration has IPC events: the ring's slots are reused only after their
+    STORE was answered, and the ones beyond it send an event of their own. Each STORE follows a write of its own
+    blocks on this process's stream, which the server's copy must wait for."""
+    from kvferry.client.ready_events import SLOTS
+
+    kv = gpu_kv(seed=24)
+    per_chunk = REAL_CHUNK // REAL_BS
+    n = SLOTS + 4
+    assert (n + 1) * per_chunk <= REAL_NB  # every store its own blocks, and room to retrieve into
+    with KvferryClient(server.endpoint) as client:
+        reg = client.register_kv_cache(kv, FMT_REAL, block_size=REAL_BS, namespace=REAL_NS)
+        futures, written = [], []
+        for i in range(n):
+            tokens = list(range(20_000 + i * REAL_CHUNK, 20_000 + (i + 1) * REAL_CHUNK))
+            ids = list(range(i * per_chunk, (i + 1) * per_chunk))
+            for layer in kv:
+                layer[:, ids] = torch.randn_like(layer[:, ids])
+            written.append((tokens, blocks(kv, ids).clone()))
+            futures.append(client.store_async(reg, tokens, ids))
+        assert [f.result(timeout=60) for f in futures] == [REAL_CHUNK] * n
+        target = list(range(n * per_chunk, (n + 1) * per_chunk))
+        for tokens, expected in written:
+            assert client.retrieve(reg, tokens, target) == REAL_CHUNK
+            assert torch.equal(blocks(kv, target), expected)

@@ -30,6 +30,7 @@ import torch
 
 from kvferry.client.connection import Connection, ServerError
 from kvferry.client.kv_export import export_kv
+from kvferry.client.ready_events import ReadyEvents
 from kvferry.server.protocol import Op, pack_ids
 
 Namespace = Mapping[str, str | int]
@@ -61,6 +62,7 @@ class KvferryClient:
         self.timeout_s = timeout_s
         self._conn = Connection(endpoint, timeout_s=timeout_s, heartbeat_interval_s=1.0, silence_timeout_s=timeout_s)
         self._cuda_registrations: dict[int, torch.device] = {}
+        self._ready_events: dict[int, ReadyEvents] = {}  # CUDA registrations whose server opened them
 
     @property
     def session_id(self) -> bytes:
@@ -120,20 +122,26 @@ class KvferryClient:
         (model name, world size, rank, salt).
         """
         storages, kv = export_kv(paged)
-        args = {
+        args: dict[str, Any] = {
             "format": int(fmt),
             "block_size": block_size,
             "namespace": dict(namespace or {}),
             "storages": storages,
             "kv": kv,
         }
-        reg = self._wait(self._conn.submit(Op.REGISTER_KV_CACHE, args, lambda r: int(r["registration"])))
+        ready = None
         if storages[0]["kind"] == "cuda_ipc":
-            self._cuda_registrations[reg] = _first_tensor(paged).device
+            ready = ReadyEvents(_first_tensor(paged).device)
+            args["ready_events"] = ready.handles()
+        reg = self._wait(self._conn.submit(Op.REGISTER_KV_CACHE, args, lambda r: int(r["registration"])))
+        if ready is not None:
+            self._cuda_registrations[reg] = ready.device
+            self._ready_events[reg] = ready
         return reg
 
     def unregister_kv_cache(self, registration: int) -> None:
         self._cuda_registrations.pop(registration, None)
+        self._ready_events.pop(registration, None)
         self._wait(self._conn.submit(Op.UNREGISTER_KV_CACHE, {"registration": registration}))
 
     def lookup(
@@ -175,11 +183,23 @@ class KvferryClient:
         args = _transfer_args(registration, tokens, block_ids, skip_prefix_tokens)
         event = None
         device = self._cuda_registrations.get(registration)
-        if device is not None:
+        ready = self._ready_events.get(registration)
+        slot = ready.record() if ready is not None else None
+        if slot is not None:
+            args["ready_slot"] = slot
+        elif device is not None:
             event = torch.cuda.Event(interprocess=True)
             event.record(torch.cuda.current_stream(device))
             args["ready_event"] = bytes(event.ipc_handle())
-        return self._conn.submit(Op.STORE, args, _tokens, keepalive=event)
+        try:
+            future = self._conn.submit(Op.STORE, args, _tokens, keepalive=event)
+        except BaseException:
+            if slot is not None:
+                ready.release(slot)  # type: ignore[union-attr]
+            raise
+        if slot is not None:
+            future.add_done_callback(lambda _: ready.release(slot))  # type: ignore[union-attr]
+        return future
 
     def retrieve(
         self,
@@ -233,6 +253,7 @@ class KvferryClient:
     def end_session(self) -> dict[str, Any]:
         """Release everything this session holds on the server; the client stays usable (a new session)."""
         self._cuda_registrations.clear()
+        self._ready_events.clear()
         return self._wait(self._conn.submit(Op.END_SESSION, {}))
 
     def clear(self) -> None:

@@ -108,6 +108,7 @@ class RequestHandlers:
         kv = map_kv(args)
         deployment = args.namespace
         try:
+            ready_events, ready_stream = _open_ready_events(kv.device, args.ready_events or [])
             # Described once here: every transfer of this registration reuses the checked geometry.
             geometry = describe(fmt, kv.paged, args.block_size)
             namespace = self._engine.namespace_for(
@@ -123,7 +124,9 @@ class RequestHandlers:
         except BaseException:
             kv.close()
             raise
-        reg = Registration(self._sessions.next_id(), kv, fmt, args.block_size, namespace, geometry)
+        reg = Registration(
+            self._sessions.next_id(), kv, fmt, args.block_size, namespace, geometry, ready_events, ready_stream
+        )
         if not self._sessions.add_registration(session, reg):
             raise ProtocolError(ErrorCode.UNKNOWN_REGISTRATION, "the session ended while registering")
         return {
@@ -195,8 +198,8 @@ class RequestHandlers:
         block_ids = unpack_ids(args.block_ids, "block_ids")
         if store and args.lock is not None:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, "'lock' belongs to RETRIEVE, not STORE")
-        if not store and args.ready_event is not None:
-            raise ProtocolError(ErrorCode.BAD_ARGUMENT, "'ready_event' belongs to STORE, not RETRIEVE")
+        if not store and (args.ready_event is not None or args.ready_slot is not None):
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, "'ready_event' and 'ready_slot' belong to STORE, not RETRIEVE")
         reg = self._sessions.use_registration(session, args.registration)
         try:
             # From here the engine owns the lock: retrieve ends it however the copy goes.
@@ -208,7 +211,12 @@ class RequestHandlers:
                 "geometry": reg.geometry,
                 "skip_prefix_tokens": args.skip_prefix_tokens,
             }
-            if store:
+            if store and args.ready_slot is not None:
+                with _after_client_event(reg, args.ready_slot):
+                    done = self._engine.store(
+                        tokens, reg.kv.paged, block_ids, reg.format, valid_until=deadline, **where
+                    )
+            elif store:
                 if args.ready_event is not None:
                     _wait_for_client_event(reg, args.ready_event)
                 done = self._engine.store(tokens, reg.kv.paged, block_ids, reg.format, valid_until=deadline, **where)
@@ -233,6 +241,37 @@ class RequestHandlers:
 
 def _lookup_result(found: Any) -> dict[str, Any]:
     return {"tokens": found.hit_tokens, "pending": found.pending_tokens, "lock": found.lock_id}
+
+
+def _open_ready_events(device: Any, handles: list[bytes]) -> tuple[tuple[Any, ...], Any]:
+    """The client's CUDA IPC events of a registration, opened once (opening one per STORE cost more than the
+    STORE's own bookkeeping), and the stream its stores are ordered on."""
+    if not handles:
+        return (), None
+    import torch
+
+    if device.type != "cuda":
+        raise ProtocolError(ErrorCode.BAD_ARGUMENT, "'ready_events' are only meaningful for a CUDA registration")
+    try:
+        events = tuple(torch.cuda.Event.from_ipc_handle(device, handle) for handle in handles)
+    except RuntimeError as exc:
+        raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"'ready_events': cannot open a CUDA IPC event ({exc})") from None
+    return events, torch.cuda.Stream(device)
+
+
+def _after_client_event(reg: Registration, slot: int) -> Any:
+    """A context in which this thread's current stream is the registration's own store stream, made to wait on the
+    GPU for the client's work recorded in event `slot`: the store's copy is ordered after that stream, so no CPU
+    thread blocks on the engine's forward pass, and no other client's transfer queues behind it."""
+    import torch
+
+    if slot >= len(reg.ready_events):
+        raise ProtocolError(
+            ErrorCode.BAD_ARGUMENT, f"'ready_slot'={slot}, but the registration has {len(reg.ready_events)} events"
+        )
+    stream = reg.ready_stream
+    stream.wait_event(reg.ready_events[slot])
+    return torch.cuda.stream(stream)
 
 
 def _wait_for_client_event(reg: Registration, handle: bytes) -> None:

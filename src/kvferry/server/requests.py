@@ -80,6 +80,8 @@ class RegisterArgs(_Args):
     namespace: Deployment
     storages: Annotated[list[ShmStorage | CudaIpcStorage], Field(min_length=1, max_length=4096)]
     kv: Any  # TensorView maps nested in lists, mirroring the format's nesting; checked by kv_mapping
+    # CUDA IPC events the server opens once; a STORE names the one it recorded (`ready_slot`)
+    ready_events: Annotated[list[bytes], Field(max_length=64)] | None = None
 
 
 class RegistrationArgs(_Args):
@@ -99,6 +101,7 @@ class TransferArgs(_Args):
     block_ids: bytes
     skip_prefix_tokens: NonNegative = 0
     ready_event: bytes | None = None  # CUDA IPC event the server waits on before reading GPU KV (STORE)
+    ready_slot: NonNegative | None = None  # or: which of the registration's `ready_events` it recorded (STORE)
     lock: NonNegative | None = None  # a LOOKUP lock that RETRIEVE ends once its copy is done
 
 

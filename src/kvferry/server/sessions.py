@@ -37,6 +37,8 @@ class Registration:
     block_size: int | None
     namespace: Any  # CacheNamespace
     geometry: Any  # KVGeometry, described once at registration
+    ready_events: tuple[Any, ...] = ()  # the client's CUDA IPC events (torch.cuda.Event), opened once
+    ready_stream: Any = None  # the stream its stores wait on those events on (torch.cuda.Stream)
     users: int = 0  # transfers running on this registration now
     closing: bool = False
 

@@ -1,0 +1,44 @@
+"""How a STORE of GPU KV tells the server when the KV is written: CUDA IPC events opened once, at registration.
+
+The server must not read blocks before the engine's work that writes them (the forward pass) has run. The client
+records an event on its current stream right before each STORE and the server's copy waits for it. Making an
+interprocess event, exporting its handle and opening it in the server costs far more than the record itself, so a
+registration comes with a ring of events the server opens once; a STORE names the slot it recorded. A slot is
+reused only after the server answered the STORE that used it (re-recording it earlier could move the wait to
+another stream). With every slot in use a STORE sends a fresh event of its own, as before.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+SLOTS = 16
+
+
+class ReadyEvents:
+    """The interprocess events of one CUDA registration and which of them a STORE in flight holds."""
+
+    def __init__(self, device: torch.device, slots: int = SLOTS) -> None:
+        self.device = device
+        self.events = [torch.cuda.Event(interprocess=True) for _ in range(slots)]
+        self._free = list(range(slots))
+        self._lock = threading.Lock()
+
+    def handles(self) -> list[bytes]:
+        return [bytes(e.ipc_handle()) for e in self.events]
+
+    def record(self) -> int | None:
+        """Record a free slot's event on this thread's current stream on the KV's device; its index, or None
+        when every slot is held by a STORE still in flight."""
+        with self._lock:
+            if not self._free:
+                return None
+            slot = self._free.pop()
+        self.events[slot].record(torch.cuda.current_stream(self.device))
+        return slot
+
+    def release(self, slot: int) -> None:
+        with self._lock:
+            self._free.append(slot)
