@@ -204,7 +204,7 @@ class CacheEngine:
         per_chunk = self.chunk_size // geom.bs
         # Whether or not a chunk turns out to need a copy, every block a copy could read is checked now.
         needed = self._hasher.num_chunks(tokens) * per_chunk
-        check_block_ids(block_ids, first * per_chunk, needed, geom.nb, geom.bs, distinct=False)
+        block_ids = check_block_ids(block_ids, first * per_chunk, needed, geom.nb, geom.bs, distinct=False)
         entries, seconds = self._writer.write(tokens, ns, paged, geom, block_ids, first, valid_until)
         nbytes = geom.bytes_per_token * self.chunk_size
         with self._res.lock:
@@ -244,7 +244,7 @@ class CacheEngine:
             per_chunk = self.chunk_size // bs
             # Checked whole, hit or miss: a retrieve that misses is refused for the same ids as one that hits.
             needed = self._hasher.num_chunks(tokens) * per_chunk
-            check_block_ids(block_ids, skip // bs, needed, geom.nb, bs, distinct=True)
+            block_ids = check_block_ids(block_ids, skip // bs, needed, geom.nb, bs, distinct=True)
             prefix, index = self._hasher.prefix(tokens, ns), self._res.index
             removals = index.removals
             held = self._res.acquire_readers(readable_run(index.get, prefix, first), removals)

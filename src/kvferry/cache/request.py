@@ -52,10 +52,13 @@ _SMALL_IDS = 128
 
 def check_block_ids(
     block_ids: BlockIds, start: int, needed: int, num_blocks: int, block_size: int, *, distinct: bool
-) -> None:
+) -> BlockIds:
     """Check the block ids a request's full chunks map to, ``block_ids[start:needed]`` (the blocks from the first
     one a copy could touch to the end of the last full chunk): integers, within the engine's ``num_blocks``, and
-    with ``distinct`` (a retrieve writes them) no block twice. Raises ValueError/TypeError naming ``block_ids``."""
+    with ``distinct`` (a retrieve writes them) no block twice. Raises ValueError/TypeError naming ``block_ids``.
+
+    Returns the ids to copy with: ``block_ids`` itself, or for a long list its first ``needed`` ids as an int64
+    array (packed once here; the transfer would otherwise convert the list again)."""
     try:
         given = len(block_ids)
     except TypeError:
@@ -69,7 +72,13 @@ def check_block_ids(
             f"(one per {block_size} tokens, from token 0)"
         )
     if start >= needed:
-        return
+        return block_ids
+    if type(block_ids) is list and needed >= _SMALL_IDS:
+        try:
+            block_ids = np.frombuffer(array.array("q", block_ids[:needed]), dtype=np.int64)
+        except (TypeError, OverflowError) as exc:
+            raise TypeError(f"block_ids must be a sequence of ints: {exc}") from None
+        given = needed
     ids = block_ids if start == 0 and needed == given else block_ids[start:needed]
     if type(ids) is not list or len(ids) >= _SMALL_IDS or not _all_ints(ids):
         ids = _id_values(ids)
@@ -82,6 +91,7 @@ def check_block_ids(
         raise ValueError(f"block_ids[{start + bad}]={int(ids[bad])} is outside the pool of {num_blocks} blocks")
     if distinct and len(ids) > 1 and _repeats(ids):
         raise ValueError("block_ids repeats a block: a retrieve would write one block from two places")
+    return block_ids
 
 
 def _all_ints(ids: list[object]) -> bool:
@@ -102,8 +112,8 @@ def _id_values(ids: BlockIds) -> list[int] | np.ndarray:
         ids = ids.detach().cpu().numpy()
     if not isinstance(ids, np.ndarray):
         try:
-            ids = np.asarray(array.array("q", ids)) if len(ids) < _SMALL_IDS else np.asarray(ids)
-        except (TypeError, OverflowError, ValueError) as exc:
+            ids = np.frombuffer(array.array("q", ids), dtype=np.int64)
+        except (TypeError, OverflowError) as exc:
             raise TypeError(f"block_ids must be a sequence of ints: {exc}") from None
     if ids.ndim != 1:
         raise ValueError(f"block_ids must be 1-D, got shape {ids.shape}")
