@@ -65,6 +65,12 @@ class CacheConfig(BaseModel):
         description="how long a store waits for chunks a concurrent store of the same prefix is writing (it stores "
         "them itself if that store fails)",
     )
+    slice_wait_s: float = Field(
+        30.0,
+        gt=0,
+        description="how long an object stored by head slices (tensor-parallel ranks) waits for its other ranks' "
+        "slices; an object still missing heads then is dropped",
+    )
     async_workers: int = Field(2, gt=0, description="threads serving store_async / retrieve_async")
 
     @property

@@ -103,9 +103,16 @@ class CacheEngine:
         block_size: int | None = None,
         geometry: KVGeometry | None = None,
     ) -> CacheNamespace:
-        """The key space of ``model``'s KV cache ``paged`` (in format ``fmt``) on ``rank`` of ``world_size``."""
+        """The key space of ``model``'s KV cache ``paged`` (in format ``fmt``) on ``rank`` of ``world_size``.
+
+        An engine that holds a slice of the model's heads (``geometry`` from ``describe(..., heads=)``) stores and
+        reads its columns of objects that hold every head: their key space is the model's whatever the
+        parallelism (``world_size`` and ``rank`` are not part of it), so every rank of a tensor-parallel engine,
+        and an engine of another degree, shares the same objects."""
         geom = self._geometry(fmt, paged, block_size, geometry)
         shape = geom.object_shape(self.chunk_size)
+        if geom.object_width != geom.width:
+            world_size, rank = 1, 0
         return CacheNamespace(model, dtype_name(geom.dtype), layout_name(fmt, shape), world_size, rank, salt)
 
     def chunk_keys(self, tokens: TokenIds, *, namespace: CacheNamespace | None = None) -> list[bytes]:
@@ -197,6 +204,10 @@ class CacheEngine:
         re-validating the engine's tensors on every call. ``valid_until`` (time.time()): when the caller stops
         waiting and may reuse the blocks; chunks whose copy ends later are dropped, never cached with bytes that
         may be another request's (counted in ``stats()['late_chunks']``).
+
+        An engine holding a slice of the model's heads writes its slice of each object (see ``namespace_for``):
+        an object becomes readable once every head's slice is written, and is dropped if some are still missing
+        ``slice_wait_s`` after the first (counted in ``stats()['expired_partial_chunks']``).
         """
         ns = self._ns(namespace)
         geom = self._geometry(fmt, paged, block_size, geometry, ns)
@@ -206,7 +217,7 @@ class CacheEngine:
         needed = self._hasher.num_chunks(tokens) * per_chunk
         block_ids = check_block_ids(block_ids, first * per_chunk, needed, geom.nb, geom.bs, distinct=False)
         entries, seconds = self._writer.write(tokens, ns, paged, geom, block_ids, first, valid_until)
-        nbytes = geom.bytes_per_token * self.chunk_size
+        nbytes = geom.bytes_per_token * self.chunk_size * geom.width // geom.object_width  # this engine's heads
         with self._res.lock:
             self.counters.stores += 1
             if entries:
@@ -265,7 +276,7 @@ class CacheEngine:
             with self._res.lock:
                 self.counters.retrieves += 1
                 self.counters.retrieved_chunks += len(entries)
-                self.counters.retrieved_bytes += sum(e.nbytes for e in entries)
+                self.counters.retrieved_bytes += sum(e.nbytes for e in entries) * geom.width // geom.object_width
                 self.counters.retrieve_seconds += seconds
             return end * self.chunk_size - skip
         finally:

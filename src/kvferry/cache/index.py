@@ -40,6 +40,11 @@ class Entry:
     detached: bool = False  # dropped from the index while in use: its last reader frees it
     loaded: Future[None] | None = None  # while LOADING: done once the promotion has landed or missed
     parent: bytes | None = None  # key of the previous chunk of the same prefix; None for chunk 0 (or unknown)
+    # While WRITING: the stores copying into the object now, and (an object assembled from head slices, one per
+    # tensor-parallel rank) the heads no store has taken yet, as a bit mask. Readable once both are zero.
+    writers: int = 0
+    unclaimed_heads: int = 0
+    expires: float = 0.0  # an assembled object: dropped at this time.monotonic() if heads are still unclaimed
 
     @property
     def readable(self) -> bool:

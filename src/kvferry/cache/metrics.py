@@ -38,6 +38,7 @@ class CacheCounters:
     promotion_misses: int = 0  # tier reads that came back empty (absent, corrupt, pool full)
     lock_timeouts: int = 0  # lookup locks ended by their timeout rather than by a retrieve or a free
     checksum_failures: int = 0  # objects that failed verification before a retrieve: dropped, counted as misses
+    expired_partial_chunks: int = 0  # objects assembled from head slices whose other slices never came: dropped
 
 
 _HELP = {
@@ -63,6 +64,7 @@ _HELP = {
     "promotion_misses": "tier reads that found nothing usable",
     "lock_timeouts": "lookup locks released by their timeout",
     "checksum_failures": "objects that failed checksum verification and were dropped",
+    "expired_partial_chunks": "objects assembled from tensor-parallel head slices dropped before every slice came",
 }
 
 # Gauges the engine reports at collection time: name -> help.

@@ -12,7 +12,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future
 
 import torch
 
@@ -20,11 +19,12 @@ from kvferry.cache.index import RESIDENT, SPILLING, WRITING, CacheIndex, Entry, 
 from kvferry.cache.locks import LeaseTable
 from kvferry.cache.metrics import CacheCounters
 from kvferry.cache.policies import EvictionPolicy
+from kvferry.cache.residency_tiers import TierTraffic
 from kvferry.config import CacheConfig
 from kvferry.memory import HostPool
 
 
-class Residency:
+class Residency(TierTraffic):
     """The host pool's contents. Every public method takes ``lock`` itself unless its name ends in ``_locked``."""
 
     def __init__(
@@ -50,6 +50,8 @@ class Residency:
         # Stores waiting for another store's chunks in flight (await_written); commit and abort wake them.
         self._written = threading.Condition(self.lock)
         self._written_waiters = 0
+        # Objects assembled from head slices still missing some, by key, oldest first (they expire in that order).
+        self._partials: dict[bytes, Entry] = {}
 
     # --- lookups and locks --------------------------------------------------------------------------------
 
@@ -86,7 +88,19 @@ class Residency:
             return self.leases.release(lock_id)
 
     def expire_locks_locked(self) -> None:
-        self.counters.lock_timeouts += self.leases.expire(time.monotonic())
+        now = time.monotonic()
+        self.counters.lock_timeouts += self.leases.expire(now)
+        if self._partials:
+            self._expire_partials_locked(now)
+
+    def _expire_partials_locked(self, now: float) -> None:
+        """Drop assembled objects whose other slices did not come in time (a rank that skipped or died)."""
+        for entry in list(self._partials.values()):
+            if entry.expires > now:
+                break
+            if entry.writers == 0:
+                self.detach_locked(entry)
+                self.counters.expired_partial_chunks += 1
 
     # --- reading ------------------------------------------------------------------------------------------
 
@@ -117,19 +131,32 @@ class Residency:
             self.policy.remove(entry.key)
         if entry.state is State.SPILLING:
             self._spilling_bytes -= entry.nbytes
+        self._forget_partial_locked(entry)
         entry.detached = True
-        if entry.readers == 0 and entry.state is not State.WRITING and entry.state is not State.LOADING:
+        # An object being written is freed by its last writer (an assembled one waiting for slices has none).
+        if entry.readers == 0 and entry.writers == 0 and entry.state is not State.LOADING:
             self._free_locked(entry)
 
     # --- writing ------------------------------------------------------------------------------------------
 
     def reserve(
-        self, keys: list[bytes], parent: bytes | None, shape: tuple[int, ...], dtype: torch.dtype, nbytes: int
+        self,
+        keys: list[bytes],
+        parent: bytes | None,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        nbytes: int,
+        heads: tuple[int, int] | None = None,
     ) -> tuple[list[tuple[int, Entry]], list[tuple[int, Entry]]]:
         """Index a WRITING entry with pool memory for every key not yet present, in order; returns them with
         their positions in ``keys``, and the entries found WRITING for another store (with their positions: the
         caller waits for them, see ``await_written``). ``keys`` are consecutive chunks; ``parent`` is the key of
         the chunk before ``keys[0]`` (None when it is chunk 0): entries record their parent for lookups to walk.
+
+        ``heads`` = (this store's heads, every head), bit masks: the store writes a slice of each object (a
+        tensor-parallel rank). An object being assembled that still misses exactly these heads is returned with
+        the new ones, for this store to write its slice into; one whose heads are taken counts as present. A new
+        object waits ``slice_wait_s`` for its other slices, readable only once every head is written.
 
         Objects come from the pool's free room first, even above the watermark: ``settle`` evicts back under
         it, which the caller runs while the new objects are being written (eviction is then off a store's path
@@ -162,8 +189,14 @@ class Residency:
                     present = get(key)
                     if present is not None:
                         touch(key)
-                        if present.state is WRITING:
+                        if present.state is not WRITING:
+                            pass
+                        elif heads is None or not present.unclaimed_heads:
                             others.append((i, present))
+                        elif present.unclaimed_heads & heads[0] == heads[0]:  # the slice it waits for: join
+                            present.unclaimed_heads &= ~heads[0]
+                            present.writers += 1
+                            new.append((i, present))
                     else:
                         obj = next(fresh, None)
                         if obj is None:
@@ -171,7 +204,11 @@ class Residency:
                         if obj is None:
                             blocked = True
                             break
-                        entry = Entry(key, WRITING, obj, nbytes, parent=keys[i - 1] if i else parent)
+                        entry = Entry(key, WRITING, obj, nbytes, parent=keys[i - 1] if i else parent, writers=1)
+                        if heads is not None:
+                            entry.unclaimed_heads = heads[1] & ~heads[0]
+                            entry.expires = time.monotonic() + self._config.slice_wait_s
+                            self._partials[key] = entry
                         add(entry)
                         new.append((i, entry))
                     start = i + 1
@@ -214,7 +251,7 @@ class Residency:
                     if present.state is WRITING:
                         others.append((i, present))
                 else:
-                    entry = Entry(key, WRITING, objects[i], nbytes, parent=keys[i - 1] if i else parent)
+                    entry = Entry(key, WRITING, objects[i], nbytes, parent=keys[i - 1] if i else parent, writers=1)
                     add(entry)
                     new.append((i, entry))
             self.counters.present_chunks += len(spare)
@@ -249,12 +286,29 @@ class Residency:
             to_spill = self._make_room_locked(0)
         self._spill(to_spill)
 
+    def end_writes(self, entries: list[Entry]) -> list[Entry]:
+        """A store's copy into ``entries`` has finished: those now whole (no other store writing into them, no
+        head slice missing) are returned, still WRITING, for the caller to checksum and ``commit``."""
+        whole = []
+        with self.lock:
+            for entry in entries:
+                if entry.writers == 1 and not entry.unclaimed_heads and not entry.detached:
+                    whole.append(entry)  # its writer holds it until commit
+                    continue
+                entry.writers -= 1
+                if entry.detached and not entry.writers:
+                    self._free_locked(entry)
+        return whole
+
     def commit(self, entries: list[Entry], checksums: list[bytes | None], tier_writers: int) -> list[Entry]:
-        """Make stored entries readable. Returns those still indexed, each holding ``tier_writers`` readers
-        for the tier writes the caller submits next (``clear`` may have dropped the others meanwhile)."""
+        """Make whole stored entries (see ``end_writes``) readable. Returns those still indexed, each holding
+        ``tier_writers`` readers for the tier writes the caller submits next (``clear`` may have dropped the
+        others meanwhile)."""
         kept = []
         with self.lock:
             for entry, checksum in zip(entries, checksums, strict=True):
+                self._forget_partial_locked(entry)
+                entry.writers -= 1
                 entry.checksum = checksum
                 entry.state = State.RESIDENT
                 if entry.detached:
@@ -268,13 +322,17 @@ class Residency:
         return kept
 
     def abort(self, entries: list[Entry]) -> None:
-        """Undo ``reserve`` for entries whose copy failed."""
+        """Undo ``reserve`` for entries whose copy failed (an object assembled from slices goes whole: one of
+        them is bad); the memory goes back once no other store writes into it."""
         with self.lock:
             for entry in entries:
+                entry.writers -= 1
                 if not entry.detached:
                     self.index.pop(entry.key)
+                    self._forget_partial_locked(entry)
                     entry.detached = True  # a store waiting for it (await_written) sees it gone
-                self._free_locked(entry)
+                if not entry.writers:
+                    self._free_locked(entry)
             if self._written_waiters:
                 self._written.notify_all()
 
@@ -284,87 +342,6 @@ class Residency:
         self.abort(entries)
         with self.lock:
             self.counters.late_chunks += len(entries)
-
-    # --- tiers --------------------------------------------------------------------------------------------
-
-    def tier_write_done(self, entry: Entry, ok: bool, spilled: bool) -> None:
-        """A tier write of ``entry`` finished; a spilled (evicted) entry is freed unless it was used meanwhile."""
-        with self.lock:
-            entry.readers -= 1
-            if ok:
-                entry.persisted = True
-                self.counters.tier_writes += 1
-            else:
-                self.counters.tier_write_failures += 1
-            if spilled:  # wake stores waiting for room (they re-check under the lock once we release it)
-                self._spills_finished += 1
-                self._spill_finished.notify_all()
-            if entry.detached:
-                if entry.readers == 0:
-                    self._free_locked(entry)
-                return
-            if not spilled:
-                return
-            self._spilling_bytes -= entry.nbytes
-            if entry.readers == 0 and entry.pins == 0:
-                self.index.pop(entry.key)
-                self._free_locked(entry)
-                self.counters.evictions += 1
-                self.counters.evicted_bytes += entry.nbytes
-            else:  # locked or read while it was being written: keep it, it is wanted
-                entry.state = State.RESIDENT
-                self.policy.insert(entry.key)
-
-    def begin_promotion(self, key: bytes, parent: bytes | None) -> Entry | None:
-        """Index a LOADING entry for ``key`` (whose previous chunk is ``parent``); None if the key is already
-        indexed (someone else has it)."""
-        with self.lock:
-            if key in self.index:
-                return None
-            entry = Entry(key, State.LOADING, loaded=Future(), parent=parent)
-            self.index.add(entry)
-            return entry
-
-    def alloc_for_promotion(self, entry: Entry, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-        nbytes = dtype.itemsize
-        for dim in shape:
-            nbytes *= dim
-        with self.lock:
-            if entry.detached or entry.obj is not None or nbytes > self.pool.capacity_bytes:
-                return None
-            to_spill = self._make_room_locked(nbytes)
-            obj = self._alloc_locked(tuple(shape), dtype, nbytes, to_spill)
-            entry.obj, entry.nbytes = obj, nbytes if obj is not None else 0
-        self._spill(to_spill)
-        return obj
-
-    def free_promotion_buffer(self, entry: Entry, obj: torch.Tensor) -> None:
-        with self.lock:
-            if entry.obj is obj:
-                entry.obj, entry.nbytes = None, 0
-            self.pool.free(obj)
-
-    def end_promotion(self, entry: Entry, obj: torch.Tensor | None, checksum: bytes | None) -> None:
-        self._end_promotion(entry, obj, checksum)
-        assert entry.loaded is not None
-        entry.loaded.set_result(None)  # outside the lock: waiters' callbacks may call back in
-
-    def _end_promotion(self, entry: Entry, obj: torch.Tensor | None, checksum: bytes | None) -> None:
-        with self.lock:
-            if obj is None or obj is not entry.obj:
-                self.counters.promotion_misses += 1
-                if entry.obj is not None:
-                    self.pool.free(entry.obj)
-                    entry.obj = None
-                if not entry.detached:
-                    self.index.pop(entry.key)
-                return
-            self.counters.promotions += 1
-            entry.state, entry.checksum, entry.persisted = State.RESIDENT, checksum, True
-            if entry.detached:
-                self._free_locked(entry)
-            else:
-                self.policy.insert(entry.key)
 
     # --- whole-cache operations ---------------------------------------------------------------------------
 
@@ -431,6 +408,10 @@ class Residency:
         self._free_locked(entry)
         self.counters.evictions += 1
         self.counters.evicted_bytes += entry.nbytes
+
+    def _forget_partial_locked(self, entry: Entry) -> None:
+        if self._partials.get(entry.key) is entry:  # a newer object of the same key may be assembling
+            del self._partials[entry.key]
 
     def _free_locked(self, entry: Entry) -> None:
         if entry.obj is not None:

@@ -60,6 +60,13 @@ def _gpu_with_pinned_pool(geom: KVGeometry, pool: HostPool) -> bool:
     return geom.device.type == "cuda" and pool.is_pinned
 
 
+def head_masks(geom: KVGeometry) -> tuple[int, int] | None:
+    """(the engine's heads, every head) as bit masks when it holds a slice of the model's heads; else None."""
+    if geom.object_width == geom.width:
+        return None
+    return ((1 << geom.nh) - 1) << geom.first_head, (1 << geom.total_heads) - 1
+
+
 class _Write(NamedTuple):
     """A store's chunks being written: their entries (WRITING), their copy in flight (None: done already), the
     objects copied into for chunks found present (freed once the copy is done), when the copy started, and the
@@ -110,7 +117,7 @@ class ChunkWriter:
         that ends after ``valid_until`` (time.time()) is dropped: see ``CacheEngine.store``."""
         n_full = self._hasher.num_chunks(tokens)
         write = None
-        if first < n_full and copies_in_background(geom, self._pool):
+        if first < n_full and copies_in_background(geom, self._pool) and geom.object_width == geom.width:
             if self._ahead_pause:
                 self._ahead_pause -= 1
             else:
@@ -194,7 +201,8 @@ class ChunkWriter:
         parent, keys = self._hasher.keys_after(tokens, ns, first)  # validates tokens, even when nothing is stored
         nbytes = geom.bytes_per_token * self._chunk_size
         shape = geom.object_shape(self._chunk_size)
-        new, others = self._res.reserve(keys, parent, shape, geom.dtype, nbytes) if keys else ([], [])
+        heads = head_masks(geom)
+        new, others = self._res.reserve(keys, parent, shape, geom.dtype, nbytes, heads) if keys else ([], [])
         entries = [entry for _, entry in new]
         in_flight_elsewhere = [(first + i, entry) for i, entry in others] if others else others
         if not entries:
@@ -228,12 +236,13 @@ class ChunkWriter:
         if valid_until is not None and time.time() > valid_until:
             self._res.drop_late(entries)
             return [], seconds
+        whole = self._res.end_writes(entries)  # all of them, unless some are objects still missing head slices
         checksum = self._checksum
-        checksums = [checksum(e.obj) if e.obj is not None else None for e in entries] if checksum else [None] * len(
-            entries)  # fmt: skip
+        checksums = [checksum(e.obj) if e.obj is not None else None for e in whole] if checksum else [None] * len(
+            whole)  # fmt: skip
         tiers = self._tiers
         writers = len(tiers.tiers) if tiers is not None and tiers.write_on_store else 0
-        kept = self._res.commit(entries, checksums, writers)
+        kept = self._res.commit(whole, checksums, writers)
         if writers:
             assert tiers is not None
             tiers.write_through(kept)

@@ -113,13 +113,22 @@ class KvferryClient:
         return self._wait(self._conn.submit(Op.GET_CHUNK_SIZE, {}, lambda r: int(r["chunk_size"])))
 
     def register_kv_cache(
-        self, paged: Any, fmt: int, *, block_size: int | None = None, namespace: Namespace | None = None
+        self,
+        paged: Any,
+        fmt: int,
+        *,
+        block_size: int | None = None,
+        namespace: Namespace | None = None,
+        heads: tuple[int, int] | None = None,
     ) -> int:
         """Share the engine's KV tensors with the server; returns the registration id.
 
         CPU tensors are moved into shared memory in place (every view keeps working); GPU tensors are shared
         by CUDA IPC handle. `namespace` holds the key-space fields the server cannot see in the tensors
-        (model name, world size, rank, salt).
+        (model name, world size, rank, salt). `heads=(first, total)`: the tensors hold heads `first ..` of the
+        model's `total` KV heads (a tensor-parallel rank); the server's objects then hold every head, each rank
+        writes and reads its slice, and engines of any parallelism share them (world size and rank are then
+        not part of the key space).
         """
         storages, kv = export_kv(paged)
         args: dict[str, Any] = {
@@ -129,6 +138,8 @@ class KvferryClient:
             "storages": storages,
             "kv": kv,
         }
+        if heads is not None:
+            args["heads"] = [int(heads[0]), int(heads[1])]
         ready = None
         if storages[0]["kind"] == "cuda_ipc":
             ready = ReadyEvents(_first_tensor(paged).device)

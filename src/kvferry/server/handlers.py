@@ -110,7 +110,7 @@ class RequestHandlers:
         try:
             ready_events, ready_stream = _open_ready_events(kv.device, args.ready_events or [])
             # Described once here: every transfer of this registration reuses the checked geometry.
-            geometry = describe(fmt, kv.paged, args.block_size)
+            geometry = describe(fmt, kv.paged, args.block_size, heads=tuple(args.heads) if args.heads else None)
             namespace = self._engine.namespace_for(
                 deployment.model,
                 fmt,

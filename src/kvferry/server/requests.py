@@ -82,6 +82,9 @@ class RegisterArgs(_Args):
     kv: Any  # TensorView maps nested in lists, mirroring the format's nesting; checked by kv_mapping
     # CUDA IPC events the server opens once; a STORE names the one it recorded (`ready_slot`)
     ready_events: Annotated[list[bytes], Field(max_length=64)] | None = None
+    # [first head, total heads]: the tensors hold that slice of the model's KV heads (a tensor-parallel rank);
+    # objects then hold every head, and the key space is the model's whatever the parallelism
+    heads: Annotated[list[NonNegative], Field(min_length=2, max_length=2)] | None = None
 
 
 class RegistrationArgs(_Args):
