@@ -291,6 +291,8 @@ def victim_process(endpoint: str, locked_tokens: list[int], big_tokens: list[int
     client.store(reg, big_tokens[:REAL_CHUNK], list(range(PER_CHUNK)))  # the cache has used this KV
     assert client.lookup(locked_tokens, registration=reg, lock=True).lock is not None
     ready.put(shm_name(kv[0]))
+    ready.close()
+    ready.join_thread()  # a Queue's put is sent by a feeder thread: flushed before the SIGKILL, never lost
     client.store_async(reg, big_tokens, list(range(len(big_tokens) // REAL_BS)))
     time.sleep(0.002)  # the frame is on its way or being served
     os.kill(os.getpid(), signal.SIGKILL)

@@ -207,7 +207,7 @@ def test_ready_events_belong_to_stores_of_cuda_registrations(client: KvferryClie
     reg = client.register_kv_cache(random_kv(10), FMT, namespace=NS)
     store = {"registration": reg, "tokens": pack_ids(range(8), "t"), "block_ids": pack_ids([0, 1, 2, 3], "b")}
     with pytest.raises(ServerError, match="'ready_slot'=0, but the registration has 0 events"):
-        client._wait(client._conn.submit(Op.STORE, {**store, "ready_slot": 0}))
+        client._conn.wait(client._conn.submit(Op.STORE, {**store, "ready_slot": 0}))
     with pytest.raises(ServerError, match="belong to STORE, not RETRIEVE"):
-        client._wait(client._conn.submit(Op.RETRIEVE, {**store, "ready_slot": 0}))
+        client._conn.wait(client._conn.submit(Op.RETRIEVE, {**store, "ready_slot": 0}))
     assert client.store(reg, list(range(8)), [0, 1, 2, 3]) == 8  # the session is fine

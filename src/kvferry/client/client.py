@@ -7,8 +7,9 @@
     got = client.retrieve(reg, tokens, block_ids, skip_prefix_tokens=256)
 
 After registration only token ids and block ids cross the socket; the server copies the KV itself.
-Every `*_async` method returns a `concurrent.futures.Future` (resolved by the client's background thread,
-so `add_done_callback` callbacks run there: keep them short); the plain methods wait for it. A client
+Every `*_async` method returns a `concurrent.futures.Future`, resolved by whichever thread reads its reply (the
+client's background thread, or a thread waiting in a plain method): keep `add_done_callback` callbacks short. The
+plain methods wait for theirs reading the socket themselves, so a synchronous request crosses no other thread. A client
 belongs to the process that made it: make it after any fork.
 
 An engine never stalls on its cache server (see `kvferry.client.connection`): making a client does not wait for
@@ -20,9 +21,8 @@ lost this client's registrations (it restarted) answers with `RegistrationLost`:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,12 +105,12 @@ class KvferryClient:
 
     def ping(self) -> dict[str, Any]:
         """The server's hello (protocol version, chunk size, limits, this session's id)."""
-        hello = self._wait(self._conn.submit(Op.PING, {}))
+        hello = self._call(lambda: self._conn.submit(Op.PING, {}))
         self._conn.hello = hello
         return hello
 
     def get_chunk_size(self) -> int:
-        return self._wait(self._conn.submit(Op.GET_CHUNK_SIZE, {}, lambda r: int(r["chunk_size"])))
+        return self._call(lambda: self._conn.submit(Op.GET_CHUNK_SIZE, {}, lambda r: int(r["chunk_size"])))
 
     def register_kv_cache(
         self,
@@ -144,7 +144,7 @@ class KvferryClient:
         if storages[0]["kind"] == "cuda_ipc":
             ready = ReadyEvents(_first_tensor(paged).device)
             args["ready_events"] = ready.handles()
-        reg = self._wait(self._conn.submit(Op.REGISTER_KV_CACHE, args, lambda r: int(r["registration"])))
+        reg = self._call(lambda: self._conn.submit(Op.REGISTER_KV_CACHE, args, lambda r: int(r["registration"])))
         if ready is not None:
             self._cuda_registrations[reg] = ready.device
             self._ready_events[reg] = ready
@@ -153,7 +153,7 @@ class KvferryClient:
     def unregister_kv_cache(self, registration: int) -> None:
         self._cuda_registrations.pop(registration, None)
         self._ready_events.pop(registration, None)
-        self._wait(self._conn.submit(Op.UNREGISTER_KV_CACHE, {"registration": registration}))
+        self._call(lambda: self._conn.submit(Op.UNREGISTER_KV_CACHE, {"registration": registration}))
 
     def lookup(
         self,
@@ -163,7 +163,7 @@ class KvferryClient:
         namespace: Namespace | None = None,
         lock: bool = False,
     ) -> LookupResult:
-        return self._wait(self.lookup_async(tokens, registration=registration, namespace=namespace, lock=lock))
+        return self._call(lambda: self.lookup_async(tokens, registration=registration, namespace=namespace, lock=lock))
 
     def lookup_async(
         self,
@@ -181,7 +181,9 @@ class KvferryClient:
         )
 
     def store(self, registration: int, tokens: Any, block_ids: Any, *, skip_prefix_tokens: int = 0) -> int:
-        return self._wait(self.store_async(registration, tokens, block_ids, skip_prefix_tokens=skip_prefix_tokens))
+        return self._call(
+            lambda: self.store_async(registration, tokens, block_ids, skip_prefix_tokens=skip_prefix_tokens)
+        )
 
     def store_async(
         self, registration: int, tokens: Any, block_ids: Any, *, skip_prefix_tokens: int = 0
@@ -221,8 +223,10 @@ class KvferryClient:
         skip_prefix_tokens: int = 0,
         lock: int | None = None,
     ) -> int:
-        return self._wait(
-            self.retrieve_async(registration, tokens, block_ids, skip_prefix_tokens=skip_prefix_tokens, lock=lock)
+        return self._call(
+            lambda: self.retrieve_async(
+                registration, tokens, block_ids, skip_prefix_tokens=skip_prefix_tokens, lock=lock
+            )
         )
 
     def retrieve_async(
@@ -245,12 +249,12 @@ class KvferryClient:
     def prefetch(self, tokens: Any, *, registration: int | None = None, namespace: Namespace | None = None) -> int:
         """Start bringing `tokens`' chunks from lower tiers into the host pool; returns a prefetch id."""
         args = {"tokens": pack_ids(tokens, "tokens"), **_key_space(registration, namespace)}
-        return self._wait(self._conn.submit(Op.PREFETCH, args, lambda r: int(r["prefetch"])))
+        return self._call(lambda: self._conn.submit(Op.PREFETCH, args, lambda r: int(r["prefetch"])))
 
     def prefetch_status(self, prefetch: int) -> PrefetchStatus:
         """Whether prefetch `prefetch` finished; a finished one is forgotten by the server once reported."""
-        return self._wait(
-            self._conn.submit(
+        return self._call(
+            lambda: self._conn.submit(
                 Op.PREFETCH_STATUS,
                 {"prefetch": prefetch},
                 lambda r: PrefetchStatus(bool(r["done"]), int(r["tokens"]), r.get("error")),
@@ -259,27 +263,24 @@ class KvferryClient:
 
     def free_lookup_locks(self, lock: int) -> bool:
         """Release a lookup lock; False if the cache had already ended it (retrieve or timeout)."""
-        return self._wait(self._conn.submit(Op.FREE_LOOKUP_LOCKS, {"lock": lock}, lambda r: bool(r["freed"])))
+        return self._call(lambda: self._conn.submit(Op.FREE_LOOKUP_LOCKS, {"lock": lock}, lambda r: bool(r["freed"])))
 
     def end_session(self) -> dict[str, Any]:
         """Release everything this session holds on the server; the client stays usable (a new session)."""
         self._cuda_registrations.clear()
         self._ready_events.clear()
-        return self._wait(self._conn.submit(Op.END_SESSION, {}))
+        return self._call(lambda: self._conn.submit(Op.END_SESSION, {}))
 
     def clear(self) -> None:
         """Drop every object in the server's cache (all clients' objects)."""
-        self._wait(self._conn.submit(Op.CLEAR, {}))
+        self._call(lambda: self._conn.submit(Op.CLEAR, {}))
 
     def stats(self) -> dict[str, Any]:
-        return self._wait(self._conn.submit(Op.STATS, {}))
+        return self._call(lambda: self._conn.submit(Op.STATS, {}))
 
-    def _wait(self, future: Future[Any]) -> Any:
-        try:
-            return future.result(timeout=self.timeout_s)
-        except FutureTimeout:
-            self._conn.forget(future)
-            raise TimeoutError(f"no reply from {self.endpoint} within {self.timeout_s} s") from None
+    def _call(self, send: Callable[[], Future[Any]]) -> Any:
+        """Send a request (`send` submits it) and wait for its result on this thread."""
+        return self._conn.call(send)
 
 
 def _tokens(result: dict[str, Any]) -> int:

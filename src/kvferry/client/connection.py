@@ -1,8 +1,13 @@
-"""The client's socket: a ZMQ DEALER owned by one background thread, requests in, futures out.
+"""The client's socket: a ZMQ DEALER shared by the callers' threads and one background thread; requests in, futures
+out.
 
-Callers on any thread queue a frame (through an inproc PUSH socket guarded by a lock) and get a
-`concurrent.futures.Future`; the background thread sends it, matches replies to futures by request id and
-sends heartbeats so the server keeps the session (and everything registered in it) alive.
+A caller sends its request on the socket itself (under a lock: ZMQ sockets are not thread-safe) and gets a
+`concurrent.futures.Future`. A caller that then waits (`wait`) reads its own reply off the socket, and every other
+reply that came with it: one caller at a time does so (the leader); others wait on their futures. The background
+thread reads the replies nobody is waiting on the socket for (asynchronous requests), matches them to futures by
+request id, and sends heartbeats so the server keeps the session (and everything registered in it) alive. So a
+synchronous request crosses no other thread of this process (a 2-core machine: PING p50 312-424 us with every reply
+read by the background thread, 275-320 us read by the caller; `benchmarks/experiments/client_thread_hops.py`).
 
 The thread also knows whether the server can be reached, and an engine never waits on one that cannot:
 - the connection starts lazily (nothing blocks); requests made before the first reply are held until the
@@ -22,34 +27,28 @@ server restart, say): the caller registers its KV again.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
+import select
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
-from kvferry.server.protocol import (
-    ErrorCode,
-    Op,
-    ProtocolError,
-    Reply,
-    decode_reply,
-    decode_request,
-    encode_request,
-)
+from kvferry.client.link import CONNECTING, DOWN, UP, Link, ServerUnavailable
+from kvferry.server.protocol import ErrorCode, Op, Reply, encode_request
 
 log = logging.getLogger("kvferry.client")
 
 _instances = itertools.count()
-_CONNECTING, _UP, _DOWN = "connecting", "up", "down"
-_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+_LEADER_RECHECK_S = 0.05  # a leader also looks at its future this often (a failure set by another thread)
 
 
 class ServerError(RuntimeError):
@@ -67,11 +66,6 @@ class RegistrationLost(ServerError):
     was ended), or ended this client's session (code SESSION_ENDED). Register the KV again and use the new id."""
 
 
-class ServerUnavailable(ConnectionError):
-    """The server cannot be reached now; the request was not sent (or, if it was, is not waited for). The
-    client keeps probing in the background and serves requests again once the server answers."""
-
-
 _LOST_CODES = frozenset({ErrorCode.UNKNOWN_REGISTRATION.value, ErrorCode.SESSION_ENDED.value})
 
 
@@ -86,9 +80,6 @@ class _Pending:
 
 class Connection:
     """One session with a server; thread-safe. `close()` fails whatever is still pending."""
-
-    BACKOFF_S = 0.1  # first probe of an unreachable server; doubling up to BACKOFF_MAX_S
-    BACKOFF_MAX_S = 5.0
 
     def __init__(
         self,
@@ -112,20 +103,29 @@ class Connection:
         self.hello: dict[str, Any] | None = None  # the server's last PING reply (chunk size, limits)
         self.max_message_bytes: int | None = None  # the server's limit, once a PING told it
         self._clock_offset = 0.0  # server time.time() - ours, from PING replies: deadlines are in server time
-        self._ctx = zmq.Context()
+        self.context = zmq.Context()
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the state, the pending requests, the outbox, who leads and who watches
         self._pending: dict[int, _Pending] = {}
         self._closed = False
-        self._state = _CONNECTING
-        self._since = time.monotonic()  # when the state last changed
+        self.state = CONNECTING
+        self.since = time.monotonic()  # when the state last changed
         self._down_reason = ""
         self._up = threading.Event()
+        # The socket and the link's state: whoever holds this uses them (reentrant: see kvferry.client.link).
+        self._socket_lock = threading.RLock()
+        self._leader = threading.Lock()  # held by the caller that reads replies off the socket (see wait)
+        self._leading = False  # a leader reads the socket now: the thread leaves it alone
+        self._watching = False  # the thread waits on the socket's descriptor (else a sender wakes it)
+        self._wake_leader_r, self._wake_leader_w = os.pipe()
+        os.set_blocking(self._wake_leader_r, False)
+        os.set_blocking(self._wake_leader_w, False)
         outbox_addr = f"inproc://kvferry-client-{os.getpid()}-{next(_instances)}"
-        outbox_in = self._ctx.socket(zmq.PULL)
+        outbox_in = self.context.socket(zmq.PULL)
         outbox_in.bind(outbox_addr)
-        self._outbox = self._ctx.socket(zmq.PUSH)
+        self._outbox = self.context.socket(zmq.PUSH)  # wakes the thread; carries requests made before an answer
         self._outbox.connect(outbox_addr)
+        self._link = Link(self)
         self._thread = threading.Thread(target=self._run, args=(outbox_in,), name="kvferry-client", daemon=True)
         self._thread.start()
 
@@ -134,7 +134,7 @@ class Connection:
     @property
     def available(self) -> bool:
         """Whether the server answered and has not been lost since."""
-        return self._state is _UP
+        return self.state is UP
 
     def wait_available(self, timeout_s: float) -> bool:
         """Block until the server answers (True) or `timeout_s` passes (False)."""
@@ -147,7 +147,7 @@ class Connection:
         convert: Callable[[dict[str, Any]], Any] = lambda result: result,
         keepalive: Any = None,
     ) -> Future[Any]:
-        """Queue a request; ServerUnavailable at once (nothing sent) while the server is known unreachable."""
+        """Send a request; ServerUnavailable at once (nothing sent) while the server is known unreachable."""
         future: Future[Any] = Future()
         request_id = next(self._ids)
         payload = encode_request(op, request_id, args, time.time() + self._clock_offset + self._server_wait_s)
@@ -156,15 +156,55 @@ class Connection:
                 f"{op.value} request of {len(payload)} bytes exceeds the server's max_message_bytes="
                 f"{self.max_message_bytes} (fewer tokens per request, or raise --max-message-mb)"
             )
+        future.request_id = request_id  # type: ignore[attr-defined]
         with self._lock:
             if self._closed:
                 raise ConnectionError(f"{op.value}: the client is closed")
-            if self._state is _DOWN:
-                raise self._unavailable(op.value)
+            if self.state is DOWN:
+                raise self.unavailable(op.value)
             self._pending[request_id] = _Pending(op, future, convert, keepalive, time.monotonic() + self.timeout_s)
-            self._outbox.send(payload)
-        future.request_id = request_id  # type: ignore[attr-defined]
+            if self.state is not UP:  # the thread holds it until the server first answers
+                self._outbox.send(payload)
+                return future
+            wake_thread = not self._watching and not self._leading
+        with self._socket_lock:
+            link = self._link
+            # Not sent if it already failed (the server went down meanwhile): a request is sent once or not at all.
+            if not link.closed and not future.done() and link.send(payload, request_id):
+                replies = self._take_replies(link)
+            else:
+                replies = []
+        self._settle_all(replies)
+        if wake_thread:  # it is not watching the socket: it must, for this reply
+            self._poke()
         return future
+
+    def call(self, send: Callable[[], Future[Any]]) -> Any:
+        """Send a request (`send` submits it) and wait for its result, reading the reply off the socket on this
+        thread unless another caller already does so; TimeoutError once the client's timeout has passed (the
+        request is then forgotten)."""
+        if self.state is not UP or not self._leader.acquire(blocking=False):
+            return self.wait(send())
+        try:
+            with self._lock:  # before sending: nobody wakes the thread to read this reply
+                self._leading = True
+            try:
+                future = send()
+            except BaseException:
+                self._stop_leading()
+                raise
+            self._lead(future)
+        finally:
+            self._leader.release()
+        return self.wait(future)
+
+    def wait(self, future: Future[Any]) -> Any:
+        """`future`'s result; TimeoutError once the client's timeout has passed (the request is then forgotten)."""
+        try:
+            return future.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            self.forget(future)
+            raise TimeoutError(f"no reply from {self.endpoint} within {self.timeout_s} s") from None
 
     def forget(self, future: Future[Any]) -> None:
         """Stop waiting for `future`'s reply (after a caller's timeout); a late reply is dropped."""
@@ -179,63 +219,170 @@ class Connection:
             self._outbox.send(b"")  # wakes the thread, which sees _closed
         self._thread.join()
         self._outbox.close(linger=0)
-        self._ctx.term()
+        self.context.term()
         self._fail_pending(ConnectionError("the client was closed before the server replied"))
+        for fd in (self._wake_leader_r, self._wake_leader_w):
+            os.close(fd)
+
+    # -- the leader ----------------------------------------------------------------------------------------
+
+    def _lead(self, future: Future[Any]) -> None:
+        """Read replies off the socket until `future` is done or the client's timeout passes (leading)."""
+        deadline = time.monotonic() + self.timeout_s
+        poller = select.poll()  # not select.select: an engine may hold more than FD_SETSIZE descriptors
+        poller.register(self._wake_leader_r, select.POLLIN)
+        watched = None
+        try:
+            while True:
+                with self._socket_lock:
+                    link = self._link
+                    replies = [] if link.closed else link.receive()
+                self._settle_all(replies)
+                left = deadline - time.monotonic()
+                if future.done() or left <= 0 or link.closed:
+                    return
+                if watched != link.fd:  # a new link (the session was replaced)
+                    if watched is not None:
+                        poller.unregister(watched)
+                    poller.register(link.fd, select.POLLIN)
+                    watched = link.fd
+                ready = poller.poll(min(left, _LEADER_RECHECK_S) * 1e3)
+                if any(fd == self._wake_leader_r for fd, _ in ready):
+                    _drain_pipe(self._wake_leader_r)
+        finally:
+            self._stop_leading()
+
+    def _stop_leading(self) -> None:
+        """Read what came meanwhile and hand the socket back to the thread (woken if replies are still due)."""
+        with self._socket_lock:
+            link = self._link
+            replies = [] if link.closed else link.receive()
+            with self._lock:
+                self._leading = False
+                # replies still due, or a session the server ended (the thread replaces it)
+                wake_thread = (bool(self._pending) and not self._watching) or link.rotate
+        self._settle_all(replies)
+        if wake_thread:
+            self._poke()
+
+    def _take_replies(self, link: Link) -> list[Reply]:
+        """After an operation on the socket (socket lock held): read what arrived, which nobody waiting on the
+        descriptor would now be told of. While a leader reads, it is woken to read them itself."""
+        if not self._leading:
+            return link.receive()
+        if link.readable():
+            self._wake_leader()
+        return []
+
+    def _poke(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._outbox.send(b"")
 
     # -- the thread ----------------------------------------------------------------------------------------
 
     def _run(self, outbox_in: zmq.Socket) -> None:
-        link = _Link(self)
         poller = zmq.Poller()
         poller.register(outbox_in, zmq.POLLIN)
-        link.attach(poller)
+        link = self._link
+        poller.register(link.monitor, zmq.POLLIN)
+        watched: int | None = None
         due = 0.0  # when heartbeats, probes and deadlines are looked at next (not on every request's turn)
         try:
             while not self._closed:
-                wait_ms = max(1, int(min(self.heartbeat_interval_s / 4, 0.25 if self._state is _UP else 0.05) * 1e3))
+                with self._lock:  # a sender that sees _watching False wakes this thread (see submit)
+                    watch = self.state is not UP or (bool(self._pending) and not self._leading)
+                    self._watching = watch
+                if (link.fd if watch else None) != watched:
+                    if watched is not None:
+                        poller.unregister(watched)
+                    watched = link.fd if watch else None
+                    if watched is not None:
+                        poller.register(watched, zmq.POLLIN)
+                wait_ms = max(1, int(min(self.heartbeat_interval_s / 4, 0.25 if self.state is UP else 0.05) * 1e3))
                 ready = dict(poller.poll(timeout=wait_ms))
-                if link.monitor in ready:
-                    link.on_events()
-                if link.dealer in ready:
-                    link.receive()
-                if outbox_in in ready:
-                    link.forward(outbox_in)
-                if link.rotate:  # the server ended this session: what was sent in it is not coming back
-                    link.detach(poller)
+                with self._socket_lock:
+                    if link.monitor in ready:
+                        link.on_events()
+                    if outbox_in in ready:
+                        link.forward(outbox_in)
+                    now = time.monotonic()
+                    ticked = now >= due
+                    if ticked:
+                        due = now + 0.01
+                        link.tick(now)
+                    replies = self._take_replies(link)
+                    if link.rotate:  # the server ended this session: what was sent in it is not coming back
+                        if watched is not None:
+                            poller.unregister(watched)
+                            watched = None
+                        poller.unregister(link.monitor)
+                        link.close()
+                        self._link = link = Link(self)
+                        poller.register(link.monitor, zmq.POLLIN)
+                        due = 0.0
+                        rotated = True
+                    else:
+                        rotated = False
+                self._settle_all(replies)
+                if rotated:
                     self._fail_pending(RegistrationLost("request", ErrorCode.SESSION_ENDED, "the session ended"))
-                    link = _Link(self)
-                    link.attach(poller)
-                    due = 0.0
-                now = time.monotonic()
-                if now >= due:
-                    due = now + 0.01
-                    link.tick(now)
+                if ticked:
                     self._expire_pending(now)
         finally:
-            link.detach(poller)
+            with self._socket_lock:
+                link.close()
             outbox_in.close(linger=0)
 
-    def _set_state(self, state: str, reason: str = "") -> None:
+    # -- requests' outcomes ----------------------------------------------------------------------------------
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def set_state(self, state: str, reason: str = "") -> None:
         """Enter `state`; going down fails every request still waiting (they cannot be answered now)."""
         with self._lock:
-            previous, self._state = self._state, state
-            self._since = time.monotonic()
+            previous, self.state = self.state, state
+            self.since = time.monotonic()
             self._down_reason = reason
-        if state is _UP:
+        if state is UP:
             self._up.set()
-            if previous is _DOWN:
+            if previous is DOWN:
                 log.info("kvferry server %s is reachable again", self.endpoint)
             return
         self._up.clear()
-        if state is _DOWN:
-            if previous is not _DOWN:
+        if state is DOWN:
+            if previous is not DOWN:
                 log.warning(
                     "kvferry server %s is unreachable (%s); requests fail until it answers", self.endpoint, reason
                 )
-            self._fail_pending(self._unavailable("the request"))
+            self._fail_pending(self.unavailable("the request"))
 
-    def _unavailable(self, what: str) -> ServerUnavailable:
+    def unavailable(self, what: str) -> ServerUnavailable:
         return ServerUnavailable(f"{what}: kvferry server {self.endpoint} is unreachable ({self._down_reason})")
+
+    def on_hello(self, hello: dict[str, Any], sent_wall: float) -> None:
+        self.hello = hello
+        self.max_message_bytes = hello.get("max_message_bytes", self.max_message_bytes)
+        self.heartbeat_interval_s = hello.get("heartbeat_interval_s", self.heartbeat_interval_s)
+        self.silence_timeout_s = hello.get("heartbeat_timeout_s", self.silence_timeout_s)
+        if isinstance(hello.get("time"), float):
+            self._clock_offset = hello["time"] - (sent_wall + time.time()) / 2
+
+    def fail(self, request_id: int, error: Exception) -> None:
+        with self._lock:
+            pending = self._pending.pop(request_id, None)
+        if pending is not None and not pending.future.done():
+            pending.future.set_exception(error)
+
+    def _settle_all(self, replies: list[Reply]) -> None:
+        # Never the replies of a leader's requests: only the leader reads the socket while it leads.
+        for reply in replies:
+            self._settle(reply)
+
+    def _wake_leader(self) -> None:
+        with contextlib.suppress(OSError):  # full (it is awake anyway), or closed with the client
+            os.write(self._wake_leader_w, b"x")
 
     def _settle(self, reply: Reply) -> None:
         with self._lock:
@@ -252,12 +399,6 @@ class Connection:
             pending.future.set_result(pending.convert(reply.result))
         except Exception as exc:  # a reply missing a field: report it on the future, keep the thread
             pending.future.set_exception(exc)
-
-    def _fail(self, request_id: int, error: Exception) -> None:
-        with self._lock:
-            pending = self._pending.pop(request_id, None)
-        if pending is not None and not pending.future.done():
-            pending.future.set_exception(error)
 
     def _expire_pending(self, now: float) -> None:
         """Fail requests past their deadline (oldest first: every request has the same timeout)."""
@@ -280,167 +421,11 @@ class Connection:
             if not entry.future.done():
                 entry.future.set_exception(error)
 
-    def _on_hello(self, hello: dict[str, Any], sent_wall: float) -> None:
-        self.hello = hello
-        self.max_message_bytes = hello.get("max_message_bytes", self.max_message_bytes)
-        self.heartbeat_interval_s = hello.get("heartbeat_interval_s", self.heartbeat_interval_s)
-        self.silence_timeout_s = hello.get("heartbeat_timeout_s", self.silence_timeout_s)
-        if isinstance(hello.get("time"), float):
-            self._clock_offset = hello["time"] - (sent_wall + time.time()) / 2
+
+def _drain_pipe(fd: int) -> None:
+    with contextlib.suppress(OSError):  # empty (non-blocking), or closed with the client
+        while os.read(fd, 64):
+            pass
 
 
-class _Link:
-    """One DEALER socket under one session id, with its monitor, heartbeats and probes (the thread's only).
-
-    A new `_Link` (a new session id) replaces it when the server says the session ended (`rotate`)."""
-
-    def __init__(self, conn: Connection) -> None:
-        self.conn = conn
-        if conn.hello is not None:  # not the first link: the old session id is dead on the server
-            conn.session_id = os.urandom(16)
-        self.dealer = conn._ctx.socket(zmq.DEALER)
-        self.dealer.setsockopt(zmq.ROUTING_ID, conn.session_id)
-        self.dealer.setsockopt(zmq.LINGER, 0)
-        self.dealer.setsockopt(zmq.IMMEDIATE, 1)  # frames queue only on a live connection: never sent late
-        self.dealer.setsockopt(zmq.RECONNECT_IVL, int(Connection.BACKOFF_S * 1e3))
-        self.dealer.setsockopt(zmq.RECONNECT_IVL_MAX, int(Connection.BACKOFF_MAX_S * 1e3))
-        self.monitor = self.dealer.get_monitor_socket(_EVENTS)
-        self.dealer.connect(conn.endpoint)
-        self.rotate = False
-        self.held: list[zmq.Frame] = []  # requests made before the first reply
-        self.last_heard = time.monotonic()
-        self.probe_id: int | None = None  # the PING in flight (a heartbeat, or a probe while down)
-        self.probe_sent = 0.0
-        self.probe_wall = 0.0
-        self.next_probe = 0.0  # while down: when to probe next
-        self.backoff = Connection.BACKOFF_S
-        conn._set_state(_CONNECTING)
-
-    def attach(self, poller: zmq.Poller) -> None:
-        poller.register(self.dealer, zmq.POLLIN)
-        poller.register(self.monitor, zmq.POLLIN)
-
-    def detach(self, poller: zmq.Poller) -> None:
-        for sock in (self.dealer, self.monitor):
-            poller.unregister(sock)
-        self.dealer.disable_monitor()
-        self.monitor.close(linger=0)
-        self.dealer.close(linger=0)
-        for frame in self.held:
-            self.conn._fail(_request_id(frame), ConnectionError("the client's session was replaced before it was sent"))
-        self.held.clear()
-
-    # -- events --------------------------------------------------------------------------------------------
-
-    def on_events(self) -> None:
-        while self.monitor.poll(0):
-            event = parse_monitor_message(self.monitor.recv_multipart())["event"]
-            state = self.conn._state
-            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.probe()  # a (re)connection: is anybody answering?
-            elif event == zmq.EVENT_DISCONNECTED and state is not _DOWN:
-                self.down("the connection dropped")
-            elif event == zmq.EVENT_CONNECT_RETRIED and state is _CONNECTING:
-                self.down("connection refused")
-
-    def receive(self) -> None:
-        conn = self.conn
-        while True:
-            try:
-                payload = self.dealer.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                reply = decode_reply(payload)
-            except ProtocolError as exc:
-                log.warning("dropping an unreadable reply: %s", exc)
-                continue
-            self.last_heard = time.monotonic()
-            if conn._state is not _UP:
-                conn._set_state(_UP)
-                self.flush()
-            if not reply.ok and reply.error_code == ErrorCode.SESSION_ENDED:
-                self.rotate = True  # the session id is dead on the server: continue under a new one
-            if reply.id is not None and reply.id == self.probe_id:
-                self.probe_id = None
-                if reply.ok:
-                    conn._on_hello(reply.result, self.probe_wall)
-                continue
-            conn._settle(reply)
-
-    def forward(self, outbox_in: zmq.Socket) -> None:
-        conn = self.conn
-        while True:
-            try:
-                frame = outbox_in.recv(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            if not len(frame):  # an empty frame only wakes the thread (close)
-                continue
-            state = conn._state
-            if state is _UP:
-                self.send(frame)
-            elif state is _CONNECTING:
-                self.held.append(frame)
-            else:
-                conn._fail(_request_id(frame), conn._unavailable("the request"))
-
-    def send(self, frame: zmq.Frame) -> None:
-        try:
-            self.dealer.send(frame, zmq.NOBLOCK, copy=False)
-        except zmq.Again:  # no live connection: it is not queued for later
-            failed = ServerUnavailable(f"kvferry server {self.conn.endpoint}: not connected")
-            self.conn._fail(_request_id(frame), failed)
-            self.down("not connected")
-
-    def flush(self) -> None:
-        held, self.held = self.held, []
-        for frame in held:
-            self.send(frame)
-
-    def down(self, reason: str) -> None:
-        for frame in self.held:
-            self.conn._fail(_request_id(frame), ServerUnavailable(f"kvferry server {self.conn.endpoint}: {reason}"))
-        self.held.clear()
-        self.probe_id = None
-        self.backoff = Connection.BACKOFF_S
-        self.next_probe = time.monotonic() + self.backoff
-        self.conn._set_state(_DOWN, reason)
-
-    # -- time ----------------------------------------------------------------------------------------------
-
-    def tick(self, now: float) -> None:
-        """Heartbeats while up; probes with backoff while down; a connection attempt that takes too long."""
-        conn = self.conn
-        state = conn._state
-        if state is _CONNECTING:
-            if now - conn._since > conn.connect_timeout_s:
-                self.down(f"no answer within {conn.connect_timeout_s:g} s of connecting")
-            elif self.probe_id is None:
-                self.probe()
-        elif state is _DOWN:
-            if now >= self.next_probe:
-                self.probe()
-                self.backoff = min(self.backoff * 2, Connection.BACKOFF_MAX_S)
-                self.next_probe = now + self.backoff
-        elif self.probe_id is not None:
-            # Judge the server by a heartbeat it has had time to answer, never by how long this thread itself
-            # was kept from running (a reply that came meanwhile was read before this check).
-            if self.last_heard < self.probe_sent and now - self.probe_sent > conn.silence_timeout_s:
-                self.down(f"no reply for {now - self.probe_sent:.1f} s")
-        elif now - self.probe_sent >= conn.heartbeat_interval_s:
-            self.probe()
-
-    def probe(self) -> None:
-        """Send a PING (a heartbeat, a first handshake, or a probe of a server thought gone)."""
-        probe_id = next(self.conn._ids)
-        try:
-            self.dealer.send(encode_request(Op.PING, probe_id, {}), zmq.NOBLOCK)
-        except zmq.Again:
-            return  # not connected (yet): ZMQ keeps reconnecting; the handshake event probes again
-        self.probe_id, self.probe_sent, self.probe_wall = probe_id, time.monotonic(), time.time()
-
-
-def _request_id(frame: zmq.Frame) -> int:
-    """The id of a request frame this client encoded (read back only when it cannot be sent)."""
-    return decode_request(frame.bytes).id
+__all__ = ["Connection", "RegistrationLost", "ServerError", "ServerUnavailable"]
