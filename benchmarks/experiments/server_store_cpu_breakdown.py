@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -40,6 +41,19 @@ def server_mean_s(http: str, op: str) -> float:
     return total / count
 
 
+def timed_stores(store: Callable[[list[int]], object], prefixes: Iterator[int], seconds: float) -> list[float]:
+    """Seconds of each store of a new 4096-token prefix, back to back for `seconds`."""
+    latencies = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        base = next(prefixes) * 100_000
+        tokens = [base + i for i in range(TOKENS)]
+        started = time.perf_counter()
+        store(tokens)
+        latencies.append(time.perf_counter() - started)
+    return latencies
+
+
 def main() -> None:
     seconds = float(sys.argv[1]) if len(sys.argv) > 1 else 6.0
     cmd = [sys.executable, "-m", "kvferry.server", "--port", "0", "--http-port", "0", "--l1-size-gb", "1"]
@@ -54,28 +68,18 @@ def main() -> None:
         prefixes = iter(range(1, 1 << 30))
         with KvferryClient(endpoint) as client:
             reg = client.register_kv_cache(paged, FMT, namespace={"model": "m"})  # KV now in shared memory
-            latencies = []
-            end = time.monotonic() + seconds
-            while time.monotonic() < end:
-                base = next(prefixes) * 100_000
-                tokens = [base + i for i in range(TOKENS)]
-                started = time.perf_counter()
-                client.store(reg, tokens, ids)
-                latencies.append(time.perf_counter() - started)
+            latencies = timed_stores(lambda tokens: client.store(reg, tokens, ids), prefixes, seconds)
             cache = client.stats()["cache"]
         print(f"through the server: client p50 {statistics.median(latencies) * 1e3:.1f} ms over {len(latencies)}")
         print(f"  the server's own time per STORE {server_mean_s(http, 'STORE') * 1e3:.1f} ms")
         print(f"  the cache's copy per STORE {cache['store_seconds'] / cache['stores'] * 1e3:.1f} ms")
         with CacheEngine(KvferryConfig.load(overrides={"cache": {"l1_size_gb": 1}})) as engine:
             ns = engine.namespace_for("m", FMT, paged)
-            latencies = []
-            end = time.monotonic() + seconds
-            while time.monotonic() < end:
-                base = next(prefixes) * 100_000
-                tokens = [base + i for i in range(TOKENS)]
-                started = time.perf_counter()
-                engine.store(tokens, paged, ids, FMT, namespace=ns)
-                latencies.append(time.perf_counter() - started)
+
+            def in_process(tokens: list[int]) -> int:
+                return engine.store(tokens, paged, ids, FMT, namespace=ns)
+
+            latencies = timed_stores(in_process, prefixes, seconds)
         print(f"in process: p50 {statistics.median(latencies) * 1e3:.1f} ms over {len(latencies)}")
     finally:
         server.terminate()
