@@ -111,7 +111,7 @@ class CacheEngine:
         and an engine of another degree, shares the same objects."""
         geom = self._geometry(fmt, paged, block_size, geometry)
         shape = geom.object_shape(self.chunk_size)
-        if geom.object_width != geom.width:
+        if geom.partial_heads:
             world_size, rank = 1, 0
         return CacheNamespace(model, dtype_name(geom.dtype), layout_name(fmt, shape), world_size, rank, salt)
 

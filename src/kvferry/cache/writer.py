@@ -62,7 +62,7 @@ def _gpu_with_pinned_pool(geom: KVGeometry, pool: HostPool) -> bool:
 
 def head_masks(geom: KVGeometry) -> tuple[int, int] | None:
     """(the engine's heads, every head) as bit masks when it holds a slice of the model's heads; else None."""
-    if geom.object_width == geom.width:
+    if not geom.partial_heads:
         return None
     return ((1 << geom.nh) - 1) << geom.first_head, (1 << geom.total_heads) - 1
 
@@ -117,7 +117,7 @@ class ChunkWriter:
         that ends after ``valid_until`` (time.time()) is dropped: see ``CacheEngine.store``."""
         n_full = self._hasher.num_chunks(tokens)
         write = None
-        if first < n_full and copies_in_background(geom, self._pool) and geom.object_width == geom.width:
+        if first < n_full and copies_in_background(geom, self._pool) and not geom.partial_heads:
             if self._ahead_pause:
                 self._ahead_pause -= 1
             else:

@@ -77,6 +77,11 @@ class KVGeometry:
         return self.width // self.nh * self.total_heads if self.total_heads else self.width
 
     @property
+    def partial_heads(self) -> bool:
+        """Whether the engine holds only some of the heads its objects hold (a tensor-parallel rank)."""
+        return self.object_width != self.width
+
+    @property
     def bytes_per_token(self) -> int:
         """Bytes of one token in a chunk object (every head)."""
         return self.kv_size * self.nl * self.object_width * self.element_size

@@ -209,7 +209,7 @@ def build_plan(geom: KVGeometry) -> TritonPlan:
     return TritonPlan(
         bs=geom.bs,
         width=geom.object_width,
-        partial_rows=geom.object_width != geom.width,
+        partial_rows=geom.partial_heads,
         element_size=geom.element_size,
         bytes_per_token=geom.bytes_per_token,
         word=word,
