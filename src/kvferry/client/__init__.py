@@ -1,6 +1,6 @@
 """Client library for `kvferry server`: register an engine's KV once, then store/retrieve by block ids."""
 
 from kvferry.client.client import KvferryClient, LookupResult, PrefetchStatus
-from kvferry.client.connection import RegistrationLost, ServerError, ServerUnavailable
+from kvferry.client.errors import RegistrationLost, ServerError, ServerUnavailable
 
 __all__ = ["KvferryClient", "LookupResult", "PrefetchStatus", "RegistrationLost", "ServerError", "ServerUnavailable"]

@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from kvferry.client.connection import Connection, ServerError
+from kvferry.client.connection import Connection
+from kvferry.client.errors import ServerError
 from kvferry.client.kv_export import export_kv
 from kvferry.client.ready_events import ReadyEvents
 from kvferry.server.protocol import Op, pack_ids

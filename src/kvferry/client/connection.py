@@ -42,28 +42,14 @@ from typing import Any
 
 import zmq
 
-from kvferry.client.link import CONNECTING, DOWN, UP, Link, ServerUnavailable
+from kvferry.client.errors import RegistrationLost, ServerError, ServerUnavailable
+from kvferry.client.link import CONNECTING, DOWN, UP, Link
 from kvferry.server.protocol import ErrorCode, Op, Reply, encode_request
 
 log = logging.getLogger("kvferry.client")
 
 _instances = itertools.count()
 _LEADER_RECHECK_S = 0.05  # a leader also looks at its future this often (a failure set by another thread)
-
-
-class ServerError(RuntimeError):
-    """The server refused a request; `code` is the protocol's ErrorCode value."""
-
-    def __init__(self, op: str, code: str, message: str) -> None:
-        super().__init__(f"{op} failed: {code}: {message}")
-        self.op = op
-        self.code = code
-        self.message = message
-
-
-class RegistrationLost(ServerError):
-    """The server does not hold the registration named (code UNKNOWN_REGISTRATION: it restarted, or this session
-    was ended), or ended this client's session (code SESSION_ENDED). Register the KV again and use the new id."""
 
 
 _LOST_CODES = frozenset({ErrorCode.UNKNOWN_REGISTRATION.value, ErrorCode.SESSION_ENDED.value})
@@ -428,4 +414,4 @@ def _drain_pipe(fd: int) -> None:
             pass
 
 
-__all__ = ["Connection", "RegistrationLost", "ServerError", "ServerUnavailable"]
+__all__ = ["Connection"]

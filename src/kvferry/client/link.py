@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from kvferry.client.errors import ServerUnavailable
 from kvferry.server.protocol import ErrorCode, Op, ProtocolError, Reply, decode_reply, decode_request, encode_request
 
 if TYPE_CHECKING:
@@ -186,11 +187,6 @@ class Link:
         except zmq.Again:
             return  # not connected (yet): ZMQ keeps reconnecting; the handshake event probes again
         self.probe_id, self.probe_sent, self.probe_wall = probe_id, time.monotonic(), time.time()
-
-
-class ServerUnavailable(ConnectionError):
-    """The server cannot be reached now; the request was not sent (or, if it was, is not waited for). The
-    client keeps probing in the background and serves requests again once the server answers."""
 
 
 def _request_id(frame: zmq.Frame | bytes) -> int:
