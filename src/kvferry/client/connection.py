@@ -298,21 +298,19 @@ class Connection:
                         due = now + 0.01
                         link.tick(now)
                     replies = self._take_replies(link)
-                    if link.rotate:  # the server ended this session: what was sent in it is not coming back
+                self._settle_all(replies)
+                if link.rotate:  # the server ended this session: what was sent in it is not coming back
+                    with self._socket_lock:
                         if watched is not None:
                             poller.unregister(watched)
                             watched = None
                         poller.unregister(link.monitor)
                         link.close()
+                        # Failed before the new session exists, so that no request made in it is failed.
+                        self._fail_pending(RegistrationLost("request", ErrorCode.SESSION_ENDED, "the session ended"))
                         self._link = link = Link(self)
                         poller.register(link.monitor, zmq.POLLIN)
-                        due = 0.0
-                        rotated = True
-                    else:
-                        rotated = False
-                self._settle_all(replies)
-                if rotated:
-                    self._fail_pending(RegistrationLost("request", ErrorCode.SESSION_ENDED, "the session ended"))
+                    due = 0.0
                 if ticked:
                     self._expire_pending(now)
         finally:

@@ -36,6 +36,7 @@ class Link:
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
+        conn.set_state(CONNECTING)  # before the new id shows: nobody takes the old session's state for the new one's
         if conn.hello is not None:  # not the first link: the old session id is dead on the server
             conn.session_id = os.urandom(16)
         self.dealer = conn.context.socket(zmq.DEALER)
@@ -59,7 +60,6 @@ class Link:
         self.probe_wall = 0.0
         self.next_probe = 0.0  # while down: when to probe next
         self.backoff = BACKOFF_S
-        conn.set_state(CONNECTING)
 
     def close(self) -> None:
         self.closed = True
