@@ -189,14 +189,13 @@ class Residency(TierTraffic):
                     present = get(key)
                     if present is not None:
                         touch(key)
-                        if present.state is not WRITING:
-                            pass
-                        elif heads is None or not present.unclaimed_heads:
-                            others.append((i, present))
-                        elif present.unclaimed_heads & heads[0] == heads[0]:  # the slice it waits for: join
-                            present.unclaimed_heads &= ~heads[0]
-                            present.writers += 1
-                            new.append((i, present))
+                        if present.state is WRITING:
+                            if heads is None or not present.unclaimed_heads:
+                                others.append((i, present))
+                            elif present.unclaimed_heads & heads[0] == heads[0]:  # the slice it waits for: join
+                                present.unclaimed_heads &= ~heads[0]
+                                present.writers += 1
+                                new.append((i, present))
                     else:
                         obj = next(fresh, None)
                         if obj is None:
