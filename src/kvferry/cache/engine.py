@@ -29,7 +29,7 @@ from kvferry.cache.request import (
 )
 from kvferry.cache.residency import Residency
 from kvferry.cache.tiering import TierLink, when_all
-from kvferry.cache.writer import ChunkWriter, copy_chunks
+from kvferry.cache.writer import ChunkWriter, OnEnqueued, copy_chunks, tell_enqueued
 from kvferry.config import KvferryConfig, TransferConfig
 from kvferry.formats import EngineKVFormat, KVGeometry
 from kvferry.memory import HostPool
@@ -194,6 +194,7 @@ class CacheEngine:
         skip_prefix_tokens: int = 0,
         geometry: KVGeometry | None = None,
         valid_until: float | None = None,
+        on_enqueued: OnEnqueued | None = None,
     ) -> int:
         """Copy the full chunks of ``tokens`` not cached yet out of the engine's blocks; returns tokens stored.
 
@@ -208,6 +209,10 @@ class CacheEngine:
         An engine holding a slice of the model's heads writes its slice of each object (see ``namespace_for``):
         an object becomes readable once every head's slice is written, and is dropped if some are still missing
         ``slice_wait_s`` after the first (counted in ``stats()['expired_partial_chunks']``).
+
+        ``on_enqueued(handle, tokens)``: called once the whole store's GPU copy is enqueued, with the tokens it
+        stores, before this waits for it (not for a store that must first wait for a concurrent store of the same
+        prefix, nor for a copy that is done on return).
         """
         ns = self._ns(namespace)
         geom = self._geometry(fmt, paged, block_size, geometry, ns)
@@ -216,7 +221,7 @@ class CacheEngine:
         # Whether or not a chunk turns out to need a copy, every block a copy could read is checked now.
         needed = self._hasher.num_chunks(tokens) * per_chunk
         block_ids = check_block_ids(block_ids, first * per_chunk, needed, geom.nb, geom.bs, distinct=False)
-        entries, seconds = self._writer.write(tokens, ns, paged, geom, block_ids, first, valid_until)
+        entries, seconds = self._writer.write(tokens, ns, paged, geom, block_ids, first, valid_until, on_enqueued)
         nbytes = geom.bytes_per_token * self.chunk_size * geom.width // geom.object_width  # this engine's heads
         with self._res.lock:
             self.counters.stores += 1
@@ -238,12 +243,14 @@ class CacheEngine:
         skip_prefix_tokens: int = 0,
         lock_id: int | None = None,
         geometry: KVGeometry | None = None,
+        on_enqueued: OnEnqueued | None = None,
     ) -> int:
         """Copy the cached prefix of ``tokens`` after ``skip_prefix_tokens`` into the engine's blocks.
 
         Returns the number of tokens written: tokens ``[skip_prefix_tokens, skip_prefix_tokens + n)`` now
         hold cached KV (0 on a miss). The engine's blocks before ``skip_prefix_tokens`` are not written.
         ``lock_id`` (from ``lookup_status(lock=True)``) is released once the copy is done, whatever happens.
+        ``on_enqueued(handle, tokens)`` is called when a GPU copy has been enqueued, before this waits for it.
         """
         held: list[Entry] = []
         try:
@@ -271,7 +278,11 @@ class CacheEngine:
             skip_blocks = (skip - first * self.chunk_size) // bs
             in_flight = copy_chunks(self.pool, self.chunk_size, paged, geom, objects, ids, Direction.H2D, skip_blocks)
             if in_flight is not None:
-                in_flight.wait()
+                try:
+                    if on_enqueued is not None:
+                        tell_enqueued(on_enqueued, in_flight, end * self.chunk_size - skip)
+                finally:
+                    in_flight.wait()
             seconds = time.perf_counter() - started
             with self._res.lock:
                 self.counters.retrieves += 1

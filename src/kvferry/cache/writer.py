@@ -10,6 +10,7 @@ the index off that path.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -28,6 +29,20 @@ from kvferry.transfer.api import transfer_pool_async, transfer_pool_at_async
 if TYPE_CHECKING:
     from kvferry.cache.tiering import TierLink
     from kvferry.transfer.handle import TransferHandle
+
+log = logging.getLogger("kvferry.cache")
+
+# Told that a request's GPU copy is enqueued (its handle, the tokens it moves), before the request waits for it: the
+# server answers its client then (kvferry.server.done_signal).
+OnEnqueued = Callable[["TransferHandle", int], None]
+
+
+def tell_enqueued(on_enqueued: OnEnqueued, handle: TransferHandle, tokens: int) -> None:
+    """Call `on_enqueued`; its failure is logged, never the request's (the copy is running: it must be finished)."""
+    try:
+        on_enqueued(handle, tokens)
+    except Exception:
+        log.exception("the enqueued-copy callback failed; the request finishes without it")
 
 
 def copy_chunks(
@@ -111,10 +126,11 @@ class ChunkWriter:
         block_ids: BlockIds,
         first: int,
         valid_until: float | None = None,
+        on_enqueued: OnEnqueued | None = None,
     ) -> tuple[list[Entry], float]:
         """Store the full chunks of ``tokens`` from chunk ``first`` on that are not present; returns the new
         (now readable) entries and the seconds their copy took. ``block_ids`` was checked to cover them. A copy
-        that ends after ``valid_until`` (time.time()) is dropped: see ``CacheEngine.store``."""
+        that ends after ``valid_until`` (time.time()) is dropped; ``on_enqueued``: see ``CacheEngine.store``."""
         n_full = self._hasher.num_chunks(tokens)
         write = None
         if first < n_full and copies_in_background(geom, self._pool) and not geom.partial_heads:
@@ -124,6 +140,8 @@ class ChunkWriter:
                 write = self._ahead(tokens, ns, geom, block_ids, first, n_full)
         if write is None:
             write = self._in_order(tokens, ns, paged, geom, block_ids, first)
+        if on_enqueued is not None and write.in_flight is not None and not write.others:
+            tell_enqueued(on_enqueued, write.in_flight, len(write.entries) * self._chunk_size)
         stored, seconds = self._finish(write, valid_until) if write.entries or write.spare else ([], 0.0)
         if not write.others:
             return stored, seconds

@@ -21,6 +21,7 @@ lost this client's registrations (it restarted) answers with `RegistrationLost`:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 
 from kvferry.client.connection import Connection
+from kvferry.client.done_flags import DoneFlags, FlagWatch
 from kvferry.client.errors import ServerError
 from kvferry.client.kv_export import export_kv
 from kvferry.client.ready_events import ReadyEvents
@@ -64,6 +66,8 @@ class KvferryClient:
         self._conn = Connection(endpoint, timeout_s=timeout_s, heartbeat_interval_s=1.0, silence_timeout_s=timeout_s)
         self._cuda_registrations: dict[int, torch.device] = {}
         self._ready_events: dict[int, ReadyEvents] = {}  # CUDA registrations whose server opened them
+        self._done_flags: dict[int, DoneFlags] = {}  # CUDA registrations whose transfers the GPU signals done
+        self._flag_watch = FlagWatch(self._check_up)
 
     @property
     def session_id(self) -> bytes:
@@ -100,6 +104,7 @@ class KvferryClient:
         except (ServerError, ConnectionError, TimeoutError):
             pass  # the server is gone or going
         finally:
+            self._flag_watch.close()
             self._conn.close()
 
     # -- requests -------------------------------------------------------------------------------------------
@@ -141,19 +146,23 @@ class KvferryClient:
         }
         if heads is not None:
             args["heads"] = [int(heads[0]), int(heads[1])]
-        ready = None
+        ready = flags = None
         if storages[0]["kind"] == "cuda_ipc":
             ready = ReadyEvents(_first_tensor(paged).device)
             args["ready_events"] = ready.handles()
+            flags = DoneFlags()
+            args["done_flags"] = flags.descriptor
         reg = self._call(lambda: self._conn.submit(Op.REGISTER_KV_CACHE, args, lambda r: int(r["registration"])))
-        if ready is not None:
+        if ready is not None and flags is not None:
             self._cuda_registrations[reg] = ready.device
             self._ready_events[reg] = ready
+            self._done_flags[reg] = flags
         return reg
 
     def unregister_kv_cache(self, registration: int) -> None:
         self._cuda_registrations.pop(registration, None)
         self._ready_events.pop(registration, None)
+        self._done_flags.pop(registration, None)
         self._call(lambda: self._conn.submit(Op.UNREGISTER_KV_CACHE, {"registration": registration}))
 
     def lookup(
@@ -182,38 +191,21 @@ class KvferryClient:
         )
 
     def store(self, registration: int, tokens: Any, block_ids: Any, *, skip_prefix_tokens: int = 0) -> int:
-        return self._call(
-            lambda: self.store_async(registration, tokens, block_ids, skip_prefix_tokens=skip_prefix_tokens)
-        )
+        """`store_async`, waited for on this thread."""
+        args = _transfer_args(registration, tokens, block_ids, skip_prefix_tokens)
+        return self._transfer(Op.STORE, registration, args)
 
     def store_async(
         self, registration: int, tokens: Any, block_ids: Any, *, skip_prefix_tokens: int = 0
     ) -> Future[int]:
-        """Copy the KV of `tokens` (held in `block_ids`) into the cache; resolves to the tokens stored.
+        """Copy the KV of `tokens` (held in `block_ids`) into the cache; resolves to the tokens stored, once the
+        blocks may be reused.
 
         For GPU KV the server first waits for the work queued so far on this thread's current CUDA stream,
         so the store may be issued right after the forward pass that wrote the blocks.
         """
         args = _transfer_args(registration, tokens, block_ids, skip_prefix_tokens)
-        event = None
-        device = self._cuda_registrations.get(registration)
-        ready = self._ready_events.get(registration)
-        slot = ready.record() if ready is not None else None
-        if slot is not None:
-            args["ready_slot"] = slot
-        elif device is not None:
-            event = torch.cuda.Event(interprocess=True)
-            event.record(torch.cuda.current_stream(device))
-            args["ready_event"] = bytes(event.ipc_handle())
-        try:
-            future = self._conn.submit(Op.STORE, args, _tokens, keepalive=event)
-        except BaseException:
-            if slot is not None:
-                ready.release(slot)  # type: ignore[union-attr]
-            raise
-        if slot is not None:
-            future.add_done_callback(lambda _: ready.release(slot))  # type: ignore[union-attr]
-        return future
+        return self._transfer_async(Op.STORE, registration, args)
 
     def retrieve(
         self,
@@ -224,11 +216,11 @@ class KvferryClient:
         skip_prefix_tokens: int = 0,
         lock: int | None = None,
     ) -> int:
-        return self._call(
-            lambda: self.retrieve_async(
-                registration, tokens, block_ids, skip_prefix_tokens=skip_prefix_tokens, lock=lock
-            )
-        )
+        """`retrieve_async`, waited for on this thread."""
+        args = _transfer_args(registration, tokens, block_ids, skip_prefix_tokens)
+        if lock is not None:
+            args["lock"] = lock
+        return self._transfer(Op.RETRIEVE, registration, args)
 
     def retrieve_async(
         self,
@@ -245,7 +237,7 @@ class KvferryClient:
         args = _transfer_args(registration, tokens, block_ids, skip_prefix_tokens)
         if lock is not None:
             args["lock"] = lock
-        return self._conn.submit(Op.RETRIEVE, args, _tokens)
+        return self._transfer_async(Op.RETRIEVE, registration, args)
 
     def prefetch(self, tokens: Any, *, registration: int | None = None, namespace: Namespace | None = None) -> int:
         """Start bringing `tokens`' chunks from lower tiers into the host pool; returns a prefetch id."""
@@ -283,9 +275,88 @@ class KvferryClient:
         """Send a request (`send` submits it) and wait for its result on this thread."""
         return self._conn.call(send)
 
+    # -- transfers: answered after the copy, or once it is enqueued with its end shown by a done flag -------------
 
-def _tokens(result: dict[str, Any]) -> int:
-    return int(result["tokens"])
+    def _transfer(self, op: Op, registration: int, args: dict[str, Any]) -> int:
+        flags = self._done_flags.get(registration)
+        slot = _take_slot(flags, args)
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            result = self._call(lambda: self._submit(op, registration, args))
+            if slot is not None and result["signalled"]:
+                flags.wait(slot, args["done_seq"], deadline, self._check_up)  # type: ignore[union-attr]
+        except ServerError:  # refused before anything was enqueued: nothing will write the flag
+            _release_slot(flags, slot)
+            raise
+        _release_slot(flags, slot)  # seen, or never to be written (answered after the copy)
+        return int(result["tokens"])
+
+    def _transfer_async(self, op: Op, registration: int, args: dict[str, Any]) -> Future[int]:
+        flags = self._done_flags.get(registration)
+        slot = _take_slot(flags, args)
+        deadline = time.monotonic() + self.timeout_s
+        outcome: Future[int] = Future()
+        try:
+            reply = self._submit(op, registration, args)
+        except BaseException:
+            _release_slot(flags, slot)
+            raise
+
+        def replied(done: Future[dict[str, Any]]) -> None:
+            error = done.exception()
+            if error is not None:
+                if isinstance(error, ServerError):
+                    _release_slot(flags, slot)
+                outcome.set_exception(error)
+                return
+            result = done.result()
+            if slot is not None and result["signalled"]:
+                self._flag_watch.watch(flags, slot, args["done_seq"], outcome, int(result["tokens"]), deadline)  # type: ignore[arg-type]
+                return
+            _release_slot(flags, slot)
+            outcome.set_result(int(result["tokens"]))
+
+        reply.add_done_callback(replied)
+        return outcome
+
+    def _submit(self, op: Op, registration: int, args: dict[str, Any]) -> Future[dict[str, Any]]:
+        """Send a STORE or RETRIEVE; its future resolves to the server's result map."""
+        event = None
+        ready = self._ready_events.get(registration) if op is Op.STORE else None
+        slot = ready.record() if ready is not None else None
+        if slot is not None:
+            args["ready_slot"] = slot
+        elif op is Op.STORE and (device := self._cuda_registrations.get(registration)) is not None:
+            event = torch.cuda.Event(interprocess=True)
+            event.record(torch.cuda.current_stream(device))
+            args["ready_event"] = bytes(event.ipc_handle())
+        try:
+            future = self._conn.submit(op, args, keepalive=event)
+        except BaseException:
+            if slot is not None:
+                ready.release(slot)  # type: ignore[union-attr]
+            raise
+        if slot is not None:
+            future.add_done_callback(lambda _: ready.release(slot))  # type: ignore[union-attr]
+        return future
+
+    def _check_up(self) -> None:
+        """Raise when a transfer's done flag will not be written for us: the server is unreachable."""
+        if not self._conn.available:
+            raise self._conn.unavailable("the transfer")
+
+
+def _take_slot(flags: DoneFlags | None, args: dict[str, Any]) -> int | None:
+    taken = flags.take() if flags is not None else None
+    if taken is None:
+        return None
+    args["done_slot"], args["done_seq"] = taken
+    return taken[0]
+
+
+def _release_slot(flags: DoneFlags | None, slot: int | None) -> None:
+    if flags is not None and slot is not None:
+        flags.release(slot)
 
 
 def _transfer_args(registration: int, tokens: Any, block_ids: Any, skip_prefix_tokens: int) -> dict[str, Any]:

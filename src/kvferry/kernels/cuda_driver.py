@@ -20,6 +20,8 @@ CUDA_ERROR_NOT_READY = 600
 _EVENT_DISABLE_TIMING = 0x2  # timing-free events are the cheap kind: record/wait/query only
 _SRC_ACCESS_ORDER_STREAM = 1  # a batched copy reads its source in stream order, like any async copy
 _PREFER_OVERLAP_WITH_COMPUTE = 1  # ask for the copy engines: the SMs belong to the model
+HOST_REGISTER_PORTABLE = 0x1  # registered for every context, not only the current one
+HOST_REGISTER_DEVICEMAP = 0x2  # and given a device address (stream memory operations write there)
 
 
 class _Location(ctypes.Structure):
@@ -59,6 +61,14 @@ class Driver:
         self.launch = self._bind(
             "cuLaunchKernel", c_void_p, *[ctypes.c_uint] * 7, c_void_p, ctypes.POINTER(c_void_p), c_void_p
         )
+        self.write_value = self._bind_first(
+            ("cuStreamWriteValue32_v2", "cuStreamWriteValue32"), c_void_p, c_uint64, ctypes.c_uint32, ctypes.c_uint
+        )
+        self.host_register = self._bind("cuMemHostRegister_v2", c_void_p, c_size_t, ctypes.c_uint)
+        self.host_unregister = self._bind("cuMemHostUnregister", c_void_p)
+        self._host_device_pointer = self._bind(
+            "cuMemHostGetDevicePointer_v2", ctypes.POINTER(c_uint64), c_void_p, ctypes.c_uint
+        )
         self._get_ctx = self._bind("cuCtxGetCurrent", ctypes.POINTER(c_void_p))
         self._set_ctx = self._bind("cuCtxSetCurrent", c_void_p)
         self._batch = self._bind_batch()
@@ -72,6 +82,11 @@ class Driver:
         fn.restype = ctypes.c_int
         fn.errcheck = self._errcheck
         return fn
+
+    def _bind_first(self, names: tuple[str, ...], *argtypes: Any) -> Any:
+        """The first of `names` this libcuda exports (versioned entry points come and go between CUDA releases)."""
+        name = next((n for n in names if hasattr(self._lib, n)), names[-1])
+        return self._bind(name, *argtypes)
 
     def _errcheck(self, result: int, fn: Any, args: tuple[Any, ...]) -> None:
         if result:
@@ -109,6 +124,12 @@ class Driver:
         handle = ctypes.c_void_p()
         self._create(ctypes.byref(handle), _EVENT_DISABLE_TIMING)
         return int(handle.value or 0)
+
+    def host_device_pointer(self, host: int) -> int:
+        """The device address of host memory registered with `host_register(..., DEVICEMAP)`."""
+        address = ctypes.c_uint64()
+        self._host_device_pointer(ctypes.byref(address), host, 0)
+        return address.value
 
     def query(self, event: int) -> bool:
         """True once everything recorded before the event has run."""

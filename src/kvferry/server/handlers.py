@@ -16,7 +16,8 @@ from typing import Any
 
 from kvferry.cache import CacheEngine, CacheNamespace
 from kvferry.formats import EngineKVFormat, describe
-from kvferry.server.kv_mapping import map_kv
+from kvferry.server.done_signal import DoneFlags
+from kvferry.server.kv_mapping import map_kv, map_shared
 from kvferry.server.protocol import ErrorCode, Op, ProtocolError, unpack_ids
 from kvferry.server.requests import (
     FreeLocksArgs,
@@ -53,6 +54,9 @@ class Deferred:
 
 
 Handler = Callable[[Session, Any], "dict[str, Any] | Deferred"]
+# Sends a transfer's result before the transfer returns (once its GPU copy is enqueued and its done flag set to be
+# written); the server then sends nothing when it returns.
+ReplyEarly = Callable[[dict[str, Any]], None]
 
 
 class RequestHandlers:
@@ -88,10 +92,20 @@ class RequestHandlers:
             Op.STATS: self.stats,
         }
 
-    def run(self, op: Op, session: Session, args: Any, deadline: float | None) -> dict[str, Any] | Deferred:
-        """Run op `op`; a STORE keeps only chunks copied by `deadline` (when its client stops waiting)."""
-        if op is Op.STORE:
-            return self._transfer(session, args, store=True, deadline=deadline)
+    def run(
+        self,
+        op: Op,
+        session: Session,
+        args: Any,
+        deadline: float | None,
+        reply_early: ReplyEarly | None = None,
+        request_id: int = 0,
+    ) -> dict[str, Any] | Deferred:
+        """Run op `op`; a STORE keeps only chunks copied by `deadline` (when its client stops waiting). A transfer
+        naming a done flag is answered through `reply_early` once its copy is enqueued."""
+        if op is Op.STORE or op is Op.RETRIEVE:
+            early = (reply_early, request_id) if reply_early is not None else None
+            return self._transfer(session, args, store=op is Op.STORE, deadline=deadline, early=early)
         return self.table[op](session, args)
 
     def ping(self, session: Session, _: NoArgs) -> dict[str, Any]:
@@ -107,8 +121,11 @@ class RequestHandlers:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"'format'={args.format} is not an EngineKVFormat id") from None
         kv = map_kv(args)
         deployment = args.namespace
+        done_flags = None
         try:
             ready_events, ready_stream = _open_ready_events(kv.device, args.ready_events or [])
+            if args.done_flags is not None:
+                done_flags = DoneFlags(map_shared(args.done_flags, "done_flags"), kv.device)
             # Described once here: every transfer of this registration reuses the checked geometry.
             geometry = describe(fmt, kv.paged, args.block_size, heads=tuple(args.heads) if args.heads else None)
             namespace = self._engine.namespace_for(
@@ -122,11 +139,14 @@ class RequestHandlers:
                 geometry=geometry,
             )
         except BaseException:
+            if done_flags is not None:
+                done_flags.close()
             kv.close()
             raise
         reg = Registration(
-            self._sessions.next_id(), kv, fmt, args.block_size, namespace, geometry, ready_events, ready_stream
-        )
+            self._sessions.next_id(), kv, fmt, args.block_size, namespace, geometry, ready_events, ready_stream,
+            done_flags,
+        )  # fmt: skip
         if not self._sessions.add_registration(session, reg):
             raise ProtocolError(ErrorCode.UNKNOWN_REGISTRATION, "the session ended while registering")
         return {
@@ -136,6 +156,7 @@ class RequestHandlers:
             "mapped_bytes": kv.mapped_bytes,
             "kv_dtype": namespace.kv_dtype,
             "layout": namespace.layout,
+            "done_flags": done_flags.slots if done_flags is not None else 0,
         }
 
     def unregister(self, session: Session, args: RegistrationArgs) -> dict[str, Any]:
@@ -145,6 +166,7 @@ class RequestHandlers:
     def lookup(self, session: Session, args: LookupArgs) -> dict[str, Any]:
         namespace = self._namespace(session, args.registration, args.namespace)
         tokens = unpack_ids(args.tokens, "tokens")
+        self._sessions.settle(session)
         found, below = self._engine.lookup_pool(tokens, namespace=namespace, lock=args.lock)
         if found.lock_id is not None:
             self._sessions.add_lock(session, found.lock_id)
@@ -192,7 +214,13 @@ class RequestHandlers:
         return {"server": self._server_stats(), "cache": self._engine.stats()}
 
     def _transfer(
-        self, session: Session, args: TransferArgs, *, store: bool, deadline: float | None = None
+        self,
+        session: Session,
+        args: TransferArgs,
+        *,
+        store: bool,
+        deadline: float | None = None,
+        early: tuple[ReplyEarly, int] | None = None,
     ) -> dict[str, Any]:
         tokens = unpack_ids(args.tokens, "tokens")
         block_ids = unpack_ids(args.block_ids, "block_ids")
@@ -200,17 +228,24 @@ class RequestHandlers:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, "'lock' belongs to RETRIEVE, not STORE")
         if not store and (args.ready_event is not None or args.ready_slot is not None):
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, "'ready_event' and 'ready_slot' belong to STORE, not RETRIEVE")
+        if (args.done_slot is None) != (args.done_seq is None):
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, "give both 'done_slot' and 'done_seq', or neither")
+        if not store:
+            self._sessions.settle(session)  # this session's stores it has seen done are hits
         reg = self._sessions.use_registration(session, args.registration)
+        answered: list[int] = []
         try:
             # From here the engine owns the lock: retrieve ends it however the copy goes.
             if args.lock is not None and not self._sessions.drop_lock(session, args.lock):
                 raise ProtocolError(ErrorCode.UNKNOWN_LOCK, f"'lock'={args.lock} is not held by this session")
-            where = {
+            where: dict[str, Any] = {
                 "namespace": reg.namespace,
                 "block_size": reg.block_size,
                 "geometry": reg.geometry,
                 "skip_prefix_tokens": args.skip_prefix_tokens,
             }
+            if args.done_slot is not None and early is not None:
+                where["on_enqueued"] = self._answer_when_enqueued(session, reg, args, early, answered)
             if store and args.ready_slot is not None:
                 with _after_client_event(reg, args.ready_slot):
                     done = self._engine.store(
@@ -224,7 +259,34 @@ class RequestHandlers:
                 done = self._engine.retrieve(tokens, reg.kv.paged, block_ids, reg.format, lock_id=args.lock, **where)
         finally:
             self._sessions.done_with(reg)
-        return {"tokens": int(done)}
+            for request_id in answered:
+                self._sessions.answered(session, request_id)
+        return {"tokens": int(done), "signalled": False}
+
+    def _answer_when_enqueued(
+        self,
+        session: Session,
+        reg: Registration,
+        args: TransferArgs,
+        early: tuple[ReplyEarly, int],
+        answered: list[int],
+    ) -> Callable[[Any, int], None]:
+        """The engine's on_enqueued for a transfer naming a done flag: the flag's write goes behind the copy on
+        the GPU, and the client gets its answer now (`signalled`: poll the flag)."""
+        flags = reg.done_flags
+        if flags is None or reg.kv.device.type != "cuda":
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, "'done_slot' needs a CUDA registration with 'done_flags'")
+        slot, seq = int(args.done_slot or 0), int(args.done_seq or 0)
+        flags.check_slot(slot)
+        reply_early, request_id = early
+
+        def on_enqueued(handle: Any, tokens: int) -> None:
+            flags.signal(handle, slot, seq)
+            answered.append(request_id)
+            self._sessions.answering_early(session, request_id, handle)
+            reply_early({"tokens": int(tokens), "signalled": True})
+
+        return on_enqueued
 
     def _namespace(self, session: Session, registration: int | None, explicit: Namespace | None) -> CacheNamespace:
         if explicit is not None and registration is None:

@@ -61,6 +61,23 @@ class MappedKV:
         self._regions.clear()
 
 
+@dataclass(frozen=True, slots=True)
+class SharedRegion:
+    """A client's CPU shared memory mapped here: its bytes start at `address`; the mapping ends at `mapped_end`."""
+
+    storage: torch.UntypedStorage
+    address: int
+    nbytes: int
+    mapped_end: int
+
+
+def map_shared(desc: ShmStorage, where: str) -> SharedRegion:
+    """Map one client shared-memory storage on its own (not KV: the done flags of a GPU registration)."""
+    region = _map_shm(desc, where)
+    base = region.storage.data_ptr()
+    return SharedRegion(region.storage, base + region.base, region.nbytes, base + region.storage.nbytes())
+
+
 def map_kv(args: RegisterArgs) -> MappedKV:
     """Map every storage of a REGISTER_KV_CACHE request and rebuild the nested KV tensors over them."""
     regions = [_map_storage(desc, f"storages[{i}]") for i, desc in enumerate(args.storages)]

@@ -85,6 +85,8 @@ class RegisterArgs(_Args):
     # [first head, total heads]: the tensors hold that slice of the model's KV heads (a tensor-parallel rank);
     # objects then hold every head, and the key space is the model's whatever the parallelism
     heads: Annotated[list[NonNegative], Field(min_length=2, max_length=2)] | None = None
+    # CUDA registrations: a page of 4-byte words the server's GPU writes when a transfer naming a slot is done
+    done_flags: ShmStorage | None = None
 
 
 class RegistrationArgs(_Args):
@@ -106,6 +108,10 @@ class TransferArgs(_Args):
     ready_event: bytes | None = None  # CUDA IPC event the server waits on before reading GPU KV (STORE)
     ready_slot: NonNegative | None = None  # or: which of the registration's `ready_events` it recorded (STORE)
     lock: NonNegative | None = None  # a LOOKUP lock that RETRIEVE ends once its copy is done
+    # Answer once the copy is enqueued; the GPU writes `done_seq` into word `done_slot` of the registration's
+    # `done_flags` when it is done (the client polls the word)
+    done_slot: NonNegative | None = None
+    done_seq: Annotated[int, Field(ge=1, lt=2**32)] | None = None
 
 
 class PrefetchArgs(_Args):

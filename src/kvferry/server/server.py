@@ -276,13 +276,24 @@ class KvferryServer:
             late = ProtocolError(ErrorCode.DEADLINE_EXCEEDED, "the client stopped waiting before it could start")
             return self._reply(request, received, late)
 
+        answered = False
+
+        def reply_early(result: dict[str, Any]) -> None:  # a transfer answered once its copy is enqueued
+            nonlocal answered
+            self._send_from_worker(identity, self._reply(request, received, result))
+            answered = True
+
         def handle() -> Any:
             args = parse_args(request.op, request.args, request.id)
-            return self._handlers.run(request.op, session, args, request.deadline)
+            return self._handlers.run(request.op, session, args, request.deadline, reply_early, request.id)
 
         outcome = _attempt(handle)
         if isinstance(outcome, Deferred):
             self._tier_workers.submit(self._finish_deferred, identity, request, received, outcome)
+            return None
+        if answered:
+            if isinstance(outcome, BaseException):  # after the answer: the client cannot be told any more
+                log.error("%s (request %d) failed after its answer", request.op.value, request.id, exc_info=outcome)
             return None
         return self._reply(request, received, outcome)
 

@@ -39,6 +39,7 @@ class Registration:
     geometry: Any  # KVGeometry, described once at registration
     ready_events: tuple[Any, ...] = ()  # the client's CUDA IPC events (torch.cuda.Event), opened once
     ready_stream: Any = None  # the stream its stores wait on those events on (torch.cuda.Stream)
+    done_flags: Any = None  # the client's done-flag words (kvferry.server.done_signal.DoneFlags)
     users: int = 0  # transfers running on this registration now
     closing: bool = False
 
@@ -52,6 +53,9 @@ class Session:
     locks: set[int] = field(default_factory=set)
     prefetches: dict[int, Future[Any]] = field(default_factory=dict)
     requests: int = 0
+    # Transfers answered at enqueue whose bookkeeping (a store's objects becoming hits) is still to come: request
+    # id -> (its copy's handle, set once the bookkeeping is done). See SessionTable.settle.
+    answered_early: dict[int, tuple[Any, threading.Event]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -127,7 +131,7 @@ class SessionTable:
                 session.registrations[reg.id] = reg
                 self.open_registrations += 1
         if not attached:
-            reg.kv.close()
+            self._release(reg)
         return attached
 
     def use_registration(self, session: Session, reg_id: int) -> Registration:
@@ -158,6 +162,31 @@ class SessionTable:
                     f"'registration'={reg_id} is not registered by this session",
                 )
             self._retire(reg)
+
+    def answering_early(self, session: Session, request_id: int, handle: Any) -> threading.Event:
+        """Note that a transfer of `session` is answered before its bookkeeping; set the event it returns (and call
+        `answered`) once that is done."""
+        done = threading.Event()
+        with self._lock:
+            session.answered_early[request_id] = (handle, done)
+        return done
+
+    def answered(self, session: Session, request_id: int) -> None:
+        with self._lock:
+            entry = session.answered_early.pop(request_id, None)
+        if entry is not None:
+            entry[1].set()
+
+    def settle(self, session: Session, timeout_s: float = 1.0) -> None:
+        """Before a request of `session` reads the cache: finish waiting for the bookkeeping of its transfers whose
+        copy the GPU has finished (the client may have seen them done, so it expects their effects: a STORE's
+        chunks found by its next LOOKUP). Copies still running are not waited for: the client cannot have seen
+        them done. The bookkeeping follows the copy by microseconds; `timeout_s` only bounds a stuck worker."""
+        with self._lock:
+            entries = list(session.answered_early.values())
+        for handle, done in entries:
+            if not done.is_set() and handle.done():
+                done.wait(timeout_s)
 
     def add_lock(self, session: Session, lock_id: int) -> None:
         with self._lock:
@@ -247,6 +276,12 @@ class SessionTable:
         return False
 
     def _close(self, reg: Registration) -> None:
+        self._release(reg)
+        self.open_registrations -= 1
+
+    @staticmethod
+    def _release(reg: Registration) -> None:
+        if reg.done_flags is not None:
+            reg.done_flags.close()
         reg.kv.close()
         reg.geometry = None  # it holds the mapped tensors too
-        self.open_registrations -= 1

@@ -1,0 +1,149 @@
+"""The client half of done flags (see `kvferry.server.done_signal`): a page of words the server's GPU writes.
+
+A GPU registration shares one page of shared memory with the server. A STORE or RETRIEVE takes a free word (a
+slot) and the slot's next sequence number; the server answers once the copy is enqueued and has the GPU write the
+number into the word once the copy is done. Reading the word is a load from memory: no driver call, no socket.
+
+A slot is reused only after its number was seen, so a word never holds a number a later request could mistake for
+its own. A request that ends without its number seen (a timeout, the server lost) keeps its slot out of use: the
+server may still write it. With every slot out of use a request is answered after its copy, as without flags.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvferry.client.kv_export import export_kv
+
+SLOTS = 64
+_PAGE_WORDS = 1024  # one 4 KiB page: what the server registers with the driver
+
+
+class DoneFlags:
+    """One registration's flag words and which slots requests hold."""
+
+    def __init__(self, slots: int = SLOTS) -> None:
+        words = torch.zeros(max(_PAGE_WORDS, slots), dtype=torch.int32)
+        storages, _ = export_kv(words)  # into shared memory, in place
+        self.descriptor: dict[str, Any] = storages[0]
+        self._words = words
+        self._view = words.numpy()  # a plain load per look: the GPU writes the page behind numpy's back
+        self._seq = [0] * slots
+        self._free = list(range(slots))
+        self._lock = threading.Lock()
+
+    def take(self) -> tuple[int, int] | None:
+        """A free slot and the number the server is to write into it, or None when none is free."""
+        with self._lock:
+            if not self._free:
+                return None
+            slot = self._free.pop()
+            self._seq[slot] = self._seq[slot] % (2**31 - 1) + 1
+            return slot, self._seq[slot]
+
+    def is_set(self, slot: int, seq: int) -> bool:
+        return int(self._view[slot]) == seq
+
+    def release(self, slot: int) -> None:
+        """Give back a slot whose number was seen, or that the server refused before enqueueing anything."""
+        with self._lock:
+            self._free.append(slot)
+
+    def wait(self, slot: int, seq: int, deadline: float, check: Callable[[], None], spin_s: float = 0.02) -> None:
+        """Return once word `slot` holds `seq`. Polls: yielding the CPU (and the GIL) between looks for `spin_s`,
+        then sleeping 50 us between looks; `check()` raises when waiting is pointless (the server is gone), and
+        TimeoutError at `deadline` (time.monotonic())."""
+        spin_until = time.monotonic() + spin_s
+        view = self._view
+        while int(view[slot]) != seq:
+            now = time.monotonic()
+            if now > deadline:
+                raise TimeoutError("the transfer was enqueued but did not finish before the client's timeout")
+            check()
+            time.sleep(0 if now < spin_until else 50e-6)
+
+
+@dataclass(slots=True)
+class _Watched:
+    flags: DoneFlags
+    slot: int
+    seq: int
+    future: Future[Any]
+    value: Any
+    deadline: float
+
+
+class FlagWatch:
+    """Resolves the futures of asynchronous transfers answered early, once their flags show: one thread per client,
+    started on first use, polling every 50 us while any is outstanding and idle otherwise."""
+
+    def __init__(self, check: Callable[[], None]) -> None:
+        self._check = check
+        self._items: list[_Watched] = []
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def watch(self, flags: DoneFlags, slot: int, seq: int, future: Future[Any], value: Any, deadline: float) -> None:
+        """Set `future` to `value` once word `slot` holds `seq` (TimeoutError at `deadline`)."""
+        with self._cond:
+            if self._closed:
+                future.set_exception(ConnectionError("the client was closed before the transfer finished"))
+                return
+            self._items.append(_Watched(flags, slot, seq, future, value, deadline))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvferry-flags", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+        for item in self._items:  # their slots stay out of use: the server may still write them
+            if not item.future.done():
+                item.future.set_exception(ConnectionError("the client was closed before the transfer finished"))
+        self._items.clear()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._items and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                items = list(self._items)
+            now = time.monotonic()
+            finished: list[tuple[_Watched, BaseException | None]] = []
+            for item in items:
+                if item.flags.is_set(item.slot, item.seq):
+                    finished.append((item, None))
+                elif now > item.deadline:
+                    finished.append((item, TimeoutError("the transfer did not finish before the client's timeout")))
+                else:
+                    try:
+                        self._check()
+                    except Exception as exc:  # the server is gone: nobody will write the flag
+                        finished.append((item, exc))
+            if finished:
+                with self._cond:
+                    done = {id(item) for item, _ in finished}
+                    self._items = [item for item in self._items if id(item) not in done]
+                for item, error in finished:
+                    if error is None:
+                        item.flags.release(item.slot)
+                        item.future.set_result(item.value)
+                    else:
+                        item.future.set_exception(error)
+            else:
+                time.sleep(50e-6)

@@ -1,0 +1,140 @@
+"""Done flags, the client half (a word per transfer in shared memory, polled), and the server's refusals of them
+where they cannot work. The GPU writing them: tests/server/test_server_done_flags_gpu.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import pytest
+
+from kvferry.client import KvferryClient, ServerError
+from kvferry.client.done_flags import DoneFlags, FlagWatch
+from kvferry.server.protocol import Op, pack_ids
+from tests.server.serverkit import random_kv
+
+FMT = 3  # NL_X_NB_BS_HS: what the fake engine copies
+NS = {"model": "fake-model"}
+
+
+def write_later(flags: DoneFlags, slot: int, value: int, after_s: float) -> threading.Thread:
+    def write() -> None:
+        time.sleep(after_s)
+        flags._words[slot] = value  # what the server's GPU does through its own mapping of the page
+
+    thread = threading.Thread(target=write)
+    thread.start()
+    return thread
+
+
+def test_slots_are_shared_memory_and_reused_only_when_given_back() -> None:
+    flags = DoneFlags(slots=3)
+    assert flags._words.is_shared() and flags.descriptor["kind"] == "shm_fd"
+    taken = [flags.take() for _ in range(3)]
+    assert sorted(slot for slot, _ in taken) == [0, 1, 2]  # type: ignore[misc]
+    assert all(seq == 1 for _, seq in taken)  # type: ignore[misc]
+    assert flags.take() is None  # every slot held: the request goes without a flag
+    slot, seq = taken[0]  # type: ignore[misc]
+    assert not flags.is_set(slot, seq)
+    flags._words[slot] = seq
+    assert flags.is_set(slot, seq)
+    flags.release(slot)
+    again = flags.take()
+    assert again == (slot, seq + 1)  # the old number in the word cannot pass for the new request's
+    assert not flags.is_set(*again)
+
+
+def test_wait_returns_when_the_word_shows_and_not_before() -> None:
+    flags = DoneFlags(slots=2)
+    slot, seq = flags.take()  # type: ignore[misc]
+    flags._words[slot] = seq + 5  # another number (a stale write) is not this request's
+    writer = write_later(flags, slot, seq, after_s=0.05)
+    started = time.monotonic()
+    flags.wait(slot, seq, time.monotonic() + 5, lambda: None, spin_s=0.01)
+    assert 0.04 < time.monotonic() - started < 2
+    writer.join()
+
+
+def test_wait_gives_up_at_its_deadline_and_when_the_server_is_gone() -> None:
+    flags = DoneFlags(slots=2)
+    slot, seq = flags.take()  # type: ignore[misc]
+    with pytest.raises(TimeoutError):
+        flags.wait(slot, seq, time.monotonic() + 0.05, lambda: None)
+
+    def gone() -> None:
+        raise ConnectionError("server gone")
+
+    with pytest.raises(ConnectionError, match="server gone"):
+        flags.wait(slot, seq, time.monotonic() + 5, gone)
+
+
+def test_flag_watch_resolves_futures_as_their_words_show() -> None:
+    flags = DoneFlags(slots=4)
+    watch = FlagWatch(lambda: None)
+    try:
+        futures: list[Future[Any]] = []
+        writers = []
+        for i in range(3):
+            slot, seq = flags.take()  # type: ignore[misc]
+            future: Future[Any] = Future()
+            watch.watch(flags, slot, seq, future, f"done {i}", time.monotonic() + 5)
+            futures.append(future)
+            writers.append(write_later(flags, slot, seq, after_s=0.02 * (3 - i)))
+        assert [f.result(timeout=5) for f in futures] == ["done 0", "done 1", "done 2"]
+        assert len(flags._free) == 4  # every slot back once seen
+        for writer in writers:
+            writer.join()
+    finally:
+        watch.close()
+
+
+def test_flag_watch_fails_late_and_orphaned_transfers_and_keeps_their_slots() -> None:
+    flags = DoneFlags(slots=4)
+    up = [True]
+
+    def check() -> None:
+        if not up[0]:
+            raise ConnectionError("server gone")
+
+    watch = FlagWatch(check)
+    late: Future[Any] = Future()
+    slot, seq = flags.take()  # type: ignore[misc]
+    watch.watch(flags, slot, seq, late, 1, time.monotonic() + 0.05)
+    with pytest.raises(TimeoutError):
+        late.result(timeout=5)
+    orphan: Future[Any] = Future()
+    slot2, seq2 = flags.take()  # type: ignore[misc]
+    watch.watch(flags, slot2, seq2, orphan, 1, time.monotonic() + 5)
+    up[0] = False
+    with pytest.raises(ConnectionError):
+        orphan.result(timeout=5)
+    pending: Future[Any] = Future()
+    up[0] = True
+    slot3, seq3 = flags.take()  # type: ignore[misc]
+    watch.watch(flags, slot3, seq3, pending, 1, time.monotonic() + 5)
+    watch.close()
+    with pytest.raises(ConnectionError, match="closed"):
+        pending.result(timeout=5)
+    assert sorted(flags._free) == [s for s in range(4) if s not in (slot, slot2, slot3)]  # the server may still write
+
+
+def test_the_server_refuses_done_flags_where_no_gpu_writes_them(client: KvferryClient) -> None:
+    kv = random_kv(5)
+    reg = client.register_kv_cache(kv, FMT, namespace=NS)
+    base = {
+        "registration": reg,
+        "tokens": pack_ids(list(range(8)), "tokens"),
+        "block_ids": pack_ids([0, 1, 2, 3], "block_ids"),
+    }
+    with pytest.raises(ServerError, match="CUDA registration"):
+        client._call(lambda: client._conn.submit(Op.STORE, {**base, "done_slot": 0, "done_seq": 1}))
+    with pytest.raises(ServerError, match="both 'done_slot' and 'done_seq'"):
+        client._call(lambda: client._conn.submit(Op.RETRIEVE, {**base, "done_slot": 0}))
+    flags = DoneFlags()
+    args = {"format": FMT, "namespace": dict(NS), "storages": [flags.descriptor], "kv": {"storage": 0, "offset": 0,
+            "shape": [4], "stride": [1], "dtype": "float32"}, "done_flags": flags.descriptor}  # fmt: skip
+    with pytest.raises(ServerError, match="only meaningful for a CUDA registration"):
+        client._call(lambda: client._conn.submit(Op.REGISTER_KV_CACHE, args))
+    assert client.store(reg, list(range(8)), [0, 1, 2, 3]) == 8  # the session is fine

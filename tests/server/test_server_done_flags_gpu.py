@@ -1,0 +1,138 @@
+"""GPU transfers through the server answered at enqueue, their end written by the GPU into a done flag.
+
+Llama-3-8B-shaped KV (32 MiB a chunk), so that a 16-chunk copy (~10 ms) outlasts the answer (~1 ms) by far.
+Run on a CUDA machine: `PYTHONPATH=src python3 -m pytest -m gpu tests/server/test_server_done_flags_gpu.py`.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvferry.client import KvferryClient, ServerUnavailable
+from kvferry.formats import EngineKVFormat
+from kvferry.formats.synthetic import MODELS, make_paged
+from kvferry.server.protocol import Op
+from tests.server.serverkit import ServerProcess
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+FMT = EngineKVFormat.NL_X_TWO_NB_BS_NH_HS
+CHUNK, BS, NB = 256, 16, 640
+PER_CHUNK = CHUNK // BS
+NS = {"model": "tests/done-flags"}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    proc = ServerProcess("--chunk-size", str(CHUNK), "--l1-size-gb", "2")
+    yield proc
+    assert proc.stop() == 0, "".join(proc.log)
+
+
+@pytest.fixture(scope="module")
+def kv() -> list[torch.Tensor]:
+    return make_paged(FMT, MODELS["llama3-8b"], NB, BS, dtype=torch.bfloat16, device="cuda")
+
+
+def blocks(kv: list[torch.Tensor], ids: list[int]) -> torch.Tensor:
+    return torch.stack([layer[:, ids] for layer in kv])
+
+
+def tokens_at(base: int, chunks: int) -> list[int]:
+    return list(range(base, base + chunks * CHUNK))
+
+
+def raw_transfer(client: KvferryClient, op: Op, reg: int, tokens: list[int], ids: list[int]) -> tuple[dict, int, int]:
+    """Send a transfer naming a done flag; its answer, slot and number (the caller waits for the flag)."""
+    from kvferry.client.client import _take_slot, _transfer_args
+
+    args = _transfer_args(reg, tokens, ids, 0)
+    slot = _take_slot(client._done_flags[reg], args)
+    assert slot is not None
+    result = client._call(lambda: client._submit(op, reg, args))
+    return result, slot, args["done_seq"]
+
+
+def test_a_transfer_is_answered_before_its_copy_ends_and_the_flag_shows_the_end(
+    server: ServerProcess, kv: list[torch.Tensor]
+) -> None:
+    src, dst = list(range(0, 16 * PER_CHUNK)), list(range(16 * PER_CHUNK, 32 * PER_CHUNK))
+    for layer in kv:
+        layer[:, src] = torch.randn_like(layer[:, src])
+    expected = blocks(kv, src)
+    with KvferryClient(server.endpoint, timeout_s=60) as client:
+        reg = client.register_kv_cache(kv, FMT, block_size=BS, namespace=NS)
+        flags = client._done_flags[reg]
+        early = 0
+        for attempt in range(3):
+            tokens = tokens_at(10**6 * (attempt + 1), 16)
+            result, slot, seq = raw_transfer(client, Op.STORE, reg, tokens, src)
+            assert result == {"tokens": 16 * CHUNK, "signalled": True}
+            early += not flags.is_set(slot, seq)  # answered while the GPU still copies
+            flags.wait(slot, seq, time.monotonic() + 30, client._check_up)
+            flags.release(slot)
+            assert client.lookup(tokens, registration=reg).tokens == 16 * CHUNK  # its chunks are hits at once
+            for layer in kv:
+                layer[:, dst] = 0
+            result, slot, seq = raw_transfer(client, Op.RETRIEVE, reg, tokens, dst)
+            assert result == {"tokens": 16 * CHUNK, "signalled": True}
+            early += not flags.is_set(slot, seq)
+            flags.wait(slot, seq, time.monotonic() + 30, client._check_up)
+            flags.release(slot)
+            assert torch.equal(blocks(kv, dst), expected)  # read right after the flag: every byte is there
+        assert early >= 3, "the answers came only after the copies ended"
+
+
+def test_plain_and_async_calls_through_flags_are_bit_exact(server: ServerProcess, kv: list[torch.Tensor]) -> None:
+    with KvferryClient(server.endpoint, timeout_s=60) as client:
+        reg = client.register_kv_cache(kv, FMT, block_size=BS, namespace=NS)
+        written = []
+        for i in range(12):
+            ids = list(range(i * 2 * PER_CHUNK, (i + 1) * 2 * PER_CHUNK))
+            for layer in kv:  # on this stream right before the store: the server's copy waits for it
+                layer[:, ids] = torch.randn_like(layer[:, ids])
+            tokens = tokens_at(5 * 10**7 + i * 10**4, 2)
+            written.append((tokens, blocks(kv, ids)))
+            if i % 2:
+                assert client.store(tokens=tokens, registration=reg, block_ids=ids) == 2 * CHUNK
+            else:
+                assert client.store_async(reg, tokens, ids).result(timeout=60) == 2 * CHUNK
+        target = list(range(24 * PER_CHUNK, 26 * PER_CHUNK))
+        for i, (tokens, expected) in enumerate(written):
+            for layer in kv:
+                layer[:, target] = 0
+            if i % 2:
+                assert client.retrieve(reg, tokens, target) == 2 * CHUNK
+            else:
+                assert client.retrieve_async(reg, tokens, target).result(timeout=60) == 2 * CHUNK
+            assert torch.equal(blocks(kv, target), expected)
+        assert sorted(client._done_flags[reg]._free) == list(range(64))  # every slot back
+
+
+def test_a_server_killed_mid_copy_never_shows_done(kv: list[torch.Tensor]) -> None:
+    """The premise of trusting the flag: a server that dies with the copy running never writes it (its pending GPU
+    work is dropped), and the waiting client hears that the server is gone instead."""
+    proc = ServerProcess("--chunk-size", str(CHUNK), "--l1-size-gb", "2", "--heartbeat-timeout", "2")
+    src = list(range(0, 16 * PER_CHUNK))
+    with KvferryClient(proc.endpoint, timeout_s=20) as client:
+        reg = client.register_kv_cache(kv, FMT, block_size=BS, namespace=NS)
+        tokens = tokens_at(9 * 10**7, 16)
+        assert client.store(reg, tokens, src) == 16 * CHUNK
+        result, slot, seq = raw_transfer(client, Op.RETRIEVE, reg, tokens, list(range(16 * PER_CHUNK, 32 * PER_CHUNK)))
+        assert result["signalled"]
+        flags = client._done_flags[reg]
+        in_flight = not flags.is_set(slot, seq)
+        proc.proc.send_signal(signal.SIGKILL)
+        proc.proc.wait(timeout=30)
+        if not in_flight:
+            pytest.skip("the copy had ended before the server was killed")
+        started = time.monotonic()
+        with pytest.raises(ServerUnavailable):
+            flags.wait(slot, seq, time.monotonic() + 15, client._check_up)
+        assert time.monotonic() - started < 12
+        assert not flags.is_set(slot, seq)
