@@ -89,6 +89,15 @@ class FakeEngine:
             self.locks.add(lock_id)
         return Found(hits * self.chunk_size, 0, lock_id)
 
+    def store_steps(self, *args: Any, **kwargs: Any) -> Any:
+        """The CacheEngine's steps protocol: a copy done on return yields nothing (kvferry.cache.steps)."""
+        return self.store(*args, **kwargs)
+        yield
+
+    def retrieve_steps(self, *args: Any, **kwargs: Any) -> Any:
+        return self.retrieve(*args, **kwargs)
+        yield
+
     def store(
         self, tokens, paged, block_ids, fmt, *, namespace, block_size, geometry, skip_prefix_tokens, valid_until=None
     ) -> int:

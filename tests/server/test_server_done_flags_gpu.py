@@ -117,7 +117,7 @@ def test_plain_and_async_calls_through_flags_are_bit_exact(server: ServerProcess
 def test_a_server_killed_mid_copy_never_shows_done(kv: list[torch.Tensor]) -> None:
     """The premise of trusting the flag: a server that dies with the copy running never writes it (its pending GPU
     work is dropped), and the waiting client hears that the server is gone instead."""
-    proc = ServerProcess("--chunk-size", str(CHUNK), "--l1-size-gb", "2", "--heartbeat-timeout", "2")
+    proc = ServerProcess("--chunk-size", str(CHUNK), "--l1-size-gb", "2", "--heartbeat-timeout", "5")
     src = list(range(0, 16 * PER_CHUNK))
     with KvferryClient(proc.endpoint, timeout_s=20) as client:
         reg = client.register_kv_cache(kv, FMT, block_size=BS, namespace=NS)

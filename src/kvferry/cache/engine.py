@@ -28,8 +28,9 @@ from kvferry.cache.request import (
     token_count,
 )
 from kvferry.cache.residency import Residency
+from kvferry.cache.steps import Enqueued, Steps, run_steps
 from kvferry.cache.tiering import TierLink, when_all
-from kvferry.cache.writer import ChunkWriter, OnEnqueued, copy_chunks, tell_enqueued
+from kvferry.cache.writer import ChunkWriter, copy_chunks
 from kvferry.config import KvferryConfig, TransferConfig
 from kvferry.formats import EngineKVFormat, KVGeometry
 from kvferry.memory import HostPool
@@ -183,6 +184,13 @@ class CacheEngine:
     # --- store / retrieve ---------------------------------------------------------------------------------
 
     def store(
+        self, tokens: TokenIds, paged: Any, block_ids: BlockIds, fmt: EngineKVFormat | int, **options: Any
+    ) -> int:
+        """Copy the full chunks of ``tokens`` not cached yet out of the engine's blocks; returns tokens stored.
+        ``options``: those of ``store_steps``."""
+        return run_steps(self.store_steps(tokens, paged, block_ids, fmt, **options))
+
+    def store_steps(
         self,
         tokens: TokenIds,
         paged: Any,
@@ -194,9 +202,9 @@ class CacheEngine:
         skip_prefix_tokens: int = 0,
         geometry: KVGeometry | None = None,
         valid_until: float | None = None,
-        on_enqueued: OnEnqueued | None = None,
-    ) -> int:
-        """Copy the full chunks of ``tokens`` not cached yet out of the engine's blocks; returns tokens stored.
+    ) -> Steps[int]:
+        """``store`` as steps (`kvferry.cache.steps`): it yields once, when its copy is in flight (or done, on the
+        CPU).
 
         ``block_ids`` holds the engine block of every ``block_size`` tokens from token 0. Chunks that lie
         entirely within ``skip_prefix_tokens`` are not stored. Chunks that find the pool full of locked or
@@ -209,10 +217,6 @@ class CacheEngine:
         An engine holding a slice of the model's heads writes its slice of each object (see ``namespace_for``):
         an object becomes readable once every head's slice is written, and is dropped if some are still missing
         ``slice_wait_s`` after the first (counted in ``stats()['expired_partial_chunks']``).
-
-        ``on_enqueued(handle, tokens)``: called once the whole store's GPU copy is enqueued, with the tokens it
-        stores, before this waits for it (not for a store that must first wait for a concurrent store of the same
-        prefix, nor for a copy that is done on return).
         """
         ns = self._ns(namespace)
         geom = self._geometry(fmt, paged, block_size, geometry, ns)
@@ -221,7 +225,7 @@ class CacheEngine:
         # Whether or not a chunk turns out to need a copy, every block a copy could read is checked now.
         needed = self._hasher.num_chunks(tokens) * per_chunk
         block_ids = check_block_ids(block_ids, first * per_chunk, needed, geom.nb, geom.bs, distinct=False)
-        entries, seconds = self._writer.write(tokens, ns, paged, geom, block_ids, first, valid_until, on_enqueued)
+        entries, seconds = yield from self._writer.write_steps(tokens, ns, paged, geom, block_ids, first, valid_until)
         nbytes = geom.bytes_per_token * self.chunk_size * geom.width // geom.object_width  # this engine's heads
         with self._res.lock:
             self.counters.stores += 1
@@ -232,6 +236,17 @@ class CacheEngine:
         return len(entries) * self.chunk_size
 
     def retrieve(
+        self, tokens: TokenIds, paged: Any, block_ids: BlockIds, fmt: EngineKVFormat | int, **options: Any
+    ) -> int:
+        """Copy the cached prefix of ``tokens`` after ``skip_prefix_tokens`` into the engine's blocks.
+
+        Returns the number of tokens written: tokens ``[skip_prefix_tokens, skip_prefix_tokens + n)`` now
+        hold cached KV (0 on a miss). The engine's blocks before ``skip_prefix_tokens`` are not written.
+        ``options``: those of ``retrieve_steps``.
+        """
+        return run_steps(self.retrieve_steps(tokens, paged, block_ids, fmt, **options))
+
+    def retrieve_steps(
         self,
         tokens: TokenIds,
         paged: Any,
@@ -243,14 +258,9 @@ class CacheEngine:
         skip_prefix_tokens: int = 0,
         lock_id: int | None = None,
         geometry: KVGeometry | None = None,
-        on_enqueued: OnEnqueued | None = None,
-    ) -> int:
-        """Copy the cached prefix of ``tokens`` after ``skip_prefix_tokens`` into the engine's blocks.
-
-        Returns the number of tokens written: tokens ``[skip_prefix_tokens, skip_prefix_tokens + n)`` now
-        hold cached KV (0 on a miss). The engine's blocks before ``skip_prefix_tokens`` are not written.
-        ``lock_id`` (from ``lookup_status(lock=True)``) is released once the copy is done, whatever happens.
-        ``on_enqueued(handle, tokens)`` is called when a GPU copy has been enqueued, before this waits for it.
+    ) -> Steps[int]:
+        """``retrieve`` as steps (`kvferry.cache.steps`): it yields once its copy is in flight, a miss returns at
+        once. ``lock_id`` (from ``lookup_status(lock=True)``) is released once the copy is done, whatever happens.
         """
         held: list[Entry] = []
         try:
@@ -277,11 +287,10 @@ class CacheEngine:
             objects = [entry.obj for entry in entries]
             skip_blocks = (skip - first * self.chunk_size) // bs
             in_flight = copy_chunks(self.pool, self.chunk_size, paged, geom, objects, ids, Direction.H2D, skip_blocks)
-            if in_flight is not None:
-                try:
-                    if on_enqueued is not None:
-                        tell_enqueued(on_enqueued, in_flight, end * self.chunk_size - skip)
-                finally:
+            try:
+                yield Enqueued(in_flight, end * self.chunk_size - skip, in_flight is not None)
+            finally:
+                if in_flight is not None:
                     in_flight.wait()
             seconds = time.perf_counter() - started
             with self._res.lock:

@@ -10,7 +10,6 @@ the index off that path.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -21,6 +20,7 @@ from kvferry.cache.index import Entry
 from kvferry.cache.keys import CacheNamespace, ChunkHasher, TokenIds
 from kvferry.cache.request import BlockIds, select_blocks
 from kvferry.cache.residency import Residency
+from kvferry.cache.steps import Enqueued, Steps
 from kvferry.formats import KVGeometry
 from kvferry.memory import HostPool
 from kvferry.transfer import Direction, transfer, transfer_async
@@ -29,20 +29,6 @@ from kvferry.transfer.api import transfer_pool_async, transfer_pool_at_async
 if TYPE_CHECKING:
     from kvferry.cache.tiering import TierLink
     from kvferry.transfer.handle import TransferHandle
-
-log = logging.getLogger("kvferry.cache")
-
-# Told that a request's GPU copy is enqueued (its handle, the tokens it moves), before the request waits for it: the
-# server answers its client then (kvferry.server.done_signal).
-OnEnqueued = Callable[["TransferHandle", int], None]
-
-
-def tell_enqueued(on_enqueued: OnEnqueued, handle: TransferHandle, tokens: int) -> None:
-    """Call `on_enqueued`; its failure is logged, never the request's (the copy is running: it must be finished)."""
-    try:
-        on_enqueued(handle, tokens)
-    except Exception:
-        log.exception("the enqueued-copy callback failed; the request finishes without it")
 
 
 def copy_chunks(
@@ -117,7 +103,7 @@ class ChunkWriter:
         self._tiers = tiers
         self._ahead_pause = 0  # stores left to make in order (a plain int: a lost update under a race is harmless)
 
-    def write(
+    def write_steps(
         self,
         tokens: TokenIds,
         ns: CacheNamespace,
@@ -126,11 +112,12 @@ class ChunkWriter:
         block_ids: BlockIds,
         first: int,
         valid_until: float | None = None,
-        on_enqueued: OnEnqueued | None = None,
-    ) -> tuple[list[Entry], float]:
+    ) -> Steps[tuple[list[Entry], float]]:
         """Store the full chunks of ``tokens`` from chunk ``first`` on that are not present; returns the new
         (now readable) entries and the seconds their copy took. ``block_ids`` was checked to cover them. A copy
-        that ends after ``valid_until`` (time.time()) is dropped; ``on_enqueued``: see ``CacheEngine.store``."""
+        that ends after ``valid_until`` (time.time()) is dropped: see ``CacheEngine.store``. Yields once, when the
+        copy is enqueued (`kvferry.cache.steps`); its count is final unless chunks in flight for a concurrent
+        store of the same prefix must be waited for."""
         n_full = self._hasher.num_chunks(tokens)
         write = None
         if first < n_full and copies_in_background(geom, self._pool) and not geom.partial_heads:
@@ -140,9 +127,13 @@ class ChunkWriter:
                 write = self._ahead(tokens, ns, geom, block_ids, first, n_full)
         if write is None:
             write = self._in_order(tokens, ns, paged, geom, block_ids, first)
-        if on_enqueued is not None and write.in_flight is not None and not write.others:
-            tell_enqueued(on_enqueued, write.in_flight, len(write.entries) * self._chunk_size)
-        stored, seconds = self._finish(write, valid_until) if write.entries or write.spare else ([], 0.0)
+        stored: list[Entry] = []
+        seconds = 0.0
+        try:
+            yield Enqueued(write.in_flight, len(write.entries) * self._chunk_size, not write.others)
+        finally:  # also when the steps are closed early: the copy is waited for and its chunks settled
+            if write.entries or write.spare:
+                stored, seconds = self._finish(write, valid_until)
         if not write.others:
             return stored, seconds
         taken, more = self._take_over(tokens, ns, paged, geom, block_ids, write.others, valid_until)

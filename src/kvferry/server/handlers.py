@@ -28,9 +28,9 @@ from kvferry.server.requests import (
     PrefetchStatusArgs,
     RegisterArgs,
     RegistrationArgs,
-    TransferArgs,
 )
 from kvferry.server.sessions import Registration, Session, SessionTable
+from kvferry.server.transfers import Transfers
 
 INLINE_OPS = frozenset(
     {
@@ -54,9 +54,6 @@ class Deferred:
 
 
 Handler = Callable[[Session, Any], "dict[str, Any] | Deferred"]
-# Sends a transfer's result before the transfer returns (once its GPU copy is enqueued and its done flag set to be
-# written); the server then sends nothing when it returns.
-ReplyEarly = Callable[[dict[str, Any]], None]
 
 
 class RequestHandlers:
@@ -76,14 +73,13 @@ class RequestHandlers:
         self._hello = hello
         self._end_session = end_session
         self._server_stats = server_stats
+        self.transfers = Transfers(engine, sessions)
         self.table: dict[Op, Handler] = {
             Op.PING: self.ping,
             Op.GET_CHUNK_SIZE: self.get_chunk_size,
             Op.REGISTER_KV_CACHE: self.register,
             Op.UNREGISTER_KV_CACHE: self.unregister,
             Op.LOOKUP: self.lookup,
-            Op.STORE: self.store,
-            Op.RETRIEVE: self.retrieve,
             Op.PREFETCH: self.prefetch,
             Op.PREFETCH_STATUS: self.prefetch_status,
             Op.FREE_LOOKUP_LOCKS: self.free_lookup_locks,
@@ -92,20 +88,10 @@ class RequestHandlers:
             Op.STATS: self.stats,
         }
 
-    def run(
-        self,
-        op: Op,
-        session: Session,
-        args: Any,
-        deadline: float | None,
-        reply_early: ReplyEarly | None = None,
-        request_id: int = 0,
-    ) -> dict[str, Any] | Deferred:
-        """Run op `op`; a STORE keeps only chunks copied by `deadline` (when its client stops waiting). A transfer
-        naming a done flag is answered through `reply_early` once its copy is enqueued."""
+    def run(self, op: Op, session: Session, args: Any, deadline: float | None) -> dict[str, Any] | Deferred:
+        """Run op `op`; a STORE keeps only chunks copied by `deadline` (when its client stops waiting)."""
         if op is Op.STORE or op is Op.RETRIEVE:
-            early = (reply_early, request_id) if reply_early is not None else None
-            return self._transfer(session, args, store=op is Op.STORE, deadline=deadline, early=early)
+            return self.transfers.run(session, args, store=op is Op.STORE, deadline=deadline)
         return self.table[op](session, args)
 
     def ping(self, session: Session, _: NoArgs) -> dict[str, Any]:
@@ -174,12 +160,6 @@ class RequestHandlers:
             return _lookup_result(found)
         return Deferred(lambda: _lookup_result(below()))
 
-    def store(self, session: Session, args: TransferArgs) -> dict[str, Any]:
-        return self._transfer(session, args, store=True)
-
-    def retrieve(self, session: Session, args: TransferArgs) -> dict[str, Any]:
-        return self._transfer(session, args, store=False)
-
     def prefetch(self, session: Session, args: PrefetchArgs) -> dict[str, Any]:
         namespace = self._namespace(session, args.registration, args.namespace)
         tokens = unpack_ids(args.tokens, "tokens")
@@ -213,81 +193,6 @@ class RequestHandlers:
     def stats(self, _: Session, __: NoArgs) -> dict[str, Any]:
         return {"server": self._server_stats(), "cache": self._engine.stats()}
 
-    def _transfer(
-        self,
-        session: Session,
-        args: TransferArgs,
-        *,
-        store: bool,
-        deadline: float | None = None,
-        early: tuple[ReplyEarly, int] | None = None,
-    ) -> dict[str, Any]:
-        tokens = unpack_ids(args.tokens, "tokens")
-        block_ids = unpack_ids(args.block_ids, "block_ids")
-        if store and args.lock is not None:
-            raise ProtocolError(ErrorCode.BAD_ARGUMENT, "'lock' belongs to RETRIEVE, not STORE")
-        if not store and (args.ready_event is not None or args.ready_slot is not None):
-            raise ProtocolError(ErrorCode.BAD_ARGUMENT, "'ready_event' and 'ready_slot' belong to STORE, not RETRIEVE")
-        if (args.done_slot is None) != (args.done_seq is None):
-            raise ProtocolError(ErrorCode.BAD_ARGUMENT, "give both 'done_slot' and 'done_seq', or neither")
-        if not store:
-            self._sessions.settle(session)  # this session's stores it has seen done are hits
-        reg = self._sessions.use_registration(session, args.registration)
-        answered: list[int] = []
-        try:
-            # From here the engine owns the lock: retrieve ends it however the copy goes.
-            if args.lock is not None and not self._sessions.drop_lock(session, args.lock):
-                raise ProtocolError(ErrorCode.UNKNOWN_LOCK, f"'lock'={args.lock} is not held by this session")
-            where: dict[str, Any] = {
-                "namespace": reg.namespace,
-                "block_size": reg.block_size,
-                "geometry": reg.geometry,
-                "skip_prefix_tokens": args.skip_prefix_tokens,
-            }
-            if args.done_slot is not None and early is not None:
-                where["on_enqueued"] = self._answer_when_enqueued(session, reg, args, early, answered)
-            if store and args.ready_slot is not None:
-                with _after_client_event(reg, args.ready_slot):
-                    done = self._engine.store(
-                        tokens, reg.kv.paged, block_ids, reg.format, valid_until=deadline, **where
-                    )
-            elif store:
-                if args.ready_event is not None:
-                    _wait_for_client_event(reg, args.ready_event)
-                done = self._engine.store(tokens, reg.kv.paged, block_ids, reg.format, valid_until=deadline, **where)
-            else:
-                done = self._engine.retrieve(tokens, reg.kv.paged, block_ids, reg.format, lock_id=args.lock, **where)
-        finally:
-            self._sessions.done_with(reg)
-            for request_id in answered:
-                self._sessions.answered(session, request_id)
-        return {"tokens": int(done), "signalled": False}
-
-    def _answer_when_enqueued(
-        self,
-        session: Session,
-        reg: Registration,
-        args: TransferArgs,
-        early: tuple[ReplyEarly, int],
-        answered: list[int],
-    ) -> Callable[[Any, int], None]:
-        """The engine's on_enqueued for a transfer naming a done flag: the flag's write goes behind the copy on
-        the GPU, and the client gets its answer now (`signalled`: poll the flag)."""
-        flags = reg.done_flags
-        if flags is None or reg.kv.device.type != "cuda":
-            raise ProtocolError(ErrorCode.BAD_ARGUMENT, "'done_slot' needs a CUDA registration with 'done_flags'")
-        slot, seq = int(args.done_slot or 0), int(args.done_seq or 0)
-        flags.check_slot(slot)
-        reply_early, request_id = early
-
-        def on_enqueued(handle: Any, tokens: int) -> None:
-            flags.signal(handle, slot, seq)
-            answered.append(request_id)
-            self._sessions.answering_early(session, request_id, handle)
-            reply_early({"tokens": int(tokens), "signalled": True})
-
-        return on_enqueued
-
     def _namespace(self, session: Session, registration: int | None, explicit: Namespace | None) -> CacheNamespace:
         if explicit is not None and registration is None:
             try:
@@ -319,33 +224,6 @@ def _open_ready_events(device: Any, handles: list[bytes]) -> tuple[tuple[Any, ..
     except RuntimeError as exc:
         raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"'ready_events': cannot open a CUDA IPC event ({exc})") from None
     return events, torch.cuda.Stream(device)
-
-
-def _after_client_event(reg: Registration, slot: int) -> Any:
-    """A context in which this thread's current stream is the registration's own store stream, made to wait on the
-    GPU for the client's work recorded in event `slot`: the store's copy is ordered after that stream, so no CPU
-    thread blocks on the engine's forward pass, and no other client's transfer queues behind it."""
-    import torch
-
-    if slot >= len(reg.ready_events):
-        raise ProtocolError(
-            ErrorCode.BAD_ARGUMENT, f"'ready_slot'={slot}, but the registration has {len(reg.ready_events)} events"
-        )
-    stream = reg.ready_stream
-    stream.wait_event(reg.ready_events[slot])
-    return torch.cuda.stream(stream)
-
-
-def _wait_for_client_event(reg: Registration, handle: bytes) -> None:
-    """Block until the client's CUDA work before its STORE (e.g. the forward pass writing KV) is done."""
-    import torch
-
-    if reg.kv.device.type != "cuda":
-        raise ProtocolError(ErrorCode.BAD_ARGUMENT, "'ready_event' is only meaningful for a CUDA registration")
-    try:
-        torch.cuda.Event.from_ipc_handle(reg.kv.device, handle).synchronize()
-    except RuntimeError as exc:
-        raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"'ready_event': cannot open the CUDA IPC event ({exc})") from None
 
 
 def _describe(error: BaseException | None) -> str | None:

@@ -32,6 +32,7 @@ from kvferry.server.metrics import ServerMetrics
 from kvferry.server.protocol import (
     PROTOCOL_VERSION,
     ErrorCode,
+    Op,
     ProtocolError,
     Request,
     decode_request,
@@ -40,10 +41,13 @@ from kvferry.server.protocol import (
 )
 from kvferry.server.requests import parse_args
 from kvferry.server.sessions import Session, SessionTable
+from kvferry.server.transfers import Started
 
 log = logging.getLogger("kvferry.server")
 
 _BATCH = 256  # requests taken off the socket per loop turn before looking at replies and the monitor
+_TRANSFER_OPS = frozenset({Op.STORE, Op.RETRIEVE})
+_ON_WORKER = object()  # a transfer that _start_transfer leaves to a worker from its start
 _instances = itertools.count()
 
 
@@ -262,6 +266,10 @@ class KvferryServer:
             return self._refuse(request.id, ErrorCode.SHUTTING_DOWN, "the server is shutting down")
         if request.op in INLINE_OPS:
             return self._run(identity, session, request, received)
+        if request.op in _TRANSFER_OPS:
+            reply = self._start_transfer(identity, session, request, received)
+            if reply is not _ON_WORKER:
+                return reply
         self._workers.submit(self._run_on_worker, identity, session, request, received)
         return None
 
@@ -276,26 +284,46 @@ class KvferryServer:
             late = ProtocolError(ErrorCode.DEADLINE_EXCEEDED, "the client stopped waiting before it could start")
             return self._reply(request, received, late)
 
-        answered = False
-
-        def reply_early(result: dict[str, Any]) -> None:  # a transfer answered once its copy is enqueued
-            nonlocal answered
-            self._send_from_worker(identity, self._reply(request, received, result))
-            answered = True
-
         def handle() -> Any:
             args = parse_args(request.op, request.args, request.id)
-            return self._handlers.run(request.op, session, args, request.deadline, reply_early, request.id)
+            return self._handlers.run(request.op, session, args, request.deadline)
 
         outcome = _attempt(handle)
         if isinstance(outcome, Deferred):
             self._tier_workers.submit(self._finish_deferred, identity, request, received, outcome)
             return None
-        if answered:
-            if isinstance(outcome, BaseException):  # after the answer: the client cannot be told any more
-                log.error("%s (request %d) failed after its answer", request.op.value, request.id, exc_info=outcome)
-            return None
         return self._reply(request, received, outcome)
+
+    def _start_transfer(self, identity: bytes, session: Session, request: Request, received: float) -> Any:
+        """A STORE/RETRIEVE started on this thread (see kvferry.server.transfers): its answer now, None when a
+        worker will send it, or _ON_WORKER when it runs on a worker from the start."""
+        if request.deadline is not None and time.time() > request.deadline:
+            late = ProtocolError(ErrorCode.DEADLINE_EXCEEDED, "the client stopped waiting before it could start")
+            return self._reply(request, received, late)
+
+        def start() -> Started | None:
+            args = parse_args(request.op, request.args, request.id)
+            store = request.op is Op.STORE
+            return self._handlers.transfers.start(
+                session, args, store=store, deadline=request.deadline, request_id=request.id
+            )
+
+        outcome = _attempt(start)
+        if outcome is None:
+            return _ON_WORKER
+        if isinstance(outcome, BaseException):
+            return self._reply(request, received, outcome)
+        if outcome.finish is not None:
+            self._workers.submit(self._finish_transfer, identity, request, received, outcome)
+        return None if outcome.answer is None else self._reply(request, received, outcome.answer)
+
+    def _finish_transfer(self, identity: bytes, request: Request, received: float, started: Started) -> None:
+        assert started.finish is not None
+        outcome = _attempt(started.finish)
+        if started.answer is None:
+            self._send_from_worker(identity, self._reply(request, received, outcome))
+        elif isinstance(outcome, BaseException):  # after the answer: the client cannot be told any more
+            log.error("%s (request %d) failed after its answer", request.op.value, request.id, exc_info=outcome)
 
     def _finish_deferred(self, identity: bytes, request: Request, received: float, deferred: Deferred) -> None:
         self._send_from_worker(identity, self._reply(request, received, _attempt(deferred.finish)))

@@ -1,0 +1,58 @@
+"""A store or retrieve as steps: the work up to its copy being enqueued, then the rest (waiting for the copy,
+making stored chunks readable, releasing what a retrieve held).
+
+A GPU copy runs on its own once enqueued, so whoever starts a transfer need not be the thread that waits for it:
+the server enqueues on its socket thread, answers the client at once, and leaves the wait to a worker. The steps
+are a generator that yields once, an `Enqueued`, when the copy is in flight (a transfer with nothing to copy
+returns without yielding); its return value is the transfer's result. Closing it early still finishes the copy's
+bookkeeping (it waits for the copy), so no object or lock outlives an abandoned transfer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
+
+if TYPE_CHECKING:
+    from kvferry.transfer.handle import TransferHandle
+
+T = TypeVar("T")
+
+
+class Enqueued(NamedTuple):
+    """A transfer's copy is in flight (`handle`: None when it was done on return, as on the CPU). `final`: the
+    copy is all that is left of the transfer and `tokens` is its result, so it may be reported now."""
+
+    handle: TransferHandle | None
+    tokens: int
+    final: bool
+
+
+Steps = Generator[Enqueued, None, T]
+
+
+def run_steps(steps: Steps[T]) -> T:
+    """Run a transfer's steps to the end on this thread; its result."""
+    try:
+        next(steps)
+    except StopIteration as stop:
+        return stop.value
+    return finish_steps(steps)
+
+
+def first_step(steps: Steps[T]) -> Enqueued | tuple[T]:
+    """Run up to the copy being enqueued: the `Enqueued`, or `(result,)` when the transfer ended without a copy."""
+    try:
+        return next(steps)
+    except StopIteration as stop:
+        return (stop.value,)
+
+
+def finish_steps(steps: Steps[T]) -> T:
+    """The rest of a transfer whose first step ran; its result."""
+    try:
+        next(steps)
+    except StopIteration as stop:
+        return stop.value
+    steps.close()
+    raise RuntimeError("a transfer's steps yield once")

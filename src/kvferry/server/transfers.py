@@ -1,0 +1,186 @@
+"""STORE and RETRIEVE: their checks, a GPU store's order after the client's own work, and the two ways one runs.
+
+- On a worker, start to end, answered after the copy: CPU KV (the copy is the CPU's own work), a GPU transfer that
+  names no done flag, and a STORE whose readiness is an event of its own (waited for on the CPU).
+- Started on the socket thread: a GPU transfer naming a done flag (`kvferry.server.done_signal`). The thread runs
+  it up to its copy being enqueued, answers at once, and leaves the wait and the bookkeeping to a worker. On the
+  GPU host a hand-over between threads costs ~100-200 us of wake-up (`benchmarks/experiments/server_timeline.py`):
+  this path has none before the copy starts and none before the answer leaves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from kvferry.cache import CacheEngine
+from kvferry.cache.steps import Steps, finish_steps, first_step, run_steps
+from kvferry.server.protocol import ErrorCode, ProtocolError, unpack_ids
+from kvferry.server.requests import TransferArgs
+from kvferry.server.sessions import Registration, Session, SessionTable
+
+log = logging.getLogger("kvferry.server")
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """A transfer started on the socket thread: the result to send now (None: `finish`'s, when it returns), and
+    the rest of it for a worker (None: nothing is left)."""
+
+    answer: dict[str, Any] | None
+    finish: Callable[[], dict[str, Any]] | None
+
+
+class Transfers:
+    def __init__(self, engine: CacheEngine, sessions: SessionTable) -> None:
+        self._engine = engine
+        self._sessions = sessions
+
+    def run(self, session: Session, args: TransferArgs, *, store: bool, deadline: float | None) -> dict[str, Any]:
+        """The whole transfer on this thread (a worker); its result once the copy is done."""
+        tokens, block_ids = _ids(args, store)
+        if not store:
+            self._sessions.settle(session)  # this session's stores it has seen done are hits
+        reg = self._sessions.use_registration(session, args.registration)
+        try:
+            _check_ready_slot(reg, args)
+            self._take_lock(session, args)  # from here the engine owns it: a retrieve ends it however it goes
+            if store and args.ready_event is not None:
+                _wait_for_client_event(reg, args.ready_event)
+            with _after_client_work(reg, args, store, first=True):
+                done = run_steps(self._steps(reg, args, store, deadline, tokens, block_ids))
+        finally:
+            self._sessions.done_with(reg)
+        return {"tokens": int(done), "signalled": False}
+
+    def start(
+        self, session: Session, args: TransferArgs, *, store: bool, deadline: float | None, request_id: int
+    ) -> Started | None:
+        """Run a GPU transfer naming a done flag up to its copy being enqueued (None: not such a transfer, `run` it
+        on a worker). Answered now when the copy is all that is left (`signalled`: the GPU writes the flag)."""
+        if args.done_slot is None or args.ready_event is not None:
+            return None
+        tokens, block_ids = _ids(args, store)
+        if not store:
+            self._sessions.settle(session)
+        reg = self._sessions.use_registration(session, args.registration)
+        flags = reg.done_flags
+        try:
+            if flags is None:
+                raise ProtocolError(ErrorCode.BAD_ARGUMENT, "'done_slot' needs a CUDA registration with 'done_flags'")
+            flags.check_slot(args.done_slot)
+            _check_ready_slot(reg, args)
+            self._take_lock(session, args)
+            steps = self._steps(reg, args, store, deadline, tokens, block_ids)
+            with _after_client_work(reg, args, store, first=True):
+                first = first_step(steps)
+        except BaseException:
+            self._sessions.done_with(reg)
+            raise
+        if isinstance(first, tuple):  # nothing to copy: done
+            self._sessions.done_with(reg)
+            return Started({"tokens": int(first[0]), "signalled": False}, None)
+        if first.handle is None and first.final:  # nothing in flight, nothing to wait for (chunks all present)
+            try:
+                done = finish_steps(steps)
+            finally:
+                self._sessions.done_with(reg)
+            return Started({"tokens": int(done), "signalled": False}, None)
+        answer = None
+        if first.final and first.handle is not None:
+            try:
+                flags.signal(first.handle, args.done_slot, int(args.done_seq or 0))
+            except Exception:  # answered after the copy instead
+                log.exception("could not enqueue the done flag's write of request %d", request_id)
+            else:
+                self._sessions.answering_early(session, request_id, first.handle)
+                answer = {"tokens": int(first.tokens), "signalled": True}
+
+        def finish() -> dict[str, Any]:
+            try:
+                with _after_client_work(reg, args, store, first=False):
+                    done = finish_steps(steps)
+                return {"tokens": int(done), "signalled": False}
+            finally:
+                self._sessions.done_with(reg)
+                if answer is not None:
+                    self._sessions.answered(session, request_id)
+
+        return Started(answer, finish)
+
+    def _take_lock(self, session: Session, args: TransferArgs) -> None:
+        if args.lock is not None and not self._sessions.drop_lock(session, args.lock):
+            raise ProtocolError(ErrorCode.UNKNOWN_LOCK, f"'lock'={args.lock} is not held by this session")
+
+    def _steps(
+        self,
+        reg: Registration,
+        args: TransferArgs,
+        store: bool,
+        deadline: float | None,
+        tokens: Any,
+        block_ids: Any,
+    ) -> Steps[int]:
+        where = {
+            "namespace": reg.namespace,
+            "block_size": reg.block_size,
+            "geometry": reg.geometry,
+            "skip_prefix_tokens": args.skip_prefix_tokens,
+        }
+        if store:
+            return self._engine.store_steps(tokens, reg.kv.paged, block_ids, reg.format, valid_until=deadline, **where)
+        return self._engine.retrieve_steps(tokens, reg.kv.paged, block_ids, reg.format, lock_id=args.lock, **where)
+
+
+def _ids(args: TransferArgs, store: bool) -> tuple[Any, Any]:
+    """The request's token and block ids, after the checks that need no registration."""
+    tokens = unpack_ids(args.tokens, "tokens")
+    block_ids = unpack_ids(args.block_ids, "block_ids")
+    if store and args.lock is not None:
+        raise ProtocolError(ErrorCode.BAD_ARGUMENT, "'lock' belongs to RETRIEVE, not STORE")
+    if not store and (args.ready_event is not None or args.ready_slot is not None):
+        raise ProtocolError(ErrorCode.BAD_ARGUMENT, "'ready_event' and 'ready_slot' belong to STORE, not RETRIEVE")
+    if (args.done_slot is None) != (args.done_seq is None):
+        raise ProtocolError(ErrorCode.BAD_ARGUMENT, "give both 'done_slot' and 'done_seq', or neither")
+    return tokens, block_ids
+
+
+def _check_ready_slot(reg: Registration, args: TransferArgs) -> None:
+    if args.ready_slot is not None and args.ready_slot >= len(reg.ready_events):
+        raise ProtocolError(
+            ErrorCode.BAD_ARGUMENT,
+            f"'ready_slot'={args.ready_slot}, but the registration has {len(reg.ready_events)} events",
+        )
+
+
+@contextlib.contextmanager
+def _after_client_work(reg: Registration, args: TransferArgs, store: bool, *, first: bool) -> Iterator[None]:
+    """For a STORE naming a ready slot: this thread's current stream is the registration's store stream, made (once,
+    `first`) to wait on the GPU for the client's work recorded in that event. The store's copies are ordered after
+    that work, so no CPU thread blocks on the engine's forward pass, and no other client's transfer queues behind
+    it. A store resumed on another thread (`first=False`) may still copy (chunks a concurrent store gave up)."""
+    if not store or args.ready_slot is None:
+        yield
+        return
+    import torch
+
+    stream = reg.ready_stream
+    if first:
+        stream.wait_event(reg.ready_events[args.ready_slot])
+    with torch.cuda.stream(stream):
+        yield
+
+
+def _wait_for_client_event(reg: Registration, handle: bytes) -> None:
+    """Block until the client's CUDA work before its STORE (e.g. the forward pass writing KV) is done."""
+    import torch
+
+    if reg.kv.device.type != "cuda":
+        raise ProtocolError(ErrorCode.BAD_ARGUMENT, "'ready_event' is only meaningful for a CUDA registration")
+    try:
+        torch.cuda.Event.from_ipc_handle(reg.kv.device, handle).synchronize()
+    except RuntimeError as exc:
+        raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"'ready_event': cannot open the CUDA IPC event ({exc})") from None

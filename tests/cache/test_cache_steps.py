@@ -1,0 +1,83 @@
+"""A store or retrieve run as steps (what the server does: up to the copy's enqueue on one thread, the rest on
+another): the first step stops at the copy, the rest makes it count, and steps abandoned after the first still
+finish their bookkeeping, so no object, reader or lock outlives them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvferry.cache import CacheEngine
+from kvferry.cache.steps import Enqueued, finish_steps, first_step, run_steps
+from kvferry.config import KvferryConfig
+from kvferry.formats.kinds import EngineKVFormat as F
+from kvferry.memory import HostPool
+from tests.cache.cachekit import BS, CHUNK, assert_blocks_equal, make_paged
+
+FMT = F.NL_X_TWO_NB_BS_NH_HS
+NB = 32
+
+
+def _engine() -> CacheEngine:
+    config = KvferryConfig.load(env={}, overrides={"cache": {"chunk_size": CHUNK}})
+    return CacheEngine(config, pool=HostPool(64 * 4096, pin=False))
+
+
+def _tokens(chunks: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 32_000, size=chunks * CHUNK).tolist()
+
+
+def test_a_store_counts_only_once_its_steps_finish() -> None:
+    src = make_paged(FMT, NB, seed=1)
+    tokens, ids = _tokens(3, 1), list(range(3 * CHUNK // BS))
+    with _engine() as engine:
+        ns = engine.namespace_for("m", FMT, src)
+        steps = engine.store_steps(tokens, src, ids, FMT, namespace=ns)
+        first = first_step(steps)
+        assert first == Enqueued(None, 3 * CHUNK, True)  # on the CPU the copy is done when it is "enqueued"
+        assert engine.lookup(tokens, namespace=ns) == 0  # written, not yet readable
+        assert finish_steps(steps) == 3 * CHUNK
+        assert engine.lookup(tokens, namespace=ns) == 3 * CHUNK
+
+
+def test_steps_closed_after_the_enqueue_still_settle_their_chunks() -> None:
+    src, dst = make_paged(FMT, NB, seed=2), make_paged(FMT, NB, seed=3)
+    tokens, ids = _tokens(2, 2), list(range(2 * CHUNK // BS))
+    with _engine() as engine:
+        ns = engine.namespace_for("m", FMT, src)
+        steps = engine.store_steps(tokens, src, ids, FMT, namespace=ns)
+        assert isinstance(first_step(steps), Enqueued)
+        steps.close()  # abandoned (a worker pool that is shutting down, say): its copy is waited for and counted
+        assert engine.lookup(tokens, namespace=ns) == 2 * CHUNK
+        lock = engine.lookup_status(tokens, namespace=ns, lock=True).lock_id
+        steps = engine.retrieve_steps(tokens, dst, ids[::-1], FMT, namespace=ns, lock_id=lock)
+        assert first_step(steps) == Enqueued(None, 2 * CHUNK, False)
+        steps.close()
+        assert engine.free_lookup_locks(lock) is False  # the retrieve's end released it
+        assert engine.stats()["pinned_objects"] == 0  # and its readers
+        assert_blocks_equal(src, ids, dst, ids[::-1], FMT)
+        engine.clear()
+        assert engine.stats()["pool_used_bytes"] == 0
+
+
+def test_a_miss_and_a_store_of_present_chunks_end_without_a_copy() -> None:
+    src = make_paged(FMT, NB, seed=4)
+    tokens, ids = _tokens(1, 4), list(range(CHUNK // BS))
+    with _engine() as engine:
+        ns = engine.namespace_for("m", FMT, src)
+        assert first_step(engine.retrieve_steps(tokens, src, ids, FMT, namespace=ns)) == (0,)
+        assert run_steps(engine.store_steps(tokens, src, ids, FMT, namespace=ns)) == CHUNK
+        first = first_step(engine.store_steps(tokens, src, ids, FMT, namespace=ns))
+        assert first == Enqueued(None, 0, True)  # present: nothing new to copy
+
+
+def test_steps_that_yield_twice_are_refused() -> None:
+    def twice():  # type: ignore[no-untyped-def]
+        yield Enqueued(None, 0, True)
+        yield Enqueued(None, 0, True)
+        return 1
+
+    steps = twice()
+    next(steps)
+    with pytest.raises(RuntimeError, match="yield once"):
+        finish_steps(steps)
