@@ -65,13 +65,15 @@ def serve(out: str, argv: list[str]) -> int:
     """The server, probed; its events go to `out` when it exits."""
     import zmq
 
-    from kvferry.server import handlers, server
+    from kvferry.server import server, transfers
     from kvferry.server.app import run_from_command_line
 
     install_engine_probes()
     around(server.KvferryServer, "_accept", "accept", None)
-    around(server.KvferryServer, "_run_on_worker", "worker", None)
-    around(handlers.RequestHandlers, "_transfer", "handler_in", "handler_out")
+    around(server.KvferryServer, "_run_on_worker", "worker", None)  # a transfer run on a worker from its start
+    around(server.KvferryServer, "_finish_transfer", "worker", None)  # or finished there after the socket thread
+    around(transfers.Transfers, "run", "handler_in", "handler_out")
+    around(transfers.Transfers, "start", "handler_in", "answered")
     around(server.KvferryServer, "_send_from_worker", None, "pushed")
 
     def forward(self: Any, replies_in: Any, router: Any) -> None:
@@ -88,8 +90,8 @@ def serve(out: str, argv: list[str]) -> int:
     return run_from_command_line(argv)
 
 
-STAGES = ["sent", "accept", "worker", "handler_in", "enqueue_in", "enqueued", "wait_in", "wait_out", "handler_out",
-          "pushed", "forwarded", "reply_read", "flag_wait", "flag_seen", "return"]  # fmt: skip
+STAGES = ["sent", "accept", "handler_in", "enqueue_in", "enqueued", "answered", "worker", "wait_in", "wait_out",
+          "handler_out", "pushed", "forwarded", "reply_read", "flag_wait", "flag_seen", "return"]  # fmt: skip
 
 
 def timeline(calls: list[tuple[int, int]], events: list[tuple[str, int]]) -> dict[str, float]:
@@ -117,6 +119,7 @@ def main() -> None:
     parser.add_argument("--model", default="llama3-8b")
     parser.add_argument("--reps", type=int, default=60)
     parser.add_argument("--json")
+    parser.add_argument("--busy-poll-us", default="0", help="the server's --busy-poll-us")
     args = parser.parse_args()
 
     from kvferry.bench.timing import CopyCeiling
@@ -137,7 +140,7 @@ def main() -> None:
     events_file = tempfile.mktemp(suffix=".json")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     cmd = [sys.executable, __file__, "--serve", events_file, "--port", "0", "--no-http", "--chunk-size", str(chunk),
-           "--l1-size-gb", "4"]  # fmt: skip
+           "--l1-size-gb", "4", "--busy-poll-us", args.busy_poll_us]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
     endpoint = ""

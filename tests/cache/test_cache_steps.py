@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvferry.cache import CacheEngine
-from kvferry.cache.steps import Enqueued, finish_steps, first_step, run_steps
+from kvferry.cache.steps import Enqueued, Finished, finish_steps, first_step, run_steps
 from kvferry.config import KvferryConfig
 from kvferry.formats.kinds import EngineKVFormat as F
 from kvferry.memory import HostPool
@@ -65,7 +65,7 @@ def test_a_miss_and_a_store_of_present_chunks_end_without_a_copy() -> None:
     tokens, ids = _tokens(1, 4), list(range(CHUNK // BS))
     with _engine() as engine:
         ns = engine.namespace_for("m", FMT, src)
-        assert first_step(engine.retrieve_steps(tokens, src, ids, FMT, namespace=ns)) == (0,)
+        assert first_step(engine.retrieve_steps(tokens, src, ids, FMT, namespace=ns)) == Finished(0)
         assert run_steps(engine.store_steps(tokens, src, ids, FMT, namespace=ns)) == CHUNK
         first = first_step(engine.store_steps(tokens, src, ids, FMT, namespace=ns))
         assert first == Enqueued(None, 0, True)  # present: nothing new to copy

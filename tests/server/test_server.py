@@ -211,3 +211,24 @@ def test_ready_events_belong_to_stores_of_cuda_registrations(client: KvferryClie
     with pytest.raises(ServerError, match="belong to STORE, not RETRIEVE"):
         client._conn.wait(client._conn.submit(Op.RETRIEVE, {**store, "ready_slot": 0}))
     assert client.store(reg, list(range(8)), [0, 1, 2, 3]) == 8  # the session is fine
+
+
+def test_a_busy_polling_server_serves_and_stops(engine: FakeEngine) -> None:
+    from kvferry.server import ServerConfig
+
+    config = ServerConfig(port=0, http_port=None, busy_poll_us=20_000)
+    server = KvferryServer(config, engine)  # type: ignore[arg-type]
+    server.start()
+    try:
+        with KvferryClient(f"tcp://127.0.0.1:{server.port}", timeout_s=10) as client:
+            reg = client.register_kv_cache(random_kv(8), FMT, namespace=NS)
+            for i in range(20):
+                tokens = list(range(1000 * i, 1000 * i + 8))
+                assert client.store(reg, tokens, [0, 1, 2, 3]) == 8  # answered from a worker while the loop spins
+                assert client.lookup(tokens, registration=reg).tokens == 8
+                if i % 5 == 0:
+                    time.sleep(0.03)  # past the spin: the loop sleeps in its poll again, and wakes for the next
+    finally:
+        started = time.monotonic()
+        server.stop()
+        assert time.monotonic() - started < 5

@@ -11,7 +11,7 @@ bookkeeping (it waits for the copy), so no object or lock outlives an abandoned 
 from __future__ import annotations
 
 from collections.abc import Generator
-from typing import TYPE_CHECKING, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 if TYPE_CHECKING:
     from kvferry.transfer.handle import TransferHandle
@@ -28,6 +28,12 @@ class Enqueued(NamedTuple):
     final: bool
 
 
+class Finished(NamedTuple):
+    """A transfer that ended without a copy in flight, and its result."""
+
+    result: Any
+
+
 Steps = Generator[Enqueued, None, T]
 
 
@@ -40,12 +46,12 @@ def run_steps(steps: Steps[T]) -> T:
     return finish_steps(steps)
 
 
-def first_step(steps: Steps[T]) -> Enqueued | tuple[T]:
-    """Run up to the copy being enqueued: the `Enqueued`, or `(result,)` when the transfer ended without a copy."""
+def first_step(steps: Steps[T]) -> Enqueued | Finished:
+    """Run up to the copy being enqueued: the `Enqueued`, or `Finished` when the transfer ended without a copy."""
     try:
         return next(steps)
     except StopIteration as stop:
-        return (stop.value,)
+        return Finished(stop.value)
 
 
 def finish_steps(steps: Steps[T]) -> T:

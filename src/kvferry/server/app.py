@@ -28,6 +28,7 @@ _FLAG_FIELDS: dict[str, tuple[str, str]] = {
     "transfer_workers": ("server", "transfer_workers"),
     "tier_workers": ("server", "tier_workers"),
     "tier_check_interval": ("server", "tier_check_interval_s"),
+    "busy_poll_us": ("server", "busy_poll_us"),
     "chunk_size": ("cache", "chunk_size"),
     "l1_size_gb": ("cache", "l1_size_gb"),
     "eviction": ("cache", "eviction_policy"),
@@ -48,6 +49,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--transfer-workers", type=int, metavar="N", help="threads running transfers")
     net.add_argument("--tier-workers", type=int, metavar="N", help="threads finishing lookups that ask a tier")
     net.add_argument("--tier-check-interval", type=float, metavar="S", help="probe each tier this often (s)")
+    net.add_argument(
+        "--busy-poll-us", type=int, metavar="US", help="after each request, poll without sleeping this long (us)"
+    )
     cache = parser.add_argument_group("cache")
     cache.add_argument("--chunk-size", type=int, metavar="TOKENS", help="tokens per chunk object")
     cache.add_argument("--l1-size-gb", type=float, metavar="GB", help="host pool capacity (GiB)")

@@ -43,6 +43,13 @@ class ServerConfig(BaseModel):
         description="Threads that finish LOOKUP/PREFETCH requests needing a tier's answer (a slow tier slows only "
         "those).",
     )
+    busy_poll_us: int = Field(
+        0,
+        ge=0,
+        le=1_000_000,
+        description="After each request, the socket thread polls without sleeping for this long (microseconds): "
+        "a request arriving meanwhile finds it awake, at the cost of a CPU core while requests keep coming.",
+    )
     tier_check_interval_s: float = Field(
         5.0, gt=0, description="How often each tier is probed, so /health knows a tier is down before a request does."
     )

@@ -90,6 +90,8 @@ class KvferryServer:
         self._reply_lock = threading.Lock()
         self._stopping = threading.Event()
         self._loop_thread: threading.Thread | None = None
+        # A transfer started on the socket thread whose rest goes to a worker after its answer is sent (loop only).
+        self._to_finish: tuple[bytes, Request, float, Started] | None = None
         self._http: HttpSidePort | None = None
         self.port: int = config.port
         self.http_port: int | None = None
@@ -194,10 +196,14 @@ class KvferryServer:
         sweep_every = min(self.config.heartbeat_interval_s, self.config.heartbeat_timeout_s / 4)
         last_turn = self._clock()
         next_sweep = last_turn + sweep_every
+        busy_poll_s = self.config.busy_poll_us / 1e6
+        spin_until = 0.0
         try:
             while not self._stopping.is_set():
-                ready = dict(poller.poll(timeout=100))
+                ready = dict(poller.poll(timeout=0 if last_turn < spin_until else 100))
                 now = self._clock()
+                if ready and busy_poll_s:
+                    spin_until = now + busy_poll_s
                 if now - last_turn > self.config.heartbeat_timeout_s / 2:
                     # This process was stalled (stopped, swapped): its clients' silence is its own. Give each
                     # a whole timeout to be heard again before any is judged.
@@ -236,6 +242,9 @@ class KvferryServer:
                 reply = self._refuse(None, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
             if reply is not None:
                 router.send_multipart([identity, reply])
+            if self._to_finish is not None:
+                self._workers.submit(self._finish_transfer, *self._to_finish)
+                self._to_finish = None
         return False
 
     def _accept(self, identity: bytes, frames: list[zmq.Frame], monitor: zmq.Socket) -> bytes | None:
@@ -313,8 +322,8 @@ class KvferryServer:
             return _ON_WORKER
         if isinstance(outcome, BaseException):
             return self._reply(request, received, outcome)
-        if outcome.finish is not None:
-            self._workers.submit(self._finish_transfer, identity, request, received, outcome)
+        if outcome.finish is not None:  # handed over once the answer is sent: a worker waking meanwhile delays it
+            self._to_finish = (identity, request, received, outcome)
         return None if outcome.answer is None else self._reply(request, received, outcome.answer)
 
     def _finish_transfer(self, identity: bytes, request: Request, received: float, started: Started) -> None:

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from kvferry.cache import CacheEngine
-from kvferry.cache.steps import Steps, finish_steps, first_step, run_steps
+from kvferry.cache.steps import Finished, Steps, finish_steps, first_step, run_steps
 from kvferry.server.protocol import ErrorCode, ProtocolError, unpack_ids
 from kvferry.server.requests import TransferArgs
 from kvferry.server.sessions import Registration, Session, SessionTable
@@ -75,14 +76,15 @@ class Transfers:
             _check_ready_slot(reg, args)
             self._take_lock(session, args)
             steps = self._steps(reg, args, store, deadline, tokens, block_ids)
+            _use_device(reg.kv.device)
             with _after_client_work(reg, args, store, first=True):
                 first = first_step(steps)
         except BaseException:
             self._sessions.done_with(reg)
             raise
-        if isinstance(first, tuple):  # nothing to copy: done
+        if isinstance(first, Finished):  # nothing to copy: done
             self._sessions.done_with(reg)
-            return Started({"tokens": int(first[0]), "signalled": False}, None)
+            return Started({"tokens": int(first.result), "signalled": False}, None)
         if first.handle is None and first.final:  # nothing in flight, nothing to wait for (chunks all present)
             try:
                 done = finish_steps(steps)
@@ -146,6 +148,19 @@ def _ids(args: TransferArgs, store: bool) -> tuple[Any, Any]:
     if (args.done_slot is None) != (args.done_seq is None):
         raise ProtocolError(ErrorCode.BAD_ARGUMENT, "give both 'done_slot' and 'done_seq', or neither")
     return tokens, block_ids
+
+
+_thread = threading.local()
+
+
+def _use_device(device: Any) -> None:
+    """Make `device` this thread's current CUDA device (its context current), once. The socket thread starts with
+    none, and the transfer engine would then switch the context in and out around every request."""
+    if getattr(_thread, "device", None) != device:
+        import torch
+
+        torch.cuda.set_device(device)
+        _thread.device = device
 
 
 def _check_ready_slot(reg: Registration, args: TransferArgs) -> None:
