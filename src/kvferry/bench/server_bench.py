@@ -67,9 +67,9 @@ examples:
 
 
 class ServerProcess:
-    def __init__(self, pool_gb: float) -> None:
+    def __init__(self, pool_gb: float, busy_poll_us: int = 0) -> None:
         cmd = [sys.executable, "-m", "kvferry.server", "--port", "0", "--no-http", "--chunk-size", str(CHUNK)]
-        cmd += ["--l1-size-gb", str(pool_gb), "--log-level", "INFO"]
+        cmd += ["--l1-size-gb", str(pool_gb), "--busy-poll-us", str(busy_poll_us), "--log-level", "INFO"]
         self.proc = subprocess.Popen(cmd, env=child_env(), stderr=subprocess.PIPE, text=True)
         assert self.proc.stderr is not None
         watchdog = threading.Timer(READY_TIMEOUT_S, self.proc.kill)  # a server never ready ends the loop below
@@ -223,11 +223,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="host pool of the server and of the in-process engine; LRU makes room as prefixes pile up "
         "(default: %(default)s)",
     )
+    parser.add_argument(
+        "--busy-poll-us",
+        type=int,
+        default=0,
+        help="the server's --busy-poll-us: how long its socket thread polls without sleeping after each request "
+        "(default: %(default)s)",
+    )
     add_json_argument(parser)
 
 
 def check(args: argparse.Namespace) -> None:
     positive(args, "requests", "transfers")
+    if args.busy_poll_us < 0:
+        raise BenchError(f"--busy-poll-us must be >= 0, got {args.busy_poll_us}")
     if args.pool_gb <= 0:
         raise BenchError(f"--pool-gb must be positive, got {args.pool_gb}")
     if args.device == "cuda":
@@ -256,7 +265,7 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
             ceilings[key] = CopyCeiling(torch.device(args.device), chunks * chunk_bytes, direction)
         return ceilings[key]
 
-    server = ServerProcess(pool_gb=args.pool_gb)
+    server = ServerProcess(pool_gb=args.pool_gb, busy_poll_us=args.busy_poll_us)
     steps.done("server started")
     try:
         with KvferryClient(server.endpoint, timeout_s=120) as client:
@@ -301,7 +310,8 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
             cases[name]["engine_ratio"] = row["ratio"]
     results: dict[str, Any] = {"chunk_bytes": chunk_bytes}
     results["cases"] = cases
-    config_json = {key: getattr(args, key) for key in ("model", "device", "requests", "transfers", "pool_gb")}
+    keys = ("model", "device", "requests", "transfers", "pool_gb", "busy_poll_us")
+    config_json = {key: getattr(args, key) for key in keys}
     return Outcome(config_json | {"chunk_size": CHUNK}, results, _show(args, results), device=args.device)
 
 
