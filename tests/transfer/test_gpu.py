@@ -255,3 +255,16 @@ def test_a_slice_of_the_heads_moves_its_columns_only(mode: str, pool: HostPool) 
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(objs, want, strict=True))
     for o in objs:
         pool.free(o)
+
+
+def test_prepare_gpu_compiles_both_directions_before_any_request() -> None:
+    from kvferry.transfer.api import _plans, prepare_gpu
+
+    fmt = EngineKVFormat.NL_X_TWO_NB_BS_NH_HS
+    paged = make_paged(fmt, MODELS["qwen2.5-0.5b"], 8, 16, device="cuda")
+    geom = describe(fmt, paged, 16)
+    prepare_gpu(geom)
+    plan = _plans.triton(geom)
+    assert {(i, d, True) for i in range(len(plan.stripes)) for d in (True, False)} <= set(plan.compiled)
+    with pytest.raises(ValueError, match="GPU KV"):
+        prepare_gpu(describe(fmt, make_paged(fmt, MODELS["qwen2.5-0.5b"], 8, 16), 16))

@@ -310,6 +310,17 @@ def launch_raw(
         fast.launch(grid, stream, obj_ptr, off_ptr, cap_ptr, ids_ptr, e0, e1 - e0, row0, n_rows, chunk_size, obj_shift)
 
 
+def compile_all(plan: TritonPlan) -> None:
+    """Compile every stripe's kernel for both directions now (objects 16-byte aligned, as the pool's and the staging
+    slots are): a request's first use of one would otherwise pay Triton's compile, or its disk cache's load (5-200
+    ms on the GPU host: the first RETRIEVE through a fresh server was its slowest request)."""
+    for index, s in enumerate(plan.stripes):
+        for to_objects in (True, False):
+            key = (index, to_objects, True)
+            if key not in plan.compiled:
+                plan.compiled[key] = _compile(plan, s, 0, to_objects)
+
+
 @dataclass(frozen=True)
 class _FastLaunch:
     """A compiled kernel, its stripe's arguments and constexpr tail; calls Triton's launcher as its JIT path does.

@@ -31,6 +31,7 @@ from kvferry.server.requests import (
 )
 from kvferry.server.sessions import Registration, Session, SessionTable
 from kvferry.server.transfers import Transfers
+from kvferry.transfer.api import prepare_gpu
 
 INLINE_OPS = frozenset(
     {
@@ -114,6 +115,8 @@ class RequestHandlers:
                 done_flags = DoneFlags(map_shared(args.done_flags, "done_flags"), kv.device)
             # Described once here: every transfer of this registration reuses the checked geometry.
             geometry = describe(fmt, kv.paged, args.block_size, heads=tuple(args.heads) if args.heads else None)
+            if kv.device.type == "cuda":
+                prepare_gpu(geometry)  # its kernels compiled now: no transfer of the registration pays for it
             namespace = self._engine.namespace_for(
                 deployment.model,
                 fmt,

@@ -121,6 +121,16 @@ def transfer_async(
     return _submit(geom, objs, checked, direction is Direction.D2H, chunk_size, skip_prefix_blocks, engine, mode)
 
 
+def prepare_gpu(geometry: KVGeometry) -> None:
+    """Build the GPU plan of `geometry` (an engine's registered KV) and compile its kernels for both directions, so
+    that its first store and first retrieve run at full speed."""
+    if geometry.device.type != "cuda":
+        raise ValueError(f"prepare_gpu is for GPU KV; this KV is on {geometry.device}")
+    from kvferry.kernels.triton_copy import compile_all
+
+    compile_all(_plans.triton(geometry))
+
+
 def transfer_pool_async(
     geom: KVGeometry,
     objects: list[torch.Tensor],
