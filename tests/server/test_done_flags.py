@@ -138,3 +138,29 @@ def test_the_server_refuses_done_flags_where_no_gpu_writes_them(client: KvferryC
     with pytest.raises(ServerError, match="only meaningful for a CUDA registration"):
         client._call(lambda: client._conn.submit(Op.REGISTER_KV_CACHE, args))
     assert client.store(reg, list(range(8)), [0, 1, 2, 3]) == 8  # the session is fine
+
+
+class _Copy:
+    def __init__(self, done: bool) -> None:
+        self._done = done
+
+    def done(self) -> bool:
+        return self._done
+
+
+def test_a_request_waits_for_the_bookkeeping_of_copies_seen_done_by_any_session() -> None:
+    from kvferry.server.sessions import SessionTable
+
+    table = SessionTable(time.monotonic)
+    a, b = table.open(b"a" * 16, 1), table.open(b"b" * 16, 2)
+    table.answering_early(a, 1, _Copy(done=True))  # its client may have seen it done: wait for it
+    table.answering_early(b, 7, _Copy(done=False))  # still copying: nobody can have seen it done
+    finisher = threading.Timer(0.1, table.answered, args=(a, 1))
+    finisher.start()
+    started = time.monotonic()
+    table.settle()
+    assert 0.08 < time.monotonic() - started < 2  # waited for a's bookkeeping, not for b's copy
+    table.answered(b, 7)
+    started = time.monotonic()
+    table.settle()
+    assert time.monotonic() - started < 0.05

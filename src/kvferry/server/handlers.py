@@ -155,7 +155,7 @@ class RequestHandlers:
     def lookup(self, session: Session, args: LookupArgs) -> dict[str, Any]:
         namespace = self._namespace(session, args.registration, args.namespace)
         tokens = unpack_ids(args.tokens, "tokens")
-        self._sessions.settle(session)
+        self._sessions.settle()
         found, below = self._engine.lookup_pool(tokens, namespace=namespace, lock=args.lock)
         if found.lock_id is not None:
             self._sessions.add_lock(session, found.lock_id)

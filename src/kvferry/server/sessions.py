@@ -53,9 +53,6 @@ class Session:
     locks: set[int] = field(default_factory=set)
     prefetches: dict[int, Future[Any]] = field(default_factory=dict)
     requests: int = 0
-    # Transfers answered at enqueue whose bookkeeping (a store's objects becoming hits) is still to come: request
-    # id -> (its copy's handle, set once the bookkeeping is done). See SessionTable.settle.
-    answered_early: dict[int, tuple[Any, threading.Event]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -88,6 +85,9 @@ class SessionTable:
         # server process (before a restart) names nothing here, never another registration.
         self._ids = itertools.count(secrets.randbelow(1 << 40) + 1)
         self.open_registrations = 0  # registrations whose memory is still mapped, closing ones included
+        # Transfers answered at enqueue whose bookkeeping (a store's objects becoming hits) is still to come:
+        # (session, request id) -> (the copy's handle, set once the bookkeeping is done). See `settle`.
+        self._answered_early: dict[tuple[bytes, int], tuple[Any, threading.Event]] = {}
 
     def touch(self, session_id: bytes) -> Session | None:
         """The live session of `session_id`, marked as seen now; None if there is none."""
@@ -163,27 +163,27 @@ class SessionTable:
                 )
             self._retire(reg)
 
-    def answering_early(self, session: Session, request_id: int, handle: Any) -> threading.Event:
-        """Note that a transfer of `session` is answered before its bookkeeping; set the event it returns (and call
-        `answered`) once that is done."""
-        done = threading.Event()
+    def answering_early(self, session: Session, request_id: int, handle: Any) -> None:
+        """Note that a transfer is answered before its bookkeeping; call `answered` once that is done."""
         with self._lock:
-            session.answered_early[request_id] = (handle, done)
-        return done
+            self._answered_early[session.id, request_id] = (handle, threading.Event())
 
     def answered(self, session: Session, request_id: int) -> None:
         with self._lock:
-            entry = session.answered_early.pop(request_id, None)
+            entry = self._answered_early.pop((session.id, request_id), None)
         if entry is not None:
             entry[1].set()
 
-    def settle(self, session: Session, timeout_s: float = 1.0) -> None:
-        """Before a request of `session` reads the cache: finish waiting for the bookkeeping of its transfers whose
-        copy the GPU has finished (the client may have seen them done, so it expects their effects: a STORE's
-        chunks found by its next LOOKUP). Copies still running are not waited for: the client cannot have seen
-        them done. The bookkeeping follows the copy by microseconds; `timeout_s` only bounds a stuck worker."""
+    def settle(self, timeout_s: float = 1.0) -> None:
+        """Before a request reads the cache: finish waiting for the bookkeeping of transfers answered early whose
+        copy the GPU has finished. Their clients may have seen them done and told others (a tensor-parallel rank
+        its peers, an engine its scheduler), who then expect their effects: a STORE's chunks found by the next
+        LOOKUP of any session. Copies still running are not waited for: nobody can have seen them done. The
+        bookkeeping follows the copy by microseconds; `timeout_s` only bounds a stuck worker."""
         with self._lock:
-            entries = list(session.answered_early.values())
+            if not self._answered_early:
+                return
+            entries = list(self._answered_early.values())
         for handle, done in entries:
             if not done.is_set() and handle.done():
                 done.wait(timeout_s)

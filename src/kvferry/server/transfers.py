@@ -44,7 +44,7 @@ class Transfers:
         """The whole transfer on this thread (a worker); its result once the copy is done."""
         tokens, block_ids = _ids(args, store)
         if not store:
-            self._sessions.settle(session)  # this session's stores it has seen done are hits
+            self._sessions.settle()  # stores seen done are hits
         reg = self._sessions.use_registration(session, args.registration)
         try:
             _check_ready_slot(reg, args)
@@ -66,7 +66,7 @@ class Transfers:
             return None
         tokens, block_ids = _ids(args, store)
         if not store:
-            self._sessions.settle(session)
+            self._sessions.settle()
         reg = self._sessions.use_registration(session, args.registration)
         flags = reg.done_flags
         try:
