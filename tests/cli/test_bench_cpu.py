@@ -93,6 +93,17 @@ def test_server(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.
     assert "retrieve_16chunk" in capsys.readouterr().out
 
 
+def test_server_engines(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    args = ("--engines", "2", "--rounds", "3", "--think-ms", "0", "--pool-gb", "0.25")
+    doc, _ = run_bench(monkeypatch, tmp_path, "server-engines", *args)
+    ops = doc["results"]["ops"]
+    assert list(ops) == ["lookup", "store_1chunk", "retrieve_1chunk"]
+    for row in ops.values():
+        assert row["alone_p50_us"] > 0 and row["together_worst_p99_us"] >= row["together_worst_p50_us"] > 0
+        assert row["slowdown_p50"] > 0
+    assert doc["config"]["engines"] == 2
+
+
 @pytest.mark.parametrize(
     ("args", "named"),
     [
@@ -106,6 +117,7 @@ def test_server(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.
         (["tiers", "--redis-url", "http://x"], "--redis-url"),
         (["server", "--transfers", "0"], "--transfers"),
         (["server", "--pool-gb", "0"], "--pool-gb"),
+        (["server-engines", "--engines", "0"], "--engines"),
     ],
 )
 def test_bad_options_exit_2_naming_them(args: list[str], named: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -33,6 +33,7 @@ BENCHMARKS = (
     Benchmark("pool", "pool_bench", "HostPool alloc/free operations per second", "CPU"),
     Benchmark("tiers", "tiers_bench", "disk and Redis tiers against plain I/O of the same bytes", "CPU"),
     Benchmark("server", "server_bench", "kvferry server over loopback: request rate and latency", "CPU/GPU"),
+    Benchmark("server-engines", "server_engines_bench", "several engine processes on one server at once", "CPU/GPU"),
     Benchmark("gpu-transfer", "gpu_transfer_bench", "the GPU data path section by section", "GPU"),
     Benchmark("cache-gpu", "cache_gpu_bench", "one chunk through CacheEngine on a GPU engine", "GPU"),
     Benchmark("vllm-ttft", "vllm_ttft_bench", "vLLM time to first token with and without a kvferry hit", "CPU, vLLM"),

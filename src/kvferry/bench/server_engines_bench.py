@@ -1,0 +1,182 @@
+"""`kvferry bench server-engines`: several engine processes on one `kvferry server` at once, against one alone.
+
+Each engine is a process of its own with its own KV and session, as vLLM workers are. Every round it makes a LOOKUP
+of a cached 16-chunk prompt, a STORE of a new one-chunk prefix and a RETRIEVE of a cached chunk, then pauses
+(--think-ms: the engine's forward pass). Engine 0 runs its rounds alone first, then every engine runs them at once
+(all started together). Per op: the p50 and p99 alone, and together the median of the engines' p50s, the worst p50
+and the worst p99; `slowdown` is together over alone (the worst engine's p50, and the worst p99). Transfers of the
+engines share the host link: --think-ms sets how much of it they ask for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+from kvferry.bench.harness import BenchError, Outcome, Steps, add_json_argument, description_of, positive, require_cuda
+from kvferry.bench.report import cell, new_table
+from kvferry.bench.server_bench import CHUNK, FMT, NB, PER_CHUNK, ServerProcess
+from kvferry.formats.synthetic import MODELS
+
+DESCRIPTION = description_of(__doc__)
+EXAMPLES = """\
+examples:
+  kvferry bench server-engines                                   # 4 engines, qwen2.5-0.5b geometry, CPU KV
+  kvferry bench server-engines --engines 8 --device cuda --rounds 200
+"""
+OPS = ("lookup", "store_1chunk", "retrieve_1chunk")
+START_TIMEOUT_S = 300.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engines", type=int, default=4, help="engine processes at once (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=100, help="rounds per engine (default: %(default)s)")
+    parser.add_argument(
+        "--think-ms", type=float, default=2.0, help="pause after each round, per engine (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--model", choices=sorted(MODELS), default="qwen2.5-0.5b", help="KV geometry (default: %(default)s)"
+    )
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the engines' KV lives")
+    parser.add_argument("--pool-gb", type=float, default=4.0, help="the server's host pool (default: %(default)s)")
+    add_json_argument(parser)
+
+
+def check(args: argparse.Namespace) -> None:
+    positive(args, "engines", "rounds")
+    if args.think_ms < 0 or args.pool_gb <= 0:
+        raise BenchError("--think-ms must be >= 0 and --pool-gb positive")
+    if args.device == "cuda":
+        require_cuda("--device cuda")
+
+
+def run(args: argparse.Namespace, steps: Steps) -> Outcome:
+    steps.expect(3)
+    server = ServerProcess(pool_gb=args.pool_gb)
+    steps.done("server started")
+    ctx = mp.get_context("spawn")  # CUDA in children: never fork a process that may have touched it
+    try:
+        alone = _run_engines(ctx, server.endpoint, args, 1)[0]
+        steps.done("one engine alone")
+        together = _run_engines(ctx, server.endpoint, args, args.engines)
+        steps.done(f"{args.engines} engines at once")
+    finally:
+        server.stop()
+    rows = {}
+    for op in OPS:
+        p50s = [_pct(engine[op], 50) for engine in together]
+        worst_p99 = max(_pct(engine[op], 99) for engine in together)
+        row = {
+            "alone_p50_us": _pct(alone[op], 50),
+            "alone_p99_us": _pct(alone[op], 99),
+            "together_p50_us": statistics.median(p50s),
+            "together_worst_p50_us": max(p50s),
+            "together_worst_p99_us": worst_p99,
+        }
+        row["slowdown_p50"] = row["together_worst_p50_us"] / row["alone_p50_us"]
+        row["slowdown_p99"] = worst_p99 / row["alone_p99_us"]
+        rows[op] = row
+    config = {key: getattr(args, key) for key in ("engines", "rounds", "think_ms", "model", "device", "pool_gb")}
+    return Outcome(config, {"ops": rows}, _show(args, rows), device=args.device)
+
+
+def _run_engines(ctx: Any, endpoint: str, args: argparse.Namespace, n: int) -> list[dict[str, list[float]]]:
+    """Start `n` engine processes, let them all go at once, and gather each one's latencies (seconds per op)."""
+    ready, go, results = ctx.Barrier(n + 1), ctx.Event(), ctx.Queue()
+    spec = (endpoint, args.model, args.device, args.rounds, args.think_ms / 1e3)
+    procs = [ctx.Process(target=engine_main, args=(i, *spec, ready, go, results), daemon=True) for i in range(n)]
+    for proc in procs:
+        proc.start()
+    try:
+        ready.wait(timeout=START_TIMEOUT_S)
+        go.set()
+        got = [results.get(timeout=START_TIMEOUT_S + args.rounds * 10) for _ in range(n)]
+    except Exception as exc:
+        raise BenchError(f"an engine process did not finish ({type(exc).__name__}: {exc})") from exc
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    errors = [r["error"] for r in got if "error" in r]
+    if errors:
+        raise BenchError(f"an engine failed: {errors[0]}")
+    return [r["latencies"] for r in sorted(got, key=lambda r: r["engine"])]
+
+
+def engine_main(
+    index: int,
+    endpoint: str,
+    model: str,
+    device: str,
+    rounds: int,
+    think_s: float,
+    ready: Any,
+    go: Any,
+    results: Any,
+) -> None:
+    """One engine process: register its KV, cache what its lookups and retrieves hit, wait for the start, run."""
+    import torch
+
+    from kvferry.client import KvferryClient
+    from kvferry.formats.synthetic import make_paged
+
+    latencies: dict[str, list[float]] = {op: [] for op in OPS}
+    try:
+        kv = make_paged(FMT, MODELS[model], NB, 16, dtype=torch.bfloat16, device=device)
+        rng = np.random.default_rng(index)
+        base = (index + 1) * 10**8
+        prompt = list(range(base, base + 16 * CHUNK))  # its own: the engines' prompts differ
+        with KvferryClient(endpoint, timeout_s=120) as client:
+            reg = client.register_kv_cache(kv, FMT, block_size=16, namespace={"model": "bench", "salt": "engines"})
+            client.store(reg, prompt, rng.permutation(NB)[: 16 * PER_CHUNK].tolist())
+            ready.wait(timeout=START_TIMEOUT_S)
+            go.wait(timeout=START_TIMEOUT_S)
+            for r in range(rounds):
+                ids = rng.permutation(NB)[:PER_CHUNK].tolist()
+                fresh = list(range(base + (r + 100) * CHUNK * 16, base + (r + 100) * CHUNK * 16 + CHUNK))
+                for op, call in (
+                    ("lookup", lambda: client.lookup(prompt, registration=reg)),
+                    ("store_1chunk", lambda ids=ids, fresh=fresh: client.store(reg, fresh, ids)),
+                    ("retrieve_1chunk", lambda ids=ids: client.retrieve(reg, prompt[:CHUNK], ids)),
+                ):
+                    started = time.perf_counter()
+                    call()
+                    latencies[op].append(time.perf_counter() - started)
+                time.sleep(think_s)
+        results.put({"engine": index, "latencies": latencies})
+    except BaseException as exc:  # reported to the parent, which names it
+        results.put({"engine": index, "error": f"{type(exc).__name__}: {exc}"})
+
+
+def _pct(samples: list[float], q: float) -> float:
+    return float(np.percentile(np.array(samples) * 1e6, q))
+
+
+def _show(args: argparse.Namespace, rows: dict[str, dict[str, float]]) -> list[Any]:
+    table = new_table(
+        f"{args.engines} engines on one kvferry server ({args.model}, KV on {args.device}, {args.rounds} rounds, "
+        f"{args.think_ms:g} ms between rounds)",
+        ("op", "alone p50 / p99 us", "together p50 (median / worst) us", "worst p99 us", "slowdown p50 / p99"),
+    )
+    for op, row in rows.items():
+        table.add_row(
+            op,
+            f"{row['alone_p50_us']:.0f} / {row['alone_p99_us']:.0f}",
+            f"{row['together_p50_us']:.0f} / {row['together_worst_p50_us']:.0f}",
+            cell(row["together_worst_p99_us"], ".0f"),
+            f"{row['slowdown_p50']:.2f} / {row['slowdown_p99']:.2f}",
+        )
+    return [table]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python3 benchmarks/bench_server_engines.py ...`: this benchmark with the script's own default JSON path."""
+    from kvferry.cli.bench_cmd import script_main
+
+    return script_main("server-engines", argv, json_default="bench-out/bench_server_engines.json")
