@@ -93,6 +93,15 @@ def test_server(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.
     assert "retrieve_16chunk" in capsys.readouterr().out
 
 
+def test_server_over_its_unix_socket(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    doc, _ = run_bench(
+        monkeypatch, tmp_path, "server", "--requests", "20", "--transfers", "2", "--pool-gb", "0.25", "--ipc"
+    )
+    cases = doc["results"]["cases"]
+    assert doc["config"]["ipc"] is True
+    assert cases["zmq_floor"]["p50_us"] > 0 and cases["retrieve_16chunk"]["p50_us"] > 0
+
+
 def test_server_engines(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     args = ("--engines", "2", "--rounds", "3", "--think-ms", "0", "--pool-gb", "0.25")
     doc, _ = run_bench(monkeypatch, tmp_path, "server-engines", *args)

@@ -57,7 +57,7 @@ FLAGS = {
     "cache": ("--repeats",),
     "pool": ("--ops", "--capacity-mib"),
     "tiers": ("--dir", "--total-mib", "--reps", "--redis-url", "--objects"),
-    "server": ("--requests", "--transfers", "--model", "--device", "--pool-gb", "--busy-poll-us"),
+    "server": ("--requests", "--transfers", "--model", "--device", "--pool-gb", "--busy-poll-us", "--ipc"),
     "server-engines": ("--engines", "--rounds", "--think-ms", "--model", "--device", "--pool-gb"),
     "gpu-transfer": ("--reps", "--sections"),
     "cache-gpu": (),

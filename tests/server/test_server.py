@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -232,3 +233,47 @@ def test_a_busy_polling_server_serves_and_stops(engine: FakeEngine) -> None:
         started = time.monotonic()
         server.stop()
         assert time.monotonic() - started < 5
+
+
+def test_the_server_also_listens_on_a_unix_socket(engine: FakeEngine, tmp_path: Any) -> None:
+    from kvferry.server import ServerConfig
+
+    path = tmp_path / "kvferry.sock"
+    server = KvferryServer(ServerConfig(port=0, http_port=None, ipc_path=str(path)), engine)  # type: ignore[arg-type]
+    server.start()
+    try:
+        assert server.ipc_endpoint == f"ipc://{path}" and path.is_socket()
+        with KvferryClient(server.ipc_endpoint, timeout_s=10) as client:
+            reg = client.register_kv_cache(random_kv(9), FMT, namespace=NS)
+            assert client.store(reg, list(range(8)), [0, 1, 2, 3]) == 8
+            assert client.lookup(list(range(8)), registration=reg).tokens == 8
+            assert len(server.stats()["sessions"]) == 1
+        wait_for(lambda: not server.stats()["sessions"], "the ipc session to end")
+    finally:
+        server.stop()
+    assert not path.exists()  # the socket file goes with the server
+
+
+def test_a_unix_socket_path_in_use_or_not_a_socket_is_refused(engine: FakeEngine, tmp_path: Any) -> None:
+    from kvferry.server import ServerConfig
+    from kvferry.server.server import ServerStartError
+
+    path = tmp_path / "kvferry.sock"
+    first = KvferryServer(ServerConfig(port=0, http_port=None, ipc_path=str(path)), engine)  # type: ignore[arg-type]
+    first.start()
+    try:
+        second = KvferryServer(ServerConfig(port=0, http_port=None, ipc_path=str(path)), engine)  # type: ignore[arg-type]
+        with pytest.raises(ServerStartError, match="another process"):
+            second.start()
+        second.stop()
+        with KvferryClient(f"ipc://{path}", timeout_s=10) as client:  # the first server still has it
+            assert client.ping()["chunk_size"] == engine.chunk_size
+    finally:
+        first.stop()
+    precious = tmp_path / "notes.txt"
+    precious.write_text("keep me")
+    third = KvferryServer(ServerConfig(port=0, http_port=None, ipc_path=str(precious)), engine)  # type: ignore[arg-type]
+    with pytest.raises(ServerStartError, match="not a socket"):
+        third.start()
+    third.stop()
+    assert precious.read_text() == "keep me"

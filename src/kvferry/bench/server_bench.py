@@ -19,10 +19,13 @@ host <-> GPU copy_): `ratio` is that copy's median time over the request's p50.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -67,18 +70,21 @@ examples:
 
 
 class ServerProcess:
-    def __init__(self, pool_gb: float, busy_poll_us: int = 0) -> None:
+    """`python -m kvferry.server` on a free port; `endpoint` is its TCP one, or its Unix socket's with `ipc_path`."""
+
+    def __init__(self, pool_gb: float, busy_poll_us: int = 0, ipc_path: str | None = None) -> None:
         cmd = [sys.executable, "-m", "kvferry.server", "--port", "0", "--no-http", "--chunk-size", str(CHUNK)]
         cmd += ["--l1-size-gb", str(pool_gb), "--busy-poll-us", str(busy_poll_us), "--log-level", "INFO"]
+        cmd += ["--ipc", ipc_path] if ipc_path else []
         self.proc = subprocess.Popen(cmd, env=child_env(), stderr=subprocess.PIPE, text=True)
         assert self.proc.stderr is not None
         watchdog = threading.Timer(READY_TIMEOUT_S, self.proc.kill)  # a server never ready ends the loop below
         watchdog.start()
         try:
             for line in self.proc.stderr:
-                match = re.search(r"ready: zmq=(tcp://\S+)", line)
+                match = re.search(r"ready: zmq=(tcp://\S+).*?( ipc=(ipc://\S+))?$", line.rstrip())
                 if match:
-                    self.endpoint = match.group(1)
+                    self.endpoint = match.group(3) or match.group(1)
                     break
             else:
                 self.proc.wait()
@@ -95,24 +101,30 @@ class ServerProcess:
 # A bare ROUTER that echoes every message, in a process of its own: the floor under every latency measured here.
 # Plain pyzmq, so that it starts in a fraction of a second (no torch, no kvferry).
 _ECHO = """
-import zmq
+import sys, zmq
 router = zmq.Context().socket(zmq.ROUTER)
-print(router.bind_to_random_port("tcp://127.0.0.1"), flush=True)
+if sys.argv[1:]:
+    router.bind(sys.argv[1])
+    print(sys.argv[1], flush=True)
+else:
+    print(f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}", flush=True)
 while True:
     router.send_multipart(router.recv_multipart())
 """
 
 
-def zmq_floor(n: int) -> dict[str, float]:
-    echo = subprocess.Popen([sys.executable, "-c", _ECHO], stdout=subprocess.PIPE, text=True)
+def zmq_floor(n: int, ipc_endpoint: str | None = None) -> dict[str, float]:
+    """A bare ZMQ round trip over loopback TCP, or over `ipc_endpoint`'s Unix socket."""
+    echo_args = [ipc_endpoint] if ipc_endpoint else []
+    echo = subprocess.Popen([sys.executable, "-c", _ECHO, *echo_args], stdout=subprocess.PIPE, text=True)
     ctx = zmq.Context()
     dealer = ctx.socket(zmq.DEALER)
     try:
         assert echo.stdout is not None
-        port = echo.stdout.readline().strip()
-        if not port.isdigit():
+        endpoint = echo.stdout.readline().strip()
+        if "://" not in endpoint:
             raise BenchError("the bare ZMQ echo process did not start")
-        dealer.connect(f"tcp://127.0.0.1:{port}")
+        dealer.connect(endpoint)
         frame = encode_request(Op.PING, 1, {})
         return latency_summary(timed(n, lambda i: (dealer.send(frame), dealer.recv()), lambda: None))
     finally:
@@ -224,6 +236,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     parser.add_argument(
+        "--ipc",
+        action="store_true",
+        help="connect through the server's Unix socket (its --ipc) instead of loopback TCP; the ZMQ floor too",
+    )
+    parser.add_argument(
         "--busy-poll-us",
         type=int,
         default=0,
@@ -241,6 +258,38 @@ def check(args: argparse.Namespace) -> None:
         raise BenchError(f"--pool-gb must be positive, got {args.pool_gb}")
     if args.device == "cuda":
         require_cuda("--device cuda")
+
+
+def _server_cases(
+    endpoint: str,
+    kv: Any,
+    floor: dict[str, float],
+    args: argparse.Namespace,
+    new_tokens: Callable[[int], list[int]],
+    sync: Callable[[], None],
+    steps: Steps,
+    ceiling: Callable[[int, str], CopyCeiling],
+) -> dict[str, Any]:
+    """Every case through the server at `endpoint`, after the bare ZMQ `floor` measured over the same transport."""
+    with KvferryClient(endpoint, timeout_s=120) as client:
+        reg = client.register_kv_cache(kv, FMT, block_size=BS, namespace=NAMESPACE)
+        cases = {"zmq_floor": floor}
+        steps.done("zmq_floor")
+        cases.update(request_cases(client, reg, new_tokens(16), args.requests, steps))
+        cases.update(
+            transfer_cases(
+                lambda t, ids: client.store(reg, t, ids),
+                lambda t, ids: client.retrieve(reg, t, ids),
+                new_tokens,
+                args.transfers,
+                sync,
+                steps,
+                "server",
+                ceiling,
+                args.device,
+            )
+        )
+    return cases
 
 
 def run(args: argparse.Namespace, steps: Steps) -> Outcome:
@@ -265,29 +314,16 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
             ceilings[key] = CopyCeiling(torch.device(args.device), chunks * chunk_bytes, direction)
         return ceilings[key]
 
-    server = ServerProcess(pool_gb=args.pool_gb, busy_poll_us=args.busy_poll_us)
-    steps.done("server started")
-    try:
-        with KvferryClient(server.endpoint, timeout_s=120) as client:
-            reg = client.register_kv_cache(kv, FMT, block_size=BS, namespace=NAMESPACE)
-            cases = {"zmq_floor": zmq_floor(args.requests)}
-            steps.done("zmq_floor")
-            cases.update(request_cases(client, reg, new_tokens(16), args.requests, steps))
-            cases.update(
-                transfer_cases(
-                    lambda t, ids: client.store(reg, t, ids),
-                    lambda t, ids: client.retrieve(reg, t, ids),
-                    new_tokens,
-                    args.transfers,
-                    sync,
-                    steps,
-                    "server",
-                    ceiling,
-                    args.device,
-                )
-            )
-    finally:
-        server.stop()
+    sockets = tempfile.TemporaryDirectory(prefix="kvferry-bench-") if args.ipc else contextlib.nullcontext(None)
+    with sockets as socket_dir:
+        ipc_path = os.path.join(socket_dir, "server.sock") if socket_dir else None
+        server = ServerProcess(pool_gb=args.pool_gb, busy_poll_us=args.busy_poll_us, ipc_path=ipc_path)
+        steps.done("server started")
+        try:
+            floor = zmq_floor(args.requests, f"ipc://{socket_dir}/echo.sock" if socket_dir else None)
+            cases = _server_cases(server.endpoint, kv, floor, args, new_tokens, sync, steps, ceiling)
+        finally:
+            server.stop()
     config = KvferryConfig.load(env={}, overrides={"cache": {"chunk_size": CHUNK, "l1_size_gb": args.pool_gb}})
     with CacheEngine(config, name="bench-embedded") as engine:
         ns = engine.namespace_for("bench", FMT, kv, block_size=BS)
@@ -310,7 +346,7 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
             cases[name]["engine_ratio"] = row["ratio"]
     results: dict[str, Any] = {"chunk_bytes": chunk_bytes}
     results["cases"] = cases
-    keys = ("model", "device", "requests", "transfers", "pool_gb", "busy_poll_us")
+    keys = ("model", "device", "requests", "transfers", "pool_gb", "busy_poll_us", "ipc")
     config_json = {key: getattr(args, key) for key in keys}
     return Outcome(config_json | {"chunk_size": CHUNK}, results, _show(args, results), device=args.device)
 

@@ -22,6 +22,7 @@ log = logging.getLogger("kvferry.server")
 _FLAG_FIELDS: dict[str, tuple[str, str]] = {
     "host": ("server", "host"),
     "port": ("server", "port"),
+    "ipc": ("server", "ipc_path"),
     "http_port": ("server", "http_port"),
     "heartbeat_interval": ("server", "heartbeat_interval_s"),
     "heartbeat_timeout": ("server", "heartbeat_timeout_s"),
@@ -42,6 +43,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--host", help="address to bind (default 127.0.0.1: loopback only)")
     net.add_argument("--port", type=int, help="ZMQ port for clients (default 5555; 0 = any free port)")
     net.add_argument("--http-port", type=int, help="HTTP port for /health /metrics /stats (default 5556)")
+    net.add_argument("--ipc", metavar="PATH", help="also listen on this Unix socket (clients connect to ipc://PATH)")
     net.add_argument("--no-http", action="store_true", help="do not open the HTTP side port")
     net.add_argument("--heartbeat-interval", type=float, metavar="S", help="client heartbeat period (s)")
     net.add_argument("--heartbeat-timeout", type=float, metavar="S", help="end silent sessions after (s)")
@@ -123,7 +125,8 @@ def main(config: KvferryConfig) -> int:
     stop = threading.Event()
     # Handlers before the "ready" line: whoever waits for it may signal at once.
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
-    log.info("kvferry server ready: zmq=tcp://%s:%d http=%s", config.server.host, server.port, http)
+    ipc = f" ipc={server.ipc_endpoint}" if server.ipc_endpoint else ""
+    log.info("kvferry server ready: zmq=tcp://%s:%d http=%s%s", config.server.host, server.port, http, ipc)
     try:
         while not stop.wait(0.5):
             pass

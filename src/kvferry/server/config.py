@@ -23,6 +23,11 @@ class ServerConfig(BaseModel):
         le=65535,
         description="HTTP port for /health, /metrics, /stats (None = no HTTP side port).",
     )
+    ipc_path: str | None = Field(
+        None,
+        description="Also listen on this Unix socket (clients connect to ipc://PATH): a lower-latency endpoint for "
+        "engines on this host; the socket file's permissions decide who may connect.",
+    )
     heartbeat_interval_s: float = Field(
         2.0, gt=0, description="How often clients are told to send a heartbeat when otherwise idle."
     )

@@ -11,8 +11,12 @@ after its deadline (the client has given up on it), nor for a session the server
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
+import os
+import socket
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -94,6 +98,7 @@ class KvferryServer:
         self._to_finish: tuple[bytes, Request, float, Started] | None = None
         self._http: HttpSidePort | None = None
         self.port: int = config.port
+        self.ipc_endpoint: str | None = None  # ipc://PATH when config.ipc_path is set
         self.http_port: int | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------------------
@@ -114,6 +119,15 @@ class KvferryServer:
         except zmq.ZMQError as exc:
             router.close(linger=0)
             raise ServerStartError(f"cannot listen for clients on tcp://{host}:{self.config.port}: {exc}") from exc
+        if self.config.ipc_path is not None:
+            endpoint = f"ipc://{self.config.ipc_path}"
+            try:
+                _check_ipc_path(self.config.ipc_path)
+                router.bind(endpoint)
+            except (zmq.ZMQError, OSError) as exc:
+                router.close(linger=0)
+                raise ServerStartError(f"cannot listen for clients on {endpoint}: {exc}") from exc
+            self.ipc_endpoint = endpoint
         if self.config.http_port is not None:
             try:
                 self._http = HttpSidePort(
@@ -154,6 +168,9 @@ class KvferryServer:
         if self._loop_thread is not None:
             self._replies_out.close(linger=0)
         self._ctx.term()
+        if self.ipc_endpoint is not None:  # libzmq leaves the socket file behind
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.config.ipc_path)  # type: ignore[arg-type]
 
     # -- views ----------------------------------------------------------------------------------------------
 
@@ -406,6 +423,24 @@ class KvferryServer:
             released.deferred,
         )
         return {"locks": len(released.locks), "registrations": released.registrations}
+
+
+def _check_ipc_path(path: str) -> None:
+    """Refuse a Unix socket path that is not free: ZMQ's bind would delete whatever is there, a live server's socket
+    (which then loses every new client to this one) or any other file. A socket nobody listens on is left over by a
+    server that died: that one is taken over."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise FileExistsError(f"{path} exists and is not a socket")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except ConnectionRefusedError:
+            return  # stale
+    raise FileExistsError(f"another process (a running kvferry server?) listens on {path}")
 
 
 def _attempt(run: Callable[[], Any]) -> Any:
