@@ -8,17 +8,17 @@ a full pool, a failed tier or a corrupt object is a miss or a skipped chunk, cou
 from __future__ import annotations
 
 import threading
-import time
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
-from kvferry.cache.index import Entry, object_checksum, readable_run
+from kvferry.cache.index import object_checksum, readable_run
 from kvferry.cache.keys import CacheNamespace, ChunkHasher, TokenIds
 from kvferry.cache.metrics import GAUGES, CacheCounters, counters_dict, gbps, make_registry
 from kvferry.cache.policies import make_policy
 from kvferry.cache.pool_sizing import host_pool
+from kvferry.cache.reader import ChunkReader
 from kvferry.cache.request import (
     BlockIds,
     check_block_ids,
@@ -28,15 +28,15 @@ from kvferry.cache.request import (
     token_count,
 )
 from kvferry.cache.residency import Residency
-from kvferry.cache.steps import Enqueued, Steps, run_steps
+from kvferry.cache.steps import Steps, run_steps
 from kvferry.cache.tiering import TierLink, when_all
-from kvferry.cache.writer import ChunkWriter, copy_chunks
+from kvferry.cache.writer import ChunkWriter
 from kvferry.config import KvferryConfig, TransferConfig
 from kvferry.formats import EngineKVFormat, KVGeometry
 from kvferry.memory import HostPool
 from kvferry.tiers import Tier, make_tier
 from kvferry.tiers.metrics import TierCollector
-from kvferry.transfer import Direction, configure_gpu, geometry_of
+from kvferry.transfer import configure_gpu, geometry_of
 
 
 class LookupResult(NamedTuple):
@@ -80,6 +80,7 @@ class CacheEngine:
         self._writer = ChunkWriter(
             self._res, self._hasher, cfg.chunk_size, self._checksum, self._tiers, cfg.in_flight_wait_s
         )
+        self._reader = ChunkReader(self._res, self._hasher, cfg.chunk_size, self._checksum, self.counters)
         self._executor = ThreadPoolExecutor(cfg.async_workers, thread_name_prefix=f"kvferry-{name}")
         # The cache's counters and its tiers' (`kvferry_tier_*`, labelled by tier): one registry to export.
         self.metrics_registry = make_registry(name, self._metric_values)
@@ -262,47 +263,14 @@ class CacheEngine:
         """``retrieve`` as steps (`kvferry.cache.steps`): it yields once its copy is in flight, a miss returns at
         once. ``lock_id`` (from ``lookup_status(lock=True)``) is released once the copy is done, whatever happens.
         """
-        held: list[Entry] = []
         try:
             ns = self._ns(namespace)
             geom = self._geometry(fmt, paged, block_size, geometry, ns)
-            bs = geom.bs
-            skip = check_skip(skip_prefix_tokens, token_count(tokens))
-            first = skip // self.chunk_size
-            per_chunk = self.chunk_size // bs
-            # Checked whole, hit or miss: a retrieve that misses is refused for the same ids as one that hits.
-            needed = self._hasher.num_chunks(tokens) * per_chunk
-            block_ids = check_block_ids(block_ids, skip // bs, needed, geom.nb, bs, distinct=True)
-            prefix, index = self._hasher.prefix(tokens, ns), self._res.index
-            removals = index.removals
-            held = self._res.acquire_readers(readable_run(index.get, prefix, first), removals)
-            entries = self._verified(held)
-            if not entries:
-                with self._res.lock:
-                    self.counters.retrieves += 1
-                return 0
-            end = first + len(entries)
-            started = time.perf_counter()
-            ids = block_ids[first * per_chunk : end * per_chunk]
-            objects = [entry.obj for entry in entries]
-            skip_blocks = (skip - first * self.chunk_size) // bs
-            in_flight = copy_chunks(self.pool, self.chunk_size, paged, geom, objects, ids, Direction.H2D, skip_blocks)
-            try:
-                yield Enqueued(in_flight, end * self.chunk_size - skip, in_flight is not None)
-            finally:
-                if in_flight is not None:
-                    in_flight.wait()
-            seconds = time.perf_counter() - started
-            with self._res.lock:
-                self.counters.retrieves += 1
-                self.counters.retrieved_chunks += len(entries)
-                self.counters.retrieved_bytes += sum(e.nbytes for e in entries) * geom.width // geom.object_width
-                self.counters.retrieve_seconds += seconds
-            return end * self.chunk_size - skip
-        finally:
-            self._res.release_readers(held)
+        except BaseException:
             if lock_id is not None:
                 self._res.release_lock(lock_id)
+            raise
+        return (yield from self._reader.read_steps(tokens, ns, paged, geom, block_ids, skip_prefix_tokens, lock_id))
 
     def store_async(self, *args: Any, **kwargs: Any) -> Future[int]:
         """``store`` on the engine's worker threads; the engine must leave those blocks alone until done."""
@@ -389,19 +357,6 @@ class CacheEngine:
     def _pool_hits(self, keys: list[bytes]) -> int:
         with self._res.lock:
             return len(self._res.readable_prefix_locked(keys)) * self.chunk_size
-
-    def _verified(self, entries: list[Entry]) -> list[Entry]:
-        """The leading ``entries`` whose checksum matches; the first that fails is dropped from the cache."""
-        if self._checksum is None:
-            return entries
-        for i, entry in enumerate(entries):
-            assert entry.obj is not None
-            if self._checksum(entry.obj) != entry.checksum:
-                with self._res.lock:
-                    self.counters.checksum_failures += 1
-                    self._res.detach_locked(entry)
-                return entries[:i]
-        return entries
 
     def _metric_values(self) -> dict[str, float]:
         with self._res.lock:

@@ -11,12 +11,8 @@ after its deadline (the client has given up on it), nor for a session the server
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
-import os
-import socket
-import stat
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +29,7 @@ from kvferry.server.handlers import INLINE_OPS, Deferred, RequestHandlers
 from kvferry.server.health import TierWatch, tier_health
 from kvferry.server.http import HttpSidePort
 from kvferry.server.metrics import ServerMetrics
+from kvferry.server.ports import ServerStartError, bind_clients, remove_ipc_socket
 from kvferry.server.protocol import (
     PROTOCOL_VERSION,
     ErrorCode,
@@ -53,10 +50,6 @@ _BATCH = 256  # requests taken off the socket per loop turn before looking at re
 _TRANSFER_OPS = frozenset({Op.STORE, Op.RETRIEVE})
 _ON_WORKER = object()  # a transfer that _start_transfer leaves to a worker from its start
 _instances = itertools.count()
-
-
-class ServerStartError(OSError):
-    """The server could not open one of its ports; the message names which one and why."""
 
 
 class KvferryServer:
@@ -112,22 +105,10 @@ class KvferryServer:
         router.setsockopt(zmq.MAXMSGSIZE, 2 * self.config.max_message_bytes)
         host = self.config.host
         try:
-            if self.config.port == 0:
-                self.port = router.bind_to_random_port(f"tcp://{host}")
-            else:
-                router.bind(f"tcp://{host}:{self.config.port}")
-        except zmq.ZMQError as exc:
+            self.port, self.ipc_endpoint = bind_clients(router, self.config)
+        except ServerStartError:
             router.close(linger=0)
-            raise ServerStartError(f"cannot listen for clients on tcp://{host}:{self.config.port}: {exc}") from exc
-        if self.config.ipc_path is not None:
-            endpoint = f"ipc://{self.config.ipc_path}"
-            try:
-                _check_ipc_path(self.config.ipc_path)
-                router.bind(endpoint)
-            except (zmq.ZMQError, OSError) as exc:
-                router.close(linger=0)
-                raise ServerStartError(f"cannot listen for clients on {endpoint}: {exc}") from exc
-            self.ipc_endpoint = endpoint
+            raise
         if self.config.http_port is not None:
             try:
                 self._http = HttpSidePort(
@@ -168,9 +149,8 @@ class KvferryServer:
         if self._loop_thread is not None:
             self._replies_out.close(linger=0)
         self._ctx.term()
-        if self.ipc_endpoint is not None:  # libzmq leaves the socket file behind
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.config.ipc_path)  # type: ignore[arg-type]
+        if self.ipc_endpoint is not None and self.config.ipc_path is not None:
+            remove_ipc_socket(self.config.ipc_path)
 
     # -- views ----------------------------------------------------------------------------------------------
 
@@ -423,24 +403,6 @@ class KvferryServer:
             released.deferred,
         )
         return {"locks": len(released.locks), "registrations": released.registrations}
-
-
-def _check_ipc_path(path: str) -> None:
-    """Refuse a Unix socket path that is not free: ZMQ's bind would delete whatever is there, a live server's socket
-    (which then loses every new client to this one) or any other file. A socket nobody listens on is left over by a
-    server that died: that one is taken over."""
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(mode):
-        raise FileExistsError(f"{path} exists and is not a socket")
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        try:
-            probe.connect(path)
-        except ConnectionRefusedError:
-            return  # stale
-    raise FileExistsError(f"another process (a running kvferry server?) listens on {path}")
 
 
 def _attempt(run: Callable[[], Any]) -> Any:

@@ -1,0 +1,62 @@
+"""Where clients reach the server: its TCP port, and a Unix socket beside it; an error names which one failed."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import stat
+
+import zmq
+
+from kvferry.server.config import ServerConfig
+
+
+class ServerStartError(OSError):
+    """The server could not open one of its ports; the message names which one and why."""
+
+
+def bind_clients(router: zmq.Socket, config: ServerConfig) -> tuple[int, str | None]:
+    """Bind `router` to the configured TCP port (0: a free one) and Unix socket; returns the TCP port and the ipc
+    endpoint (None without one). ServerStartError, naming the endpoint, if either cannot be bound."""
+    host, port = config.host, config.port
+    try:
+        if port == 0:
+            port = router.bind_to_random_port(f"tcp://{host}")
+        else:
+            router.bind(f"tcp://{host}:{port}")
+    except zmq.ZMQError as exc:
+        raise ServerStartError(f"cannot listen for clients on tcp://{host}:{config.port}: {exc}") from exc
+    if config.ipc_path is None:
+        return port, None
+    endpoint = f"ipc://{config.ipc_path}"
+    try:
+        _check_ipc_path(config.ipc_path)
+        router.bind(endpoint)
+    except (zmq.ZMQError, OSError) as exc:
+        raise ServerStartError(f"cannot listen for clients on {endpoint}: {exc}") from exc
+    return port, endpoint
+
+
+def remove_ipc_socket(path: str) -> None:
+    """The server's Unix socket file, removed once it is closed (libzmq leaves it behind)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _check_ipc_path(path: str) -> None:
+    """Refuse a Unix socket path that is not free: ZMQ's bind would delete whatever is there, a live server's socket
+    (which then loses every new client to this one) or any other file. A socket nobody listens on is left over by a
+    server that died: that one is taken over."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise FileExistsError(f"{path} exists and is not a socket")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except ConnectionRefusedError:
+            return  # stale
+    raise FileExistsError(f"another process (a running kvferry server?) listens on {path}")
