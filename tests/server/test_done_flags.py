@@ -164,3 +164,22 @@ def test_a_request_waits_for_the_bookkeeping_of_copies_seen_done_by_any_session(
     started = time.monotonic()
     table.settle()
     assert time.monotonic() - started < 0.05
+
+
+def test_a_transfer_that_was_never_sent_gives_its_flag_slot_back(
+    client: KvferryClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the server is unreachable a request fails at once, unsent: its slot is free again (the server cannot
+    write what it never got), unlike one that timed out after it was sent."""
+    from kvferry.client.link import DOWN, Link
+
+    reg = client.register_kv_cache(random_kv(6), FMT, namespace=NS)
+    flags = client._done_flags[reg] = DoneFlags(slots=2)  # as a GPU registration holds (the fake engine is CPU)
+    monkeypatch.setattr(Link, "probe", lambda self: None)  # it stays unreachable for the test
+    client._conn.set_state(DOWN, "test: the server went away")
+    for _ in range(5):
+        with pytest.raises(ConnectionError):
+            client.store(reg, list(range(8)), [0, 1, 2, 3])
+        with pytest.raises(ConnectionError):
+            client.retrieve_async(reg, list(range(8)), [0, 1, 2, 3])
+    assert sorted(flags._free) == [0, 1]

@@ -296,11 +296,7 @@ class KvferryClient:
         slot = _take_slot(flags, args)
         deadline = time.monotonic() + self.timeout_s
         outcome: Future[int] = Future()
-        try:
-            reply = self._submit(op, registration, args)
-        except BaseException:
-            _release_slot(flags, slot)
-            raise
+        reply = self._submit(op, registration, args)
 
         def replied(done: Future[dict[str, Any]]) -> None:
             error = done.exception()
@@ -332,9 +328,10 @@ class KvferryClient:
             args["ready_event"] = bytes(event.ipc_handle())
         try:
             future = self._conn.submit(op, args, keepalive=event)
-        except BaseException:
+        except BaseException:  # not sent: neither the event nor the done flag will be used
             if slot is not None:
                 ready.release(slot)  # type: ignore[union-attr]
+            _release_slot(self._done_flags.get(registration), args.get("done_slot"))
             raise
         if slot is not None:
             future.add_done_callback(lambda _: ready.release(slot))  # type: ignore[union-attr]

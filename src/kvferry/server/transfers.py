@@ -74,9 +74,9 @@ class Transfers:
                 raise ProtocolError(ErrorCode.BAD_ARGUMENT, "'done_slot' needs a CUDA registration with 'done_flags'")
             flags.check_slot(args.done_slot)
             _check_ready_slot(reg, args)
-            self._take_lock(session, args)
-            steps = self._steps(reg, args, store, deadline, tokens, block_ids)
             _use_device(reg.kv.device)
+            self._take_lock(session, args)  # from here the steps own it (they end it however they go)
+            steps = self._steps(reg, args, store, deadline, tokens, block_ids)
             with _after_client_work(reg, args, store, first=True):
                 first = first_step(steps)
         except BaseException:
