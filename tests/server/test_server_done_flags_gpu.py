@@ -118,12 +118,12 @@ def test_a_server_killed_mid_copy_never_shows_done(kv: list[torch.Tensor]) -> No
     """The premise of trusting the flag: a server that dies with the copy running never writes it (its pending GPU
     work is dropped), and the waiting client hears that the server is gone instead."""
     proc = ServerProcess("--chunk-size", str(CHUNK), "--l1-size-gb", "2", "--heartbeat-timeout", "5")
-    ids = list(range(0, 32 * PER_CHUNK))  # 1 GiB: ~20 ms over PCIe, against ~1 ms for the answer
+    src = list(range(0, 16 * PER_CHUNK))  # 512 MiB: ~10 ms over PCIe, against ~1-2 ms for the answer
     with KvferryClient(proc.endpoint, timeout_s=20) as client:
         reg = client.register_kv_cache(kv, FMT, block_size=BS, namespace=NS)
-        tokens = tokens_at(9 * 10**7, 32)
-        assert client.store(reg, tokens, ids) == 32 * CHUNK
-        result, slot, seq = raw_transfer(client, Op.RETRIEVE, reg, tokens, ids)
+        tokens = tokens_at(9 * 10**7, 16)
+        assert client.store(reg, tokens, src) == 16 * CHUNK
+        result, slot, seq = raw_transfer(client, Op.RETRIEVE, reg, tokens, list(range(16 * PER_CHUNK, 32 * PER_CHUNK)))
         assert result["signalled"]
         flags = client._done_flags[reg]
         assert not flags.is_set(slot, seq), "the copy ended before its answer arrived: nothing to kill mid-copy"
