@@ -1,0 +1,166 @@
+"""A GPU transfer naming a done flag, started on the server's socket thread (`Transfers.start`), with the engine's
+steps, the registration's flags and the copy's handle stood in for: what is answered when, what the worker's rest
+does, and that the registration, the lookup lock and the ordering of later requests come out right on every path.
+The same path on a real GPU: tests/server/test_server_done_flags_gpu.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from kvferry.cache.steps import Enqueued
+from kvferry.server import transfers as transfers_module
+from kvferry.server.kv_mapping import MappedKV
+from kvferry.server.protocol import ProtocolError, pack_ids
+from kvferry.server.requests import TransferArgs
+from kvferry.server.sessions import Registration, SessionTable
+from kvferry.server.transfers import Transfers
+
+
+class Copy:
+    """A copy in flight: done once `finish()` is called."""
+
+    def __init__(self) -> None:
+        self.ended = threading.Event()
+
+    def done(self) -> bool:
+        return self.ended.is_set()
+
+
+class Flags:
+    slots = 4
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.signals: list[tuple[Any, int, int]] = []
+
+    def check_slot(self, slot: int) -> None:
+        if slot >= self.slots:
+            raise ProtocolError(transfers_module.ErrorCode.BAD_ARGUMENT, f"'done_slot'={slot}")
+
+    def signal(self, handle: Any, slot: int, seq: int) -> None:
+        if self.fail:
+            raise RuntimeError("no stream memory operations here")
+        self.signals.append((handle, slot, seq))
+
+    def close(self) -> None:
+        pass
+
+
+class Engine:
+    """Steps that stop at an enqueued copy (`final` as told), then wait for it and return the tokens."""
+
+    def __init__(self, final: bool = True, fail_first: bool = False) -> None:
+        self.final, self.fail_first = final, fail_first
+        self.copy = Copy()
+        self.finished = threading.Event()
+        self.locks_ended: list[int | None] = []
+
+    def _steps(self, tokens: Any, lock_id: int | None = None) -> Any:
+        try:
+            if self.fail_first:
+                raise ValueError("block_ids has 1 entries, need 4")
+            yield Enqueued(self.copy, len(tokens), self.final)
+            self.copy.ended.wait(5)
+            self.finished.set()
+            return len(tokens)
+        finally:
+            self.locks_ended.append(lock_id)
+
+    def store_steps(self, tokens: Any, *_: Any, **__: Any) -> Any:
+        return self._steps(tokens)
+
+    def retrieve_steps(self, tokens: Any, *_: Any, lock_id: int | None = None, **__: Any) -> Any:
+        return self._steps(tokens, lock_id)
+
+
+@pytest.fixture(autouse=True)
+def _no_cuda_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(transfers_module, "_use_device", lambda device: None)
+
+
+def setup(engine: Engine, flags: Flags | None) -> tuple[Transfers, SessionTable, Any, Registration]:
+    table = SessionTable(time.monotonic)
+    session = table.open(b"s" * 16, 1)
+    kv = MappedKV(paged=[torch.zeros(1)], device=torch.device("cpu"), num_tensors=1, mapped_bytes=4, _regions=[])
+    reg = Registration(7, kv, 1, 16, None, None, done_flags=flags)
+    assert table.add_registration(session, reg)
+    return Transfers(engine, table), table, session, reg  # type: ignore[arg-type]
+
+
+def args(**extra: Any) -> TransferArgs:
+    base = {"registration": 7, "tokens": pack_ids(list(range(64)), "tokens"), "block_ids": pack_ids([0, 1, 2, 3], "b")}
+    return TransferArgs.model_validate({**base, **extra})
+
+
+def test_a_flagged_store_is_answered_at_its_enqueue_and_finished_by_its_rest() -> None:
+    engine, flags = Engine(), Flags()
+    transfers, table, session, reg = setup(engine, flags)
+    started = transfers.start(session, args(done_slot=2, done_seq=9), store=True, deadline=None, request_id=41)
+    assert started is not None and started.answer == {"tokens": 64, "signalled": True}
+    assert flags.signals == [(engine.copy, 2, 9)]  # the flag's write goes behind this copy
+    assert reg.users == 1  # the registration stays mapped while the copy runs
+    assert list(table._answered_early) == [(session.id, 41)]  # later requests wait for its bookkeeping
+    result: list[dict[str, Any]] = []
+    worker = threading.Thread(target=lambda: result.append(started.finish()))  # type: ignore[misc]
+    worker.start()
+    time.sleep(0.05)
+    assert not engine.finished.is_set()  # the rest waits for the copy
+    engine.copy.ended.set()
+    worker.join(5)
+    assert result == [{"tokens": 64, "signalled": False}] and reg.users == 0
+    assert table._answered_early == {}
+
+
+def test_a_request_after_a_copy_seen_done_waits_for_its_bookkeeping() -> None:
+    engine = Engine()
+    transfers, table, session, _ = setup(engine, Flags())
+    started = transfers.start(session, args(done_slot=0, done_seq=1), store=True, deadline=None, request_id=1)
+    assert started is not None and started.finish is not None
+    engine.copy.ended.set()  # the GPU is done; the client may have seen the flag and sent a LOOKUP
+    threading.Timer(0.1, started.finish).start()  # the worker makes the chunks hits a little later
+    began = time.monotonic()
+    table.settle()
+    assert time.monotonic() - began >= 0.08 and engine.finished.is_set()
+
+
+def test_a_store_waiting_on_a_concurrent_store_is_answered_after_its_rest() -> None:
+    engine = Engine(final=False)  # chunks in flight for another store of the prefix: the count is not final
+    transfers, _, session, reg = setup(engine, flags := Flags())
+    started = transfers.start(session, args(done_slot=0, done_seq=1), store=True, deadline=None, request_id=2)
+    assert started is not None and started.answer is None and flags.signals == []
+    engine.copy.ended.set()
+    assert started.finish is not None and started.finish() == {"tokens": 64, "signalled": False}
+    assert reg.users == 0
+
+
+def test_a_flag_that_cannot_be_written_falls_back_to_answering_after_the_copy() -> None:
+    engine = Engine()
+    transfers, table, session, reg = setup(engine, Flags(fail=True))
+    started = transfers.start(session, args(done_slot=0, done_seq=1), store=True, deadline=None, request_id=3)
+    assert started is not None and started.answer is None
+    engine.copy.ended.set()
+    assert started.finish is not None and started.finish()["tokens"] == 64
+    assert reg.users == 0
+    table.settle()  # nothing answered early is left to wait for
+
+
+def test_a_refused_or_failed_start_leaves_nothing_held() -> None:
+    transfers, table, session, reg = setup(Engine(), None)
+    with pytest.raises(ProtocolError, match="needs a CUDA registration"):
+        transfers.start(session, args(done_slot=0, done_seq=1), store=True, deadline=None, request_id=4)
+    assert reg.users == 0
+    engine = Engine(fail_first=True)
+    transfers, table, session, reg = setup(engine, Flags())
+    table.add_lock(session, 55)
+    with pytest.raises(ValueError, match="block_ids"):
+        transfers.start(session, args(done_slot=0, done_seq=1, lock=55), store=False, deadline=None, request_id=5)
+    assert reg.users == 0 and engine.locks_ended == [55]  # the steps ended the lock they were given
+    with pytest.raises(ProtocolError, match="'done_slot'=9"):
+        transfers.start(session, args(done_slot=9, done_seq=1), store=True, deadline=None, request_id=6)
+    assert reg.users == 0
+    assert transfers.start(session, args(), store=True, deadline=None, request_id=7) is None  # no flag: a worker's
