@@ -21,7 +21,8 @@ T = TypeVar("T")
 
 class Enqueued(NamedTuple):
     """A transfer's copy is in flight (`handle`: None when it was done on return, as on the CPU). `final`: the
-    copy is all that is left of the transfer and `tokens` is its result, so it may be reported now."""
+    copy is all that is left of the transfer and `tokens` is its result, so it may be reported now (a store whose
+    copy then ends after its `valid_until` still drops its chunks: its caller had stopped waiting)."""
 
     handle: TransferHandle | None
     tokens: int
