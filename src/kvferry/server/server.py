@@ -272,7 +272,8 @@ class KvferryServer:
             return self._refuse(request.id, ErrorCode.SHUTTING_DOWN, "the server is shutting down")
         if request.op in INLINE_OPS:
             return self._run(identity, session, request, received)
-        if request.op in _TRANSFER_OPS:
+        # Only a transfer naming a done flag may start here: the others are parsed once, on their worker.
+        if request.op in _TRANSFER_OPS and request.args.get("done_slot") is not None:
             reply = self._start_transfer(identity, session, request, received)
             if reply is not _ON_WORKER:
                 return reply
@@ -286,9 +287,8 @@ class KvferryServer:
 
     def _run(self, identity: bytes, session: Session, request: Request, received: float) -> bytes | None:
         """Run one request; its reply, or None when its tier part was handed to the tier workers."""
-        if request.deadline is not None and time.time() > request.deadline:
-            late = ProtocolError(ErrorCode.DEADLINE_EXCEEDED, "the client stopped waiting before it could start")
-            return self._reply(request, received, late)
+        if _late(request):
+            return self._reply(request, received, _LATE)
 
         def handle() -> Any:
             args = parse_args(request.op, request.args, request.id)
@@ -303,9 +303,8 @@ class KvferryServer:
     def _start_transfer(self, identity: bytes, session: Session, request: Request, received: float) -> Any:
         """A STORE/RETRIEVE started on this thread (see kvferry.server.transfers): its answer now, None when a
         worker will send it, or _ON_WORKER when it runs on a worker from the start."""
-        if request.deadline is not None and time.time() > request.deadline:
-            late = ProtocolError(ErrorCode.DEADLINE_EXCEEDED, "the client stopped waiting before it could start")
-            return self._reply(request, received, late)
+        if _late(request):
+            return self._reply(request, received, _LATE)
 
         def start() -> Started | None:
             args = parse_args(request.op, request.args, request.id)
@@ -403,6 +402,14 @@ class KvferryServer:
             released.deferred,
         )
         return {"locks": len(released.locks), "registrations": released.registrations}
+
+
+_LATE = ProtocolError(ErrorCode.DEADLINE_EXCEEDED, "the client stopped waiting before it could start")
+
+
+def _late(request: Request) -> bool:
+    """Whether the client gave up on `request` before it could start (the server then does not start it)."""
+    return request.deadline is not None and time.time() > request.deadline
 
 
 def _attempt(run: Callable[[], Any]) -> Any:
