@@ -8,6 +8,7 @@ stages line up. Prints, per case, the median microseconds after the call of ever
 without a plain memcpy of the same bytes between requests (as `kvferry bench server` times them).
 
     PYTHONPATH=src python3 benchmarks/experiments/server_timeline.py [--model llama3-8b] [--reps 60] [--busy-poll-us N]
+        [--ipc]
 
 Answer (2026-12-01, H200 host, d79bcfb): a one-chunk llama3-8b RETRIEVE was read by the server 128 us after the
 client sent it, reached a worker 95 us later, and its answer left the copy's end 350 us behind (worker -> socket
@@ -58,19 +59,17 @@ def around(owner: Any, attr: str, before: str | None, after: str | None) -> None
 
 
 def install_engine_probes() -> None:
-    from kvferry.cache import engine, writer
+    from kvferry.cache import reader, writer
     from kvferry.transfer import handle
 
     around(writer, "transfer_pool_at_async", "enqueue_in", "enqueued")
     around(writer, "copy_chunks", "enqueue_in", "enqueued")
-    around(engine, "copy_chunks", "enqueue_in", "enqueued")
+    around(reader, "copy_chunks", "enqueue_in", "enqueued")
     around(handle.TransferHandle, "wait", "wait_in", "wait_out")
 
 
 def serve(out: str, argv: list[str]) -> int:
     """The server, probed; its events go to `out` when it exits."""
-    import zmq
-
     from kvferry.server import server, transfers
     from kvferry.server.app import run_from_command_line
 
@@ -81,17 +80,7 @@ def serve(out: str, argv: list[str]) -> int:
     around(transfers.Transfers, "run", "handler_in", "handler_out")
     around(transfers.Transfers, "start", "handler_in", "answered")
     around(server.KvferryServer, "_send_from_worker", None, "pushed")
-
-    def forward(self: Any, replies_in: Any, router: Any) -> None:
-        while True:
-            try:
-                frames = replies_in.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            router.send_multipart(frames)
-            stamp("forwarded")
-
-    server.KvferryServer._forward_replies = forward  # type: ignore[method-assign]
+    around(server.KvferryServer, "_forward_replies", None, "forwarded")
     atexit.register(lambda: Path(out).write_text(json.dumps(EVENTS)))
     return run_from_command_line(argv)
 
@@ -126,6 +115,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=60)
     parser.add_argument("--json")
     parser.add_argument("--busy-poll-us", default="0", help="the server's --busy-poll-us")
+    parser.add_argument("--ipc", action="store_true", help="connect through the server's Unix socket")
     args = parser.parse_args()
 
     from kvferry.bench.timing import CopyCeiling
@@ -147,12 +137,14 @@ def main() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     cmd = [sys.executable, __file__, "--serve", events_file, "--port", "0", "--no-http", "--chunk-size", str(chunk),
            "--l1-size-gb", "4", "--busy-poll-us", args.busy_poll_us]  # fmt: skip
+    if args.ipc:
+        cmd += ["--ipc", os.path.join(tempfile.mkdtemp(prefix="kvf-"), "server.sock")]
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
     endpoint = ""
     for line in proc.stderr:
         if "ready: zmq=" in line:
-            endpoint = line.split("ready: zmq=")[1].split()[0]
+            endpoint = line.split(" ipc=")[1].split()[0] if args.ipc else line.split("ready: zmq=")[1].split()[0]
             break
     threading.Thread(target=proc.stderr.read, daemon=True).start()
 

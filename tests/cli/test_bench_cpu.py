@@ -75,7 +75,7 @@ def test_server(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.
     doc, _ = run_bench(monkeypatch, tmp_path, "server", *args)
     cases = doc["results"]["cases"]
     assert list(cases) == [
-        "zmq_floor",
+        "floor",
         "ping",
         "lookup",
         "lookup_x32",
@@ -99,7 +99,7 @@ def test_server_over_its_unix_socket(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     )
     cases = doc["results"]["cases"]
     assert doc["config"]["ipc"] is True
-    assert cases["zmq_floor"]["p50_us"] > 0 and cases["retrieve_16chunk"]["p50_us"] > 0
+    assert cases["floor"]["p50_us"] > 0 and cases["retrieve_16chunk"]["p50_us"] > 0
 
 
 def test_server_engines(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

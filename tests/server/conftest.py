@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Iterator
 
 import pytest
@@ -17,10 +19,16 @@ def engine() -> FakeEngine:
 
 
 @pytest.fixture
-def server_config() -> ServerConfig:
-    return ServerConfig(
-        port=0, http_port=0, heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, max_message_bytes=64 * 1024
-    )
+def server_config() -> Iterator[ServerConfig]:
+    with tempfile.TemporaryDirectory(prefix="kvf-") as sockets:  # short: a Unix socket path has ~100 bytes at most
+        yield ServerConfig(
+            port=0,
+            http_port=0,
+            ipc_path=os.path.join(sockets, "server.sock"),
+            heartbeat_interval_s=0.1,
+            heartbeat_timeout_s=1.0,
+            max_message_bytes=64 * 1024,
+        )
 
 
 @pytest.fixture

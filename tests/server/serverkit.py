@@ -10,6 +10,7 @@ in the pool ask a tier that takes that long to answer (a frozen Redis, say).
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from concurrent.futures import Future
@@ -19,6 +20,7 @@ import torch
 from prometheus_client import CollectorRegistry, Counter
 
 from kvferry.cache import CacheNamespace
+from kvferry.server.unix_clients import HEADER, frame
 
 
 class Found(NamedTuple):
@@ -185,16 +187,39 @@ def process_state(pid: int) -> str:
 
 
 def raw_request(endpoint: str, op: str, args: dict[str, Any]) -> dict[str, Any]:
-    """One request over a bare DEALER socket (what a client library would refuse to send)."""
+    """One request over a bare DEALER socket, or the bare Unix socket of an ipc:// endpoint (what a client library
+    would refuse to send)."""
     import msgpack
     import zmq
 
+    request = msgpack.packb({"v": 1, "id": 1, "op": op, "args": args})
+    if endpoint.startswith("ipc://"):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as unix:
+            unix.settimeout(10)
+            unix.connect(endpoint.removeprefix("ipc://"))
+            unix.sendall(frame(request))
+            return msgpack.unpackb(read_frame(unix))
     with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as sock:
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(endpoint)
-        sock.send(msgpack.packb({"v": 1, "id": 1, "op": op, "args": args}))
+        sock.send(request)
         assert sock.poll(10_000), f"no reply to {op}"
         return msgpack.unpackb(sock.recv())
+
+
+def read_frame(unix: socket.socket) -> bytes:
+    """One frame off a bare Unix socket client (kvferry.server.unix_clients' framing)."""
+    (size,) = HEADER.unpack(_read_exactly(unix, HEADER.size))
+    return _read_exactly(unix, size)
+
+
+def _read_exactly(unix: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        more = unix.recv(n - len(data))
+        assert more, "the server closed the connection"
+        data += more
+    return data
 
 
 def shm_name(tensor: torch.Tensor) -> str:

@@ -17,6 +17,12 @@ FMT = 3  # NL_X_NB_BS_HS: one layer of [NB, BS, W] is what the fake engine copie
 NS = {"model": "fake-model"}
 
 
+@pytest.fixture(params=["tcp", "ipc"])
+def endpoint(request: pytest.FixtureRequest, server: KvferryServer) -> str:
+    """Each test over TCP (ZMQ) and over the server's Unix socket (kvferry.server.unix_clients)."""
+    return f"tcp://127.0.0.1:{server.port}" if request.param == "tcp" else str(server.ipc_endpoint)
+
+
 def test_handshake_reports_server_settings(client: KvferryClient, server: KvferryServer) -> None:
     hello = client.ping()
     assert hello["version"] == 1
@@ -150,7 +156,7 @@ def test_silent_session_times_out_but_heartbeats_keep_one_alive(
 
     ctx = zmq.Context()
     silent = ctx.socket(zmq.DEALER)
-    silent.connect(endpoint)
+    silent.connect(f"tcp://127.0.0.1:{server.port}")
     from kvferry.server.protocol import Op, encode_request
 
     silent.send(encode_request(Op.PING, 1, {}))

@@ -2,7 +2,8 @@
 
 The server runs in its own process (`python -m kvferry.server`), the client in this one, as an engine would.
 Cases (each a bounded number of requests):
-  zmq_floor        a bare ZMQ ROUTER echo in another process, same frames as PING: what loopback costs here
+  floor            a bare echo in another process, same frames as PING: what the transport costs here (a ZMQ
+                   ROUTER over loopback TCP; with --ipc, a plain Unix socket as the server's)
   ping             round trip of the smallest request through the client library and the server
   lookup           LOOKUP of a 4096-token prompt whose 16 chunks all hit
   lookup_x32       the same with 32 requests in flight (futures): throughput, not latency
@@ -23,6 +24,7 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -53,6 +55,7 @@ from kvferry.config import KvferryConfig
 from kvferry.formats import EngineKVFormat
 from kvferry.formats.synthetic import MODELS, make_paged
 from kvferry.server.protocol import Op, encode_request
+from kvferry.server.unix_clients import frame
 
 FMT = EngineKVFormat.NL_X_TWO_NB_BS_NH_HS
 CHUNK, BS, NB = 256, 16, 1024
@@ -98,38 +101,46 @@ class ServerProcess:
         self.proc.wait(timeout=60)
 
 
-# A bare ROUTER that echoes every message, in a process of its own: the floor under every latency measured here.
-# Plain pyzmq, so that it starts in a fraction of a second (no torch, no kvferry).
+# A bare echo of every message, in a process of its own: the floor under every latency measured here. A ZMQ
+# ROUTER, or with a path a plain Unix stream socket (whole frames arrive in one read at these sizes). Plain pyzmq
+# and sockets, so that it starts in a fraction of a second (no torch, no kvferry).
 _ECHO = """
-import sys, zmq
-router = zmq.Context().socket(zmq.ROUTER)
+import socket, sys, zmq
 if sys.argv[1:]:
-    router.bind(sys.argv[1])
-    print(sys.argv[1], flush=True)
-else:
-    print(f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}", flush=True)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(sys.argv[1])
+    listener.listen()
+    print(f"ipc://{sys.argv[1]}", flush=True)
+    conn, _ = listener.accept()
+    while data := conn.recv(1 << 16):
+        conn.sendall(data)
+router = zmq.Context().socket(zmq.ROUTER)
+print(f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}", flush=True)
 while True:
     router.send_multipart(router.recv_multipart())
 """
 
 
-def zmq_floor(n: int, ipc_endpoint: str | None = None) -> dict[str, float]:
-    """A bare ZMQ round trip over loopback TCP, or over `ipc_endpoint`'s Unix socket."""
-    echo_args = [ipc_endpoint] if ipc_endpoint else []
-    echo = subprocess.Popen([sys.executable, "-c", _ECHO, *echo_args], stdout=subprocess.PIPE, text=True)
-    ctx = zmq.Context()
-    dealer = ctx.socket(zmq.DEALER)
+def transport_floor(n: int, ipc_path: str | None = None) -> dict[str, float]:
+    """A bare round trip over loopback TCP through ZMQ, or over a plain Unix socket at `ipc_path`."""
+    echo = subprocess.Popen([sys.executable, "-c", _ECHO, *([ipc_path] if ipc_path else [])], stdout=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    request = encode_request(Op.PING, 1, {})
     try:
         assert echo.stdout is not None
         endpoint = echo.stdout.readline().strip()
         if "://" not in endpoint:
-            raise BenchError("the bare ZMQ echo process did not start")
-        dealer.connect(endpoint)
-        frame = encode_request(Op.PING, 1, {})
-        return latency_summary(timed(n, lambda i: (dealer.send(frame), dealer.recv()), lambda: None))
+            raise BenchError("the bare echo process did not start")
+        if ipc_path is not None:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as unix:
+                unix.connect(ipc_path)
+                framed = frame(request)
+                return latency_summary(timed(n, lambda i: (unix.sendall(framed), unix.recv(1 << 16)), lambda: None))
+        with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as dealer:
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.connect(endpoint)
+            return latency_summary(timed(n, lambda i: (dealer.send(request), dealer.recv()), lambda: None))
     finally:
-        dealer.close(linger=0)
-        ctx.term()
         echo.kill()
         echo.wait()
 
@@ -238,7 +249,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ipc",
         action="store_true",
-        help="connect through the server's Unix socket (its --ipc) instead of loopback TCP; the ZMQ floor too",
+        help="connect through the server's Unix socket (its --ipc: no ZMQ) instead of loopback TCP; the floor too",
     )
     parser.add_argument(
         "--busy-poll-us",
@@ -273,8 +284,8 @@ def _server_cases(
     """Every case through the server at `endpoint`, after the bare ZMQ `floor` measured over the same transport."""
     with KvferryClient(endpoint, timeout_s=120) as client:
         reg = client.register_kv_cache(kv, FMT, block_size=BS, namespace=NAMESPACE)
-        cases = {"zmq_floor": floor}
-        steps.done("zmq_floor")
+        cases = {"floor": floor}
+        steps.done("floor")
         cases.update(request_cases(client, reg, new_tokens(16), args.requests, steps))
         cases.update(
             transfer_cases(
@@ -320,7 +331,7 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
         server = ServerProcess(pool_gb=args.pool_gb, busy_poll_us=args.busy_poll_us, ipc_path=ipc_path)
         steps.done("server started")
         try:
-            floor = zmq_floor(args.requests, f"ipc://{socket_dir}/echo.sock" if socket_dir else None)
+            floor = transport_floor(args.requests, os.path.join(socket_dir, "echo.sock") if socket_dir else None)
             cases = _server_cases(server.endpoint, kv, floor, args, new_tokens, sync, steps, ceiling)
         finally:
             server.stop()

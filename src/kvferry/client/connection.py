@@ -43,7 +43,8 @@ from typing import Any
 import zmq
 
 from kvferry.client.errors import RegistrationLost, ServerError, ServerUnavailable
-from kvferry.client.link import CONNECTING, DOWN, UP, Link
+from kvferry.client.link import CONNECTING, DOWN, UP, Link, ZmqLink
+from kvferry.client.unix_link import UnixLink
 from kvferry.server.protocol import ErrorCode, Op, Reply, encode_request
 
 log = logging.getLogger("kvferry.client")
@@ -111,7 +112,7 @@ class Connection:
         outbox_in.bind(outbox_addr)
         self._outbox = self.context.socket(zmq.PUSH)  # wakes the thread; carries requests made before an answer
         self._outbox.connect(outbox_addr)
-        self._link = Link(self)
+        self._link = _new_link(self)
         self._thread = threading.Thread(target=self._run, args=(outbox_in,), name="kvferry-client", daemon=True)
         self._thread.start()
 
@@ -271,7 +272,8 @@ class Connection:
         poller = zmq.Poller()
         poller.register(outbox_in, zmq.POLLIN)
         link = self._link
-        poller.register(link.monitor, zmq.POLLIN)
+        if link.monitor is not None:
+            poller.register(link.monitor, zmq.POLLIN)
         watched: int | None = None
         due = 0.0  # when heartbeats, probes and deadlines are looked at next (not on every request's turn)
         try:
@@ -288,7 +290,7 @@ class Connection:
                 wait_ms = max(1, int(min(self.heartbeat_interval_s / 4, 0.25 if self.state is UP else 0.05) * 1e3))
                 ready = dict(poller.poll(timeout=wait_ms))
                 with self._socket_lock:
-                    if link.monitor in ready:
+                    if link.monitor is not None and link.monitor in ready:
                         link.on_events()
                     if outbox_in in ready:
                         link.forward(outbox_in)
@@ -304,12 +306,14 @@ class Connection:
                         if watched is not None:
                             poller.unregister(watched)
                             watched = None
-                        poller.unregister(link.monitor)
+                        if link.monitor is not None:
+                            poller.unregister(link.monitor)
                         link.close()
                         # Failed before the new session exists, so that no request made in it is failed.
                         self._fail_pending(RegistrationLost("request", ErrorCode.SESSION_ENDED, "the session ended"))
-                        self._link = link = Link(self)
-                        poller.register(link.monitor, zmq.POLLIN)
+                        self._link = link = _new_link(self)
+                        if link.monitor is not None:
+                            poller.register(link.monitor, zmq.POLLIN)
                     due = 0.0
                 if ticked:
                     self._expire_pending(now)
@@ -350,6 +354,8 @@ class Connection:
         self.max_message_bytes = hello.get("max_message_bytes", self.max_message_bytes)
         self.heartbeat_interval_s = hello.get("heartbeat_interval_s", self.heartbeat_interval_s)
         self.silence_timeout_s = hello.get("heartbeat_timeout_s", self.silence_timeout_s)
+        if isinstance(hello.get("session"), str):  # over the Unix socket the server names the session
+            self.session_id = bytes.fromhex(hello["session"])
         if isinstance(hello.get("time"), float):
             self._clock_offset = hello["time"] - (sent_wall + time.time()) / 2
 
@@ -413,3 +419,8 @@ def _drain_pipe(fd: int) -> None:
 
 
 __all__ = ["Connection"]
+
+
+def _new_link(conn: Connection) -> Link:
+    """The server's Unix socket for an ``ipc://`` endpoint (no ZMQ threads: `kvferry.client.unix_link`), else ZMQ."""
+    return UnixLink(conn) if conn.endpoint.startswith("ipc://") else ZmqLink(conn)

@@ -1,4 +1,5 @@
-"""One DEALER socket of a client under one session id, with its monitor, heartbeats and probes.
+"""A client's link to the server under one session: its heartbeats, probes and held requests (`Link`), over a ZMQ
+DEALER socket (`ZmqLink`) or the server's Unix socket (`kvferry.client.unix_link`).
 
 Every method runs under the connection's socket lock (ZMQ sockets are not thread-safe), on the client's background
 thread or on a caller's thread. Replies read are returned, not settled: the caller settles their futures once it has
@@ -11,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 import zmq
@@ -31,29 +33,23 @@ BACKOFF_S = 0.1  # first probe of an unreachable server; doubling up to BACKOFF_
 BACKOFF_MAX_S = 5.0
 
 
-class Link:
-    """A new `Link` (a new session id) replaces the old one when the server says the session ended (`rotate`)."""
+class Link(ABC):
+    """What every transport shares. A new link (a new session) replaces the old one when the server says the
+    session ended (`rotate`). A transport provides `fd` (readable when a reply may have come), `monitor` (a ZMQ
+    socket of connection events, or None), `on_events`, `payloads` (the reply frames waiting), `readable`,
+    `_send` (False when there is no live connection) and `close`, and `_connect` for a probe while down."""
+
+    fd: int
+    monitor: zmq.Socket | None
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         conn.set_state(CONNECTING)  # before the new id shows: nobody takes the old session's state for the new one's
         if conn.hello is not None:  # not the first link: the old session id is dead on the server
             conn.session_id = os.urandom(16)
-        self.dealer = conn.context.socket(zmq.DEALER)
-        self.dealer.setsockopt(zmq.ROUTING_ID, conn.session_id)
-        self.dealer.setsockopt(zmq.LINGER, 0)
-        self.dealer.setsockopt(zmq.IMMEDIATE, 1)  # frames queue only on a live connection: never sent late
-        self.dealer.setsockopt(zmq.RECONNECT_IVL, int(BACKOFF_S * 1e3))
-        self.dealer.setsockopt(zmq.RECONNECT_IVL_MAX, int(BACKOFF_MAX_S * 1e3))
-        # Readable when the socket may have something to read. Threads wait on this descriptor, never in a ZMQ
-        # call on the socket, so one thread may use the socket while others wait; and after any operation on
-        # the socket the holder reads what arrived, since that operation may have taken the descriptor's signal.
-        self.fd: int = self.dealer.getsockopt(zmq.FD)
-        self.monitor = self.dealer.get_monitor_socket(_EVENTS)
-        self.dealer.connect(conn.endpoint)
         self.closed = False
         self.rotate = False
-        self.held: list[zmq.Frame] = []  # requests made before the first reply
+        self.held: list[zmq.Frame | bytes] = []  # requests made before the first reply
         self.last_heard = time.monotonic()
         self.probe_id: int | None = None  # the PING in flight (a heartbeat, or a probe while down)
         self.probe_sent = 0.0
@@ -63,32 +59,32 @@ class Link:
 
     def close(self) -> None:
         self.closed = True
-        self.dealer.disable_monitor()
-        self.monitor.close(linger=0)
-        self.dealer.close(linger=0)
         for frame in self.held:
             self.conn.fail(_request_id(frame), ConnectionError("the client's session was replaced before it was sent"))
         self.held.clear()
 
-    # -- events --------------------------------------------------------------------------------------------
-
+    @abstractmethod
     def on_events(self) -> None:
-        while self.monitor.poll(0):
-            event = parse_monitor_message(self.monitor.recv_multipart())["event"]
-            state = self.conn.state
-            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.probe()  # a (re)connection: is anybody answering?
-            elif event == zmq.EVENT_DISCONNECTED and state is not DOWN:
-                self.down("the connection dropped")
-            elif event == zmq.EVENT_CONNECT_RETRIED and state is CONNECTING:
-                self.down("connection refused")
+        """Read the monitor's connection events."""
+
+    @abstractmethod
+    def payloads(self) -> list[bytes]: ...
+
+    @abstractmethod
+    def readable(self) -> bool: ...
+
+    @abstractmethod
+    def _send(self, frame: zmq.Frame | bytes) -> bool: ...
+
+    def _connect(self) -> bool:
+        """Before a probe: whether a connection is there to send it on (ZMQ reconnects by itself)."""
+        return True
 
     def receive(self) -> list[Reply]:
         """Read every reply waiting; handles the probes' and the session's own, returns the requests'."""
         conn = self.conn
         replies: list[Reply] = []
-        while self.dealer.getsockopt(_EVENTS_OPT) & _POLLIN:  # cheaper than a recv raising zmq.Again
-            payload = self.dealer.recv(zmq.NOBLOCK)
+        for payload in self.payloads():
             try:
                 reply = decode_reply(payload)
             except ProtocolError as exc:
@@ -107,10 +103,6 @@ class Link:
                 continue
             replies.append(reply)
         return replies
-
-    def readable(self) -> bool:
-        """Whether a reply waits (after an operation that may have taken the descriptor's signal)."""
-        return bool(self.dealer.getsockopt(_EVENTS_OPT) & _POLLIN)
 
     def forward(self, outbox_in: zmq.Socket) -> None:
         """Requests queued while the server had not answered yet: hold them, send them, or fail them."""
@@ -132,12 +124,11 @@ class Link:
 
     def send(self, frame: zmq.Frame | bytes, request_id: int | None = None) -> bool:
         """Send one request; False (the request failed with ServerUnavailable) when no connection is live."""
-        try:
-            self.dealer.send(frame, zmq.NOBLOCK, copy=False)
-        except zmq.Again:  # no live connection: it is not queued for later
+        if not self._send(frame):  # no live connection: it is not queued for later
             failed = ServerUnavailable(f"kvferry server {self.conn.endpoint}: not connected")
             self.conn.fail(_request_id(frame) if request_id is None else request_id, failed)
-            self.down("not connected")
+            if self.conn.state is not DOWN:  # a transport that saw its connection fail went down already
+                self.down("not connected")
             return False
         return True
 
@@ -181,12 +172,65 @@ class Link:
 
     def probe(self) -> None:
         """Send a PING (a heartbeat, a first handshake, or a probe of a server thought gone)."""
+        if not self._connect():
+            return
         probe_id = self.conn.next_id()
-        try:
-            self.dealer.send(encode_request(Op.PING, probe_id, {}), zmq.NOBLOCK)
-        except zmq.Again:
+        if not self._send(encode_request(Op.PING, probe_id, {})):
             return  # not connected (yet): ZMQ keeps reconnecting; the handshake event probes again
         self.probe_id, self.probe_sent, self.probe_wall = probe_id, time.monotonic(), time.time()
+
+
+class ZmqLink(Link):
+    """One ZMQ DEALER socket under one session id, and its monitor."""
+
+    def __init__(self, conn: Connection) -> None:
+        super().__init__(conn)
+        self.dealer = conn.context.socket(zmq.DEALER)
+        self.dealer.setsockopt(zmq.ROUTING_ID, conn.session_id)
+        self.dealer.setsockopt(zmq.LINGER, 0)
+        self.dealer.setsockopt(zmq.IMMEDIATE, 1)  # frames queue only on a live connection: never sent late
+        self.dealer.setsockopt(zmq.RECONNECT_IVL, int(BACKOFF_S * 1e3))
+        self.dealer.setsockopt(zmq.RECONNECT_IVL_MAX, int(BACKOFF_MAX_S * 1e3))
+        # Readable when the socket may have something to read. Threads wait on this descriptor, never in a ZMQ
+        # call on the socket, so one thread may use the socket while others wait; and after any operation on
+        # the socket the holder reads what arrived, since that operation may have taken the descriptor's signal.
+        self.fd: int = self.dealer.getsockopt(zmq.FD)
+        self.monitor = self.dealer.get_monitor_socket(_EVENTS)
+        self.dealer.connect(conn.endpoint)
+
+    def close(self) -> None:
+        self.dealer.disable_monitor()
+        self.monitor.close(linger=0)
+        self.dealer.close(linger=0)
+        super().close()
+
+    def on_events(self) -> None:
+        while self.monitor.poll(0):
+            event = parse_monitor_message(self.monitor.recv_multipart())["event"]
+            state = self.conn.state
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.probe()  # a (re)connection: is anybody answering?
+            elif event == zmq.EVENT_DISCONNECTED and state is not DOWN:
+                self.down("the connection dropped")
+            elif event == zmq.EVENT_CONNECT_RETRIED and state is CONNECTING:
+                self.down("connection refused")
+
+    def payloads(self) -> list[bytes]:
+        out = []
+        while self.dealer.getsockopt(_EVENTS_OPT) & _POLLIN:  # cheaper than a recv raising zmq.Again
+            out.append(self.dealer.recv(zmq.NOBLOCK))
+        return out
+
+    def readable(self) -> bool:
+        """Whether a reply waits (after an operation that may have taken the descriptor's signal)."""
+        return bool(self.dealer.getsockopt(_EVENTS_OPT) & _POLLIN)
+
+    def _send(self, frame: zmq.Frame | bytes) -> bool:
+        try:
+            self.dealer.send(frame, zmq.NOBLOCK, copy=False)
+        except zmq.Again:  # no live connection: it is not queued for later
+            return False
+        return True
 
 
 def _request_id(frame: zmq.Frame | bytes) -> int:

@@ -10,15 +10,17 @@ import stat
 import zmq
 
 from kvferry.server.config import ServerConfig
+from kvferry.server.unix_clients import listen
 
 
 class ServerStartError(OSError):
     """The server could not open one of its ports; the message names which one and why."""
 
 
-def bind_clients(router: zmq.Socket, config: ServerConfig) -> tuple[int, str | None]:
-    """Bind `router` to the configured TCP port (0: a free one) and Unix socket; returns the TCP port and the ipc
-    endpoint (None without one). ServerStartError, naming the endpoint, if either cannot be bound."""
+def bind_clients(router: zmq.Socket, config: ServerConfig) -> tuple[int, socket.socket | None]:
+    """Bind `router` to the configured TCP port (0: a free one) and listen on the Unix socket (served without ZMQ:
+    `kvferry.server.unix_clients`); returns the TCP port and the Unix listener (None without one).
+    ServerStartError, naming the endpoint, if either cannot be bound."""
     host, port = config.host, config.port
     try:
         if port == 0:
@@ -29,23 +31,21 @@ def bind_clients(router: zmq.Socket, config: ServerConfig) -> tuple[int, str | N
         raise ServerStartError(f"cannot listen for clients on tcp://{host}:{config.port}: {exc}") from exc
     if config.ipc_path is None:
         return port, None
-    endpoint = f"ipc://{config.ipc_path}"
     try:
         _check_ipc_path(config.ipc_path)
-        router.bind(endpoint)
-    except (zmq.ZMQError, OSError) as exc:
-        raise ServerStartError(f"cannot listen for clients on {endpoint}: {exc}") from exc
-    return port, endpoint
+        return port, listen(config.ipc_path)
+    except OSError as exc:
+        raise ServerStartError(f"cannot listen for clients on ipc://{config.ipc_path}: {exc}") from exc
 
 
 def remove_ipc_socket(path: str) -> None:
-    """The server's Unix socket file, removed once it is closed (libzmq leaves it behind)."""
+    """The server's Unix socket file, removed once it is closed (closing a socket leaves its file behind)."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
 
 
 def _check_ipc_path(path: str) -> None:
-    """Refuse a Unix socket path that is not free: ZMQ's bind would delete whatever is there, a live server's socket
+    """Refuse a Unix socket path that is not free: binding deletes whatever is there, a live server's socket
     (which then loses every new client to this one) or any other file. A socket nobody listens on is left over by a
     server that died: that one is taken over."""
     try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -43,6 +44,7 @@ from kvferry.server.protocol import (
 from kvferry.server.requests import parse_args
 from kvferry.server.sessions import Session, SessionTable
 from kvferry.server.transfers import Started
+from kvferry.server.unix_clients import UnixClients
 
 log = logging.getLogger("kvferry.server")
 
@@ -92,6 +94,7 @@ class KvferryServer:
         self._http: HttpSidePort | None = None
         self.port: int = config.port
         self.ipc_endpoint: str | None = None  # ipc://PATH when config.ipc_path is set
+        self._unix: UnixClients | None = None  # its clients (loop only)
         self.http_port: int | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------------------
@@ -105,10 +108,12 @@ class KvferryServer:
         router.setsockopt(zmq.MAXMSGSIZE, 2 * self.config.max_message_bytes)
         host = self.config.host
         try:
-            self.port, self.ipc_endpoint = bind_clients(router, self.config)
+            self.port, unix_listener = bind_clients(router, self.config)
         except ServerStartError:
             router.close(linger=0)
             raise
+        if unix_listener is not None:
+            self.ipc_endpoint = f"ipc://{self.config.ipc_path}"
         if self.config.http_port is not None:
             try:
                 self._http = HttpSidePort(
@@ -116,6 +121,8 @@ class KvferryServer:
                 )
             except OSError as exc:
                 router.close(linger=0)
+                if unix_listener is not None:
+                    unix_listener.close()
                 reason = exc.strerror or str(exc)
                 raise ServerStartError(f"cannot serve HTTP on {host}:{self.config.http_port}: {reason}") from exc
             self.http_port = self._http.port
@@ -127,7 +134,7 @@ class KvferryServer:
         if self.engine.tiers:
             self._tier_watch = TierWatch(lambda: self.engine.tiers, self.config.tier_check_interval_s)
         self._loop_thread = threading.Thread(
-            target=self._loop, args=(router, monitor, replies_in), name="kvferry-server", daemon=True
+            target=self._loop, args=(router, monitor, replies_in, unix_listener), name="kvferry-server", daemon=True
         )
         self._loop_thread.start()
 
@@ -186,10 +193,14 @@ class KvferryServer:
 
     # -- the socket loop ------------------------------------------------------------------------------------
 
-    def _loop(self, router: zmq.Socket, monitor: zmq.Socket, replies_in: zmq.Socket) -> None:
+    def _loop(
+        self, router: zmq.Socket, monitor: zmq.Socket, replies_in: zmq.Socket, unix_listener: socket.socket | None
+    ) -> None:
         poller = zmq.Poller()
         for sock in (router, monitor, replies_in):
             poller.register(sock, zmq.POLLIN)
+        if unix_listener is not None:
+            self._unix = UnixClients(unix_listener, poller, self.config.max_message_bytes)
         sweep_every = min(self.config.heartbeat_interval_s, self.config.heartbeat_timeout_s / 4)
         last_turn = self._clock()
         next_sweep = last_turn + sweep_every
@@ -211,6 +222,8 @@ class KvferryServer:
                 if replies_in in ready:
                     self._forward_replies(replies_in, router)
                 drained = router not in ready or self._serve_requests(router, monitor)
+                if self._unix is not None and ready:
+                    self._unix.serve(ready, self._serve_unix, self._unix_ended)
                 # Sweep only with no request waiting: after a stall, queued heartbeats count first.
                 if drained and self._clock() >= next_sweep:
                     next_sweep = self._clock() + sweep_every
@@ -220,6 +233,8 @@ class KvferryServer:
             self._tier_workers.shutdown(wait=True)
             self._forward_replies(replies_in, router)
         finally:
+            if self._unix is not None:
+                self._unix.close()
             router.disable_monitor()
             for sock in (monitor, replies_in, router):
                 sock.close(linger=0)
@@ -232,40 +247,65 @@ class KvferryServer:
             except zmq.Again:
                 return True
             identity = frames[0].bytes
-            try:
-                reply = self._accept(identity, frames[1:], monitor)
-            except Exception as exc:  # a bug must cost one request, never the socket loop
-                log.exception("request from %s could not be handled", identity.hex())
-                reply = self._refuse(None, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            if len(frames) != 2:
+                reply = self._refuse(None, ErrorCode.MALFORMED, f"a request is one frame, got {len(frames) - 1}")
+            else:
+                reply = self._serve_one(identity, frames[1].buffer, frames[1], monitor)
             if reply is not None:
                 router.send_multipart([identity, reply])
-            if self._to_finish is not None:
-                self._workers.submit(self._finish_transfer, *self._to_finish)
-                self._to_finish = None
+            self._hand_over()
         return False
 
-    def _accept(self, identity: bytes, frames: list[zmq.Frame], monitor: zmq.Socket) -> bytes | None:
-        """Parse one request; returns the reply now, or None when a worker will send it."""
+    def _serve_unix(self, identity: bytes, payload: bytes) -> None:
+        """One request from a client of the Unix socket (see kvferry.server.unix_clients)."""
+        assert self._unix is not None
+        reply = self._serve_one(identity, payload, None, None)
+        if reply is not None:
+            self._unix.send(identity, reply)
+        self._hand_over()
+
+    def _unix_ended(self, identity: bytes) -> None:
+        self._end_session(identity, "disconnect")
+
+    def _hand_over(self) -> None:
+        """After a request's answer is sent: the rest of a transfer started on this thread goes to a worker."""
+        if self._to_finish is not None:
+            self._workers.submit(self._finish_transfer, *self._to_finish)
+            self._to_finish = None
+
+    def _serve_one(
+        self, identity: bytes, payload: memoryview | bytes, source: zmq.Frame | None, monitor: zmq.Socket | None
+    ) -> bytes | None:
+        try:
+            return self._accept(identity, payload, source, monitor)
+        except Exception as exc:  # a bug must cost one request, never the socket loop
+            log.exception("request from %s could not be handled", identity.hex())
+            return self._refuse(None, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+    def _accept(
+        self, identity: bytes, payload: memoryview | bytes, source: zmq.Frame | None, monitor: zmq.Socket | None
+    ) -> bytes | None:
+        """Parse one request (from ZMQ frame `source`, or from the Unix socket: None); returns the reply now, or
+        None when a worker will send it."""
         received = self._clock()
-        if len(frames) != 1:
-            return self._refuse(None, ErrorCode.MALFORMED, f"a request is one frame, got {len(frames)}")
-        frame = frames[0]
         session = self._sessions.touch(identity)
         if session is None:
-            # A new client may sit on the descriptor of one that just left: end that one first (its
-            # disconnect event was queued before the descriptor could be reused).
-            self._drain_monitor(monitor)
+            if source is not None and monitor is not None:
+                # A new client may sit on the descriptor of one that just left: end that one first (its
+                # disconnect event was queued before the descriptor could be reused).
+                self._drain_monitor(monitor)
             if self._sessions.was_ended(identity):  # frames queued by a client that is gone: never reopen
-                return self._refuse_ended(identity, frame)
-            session = self._sessions.open(identity, frame.get(zmq.SRCFD))
-        if len(frame) > self.config.max_message_bytes:
+                return self._refuse_ended(identity, payload)
+            # A Unix socket client's session ends with its connection (not found by descriptor: -1).
+            session = self._sessions.open(identity, -1 if source is None else source.get(zmq.SRCFD))
+        if len(payload) > self.config.max_message_bytes:
             return self._refuse(
                 None,
                 ErrorCode.TOO_LARGE,
-                f"request of {len(frame)} bytes exceeds max_message_bytes={self.config.max_message_bytes}",
+                f"request of {len(payload)} bytes exceeds max_message_bytes={self.config.max_message_bytes}",
             )
         try:
-            request = decode_request(frame.buffer)
+            request = decode_request(payload)
         except ProtocolError as exc:
             return self._refuse(exc.request_id, exc.code, exc.message)
         if self._stopping.is_set():
@@ -352,11 +392,11 @@ class KvferryServer:
         self.metrics.record(request.op.value, status, self._clock() - received)
         return reply
 
-    def _refuse_ended(self, identity: bytes, frame: zmq.Frame) -> bytes:
+    def _refuse_ended(self, identity: bytes, payload: memoryview | bytes) -> bytes:
         request_id = None
-        if len(frame) <= self.config.max_message_bytes:
+        if len(payload) <= self.config.max_message_bytes:
             try:
-                request_id = decode_request(frame.buffer).id
+                request_id = decode_request(payload).id
             except ProtocolError as exc:
                 request_id = exc.request_id
         message = f"session {identity.hex()} was ended by the server; connect under a new id and register again"
@@ -372,7 +412,11 @@ class KvferryServer:
                 frames = replies_in.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            router.send_multipart(frames)  # to a departed client ROUTER drops it silently
+            identity = frames[0].bytes
+            if self._unix is not None and identity in self._unix:
+                self._unix.send(identity, frames[1].bytes)
+            else:
+                router.send_multipart(frames)  # to a departed client ROUTER drops it silently
 
     def _drain_monitor(self, monitor: zmq.Socket) -> None:
         while monitor.poll(0):
