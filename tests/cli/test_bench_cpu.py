@@ -103,8 +103,9 @@ def test_server_over_its_unix_socket(monkeypatch: pytest.MonkeyPatch, tmp_path: 
 
 
 def test_server_engines(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    args = ("--engines", "2", "--rounds", "3", "--think-ms", "0", "--pool-gb", "0.25")
+    args = ("--engines", "2", "--rounds", "3", "--think-ms", "0", "--pool-gb", "0.25", "--ipc")
     doc, _ = run_bench(monkeypatch, tmp_path, "server-engines", *args)
+    assert doc["config"]["ipc"] is True
     ops = doc["results"]["ops"]
     assert list(ops) == ["lookup", "store_1chunk", "retrieve_1chunk"]
     for row in ops.values():

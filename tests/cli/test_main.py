@@ -58,7 +58,7 @@ FLAGS = {
     "pool": ("--ops", "--capacity-mib"),
     "tiers": ("--dir", "--total-mib", "--reps", "--redis-url", "--objects"),
     "server": ("--requests", "--transfers", "--model", "--device", "--pool-gb", "--busy-poll-us", "--ipc"),
-    "server-engines": ("--engines", "--rounds", "--think-ms", "--model", "--device", "--pool-gb"),
+    "server-engines": ("--engines", "--rounds", "--think-ms", "--model", "--device", "--pool-gb", "--ipc"),
     "gpu-transfer": ("--reps", "--sections"),
     "cache-gpu": (),
     "vllm-ttft": ("--prompt-tokens", "--prompts", "--layers", "--hidden", "--chunk-size", "--dtype"),

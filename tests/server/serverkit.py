@@ -256,9 +256,10 @@ def blocks(kv: list[torch.Tensor], ids: list[int]) -> torch.Tensor:
 
 
 class ServerProcess:
-    """`python -m kvferry.server` on free ports; `stop()` sends SIGTERM and returns the exit status."""
+    """`python -m kvferry.server` on free ports, and a Unix socket (`ipc_endpoint`) with `ipc=True`; `stop()` sends
+    SIGTERM and returns the exit status."""
 
-    def __init__(self, *flags: str) -> None:
+    def __init__(self, *flags: str, ipc: bool = False) -> None:
         import os
         import re
         import subprocess
@@ -271,14 +272,19 @@ class ServerProcess:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
         env = {k: v for k, v in env.items() if not k.startswith("KVFERRY_")}
         cmd = [sys.executable, "-m", "kvferry.server", "--port", "0", "--http-port", "0", *flags]
+        if ipc:
+            import tempfile
+
+            cmd += ["--ipc", os.path.join(tempfile.mkdtemp(prefix="kvf-"), "server.sock")]
+        self.ipc_endpoint: str | None = None
         self.proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
         self.log: list[str] = []
-        ready = re.compile(r"ready: zmq=(tcp://[\d.]+:(\d+)) http=http://[\d.]+:(\d+)")
+        ready = re.compile(r"ready: zmq=(tcp://[\d.]+:(\d+)) http=http://[\d.]+:(\d+)(?: ipc=(ipc://\S+))?")
         for line in self.proc.stderr:  # type: ignore[union-attr]
             self.log.append(line)
             match = ready.search(line)
             if match:
-                self.endpoint, self.http_port = match.group(1), int(match.group(3))
+                self.endpoint, self.http_port, self.ipc_endpoint = match.group(1), int(match.group(3)), match.group(4)
                 break
         else:
             raise RuntimeError("server exited before it was ready:\n" + "".join(self.log))

@@ -29,9 +29,15 @@ NS = {"model": "tests/done-flags"}
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    proc = ServerProcess("--chunk-size", str(CHUNK), "--l1-size-gb", "2")
+    proc = ServerProcess("--chunk-size", str(CHUNK), "--l1-size-gb", "2", ipc=True)
     yield proc
     assert proc.stop() == 0, "".join(proc.log)
+
+
+@pytest.fixture(params=["tcp", "ipc"])
+def endpoint(request: pytest.FixtureRequest, server: ServerProcess) -> str:
+    """Over ZMQ (TCP) and over the server's Unix socket (no ZMQ)."""
+    return server.endpoint if request.param == "tcp" else str(server.ipc_endpoint)
 
 
 @pytest.fixture(scope="module")
@@ -59,13 +65,13 @@ def raw_transfer(client: KvferryClient, op: Op, reg: int, tokens: list[int], ids
 
 
 def test_a_transfer_is_answered_before_its_copy_ends_and_the_flag_shows_the_end(
-    server: ServerProcess, kv: list[torch.Tensor]
+    endpoint: str, kv: list[torch.Tensor]
 ) -> None:
     src, dst = list(range(0, 16 * PER_CHUNK)), list(range(16 * PER_CHUNK, 32 * PER_CHUNK))
     for layer in kv:
         layer[:, src] = torch.randn_like(layer[:, src])
     expected = blocks(kv, src)
-    with KvferryClient(server.endpoint, timeout_s=60) as client:
+    with KvferryClient(endpoint, timeout_s=60) as client:
         reg = client.register_kv_cache(kv, FMT, block_size=BS, namespace=NS)
         flags = client._done_flags[reg]
         early = 0
@@ -88,8 +94,8 @@ def test_a_transfer_is_answered_before_its_copy_ends_and_the_flag_shows_the_end(
         assert early >= 3, "the answers came only after the copies ended"
 
 
-def test_plain_and_async_calls_through_flags_are_bit_exact(server: ServerProcess, kv: list[torch.Tensor]) -> None:
-    with KvferryClient(server.endpoint, timeout_s=60) as client:
+def test_plain_and_async_calls_through_flags_are_bit_exact(endpoint: str, kv: list[torch.Tensor]) -> None:
+    with KvferryClient(endpoint, timeout_s=60) as client:
         reg = client.register_kv_cache(kv, FMT, block_size=BS, namespace=NS)
         written = []
         for i in range(12):
@@ -114,12 +120,14 @@ def test_plain_and_async_calls_through_flags_are_bit_exact(server: ServerProcess
         assert sorted(client._done_flags[reg]._free) == list(range(64))  # every slot back
 
 
-def test_a_server_killed_mid_copy_never_shows_done(kv: list[torch.Tensor]) -> None:
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_a_server_killed_mid_copy_never_shows_done(transport: str, kv: list[torch.Tensor]) -> None:
     """The premise of trusting the flag: a server that dies with the copy running never writes it (its pending GPU
     work is dropped), and the waiting client hears that the server is gone instead."""
-    proc = ServerProcess("--chunk-size", str(CHUNK), "--l1-size-gb", "2", "--heartbeat-timeout", "5")
+    proc = ServerProcess("--chunk-size", str(CHUNK), "--l1-size-gb", "2", "--heartbeat-timeout", "5",
+                         ipc=transport == "ipc")  # fmt: skip
     src = list(range(0, 16 * PER_CHUNK))  # 512 MiB: ~10 ms over PCIe, against ~1-2 ms for the answer
-    with KvferryClient(proc.endpoint, timeout_s=20) as client:
+    with KvferryClient(proc.endpoint if transport == "tcp" else str(proc.ipc_endpoint), timeout_s=20) as client:
         reg = client.register_kv_cache(kv, FMT, block_size=BS, namespace=NS)
         tokens = tokens_at(9 * 10**7, 16)
         assert client.store(reg, tokens, src) == 16 * CHUNK

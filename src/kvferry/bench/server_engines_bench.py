@@ -11,8 +11,11 @@ engines share the host link: --think-ms sets how much of it they ask for.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
+import os
 import statistics
+import tempfile
 import time
 from typing import Any
 
@@ -44,6 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the engines' KV lives")
     parser.add_argument("--pool-gb", type=float, default=4.0, help="the server's host pool (default: %(default)s)")
+    parser.add_argument("--ipc", action="store_true", help="engines connect through the server's Unix socket (no ZMQ)")
     add_json_argument(parser)
 
 
@@ -57,16 +61,20 @@ def check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace, steps: Steps) -> Outcome:
     steps.expect(3)
-    server = ServerProcess(pool_gb=args.pool_gb)
-    steps.done("server started")
-    ctx = mp.get_context("spawn")  # CUDA in children: never fork a process that may have touched it
-    try:
-        alone = _run_engines(ctx, server.endpoint, args, 1)[0]
-        steps.done("one engine alone")
-        together = _run_engines(ctx, server.endpoint, args, args.engines)
-        steps.done(f"{args.engines} engines at once")
-    finally:
-        server.stop()
+    with contextlib.ExitStack() as stack:
+        ipc_path = None
+        if args.ipc:
+            ipc_path = os.path.join(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvferry-")), "server.sock")
+        server = ServerProcess(pool_gb=args.pool_gb, ipc_path=ipc_path)
+        steps.done("server started")
+        ctx = mp.get_context("spawn")  # CUDA in children: never fork a process that may have touched it
+        try:
+            alone = _run_engines(ctx, server.endpoint, args, 1)[0]
+            steps.done("one engine alone")
+            together = _run_engines(ctx, server.endpoint, args, args.engines)
+            steps.done(f"{args.engines} engines at once")
+        finally:
+            server.stop()
     rows = {}
     for op in OPS:
         p50s = [_pct(engine[op], 50) for engine in together]
@@ -81,7 +89,7 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
         row["slowdown_p50"] = row["together_worst_p50_us"] / row["alone_p50_us"]
         row["slowdown_p99"] = worst_p99 / row["alone_p99_us"]
         rows[op] = row
-    config = {key: getattr(args, key) for key in ("engines", "rounds", "think_ms", "model", "device", "pool_gb")}
+    config = {key: getattr(args, key) for key in ("engines", "rounds", "think_ms", "model", "device", "pool_gb", "ipc")}
     return Outcome(config, {"ops": rows}, _show(args, rows), device=args.device)
 
 
