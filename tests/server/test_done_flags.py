@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvferry.client import KvferryClient, ServerError
+from kvferry.client import KvferryClient, ServerError, done_flags
 from kvferry.client.done_flags import DoneFlags, FlagWatch
 from kvferry.server.protocol import Op, pack_ids
 from tests.server.serverkit import random_kv
@@ -68,6 +68,43 @@ def test_wait_gives_up_at_its_deadline_and_when_the_server_is_gone() -> None:
 
     with pytest.raises(ConnectionError, match="server gone"):
         flags.wait(slot, seq, time.monotonic() + 5, gone)
+
+
+def test_a_copy_a_lost_server_still_finishes_counts_and_one_that_does_not_fails_after_the_grace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(done_flags, "LOST_DRAIN_S", 0.3)
+    flags = DoneFlags(slots=4)
+
+    def gone() -> None:
+        raise ConnectionError("server gone")
+
+    slot, seq = flags.take()  # type: ignore[misc]
+    writer = write_later(flags, slot, seq, after_s=0.1)  # the torn-down server's queued copy ends after all
+    flags.wait(slot, seq, time.monotonic() + 5, gone)
+    writer.join()
+    slot, seq = flags.take()  # type: ignore[misc]
+    started = time.monotonic()
+    with pytest.raises(ConnectionError, match="server gone"):
+        flags.wait(slot, seq, time.monotonic() + 5, gone)
+    assert 0.3 <= time.monotonic() - started < 2
+    watch = FlagWatch(gone)
+    try:
+        finished: Future[Any] = Future()
+        slot, seq = flags.take()  # type: ignore[misc]
+        watch.watch(flags, slot, seq, finished, "done", time.monotonic() + 5)
+        writer = write_later(flags, slot, seq, after_s=0.1)
+        assert finished.result(timeout=5) == "done"
+        writer.join()
+        failed: Future[Any] = Future()
+        slot, seq = flags.take()  # type: ignore[misc]
+        started = time.monotonic()
+        watch.watch(flags, slot, seq, failed, "done", time.monotonic() + 5)
+        with pytest.raises(ConnectionError, match="server gone"):
+            failed.result(timeout=5)
+        assert 0.3 <= time.monotonic() - started < 2
+    finally:
+        watch.close()
 
 
 def test_flag_watch_resolves_futures_as_their_words_show() -> None:

@@ -7,6 +7,11 @@ number into the word once the copy is done. Reading the word is a load from memo
 A slot is reused only after its number was seen, so a word never holds a number a later request could mistake for
 its own. A request that ends without its number seen (a timeout, the server lost) keeps its slot out of use: the
 server may still write it. With every slot out of use a request is answered after its copy, as without flags.
+
+A server lost with a copy enqueued may still carry it out: on the H200 (2026-12-01) a server SIGKILLed mid-copy
+had its queued copy and flag write completed as its process was torn down, after its socket had closed. So the
+flag is watched for `LOST_DRAIN_S` more once the server is lost: shown, the transfer succeeded (the write is
+ordered after the copy: every byte is there); not shown, it fails, and its blocks are the engine's again.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch
 from kvferry.client.kv_export import export_kv
 
 SLOTS = 64
+LOST_DRAIN_S = 1.0  # a lost server's copy in flight ends within this (a 16-chunk llama3-8b copy takes ~10 ms)
 _PAGE_WORDS = 1024  # one 4 KiB page: what the server registers with the driver
 
 
@@ -62,12 +68,34 @@ class DoneFlags:
         TimeoutError at `deadline` (time.monotonic())."""
         spin_until = time.monotonic() + spin_s
         view = self._view
+        lost: _Lost | None = None
         while int(view[slot]) != seq:
             now = time.monotonic()
             if now > deadline:
                 raise TimeoutError("the transfer was enqueued but did not finish before the client's timeout")
-            check()
+            lost = _check(check, lost, now)
             time.sleep(0 if now < spin_until else 50e-6)
+
+
+@dataclass(frozen=True, slots=True)
+class _Lost:
+    """The server was found lost (`error`); its copy may still end until `until` (time.monotonic())."""
+
+    error: Exception
+    until: float
+
+
+def _check(check: Callable[[], None], lost: _Lost | None, now: float) -> _Lost | None:
+    """`check()` while the server is up; once lost, the error again after `LOST_DRAIN_S` (see the module)."""
+    if lost is None:
+        try:
+            check()
+        except Exception as exc:
+            return _Lost(exc, now + LOST_DRAIN_S)
+        return None
+    if now > lost.until:
+        raise lost.error
+    return lost
 
 
 @dataclass(slots=True)
@@ -78,6 +106,7 @@ class _Watched:
     future: Future[Any]
     value: Any
     deadline: float
+    lost: _Lost | None = None
 
 
 class FlagWatch:
@@ -132,8 +161,8 @@ class FlagWatch:
                     finished.append((item, TimeoutError("the transfer did not finish before the client's timeout")))
                 else:
                     try:
-                        self._check()
-                    except Exception as exc:  # the server is gone: nobody will write the flag
+                        item.lost = _check(self._check, item.lost, now)
+                    except Exception as exc:  # the server is gone, and its copy did not end after all
                         finished.append((item, exc))
             if finished:
                 with self._cond:
