@@ -159,7 +159,7 @@ def test_a_server_killed_mid_copy_ends_the_wait_with_every_byte_or_none_later(
             time.sleep(0.5)
             assert not flags.is_set(slot, seq)
             assert torch.equal(blocks(kv, dst), after_failure)  # no late write into blocks the engine got back
-            print(f"killed mid-copy ({transport}): the copy was dropped")  # noqa: T201 (for the log, with -s)
+            print(f"killed mid-copy ({transport}): the copy was dropped")  # for the log (with -s)
         else:
             assert torch.equal(blocks(kv, dst), expected)  # shown: every byte is there
-            print(f"killed mid-copy ({transport}): the copy ended")  # noqa: T201
+            print(f"killed mid-copy ({transport}): the copy ended")
