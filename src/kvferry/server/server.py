@@ -260,8 +260,8 @@ class KvferryServer:
         """One request from a client of the Unix socket (see kvferry.server.unix_clients)."""
         assert self._unix is not None
         reply = self._serve_one(identity, payload, None, None)
-        if reply is not None:
-            self._unix.send(identity, reply)
+        if reply is not None:  # a transfer's answer leaves now, before its rest goes to a worker
+            self._unix.send(identity, reply, hold=self._to_finish is None)
         self._hand_over()
 
     def _unix_ended(self, identity: bytes) -> None:

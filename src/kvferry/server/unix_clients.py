@@ -42,10 +42,11 @@ class _Client:
     session_id: bytes
     inbox: bytearray = field(default_factory=bytearray)
     outbox: bytearray = field(default_factory=bytearray)
+    blocked: bool = False  # the socket took less than the outbox: waiting to be writable (POLLOUT)
 
 
-# handle(session id, request payload) -> the reply now, or None when a worker will send it
-Handler = Callable[[bytes, bytes], bytes | None]
+# handle(session id, request payload): replies with `UnixClients.send` (held: see there), now or from a worker
+Handler = Callable[[bytes, bytes], None]
 
 
 class UnixClients:
@@ -73,32 +74,24 @@ class UnixClients:
             if client is None:
                 continue
             if events & zmq.POLLOUT:
-                self._flush(client)
+                self._writable(client)
             if events & (zmq.POLLIN | zmq.POLLERR) and not self._read(client, handle):
                 self._drop(client)
                 ended(client.session_id)
 
-    def send(self, session_id: bytes, payload: bytes) -> bool:
-        """Send a reply to the client of `session_id`; False if it has gone (its reply is dropped, as ZMQ does)."""
+    def send(self, session_id: bytes, payload: bytes, *, hold: bool = False) -> bool:
+        """Send a reply to the client of `session_id`; False if it has gone (its reply is dropped, as ZMQ does).
+        `hold`: queue it, to go with the other replies to the requests read in the same batch (one system call
+        for a client's 32 LOOKUPs in flight, say); they leave once the batch is handled."""
         client = self._by_session.get(session_id)
         if client is None:
             return False
-        data = frame(payload)
-        if client.outbox:
-            client.outbox += data
-        else:
-            try:
-                sent = client.sock.send(data)
-            except BlockingIOError:
-                sent = 0
-            except OSError:
-                return True  # gone: its read side reports it and ends the session
-            if sent < len(data):
-                client.outbox += memoryview(data)[sent:]
-                self._poller.modify(client.sock.fileno(), zmq.POLLIN | zmq.POLLOUT)
+        client.outbox += frame(payload)
         if len(client.outbox) > _UNSENT_LIMIT:
             log.warning("session %s dropped: %d bytes of replies unread", session_id.hex(), len(client.outbox))
             client.sock.shutdown(socket.SHUT_RDWR)  # its next read sees the end and ends the session
+        elif not hold:
+            self._flush(client)
         return True
 
     def close(self) -> list[bytes]:
@@ -151,24 +144,31 @@ class UnixClients:
                     break
                 payload = bytes(inbox[start + HEADER.size : end])
                 start = end
-                reply = handle(client.session_id, payload)
-                if reply is not None:
-                    self.send(client.session_id, reply)
+                handle(client.session_id, payload)
             del inbox[:start]
+            self._flush(client)
             if len(data) < _READ_BYTES:
                 return True
 
     def _flush(self, client: _Client) -> None:
+        if not client.outbox or client.blocked:
+            return  # nothing to send, or the loop sends it once the socket is writable
         try:
             sent = client.sock.send(client.outbox)
         except BlockingIOError:
-            return
-        except OSError:
+            sent = 0
+        except OSError:  # gone: its read side reports it and ends the session
             client.outbox.clear()
             return
         del client.outbox[:sent]
-        if not client.outbox:
-            self._poller.modify(client.sock.fileno(), zmq.POLLIN)
+        if client.outbox:
+            client.blocked = True
+            self._poller.modify(client.sock.fileno(), zmq.POLLIN | zmq.POLLOUT)
+
+    def _writable(self, client: _Client) -> None:
+        client.blocked = False
+        self._poller.modify(client.sock.fileno(), zmq.POLLIN)
+        self._flush(client)
 
     def _drop(self, client: _Client) -> None:
         fd = client.sock.fileno()
