@@ -70,13 +70,13 @@ def install_engine_probes() -> None:
 
 def serve(out: str, argv: list[str]) -> int:
     """The server, probed; its events go to `out` when it exits."""
-    from kvferry.server import server, transfers
+    from kvferry.server import runner, server, transfers
     from kvferry.server.app import run_from_command_line
 
     install_engine_probes()
     around(server.KvferryServer, "_accept", "accept", None)
-    around(server.KvferryServer, "_run_on_worker", "worker", None)  # a transfer run on a worker from its start
-    around(server.KvferryServer, "_finish_transfer", "worker", None)  # or finished there after the socket thread
+    around(runner.RequestRunner, "_run_on_worker", "worker", None)  # a transfer run on a worker from its start
+    around(runner.RequestRunner, "_finish_transfer", "worker", None)  # or finished there after the socket thread
     around(transfers.Transfers, "run", "handler_in", "handler_out")
     around(transfers.Transfers, "start", "handler_in", "answered")
     around(server.KvferryServer, "_send_from_worker", None, "pushed")

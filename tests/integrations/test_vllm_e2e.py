@@ -15,10 +15,12 @@ import importlib.util
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -127,13 +129,17 @@ def embedded(workdir: Path, model_dir: Path, prompt: list[int]) -> dict[str, Any
 
 
 @pytest.fixture(scope="module")
-def server_url(workdir: Path) -> Any:
-    """A `kvferry server` process (the CLI, as users run it) on a free loopback port."""
+def server_urls(workdir: Path) -> Any:
+    """A `kvferry server` process (the CLI, as users run it) on a free loopback port and a Unix socket: its tcp://
+    and ipc:// endpoints."""
     from kvferry.client import KvferryClient
 
     port = free_port()
     url = f"tcp://127.0.0.1:{port}"
+    sockets = tempfile.mkdtemp(prefix="kvf-")  # short: a Unix socket path has ~100 bytes at most
+    ipc_url = f"ipc://{sockets}/server.sock"
     flags = ["--port", str(port), "--no-http", "--chunk-size", str(CHUNK), "--l1-size-gb", "0.25"]
+    flags += ["--ipc", ipc_url.removeprefix("ipc://")]
     log = (workdir / "server.log").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "kvferry.cli", "server", *flags], stdout=log, stderr=log)
     try:
@@ -142,11 +148,17 @@ def server_url(workdir: Path) -> Any:
             while not client.wait_available(timeout_s=1):  # ready once it answers
                 assert proc.poll() is None, f"kvferry server exited: {(workdir / 'server.log').read_text()[-3000:]}"
                 assert time.monotonic() < deadline, "kvferry server did not answer within 60 s"
-        yield url
+        yield url, ipc_url
     finally:
         proc.terminate()
         proc.wait(timeout=30)
         log.close()
+        shutil.rmtree(sockets, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def server_url(server_urls: tuple[str, str]) -> str:
+    return server_urls[0]
 
 
 def test_reference_is_a_real_generation(reference: dict[str, Any]) -> None:
@@ -245,12 +257,14 @@ def test_a_chunk_that_is_not_whole_blocks_is_refused_at_start(workdir: Path, mod
 
 
 def test_two_engines_share_one_server(
-    workdir: Path, model_dir: Path, prompt: list[int], reference: dict[str, Any], server_url: str
+    workdir: Path, model_dir: Path, prompt: list[int], reference: dict[str, Any], server_urls: tuple[str, str]
 ) -> None:
-    first = run_driver("server", workdir, model_dir, "--server-url", server_url)
+    tcp_url, ipc_url = server_urls
+    first = run_driver("server", workdir, model_dir, "--server-url", tcp_url)
     # vLLM's default process layout: engine core and CPU worker in processes of their own, so the connector's
-    # scheduler half looks up in the server by itself, in the key space its worker reported.
-    second = run_driver("server", workdir, model_dir, "--server-url", server_url, "--multiprocessing")
+    # scheduler half looks up in the server by itself, in the key space its worker reported; over the server's
+    # Unix socket, where the first engine stored over TCP.
+    second = run_driver("server", workdir, model_dir, "--server-url", ipc_url, "--multiprocessing")
     expected = reference["runs"][0]["tokens"][0]
     assert cached_of(first["runs"][0]) == 0 and tokens_of(first["runs"][0]) == expected
     assert cached_of(second["runs"][0]) == HIT

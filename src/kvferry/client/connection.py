@@ -14,8 +14,9 @@ The thread also knows whether the server can be reached, and an engine never wai
   server answers, for at most `connect_timeout_s`;
 - the server is unreachable when its connection is refused or drops, or when a heartbeat goes unanswered for
   the silence timeout. Then every waiting request fails with `ServerUnavailable`, and so does every new one at
-  once, without being sent; the thread probes with a PING after 0.1 s, 0.2 s, ... up to 5 s apart (ZMQ's own
-  TCP reconnects back off alike), and the first reply makes the client usable again;
+  once, without being sent; the thread probes with a PING after 0.1 s, 0.2 s, ... up to 5 s apart, or half
+  the server's heartbeat timeout if less (ZMQ's own TCP reconnects back off alike), and the first reply makes the
+  client usable again;
 - a request is sent once or not at all: the socket queues frames only on a live connection (ZMQ_IMMEDIATE), so
   nothing written while the server was away reaches it after it comes back; and every request carries a
   deadline (the client's timeout, on the server's clock) after which the server will not start it;

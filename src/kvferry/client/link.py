@@ -160,7 +160,9 @@ class Link(ABC):
         elif state is DOWN:
             if now >= self.next_probe:
                 self.probe()
-                self.backoff = min(self.backoff * 2, BACKOFF_MAX_S)
+                # At most half the server's heartbeat timeout apart: a server back from a stall gives its sessions one
+                # timeout to be heard again, and must hear this one within it.
+                self.backoff = min(self.backoff * 2, BACKOFF_MAX_S, conn.silence_timeout_s / 2)
                 self.next_probe = now + self.backoff
         elif self.probe_id is not None:
             # Judge the server by a heartbeat it has had time to answer, never by how long this thread itself

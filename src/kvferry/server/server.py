@@ -1,12 +1,13 @@
-"""The server: one ZMQ ROUTER socket, a worker pool for transfers, session tracking, the HTTP side port.
+"""The server: a ZMQ ROUTER socket and, with --ipc, a Unix socket (`kvferry.server.unix_clients`); a worker pool for
+transfers, session tracking, the HTTP side port. How each request runs: `kvferry.server.runner`.
 
-Threading: the ROUTER socket belongs to one loop thread (ZMQ sockets are not thread-safe). Quick requests
-run on that thread; transfers and registrations run on a worker pool, and the part of a LOOKUP or PREFETCH
-that waits for a storage tier on a pool of its own (a frozen tier then holds up only the requests that need
-it); both hand their reply frames back to the loop through an inproc PUSH/PULL pair. The loop also watches the
-socket's monitor for dropped connections (the ZMQ monitor reports the file descriptor, and each request frame
-carries the descriptor it came on) and sweeps sessions whose heartbeats stopped. A request is not started
-after its deadline (the client has given up on it), nor for a session the server has ended.
+Threading: both sockets belong to one loop thread (ZMQ sockets are not thread-safe). Quick requests run on that
+thread; transfers and registrations run on a worker pool, and the part of a LOOKUP or PREFETCH that waits for a
+storage tier on a pool of its own (a frozen tier then holds up only the requests that need it); both hand their
+reply frames back to the loop through an inproc PUSH/PULL pair. The loop also watches the ROUTER's monitor for
+dropped connections (the ZMQ monitor reports the file descriptor, and each request frame carries the descriptor
+it came on; a Unix socket client's session ends with its connection) and sweeps sessions whose heartbeats
+stopped. A request is not started after its deadline, nor for a session the server has ended.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvferry.cache import CacheEngine
 from kvferry.server.config import ServerConfig
-from kvferry.server.handlers import INLINE_OPS, Deferred, RequestHandlers
+from kvferry.server.handlers import RequestHandlers
 from kvferry.server.health import TierWatch, tier_health
 from kvferry.server.http import HttpSidePort
 from kvferry.server.metrics import ServerMetrics
@@ -34,23 +35,17 @@ from kvferry.server.ports import ServerStartError, bind_clients, remove_ipc_sock
 from kvferry.server.protocol import (
     PROTOCOL_VERSION,
     ErrorCode,
-    Op,
     ProtocolError,
-    Request,
     decode_request,
     encode_error,
-    encode_result,
 )
-from kvferry.server.requests import parse_args
-from kvferry.server.sessions import Session, SessionTable
-from kvferry.server.transfers import Started
+from kvferry.server.runner import RequestRunner
+from kvferry.server.sessions import SessionTable
 from kvferry.server.unix_clients import UnixClients
 
 log = logging.getLogger("kvferry.server")
 
 _BATCH = 256  # requests taken off the socket per loop turn before looking at replies and the monitor
-_TRANSFER_OPS = frozenset({Op.STORE, Op.RETRIEVE})
-_ON_WORKER = object()  # a transfer that _start_transfer leaves to a worker from its start
 _instances = itertools.count()
 
 
@@ -89,8 +84,11 @@ class KvferryServer:
         self._reply_lock = threading.Lock()
         self._stopping = threading.Event()
         self._loop_thread: threading.Thread | None = None
+        self._runner = RequestRunner(
+            self._handlers, self.metrics, clock, self._workers, self._tier_workers, self._send_from_worker
+        )
         # A transfer started on the socket thread whose rest goes to a worker after its answer is sent (loop only).
-        self._to_finish: tuple[bytes, Request, float, Started] | None = None
+        self._to_finish: Callable[[], None] | None = None
         self._http: HttpSidePort | None = None
         self.port: int = config.port
         self.ipc_endpoint: str | None = None  # ipc://PATH when config.ipc_path is set
@@ -270,7 +268,7 @@ class KvferryServer:
     def _hand_over(self) -> None:
         """After a request's answer is sent: the rest of a transfer started on this thread goes to a worker."""
         if self._to_finish is not None:
-            self._workers.submit(self._finish_transfer, *self._to_finish)
+            self._workers.submit(self._to_finish)
             self._to_finish = None
 
     def _serve_one(
@@ -310,87 +308,12 @@ class KvferryServer:
             return self._refuse(exc.request_id, exc.code, exc.message)
         if self._stopping.is_set():
             return self._refuse(request.id, ErrorCode.SHUTTING_DOWN, "the server is shutting down")
-        if request.op in INLINE_OPS:
-            return self._run(identity, session, request, received)
-        # Only a transfer naming a done flag may start here: the others are parsed once, on their worker.
-        if request.op in _TRANSFER_OPS and request.args.get("done_slot") is not None:
-            reply = self._start_transfer(identity, session, request, received)
-            if reply is not _ON_WORKER:
-                return reply
-        self._workers.submit(self._run_on_worker, identity, session, request, received)
-        return None
-
-    def _run_on_worker(self, identity: bytes, session: Session, request: Request, received: float) -> None:
-        reply = self._run(identity, session, request, received)
-        if reply is not None:
-            self._send_from_worker(identity, reply)
-
-    def _run(self, identity: bytes, session: Session, request: Request, received: float) -> bytes | None:
-        """Run one request; its reply, or None when its tier part was handed to the tier workers."""
-        if _late(request):
-            return self._reply(request, received, _LATE)
-
-        def handle() -> Any:
-            args = parse_args(request.op, request.args, request.id)
-            return self._handlers.run(request.op, session, args, request.deadline)
-
-        outcome = _attempt(handle)
-        if isinstance(outcome, Deferred):
-            self._tier_workers.submit(self._finish_deferred, identity, request, received, outcome)
-            return None
-        return self._reply(request, received, outcome)
-
-    def _start_transfer(self, identity: bytes, session: Session, request: Request, received: float) -> Any:
-        """A STORE/RETRIEVE started on this thread (see kvferry.server.transfers): its answer now, None when a
-        worker will send it, or _ON_WORKER when it runs on a worker from the start."""
-        if _late(request):
-            return self._reply(request, received, _LATE)
-
-        def start() -> Started | None:
-            args = parse_args(request.op, request.args, request.id)
-            store = request.op is Op.STORE
-            return self._handlers.transfers.start(
-                session, args, store=store, deadline=request.deadline, request_id=request.id
-            )
-
-        outcome = _attempt(start)
-        if outcome is None:
-            return _ON_WORKER
-        if isinstance(outcome, BaseException):
-            return self._reply(request, received, outcome)
-        if outcome.finish is not None:  # handed over once the answer is sent: a worker waking meanwhile delays it
-            self._to_finish = (identity, request, received, outcome)
-        return None if outcome.answer is None else self._reply(request, received, outcome.answer)
-
-    def _finish_transfer(self, identity: bytes, request: Request, received: float, started: Started) -> None:
-        assert started.finish is not None
-        outcome = _attempt(started.finish)
-        if started.answer is None:
-            self._send_from_worker(identity, self._reply(request, received, outcome))
-        elif isinstance(outcome, BaseException):  # after the answer: the client cannot be told any more
-            log.error("%s (request %d) failed after its answer", request.op.value, request.id, exc_info=outcome)
-
-    def _finish_deferred(self, identity: bytes, request: Request, received: float, deferred: Deferred) -> None:
-        self._send_from_worker(identity, self._reply(request, received, _attempt(deferred.finish)))
+        reply, self._to_finish = self._runner.dispatch(identity, session, request, received)
+        return reply
 
     def _send_from_worker(self, identity: bytes, reply: bytes) -> None:
         with self._reply_lock:
             self._replies_out.send_multipart([identity, reply])
-
-    def _reply(self, request: Request, received: float, outcome: Any) -> bytes:
-        """The reply frame for a handler's result, or for the exception it raised; counted in the metrics."""
-        if not isinstance(outcome, BaseException):
-            reply, status = encode_result(request.id, outcome), "ok"
-        elif isinstance(outcome, ProtocolError):
-            reply, status = encode_error(request.id, outcome.code, outcome.message), outcome.code.value
-        elif isinstance(outcome, ValueError | TypeError):  # the cache engine's verdict on the arguments
-            reply, status = encode_error(request.id, ErrorCode.BAD_ARGUMENT, str(outcome)), ErrorCode.BAD_ARGUMENT
-        else:
-            log.error("%s (request %d) failed", request.op.value, request.id, exc_info=outcome)
-            reply = encode_error(request.id, ErrorCode.INTERNAL, f"{type(outcome).__name__}: {outcome}")
-            status = ErrorCode.INTERNAL
-        self.metrics.record(request.op.value, status, self._clock() - received)
-        return reply
 
     def _refuse_ended(self, identity: bytes, payload: memoryview | bytes) -> bytes:
         request_id = None
@@ -446,19 +369,3 @@ class KvferryServer:
             released.deferred,
         )
         return {"locks": len(released.locks), "registrations": released.registrations}
-
-
-_LATE = ProtocolError(ErrorCode.DEADLINE_EXCEEDED, "the client stopped waiting before it could start")
-
-
-def _late(request: Request) -> bool:
-    """Whether the client gave up on `request` before it could start (the server then does not start it)."""
-    return request.deadline is not None and time.time() > request.deadline
-
-
-def _attempt(run: Callable[[], Any]) -> Any:
-    """``run()``'s result, or the exception it raised (a bug must cost one request, never a thread)."""
-    try:
-        return run()
-    except Exception as exc:
-        return exc

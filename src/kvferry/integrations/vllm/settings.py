@@ -25,7 +25,11 @@ class ConnectorSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     mode: Literal["embedded", "server"] = "embedded"
-    server_url: str = Field("tcp://127.0.0.1:5555", description="kvferry server endpoint (server mode)")
+    server_url: str = Field(
+        "tcp://127.0.0.1:5555",
+        description="kvferry server endpoint (server mode): tcp://HOST:PORT, or ipc://PATH for the server's --ipc "
+        "Unix socket (same host, lower latency)",
+    )
     timeout_s: float = Field(
         5.0,
         gt=0,
