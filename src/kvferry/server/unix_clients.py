@@ -28,6 +28,7 @@ log = logging.getLogger("kvferry.server")
 
 HEADER = struct.Struct("<I")
 _READ_BYTES = 1 << 16  # per recv call
+_READS_PER_TURN = 16  # then the loop serves the others (the socket stays readable: it comes back next turn)
 _UNSENT_LIMIT = 256 << 20  # replies a client has not read, beyond which it is dropped
 
 
@@ -121,7 +122,7 @@ class UnixClients:
     def _read(self, client: _Client, handle: Handler) -> bool:
         """Read what came and handle each whole request; False when the connection is over (closed, or a frame
         longer than the server takes)."""
-        while True:
+        for _ in range(_READS_PER_TURN):
             try:
                 data = client.sock.recv(_READ_BYTES)
             except BlockingIOError:
@@ -149,6 +150,7 @@ class UnixClients:
             self._flush(client)
             if len(data) < _READ_BYTES:
                 return True
+        return True
 
     def _flush(self, client: _Client) -> None:
         if not client.outbox or client.blocked:
