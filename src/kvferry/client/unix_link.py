@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from kvferry.client.link import Link
-from kvferry.server.unix_clients import HEADER
+from kvferry.server.unix_clients import frame, take_frames
 
 if TYPE_CHECKING:
     from kvferry.client.connection import Connection
@@ -91,17 +91,8 @@ class UnixLink(Link):
             if not data:
                 self._lost("the connection dropped")
                 break
-            inbox = self._inbox
-            inbox += data
-            start = 0
-            while len(inbox) - start >= HEADER.size:
-                (size,) = HEADER.unpack_from(inbox, start)
-                end = start + HEADER.size + size
-                if len(inbox) < end:
-                    break
-                out.append(bytes(inbox[start + HEADER.size : end]))
-                start = end
-            del inbox[:start]
+            self._inbox += data
+            out += take_frames(self._inbox)
             if len(data) < _READ_BYTES:
                 break
         return out
@@ -109,12 +100,11 @@ class UnixLink(Link):
     def readable(self) -> bool:
         return self._sock is not None and _ready(self._sock, select.POLLIN, 0)
 
-    def _send(self, frame: zmq.Frame | bytes) -> bool:
+    def _send(self, request: zmq.Frame | bytes) -> bool:
         sock = self._sock
         if sock is None:
             return False
-        payload = frame.bytes if isinstance(frame, zmq.Frame) else frame
-        view = memoryview(HEADER.pack(len(payload)) + payload)
+        view = memoryview(frame(request.bytes if isinstance(request, zmq.Frame) else request))
         deadline = time.monotonic() + SEND_TIMEOUT_S
         try:
             while view:

@@ -37,6 +37,27 @@ def frame(payload: bytes) -> bytes:
     return HEADER.pack(len(payload)) + payload
 
 
+class FrameTooLarge(ValueError):
+    """A frame announcing more bytes than the reader takes."""
+
+
+def take_frames(inbox: bytearray, max_bytes: int | None = None) -> list[bytes]:
+    """The whole frames at the head of `inbox` (bytes received so far), removed from it; a partial one stays."""
+    frames = []
+    start = 0
+    while len(inbox) - start >= HEADER.size:
+        (size,) = HEADER.unpack_from(inbox, start)
+        if max_bytes is not None and size > max_bytes:
+            raise FrameTooLarge(f"a {size}-byte frame (max_message_bytes={max_bytes})")
+        end = start + HEADER.size + size
+        if len(inbox) < end:
+            break
+        frames.append(bytes(inbox[start + HEADER.size : end]))
+        start = end
+    del inbox[:start]
+    return frames
+
+
 @dataclass(eq=False)
 class _Client:
     sock: socket.socket
@@ -131,22 +152,14 @@ class UnixClients:
                 return False
             if not data:
                 return False
-            inbox = client.inbox
-            inbox += data
-            start = 0
-            while len(inbox) - start >= HEADER.size:
-                (size,) = HEADER.unpack_from(inbox, start)
-                if size > self._max:
-                    log.warning("session %s dropped: a %d-byte frame (max_message_bytes=%d)", client.session_id.hex(),
-                                size, self._max)  # fmt: skip
-                    return False
-                end = start + HEADER.size + size
-                if len(inbox) < end:
-                    break
-                payload = bytes(inbox[start + HEADER.size : end])
-                start = end
+            client.inbox += data
+            try:
+                payloads = take_frames(client.inbox, self._max)
+            except FrameTooLarge as exc:
+                log.warning("session %s dropped: %s", client.session_id.hex(), exc)
+                return False
+            for payload in payloads:
                 handle(client.session_id, payload)
-            del inbox[:start]
             self._flush(client)
             if len(data) < _READ_BYTES:
                 return True
