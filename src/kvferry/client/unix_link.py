@@ -30,6 +30,8 @@ _READ_BYTES = 1 << 16
 
 
 class UnixLink(Link):
+    """A `Link` over one connection to the server's Unix socket, made again by each probe while it is down."""
+
     monitor = None
 
     def __init__(self, conn: Connection) -> None:
