@@ -116,16 +116,36 @@ def test_a_flagged_store_is_answered_at_its_enqueue_and_finished_by_its_rest() -
     assert table._answered_early == {}
 
 
-def test_a_request_after_a_copy_seen_done_waits_for_its_bookkeeping() -> None:
+def test_a_request_after_a_copy_seen_done_carries_out_its_bookkeeping_once() -> None:
+    engine = Engine()
+    transfers, table, session, reg = setup(engine, Flags())
+    started = transfers.start(session, args(done_slot=0, done_seq=1), store=True, deadline=None, request_id=1)
+    assert started is not None and started.finish is not None
+    table.settle()  # the copy still runs: nobody can have seen it done, nothing to do
+    assert not engine.finished.is_set() and table._answered_early
+    engine.copy.ended.set()  # the GPU is done; the client may have seen the flag and sent a LOOKUP
+    began = time.monotonic()
+    table.settle()  # no worker has come to it yet: the request's thread does it rather than wait
+    assert time.monotonic() - began < 0.5 and engine.finished.is_set()
+    assert table._answered_early == {} and reg.users == 0
+    assert started.finish() == {"tokens": 64, "signalled": False}  # the worker, later: the same outcome
+    assert engine.locks_ended == [None]  # the steps ran once
+
+
+def test_a_request_waits_for_bookkeeping_a_worker_has_under_way() -> None:
     engine = Engine()
     transfers, table, session, _ = setup(engine, Flags())
     started = transfers.start(session, args(done_slot=0, done_seq=1), store=True, deadline=None, request_id=1)
     assert started is not None and started.finish is not None
-    engine.copy.ended.set()  # the GPU is done; the client may have seen the flag and sent a LOOKUP
-    threading.Timer(0.1, started.finish).start()  # the worker makes the chunks hits a little later
-    began = time.monotonic()
-    table.settle()
-    assert time.monotonic() - began >= 0.08 and engine.finished.is_set()
+    worker = threading.Thread(target=started.finish)
+    worker.start()  # the worker waits for the copy inside the rest
+    time.sleep(0.05)
+    threading.Timer(0.1, engine.copy.ended.set).start()
+    while not engine.copy.ended.is_set():
+        time.sleep(0.001)
+    table.settle()  # the worker holds the rest: waited for, not run again
+    assert engine.finished.is_set() and engine.locks_ended == [None]
+    worker.join(5)
 
 
 def test_a_store_waiting_on_a_concurrent_store_is_answered_after_its_rest() -> None:

@@ -86,8 +86,8 @@ class SessionTable:
         self._ids = itertools.count(secrets.randbelow(1 << 40) + 1)
         self.open_registrations = 0  # registrations whose memory is still mapped, closing ones included
         # Transfers answered at enqueue whose bookkeeping (a store's objects becoming hits) is still to come:
-        # (session, request id) -> (the copy's handle, set once the bookkeeping is done). See `settle`.
-        self._answered_early: dict[tuple[bytes, int], tuple[Any, threading.Event]] = {}
+        # (session, request id) -> (the copy's handle, what carries out its bookkeeping). See `settle`.
+        self._answered_early: dict[tuple[bytes, int], tuple[Any, Callable[[float], None]]] = {}
 
     def touch(self, session_id: bytes) -> Session | None:
         """The live session of `session_id`, marked as seen now; None if there is none."""
@@ -163,30 +163,30 @@ class SessionTable:
                 )
             self._retire(reg)
 
-    def answering_early(self, session: Session, request_id: int, handle: Any) -> None:
-        """Note that a transfer is answered before its bookkeeping; call `answered` once that is done."""
+    def answering_early(self, session: Session, request_id: int, handle: Any, settle: Callable[[float], None]) -> None:
+        """Note that a transfer is answered before its bookkeeping, which `settle(timeout_s)` carries out (or waits
+        for, when under way); call `answered` once it is done."""
         with self._lock:
-            self._answered_early[session.id, request_id] = (handle, threading.Event())
+            self._answered_early[session.id, request_id] = (handle, settle)
 
     def answered(self, session: Session, request_id: int) -> None:
         with self._lock:
-            entry = self._answered_early.pop((session.id, request_id), None)
-        if entry is not None:
-            entry[1].set()
+            self._answered_early.pop((session.id, request_id), None)
 
     def settle(self, timeout_s: float = 1.0) -> None:
-        """Before a request reads the cache: finish waiting for the bookkeeping of transfers answered early whose
-        copy the GPU has finished. Their clients may have seen them done and told others (a tensor-parallel rank
-        its peers, an engine its scheduler), who then expect their effects: a STORE's chunks found by the next
-        LOOKUP of any session. Copies still running are not waited for: nobody can have seen them done. The
-        bookkeeping follows the copy by microseconds; `timeout_s` only bounds a stuck worker."""
+        """Before a request reads the cache: the bookkeeping of transfers answered early whose copy the GPU has
+        finished, done now on this thread unless under way elsewhere (then waited for: it follows the copy by
+        microseconds; `timeout_s` only bounds a stuck one). Their clients may have seen them done and told others
+        (a tensor-parallel rank its peers, an engine its scheduler), who then expect their effects: a STORE's
+        chunks found by the next LOOKUP of any session. Copies still running are left alone: nobody can have seen
+        them done."""
         with self._lock:
             if not self._answered_early:
                 return
             entries = list(self._answered_early.values())
-        for handle, done in entries:
-            if not done.is_set() and handle.done():
-                done.wait(timeout_s)
+        for handle, settle in entries:
+            if handle.done():
+                settle(timeout_s)
 
     def add_lock(self, session: Session, lock_id: int) -> None:
         with self._lock:

@@ -5,7 +5,9 @@
 - Started on the socket thread: a GPU transfer naming a done flag (`kvferry.server.done_signal`). The thread runs
   it up to its copy being enqueued, answers at once, and leaves the wait and the bookkeeping to a worker. On the
   GPU host a hand-over between threads costs ~100-200 us of wake-up (`benchmarks/experiments/server_timeline.py`):
-  this path has none before the copy starts and none before the answer leaves.
+  this path has none before the copy starts and none before the answer leaves. The rest runs once (`FinishOnce`):
+  on that worker, or on the socket thread when a later request must see its effects first and the copy has ended
+  (`SessionTable.settle`) -- rather than the socket thread waiting for the worker to wake up.
 """
 
 from __future__ import annotations
@@ -33,6 +35,38 @@ class Started:
 
     answer: dict[str, Any] | None
     finish: Callable[[], dict[str, Any]] | None
+
+
+class FinishOnce:
+    """The rest of a transfer answered early, run once by whichever thread comes first: its worker (`__call__`: the
+    result, or the exception it raised), or a request that must see its effects (`settle`: waits for nothing but
+    a run in progress, raises nothing)."""
+
+    def __init__(self, rest: Callable[[], dict[str, Any]]) -> None:
+        self._rest = rest
+        self._claim = threading.Lock()
+        self._done = threading.Event()
+        self._outcome: Any = None
+
+    def __call__(self) -> dict[str, Any]:
+        self._run_or_wait(None)
+        if isinstance(self._outcome, BaseException):
+            raise self._outcome
+        return self._outcome
+
+    def settle(self, timeout_s: float) -> None:
+        self._run_or_wait(timeout_s)
+
+    def _run_or_wait(self, timeout_s: float | None) -> None:
+        if not self._claim.acquire(blocking=False):
+            self._done.wait(timeout_s)
+            return
+        try:
+            self._outcome = self._rest()
+        except Exception as exc:
+            self._outcome = exc
+        finally:
+            self._done.set()
 
 
 class Transfers:
@@ -98,7 +132,6 @@ class Transfers:
             except Exception:  # answered after the copy instead
                 log.exception("could not enqueue the done flag's write of request %d", request_id)
             else:
-                self._sessions.answering_early(session, request_id, first.handle)
                 answer = {"tokens": int(first.tokens), "signalled": True}
 
         def finish() -> dict[str, Any]:
@@ -111,7 +144,10 @@ class Transfers:
                 if answer is not None:
                     self._sessions.answered(session, request_id)
 
-        return Started(answer, finish)
+        once = FinishOnce(finish)
+        if answer is not None:
+            self._sessions.answering_early(session, request_id, first.handle, once.settle)
+        return Started(answer, once)
 
     def _take_lock(self, session: Session, args: TransferArgs) -> None:
         if args.lock is not None and not self._sessions.drop_lock(session, args.lock):
