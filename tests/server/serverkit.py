@@ -45,6 +45,8 @@ class FakeEngine:
         self.tier_seconds = 0.0
         self.pool_gate = threading.Event()  # cleared: lookups wait (on the socket thread) until it is set
         self.pool_gate.set()
+        self.retrieve_gate = threading.Event()  # cleared: retrieves wait (on their worker) until it is set
+        self.retrieve_gate.set()
 
     def namespace_for(
         self,
@@ -118,6 +120,8 @@ class FakeEngine:
         return len(keys) * self.chunk_size
 
     def retrieve(self, tokens, paged, block_ids, fmt, *, namespace, block_size, geometry, skip_prefix_tokens, lock_id):
+        self.in_transfer.set()
+        self.retrieve_gate.wait()
         paged = paged[0]
         bs = paged.shape[1]
         per = self.chunk_size // bs

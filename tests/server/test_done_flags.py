@@ -9,8 +9,9 @@ from concurrent.futures import Future
 from typing import Any
 
 import pytest
+import torch
 
-from kvferry.client import KvferryClient, ServerError, done_flags
+from kvferry.client import KvferryClient, ServerError, ServerUnavailable, done_flags
 from kvferry.client.done_flags import DoneFlags, FlagWatch
 from kvferry.server.protocol import Op, pack_ids
 from tests.server.serverkit import random_kv
@@ -199,6 +200,48 @@ def test_a_request_settles_the_bookkeeping_of_copies_seen_done_by_any_session() 
     table.answered(b, 7)
     table.settle()
     assert settled == [("a", 0.5)]  # nothing answered early is left
+
+
+def test_a_gpu_transfer_whose_server_is_lost_fails_only_once_its_copy_can_no_longer_run(
+    endpoint: str, engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A torn-down server may still carry out a copy it had queued (kvferry.client.done_flags): a GPU transfer sent
+    to a server that is then lost fails LOST_DRAIN_S later, not at once, so the engine does not reuse its blocks
+    under that copy. A CPU transfer (the server's own process copies) fails at once."""
+    from kvferry.client import client as client_module
+    from kvferry.client.link import DOWN
+
+    monkeypatch.setattr(client_module, "LOST_DRAIN_S", 0.3)
+    with KvferryClient(endpoint, timeout_s=10) as client:
+        reg = client.register_kv_cache(random_kv(6), FMT, namespace=NS)
+        assert client.store(reg, list(range(8)), [0, 1, 2, 3]) == 8
+        for as_gpu in (False, True):
+            if as_gpu:  # retrieves are answered after their copy: no flag to watch, only the grace
+                client._cuda_registrations[reg] = torch.device("cuda")
+            for call in ("async", "sync"):
+                engine.retrieve_gate.clear()  # the server's copy holds
+                engine.in_transfer.clear()
+                outcome: Future[Any] = Future()
+                if call == "async":
+                    outcome = client.retrieve_async(reg, list(range(8)), [4, 5, 6, 7])
+                else:
+
+                    def run(into: Future[Any] = outcome) -> None:
+                        try:
+                            into.set_result(client.retrieve(reg, list(range(8)), [4, 5, 6, 7]))
+                        except Exception as exc:
+                            into.set_exception(exc)
+
+                    threading.Thread(target=run).start()
+                assert engine.in_transfer.wait(5)
+                lost = time.monotonic()
+                client._conn.set_state(DOWN, "lost in a test")
+                with pytest.raises(ServerUnavailable):
+                    outcome.result(timeout=5)
+                waited = time.monotonic() - lost
+                assert (waited >= 0.29) if as_gpu else (waited < 0.25), (call, as_gpu, waited)
+                engine.retrieve_gate.set()
+                assert client._conn.wait_available(5)
 
 
 def test_a_transfer_that_was_never_sent_gives_its_flag_slot_back(

@@ -21,6 +21,7 @@ lost this client's registrations (it restarted) answers with `RegistrationLost`:
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
@@ -30,8 +31,8 @@ from typing import Any
 import torch
 
 from kvferry.client.connection import Connection
-from kvferry.client.done_flags import DoneFlags, FlagWatch
-from kvferry.client.errors import ServerError
+from kvferry.client.done_flags import LOST_DRAIN_S, DoneFlags, FlagWatch
+from kvferry.client.errors import ServerError, ServerUnavailable
 from kvferry.client.kv_export import export_kv
 from kvferry.client.ready_events import ReadyEvents
 from kvferry.server.protocol import Op, pack_ids
@@ -281,13 +282,23 @@ class KvferryClient:
         flags = self._done_flags.get(registration)
         slot = _take_slot(flags, args)
         deadline = time.monotonic() + self.timeout_s
+        sent: list[Future[Any]] = []
+
+        def send() -> Future[Any]:
+            sent.append(self._submit(op, registration, args))
+            return sent[-1]
+
         try:
-            result = self._call(lambda: self._submit(op, registration, args))
-            if slot is not None and result["signalled"]:
-                flags.wait(slot, args["done_seq"], deadline, self._check_up)  # type: ignore[union-attr]
+            result = self._call(send)
         except ServerError:  # refused before anything was enqueued: nothing will write the flag
             _release_slot(flags, slot)
             raise
+        except ServerUnavailable:
+            if sent and registration in self._cuda_registrations:
+                time.sleep(LOST_DRAIN_S)  # see _lost_mid_copy
+            raise
+        if slot is not None and result["signalled"]:
+            flags.wait(slot, args["done_seq"], deadline, self._check_up)  # type: ignore[union-attr]
         _release_slot(flags, slot)  # seen, or never to be written (answered after the copy)
         return int(result["tokens"])
 
@@ -303,7 +314,10 @@ class KvferryClient:
             if error is not None:
                 if isinstance(error, ServerError):
                     _release_slot(flags, slot)
-                outcome.set_exception(error)
+                if isinstance(error, ServerUnavailable) and registration in self._cuda_registrations:
+                    _fail_later(outcome, error)  # see _lost_mid_copy
+                else:
+                    outcome.set_exception(error)
                 return
             result = done.result()
             if slot is not None and result["signalled"]:
@@ -341,6 +355,17 @@ class KvferryClient:
         """Raise when a transfer's done flag will not be written for us: the server is unreachable."""
         if not self._conn.available:
             raise self._conn.unavailable("the transfer")
+
+
+# _lost_mid_copy: a GPU transfer sent to a server that is then lost fails only LOST_DRAIN_S later. The server's
+# copy may have been enqueued, and a server torn down with GPU work queued may still carry it out (seen on the H200,
+# kvferry.client.done_flags): an engine told "failed" at once could reuse blocks that copy still writes.
+
+
+def _fail_later(outcome: Future[int], error: BaseException) -> None:
+    timer = threading.Timer(LOST_DRAIN_S, outcome.set_exception, (error,))
+    timer.daemon = True
+    timer.start()
 
 
 def _take_slot(flags: DoneFlags | None, args: dict[str, Any]) -> int | None:
