@@ -128,12 +128,12 @@ def test_objects_as_one_tensor_equal_a_list(fmt: F, backend: str) -> None:
 )
 @pytest.mark.parametrize("objects", [3, 1])
 def test_cpu_retrieve_over_threads_matches_reference(monkeypatch: pytest.MonkeyPatch, fmt: F, objects: int) -> None:
-    """The CPU retrieve's scatter jobs (rows, or blocks where pieces are not single runs) spread over threads: one
-    object per thread, or one object cut into spans when there are fewer objects than threads. Test tensors are
-    far below the size that engages threads, so the threshold is lowered here."""
-    from kvferry.kernels import torch_copy
+    """The CPU retrieve's scatter jobs (rows, or pieces that are not single runs) spread over threads: one object per
+    thread, or one object cut into spans when there are fewer objects than threads. Test tensors are far below the
+    size that engages threads, so the threshold is lowered here."""
+    from kvferry.kernels import cpu_threads
 
-    monkeypatch.setattr(torch_copy, "_MIN_PART_BYTES", 1)
+    monkeypatch.setattr(cpu_threads, "_MIN_PART_BYTES", 1)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
     chunk, bs = 16, 4
     geom = describe(fmt, _engine(fmt, torch.bfloat16, 1, True, nb=16), block_size=bs)
@@ -158,7 +158,7 @@ def test_cpu_rows_of_a_storage_that_does_not_start_on_a_row(direction: Direction
     storage[:32].view(torch.uint8).fill_(0x5A)  # the header: never written
     shifted = [storage.as_strided(t.shape, t.stride(), t.storage_offset() + 32) for t in plain]
     geom = describe(fmt, shifted)
-    assert all(b.rows is not None for b in build_plan(geom).blocks)
+    assert build_plan(geom).span is not None
     ids = [7, 2, 9, 0]
     if direction is Direction.D2H:
         got, want = (_objects(geom.object_shape(chunk), geom.dtype, chunk, 2, fill=False) for _ in range(2))

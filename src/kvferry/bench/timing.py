@@ -2,8 +2,11 @@
 
 The ceiling is a plain copy of the same number of bytes between the same kinds of memory, measured in the same run
 (alternating with the transfer being measured) so that whatever load the machine is under hits both alike:
-- CPU: the faster of `numpy.copyto` (a single-threaded memcpy) and `torch.Tensor.copy_` between two plain,
-  pre-faulted, page-aligned buffers;
+- CPU: the fastest of `numpy.copyto` (a single-threaded memcpy), the same split over a thread per usable CPU, and
+  `torch.Tensor.copy_` between two plain, pre-faulted, page-aligned buffers. torch's copy leaves its OpenMP
+  threads spinning for milliseconds (libgomp's default wait policy), which on a small machine takes a core from
+  whatever runs next: each round of ceiling copies ends with a pause (`OPENMP_SETTLE_S`) so that the call measured
+  after it does not share the cores;
 - CUDA: a pinned host <-> device `copy_(non_blocking=True)` (the copy engine), timed with CUDA events
   (`CopyCeiling`), or by wall clock from the call to a synchronize (`PinnedCopy`), as the GPU benchmarks time
   whole calls of kvferry's API.
@@ -11,6 +14,7 @@ The ceiling is a plain copy of the same number of bytes between the same kinds o
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -18,8 +22,13 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from kvferry.kernels.cpu_threads import pool, usable_cpus
+
 DIRECTIONS = ("d2h", "h2d")
 _PAGE = 4096
+# After a parallel torch op on the CPU machine (2 cores), a numpy copy on two threads ran at 0.55-0.6 of its speed
+# with a 1 ms pause, 0.75 with 5 ms and at full speed with 20 ms.
+OPENMP_SETTLE_S = 0.03
 
 
 def time_call(fn: Callable[[], object], device: torch.device) -> float:
@@ -93,6 +102,14 @@ class CopyCeiling:
         else:
             src_t, dst_t = _host_buffer(nbytes, 1), _host_buffer(nbytes, 2)
             src_np, dst_np = src_t.numpy(), dst_t.numpy()
+            threads = usable_cpus()
+            if threads > 1:  # a memcpy on every CPU, whatever torch's own thread count (the server sets it to 1)
+                bounds = [nbytes * i // threads // _PAGE * _PAGE for i in range(threads)] + [nbytes]
+                parts = [(dst_np[a:b], src_np[a:b]) for a, b in itertools.pairwise(bounds)]
+                copies = pool(threads)
+                self._methods[f"numpy.copyto on {threads} threads"] = lambda: list(
+                    copies.map(lambda part: np.copyto(*part), parts)
+                )
             self._methods["numpy.copyto"] = lambda: np.copyto(dst_np, src_np)
             self._methods["torch copy_"] = lambda: dst_t.copy_(src_t)
         self.samples: dict[str, list[float]] = {name: [] for name in self._methods}
@@ -100,6 +117,8 @@ class CopyCeiling:
     def time_once(self) -> None:
         for name, fn in self._methods.items():
             self.samples[name].append(time_call(fn, self.device))
+        if self.device.type == "cpu":
+            time.sleep(OPENMP_SETTLE_S)
 
     def clear(self) -> None:
         """Forget the samples so far (e.g. a warm-up)."""

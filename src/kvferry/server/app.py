@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from kvferry.cache import CacheEngine
 from kvferry.config import KvferryConfig
+from kvferry.kernels.cpu_threads import usable_cpus, use_own_threads
 from kvferry.server.server import KvferryServer, ServerStartError
 
 log = logging.getLogger("kvferry.server")
@@ -27,6 +28,7 @@ _FLAG_FIELDS: dict[str, tuple[str, str]] = {
     "heartbeat_interval": ("server", "heartbeat_interval_s"),
     "heartbeat_timeout": ("server", "heartbeat_timeout_s"),
     "transfer_workers": ("server", "transfer_workers"),
+    "copy_threads": ("server", "copy_threads"),
     "tier_workers": ("server", "tier_workers"),
     "tier_check_interval": ("server", "tier_check_interval_s"),
     "busy_poll_us": ("server", "busy_poll_us"),
@@ -49,6 +51,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--heartbeat-timeout", type=float, metavar="S", help="end silent sessions after (s)")
     net.add_argument("--max-message-mb", type=float, metavar="MB", help="largest request frame (MiB)")
     net.add_argument("--transfer-workers", type=int, metavar="N", help="threads running transfers")
+    net.add_argument("--copy-threads", type=int, metavar="N", help="threads copying CPU KV (default: one per CPU)")
     net.add_argument("--tier-workers", type=int, metavar="N", help="threads finishing lookups that ask a tier")
     net.add_argument("--tier-check-interval", type=float, metavar="S", help="probe each tier this often (s)")
     net.add_argument(
@@ -107,6 +110,7 @@ def main(config: KvferryConfig) -> int:
     """Serve until SIGINT/SIGTERM, then release every session and port; returns the exit status (2: the server
     could not start, said in one line: a tier it cannot open, a pool it cannot allocate, a port in use)."""
     log.info("kvferry server starting with config %s", json.dumps(config.model_dump(mode="json")))
+    use_own_threads(config.server.copy_threads or usable_cpus())
     try:
         engine = CacheEngine(config, name="server")
     except (ValueError, OSError, MemoryError) as exc:  # tier URLs and directories, the pool's size: named

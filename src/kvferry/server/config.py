@@ -41,6 +41,13 @@ class ServerConfig(BaseModel):
         le=256,
         description="Threads that run STORE/RETRIEVE/REGISTER so the socket loop never blocks.",
     )
+    copy_threads: int = Field(
+        0,
+        ge=0,
+        le=256,
+        description="Threads that copy CPU KV (both directions; torch's own ops then use one thread, so no idle "
+        "OpenMP thread spins on a core a copy needs). 0 = one per CPU this process may run on.",
+    )
     tier_workers: int = Field(
         4,
         ge=1,

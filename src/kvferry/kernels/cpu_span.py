@@ -1,0 +1,202 @@
+"""The CPU copy over all of the engine's storages at once: one call per run of objects, however the KV is allocated.
+
+Engines allocate their KV per layer (vLLM: a tensor per layer), and a copy per storage is a call per (layer, plane,
+object): 768 calls of 64 KiB for 16 chunks of qwen2.5-0.5b, 0.08 of a memcpy on the CPU machine. Here the address
+range from the lowest storage to the end of the highest is one strided view `[rows, *piece]` per stripe whose rows
+start one word apart: row `address - low` (in words) is the block piece at that address, in any storage. Rows
+overlap and the range holds other memory between the storages; only the rows of checked block ids are touched, and
+the plan keeps the engine's tensors (the memory under every row it names) alive.
+
+A store is `torch.index_select(rows, 0, offsets, out=<object pieces>)` per run of objects adjacent in memory: its
+memcpy-per-row path needs each row contiguous (a token-major piece), not the view. A retrieve is numpy's
+`rows[offsets] = <object pieces>`; both spread over threads as `cpu_threads` says. Pieces that are not single
+runs (HND heads, a transposed K, AMX tiles) take the same calls, copied element-wise within each row.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from kvferry.formats import KVGeometry, Stripe
+from kvferry.kernels import cpu_threads
+from kvferry.kernels.cpu_threads import Gather, Scatter
+
+_WORD = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_MAX_VIEW_BYTES = 1 << 62  # numpy refuses a view whose shape spans more bytes than an int64 counts
+
+
+class _Memory:
+    """Raw memory as numpy sees an array's buffer: views over it hold no reference to what owns the memory."""
+
+    def __init__(self, address: int, shape: tuple[int, ...], strides: tuple[int, ...], element_size: int) -> None:
+        self.__array_interface__ = {
+            "data": (address, False),
+            "shape": shape,
+            "strides": strides,
+            "typestr": np.dtype(f"i{element_size}").str,
+            "version": 3,
+        }
+
+
+@dataclass(frozen=True)
+class _Entries:
+    """One stripe: its block pieces as rows of the span, and where they go in an object."""
+
+    rows: torch.Tensor  # [n, *tokens, *features] words; row r starts r words past the span's start
+    rows_np: np.ndarray  # the same view, for numpy's scatter
+    first: np.ndarray  # int64 [P', L']: the row of each (plane, layer)'s block 0 piece
+    block_stride: int  # rows (words) from one block's piece to the next
+    planes: slice
+    layers: slice
+    w: slice
+    tokens: tuple[int, ...]
+    features: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SpanPlan:
+    bs: int
+    word: torch.dtype
+    entries: tuple[_Entries, ...]
+    tensors: tuple[torch.Tensor, ...]  # the engine's tensors: the views above do not keep their memory alive
+
+
+class _Run(NamedTuple):
+    """Objects `first .. first + count - 1` (adjacent in memory when more than one), block entries `j0 .. j1 - 1`."""
+
+    first: int
+    count: int
+    j0: int
+    j1: int
+
+
+def build_span(geom: KVGeometry) -> SpanPlan | None:
+    """The span plan for a CPU geometry; None where a stripe's entries are not a (plane x layer) grid."""
+    if geom.device.type != "cpu":
+        return None
+    es = geom.element_size
+    tensors = tuple({id(t): t for s in geom.stripes for t in s.tensors}.values())
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    low, high = min(storages), max(ptr + n for ptr, n in storages.items())
+    if low % es:
+        return None
+    entries = []
+    for stripe in geom.stripes:
+        entry = _entries(geom, stripe, low, (high - low) // es)
+        if entry is None:
+            return None
+        entries.append(entry)
+    return SpanPlan(bs=geom.bs, word=_WORD[es], entries=tuple(entries), tensors=tensors)
+
+
+def copy_span(
+    plan: SpanPlan,
+    objects: list[torch.Tensor],
+    ids: np.ndarray,
+    to_objects: bool,
+    chunk_size: int,
+    skip_prefix_blocks: int,
+) -> None:
+    per = chunk_size // plan.bs
+    gathers_later = cpu_threads.gathers_on_own_threads()
+    jobs: list[Gather | Scatter] = []
+    for run in _runs(objects, plan.bs, per, len(ids), skip_prefix_blocks):
+        obj = objects[run.first].view(plan.word)
+        batch = obj.as_strided((run.count, *obj.shape), (obj.numel(), *obj.stride()))
+        base = run.first * per
+        tokens = slice((run.j0 - base) * plan.bs, (run.j1 - base) * plan.bs)
+        run_ids = ids[run.j0 : run.j1].reshape(run.count, -1)
+        for e in plan.entries:
+            view = batch[:, e.planes, e.layers, tokens, e.w]
+            view = view.unflatten(3, (run_ids.shape[1], *e.tokens)).unflatten(-1, e.features)
+            offsets = e.first[None, :, :, None] + run_ids[:, None, None, :] * e.block_stride
+            try:  # one row axis over the run's pieces (not where the stripe holds some of an object's planes or tokens)
+                rows = view.view(-1, *view.shape[4:])
+            except RuntimeError:
+                rows = None
+            if to_objects and rows is not None:
+                gather = Gather(e.rows, torch.from_numpy(offsets.reshape(-1)), rows)
+                if gathers_later:
+                    jobs.append(gather)
+                else:
+                    gather.run()  # now, on torch's threads
+            elif to_objects:
+                view.copy_(torch.index_select(e.rows, 0, torch.from_numpy(offsets.reshape(-1))).view(view.shape))
+            elif rows is not None:
+                jobs.append(Scatter(e.rows_np, offsets.reshape(-1), rows.numpy()))
+            else:
+                jobs += [Scatter(e.rows_np, offsets[i], view[i].numpy()) for i in range(run.count)]
+    if jobs:
+        cpu_threads.run(jobs)
+
+
+def _runs(objects: list[torch.Tensor], bs: int, per: int, n: int, skip: int) -> list[_Run]:
+    """The request's objects in runs: whole objects that follow each other in one storage go together."""
+    runs: list[_Run] = []
+    end = storage = -1
+    for o, obj in enumerate(objects):
+        j0, j1 = max(o * per, skip), min(o * per + obj.shape[2] // bs, n)
+        if j0 >= j1:
+            continue
+        whole = j0 == o * per and j1 - j0 == per
+        here = obj.untyped_storage().data_ptr()
+        if whole and runs and end == obj.data_ptr() and storage == here:
+            last = runs[-1]
+            runs[-1] = last._replace(count=last.count + 1, j1=j1)
+        else:
+            runs.append(_Run(o, 1, j0, j1))
+        end, storage = (obj.data_ptr() + obj.nbytes, here) if whole else (-1, -1)
+    return runs
+
+
+def _entries(geom: KVGeometry, stripe: Stripe, low: int, words: int) -> _Entries | None:
+    planes, layers = sorted(set(stripe.planes)), sorted(set(stripe.layers))
+    cells = set(zip(stripe.planes, stripe.layers, strict=True))
+    if len(cells) != len(stripe.planes) or len(cells) != len(planes) * len(layers):
+        return None
+    if not (evenly_spaced(planes) and evenly_spaced(layers)):
+        return None
+    es = geom.element_size
+    first = np.empty((len(planes), len(layers)), dtype=np.int64)
+    for i, t in enumerate(stripe.tensors):
+        address = t.untyped_storage().data_ptr() + (t.storage_offset() + stripe.offsets[i]) * es
+        first[planes.index(stripe.planes[i]), layers.index(stripe.layers[i])] = (address - low) // es
+    if stripe.token_tile == geom.bs:
+        tokens, token_strides = [geom.bs], [stripe.token_stride]
+    else:
+        tokens = [geom.bs // stripe.token_tile, stripe.token_tile]
+        token_strides = [stripe.tile_stride, stripe.token_stride]
+    sizes = [*tokens, *(n for n, _ in stripe.features)]
+    strides = [*token_strides, *(s for _, s in stripe.features)]
+    if min(strides) < 0 or stripe.block_stride < 0:
+        return None
+    n_rows = words - sum((n - 1) * s for n, s in zip(sizes, strides, strict=True))
+    if n_rows * math.prod(sizes) * es >= _MAX_VIEW_BYTES:
+        return None
+    rows_np = np.asarray(_Memory(low, (n_rows, *sizes), (es, *(s * es for s in strides)), es))
+    return _Entries(
+        rows=torch.from_numpy(rows_np),
+        rows_np=rows_np,
+        first=first,
+        block_stride=stripe.block_stride,
+        planes=as_slice(planes),
+        layers=as_slice(layers),
+        w=slice(stripe.w_offset, stripe.w_offset + stripe.width),
+        tokens=tuple(tokens),
+        features=tuple(n for n, _ in stripe.features),
+    )
+
+
+def evenly_spaced(values: list[int]) -> bool:
+    return len(values) < 2 or len({b - a for a, b in itertools.pairwise(values)}) == 1
+
+
+def as_slice(values: list[int]) -> slice:
+    step = values[1] - values[0] if len(values) > 1 else 1
+    return slice(values[0], values[-1] + 1, step)

@@ -1,0 +1,155 @@
+"""The CPU copy over all storages at once (`kernels/cpu_span.py`): one call per run of objects, whatever the engine's
+allocation; objects inside the address range it spans; the per-storage fallback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvferry
+from kvferry import Direction
+from kvferry.formats import EngineKVFormat, describe
+from kvferry.formats.synthetic import ModelDims, make_paged, random_fill
+from kvferry.kernels import cpu_threads, torch_copy
+from tests.conftest import engine_bytes, poisoned
+
+F = EngineKVFormat
+DIMS = ModelDims(nl=4, nh=2, hs=8)
+CHUNK, BS = 8, 4
+
+
+def _request(fmt: F, one_buffer: bool) -> tuple[object, list[int], tuple[int, int, int, int], torch.dtype]:
+    paged = make_paged(fmt, DIMS, 12, BS, torch.bfloat16, one_buffer=one_buffer, generator=torch.Generator())
+    geom = describe(fmt, paged, block_size=BS)
+    return paged, [7, 2, 11, 0, 5, 9, 3, 1], geom.object_shape(CHUNK), geom.dtype
+
+
+def _back_to_back(shape: tuple[int, ...], count: int, fill: bool) -> list[torch.Tensor]:
+    run = torch.empty((count, *shape), dtype=torch.bfloat16)
+    random_fill(run) if fill else run.view(torch.uint8).fill_(0x5A)
+    return list(run.unbind(0))
+
+
+@pytest.mark.parametrize("direction", [Direction.D2H, Direction.H2D])
+@pytest.mark.parametrize("fmt", [F.NL_X_TWO_NB_BS_NH_HS, F.NL_X_TWO_NB_NH_BS_HS], ids=lambda f: f.name)
+def test_a_tensor_per_layer_is_one_call_per_run_of_adjacent_objects(
+    monkeypatch: pytest.MonkeyPatch, fmt: F, direction: Direction
+) -> None:
+    """vLLM allocates a tensor per layer: still one index_select (store) or one scatter (retrieve) for objects that
+    follow each other in memory, and the bytes equal the reference's."""
+    paged, ids, shape, _ = _request(fmt, one_buffer=False)
+    assert len({t.untyped_storage().data_ptr() for t in paged}) == DIMS.nl
+    calls = {"index_select": 0, "scatter": 0}
+    select, run_jobs = torch.index_select, cpu_threads.run
+
+    def counted_select(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls["index_select"] += 1
+        return select(*args, **kwargs)
+
+    def counted_run(jobs):  # type: ignore[no-untyped-def]
+        calls["scatter"] += len(jobs)
+        return run_jobs(jobs)
+
+    monkeypatch.setattr(torch, "index_select", counted_select)
+    monkeypatch.setattr(cpu_threads, "run", counted_run)
+    fill = direction is Direction.H2D
+    got, want = _back_to_back(shape, 4, fill), _back_to_back(shape, 4, fill)
+    if fill:
+        for a, b in zip(got, want, strict=True):
+            b.copy_(a)
+        target = make_paged(fmt, DIMS, 12, BS, torch.bfloat16, one_buffer=False, generator=torch.Generator())
+        reference = [t.clone() for t in target]
+        kvferry.transfer(target, got, ids, direction, fmt, CHUNK, backend="torch", block_size=BS)
+        kvferry.transfer(reference, want, ids, direction, fmt, CHUNK, backend="reference", block_size=BS)
+        assert all(torch.equal(a, b) for a, b in zip(engine_bytes(target), engine_bytes(reference), strict=True))
+    else:
+        kvferry.transfer(paged, got, ids, direction, fmt, CHUNK, backend="torch", block_size=BS)
+        kvferry.transfer(paged, want, ids, direction, fmt, CHUNK, backend="reference", block_size=BS)
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want, strict=True))
+    assert calls["scatter" if fill else "index_select"] == 1
+
+
+@pytest.mark.parametrize("direction", [Direction.D2H, Direction.H2D])
+def test_objects_inside_the_spanned_range(direction: Direction) -> None:
+    """Objects that lie between two of the engine's layers (inside the range the span covers) move like any others,
+    and no byte between the layers and objects that is not a block piece or an object is written."""
+    fmt = F.NL_X_TWO_NB_BS_NH_HS
+    paged_like, ids, shape, _ = _request(fmt, one_buffer=False)
+    layer_numel = paged_like[0].numel()
+    object_numel = shape[0] * shape[1] * shape[2] * shape[3]
+    gap = 13  # elements of foreign memory around every tensor
+    arena = torch.empty(DIMS.nl * (layer_numel + gap) + 4 * (object_numel + gap), dtype=torch.bfloat16)
+    arena.view(torch.uint8).fill_(0x3C)
+    layers, objects, at = [], [], 0
+    for i in range(DIMS.nl):  # layer, two objects, layer, two objects, ...
+        layers.append(arena[at : at + layer_numel].view(paged_like[0].shape))
+        at += layer_numel + gap
+        for _ in range(2 if i < 2 else 0):
+            objects.append(arena[at : at + object_numel].view(shape))
+            at += object_numel + gap
+    for layer, source in zip(layers, paged_like, strict=True):
+        layer.copy_(source)
+    if direction is Direction.H2D:
+        for obj in objects:
+            random_fill(obj)
+    foreign = torch.ones(arena.numel(), dtype=torch.bool)
+    for t in (*layers, *objects):
+        start = t.data_ptr() - arena.data_ptr()
+        foreign[start // 2 : start // 2 + t.numel()] = False
+    before = arena.view(torch.int16).clone()
+    reference_engine = [t.clone() for t in layers]
+    reference_objects = [o.clone() if direction is Direction.H2D else poisoned(shape, o.dtype) for o in objects]
+    kvferry.transfer(layers, objects, ids, direction, fmt, CHUNK, backend="torch", block_size=BS)
+    kvferry.transfer(
+        reference_engine, reference_objects, ids, direction, fmt, CHUNK, backend="reference", block_size=BS
+    )
+    after = arena.view(torch.int16)
+    assert torch.equal(after[foreign], before[foreign])
+    assert all(torch.equal(a, b) for a, b in zip(layers, reference_engine, strict=True))
+    if direction is Direction.D2H:
+        for a, b in zip(objects, reference_objects, strict=True):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("fmt", [F.NL_X_TWO_NB_BS_NH_HS, F.NL_X_TWO_NB_NH_BS_HS, F.NL_X_NB_BS_HS], ids=lambda f: f.name)
+def test_without_a_span_the_per_storage_copy_matches_the_reference(monkeypatch: pytest.MonkeyPatch, fmt: F) -> None:
+    """Where a geometry cannot be spanned (stripes that are not plane x layer grids), the torch backend folds each
+    storage's entries instead: same bytes, both directions."""
+    monkeypatch.setattr(torch_copy, "build_span", lambda geom: None)
+    paged, ids, shape, dtype = _request(fmt, one_buffer=False)
+    geom = describe(fmt, paged, block_size=BS)
+    assert torch_copy.build_plan(geom).span is None and torch_copy.build_plan(geom).blocks
+    got, want = ([poisoned(shape, dtype) for _ in range(4)] for _ in range(2))
+    kvferry.transfer(paged, got, ids, Direction.D2H, fmt, CHUNK, 1, backend="torch", geometry=geom)
+    kvferry.transfer(paged, want, ids, Direction.D2H, fmt, CHUNK, 1, backend="reference", block_size=BS)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want, strict=True))
+    target, reference = (make_paged(fmt, DIMS, 12, BS, dtype, one_buffer=False) for _ in range(2))
+    for a, b in zip(target, reference, strict=True):
+        b.copy_(a)
+    sources = [random_fill(torch.empty(shape, dtype=dtype)) for _ in range(4)]
+    kvferry.transfer(target, sources, ids, Direction.H2D, fmt, CHUNK, 1, backend="torch", block_size=BS,
+                     geometry=describe(fmt, target, block_size=BS))  # fmt: skip
+    kvferry.transfer(reference, sources, ids, Direction.H2D, fmt, CHUNK, 1, backend="reference", block_size=BS)
+    assert all(torch.equal(a, b) for a, b in zip(engine_bytes(target), engine_bytes(reference), strict=True))
+
+
+@pytest.mark.parametrize("fmt", [F.NL_X_TWO_NB_BS_NH_HS, F.NL_X_TWO_NB_NH_BS_HS], ids=lambda f: f.name)
+def test_stores_on_own_threads_match_the_reference(monkeypatch: pytest.MonkeyPatch, fmt: F) -> None:
+    """In a process that runs its copies on kvferry's threads (the server), a store's gathers are cut into spans
+    across them: same bytes. (The threshold is lowered: test tensors are far below the size that engages threads.)"""
+    monkeypatch.setattr(cpu_threads, "_own_threads", 3)
+    monkeypatch.setattr(cpu_threads, "_MIN_PART_BYTES", 1)
+    spans: list[int] = []
+    split = cpu_threads.Gather.split
+    monkeypatch.setattr(cpu_threads.Gather, "split", lambda self, parts: spans.append(parts) or split(self, parts))
+    paged, ids, shape, dtype = _request(fmt, one_buffer=False)
+    got, want = _back_to_back(shape, 4, fill=False), [poisoned(shape, dtype) for _ in range(4)]
+    kvferry.transfer(paged, got, ids, Direction.D2H, fmt, CHUNK, 1, backend="torch", block_size=BS)
+    kvferry.transfer(paged, want, ids, Direction.D2H, fmt, CHUNK, 1, backend="reference", block_size=BS)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want, strict=True))
+    assert spans  # the run of three whole objects (and the partial first one) went to the threads in spans
+
+
+def test_own_threads_need_one() -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        cpu_threads.use_own_threads(0)
