@@ -40,6 +40,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="qwen2.5-0.5b", choices=sorted(MODELS))
     parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--format", type=int, default=int(FMT), help="engine layout (default: 1)")
     parser.add_argument("--own-threads", type=int, default=0, help="copy as the server does, on N kvferry threads")
     args = parser.parse_args()
     if args.own_threads:
@@ -48,10 +49,11 @@ def main() -> None:
     ids = torch.from_numpy(np.random.default_rng(0).permutation(NB)[: CHUNKS * 256 // BS])
     real_build = torch_copy.build_span
     for allocation in ("per layer", "one buffer"):
-        paged = make_paged(FMT, MODELS[args.model], NB, BS, torch.bfloat16, one_buffer=allocation == "one buffer")
+        fmt = EngineKVFormat(args.format)
+        paged = make_paged(fmt, MODELS[args.model], NB, BS, torch.bfloat16, one_buffer=allocation == "one buffer")
         for path in ("span", "per storage"):
             torch_copy.build_span = real_build if path == "span" else (lambda geom: None)
-            geom = describe(FMT, paged, BS)
+            geom = describe(fmt, paged, BS)
             objs = [pool.alloc(geom.object_shape(256), geom.dtype) for _ in range(CHUNKS)]
             nbytes = sum(o.nbytes for o in objs)
             for direction in (Direction.D2H, Direction.H2D):
@@ -59,12 +61,12 @@ def main() -> None:
                 seconds = []
                 for _ in range(args.repeats):
                     start = time.perf_counter()
-                    transfer(paged, objs, ids, direction, FMT, geometry=geom, backend="torch")
+                    transfer(paged, objs, ids, direction, fmt, geometry=geom, backend="torch")
                     seconds.append(time.perf_counter() - start)
                     ceiling.time_once()
                 took = statistics.median(seconds)
                 ratio = ceiling.best()[1] / took
-                print(f"{args.model} {allocation:10} {path:11} {direction.name}: {took * 1e3:6.2f} ms, "
+                print(f"{args.model} {fmt.value} {allocation:10} {path:11} {direction.name}: {took * 1e3:6.2f} ms, "
                       f"{nbytes / took / 1e9:5.2f} GB/s, {ratio:.2f} of the copy")  # fmt: skip
             for obj in objs:
                 pool.free(obj)

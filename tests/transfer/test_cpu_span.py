@@ -10,7 +10,7 @@ import kvferry
 from kvferry import Direction
 from kvferry.formats import EngineKVFormat, describe
 from kvferry.formats.synthetic import ModelDims, make_paged, random_fill
-from kvferry.kernels import cpu_threads, torch_copy
+from kvferry.kernels import cpu_span, cpu_threads, torch_copy
 from tests.conftest import engine_bytes, poisoned
 
 F = EngineKVFormat
@@ -31,26 +31,27 @@ def _back_to_back(shape: tuple[int, ...], count: int, fill: bool) -> list[torch.
 
 
 @pytest.mark.parametrize("direction", [Direction.D2H, Direction.H2D])
-@pytest.mark.parametrize("fmt", [F.NL_X_TWO_NB_BS_NH_HS, F.NL_X_TWO_NB_NH_BS_HS], ids=lambda f: f.name)
-def test_a_tensor_per_layer_is_one_call_per_run_of_adjacent_objects(
+@pytest.mark.parametrize(
+    "fmt", [F.NL_X_TWO_NB_BS_NH_HS, F.NL_X_TWO_NB_NH_BS_HS, F.VLLM_CPU_NL_X_NB_NH_KT_V], ids=lambda f: f.name
+)
+def test_a_tensor_per_layer_is_one_copy_per_run_of_adjacent_objects(
     monkeypatch: pytest.MonkeyPatch, fmt: F, direction: Direction
 ) -> None:
-    """vLLM allocates a tensor per layer: still one index_select (store) or one scatter (retrieve) for objects that
-    follow each other in memory, and the bytes equal the reference's."""
+    """vLLM allocates a tensor per layer: still one copy job per stripe for objects that follow each other in memory
+    (token-major pieces as rows; heads before tokens as whole runs permuted through a buffer), and the bytes equal
+    the reference's. vLLM's CPU layout (a head's K^T beside its V) retrieves as rows and stores folded per storage.
+    Jobs are counted where a server's copy threads take them."""
     paged, ids, shape, _ = _request(fmt, one_buffer=False)
-    assert len({t.untyped_storage().data_ptr() for t in paged}) == DIMS.nl
-    calls = {"index_select": 0, "scatter": 0}
-    select, run_jobs = torch.index_select, cpu_threads.run
+    assert len({t.untyped_storage().data_ptr() for t in paged}) >= DIMS.nl
+    stripes = len(describe(fmt, paged, block_size=BS).stripes)
+    jobs: list[str] = []
+    run_jobs = cpu_threads.run
 
-    def counted_select(*args, **kwargs):  # type: ignore[no-untyped-def]
-        calls["index_select"] += 1
-        return select(*args, **kwargs)
+    def counted_run(batch):  # type: ignore[no-untyped-def]
+        jobs.extend(type(job).__name__ for job in batch)
+        return run_jobs(batch)
 
-    def counted_run(jobs):  # type: ignore[no-untyped-def]
-        calls["scatter"] += len(jobs)
-        return run_jobs(jobs)
-
-    monkeypatch.setattr(torch, "index_select", counted_select)
+    monkeypatch.setattr(cpu_threads, "_own_threads", 2)
     monkeypatch.setattr(cpu_threads, "run", counted_run)
     fill = direction is Direction.H2D
     got, want = _back_to_back(shape, 4, fill), _back_to_back(shape, 4, fill)
@@ -66,7 +67,12 @@ def test_a_tensor_per_layer_is_one_call_per_run_of_adjacent_objects(
         kvferry.transfer(paged, got, ids, direction, fmt, CHUNK, backend="torch", block_size=BS)
         kvferry.transfer(paged, want, ids, direction, fmt, CHUNK, backend="reference", block_size=BS)
         assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want, strict=True))
-    assert calls["scatter" if fill else "index_select"] == 1
+    expected = {
+        F.NL_X_TWO_NB_BS_NH_HS: ["Scatter" if fill else "Gather"] * stripes,
+        F.NL_X_TWO_NB_NH_BS_HS: ["_Permuted"] * stripes,
+        F.VLLM_CPU_NL_X_NB_NH_KT_V: ["Scatter"] * stripes if fill else [],
+    }
+    assert jobs == expected[fmt]
 
 
 @pytest.mark.parametrize("direction", [Direction.D2H, Direction.H2D])
@@ -140,8 +146,9 @@ def test_stores_on_own_threads_match_the_reference(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(cpu_threads, "_own_threads", 3)
     monkeypatch.setattr(cpu_threads, "_MIN_PART_BYTES", 1)
     spans: list[int] = []
-    split = cpu_threads.Gather.split
-    monkeypatch.setattr(cpu_threads.Gather, "split", lambda self, parts: spans.append(parts) or split(self, parts))
+    for job in (cpu_threads.Gather, cpu_span._Permuted):
+        split = job.split
+        monkeypatch.setattr(job, "split", lambda self, parts, split=split: spans.append(parts) or split(self, parts))
     paged, ids, shape, dtype = _request(fmt, one_buffer=False)
     got, want = _back_to_back(shape, 4, fill=False), [poisoned(shape, dtype) for _ in range(4)]
     kvferry.transfer(paged, got, ids, Direction.D2H, fmt, CHUNK, 1, backend="torch", block_size=BS)
@@ -153,3 +160,17 @@ def test_stores_on_own_threads_match_the_reference(monkeypatch: pytest.MonkeyPat
 def test_own_threads_need_one() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         cpu_threads.use_own_threads(0)
+
+
+@pytest.mark.parametrize("one_buffer", [True, False], ids=["one-buffer", "a-tensor-per-layer"])
+def test_vllm_cpu_layout_stores_fold_and_retrieves_fold_only_in_one_buffer(one_buffer: bool) -> None:
+    """vLLM's CPU layout (a head's K^T beside its V) stores through per-storage folds (an index over blocks copies
+    every layer of a block at once); it retrieves through them too where each stripe folds into one view, and
+    through the span's rows where a fold would be a call per layer."""
+    fmt = F.VLLM_CPU_NL_X_NB_NH_KT_V
+    paged, *_ = _request(fmt, one_buffer)
+    plan = torch_copy.build_plan(describe(fmt, paged, block_size=BS))
+    assert plan.span is not None
+    stripes = frozenset(range(len(plan.span.entries)))
+    assert plan.folded_stores == stripes
+    assert plan.folded_retrieves == (stripes if one_buffer else frozenset())

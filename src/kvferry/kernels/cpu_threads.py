@@ -15,7 +15,7 @@ import functools
 import itertools
 import os
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -24,24 +24,38 @@ _MIN_PART_BYTES = 1 << 20  # below this, a copy is not worth splitting across th
 _own_threads: int | None = None
 
 
+class CopyJob(Protocol):
+    """A copy that can be cut into spans and run on any thread."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def run(self) -> None: ...
+
+    def split(self, parts: int) -> list[CopyJob]: ...
+
+
 class Scatter(NamedTuple):
-    """`rows[index] = values`: block pieces of one object or one run of objects (`index` may have several axes,
-    `values` those axes and then a piece's)."""
+    """`rows[..., index, ...] = values` with `index` on `axis`: block pieces of one object or one run of objects
+    (`index` may have several axes, `values` those axes and then a piece's)."""
 
     rows: np.ndarray
     index: np.ndarray
     values: np.ndarray
+    axis: int = 0
 
     @property
     def nbytes(self) -> int:
         return self.values.nbytes
 
     def run(self) -> None:
-        self.rows[self.index] = self.values
+        self.rows[(slice(None),) * self.axis + (self.index,)] = self.values
 
     def split(self, parts: int) -> list[Scatter]:
         bounds = np.linspace(0, len(self.index), parts + 1, dtype=np.int64)
-        return [self._replace(index=self.index[a:b], values=self.values[a:b]) for a, b in itertools.pairwise(bounds)]
+        at = (slice(None),) * self.axis
+        return [self._replace(index=self.index[a:b], values=self.values[(*at, slice(a, b))])
+                for a, b in itertools.pairwise(bounds)]  # fmt: skip
 
 
 class Gather(NamedTuple):
@@ -82,7 +96,7 @@ def gathers_on_own_threads() -> bool:
     return _own_threads is not None
 
 
-def run(jobs: Sequence[Scatter | Gather]) -> None:
+def run(jobs: Sequence[CopyJob]) -> None:
     """Every job, spread over the copy threads.
 
     Threads take whole jobs and meet once at the end: splitting every job across the threads and waiting after
