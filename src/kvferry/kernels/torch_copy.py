@@ -88,7 +88,7 @@ def copy_torch(
     skip_prefix_blocks: int,
 ) -> None:
     folded = plan.folded_stores if to_objects else plan.folded_retrieves
-    if plan.span is not None:
+    if plan.span is not None and len(folded) < len(plan.span.entries):
         copy_span(plan.span, objects, block_ids.numpy(), to_objects, chunk_size, skip_prefix_blocks, folded)
     if not folded:
         return
