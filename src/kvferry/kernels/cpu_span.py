@@ -125,7 +125,7 @@ def copy_span(
 ) -> None:
     """Copy every stripe but those in `folded` (the caller copies those per storage)."""
     per = chunk_size // plan.bs
-    own_threads = cpu_threads.gathers_on_own_threads()
+    own_threads = cpu_threads.on_own_threads()
     jobs: list[CopyJob] = []
     for run in _runs(objects, plan.bs, per, len(ids), skip_prefix_blocks):
         obj = objects[run.first].view(plan.word)

@@ -92,7 +92,8 @@ def usable_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def gathers_on_own_threads() -> bool:
+def on_own_threads() -> bool:
+    """Whether this process runs every CPU copy on kvferry's threads (`use_own_threads`)."""
     return _own_threads is not None
 
 
