@@ -62,7 +62,6 @@ class _Entries:
     runs_np: np.ndarray | None
     piece_strides: tuple[int, ...]  # a piece's strides (words), in the object's order of its dims
     in_order: bool  # a piece's elements are in the object's order (token-major)
-    gathers: bool  # whether its stores go well through the span (see `SpanPlan.fold_stores`)
 
 
 @dataclass(frozen=True)
@@ -78,7 +77,7 @@ class SpanPlan:
         run (vLLM's CPU layouts, a head's K^T beside its V). A row of them costs torch a TensorIterator of its own
         (16 llama3-8b chunks stored at 0.09 of the copy), while a folded storage's index over blocks copies every
         layer of a block in one (0.24-0.33)."""
-        return tuple(i for i, e in enumerate(self.entries) if not e.gathers)
+        return tuple(i for i, e in enumerate(self.entries) if not e.in_order and e.runs is None)
 
     @property
     def permuted(self) -> tuple[int, ...]:
@@ -264,7 +263,6 @@ def _entries(geom: KVGeometry, stripe: Stripe, low: int, words: int) -> _Entries
         runs_np=runs_np,
         piece_strides=tuple(strides),
         in_order=in_order,
-        gathers=in_order or dense,
     )
 
 

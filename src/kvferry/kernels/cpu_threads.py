@@ -114,18 +114,14 @@ def run(jobs: Sequence[CopyJob]) -> None:
         for job in jobs:
             job.run()
     else:
-        list(_pool(workers).map(lambda job: job.run(), jobs))
-
-
-def pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
-    """kvferry's `workers` copy threads (made once per count)."""
-    return _pool(workers)
+        list(pool(workers).map(lambda job: job.run(), jobs))
 
 
 @functools.cache
-def _pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
+def pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
+    """kvferry's `workers` copy threads (made once per count)."""
     return concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvferry-copy")
 
 
 # A forked child inherits the executors but not their threads: it must make its own.
-os.register_at_fork(after_in_child=_pool.cache_clear)
+os.register_at_fork(after_in_child=pool.cache_clear)
