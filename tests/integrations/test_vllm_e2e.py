@@ -3,7 +3,8 @@
 Each engine runs in a process of its own (see vllm_driver.py): a reference without kvferry; one with the cache
 embedded (a miss, a hit, a hit with the loaded KV corrupted, a hit whose load fails); one per CPU attention ISA and
 per dtype; a 2 MiB pool over a disk tier serving a batch; two that share one kvferry server (the second in vLLM's
-usual multiprocess layout); one that starts before its server and outlives it; engines ended by SIGINT and SIGKILL;
+usual multiprocess layout); a tensor-parallel engine (TP=2) and whole ones sharing prefixes through the
+server; one that starts before its server and outlives it; engines ended by SIGINT and SIGKILL;
 and one that must refuse a chunk size that is not a multiple of vLLM's block size. vLLM's own prefix cache is off,
 so every reused token comes from kvferry. Finally the objects kvferry stored (read back from its disk tier) are
 checked against K (after RoPE) and V computed from the weights.
@@ -114,7 +115,8 @@ def prompt(workdir: Path) -> list[int]:
     rng = random.Random(7)
     tokens = [rng.randrange(1024) for _ in range(PROMPT_TOKENS)]
     batch = [[rng.randrange(1024) for _ in range(BATCH_TOKENS)] for _ in range(BATCH)]
-    (workdir / "prompts.json").write_text(json.dumps({"main": tokens, "batch": batch}))
+    tp = {f"tp{i}": [rng.randrange(1024) for _ in range(PROMPT_TOKENS)] for i in (1, 2)}
+    (workdir / "prompts.json").write_text(json.dumps({"main": tokens, "batch": batch, **tp}))
     return tokens
 
 
@@ -270,6 +272,25 @@ def test_two_engines_share_one_server(
     assert cached_of(second["runs"][0]) == HIT
     assert tokens_of(second["runs"][0]) == expected
     assert_no_leak(first)
+
+
+def test_a_tensor_parallel_engine_shares_prefixes_with_whole_engines(
+    workdir: Path, model_dir: Path, prompt: list[int], server_url: str
+) -> None:
+    """TP=2 ranks (processes of their own) each store and load their half of the KV heads through the server; a
+    TP=1 engine reads what they stored and they read what it stored. fp32, so the ranks' all-reduce rounds as the
+    TP=1 engine's GEMM does and a hit's tokens can be compared with a miss's of the other engine."""
+    fp32 = ("--server-url", server_url, "--dtype", "float32")
+    first = run_driver("server", workdir, model_dir, *fp32, "--runs", "tp1")
+    ranks = run_driver("server", workdir, model_dir, *fp32, "--tp", "2", "--runs", "tp1,tp2,tp2")
+    last = run_driver("server", workdir, model_dir, *fp32, "--runs", "tp2")
+    hit_of_whole, miss, hit = ranks["runs"]
+    assert cached_of(first["runs"][0]) == 0
+    assert cached_of(hit_of_whole) == HIT and tokens_of(hit_of_whole) == tokens_of(first["runs"][0])
+    assert cached_of(miss) == 0
+    assert cached_of(hit) == HIT and tokens_of(hit) == tokens_of(miss)
+    assert cached_of(last["runs"][0]) == HIT and tokens_of(last["runs"][0]) == tokens_of(miss)
+    assert "kvferry connector active" in ranks["output"]
 
 
 def shm_entries() -> set[str]:

@@ -89,3 +89,47 @@ def test_fp8_encodings_have_key_spaces_of_their_own() -> None:
     assert spaces["fp8_e4m3"].digest != spaces["fp8_e5m2"].digest
     plain = KeySpace.of(recognise(cpu_kv(), isa="vec", kv_cache_dtype="auto"), model="m", salt="s")
     assert plain.salt == "s"
+
+
+@pytest.mark.parametrize(
+    ("local", "model", "tp", "heads"),
+    [
+        (2, 2, (0, 1), None),  # no tensor parallelism
+        (1, 2, (1, 2), (1, 2)),  # an even split
+        (2, 8, (3, 4), (6, 8)),
+        (1, 2, (3, 4), (1, 2)),  # fewer heads than ranks: ranks 2 and 3 both hold head 1
+        (1, 1, (1, 2), None),  # one KV head, replicated: every rank holds the whole KV
+    ],
+)
+def test_a_tensor_parallel_rank_names_its_heads(
+    local: int, model: int, tp: tuple[int, int], heads: tuple[int, int] | None
+) -> None:
+    found = recognise(cpu_kv(nh=local), isa="vec", kv_cache_dtype="auto", tp=tp, model_kv_heads=model)
+    assert found.heads == heads
+
+
+def test_a_rank_of_a_tensor_parallel_engine_keys_as_the_whole_model() -> None:
+    from kvferry.integrations.vllm.backends import KeySpace
+
+    whole = cpu_kv(nh=4)
+    rank = {name: t[:, 2:].contiguous() for name, t in whole.items()}  # rank 1 of 2
+    spaces = [
+        KeySpace.of(recognise(kv, isa=isa, kv_cache_dtype="auto", tp=tp, model_kv_heads=4), model="m", salt="s")
+        for kv, tp in ((whole, (0, 1)), (rank, (1, 2)))
+        for isa in ("vec", "amx")
+    ]
+    assert spaces[0] == spaces[2] and spaces[1] == spaces[3]  # per layout, the same for TP=1 and TP=2
+    assert spaces[0].namespace(256).digest == spaces[2].namespace(256).digest
+
+
+@pytest.mark.parametrize(
+    ("local", "model", "tp", "message"),
+    [
+        (3, 8, (0, 2), "holds 3 KV heads of the model's 8 with tensor parallelism 2"),
+        (1, 3, (0, 2), "holds 1 KV heads of the model's 3"),
+        (2, 4, (2, 2), "rank 2 is not in a group of 2"),
+    ],
+)
+def test_a_head_split_vllm_would_not_make_is_refused(local: int, model: int, tp: tuple[int, int], message: str) -> None:
+    with pytest.raises(UnsupportedKVLayout, match=message):
+        recognise(cpu_kv(nh=local), isa="vec", kv_cache_dtype="auto", tp=tp, model_kv_heads=model)

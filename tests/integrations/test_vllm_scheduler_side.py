@@ -209,6 +209,22 @@ def test_background_load_is_planned_when_blocks_are_allocated_then_the_request_r
     assert list(side.tracked_requests()) == []
 
 
+def test_a_lock_goes_once_every_tensor_parallel_rank_reported_its_load() -> None:
+    cache = FakeCache(hit=256)
+    side = make_side(cache, in_background=True, ranks=2)
+    toks, ids = prompt(300), blocks(10)
+    side.num_new_matched_tokens("a", toks, 300, 0)
+    side.after_alloc("a", toks, ids[:8], 256)
+    side.build_plan(Step())
+    side.loads_done(["a"])  # rank 0's load ran; rank 1's still reads the locked chunks
+    assert cache.held
+    side.loads_done(["a"], failed={"a"})  # rank 1's, short
+    assert not cache.held
+    assert side.num_new_matched_tokens("a", toks, 300, 0) == (0, False)  # a failed load is not offered again
+    side.loads_done(["a"])  # a late report of a load no longer planned changes nothing
+    assert not cache.held
+
+
 def test_a_request_aborted_while_its_background_load_runs_is_forgotten_once_the_load_ends() -> None:
     cache = FakeCache(hit=256)
     side = make_side(cache, in_background=True)

@@ -10,14 +10,15 @@ PHASE
   isa         embedded, the main prompt as a miss then a hit (for --isa / --dtype variants).
   pool        embedded with a 2 MiB pool over a disk tier: the batch of prompts, three times, as one batch.
   bad-chunk   embedded with a chunk size that is not a multiple of vLLM's block size: must refuse to start.
-  server      a kvferry server at --server-url: the main prompt once.
+  server      a kvferry server at --server-url: the main prompt once (--runs: the named prompts, in order).
   resilience  server mode with no server at start: misses; then the driver starts a server, waits for the
               connector to reconnect, stores, hits; then kills the server (SIGKILL) and goes on (misses).
   hold        server mode: the main prompt once, then writes --out and waits to be killed by the test.
 
 Engines run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) unless --multiprocessing: then vLLM's engine
 core and its CPU worker are two more processes, so the connector's scheduler half runs apart from its KV.
-``--isa`` forces vLLM's CPU attention ISA (this process only). Writes a JSON report.
+``--isa`` forces vLLM's CPU attention ISA (this process only); ``--tp N`` runs N tensor-parallel workers (processes
+of their own). Writes a JSON report.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def force_isa(isa: str) -> None:
     cpu_attn._get_attn_isa = lambda *args, **kwargs: isa
 
 
-def make_llm(model: str, extra: dict[str, Any] | None, dtype: str) -> Any:
+def make_llm(model: str, extra: dict[str, Any] | None, dtype: str, tp: int = 1) -> Any:
     from vllm import LLM
 
     kv_transfer = None
@@ -72,6 +73,7 @@ def make_llm(model: str, extra: dict[str, Any] | None, dtype: str) -> Any:
         enforce_eager=True,
         seed=0,
         kv_transfer_config=kv_transfer,
+        tensor_parallel_size=tp,
     )
 
 
@@ -179,7 +181,12 @@ def main() -> None:
     parser.add_argument("--multiprocessing", action="store_true")
     parser.add_argument("--isa", choices=["vec", "vec16", "amx"])
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--runs", help="server phase: comma-separated prompt names to run in turn")
     args = parser.parse_args()
+    if args.tp > 1:  # a CPU per rank for its OpenMP threads
+        cpus = sorted(os.sched_getaffinity(0))
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cpus[r % len(cpus)]) for r in range(args.tp))
     for name, value in ENGINE_ENV.items():
         os.environ.setdefault(name, value)
     # In-process engines start faster and let the test hooks reach the worker.
@@ -192,7 +199,7 @@ def main() -> None:
     report: dict[str, Any] = {"phase": args.phase}
 
     def llm_factory(extra: dict[str, Any] | None) -> Any:
-        return make_llm(args.model, extra, args.dtype)
+        return make_llm(args.model, extra, args.dtype, args.tp)
 
     embedded = {
         "mode": "embedded",
@@ -234,7 +241,10 @@ def main() -> None:
         repeats = {"reference": 1, "server": 1, "hold": 1, "isa": 2, "pool": 3, "embedded": 2}[args.phase]
         if args.phase == "reference":
             batch = [main_prompt, *prompts["batch"]]
-        report["runs"] = [generate(llm, batch) for _ in range(repeats)]
+        if args.runs:
+            report["runs"] = [generate(llm, [prompts[name]]) for name in args.runs.split(",")]
+        else:
+            report["runs"] = [generate(llm, batch) for _ in range(repeats)]
     if args.phase == "embedded":
         import vllm_hooks
 
@@ -248,7 +258,7 @@ def main() -> None:
         out.write_text(json.dumps(report))
         while True:  # the test ends this process with a signal
             time.sleep(1)
-    if not args.multiprocessing and args.phase != "reference":
+    if not args.multiprocessing and args.tp == 1 and args.phase != "reference":  # the worker is in this process
         report.update(connector_state(llm))
     # Shut the engine down (the connector waits for its loads and stores and flushes its tiers), then exit
     # without running interpreter teardown, which vLLM's background threads can stall.

@@ -42,8 +42,8 @@ class KeySpace:
 
     @classmethod
     def of(cls, kv: EngineKV, *, model: str, salt: str) -> KeySpace:
-        geometry = describe(kv.fmt, kv.layers, kv.block_size)
-        kv_size, num_layers, _, width = geometry.object_shape(1)
+        geometry = describe(kv.fmt, kv.layers, kv.block_size, heads=kv.heads)
+        kv_size, num_layers, _, width = geometry.object_shape(1)  # every head's width, on any rank
         dtype = dtype_name(geometry.dtype)
         if kv.kv_dtype != dtype:  # fp8 caches of either encoding are uint8 tensors: the encoding splits the keys
             salt = f"{salt}|kv_cache_dtype={kv.kv_dtype}"

@@ -6,11 +6,16 @@ the connector metadata, and the loads that ran travel back as worker metadata (s
 that pinned their hits); once, at start-up, the worker tells the scheduler the cache key space of its KV (the
 handshake metadata), which a scheduler in another process needs for its lookups. This module only translates
 between vLLM's objects and those halves.
+
+Tensor parallelism (server mode): every rank's worker registers its slice of the KV heads with the server, whose
+objects hold every head; the scheduler's one lookup answers for all ranks (an object is a hit once every head is
+written), each rank loads and stores its columns, and a lookup's lock goes once every rank reported its load.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -56,16 +61,16 @@ class KvferryConnectorMetadata(KVConnectorMetadata):
 
 
 class KvferryWorkerMeta(KVConnectorWorkerMetadata):
-    """What the worker half tells the scheduler half after a step: the loads that ran (their locks can go) and
-    those of them that came back short."""
+    """What the worker halves tell the scheduler half after a step: the loads that ran, counted per request over
+    the tensor-parallel ranks (a lock goes once every rank's load ran), and those that came back short on any."""
 
-    def __init__(self, loaded: set[str], failed: set[str]) -> None:
+    def __init__(self, loaded: Counter[str], failed: set[str]) -> None:
         self.loaded = loaded
         self.failed = failed
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KvferryWorkerMeta:
         assert isinstance(other, KvferryWorkerMeta), type(other)
-        return KvferryWorkerMeta(self.loaded | other.loaded, self.failed | other.failed)
+        return KvferryWorkerMeta(self.loaded + other.loaded, self.failed | other.failed)
 
 
 class KvferryHandshake(KVConnectorHandshakeMetadata):
@@ -78,8 +83,9 @@ class KvferryHandshake(KVConnectorHandshakeMetadata):
 class KvferryConnector(KVConnectorBase_V1):
     """Loads prompt prefixes kvferry holds into vLLM's blocks and stores newly computed ones.
 
-    Requires tensor and pipeline parallel size 1. Embedded mode also needs the scheduler and the worker in one
-    process (vLLM's CPU backend: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``); server mode works either way. Modes and
+    Server mode works with tensor parallelism and in any process layout. Embedded mode needs the scheduler and
+    the worker in one process (tensor parallel size 1; vLLM's CPU backend: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+    Pipeline parallelism is refused (an object holds every layer of its chunk). Modes and
     settings: see `ConnectorSettings`. A load that fails is recomputed by vLLM: the connector sets vLLM's
     ``kv_load_failure_policy`` to "recompute" (a cache miss must never fail a request).
     """
@@ -92,10 +98,17 @@ class KvferryConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         show_in_vllm_log()
         self._settings = ConnectorSettings.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
-        world_size = vllm_config.parallel_config.world_size
-        if world_size != 1:
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size != 1:
             raise ValueError(
-                f"KvferryConnector needs tensor_parallel_size * pipeline_parallel_size == 1, got {world_size}"
+                f"KvferryConnector needs pipeline_parallel_size 1, got {parallel.pipeline_parallel_size} (a chunk "
+                "object holds every layer)"
+            )
+        self._tp_size = parallel.tensor_parallel_size
+        if self._tp_size != 1 and self._settings.mode != "server":
+            raise ValueError(
+                f"KvferryConnector's embedded mode needs tensor_parallel_size 1, got {self._tp_size}: each rank is "
+                "a process of its own, so its ranks share one cache through a kvferry server (mode 'server')"
             )
         self._engine_id = str(self._kv_transfer_config.engine_id)
         self._block_size = vllm_config.cache_config.block_size
@@ -183,7 +196,7 @@ class KvferryConnector(KVConnectorBase_V1):
         if self._worker is None:
             return None
         loaded, failed = self._worker.take_load_report()
-        return KvferryWorkerMeta(loaded, failed) if loaded else None
+        return KvferryWorkerMeta(Counter(loaded), failed) if loaded else None
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return self._handshake
@@ -244,7 +257,7 @@ class KvferryConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         report = connector_output.kv_connector_worker_meta
         if self._scheduler is not None and isinstance(report, KvferryWorkerMeta):
-            self._scheduler.loads_done(report.loaded, report.failed)
+            self._scheduler.loads_done(report.loaded.elements(), report.failed)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         side = self._scheduler
@@ -289,7 +302,13 @@ class KvferryConnector(KVConnectorBase_V1):
 
     def _recognise(self, kv_caches: dict[str, torch.Tensor]) -> EngineKV:
         isa = self._isa(kv_caches)
-        kv = recognise(kv_caches, isa=isa, kv_cache_dtype=str(self._vllm_config.cache_config.cache_dtype))
+        kv = recognise(
+            kv_caches,
+            isa=isa,
+            kv_cache_dtype=str(self._vllm_config.cache_config.cache_dtype),
+            tp=(_tp_rank(self._tp_size), self._tp_size),
+            model_kv_heads=self._vllm_config.model_config.get_total_num_kv_heads(),
+        )
         if kv.block_size != self._block_size:
             raise UnsupportedKVLayout(
                 f"the KV tensors hold {kv.block_size}-token blocks but the scheduler uses {self._block_size}"
@@ -311,7 +330,7 @@ class KvferryConnector(KVConnectorBase_V1):
                 self._settings.server_url,
                 timeout_s=self._settings.timeout_s,
                 register=lambda client: client.register_kv_cache(
-                    kv.layers, kv.fmt, block_size=kv.block_size, namespace=deployment
+                    kv.layers, kv.fmt, block_size=kv.block_size, namespace=deployment, heads=kv.heads
                 ),
             )
             try:
@@ -354,6 +373,7 @@ class KvferryConnector(KVConnectorBase_V1):
             chunk_size=chunk_size,
             in_background=self._settings.async_load,
             refresh_s=self._settings.lock_refresh_s,
+            ranks=self._tp_size,
         )
         return self._scheduler
 
@@ -368,3 +388,12 @@ def _served_model_name(vllm_config: VllmConfig) -> str:
     if isinstance(name, list | tuple):
         name = name[0] if name else None
     return str(name or vllm_config.model_config.model)
+
+
+def _tp_rank(size: int) -> int:
+    """This worker's rank in its tensor-parallel group (0 without one)."""
+    if size == 1:
+        return 0
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()

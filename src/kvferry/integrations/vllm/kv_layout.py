@@ -11,6 +11,10 @@ Both were read off vLLM 0.32's own ``cpu_attn_reshape_and_cache`` for bf16, fp16
 (tests/integrations/test_vllm_kv_layout.py checks them against it on every run). The ISAs of other architectures
 (``neon``, ``vsx``, ``vxe``, ``rvv``) have not been checked: they are refused with the reason, never moved with a
 guessed layout.
+
+A tensor-parallel rank holds a slice of the model's KV heads (vLLM splits them evenly, or gives each rank one
+head when there are fewer heads than ranks). kvferry's objects then hold every head and each rank moves its own
+columns (`describe(..., heads=)`), so engines of any parallelism share one key space.
 """
 
 from __future__ import annotations
@@ -47,13 +51,23 @@ class EngineKV:
     layer_names: list[str]
     block_size: int
     kv_dtype: str
+    heads: tuple[int, int] | None = None  # (first head, the model's heads) on a tensor-parallel rank; else None
 
 
-def recognise(kv_caches: Mapping[str, torch.Tensor], *, isa: str | None, kv_cache_dtype: str) -> EngineKV:
+def recognise(
+    kv_caches: Mapping[str, torch.Tensor],
+    *,
+    isa: str | None,
+    kv_cache_dtype: str,
+    tp: tuple[int, int] = (0, 1),
+    model_kv_heads: int | None = None,
+) -> EngineKV:
     """The format of ``kv_caches`` (vLLM's ``register_kv_caches`` argument); UnsupportedKVLayout otherwise.
 
-    ``isa`` is the CPU attention ISA vLLM chose (``layer.isa``; None when the backend is not CPU_ATTN) and
-    ``kv_cache_dtype`` vLLM's ``cache_config.cache_dtype``.
+    ``isa`` is the CPU attention ISA vLLM chose (``layer.isa``; None when the backend is not CPU_ATTN),
+    ``kv_cache_dtype`` vLLM's ``cache_config.cache_dtype``, ``tp`` this worker's (rank, size) in its tensor-parallel
+    group and ``model_kv_heads`` the model's KV heads (vLLM's ``get_total_num_kv_heads()``; None: the tensors hold
+    them all).
     """
     if not kv_caches:
         raise UnsupportedKVLayout("kv_caches is empty: the model has no attention layer with a KV cache")
@@ -86,12 +100,29 @@ def recognise(kv_caches: Mapping[str, torch.Tensor], *, isa: str | None, kv_cach
                 f"kv_caches[{name!r}] is {tuple(t.shape)} {t.dtype} (contiguous={t.is_contiguous()}); expected "
                 f"contiguous [NB, NH, BS, 2*HS] tensors like {tuple(first.shape)} {first.dtype} in every layer"
             )
+    heads = rank_heads(int(first.shape[1]), model_kv_heads, *tp)
     try:
-        describe(fmt, layers)
+        describe(fmt, layers, heads=heads)
     except (TypeError, ValueError) as exc:
         raise UnsupportedKVLayout(f"vLLM's {isa!r} KV cache does not fit {fmt.name}: {exc}") from None
     kv_dtype = kv_cache_dtype if quantised else str(first.dtype).removeprefix("torch.")
-    return EngineKV(fmt, layers, names, int(first.shape[2]), kv_dtype)
+    return EngineKV(fmt, layers, names, int(first.shape[2]), kv_dtype, heads)
+
+
+def rank_heads(local: int, model: int | None, rank: int, size: int) -> tuple[int, int] | None:
+    """(first head, the model's heads) of the ``local`` heads tensor-parallel rank ``rank`` of ``size`` holds;
+    None when it holds every head. vLLM gives rank r heads ``r * local ..`` of an even split, and head
+    ``r * model // size`` when there are fewer heads than ranks (replicas: each writes the same columns)."""
+    if not 0 <= rank < size:
+        raise UnsupportedKVLayout(f"tensor-parallel rank {rank} is not in a group of {size}")
+    if model is None or local == model:
+        return None
+    if local * size == model or (local == 1 and model < size and size % model == 0):
+        return rank * model // size, model
+    raise UnsupportedKVLayout(
+        f"this rank holds {local} KV heads of the model's {model} with tensor parallelism {size}: not vLLM's "
+        "even split (or one head per rank)"
+    )
 
 
 def _in_layer_order(names: list[str]) -> list[str]:

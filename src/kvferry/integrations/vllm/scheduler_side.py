@@ -72,7 +72,8 @@ class _Request:
     looked_up_at: float | None = None
     pending_load: list[int] | None = None  # an accepted hit's block ids (background load), until planned
     accepted: bool = False  # vLLM took the hit; its load is planned with the request's first schedule
-    loading: bool = False  # a load was planned and the worker has not reported it done
+    loading: bool = False  # a load was planned and not every rank's worker has reported it done
+    load_reports: int = 0  # ranks that reported the planned load
     load_failed: bool = False
     uncacheable: bool = False
     finished: bool = False
@@ -94,7 +95,9 @@ class SchedulerSide:
         in_background: bool = False,
         refresh_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
+        ranks: int = 1,
     ) -> None:
+        """``ranks``: the engine's tensor-parallel workers; each loads its slice and reports it."""
         if block_size <= 0 or chunk_size <= 0 or chunk_size % block_size:
             raise ValueError(f"chunk_size={chunk_size} must be a positive multiple of vLLM's block_size={block_size}")
         self._lookup = lookup
@@ -104,6 +107,7 @@ class SchedulerSide:
         self.in_background = in_background
         self._refresh_s = refresh_s
         self._clock = clock
+        self._ranks = ranks
         self._requests: dict[str, _Request] = {}
         self.counters = SchedulerCounters()
 
@@ -197,7 +201,8 @@ class SchedulerSide:
         return plan
 
     def loads_done(self, req_ids: Iterable[str], failed: Iterable[str] = ()) -> None:
-        """The worker ran these loads (``failed``: those that came back short): their locks go."""
+        """Workers ran these loads, each id one rank's report (``failed``: those that came back short on some
+        rank); a load's lock goes once every rank reported it."""
         for req_id in failed:
             req = self._requests.get(req_id)
             if req is not None:
@@ -205,7 +210,10 @@ class SchedulerSide:
                 req.stored_upto = 0  # what it could not load may be missing from the cache: store it again
         for req_id in req_ids:
             req = self._requests.get(req_id)
-            if req is None:
+            if req is None or not req.loading:
+                continue
+            req.load_reports += 1
+            if req.load_reports < self._ranks:
                 continue
             req.loading = False
             self._release(req)
@@ -257,7 +265,7 @@ class SchedulerSide:
             raise RuntimeError(f"request {req_id!r} holds {len(block_ids)} blocks, {req.hit} tokens need {needed}")
         plan.loads.append(LoadSpec(req_id, req.prompt[: req.hit], block_ids[:needed], req.skip, in_background))
         req.accepted = False
-        req.loading = True
+        req.loading, req.load_reports = True, 0
 
     def _plan_request(
         self, plan: StepPlan, req_id: str, req: _Request, num_computed: int, num_scheduled: Mapping[str, int]
