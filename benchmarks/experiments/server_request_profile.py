@@ -9,13 +9,16 @@ Runs a server (its own process, as users run it) and, in this process, phases of
 one-chunk RETRIEVE (llama3-8b geometry; KV on the GPU when there is one). For each phase it prints the client's
 p50, the server's own mean time from receiving a request to queueing its reply (its Prometheus histogram), and,
 where py-spy is installed, the hottest stacks of the server and of this client while the phase runs (written to
-OUT/profile_<phase>_<who>.txt).
+OUT/profile_<phase>_<who>.txt, beside py-spy's collapsed stacks in .raw).
 
-    PYTHONPATH=src python3 benchmarks/experiments/server_request_profile.py OUT [seconds per phase]
+    PYTHONPATH=src python3 benchmarks/experiments/server_request_profile.py OUT [seconds per phase] [--ipc]
+        [--rate HZ]
 """
 
 from __future__ import annotations
 
+import argparse
+import atexit
 import collections
 import os
 import re
@@ -24,6 +27,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -64,21 +68,31 @@ def top_stacks(raw: Path, n: int = 25) -> str:
     return "\n".join(f"{c * 100 / total:5.1f}%  {s}" for s, c in counts.most_common(n))
 
 
-def profiled(pid: int, seconds: float, out: Path) -> subprocess.Popen[bytes] | None:
+def profiled(pid: int, seconds: float, out: Path, rate: int) -> subprocess.Popen[bytes] | None:
     if shutil.which("py-spy") is None:
         return None
-    cmd = ["py-spy", "record", "-p", str(pid), "-d", str(int(seconds)), "-f", "raw", "-o", str(out), "-r", "500"]
+    cmd = ["py-spy", "record", "-p", str(pid), "-d", str(int(seconds)), "-f", "raw", "-o", str(out), "-r", str(rate)]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def main() -> None:
-    out = Path(sys.argv[1])
-    seconds = float(sys.argv[2]) if len(sys.argv) > 2 else 4.0
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("seconds", type=float, nargs="?", default=4.0)
+    parser.add_argument("--ipc", action="store_true", help="through the server's Unix socket")
+    parser.add_argument("--rate", type=int, default=500, help="py-spy samples per second")
+    args = parser.parse_args()
+    out, seconds = args.out, args.seconds
     out.mkdir(parents=True, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     port, http_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "kvferry.server", "--port", str(port), "--http-port", str(http_port)]
+    endpoint = f"tcp://127.0.0.1:{port}"
+    if args.ipc:
+        endpoint = f"ipc://{tempfile.mkdtemp(prefix='kvf-')}/server.sock"
+        cmd += ["--ipc", endpoint.removeprefix("ipc://")]
     server = subprocess.Popen([*cmd, "--chunk-size", "256", "--l1-size-gb", "4"], stderr=subprocess.PIPE, text=True)
+    atexit.register(server.kill)  # also when this script fails: the server holds this process's stdout
     assert server.stderr is not None
     for line in server.stderr:
         if "ready" in line:
@@ -86,25 +100,34 @@ def main() -> None:
     threading.Thread(target=server.stderr.read, daemon=True).start()
     http = f"http://127.0.0.1:{http_port}"
     kv = make_paged(FMT, MODELS["llama3-8b"], 1024, 16, device=device)
-    client = KvferryClient(f"tcp://127.0.0.1:{port}", timeout_s=60)
+    client = KvferryClient(endpoint, timeout_s=60)
     reg = client.register_kv_cache(kv, FMT, block_size=16, namespace={"model": "profile"})
-    ids = torch.randperm(1024)[:16].tolist()
-    fresh = iter(range(10**9))
-    kept = list(range(256))
+    perm = torch.randperm(1024).tolist()
+    ids, ids16 = perm[:16], perm[:256]
+    fresh, fresh16 = iter(range(10**9)), iter(range(10**5))
+
+    def new_tokens16() -> list[int]:
+        base = 2**31 + next(fresh16) * 4096
+        return list(range(base, base + 4096))
+
+    kept, kept16 = list(range(256)), list(range(10**6, 10**6 + 4096))
     phases: dict[str, Callable[[], object]] = {
         "ping": client.ping,
         "lookup": lambda: client.lookup(kept, registration=reg),
         "store_1chunk": lambda: client.store(reg, [next(fresh) * 1000 + i for i in range(256)], ids),
         "retrieve_1chunk": lambda: client.retrieve(reg, kept, ids[::-1]),
+        "store_16chunk": lambda: client.store(reg, new_tokens16(), ids16),
+        "retrieve_16chunk": lambda: client.retrieve(reg, kept16, ids16[::-1]),
     }
     print(f"device {device}; {seconds:.0f} s per phase")
     for name, call in phases.items():
         client.store(reg, kept, ids)  # the stores before may have evicted it: lookups and retrieves must hit
+        client.store(reg, kept16, ids16)
         for _ in range(20):
             call()
         before = server_means(http)
-        spies = [profiled(server.pid, seconds, out / f"profile_{name}_server.raw"),
-                 profiled(os.getpid(), seconds, out / f"profile_{name}_client.raw")]  # fmt: skip
+        spies = [profiled(server.pid, seconds, out / f"profile_{name}_server.raw", args.rate),
+                 profiled(os.getpid(), seconds, out / f"profile_{name}_client.raw", args.rate)]  # fmt: skip
         samples, end = [], time.monotonic() + seconds
         while time.monotonic() < end:
             t = time.perf_counter()
@@ -114,7 +137,7 @@ def main() -> None:
             if spy is not None:
                 spy.wait(timeout=60)
         after = server_means(http)
-        op = {"ping": "PING", "lookup": "LOOKUP", "store_1chunk": "STORE", "retrieve_1chunk": "RETRIEVE"}[name]
+        op = name.split("_")[0].upper()
         server_us = after.get(op, 0.0) * 1e6
         print(f"{name}: client p50 {statistics.median(samples) * 1e6:.0f} us over {len(samples)} requests; "
               f"server mean (received -> reply queued, all so far) {server_us:.0f} us; before this phase "
@@ -123,7 +146,6 @@ def main() -> None:
             raw = out / f"profile_{name}_{who}.raw"
             if raw.exists():
                 (out / f"profile_{name}_{who}.txt").write_text(top_stacks(raw))
-                raw.unlink()
     client.close()
     server.terminate()
     server.wait(timeout=30)

@@ -61,7 +61,15 @@ FLAGS = {
     "server-engines": ("--engines", "--rounds", "--think-ms", "--model", "--device", "--pool-gb", "--ipc"),
     "gpu-transfer": ("--reps", "--sections"),
     "cache-gpu": (),
-    "vllm-ttft": ("--prompt-tokens", "--prompts", "--layers", "--hidden", "--chunk-size", "--dtype"),
+    "vllm-ttft": (
+        "--prompt-tokens",
+        "--prompts",
+        "--layers",
+        "--hidden",
+        "--chunk-size",
+        "--dtype",
+        "--foreground-loads",
+    ),
     "vllm-async-load": ("--prefix-tokens", "--running", "--layers", "--kv-heads"),
 }
 

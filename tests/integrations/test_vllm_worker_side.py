@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 import random
+import sys
 import threading
 from concurrent.futures import Future
 
 import pytest
 
 from kvferry.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
-from kvferry.integrations.vllm.worker_side import WorkerSide
+from kvferry.integrations.vllm.worker_side import HANDOFF_S, WorkerSide
 
 BS = 32
 
@@ -149,3 +150,21 @@ def test_close_waits_for_background_loads() -> None:
     threading.Timer(0.05, backend.answer, args=(backend.retrieves[0][3], 256)).start()
     worker.close()
     assert worker.counters.tokens_loaded == 256
+
+
+def test_the_gil_changes_hands_quickly_only_while_loads_or_stores_run() -> None:
+    default = sys.getswitchinterval()
+    backend = ScriptedBackend()
+    backend.hold_loads = True
+    worker = WorkerSide(backend, block_size=BS)
+    worker.start_loads(StepPlan(loads=[LoadSpec("a", tokens(256), IDS, skip_tokens=0, in_background=True)]))
+    worker.start_stores(StepPlan(stores=[StoreSpec("b", tokens(256), IDS, skip_tokens=0)]))
+    assert sys.getswitchinterval() == pytest.approx(HANDOFF_S)
+    backend.answer(backend.retrieves[0][3], 256)
+    assert sys.getswitchinterval() == pytest.approx(HANDOFF_S)  # the store still runs
+    backend.stores[0][3].set_exception(RuntimeError("the server went away"))
+    assert sys.getswitchinterval() == default
+    backend.hold_loads = False
+    worker.start_loads(StepPlan(loads=[LoadSpec("c", tokens(256), IDS, skip_tokens=0)]))  # done at once
+    assert sys.getswitchinterval() == default
+    assert worker.finished_loading() == {"a"}

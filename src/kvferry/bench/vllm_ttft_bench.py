@@ -51,6 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="float32",
         help="float32 by default: CPUs without AVX-512 BF16 run bf16 matmuls slowly",
     )
+    parser.add_argument(
+        "--foreground-loads",
+        action="store_true",
+        help="the connector's async_load off: a hit loads before the forward pass of the step that schedules it",
+    )
     add_json_argument(parser)
 
 
@@ -77,7 +82,8 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
     workdir = Path(tempfile.mkdtemp(prefix="kvferry-ttft-"))
     try:
         payload = {"model_dir": str(workdir / "model"), "model": model}
-        payload |= {k: getattr(args, k) for k in ("dtype", "prompt_tokens", "prompts", "chunk_size")}
+        names = ("dtype", "prompt_tokens", "prompts", "chunk_size", "foreground_loads")
+        payload |= {name: getattr(args, name) for name in names}
         measured = run_child("kvferry.bench.vllm_ttft_bench:measure", payload, _env(), steps)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -94,7 +100,7 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
         "rows": rows,
     }
     config = {"model": model, "dtype": args.dtype, "prompt_tokens": args.prompt_tokens, "prompts": args.prompts}
-    config["chunk_size"] = args.chunk_size
+    config |= {"chunk_size": args.chunk_size, "loads": "foreground" if args.foreground_loads else "background"}
     return Outcome(config, results, _show(args, model, results))
 
 
@@ -102,7 +108,8 @@ def _show(args: argparse.Namespace, model: dict[str, Any], results: dict[str, An
     rows = results["rows"]
     table = new_table(
         f"vLLM CPU TTFT, {args.prompt_tokens}-token prompt, {model['parameters'] / 1e6:.0f}M-param random Llama "
-        f"({args.layers} layers, {args.dtype}), kvferry embedded",
+        f"({args.layers} layers, {args.dtype}), kvferry embedded, "
+        f"{'foreground' if args.foreground_loads else 'background'} loads",
         ("prompt", "miss TTFT s", "hit TTFT s", "cached tokens (miss / hit)", "speed-up"),
     )
     for r in rows:
@@ -165,7 +172,10 @@ def measure(payload: dict[str, Any], step: Callable[[str], None]) -> dict[str, A
         enforce_eager=True,
         max_model_len=prompt_tokens + 16,
         max_num_batched_tokens=prompt_tokens + 16,  # the whole prompt in one prefill step
-        kv_transfer_config=connector_config(config={"cache": {"chunk_size": payload["chunk_size"], "l1_size_gb": 2}}),
+        kv_transfer_config=connector_config(
+            async_load=not payload["foreground_loads"],
+            config={"cache": {"chunk_size": payload["chunk_size"], "l1_size_gb": 2}},
+        ),
     )
     engine_start_s = time.perf_counter() - started
     step("vLLM engine started")
