@@ -68,6 +68,7 @@ FLAGS = {
         "--hidden",
         "--chunk-size",
         "--dtype",
+        "--server",
         "--foreground-loads",
     ),
     "vllm-async-load": ("--prefix-tokens", "--running", "--layers", "--kv-heads"),

@@ -75,8 +75,10 @@ examples:
 class ServerProcess:
     """`python -m kvferry.server` on a free port; `endpoint` is its TCP one, or its Unix socket's with `ipc_path`."""
 
-    def __init__(self, pool_gb: float, busy_poll_us: int = 0, ipc_path: str | None = None) -> None:
-        cmd = [sys.executable, "-m", "kvferry.server", "--port", "0", "--no-http", "--chunk-size", str(CHUNK)]
+    def __init__(
+        self, pool_gb: float, busy_poll_us: int = 0, ipc_path: str | None = None, chunk_size: int = CHUNK
+    ) -> None:
+        cmd = [sys.executable, "-m", "kvferry.server", "--port", "0", "--no-http", "--chunk-size", str(chunk_size)]
         cmd += ["--l1-size-gb", str(pool_gb), "--busy-poll-us", str(busy_poll_us), "--log-level", "INFO"]
         cmd += ["--ipc", ipc_path] if ipc_path else []
         self.proc = subprocess.Popen(cmd, env=child_env(), stderr=subprocess.PIPE, text=True)

@@ -2,7 +2,8 @@
 one engine, same run.
 
 Needs the vllm extra. Writes a random-weight Llama (no download) of the given size to a temp dir and starts one
-vLLM engine with KvferryConnector embedded and vLLM's own prefix cache off (in a process of its own). For each of
+vLLM engine with KvferryConnector and vLLM's own prefix cache off (in a process of its own); the cache is embedded
+in vLLM's process, or with --server in a `kvferry server` it reaches over the server's Unix socket. For each of
 --prompts distinct random prompts: a first request (kvferry misses, computes the whole prompt and stores its full
 chunks), then the same prompt again (kvferry loads every full chunk; vLLM computes only the tail). TTFT is the
 wall time of a `generate` with `max_tokens=1` (prefill plus one sampled token). Reported: medians over the
@@ -24,6 +25,7 @@ from typing import Any
 
 from kvferry.bench.harness import BenchError, Outcome, Steps, add_json_argument, description_of, positive, require_vllm
 from kvferry.bench.report import new_table
+from kvferry.bench.server_bench import ServerProcess
 from kvferry.bench.vllm_child import connector_config, run_child, write_llama
 
 VOCAB = 32000
@@ -50,6 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["float32", "bfloat16"],
         default="float32",
         help="float32 by default: CPUs without AVX-512 BF16 run bf16 matmuls slowly",
+    )
+    parser.add_argument(
+        "--server",
+        action="store_true",
+        help="the cache in a kvferry server process (the connector's server mode, over the server's Unix socket) "
+        "instead of in vLLM's",
     )
     parser.add_argument(
         "--foreground-loads",
@@ -84,7 +92,15 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
         payload = {"model_dir": str(workdir / "model"), "model": model}
         names = ("dtype", "prompt_tokens", "prompts", "chunk_size", "foreground_loads")
         payload |= {name: getattr(args, name) for name in names}
-        measured = run_child("kvferry.bench.vllm_ttft_bench:measure", payload, _env(), steps)
+        server = None
+        if args.server:
+            server = ServerProcess(pool_gb=2, ipc_path=str(workdir / "kvferry.sock"), chunk_size=args.chunk_size)
+            payload["server_url"] = server.endpoint
+        try:
+            measured = run_child("kvferry.bench.vllm_ttft_bench:measure", payload, _env(), steps)
+        finally:
+            if server is not None:
+                server.stop()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     model |= {"head_dim": 64, "parameters": measured["parameters"]}
@@ -101,6 +117,7 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
     }
     config = {"model": model, "dtype": args.dtype, "prompt_tokens": args.prompt_tokens, "prompts": args.prompts}
     config |= {"chunk_size": args.chunk_size, "loads": "foreground" if args.foreground_loads else "background"}
+    config["cache"] = "server" if args.server else "embedded"
     return Outcome(config, results, _show(args, model, results))
 
 
@@ -108,7 +125,7 @@ def _show(args: argparse.Namespace, model: dict[str, Any], results: dict[str, An
     rows = results["rows"]
     table = new_table(
         f"vLLM CPU TTFT, {args.prompt_tokens}-token prompt, {model['parameters'] / 1e6:.0f}M-param random Llama "
-        f"({args.layers} layers, {args.dtype}), kvferry embedded, "
+        f"({args.layers} layers, {args.dtype}), kvferry {'server' if args.server else 'embedded'}, "
         f"{'foreground' if args.foreground_loads else 'background'} loads",
         ("prompt", "miss TTFT s", "hit TTFT s", "cached tokens (miss / hit)", "speed-up"),
     )
@@ -125,7 +142,8 @@ def _show(args: argparse.Namespace, model: dict[str, Any], results: dict[str, An
     stats, loads = results["kvferry"], len(rows)
     line = (
         f"kvferry: {stats['retrieved_bytes'] / loads / 2**20:.1f} MiB loaded per hit in "
-        f"{stats['retrieve_seconds'] / loads * 1e3:.1f} ms; "
+        f"{stats['retrieve_seconds'] / loads * 1e3:.1f} ms ({stats['worker_load_seconds'] * 1e3:.1f} ms as vLLM's "
+        "worker saw it); "
         f"{stats['stored_bytes'] / loads / 2**20:.1f} MiB stored per miss in "
         f"{stats['store_seconds'] / loads * 1e3:.1f} ms (in the background)"
     )
@@ -159,10 +177,15 @@ def measure(payload: dict[str, Any], step: Callable[[str], None]) -> dict[str, A
     step("model written")
 
     import vllm
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     from kvferry.integrations.vllm import backends
 
     prompt_tokens = payload["prompt_tokens"]
+    url = payload.get("server_url")
+    cache: dict[str, Any] = {"config": {"cache": {"chunk_size": payload["chunk_size"], "l1_size_gb": 2}}}
+    if url:
+        cache = {"mode": "server", "server_url": url}
     started = time.perf_counter()
     llm = vllm.LLM(
         model=payload["model_dir"],
@@ -172,10 +195,7 @@ def measure(payload: dict[str, Any], step: Callable[[str], None]) -> dict[str, A
         enforce_eager=True,
         max_model_len=prompt_tokens + 16,
         max_num_batched_tokens=prompt_tokens + 16,  # the whole prompt in one prefill step
-        kv_transfer_config=connector_config(
-            async_load=not payload["foreground_loads"],
-            config={"cache": {"chunk_size": payload["chunk_size"], "l1_size_gb": 2}},
-        ),
+        kv_transfer_config=connector_config(async_load=not payload["foreground_loads"], **cache),
     )
     engine_start_s = time.perf_counter() - started
     step("vLLM engine started")
@@ -194,10 +214,15 @@ def measure(payload: dict[str, Any], step: Callable[[str], None]) -> dict[str, A
             {"prompt": i, "miss_s": miss_s, "hit_s": hit_s, "miss_cached": miss_cached, "hit_cached": hit_cached}
         )
     backend = backends.find(str(llm.llm_engine.vllm_config.kv_transfer_config.engine_id))
-    if not isinstance(backend, backends.EmbeddedBackend):
+    if isinstance(backend, backends.EmbeddedBackend):
+        stats = backend.engine.stats()
+    elif isinstance(backend, backends.ServerBackend):
+        stats = backend.link.call(lambda client, _: client.stats())["cache"]  # the server's copies
+    else:
         raise RuntimeError("the connector did not register the KV cache")
-    stats = backend.engine.stats()
     kvferry_stats = {k: stats[k] for k in ("stored_bytes", "store_seconds", "retrieved_bytes", "retrieve_seconds")}
+    worker = get_kv_transfer_group()._worker.counters  # the loads as vLLM's worker saw them, call to result
+    kvferry_stats["worker_load_seconds"] = worker.load_seconds / max(1, worker.loads)
     llm.llm_engine.engine_core.shutdown()
     return {
         "parameters": parameters,
