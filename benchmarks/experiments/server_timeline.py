@@ -59,21 +59,31 @@ def around(owner: Any, attr: str, before: str | None, after: str | None) -> None
 
 
 def install_engine_probes() -> None:
-    from kvferry.cache import reader, writer
-    from kvferry.transfer import handle
+    from kvferry.cache import engine, reader, writer
+    from kvferry.memory import host_pool
+    from kvferry.transfer import api, gpu_engine, handle
 
+    around(engine.CacheEngine, "_geometry", "geometry_in", "geometry_out")
+    around(engine, "check_block_ids", "block_ids_in", "block_ids_out")
+    around(host_pool.HostPool, "try_reserve_many", "reserve_in", "reserve_out")
     around(writer, "transfer_pool_at_async", "enqueue_in", "enqueued")
     around(writer, "copy_chunks", "enqueue_in", "enqueued")
     around(reader, "copy_chunks", "enqueue_in", "enqueued")
+    around(api, "check_pool_addresses", "addresses_in", "addresses_out")
+    around(gpu_engine.TransferEngine, "submit", "submit_in", "submit_out")
     around(handle.TransferHandle, "wait", "wait_in", "wait_out")
 
 
 def serve(out: str, argv: list[str]) -> int:
     """The server, probed; its events go to `out` when it exits."""
-    from kvferry.server import runner, server, transfers
+    from kvferry.server import runner, server, sessions, transfers
     from kvferry.server.app import run_from_command_line
 
     install_engine_probes()
+    around(server, "decode_request", "decode_in", "decode_out")
+    around(runner, "parse_args", "parse_in", "parse_out")
+    around(sessions.SessionTable, "settle", "settle_in", "settle_out")
+    around(sessions.SessionTable, "use_registration", "registration_in", "registration_out")
     around(server.KvferryServer, "_accept", "accept", None)
     around(runner.RequestRunner, "_run_on_worker", "worker", None)  # a transfer run on a worker from its start
     around(runner.RequestRunner, "_finish_transfer", "worker", None)  # or finished there after the socket thread
@@ -85,8 +95,12 @@ def serve(out: str, argv: list[str]) -> int:
     return run_from_command_line(argv)
 
 
-STAGES = ["sent", "accept", "handler_in", "enqueue_in", "enqueued", "answered", "worker", "wait_in", "wait_out",
-          "handler_out", "pushed", "forwarded", "reply_read", "flag_wait", "flag_seen", "return"]  # fmt: skip
+STAGES = ["pack_in", "pack_out", "ready_in", "ready_out", "encode_in", "encode_out", "sent", "accept", "decode_in",
+          "decode_out", "parse_in", "parse_out", "handler_in", "settle_in", "settle_out", "registration_in",
+          "registration_out", "geometry_in", "geometry_out", "block_ids_in", "block_ids_out", "reserve_in",
+          "reserve_out", "enqueue_in", "addresses_in", "addresses_out", "submit_in", "submit_out", "enqueued",
+          "answered", "worker", "wait_in", "wait_out", "handler_out", "pushed", "forwarded", "reply_read",
+          "flag_wait", "flag_seen", "return"]  # fmt: skip
 
 
 def timeline(calls: list[tuple[int, int]], events: list[tuple[str, int]]) -> dict[str, float]:
@@ -149,6 +163,12 @@ def main() -> None:
     threading.Thread(target=proc.stderr.read, daemon=True).start()
 
     install_engine_probes()
+    from kvferry.client import client as client_module
+    from kvferry.client.ready_events import ReadyEvents
+
+    around(client_module, "pack_ids", "pack_in", "pack_out")
+    around(ReadyEvents, "record", "ready_in", "ready_out")
+    around(connection, "encode_request", "encode_in", "encode_out")
     around(Link, "send", None, "sent")
     around(DoneFlags, "wait", "flag_wait", "flag_seen")
     take = connection.Connection._take_replies
