@@ -10,7 +10,12 @@ without a plain memcpy of the same bytes between requests (as `kvferry bench ser
     PYTHONPATH=src python3 benchmarks/experiments/server_timeline.py [--model llama3-8b] [--reps 60] [--busy-poll-us N]
         [--ipc]
 
-Answer (2026-12-01, H200 host, d79bcfb): a one-chunk llama3-8b RETRIEVE was read by the server 128 us after the
+Answer (2026-12-01, H200 host, 1c3a8fd with probes on every stage up to the enqueue): a one-chunk llama3-8b STORE
+over the Unix socket left the client 68 us after the call, was read 104 us later (the socket thread's wake-up), was
+decoded and checked by 238, ordered after the client's work by 344 (88 us, ~70 of them entering `torch.cuda.stream`;
+57 with `set_stream`), and its copy enqueued from 429 to 638 (the engine's `submit`, 186 us in process too).
+
+Before (2026-12-01, H200 host, d79bcfb): a one-chunk llama3-8b RETRIEVE was read by the server 128 us after the
 client sent it, reached a worker 95 us later, and its answer left the copy's end 350 us behind (worker -> socket
 thread -> client): each hand-over between threads costs ~90-130 us of wake-up there. Since 7d79137 a GPU transfer
 naming a done flag runs up to its enqueue on the socket thread and is answered there (0.52 against 0.38 of the
@@ -76,10 +81,12 @@ def install_engine_probes() -> None:
 
 def serve(out: str, argv: list[str]) -> int:
     """The server, probed; its events go to `out` when it exits."""
-    from kvferry.server import runner, server, sessions, transfers
+    from kvferry.server import runner, server, sessions, transfers, unix_clients
     from kvferry.server.app import run_from_command_line
 
     install_engine_probes()
+    around(unix_clients.UnixClients, "_read", "read_in", None)
+    around(unix_clients, "take_frames", None, "framed")
     around(server, "decode_request", "decode_in", "decode_out")
     around(runner, "parse_args", "parse_in", "parse_out")
     around(sessions.SessionTable, "settle", "settle_in", "settle_out")
@@ -95,12 +102,12 @@ def serve(out: str, argv: list[str]) -> int:
     return run_from_command_line(argv)
 
 
-STAGES = ["pack_in", "pack_out", "ready_in", "ready_out", "encode_in", "encode_out", "sent", "accept", "decode_in",
-          "decode_out", "parse_in", "parse_out", "handler_in", "settle_in", "settle_out", "registration_in",
-          "registration_out", "geometry_in", "geometry_out", "block_ids_in", "block_ids_out", "reserve_in",
-          "reserve_out", "enqueue_in", "addresses_in", "addresses_out", "submit_in", "submit_out", "enqueued",
-          "answered", "worker", "wait_in", "wait_out", "handler_out", "pushed", "forwarded", "reply_read",
-          "flag_wait", "flag_seen", "return"]  # fmt: skip
+STAGES = ["pack_in", "pack_out", "ready_in", "ready_out", "encode_in", "encode_out", "sent", "read_in", "framed",
+          "accept", "decode_in", "decode_out", "parse_in", "parse_out", "handler_in", "settle_in", "settle_out",
+          "registration_in", "registration_out", "geometry_in", "geometry_out", "block_ids_in", "block_ids_out",
+          "reserve_in", "reserve_out", "enqueue_in", "addresses_in", "addresses_out", "submit_in", "submit_out",
+          "enqueued", "answered", "worker", "wait_in", "wait_out", "handler_out", "pushed", "forwarded",
+          "reply_read", "flag_wait", "flag_seen", "return"]  # fmt: skip
 
 
 def timeline(calls: list[tuple[int, int]], events: list[tuple[str, int]]) -> dict[str, float]:
