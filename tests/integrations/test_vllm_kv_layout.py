@@ -133,3 +133,15 @@ def test_a_rank_of_a_tensor_parallel_engine_keys_as_the_whole_model() -> None:
 def test_a_head_split_vllm_would_not_make_is_refused(local: int, model: int, tp: tuple[int, int], message: str) -> None:
     with pytest.raises(UnsupportedKVLayout, match=message):
         recognise(cpu_kv(nh=local), isa="vec", kv_cache_dtype="auto", tp=tp, model_kv_heads=model)
+
+
+def test_an_engine_without_tensor_parallelism_holds_every_head() -> None:
+    from types import SimpleNamespace
+
+    from kvferry.integrations.vllm.kv_layout import tensor_parallel_rank
+
+    config = SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        model_config=SimpleNamespace(use_mla=False, get_total_num_kv_heads=lambda: 8),
+    )
+    assert tensor_parallel_rank(config) == ((0, 1), None)

@@ -31,7 +31,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvferry.cache import CacheEngine
 from kvferry.integrations.vllm import backends
 from kvferry.integrations.vllm.backends import EmbeddedBackend, KeySpace, ServerBackend
-from kvferry.integrations.vllm.kv_layout import EngineKV, UnsupportedKVLayout, recognise
+from kvferry.integrations.vllm.kv_layout import EngineKV, UnsupportedKVLayout, recognise, tensor_parallel_rank
 from kvferry.integrations.vllm.logs import show_in_vllm_log
 from kvferry.integrations.vllm.plan import StepPlan
 from kvferry.integrations.vllm.scheduler_side import SchedulerSide
@@ -302,13 +302,9 @@ class KvferryConnector(KVConnectorBase_V1):
 
     def _recognise(self, kv_caches: dict[str, torch.Tensor]) -> EngineKV:
         isa = self._isa(kv_caches)
-        kv = recognise(
-            kv_caches,
-            isa=isa,
-            kv_cache_dtype=str(self._vllm_config.cache_config.cache_dtype),
-            tp=(_tp_rank(self._tp_size), self._tp_size),
-            model_kv_heads=self._vllm_config.model_config.get_total_num_kv_heads(),
-        )
+        tp, model_kv_heads = tensor_parallel_rank(self._vllm_config)
+        kv_cache_dtype = str(self._vllm_config.cache_config.cache_dtype)
+        kv = recognise(kv_caches, isa=isa, kv_cache_dtype=kv_cache_dtype, tp=tp, model_kv_heads=model_kv_heads)
         if kv.block_size != self._block_size:
             raise UnsupportedKVLayout(
                 f"the KV tensors hold {kv.block_size}-token blocks but the scheduler uses {self._block_size}"
@@ -388,12 +384,3 @@ def _served_model_name(vllm_config: VllmConfig) -> str:
     if isinstance(name, list | tuple):
         name = name[0] if name else None
     return str(name or vllm_config.model_config.model)
-
-
-def _tp_rank(size: int) -> int:
-    """This worker's rank in its tensor-parallel group (0 without one)."""
-    if size == 1:
-        return 0
-    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-    return get_tensor_model_parallel_rank()

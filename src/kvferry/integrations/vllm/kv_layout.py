@@ -22,6 +22,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -107,6 +108,19 @@ def recognise(
         raise UnsupportedKVLayout(f"vLLM's {isa!r} KV cache does not fit {fmt.name}: {exc}") from None
     kv_dtype = kv_cache_dtype if quantised else str(first.dtype).removeprefix("torch.")
     return EngineKV(fmt, layers, names, int(first.shape[2]), kv_dtype, heads)
+
+
+def tensor_parallel_rank(vllm_config: Any) -> tuple[tuple[int, int], int | None]:
+    """(this worker's (rank, size) in its tensor-parallel group, the model's KV heads when a rank may hold a slice
+    of them: None without tensor parallelism, or with MLA's one latent head, which every rank keeps whole)."""
+    size = vllm_config.parallel_config.tensor_parallel_size
+    model = vllm_config.model_config
+    if size == 1:
+        return (0, 1), None
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    heads = None if getattr(model, "use_mla", False) else model.get_total_num_kv_heads()
+    return (get_tensor_model_parallel_rank(), size), heads
 
 
 def rank_heads(local: int, model: int | None, rank: int, size: int) -> tuple[int, int] | None:
