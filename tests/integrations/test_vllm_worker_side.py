@@ -154,15 +154,16 @@ def test_close_waits_for_background_loads() -> None:
 
 def test_the_gil_changes_hands_quickly_only_while_loads_or_stores_run() -> None:
     default = sys.getswitchinterval()
-    backend = ScriptedBackend()
+    backend, other = ScriptedBackend(), ScriptedBackend()
     backend.hold_loads = True
     worker = WorkerSide(backend, block_size=BS)
+    another_engine = WorkerSide(other, block_size=BS)  # the interval is the process's: one holder for both
     worker.start_loads(StepPlan(loads=[LoadSpec("a", tokens(256), IDS, skip_tokens=0, in_background=True)]))
-    worker.start_stores(StepPlan(stores=[StoreSpec("b", tokens(256), IDS, skip_tokens=0)]))
+    another_engine.start_stores(StepPlan(stores=[StoreSpec("b", tokens(256), IDS, skip_tokens=0)]))
     assert sys.getswitchinterval() == pytest.approx(HANDOFF_S)
     backend.answer(backend.retrieves[0][3], 256)
-    assert sys.getswitchinterval() == pytest.approx(HANDOFF_S)  # the store still runs
-    backend.stores[0][3].set_exception(RuntimeError("the server went away"))
+    assert sys.getswitchinterval() == pytest.approx(HANDOFF_S)  # the other engine's store still runs
+    other.stores[0][3].set_exception(RuntimeError("the server went away"))
     assert sys.getswitchinterval() == default
     backend.hold_loads = False
     worker.start_loads(StepPlan(loads=[LoadSpec("c", tokens(256), IDS, skip_tokens=0)]))  # done at once

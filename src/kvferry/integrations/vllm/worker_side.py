@@ -53,7 +53,8 @@ HANDOFF_S = 1e-4  # the GIL switch interval while kvferry's work runs in the bac
 
 class GilHandoff:
     """Holds Python's switch interval at ``HANDOFF_S`` or less while a watched future runs, and gives back the one
-    it found once none does (vLLM's own threads then run as they did)."""
+    it found once none does (vLLM's own threads then run as they did). One per process (`_HANDOFF`): the
+    interval is the process's, and two holders would restore each other's."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -76,6 +77,9 @@ class GilHandoff:
                 sys.setswitchinterval(self._saved)
 
 
+_HANDOFF = GilHandoff()
+
+
 class WorkerSide:
     def __init__(
         self,
@@ -95,7 +99,6 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._loads_done: set[str] = set()
         self._loads_failed: set[str] = set()
-        self._handoff = GilHandoff()
         self.counters = WorkerCounters()
 
     def start_loads(self, plan: StepPlan) -> None:
@@ -166,7 +169,7 @@ class WorkerSide:
 
     def _retrieve(self, spec: LoadSpec) -> Future[int]:
         try:
-            return self._handoff.watch(self._backend.retrieve_async(spec.tokens, spec.block_ids, spec.skip_tokens))
+            return _HANDOFF.watch(self._backend.retrieve_async(spec.tokens, spec.block_ids, spec.skip_tokens))
         except Exception as exc:
             failed: Future[int] = Future()
             failed.set_exception(exc)
@@ -198,7 +201,7 @@ class WorkerSide:
 
     def _store(self, spec: StoreSpec) -> Future[int]:
         try:
-            return self._handoff.watch(self._backend.store_async(spec.tokens, spec.block_ids, spec.skip_tokens))
+            return _HANDOFF.watch(self._backend.store_async(spec.tokens, spec.block_ids, spec.skip_tokens))
         except Exception as exc:  # a store is best effort: a failed one is a later cache miss
             failed: Future[int] = Future()
             failed.set_exception(exc)
