@@ -116,8 +116,11 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
         "rows": rows,
     }
     config = {"model": model, "dtype": args.dtype, "prompt_tokens": args.prompt_tokens, "prompts": args.prompts}
-    config |= {"chunk_size": args.chunk_size, "loads": "foreground" if args.foreground_loads else "background"}
-    config["cache"] = "server" if args.server else "embedded"
+    config |= {
+        "chunk_size": args.chunk_size,
+        "loads": "foreground" if args.foreground_loads else "background",
+        "cache": "server" if args.server else "embedded",
+    }
     return Outcome(config, results, _show(args, model, results))
 
 

@@ -72,8 +72,7 @@ class _Request:
     looked_up_at: float | None = None
     pending_load: list[int] | None = None  # an accepted hit's block ids (background load), until planned
     accepted: bool = False  # vLLM took the hit; its load is planned with the request's first schedule
-    loading: bool = False  # a load was planned and not every rank's worker has reported it done
-    load_reports: int = 0  # ranks that reported the planned load
+    reports_due: int = 0  # ranks yet to report the planned load (0: no load in flight)
     load_failed: bool = False
     uncacheable: bool = False
     finished: bool = False
@@ -210,12 +209,11 @@ class SchedulerSide:
                 req.stored_upto = 0  # what it could not load may be missing from the cache: store it again
         for req_id in req_ids:
             req = self._requests.get(req_id)
-            if req is None or not req.loading:
+            if req is None or not req.reports_due:
                 continue
-            req.load_reports += 1
-            if req.load_reports < self._ranks:
+            req.reports_due -= 1
+            if req.reports_due:
                 continue
-            req.loading = False
             self._release(req)
             if req.finished:
                 del self._requests[req_id]
@@ -227,7 +225,7 @@ class SchedulerSide:
         if req is None:
             return False
         self._release(req)
-        if req.loading:  # vLLM keeps its blocks until the worker reports the load; forget it then
+        if req.reports_due:  # vLLM keeps its blocks until the worker reports the load; forget it then
             req.finished = True
             return False
         del self._requests[req_id]
@@ -265,7 +263,7 @@ class SchedulerSide:
             raise RuntimeError(f"request {req_id!r} holds {len(block_ids)} blocks, {req.hit} tokens need {needed}")
         plan.loads.append(LoadSpec(req_id, req.prompt[: req.hit], block_ids[:needed], req.skip, in_background))
         req.accepted = False
-        req.loading, req.load_reports = True, 0
+        req.reports_due = self._ranks
 
     def _plan_request(
         self, plan: StepPlan, req_id: str, req: _Request, num_computed: int, num_scheduled: Mapping[str, int]
