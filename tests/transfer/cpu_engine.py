@@ -24,9 +24,8 @@ from kvferry.transfer import gpu_engine
 from tests.conftest import poisoned
 
 STREAMS = (1, 2)  # a lane's slot streams, as the fake driver sees them (the caller's stream is 0)
-# Events as the fake driver sees them: a lane's start, metadata-ready, per-slot joined and metadata-slot events, and
-# done-events.
-START, META_READY, JOINED, META, DONE = 30, 40, 50, 100, 1000
+# Events as the fake driver sees them: a lane's start, metadata-ready and per-slot joined events, and done-events.
+START, META_READY, JOINED, DONE = 30, 40, 50, 1000
 _done_events = itertools.count(DONE)
 
 
@@ -128,7 +127,6 @@ def _lane(drv: CopyingDriver, world: World, slot_bytes: int, slots: int) -> gpu_
         staging_ptr=world.staging.data_ptr(), start=START, meta_ready=META_READY,
         joined=[JOINED + s for s in range(slots)], next_slot=0, meta_host=world.meta_host, meta_dev=world.meta,
         meta_host_ptr=world.meta_host.data_ptr(), meta_dev_ptr=world.meta.data_ptr(),
-        meta_uploaded=[META + k for k in range(world.meta.shape[0])],
         next_meta=0, lock=threading.Lock(), inflight=deque(), meta_owner=[None] * world.meta.shape[0],
     )  # fmt: skip
     lane.meta_host_flat = lane.meta_host.numpy().reshape(-1)
@@ -139,7 +137,7 @@ def _lane(drv: CopyingDriver, world: World, slot_bytes: int, slots: int) -> gpu_
 
 def completion_init(self: Any, drv: Any, context: int, lane: Any = None) -> None:
     self._driver, self.context, self._pool, self.event = drv, context, [], next(_done_events)
-    self.lane, self.meta = lane, -1
+    self.lane, self.meta, self.fired = lane, -1, False
 
 
 def engine_on(world: World, driver: CopyingDriver, config: gpu_engine.EngineConfig) -> gpu_engine.TransferEngine:

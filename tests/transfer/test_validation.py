@@ -143,8 +143,8 @@ def test_pool_object_check_agrees_with_the_full_check() -> None:
 
 
 def test_pool_address_check_refuses_what_the_object_check_refuses() -> None:
-    """Objects by address (just reserved in the pool): a short list of ids stays a private list (as for objects),
-    anything else is the checked array; the ids are refused for what `check_pool_objects` refuses them for, and a
+    """Objects by address (just reserved in the pool): a short list or CPU tensor of ids becomes a private list (as
+    for objects), anything else is the checked array; the ids are refused for what `check_pool_objects` refuses them for, and a
     list holding something other than ints is refused as the array path refuses it."""
     paged = make_paged(F, DIMS, 16, 4)
     geom = describe(F, paged)
@@ -156,10 +156,14 @@ def test_pool_address_check_refuses_what_the_object_check_refuses() -> None:
             by_address = check_pool_addresses(geom, addresses, ids, direction, 8, skip)
             by_object = check_pool_objects(geom, objs, ids, direction, 8, skip)
             assert list(by_address.ids) == list(by_object.ids) == [3, 1, 7, 2]
-            kind = list if type(ids) is list else np.ndarray
+            kind = list if type(ids) in (list, torch.Tensor) else np.ndarray
             assert type(by_address.ids) is kind and type(by_object.ids) is kind
             a, o = by_address, by_object
             assert (a.ptrs, a.caps, a.rows, a.one_allocation) == (o.ptrs, o.caps, o.rows, o.one_allocation)
+            if isinstance(ids, torch.Tensor):  # what was checked is what moves: a later write to the ids is not seen
+                ids[0] = 99
+                assert a.ids[0] == o.ids[0] == 3
+                ids[0] = 3
     for ids, direction, skip, error, match in [
         ([0, 1, 2, 16], Direction.D2H, 0, ValueError, r"block_ids\[3\]=16 is outside the pool of 16 blocks"),
         ([0, -1, 2, 3], Direction.D2H, 0, ValueError, r"block_ids\[1\]=-1 is outside"),

@@ -114,10 +114,10 @@ def transfer_async(
         raise ValueError(f"transfer_async moves GPU KV; the engine's KV is on {geom.device} (use transfer())")
     objs = as_objects(objects)
     direction = _direction(direction)
-    checked = check(geom, objs, block_ids, direction, chunk_size, skip_prefix_blocks)
+    checked = check(geom, objs, block_ids, direction, chunk_size, skip_prefix_blocks, keep_list=True)
     if not checked.on_host:
         raise ValueError("transfer_async needs chunk objects in pinned host memory")
-    _backend("triton", geom, objs, checked)
+    check_pinned(objs, checked)
     return _submit(geom, objs, checked, direction is Direction.D2H, chunk_size, skip_prefix_blocks, engine, mode)
 
 

@@ -70,10 +70,11 @@ class _Lane:
         self.meta_host_bytes = memoryview(self.meta_host_flat).cast("B")
         self.meta_dev = torch.empty((self.META_SLOTS, self.META_INTS), dtype=torch.int64, device=device)
         self.meta_host_ptr, self.meta_dev_ptr = self.meta_host.data_ptr(), self.meta_dev.data_ptr()
-        self.meta_uploaded = [drv.event() for _ in range(self.META_SLOTS)]  # the slot's request's kernels have run
         self.next_meta = 0
-        # The request that used each metadata slot last, until it is seen finished (then None): a slot whose owner
-        # is None needs no event query, a driver call (~5 us on a slow host) on the path to the first GPU operation.
+        # The request that used each metadata slot last, until it is seen finished (then None): the slot is free
+        # once its done-event has fired (recorded after every kernel and DMA of it), and a slot whose owner is None
+        # or seen fired needs no event query, a driver call (~5 us on a slow host) on the path to the first GPU
+        # operation. (Holding the owner keeps its pooled event from being recorded for another request meanwhile.)
         self.meta_owner: list[Completion | None] = [None] * self.META_SLOTS
         self.lock = threading.Lock()
         self.inflight: deque[tuple[Completion, object]] = deque()  # what a request's GPU work still reads
@@ -89,13 +90,13 @@ class _Lane:
         Otherwise the kernels read the pinned slot itself: a zero-copy request's kernel reads host memory anyway,
         and this takes a driver call and a small DMA off the path to its launch. A host slot whose last request
         has not run yet (requests queued behind a busy compute stream) is skipped for a one-off pinned buffer rather
-        than waited for. (The slot's event is recorded by `submit` after the request's kernels: later than needed
-        for an upload, exactly when needed for kernels that read the slot.) Lists are packed with `struct`: a short
-        request's ids touch no numpy on the way to its first GPU operation.
+        than waited for. (The slot is free once its owner's done-event fired: later than needed for an upload,
+        exactly when needed for kernels that read the slot.) Lists are packed with `struct`: a short request's ids
+        touch no numpy on the way to its first GPU operation.
         """
-        d = self._driver
         k = self.next_meta
-        if n <= self.META_INTS and (self.meta_owner[k] is None or d.query(self.meta_uploaded[k])):
+        owner = self.meta_owner[k]
+        if n <= self.META_INTS and (owner is None or owner.fired or self._driver.query(owner.event)):
             self.next_meta = (k + 1) % self.META_SLOTS
             self.meta_owner[k] = done
             done.meta = k
@@ -114,7 +115,7 @@ class _Lane:
             if not to_device:
                 return self.meta_host_ptr + offset, None
             dev = self.meta_dev_ptr + offset
-            d.htod(dev, self.meta_host_ptr + offset, n * 8, stream)
+            self._driver.htod(dev, self.meta_host_ptr + offset, n * 8, stream)
             return dev, None
         flat = [np.frombuffer(p, dtype=np.int64) if type(p) is bytes else np.asarray(p, dtype=np.int64) for p in parts]
         host = torch.from_numpy(np.concatenate(flat)).pin_memory()
@@ -123,13 +124,15 @@ class _Lane:
         buf = torch.empty(n, dtype=torch.int64, device=self.staging.device)
         for s in self.streams:  # allocated on the caller's stream, read on the lane's
             buf.record_stream(s)
-        d.htod(buf.data_ptr(), host.data_ptr(), n * 8, stream)
+        self._driver.htod(buf.data_ptr(), host.data_ptr(), n * 8, stream)
         return buf.data_ptr(), (host, buf)
 
     def retire(self) -> None:
-        """Drop the keepalives of finished requests (oldest first). Call with the lock held."""
-        while self.inflight and self._driver.query(self.inflight[0][0].event):
-            self._release(self.inflight.popleft()[0])
+        """Drop the keepalives of finished requests (oldest first; one seen fired takes no query). Call with the
+        lock held."""
+        inflight, query = self.inflight, self._driver.query
+        while inflight and (inflight[0][0].fired or query(inflight[0][0].event)):
+            self._release(inflight.popleft()[0])
 
     def finished(self, done: Completion) -> None:
         """`done` has fired: the metadata slot it used is idle."""
@@ -145,7 +148,7 @@ class _Lane:
             if self.inflight:  # requests may still read staging or metadata: drain before the memory goes back
                 for stream in self.streams:
                     stream.synchronize()
-            for e in (self.start, self.meta_ready, *self.joined, *self.meta_uploaded):
+            for e in (self.start, self.meta_ready, *self.joined):
                 self._driver.destroy(e)
         except Exception:  # a CudaError, __init__ failed half way, or interpreter exit (module globals gone)
             pass
@@ -241,9 +244,7 @@ class TransferEngine:
             elif nbytes:
                 keep, end = self._staged(lane, plan, objects, ptrs, caps, ids, rows, one_allocation, to_objects,
                                          chunk_size, skip_prefix_blocks, done)  # fmt: skip
-            d.record(done.event, end)
-            if done.meta >= 0:  # its metadata slot is reusable once the request's kernels have run
-                d.record(lane.meta_uploaded[done.meta], end)
+            d.record(done.event, end)  # also frees its metadata slot (`_Lane.upload`)
             lane.retire()
             lane.inflight.append((done, (objects, keep)))
         return TransferHandle(done, nbytes, mode)

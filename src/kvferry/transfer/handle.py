@@ -28,7 +28,7 @@ class Completion:
     engine's staging memory until the garbage collector ran.
     """
 
-    __slots__ = ("_driver", "_pool", "context", "event", "lane", "meta")
+    __slots__ = ("_driver", "_pool", "context", "event", "fired", "lane", "meta")
 
     def __init__(self, drv: Driver, context: int, lane: weakref.ref[_Lane] | None = None) -> None:
         self._driver = drv
@@ -37,12 +37,14 @@ class Completion:
         self.event = self._pool.pop() if self._pool else drv.event()
         self.lane = lane
         self.meta = -1  # its metadata slot (-1: none)
+        self.fired = False  # seen fired: the lane retires it and reuses its metadata slot without a driver query
 
     def query(self) -> bool:
         d = self._driver
         with d.current(self.context):
             fired = d.query(self.event)
         if fired:
+            self.fired = True
             self._tell_lane()
         return fired
 
@@ -50,6 +52,7 @@ class Completion:
         d = self._driver
         with d.current(self.context):
             d.synchronize(self.event)  # ctypes lets go of the GIL while it blocks
+        self.fired = True
         self._tell_lane()
 
     def _tell_lane(self) -> None:

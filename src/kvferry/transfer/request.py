@@ -79,11 +79,13 @@ def check(
     direction: Direction,
     chunk_size: int,
     skip_prefix_blocks: int,
+    keep_list: bool = False,
 ) -> Checked:
     """`check_request`, keeping what the GPU path needs of every object (one pass of attribute reads).
 
     A one-chunk request's whole check is on the path to its first GPU operation: the per-object test is one
-    expression, and only a failing object is looked at again (`_explain`) to say what is wrong with it."""
+    expression, and only a failing object is looked at again (`_explain`) to say what is wrong with it.
+    `keep_list`: a short list or CPU tensor of ids comes back as a private list (the GPU path packs either)."""
     bs = geom.bs
     if not isinstance(chunk_size, int) or chunk_size <= 0 or chunk_size % bs:
         raise ValueError(f"chunk_size={chunk_size} must be a positive multiple of the block size {bs}")
@@ -99,7 +101,7 @@ def check(
         top = max(ptrs)
         end = top + objects[ptrs.index(top)].nbytes
     in_pinned_slab = on_host and is_known_pinned(first, end)  # one range lookup for all of them
-    ids = _checked_ids(geom, block_ids, n_blocks, len(caps), direction, skip_prefix_blocks)
+    ids = _checked_ids(geom, block_ids, n_blocks, len(caps), direction, skip_prefix_blocks, keep_list)
     return Checked(ids, ptrs, caps, want[0] * want[1], on_host, isinstance(objects, torch.Tensor), in_pinned_slab)
 
 
@@ -114,7 +116,7 @@ def check_pool_objects(
     """`check` for whole chunk objects the caller carved from one pinned `HostPool` (the cache's own). The pool's
     views are contiguous and lie in its pinned slab by construction, so only what could still be wrong is checked:
     each object's shape and dtype (an object promoted from a tier was shaped by the tier's header) and the block
-    ids (a short list of them kept a list). A one-chunk retrieve's check is on the path to its first GPU operation:
+    ids (short ones kept as a private list). A one-chunk retrieve's check is on the path to its first GPU operation:
     this is about half of `check`."""
     bs = geom.bs
     if not isinstance(chunk_size, int) or chunk_size <= 0 or chunk_size % bs:
@@ -162,12 +164,12 @@ def _checked_ids(
     skip_prefix_blocks: int,
     keep_list: bool = False,
 ) -> np.ndarray | list[int]:
-    """The block ids as a private int64 array (``keep_list``: a short list of ints as a private list), checked:
-    one per block the objects hold, in the pool's range, and no block written twice by a retrieve."""
-    short = (
-        keep_list and type(block_ids) is list and len(block_ids) < _SMALL_IDS and all(type(i) is int for i in block_ids)
-    )
-    ids = list(block_ids) if short else _as_id_array(block_ids)
+    """The block ids as a private int64 array (``keep_list``: short ones as a private list of ints), checked: one
+    per block the objects hold, in the pool's range, and no block written twice by a retrieve."""
+    if keep_list and _short(block_ids):
+        ids = block_ids.tolist() if type(block_ids) is torch.Tensor else list(block_ids)
+    else:
+        ids = _as_id_array(block_ids)
     n = len(ids)
     if n != n_blocks:
         raise ValueError(
@@ -178,7 +180,7 @@ def _checked_ids(
         raise ValueError(f"skip_prefix_blocks={skip_prefix_blocks} must be within 0..{n}")
     if skip_prefix_blocks < n:
         copied = ids[skip_prefix_blocks:] if skip_prefix_blocks else ids
-        small = copied if short else (copied.tolist() if n < _SMALL_IDS else None)  # type: ignore[union-attr]
+        small = copied if type(copied) is list else (copied.tolist() if n < _SMALL_IDS else None)  # type: ignore[union-attr]
         lo, hi = (min(small), max(small)) if small is not None else (copied.min(), copied.max())  # type: ignore[union-attr]
         if lo < 0 or hi >= geom.nb:
             if small is not None:
@@ -189,6 +191,16 @@ def _checked_ids(
         if direction is Direction.H2D and n - skip_prefix_blocks > 1 and _repeats(copied, small):  # type: ignore[arg-type]
             raise ValueError("block_ids repeats a block: a retrieve would write one block from two places")
     return ids
+
+
+def _short(block_ids: Sequence[int] | torch.Tensor) -> bool:
+    """A short list of ints, or a short 1-D int64 CPU tensor: checked as a Python list (a numpy array's copy and
+    reductions were most of a one-chunk request's check)."""
+    if type(block_ids) is torch.Tensor:
+        return (
+            block_ids.dtype is torch.int64 and block_ids.is_cpu and block_ids.dim() == 1 and len(block_ids) < _SMALL_IDS
+        )
+    return type(block_ids) is list and len(block_ids) < _SMALL_IDS and all(type(i) is int for i in block_ids)
 
 
 def _check_list(
