@@ -246,6 +246,52 @@ def test_zero_copy_kernels_read_the_pinned_metadata_slot(cpu_engine, monkeypatch
     assert tables[-1] not in host_ring and ("htod", STREAMS[0], 12 * 8 + len(objs) * 2 * 8 + 16) in drv.log
 
 
+def test_a_metadata_slot_is_reused_once_its_request_finished(cpu_engine, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The ring comes round: a slot whose last request may still read it (its done-event not fired) is passed over
+    for a one-off buffer, and used again once that request has finished. A request seen finished (waited for)
+    leaves the lane's in-flight list without another event query."""
+    fmt, chunk, bs = F.NL_X_TWO_NB_BS_NH_HS, 16, 4
+    paged = _engine(fmt, torch.bfloat16, 3, False, nb=12)
+    geom = describe(fmt, paged, block_size=bs)
+    pool = HostPool(1 << 20, alignment=256, pin=False)
+    engine, world = cpu_engine(pool, 1 << 16, "zero_copy")
+    drv = engine._driver
+    tables: list[int] = []
+    queried: list[int] = []
+
+    def logged(plan, stream, obj_ptr, off_ptr, cap_ptr, ids_ptr, *args, **kwargs):  # type: ignore[no-untyped-def]
+        tables.append(ids_ptr)  # where the kernel would read its tables (the copies are not what is tested here)
+
+    def query(event: int, real=drv.query) -> bool:  # type: ignore[no-untyped-def]
+        queried.append(event)
+        return real(event)
+
+    monkeypatch.setattr(triton_copy, "launch_raw", logged)
+    monkeypatch.setattr(drv, "query", query)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)  # the one-off buffer, on a machine with no GPU
+    plan = triton_copy.build_plan(geom)
+    objs = pool.try_alloc_many(geom.object_shape(chunk), geom.dtype, 3)
+    host_ring = range(world.meta_host.data_ptr(), world.meta_host.data_ptr() + world.meta_host.nbytes)
+
+    def submit():  # type: ignore[no-untyped-def]
+        return engine.submit(plan, objs, torch.randperm(12), True, chunk, 0)
+
+    drv.requests_finish = False  # every request stays in flight
+    for _ in range(gpu_engine._Lane.META_SLOTS):
+        submit()
+    assert len(set(tables)) == gpu_engine._Lane.META_SLOTS and all(t in host_ring for t in tables)
+    submit()  # slot 0's request may still read it
+    assert tables[-1] not in host_ring
+    drv.requests_finish = True
+    submit()  # now it has run
+    assert tables[-1] == tables[0]
+    waited = submit()
+    waited.wait()
+    queried.clear()
+    submit()
+    assert tables[-1] == tables[2] and waited._completion.event not in queried
+
+
 def test_a_dropped_engine_frees_its_lanes_without_the_collector(cpu_engine) -> None:  # type: ignore[no-untyped-def]
     """Requests in flight reach their lane weakly: a lane holds them, so a strong link back would be a cycle that
     keeps a dropped engine's staging memory until the garbage collector runs."""

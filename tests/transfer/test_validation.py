@@ -144,8 +144,8 @@ def test_pool_object_check_agrees_with_the_full_check() -> None:
 
 def test_pool_address_check_refuses_what_the_object_check_refuses() -> None:
     """Objects by address (just reserved in the pool): a short list or CPU tensor of ids becomes a private list (as
-    for objects), anything else is the checked array; the ids are refused for what `check_pool_objects` refuses them for, and a
-    list holding something other than ints is refused as the array path refuses it."""
+    for objects), anything else is the checked array; the ids are refused for what `check_pool_objects` refuses them
+    for, and a list holding something other than ints is refused as the array path refuses it."""
     paged = make_paged(F, DIMS, 16, 4)
     geom = describe(F, paged)
     pool = HostPool(1 << 20)

@@ -73,8 +73,8 @@ class _Lane:
         self.next_meta = 0
         # The request that used each metadata slot last, until it is seen finished (then None): the slot is free
         # once its done-event has fired (recorded after every kernel and DMA of it), and a slot whose owner is None
-        # or seen fired needs no event query, a driver call (~5 us on a slow host) on the path to the first GPU
-        # operation. (Holding the owner keeps its pooled event from being recorded for another request meanwhile.)
+        # needs no event query, a driver call (~5 us on a slow host) on the path to the first GPU operation.
+        # (Holding the owner keeps its pooled event from being recorded for another request meanwhile.)
         self.meta_owner: list[Completion | None] = [None] * self.META_SLOTS
         self.lock = threading.Lock()
         self.inflight: deque[tuple[Completion, object]] = deque()  # what a request's GPU work still reads
@@ -96,7 +96,7 @@ class _Lane:
         """
         k = self.next_meta
         owner = self.meta_owner[k]
-        if n <= self.META_INTS and (owner is None or owner.fired or self._driver.query(owner.event)):
+        if n <= self.META_INTS and (owner is None or self._driver.query(owner.event)):
             self.next_meta = (k + 1) % self.META_SLOTS
             self.meta_owner[k] = done
             done.meta = k
