@@ -4,7 +4,9 @@ kernel and nothing else on the way (its tables written once, every per-call chec
 Answer (2026-12-01, H200 #40-#42, store / retrieve): qwen2.5-0.5b (3 MiB) the call 0.52-0.62 / 0.52-0.61, `submit`
 0.68-0.75 / 0.67-0.74, the zero-copy kernel alone on the caller's stream 0.81-0.83 / 0.75-0.78, gather + DMA by hand
 0.82-0.85 / 0.90-0.92; llama3-8b (32 MiB) 0.82-0.90 / 0.84-0.91, 0.87-0.91 / 0.85-0.89, 0.90-0.92 / 0.88-0.89,
-0.935-0.946 / 0.958-0.968. A 3 MiB store stays under 0.90 with nothing but its launch (docs/benchmark_log.md).
+0.935-0.946 / 0.958-0.968. A 3 MiB store stays under 0.90 with nothing but its launch. `--chunks 16` (#43):
+qwen2.5-0.5b the call 0.87-0.91 / 0.82, `submit` 0.94-0.95 / 0.95, gather + one batch of DMAs by hand 0.947 /
+0.947; llama3-8b 0.956 / 0.956, 0.978 / 0.986, 0.967 / 0.970 (docs/benchmark_log.md).
 
 Each row times one chunk (format 1, scattered blocks, one pool object) from the Python call to the bytes having
 moved, alternating with the same-run pinned memcpy (torch `copy_` + synchronize), medians over --reps:
@@ -17,12 +19,14 @@ moved, alternating with the same-run pinned memcpy (torch `copy_` + synchronize)
   event): four driver calls and the launch's argument packing;
 - `floor, on the caller's stream`: the launch alone on the caller's stream, then `torch.cuda.synchronize()` (the
   memcpy's own sync): the least any Python caller of this kernel can do;
-- `floor, staged on the caller's stream`: the gather into a device buffer and one DMA of it (a retrieve: the DMA,
-  then the scatter), both on the caller's stream, then the same sync: the staged path's least.
+- `floor, staged`: the gather into a device buffer and one DMA of it (a retrieve: the DMA, then the scatter), both
+  on one stream with no ordering after the caller's, then the same sync: the staged path's least.
 
-Also the CPU time of each variant's enqueue (call to return, before the wait). Run on the GPU machine:
+Also the CPU time of each variant's enqueue (call to return, before the wait). `--chunks N` moves N scattered
+objects per request instead (the engine's path then staged; by hand one launch and one batch of DMAs). Run on the
+GPU machine:
 
-    PYTHONPATH=src:/tmp/site python3 benchmarks/experiments/one_chunk_floor.py [--reps 200]
+    PYTHONPATH=src:/tmp/site python3 benchmarks/experiments/one_chunk_floor.py [--reps 200] [--chunks 1]
 """
 
 from __future__ import annotations
@@ -71,19 +75,25 @@ def variants(s: Setup, d: Direction, engine: TransferEngine) -> dict[str, Callab
     to_objects = d is Direction.D2H
     plan = _plans.triton(s.geom)
     objs = s.objects
+    n = len(objs)
     checked = check(s.geom, objs, s.ids, d, s.chunk, 0)
     drv = driver()
-    ptr = objs[0].data_ptr()
+    ptrs = [o.data_ptr() for o in objs]
+    obj_bytes = s.nbytes // n
     n_ids = len(s.ids)
-    tables = torch.tensor([*s.ids.tolist(), 0, s.chunk], dtype=torch.int64).pin_memory()  # ids, offsets, caps
-    meta = tables.data_ptr()
-    off, cap = meta + n_ids * 8, meta + (n_ids + 1) * 8
+    ids = s.ids.tolist()
+    # ids, then each object's offset in words from the first (in the pool; in the staging buffer), then capacities
+    tables = torch.tensor([*ids, *[(p - ptrs[0]) // plan.word for p in ptrs], *[s.chunk] * n]).pin_memory()
+    dev_tables = torch.tensor([*ids, *[i * obj_bytes // plan.word for i in range(n)], *[s.chunk] * n]).cuda()
+    meta, dmeta = tables.data_ptr(), dev_tables.data_ptr()
+    off, cap = meta + n_ids * 8, meta + (n_ids + n) * 8
     rows = n_ids * plan.bs
-    dev_tables = tables.cuda()
-    dmeta = dev_tables.data_ptr()
     staging = torch.empty(s.nbytes, dtype=torch.uint8, device="cuda")
+    stage = staging.data_ptr()
+    stages = [stage + i * obj_bytes for i in range(n)]
     lane_stream = torch.cuda.Stream(priority=-1).cuda_stream
     start, done = drv.event(), drv.event()
+    mode = "zero_copy" if n == 1 else "staged"
 
     def api(mode: str | None) -> Callable[[], Callable[[], None]]:
         return lambda: (
@@ -93,50 +103,60 @@ def variants(s: Setup, d: Direction, engine: TransferEngine) -> dict[str, Callab
         )
 
     def submit() -> Callable[[], None]:
-        return engine.submit(plan, objs, checked, to_objects, s.chunk, 0, "zero_copy").wait
+        return engine.submit(plan, objs, checked, to_objects, s.chunk, 0, mode).wait
 
     def ordered() -> Callable[[], None]:
         caller = torch._C._cuda_getCurrentRawStream(s.geom.device.index)
         drv.record(start, caller)
         drv.wait(lane_stream, start, 0)
-        triton_copy.launch_raw(plan, lane_stream, ptr, off, cap, meta, to_objects, s.chunk, 0, rows)
+        triton_copy.launch_raw(plan, lane_stream, ptrs[0], off, cap, meta, to_objects, s.chunk, 0, rows)
         drv.record(done, lane_stream)
         return lambda: drv.synchronize(done)
 
     def direct() -> Callable[[], None]:
         caller = torch._C._cuda_getCurrentRawStream(s.geom.device.index)
-        triton_copy.launch_raw(plan, caller, ptr, off, cap, meta, to_objects, s.chunk, 0, rows)
+        triton_copy.launch_raw(plan, caller, ptrs[0], off, cap, meta, to_objects, s.chunk, 0, rows)
         return torch.cuda.synchronize
 
-    def staged() -> Callable[[], None]:
-        caller = torch._C._cuda_getCurrentRawStream(s.geom.device.index)
-        stage = staging.data_ptr()
-        doff, dcap = dmeta + n_ids * 8, dmeta + (n_ids + 1) * 8
+    def dmas(caller: int) -> None:
+        if n == 1:
+            drv.dtoh(ptrs[0], stage, s.nbytes, caller) if to_objects else drv.htod(stage, ptrs[0], s.nbytes, caller)
+        elif not drv.has_batch:  # a driver before CUDA 12.8: one DMA per object
+            for host, dev in zip(ptrs, stages, strict=True):
+                drv.dtoh(host, dev, obj_bytes, caller) if to_objects else drv.htod(dev, host, obj_bytes, caller)
+        elif to_objects:  # the scattered objects as one batch for the copy engine
+            drv.copy_batch(ptrs, stages, [obj_bytes] * n, caller)
+        else:
+            drv.copy_batch(stages, ptrs, [obj_bytes] * n, caller)
+
+    def staged() -> Callable[[], None]:  # on a stream of its own: a batch of DMAs refuses the legacy default stream
+        doff, dcap = dmeta + n_ids * 8, dmeta + (n_ids + n) * 8
         if not to_objects:
-            drv.htod(stage, ptr, s.nbytes, caller)
-        triton_copy.launch_raw(plan, caller, stage, doff, dcap, dmeta, to_objects, s.chunk, 0, rows)
+            dmas(lane_stream)
+        triton_copy.launch_raw(plan, lane_stream, stage, doff, dcap, dmeta, to_objects, s.chunk, 0, rows)
         if to_objects:
-            drv.dtoh(ptr, stage, s.nbytes, caller)
+            dmas(lane_stream)
         return torch.cuda.synchronize
 
     return {
         "api, auto": api(None),
-        "api, zero-copy": api("zero_copy"),
-        "submit, zero-copy": submit,
+        f"api, {mode}": api(mode),
+        f"submit, {mode}": submit,
         "floor, ordered": ordered,
         "floor, on the caller's stream": direct,
-        "floor, staged on the caller's stream": staged,
+        "floor, staged": staged,
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument("--chunks", type=int, default=1, help="scattered chunk objects per request (default: 1)")
     args = parser.parse_args()
     engine = TransferEngine("cuda")
     print(f"{torch.cuda.get_device_name()}; ratio = memcpy p50 / variant p50; enqueue = CPU us to return")
     for model in ("qwen2.5-0.5b", "llama3-8b"):
-        s = Setup(model, F.NL_X_TWO_NB_BS_NH_HS, 1)
+        s = Setup(model, F.NL_X_TWO_NB_BS_NH_HS, args.chunks)
         for d in (Direction.D2H, Direction.H2D):
             ceiling = memcpy(s.nbytes, d is Direction.D2H)
             for name, enqueue in variants(s, d, engine).items():
