@@ -3,7 +3,7 @@
 The kernel knows nothing about formats. It reads one stripe (see `kvferry.formats.geometry.Stripe`): a table of
 (object plane, layer, engine offset) entries sharing one stride pattern, and copies tiles of
 [BLOCK_T tokens x BLOCK_W words], or flat runs of BLOCK_T whole token rows where both sides hold them back to back
-(`_tiling`). Data moves as integer words of the widest size (1-8 bytes) that every address, stride and run is a
+(`triton_tiling`). Data moves as integer words of the widest size (1-8 bytes) that every address, stride and run is a
 multiple of, so dtype never matters (fp8 is just bytes).
 
 Engine tensors of several allocations are addressed as word offsets from one base tensor, and objects likewise from
@@ -26,9 +26,7 @@ import triton.language as tl
 from kvferry.formats import KVGeometry
 from kvferry.kernels.cuda_driver import driver
 from kvferry.kernels.direct_launch import active_hook, direct_launcher
-
-_WORD_DTYPES = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
-
+from kvferry.kernels.triton_tiling import kernel_constants, stripe_tiling
 
 # Arguments that differ between requests (or engine caches) are never specialised: one compiled kernel is then
 # valid for every request of a launch shape, and later launches skip Triton's per-call re-specialisation.
@@ -70,7 +68,7 @@ def _stripe_copy_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_W: tl.constexpr,
     TO_OBJECT: tl.constexpr,
-    FLAT: tl.constexpr,  # tiles are contiguous runs on both sides: copy them as flat vectors (see `_tiling`)
+    FLAT: tl.constexpr,  # tiles are contiguous runs on both sides: copy them as flat vectors (see `triton_tiling`)
     BLOCK_F: tl.constexpr,
 ):
     eng_p = eng.to(tl.pointer_type(WORD))
@@ -263,13 +261,13 @@ def launch(
         e0, e1 = _entries(s, rows)
         if e1 == e0:
             continue
-        tiling = _tiling(plan, s, 65536, n_rows)  # the interpreter pays ~2 ms per program: few, large tiles
+        tiling = stripe_tiling(plan, s, 65536, n_rows)  # the interpreter pays ~2 ms per program: few, large tiles
         grid = ((e1 - e0) * triton.cdiv(n_rows, tiling.block_t),)
         _interpreted()[grid](
             s.base, s.eng_off, s.ent_row, obj_row, s.w_offset, s.block_stride, s.token_stride,
             s.tile_stride, *s.strides,
             obj_base, table[0], table[1], block_ids, e0, e1 - e0, row0, n_rows, chunk_size, obj_shift,
-            **_constants(plan, s, tiling, to_objects),
+            **kernel_constants(plan, s, tiling, to_objects),
         )  # fmt: skip
 
 
@@ -352,8 +350,8 @@ class _Launcher:
 
 
 def _compile(plan: TritonPlan, s: _StripeArgs, obj_ptr: int, to_objects: bool) -> _Launcher:
-    tiling = _tiling(plan, s, 4096)  # ~32 KiB tiles of int64 words
-    consts = _constants(plan, s, tiling, to_objects)
+    tiling = stripe_tiling(plan, s, 4096)  # ~32 KiB tiles of int64 words
+    consts = kernel_constants(plan, s, tiling, to_objects)
     device = s.base.device
     # Stand-ins: the object base with the alignment the key promises (Triton specialises that pointer on it),
     # tables only 8-byte aligned (they are unspecialised; this keeps any Triton that still looks safe).
@@ -378,48 +376,6 @@ def _compile(plan: TritonPlan, s: _StripeArgs, obj_ptr: int, to_objects: bool) -
 def _entries(s: _StripeArgs, rows: tuple[int, int] | None) -> tuple[int, int]:
     """The index range of a stripe's entries whose object row is in [rows[0], rows[1])."""
     return (0, len(s.rows)) if rows is None else (bisect_left(s.rows, rows[0]), bisect_left(s.rows, rows[1]))
-
-
-@dataclass(frozen=True)
-class _Tiling:
-    flat: bool
-    block_t: int  # tokens per tile
-    block_w: int  # words per vector across a token row (row tiles)
-    block_f: int  # words per flat vector (flat tiles)
-
-
-def _tiling(plan: TritonPlan, s: _StripeArgs, max_words: int, n_rows: int | None = None) -> _Tiling:
-    """How a stripe is tiled: [tokens x row words], or flat runs where that would waste vector lanes.
-
-    Where a stripe covers whole object rows and a block's tokens lie back to back in the engine, BLOCK_T tokens of
-    one block are one contiguous run on both sides; a row width that is not a power of two (deepseek's 576 bf16 =
-    144 words, the indexer's 132 bytes = 33) would leave up to half the lanes of a [tokens x row] tile masked, so
-    those stripes copy runs as flat vectors. BLOCK_T then divides BS (and so the chunk): a tile never crosses a
-    block or an object.
-    """
-    f0, f1, f2 = s.sizes
-    width = f0 * f1 * f2
-    s0, s1, s2 = s.strides
-    identity = (f2 == 1 or s2 == 1) and (f1 == 1 or s1 == f2) and (f0 == 1 or s0 == f1 * f2)  # word w is at w
-    untiled = s.token_tile == plan.bs
-    flat = identity and untiled and width == plan.obj_row and s.w_offset == 0 and s.token_stride == width
-    flat = flat and bool(width & (width - 1))
-    if flat:
-        block_t = plan.bs & -plan.bs  # the largest power of two dividing BS
-        while block_t > 1 and block_t * width > max_words:
-            block_t //= 2
-        return _Tiling(True, block_t, 1, min(triton.next_power_of_2(block_t * width), max_words // 4))
-    block_w = min(triton.next_power_of_2(width), max_words // 4)
-    block_t = max(1, min(128 if n_rows is None else triton.next_power_of_2(n_rows), max_words // block_w))
-    return _Tiling(False, block_t, block_w, 1)
-
-
-def _constants(plan: TritonPlan, s: _StripeArgs, tiling: _Tiling, to_objects: bool) -> dict[str, Any]:
-    return dict(
-        BS=plan.bs, TILE=s.token_tile, F0=s.sizes[0], F1=s.sizes[1], F2=s.sizes[2], WORD=_WORD_DTYPES[plan.word],
-        BLOCK_T=tiling.block_t, BLOCK_W=tiling.block_w, TO_OBJECT=to_objects, FLAT=tiling.flat,
-        BLOCK_F=tiling.block_f,
-    )  # fmt: skip
 
 
 @cache

@@ -1,0 +1,61 @@
+"""How the copy kernel tiles a stripe, and the compile-time constants that follow (`triton_copy`'s kernel).
+
+Kept apart from the kernel and its launchers: a pure function of the plan and the stripe, the one place that
+decides tile shapes for the GPU (~32 KiB tiles) and for Triton's interpreter on CPU (few, large tiles).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import triton
+import triton.language as tl
+
+if TYPE_CHECKING:
+    from kvferry.kernels.triton_copy import TritonPlan, _StripeArgs
+
+_WORD_DTYPES = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
+
+
+@dataclass(frozen=True)
+class Tiling:
+    flat: bool
+    block_t: int  # tokens per tile
+    block_w: int  # words per vector across a token row (row tiles)
+    block_f: int  # words per flat vector (flat tiles)
+
+
+def stripe_tiling(plan: TritonPlan, s: _StripeArgs, max_words: int, n_rows: int | None = None) -> Tiling:
+    """How a stripe is tiled: [tokens x row words], or flat runs where that would waste vector lanes.
+
+    Where a stripe covers whole object rows and a block's tokens lie back to back in the engine, BLOCK_T tokens of
+    one block are one contiguous run on both sides; a row width that is not a power of two (deepseek's 576 bf16 =
+    144 words, the indexer's 132 bytes = 33) would leave up to half the lanes of a [tokens x row] tile masked, so
+    those stripes copy runs as flat vectors. BLOCK_T then divides BS (and so the chunk): a tile never crosses a
+    block or an object.
+    """
+    f0, f1, f2 = s.sizes
+    width = f0 * f1 * f2
+    s0, s1, s2 = s.strides
+    identity = (f2 == 1 or s2 == 1) and (f1 == 1 or s1 == f2) and (f0 == 1 or s0 == f1 * f2)  # word w is at w
+    untiled = s.token_tile == plan.bs
+    flat = identity and untiled and width == plan.obj_row and s.w_offset == 0 and s.token_stride == width
+    flat = flat and bool(width & (width - 1))
+    if flat:
+        block_t = plan.bs & -plan.bs  # the largest power of two dividing BS
+        while block_t > 1 and block_t * width > max_words:
+            block_t //= 2
+        return Tiling(True, block_t, 1, min(triton.next_power_of_2(block_t * width), max_words // 4))
+    block_w = min(triton.next_power_of_2(width), max_words // 4)
+    block_t = max(1, min(128 if n_rows is None else triton.next_power_of_2(n_rows), max_words // block_w))
+    return Tiling(False, block_t, block_w, 1)
+
+
+def kernel_constants(plan: TritonPlan, s: _StripeArgs, tiling: Tiling, to_objects: bool) -> dict[str, Any]:
+    """The kernel's compile-time arguments for one stripe, direction and tiling."""
+    return dict(
+        BS=plan.bs, TILE=s.token_tile, F0=s.sizes[0], F1=s.sizes[1], F2=s.sizes[2], WORD=_WORD_DTYPES[plan.word],
+        BLOCK_T=tiling.block_t, BLOCK_W=tiling.block_w, TO_OBJECT=to_objects, FLAT=tiling.flat,
+        BLOCK_F=tiling.block_f,
+    )  # fmt: skip
