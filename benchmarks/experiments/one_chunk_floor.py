@@ -40,23 +40,12 @@ import torch
 
 import kvferry
 from kvferry import Direction
-from kvferry.bench.gpu_transfer_bench import F, Setup, memcpy
+from kvferry.bench.gpu_transfer_bench import F, Setup, memcpy, paired_ms
 from kvferry.kernels import triton_copy
 from kvferry.kernels.cuda_driver import driver
 from kvferry.transfer.api import _plans
 from kvferry.transfer.gpu_engine import TransferEngine
 from kvferry.transfer.request import check
-
-
-def timed(fn: Callable[[], None], ceiling: Callable[[], None], reps: int) -> tuple[float, float]:
-    ours: list[float] = []
-    ceil: list[float] = []
-    for _ in range(reps):
-        for f, out in ((fn, ours), (ceiling, ceil)):
-            t = time.perf_counter()
-            f()
-            out.append((time.perf_counter() - t) * 1e6)
-    return statistics.median(ours), statistics.median(ceil)
 
 
 def enqueue_us(enqueue: Callable[[], Callable[[], None]], reps: int) -> float:
@@ -162,7 +151,7 @@ def main() -> None:
             for name, enqueue in variants(s, d, engine).items():
                 for _ in range(20):  # warm: compile, caches
                     enqueue()()
-                ours, ceil = timed(lambda e=enqueue: e()(), ceiling, args.reps)
+                ours, ceil = (ms * 1e3 for ms in paired_ms(lambda e=enqueue: e()(), ceiling, args.reps))
                 cpu = enqueue_us(enqueue, args.reps // 2)
                 print(f"{model:13s} {d.name} {name:30s} p50 {ours:7.1f} us  memcpy {ceil:7.1f} us  "
                       f"ratio {ceil / ours:.3f}  enqueue {cpu:6.1f} us")  # fmt: skip

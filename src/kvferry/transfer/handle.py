@@ -37,7 +37,7 @@ class Completion:
         self.event = self._pool.pop() if self._pool else drv.event()
         self.lane = lane
         self.meta = -1  # its metadata slot (-1: none)
-        self.fired = False  # seen fired: the lane retires it and reuses its metadata slot without a driver query
+        self.fired = False  # seen fired: the lane retires it without a driver query
 
     def query(self) -> bool:
         d = self._driver

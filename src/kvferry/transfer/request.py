@@ -194,8 +194,8 @@ def _checked_ids(
 
 
 def _short(block_ids: Sequence[int] | torch.Tensor) -> bool:
-    """A short list of ints, or a short 1-D int64 CPU tensor: checked as a Python list (a numpy array's copy and
-    reductions were most of a one-chunk request's check)."""
+    """A short list of ints, or a short 1-D int64 CPU tensor: checked as a Python list (for a few ids, a numpy
+    array's copy and reductions cost more than the list's)."""
     if type(block_ids) is torch.Tensor:
         return (
             block_ids.dtype is torch.int64 and block_ids.is_cpu and block_ids.dim() == 1 and len(block_ids) < _SMALL_IDS
