@@ -5,7 +5,7 @@ Answer (2026-12-01, H200 #40-#42, store / retrieve): qwen2.5-0.5b (3 MiB) the ca
 0.68-0.75 / 0.67-0.74, the zero-copy kernel alone on the caller's stream 0.81-0.83 / 0.75-0.78, gather + DMA by hand
 0.82-0.85 / 0.90-0.92; llama3-8b (32 MiB) 0.82-0.90 / 0.84-0.91, 0.87-0.91 / 0.85-0.89, 0.90-0.92 / 0.88-0.89,
 0.935-0.946 / 0.958-0.968. A 3 MiB store stays under 0.90 with nothing but its launch. `--chunks 16` (#43):
-qwen2.5-0.5b the call 0.87-0.91 / 0.82, `submit` 0.94-0.95 / 0.95, gather + one batch of DMAs by hand 0.947 /
+qwen2.5-0.5b the call 0.85-0.91 / 0.82, `submit` 0.94-0.95 / 0.95, gather + one batch of DMAs by hand 0.947 /
 0.947; llama3-8b 0.956 / 0.956, 0.978 / 0.986, 0.967 / 0.970 (docs/benchmark_log.md).
 
 Each row times one chunk (format 1, scattered blocks, one pool object) from the Python call to the bytes having
