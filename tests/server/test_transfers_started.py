@@ -184,3 +184,35 @@ def test_a_refused_or_failed_start_leaves_nothing_held() -> None:
         transfers.start(session, args(done_slot=9, done_seq=1), store=True, deadline=None, request_id=6)
     assert reg.users == 0
     assert transfers.start(session, args(), store=True, deadline=None, request_id=7) is None  # no flag: a worker's
+
+
+def test_a_store_after_client_work_leaves_the_thread_on_its_device_and_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A STORE ordered after its client's work runs on the registration's stream and gives the thread back its
+    stream and device, also for a registration on another GPU (setting a stream makes its device current)."""
+    current = {"device": 0, "streams": {0: "default-0", 1: "default-1"}}
+
+    class Stream:
+        def __init__(self, index: int) -> None:
+            self.device = torch.device("cuda", index)
+            self.waited: list[Any] = []
+
+        def wait_event(self, event: Any) -> None:
+            self.waited.append(event)
+
+    def set_stream(stream: Any) -> None:  # as torch's: the stream's device becomes current
+        index = stream.device.index if isinstance(stream, Stream) else int(stream[-1])
+        current["device"] = index
+        current["streams"][index] = stream
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: current["streams"][device.index])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current["device"])
+    monkeypatch.setattr(torch.cuda, "set_stream", set_stream)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: current.update(device=index))
+    for index in (0, 1):
+        stream = Stream(index)
+        reg = Registration(0, None, None, None, None, None, ready_events=("event",), ready_stream=stream)  # type: ignore[arg-type]
+        args = TransferArgs(registration=0, tokens=b"", block_ids=b"", ready_slot=0)
+        with transfers_module._after_client_work(reg, args, True, first=True):
+            assert current["streams"][index] is stream and current["device"] == index
+        assert stream.waited == ["event"]
+        assert current == {"device": 0, "streams": {0: "default-0", 1: "default-1"}}

@@ -221,14 +221,17 @@ def _after_client_work(reg: Registration, args: TransferArgs, store: bool, *, fi
     stream = reg.ready_stream
     if first:
         stream.wait_event(reg.ready_events[args.ready_slot])
-    # set_stream, not the `torch.cuda.stream` context: that one also switches and restores the current device, and
-    # cost a one-chunk STORE ~70 us on the H200 host (`server_timeline.py`); the engine reads this device's stream.
-    previous = torch.cuda.current_stream(stream.device)
+    # set_stream, not the `torch.cuda.stream` context: that one switches and restores the current device every time,
+    # and cost a one-chunk STORE ~70 us on the H200 host (`server_timeline.py`); the engine reads this device's
+    # stream. set_stream also makes the stream's device current when it is not, so only then is it switched back.
+    previous, device = torch.cuda.current_stream(stream.device), torch.cuda.current_device()
     torch.cuda.set_stream(stream)
     try:
         yield
     finally:
         torch.cuda.set_stream(previous)
+        if device != stream.device.index:
+            torch.cuda.set_device(device)
 
 
 def _wait_for_client_event(reg: Registration, handle: bytes) -> None:
