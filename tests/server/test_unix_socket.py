@@ -6,6 +6,7 @@ server restart, frames a client library would never send, a client that stops re
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import tempfile
@@ -14,6 +15,8 @@ from collections.abc import Iterator
 
 import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvferry.client import KvferryClient, RegistrationLost, ServerUnavailable
 from kvferry.server import KvferryServer, ServerConfig, unix_clients
@@ -146,3 +149,21 @@ def test_a_client_that_stops_reading_is_dropped_without_stalling_others(
             assert time.monotonic() - started < 1
     finally:
         server.stop()
+
+
+@settings(max_examples=200, deadline=None)
+@given(payloads=st.lists(st.binary(max_size=300), max_size=8), cuts=st.lists(st.integers(0, 2500), max_size=12))
+def test_frames_split_across_reads_come_out_whole_and_in_order(payloads: list[bytes], cuts: list[int]) -> None:
+    stream = b"".join(unix_clients.frame(p) for p in payloads)
+    bounds = sorted({0, len(stream), *(c for c in cuts if c < len(stream))})
+    inbox = bytearray()
+    got = []
+    for lo, hi in itertools.pairwise(bounds):
+        got += [bytes(view) for view in unix_clients.take_frames(inbox, stream[lo:hi], max_bytes=300)]
+    assert got == payloads
+    assert not inbox  # nothing unfinished left over
+
+
+def test_a_frame_announcing_more_than_the_limit_is_refused_before_it_is_read() -> None:
+    with pytest.raises(unix_clients.FrameTooLarge, match="301-byte frame"):
+        unix_clients.take_frames(bytearray(), unix_clients.HEADER.pack(301) + b"x" * 10, max_bytes=300)

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 TokenIds = Sequence[int] | np.ndarray | torch.Tensor
+_U32_LE = np.dtype("<u4")
 KEY_BYTES = 32
 _KEY_SCHEMA = "kvferry-cache-key-v2"  # v2: prefix hash (v1 chained H(key_{i-1} || chunk i))
 # Chunks between the hash states a PrefixKeys keeps: a probe behind the furthest hashed point re-hashes at most
@@ -201,6 +202,8 @@ class ChunkHasher:
 def token_view(tokens: TokenIds) -> memoryview:
     """``tokens`` as little-endian uint32 bytes (a byte view, copied only where the dtype needs converting);
     ValueError/TypeError naming ``tokens`` on bad input."""
+    if type(tokens) is np.ndarray and tokens.dtype == _U32_LE and tokens.ndim == 1 and tokens.flags.c_contiguous:
+        return memoryview(tokens).cast("B")  # already the bytes hashed (ids off the wire): nothing to check
     if isinstance(tokens, torch.Tensor):
         if tokens.dim() != 1 or tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
             raise TypeError(

@@ -108,6 +108,10 @@ class Connection:
         self._wake_leader_r, self._wake_leader_w = os.pipe()
         os.set_blocking(self._wake_leader_r, False)
         os.set_blocking(self._wake_leader_w, False)
+        # The leader's: not select.select (an engine may hold more than FD_SETSIZE descriptors); made once
+        self._leader_poller = select.poll()
+        self._leader_poller.register(self._wake_leader_r, select.POLLIN)
+        self._leader_watched: int | None = None  # the link descriptor registered in it
         outbox_addr = f"inproc://kvferry-client-{os.getpid()}-{next(_instances)}"
         outbox_in = self.context.socket(zmq.PULL)
         outbox_in.bind(outbox_addr)
@@ -217,23 +221,27 @@ class Connection:
     def _lead(self, future: Future[Any]) -> None:
         """Read replies off the socket until `future` is done or the client's timeout passes (leading)."""
         deadline = time.monotonic() + self.timeout_s
-        poller = select.poll()  # not select.select: an engine may hold more than FD_SETSIZE descriptors
-        poller.register(self._wake_leader_r, select.POLLIN)
-        watched = None
+        poller = self._leader_poller
+        # A level-triggered descriptor (the Unix socket's) shows a reply that came before the poll: wait first.
+        # A ZMQ socket's signals an edge that the send itself may have taken: read first.
+        read = not self._link.level_triggered
         try:
             while True:
-                with self._socket_lock:
-                    link = self._link
-                    replies = [] if link.closed else link.receive()
-                self._settle_all(replies)
+                if read:
+                    with self._socket_lock:
+                        link = self._link
+                        replies = [] if link.closed else link.receive()
+                    self._settle_all(replies)
+                read = True
+                link = self._link
                 left = deadline - time.monotonic()
                 if future.done() or left <= 0 or link.closed:
                     return
-                if watched != link.fd:  # a new link (the session was replaced)
-                    if watched is not None:
-                        poller.unregister(watched)
+                if self._leader_watched != link.fd:  # a new link, or its connection made again
+                    if self._leader_watched is not None:
+                        poller.unregister(self._leader_watched)
                     poller.register(link.fd, select.POLLIN)
-                    watched = link.fd
+                    self._leader_watched = link.fd
                 ready = poller.poll(min(left, _LEADER_RECHECK_S) * 1e3)
                 if any(fd == self._wake_leader_r for fd, _ in ready):
                     _drain_pipe(self._wake_leader_r)
@@ -241,10 +249,11 @@ class Connection:
             self._stop_leading()
 
     def _stop_leading(self) -> None:
-        """Read what came meanwhile and hand the socket back to the thread (woken if replies are still due)."""
+        """Read what came meanwhile and hand the socket back to the thread (woken if replies are still due). A
+        level-triggered descriptor still says so to the thread once it watches it: nothing to read here."""
         with self._socket_lock:
             link = self._link
-            replies = [] if link.closed else link.receive()
+            replies = [] if link.closed or link.level_triggered else link.receive()
             with self._lock:
                 self._leading = False
                 # replies still due, or a session the server ended (the thread replaces it)
@@ -255,10 +264,11 @@ class Connection:
 
     def _take_replies(self, link: Link) -> list[Reply]:
         """After an operation on the socket (socket lock held): read what arrived, which nobody waiting on the
-        descriptor would now be told of. While a leader reads, it is woken to read them itself."""
+        descriptor would now be told of. While a leader reads, it is woken to read them itself, unless the
+        descriptor is level-triggered (it tells the leader itself)."""
         if not self._leading:
             return link.receive()
-        if link.readable():
+        if not link.level_triggered and link.readable():
             self._wake_leader()
         return []
 

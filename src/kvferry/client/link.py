@@ -41,6 +41,9 @@ class Link(ABC):
 
     fd: int
     monitor: zmq.Socket | None
+    # Whether `fd` stays readable while a reply waits (a plain socket), or only signals an edge that any operation
+    # on the socket may take (ZMQ's): then whoever operates on the socket reads or wakes the reader.
+    level_triggered = False
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
@@ -68,7 +71,7 @@ class Link(ABC):
         """Read the monitor's connection events."""
 
     @abstractmethod
-    def payloads(self) -> list[bytes]: ...
+    def payloads(self) -> list[bytes | memoryview]: ...
 
     @abstractmethod
     def readable(self) -> bool: ...
@@ -217,8 +220,8 @@ class ZmqLink(Link):
             elif event == zmq.EVENT_CONNECT_RETRIED and state is CONNECTING:
                 self.down("connection refused")
 
-    def payloads(self) -> list[bytes]:
-        out = []
+    def payloads(self) -> list[bytes | memoryview]:
+        out: list[bytes | memoryview] = []
         while self.dealer.getsockopt(_EVENTS_OPT) & _POLLIN:  # cheaper than a recv raising zmq.Again
             out.append(self.dealer.recv(zmq.NOBLOCK))
         return out

@@ -33,6 +33,7 @@ class UnixLink(Link):
     """A `Link` over one connection to the server's Unix socket, made again by each probe while it is down."""
 
     monitor = None
+    level_triggered = True
 
     def __init__(self, conn: Connection) -> None:
         super().__init__(conn)
@@ -79,8 +80,8 @@ class UnixLink(Link):
     def on_events(self) -> None:
         """No monitor: a connection that drops shows as the end of its stream (`payloads`)."""
 
-    def payloads(self) -> list[bytes]:
-        out: list[bytes] = []
+    def payloads(self) -> list[bytes | memoryview]:
+        out: list[bytes | memoryview] = []
         sock = self._sock
         while sock is not None:
             try:
@@ -93,8 +94,7 @@ class UnixLink(Link):
             if not data:
                 self._lost("the connection dropped")
                 break
-            self._inbox += data
-            out += take_frames(self._inbox)
+            out += take_frames(self._inbox, data)
             if len(data) < _READ_BYTES:
                 break
         return out
@@ -107,14 +107,15 @@ class UnixLink(Link):
         if sock is None:
             return False
         view = memoryview(frame(request.bytes if isinstance(request, zmq.Frame) else request))
-        deadline = time.monotonic() + SEND_TIMEOUT_S
+        deadline = None  # set once the socket's buffer is full: a request fits unless the server stopped reading
         try:
             while view:
                 try:
                     view = view[sock.send(view) :]
                 except BlockingIOError:
-                    left = deadline - time.monotonic()
-                    if left <= 0 or not _ready(sock, select.POLLOUT, left):
+                    now = time.monotonic()
+                    deadline = now + SEND_TIMEOUT_S if deadline is None else deadline
+                    if now >= deadline or not _ready(sock, select.POLLOUT, deadline - now):
                         self._lost(f"the server read nothing for {SEND_TIMEOUT_S:g} s")
                         return False
         except OSError as exc:

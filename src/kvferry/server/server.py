@@ -254,7 +254,7 @@ class KvferryServer:
             self._hand_over()
         return False
 
-    def _serve_unix(self, identity: bytes, payload: bytes) -> None:
+    def _serve_unix(self, identity: bytes, payload: memoryview) -> None:
         """One request from a client of the Unix socket (see kvferry.server.unix_clients)."""
         assert self._unix is not None
         reply = self._serve_one(identity, payload, None, None)
