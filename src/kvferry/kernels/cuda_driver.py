@@ -7,6 +7,13 @@ A ctypes call into libcuda costs ~1 us. Streams and events stay interchangeable 
 `cuda_stream` is the same CUstream, and handles made here wait on torch streams and vice versa.
 
 Every call returns a CUresult; anything but success raises `CudaError` naming the call.
+
+The calls that only enqueue or look (a launch, an async copy, an event record, wait or query, a flag write, the
+current context) keep the GIL: ctypes otherwise releases it around each one, and in a process whose other threads
+want it (the server's workers) each release hands it over, so a call of a few microseconds waited behind another
+thread's Python for as long as that ran (H200, eight engines on one server: a third of the socket thread's time
+in a transfer's enqueue was such waits). Calls that may block (a synchronize, registering host memory, creating
+and destroying events) release it.
 """
 
 from __future__ import annotations
@@ -44,49 +51,51 @@ class CudaError(RuntimeError):
 class Driver:
     """Bound libcuda entry points. One per process (`driver()`); safe to call from any thread."""
 
-    def __init__(self, lib: Any) -> None:
+    def __init__(self, lib: Any, quick: Any) -> None:
+        """`lib`: libcuda as a `ctypes.CDLL` (calls release the GIL); `quick`: the same as a `ctypes.PyDLL`."""
         c_void_p, c_size_t, c_uint64 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64
         self._lib = lib
+        self._quick = quick
         self._name = lib.cuGetErrorName
         self._name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-        self.dtoh = self._bind("cuMemcpyDtoHAsync_v2", c_void_p, c_uint64, c_size_t, c_void_p)
-        self.htod = self._bind("cuMemcpyHtoDAsync_v2", c_uint64, c_void_p, c_size_t, c_void_p)
-        self.record = self._bind("cuEventRecord", c_void_p, c_void_p)
-        self.wait = self._bind("cuStreamWaitEvent", c_void_p, c_void_p, ctypes.c_uint)
+        self.dtoh = self._bind_quick("cuMemcpyDtoHAsync_v2", c_void_p, c_uint64, c_size_t, c_void_p)
+        self.htod = self._bind_quick("cuMemcpyHtoDAsync_v2", c_uint64, c_void_p, c_size_t, c_void_p)
+        self.record = self._bind_quick("cuEventRecord", c_void_p, c_void_p)
+        self.wait = self._bind_quick("cuStreamWaitEvent", c_void_p, c_void_p, ctypes.c_uint)
         self.synchronize = self._bind("cuEventSynchronize", c_void_p)
-        self._query = lib.cuEventQuery
+        self._query = quick.cuEventQuery
         self._query.argtypes = [c_void_p]
         self._create = self._bind("cuEventCreate", ctypes.POINTER(c_void_p), ctypes.c_uint)
         self.destroy = self._bind("cuEventDestroy_v2", c_void_p)
-        self.launch = self._bind(
+        self.launch = self._bind_quick(
             "cuLaunchKernel", c_void_p, *[ctypes.c_uint] * 7, c_void_p, ctypes.POINTER(c_void_p), c_void_p
         )
-        self.write_value = self._bind_first(
-            ("cuStreamWriteValue32_v2", "cuStreamWriteValue32"), c_void_p, c_uint64, ctypes.c_uint32, ctypes.c_uint
-        )
+        # Versioned entry points come and go between CUDA releases: the first this libcuda exports.
+        names = ("cuStreamWriteValue32_v2", "cuStreamWriteValue32")
+        write_value = next((n for n in names if hasattr(lib, n)), names[-1])
+        self.write_value = self._bind_quick(write_value, c_void_p, c_uint64, ctypes.c_uint32, ctypes.c_uint)
         self.host_register = self._bind("cuMemHostRegister_v2", c_void_p, c_size_t, ctypes.c_uint)
         self.host_unregister = self._bind("cuMemHostUnregister", c_void_p)
         self._host_device_pointer = self._bind(
             "cuMemHostGetDevicePointer_v2", ctypes.POINTER(c_uint64), c_void_p, ctypes.c_uint
         )
-        self._get_ctx = self._bind("cuCtxGetCurrent", ctypes.POINTER(c_void_p))
-        self._set_ctx = self._bind("cuCtxSetCurrent", c_void_p)
+        self._get_ctx = self._bind_quick("cuCtxGetCurrent", ctypes.POINTER(c_void_p))
+        self._set_ctx = self._bind_quick("cuCtxSetCurrent", c_void_p)
         self._batch = self._bind_batch()
         self._batch_attrs = _MemcpyAttributes(_SRC_ACCESS_ORDER_STREAM, _Location(), _Location(),
                                               _PREFER_OVERLAP_WITH_COMPUTE)  # fmt: skip
         self._batch_first = ctypes.c_size_t(0)  # the one attribute set applies from copy 0 on
 
-    def _bind(self, name: str, *argtypes: Any) -> Any:
-        fn = getattr(self._lib, name)
+    def _bind(self, name: str, *argtypes: Any, lib: Any = None) -> Any:
+        fn = getattr(self._lib if lib is None else lib, name)
         fn.argtypes = list(argtypes)
         fn.restype = ctypes.c_int
         fn.errcheck = self._errcheck
         return fn
 
-    def _bind_first(self, names: tuple[str, ...], *argtypes: Any) -> Any:
-        """The first of `names` this libcuda exports (versioned entry points come and go between CUDA releases)."""
-        name = next((n for n in names if hasattr(self._lib, n)), names[-1])
-        return self._bind(name, *argtypes)
+    def _bind_quick(self, name: str, *argtypes: Any) -> Any:
+        """A call that keeps the GIL (see the module)."""
+        return self._bind(name, *argtypes, lib=self._quick)
 
     def _errcheck(self, result: int, fn: Any, args: tuple[Any, ...]) -> None:
         if result:
@@ -99,10 +108,10 @@ class Driver:
         c_void_p, c_size_t, p_size = ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)
         common = [c_void_p, c_void_p, c_void_p, c_size_t, ctypes.POINTER(_MemcpyAttributes), p_size, c_size_t]
         if hasattr(self._lib, "cuMemcpyBatchAsync_v2"):
-            fn = self._bind("cuMemcpyBatchAsync_v2", *common, c_void_p)
+            fn = self._bind_quick("cuMemcpyBatchAsync_v2", *common, c_void_p)
             return lambda d, s, n, count, a, i, stream: fn(d, s, n, count, a, i, 1, stream)
         if hasattr(self._lib, "cuMemcpyBatchAsync"):
-            fn = self._bind("cuMemcpyBatchAsync", *common, p_size, c_void_p)
+            fn = self._bind_quick("cuMemcpyBatchAsync", *common, p_size, c_void_p)
             failed = ctypes.c_size_t()
             return lambda d, s, n, count, a, i, stream: fn(d, s, n, count, a, i, 1, ctypes.byref(failed), stream)
         return None
@@ -189,4 +198,4 @@ class _Current:
 @cache
 def driver() -> Driver:
     """The process's driver bindings (loads libcuda.so.1, which torch has already loaded)."""
-    return Driver(ctypes.CDLL("libcuda.so.1"))
+    return Driver(ctypes.CDLL("libcuda.so.1"), ctypes.PyDLL("libcuda.so.1"))
