@@ -169,6 +169,13 @@ def resilience(llm_factory: Any, prompt: list[int], report: dict[str, Any], out_
     return llm
 
 
+def write_report(out: Path, report: dict[str, Any]) -> None:
+    """Whole or not at all: a test waiting for the file (the hold phase) reads it as soon as it exists."""
+    partial = out.with_name(out.name + ".partial")
+    partial.write_text(json.dumps(report))
+    os.replace(partial, out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     phases = ["reference", "embedded", "isa", "pool", "bad-chunk", "server", "resilience", "hold"]
@@ -215,7 +222,7 @@ def main() -> None:
             report["error"] = None
         except Exception:
             report["error"] = traceback.format_exc()
-        out.write_text(json.dumps(report))
+        write_report(out, report)
         os._exit(0)
     if args.phase == "resilience":
         llm = resilience(llm_factory, main_prompt, report, out.parent)
@@ -255,7 +262,7 @@ def main() -> None:
         with vllm_hooks.failing_loads(llm):
             report["runs"].append(generate(llm, [main_prompt]))
     if args.phase == "hold":
-        out.write_text(json.dumps(report))
+        write_report(out, report)
         while True:  # the test ends this process with a signal
             time.sleep(1)
     if not args.multiprocessing and args.tp == 1 and args.phase != "reference":  # the worker is in this process
@@ -263,7 +270,7 @@ def main() -> None:
     # Shut the engine down (the connector waits for its loads and stores and flushes its tiers), then exit
     # without running interpreter teardown, which vLLM's background threads can stall.
     llm.llm_engine.engine_core.shutdown()
-    out.write_text(json.dumps(report))
+    write_report(out, report)
     os._exit(0)
 
 
