@@ -147,6 +147,9 @@ def test_token_containers_give_the_same_keys() -> None:
         tuple(tokens),
         np.array(tokens, dtype=np.int64),
         np.array(tokens, dtype=np.uint32),
+        np.frombuffer(np.array(tokens, dtype="<u4").tobytes(), dtype="<u4"),  # ids off the wire: hashed as they are
+        np.array(tokens, dtype=">u4"),
+        np.repeat(np.array(tokens, dtype="<u4"), 2)[::2],  # strided
         torch.tensor(tokens, dtype=torch.int64),
         torch.tensor(tokens, dtype=torch.int32),
     ):

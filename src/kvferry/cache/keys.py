@@ -203,7 +203,7 @@ def token_view(tokens: TokenIds) -> memoryview:
     """``tokens`` as little-endian uint32 bytes (a byte view, copied only where the dtype needs converting);
     ValueError/TypeError naming ``tokens`` on bad input."""
     if type(tokens) is np.ndarray and tokens.dtype == _U32_LE and tokens.ndim == 1 and tokens.flags.c_contiguous:
-        return memoryview(tokens).cast("B")  # already the bytes hashed (ids off the wire): nothing to check
+        return memoryview(tokens.view(np.uint8))  # already the bytes hashed (ids off the wire): nothing to check
     if isinstance(tokens, torch.Tensor):
         if tokens.dim() != 1 or tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
             raise TypeError(
