@@ -165,5 +165,21 @@ def test_frames_split_across_reads_come_out_whole_and_in_order(payloads: list[by
 
 
 def test_a_frame_announcing_more_than_the_limit_is_refused_before_it_is_read() -> None:
+    header = unix_clients.HEADER.pack(301)
     with pytest.raises(unix_clients.FrameTooLarge, match="301-byte frame"):
-        unix_clients.take_frames(bytearray(), unix_clients.HEADER.pack(301) + b"x" * 10, max_bytes=300)
+        unix_clients.take_frames(bytearray(), header + b"x" * 10, max_bytes=300)
+    inbox = bytearray()
+    assert unix_clients.take_frames(inbox, header[:2], max_bytes=300) == []  # the header cut in two reads
+    with pytest.raises(unix_clients.FrameTooLarge, match="301-byte frame"):
+        unix_clients.take_frames(inbox, header[2:] + b"x" * 10, max_bytes=300)
+
+
+def test_a_frame_in_many_reads_is_kept_as_it_came_until_whole() -> None:
+    payload = bytes(range(256)) * 64
+    stream = unix_clients.frame(payload)
+    inbox = bytearray()
+    for at in range(0, len(stream) - 1000, 1000):
+        assert unix_clients.take_frames(inbox, stream[at : at + 1000]) == []
+        assert bytes(inbox) == stream[: at + 1000]  # appended, nothing else
+    got = unix_clients.take_frames(inbox, stream[len(inbox) :] + unix_clients.frame(b"next"))
+    assert [bytes(view) for view in got] == [payload, b"next"] and not inbox

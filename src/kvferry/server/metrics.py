@@ -15,8 +15,9 @@ _BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.
 
 
 class _RequestCounts(Collector):
-    """Requests answered and their latencies, counted in plain ints under one lock and turned into Prometheus
-    families only when scraped: a labelled Counter and Histogram cost ~4 us a request, a tenth of a PING's time."""
+    """Requests answered and their latencies, counted under one lock and turned into Prometheus families only
+    when scraped: a labelled Counter and Histogram took 3.6 us a request against 1.3 (CPU machine), a quarter of
+    a PING's own time in the server."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

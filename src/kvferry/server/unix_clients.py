@@ -49,6 +49,12 @@ def take_frames(inbox: bytearray, data: bytes, max_bytes: int | None = None) -> 
     slicing the buffer, and usually none at all (a read holds whole frames)."""
     if inbox:
         inbox += data
+        if len(inbox) < HEADER.size:
+            return []
+        (size,) = HEADER.unpack_from(inbox)
+        _check_size(size, max_bytes)
+        if len(inbox) < HEADER.size + size:
+            return []  # a large frame comes in many reads: each only appends, nothing is copied until it is whole
         data = bytes(inbox)
         inbox.clear()
     view = memoryview(data)
@@ -56,8 +62,7 @@ def take_frames(inbox: bytearray, data: bytes, max_bytes: int | None = None) -> 
     start, length = 0, len(data)
     while length - start >= HEADER.size:
         (size,) = HEADER.unpack_from(data, start)
-        if max_bytes is not None and size > max_bytes:
-            raise FrameTooLarge(f"a {size}-byte frame (max_message_bytes={max_bytes})")
+        _check_size(size, max_bytes)
         end = start + HEADER.size + size
         if length < end:
             break
@@ -66,6 +71,11 @@ def take_frames(inbox: bytearray, data: bytes, max_bytes: int | None = None) -> 
     if start < length:
         inbox += view[start:]
     return frames
+
+
+def _check_size(size: int, max_bytes: int | None) -> None:
+    if max_bytes is not None and size > max_bytes:
+        raise FrameTooLarge(f"a {size}-byte frame (max_message_bytes={max_bytes})")
 
 
 @dataclass(eq=False)
