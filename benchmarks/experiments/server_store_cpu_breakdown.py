@@ -8,7 +8,12 @@ included). So 0.7-1.4 ms is the round trip and the server's Python around the co
 slower in the server process than in the engine's, from the same shared-memory KV into a pool of the same size. A
 plain copy of 48 MiB runs at ~9 GB/s here (~5.3 ms): the copy, in either process, is most of the gap to the 0.7 goal.
 
-    PYTHONPATH=src python3 benchmarks/experiments/server_store_cpu_breakdown.py [seconds]
+One chunk (2026-12-02, same machine, `... 6 1`, 2 runs): the client's p50 2.5-2.8 ms, the server's own time 2.0-2.2,
+the cache's copy in the server 1.5-1.7 ms against 0.5 ms in process (0.8-0.9 ms in process on kvferry's own copy
+threads, as the server runs them: `use_own_threads`, by hand). So a 3 MiB copy costs the server ~0.7 ms more than
+the same copy on the same threads in the engine's process, and its Python around the copy ~0.5 ms.
+
+    PYTHONPATH=src python3 benchmarks/experiments/server_store_cpu_breakdown.py [seconds] [chunks, default 16]
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from kvferry.formats import EngineKVFormat
 from kvferry.formats.synthetic import MODELS, make_paged
 
 FMT = EngineKVFormat.NL_X_TWO_NB_BS_NH_HS
-NB, TOKENS = 600, 4096  # 16 chunks of 256 tokens in 256 of 600 blocks
+NB = 600  # 16 chunks of 256 tokens take 256 of the 600 blocks
 
 
 def server_mean_s(http: str, op: str) -> float:
@@ -41,13 +46,15 @@ def server_mean_s(http: str, op: str) -> float:
     return total / count
 
 
-def timed_stores(store: Callable[[list[int]], object], prefixes: Iterator[int], seconds: float) -> list[float]:
+def timed_stores(
+    store: Callable[[list[int]], object], prefixes: Iterator[int], seconds: float, tokens_per_store: int
+) -> list[float]:
     """Seconds of each store of a new 4096-token prefix, back to back for `seconds`."""
     latencies = []
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         base = next(prefixes) * 100_000
-        tokens = [base + i for i in range(TOKENS)]
+        tokens = [base + i for i in range(tokens_per_store)]
         started = time.perf_counter()
         store(tokens)
         latencies.append(time.perf_counter() - started)
@@ -56,6 +63,7 @@ def timed_stores(store: Callable[[list[int]], object], prefixes: Iterator[int], 
 
 def main() -> None:
     seconds = float(sys.argv[1]) if len(sys.argv) > 1 else 6.0
+    tokens = 256 * (int(sys.argv[2]) if len(sys.argv) > 2 else 16)
     cmd = [sys.executable, "-m", "kvferry.server", "--port", "0", "--http-port", "0", "--l1-size-gb", "1"]
     server = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     try:
@@ -64,11 +72,11 @@ def main() -> None:
         paged = make_paged(FMT, MODELS["qwen2.5-0.5b"], NB, 16, torch.bfloat16)
         for tensor in paged:
             tensor.normal_()
-        ids = np.random.default_rng(0).permutation(NB)[: TOKENS // 16].tolist()
+        ids = np.random.default_rng(0).permutation(NB)[: tokens // 16].tolist()
         prefixes = iter(range(1, 1 << 30))
         with KvferryClient(endpoint) as client:
             reg = client.register_kv_cache(paged, FMT, namespace={"model": "m"})  # KV now in shared memory
-            latencies = timed_stores(lambda tokens: client.store(reg, tokens, ids), prefixes, seconds)
+            latencies = timed_stores(lambda t: client.store(reg, t, ids), prefixes, seconds, tokens)
             cache = client.stats()["cache"]
         print(f"through the server: client p50 {statistics.median(latencies) * 1e3:.1f} ms over {len(latencies)}")
         print(f"  the server's own time per STORE {server_mean_s(http, 'STORE') * 1e3:.1f} ms")
@@ -76,11 +84,13 @@ def main() -> None:
         with CacheEngine(KvferryConfig.load(overrides={"cache": {"l1_size_gb": 1}})) as engine:
             ns = engine.namespace_for("m", FMT, paged)
 
-            def in_process(tokens: list[int]) -> int:
-                return engine.store(tokens, paged, ids, FMT, namespace=ns)
+            def in_process(t: list[int]) -> int:
+                return engine.store(t, paged, ids, FMT, namespace=ns)
 
-            latencies = timed_stores(in_process, prefixes, seconds)
+            latencies = timed_stores(in_process, prefixes, seconds, tokens)
+            own = engine.stats()
         print(f"in process: p50 {statistics.median(latencies) * 1e3:.1f} ms over {len(latencies)}")
+        print(f"  the cache's copy per store {own['store_seconds'] / own['stores'] * 1e3:.1f} ms")
     finally:
         server.terminate()
         server.wait()
