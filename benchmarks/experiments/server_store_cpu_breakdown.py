@@ -9,9 +9,11 @@ slower in the server process than in the engine's, from the same shared-memory K
 plain copy of 48 MiB runs at ~9 GB/s here (~5.3 ms): the copy, in either process, is most of the gap to the 0.7 goal.
 
 One chunk (2026-12-02, same machine, `... 6 1`, 2 runs): the client's p50 2.5-2.8 ms, the server's own time 2.0-2.2,
-the cache's copy in the server 1.5-1.7 ms against 0.5 ms in process (0.8-0.9 ms in process on kvferry's own copy
-threads, as the server runs them: `use_own_threads`, by hand). So a 3 MiB copy costs the server ~0.7 ms more than
-the same copy on the same threads in the engine's process, and its Python around the copy ~0.5 ms.
+the cache's copy in the server 1.5-1.7 ms against 0.5 ms in process. In process on kvferry's own copy threads, as
+the server runs them (`use_own_threads`, set by hand for a third and fourth run), the copy took 0.8-0.9 ms in one
+run and 1.4 ms in another whose server copy took 1.2-1.6: most of a 3 MiB copy's extra time in the server is its
+own-threads mode (a pool hand-off to Python threads instead of OpenMP's spinning ones); this machine's spread
+between runs (2x) is too wide to say whether anything else adds to it. The server's Python around the copy ~0.5 ms.
 
     PYTHONPATH=src python3 benchmarks/experiments/server_store_cpu_breakdown.py [seconds] [chunks, default 16]
 """
