@@ -264,11 +264,10 @@ class Connection:
 
     def _take_replies(self, link: Link) -> list[Reply]:
         """After an operation on the socket (socket lock held): read what arrived, which nobody waiting on the
-        descriptor would now be told of. While a leader reads, it is woken to read them itself, unless the
-        descriptor is level-triggered (it tells the leader itself)."""
+        descriptor would now be told of. While a leader reads, it is woken to read them itself."""
         if not self._leading:
             return link.receive()
-        if not link.level_triggered and link.readable():
+        if link.reply_unseen():
             self._wake_leader()
         return []
 

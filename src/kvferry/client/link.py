@@ -36,7 +36,7 @@ BACKOFF_MAX_S = 5.0
 class Link(ABC):
     """What every transport shares. A new link (a new session) replaces the old one when the server says the
     session ended (`rotate`). A transport provides `fd` (readable when a reply may have come), `monitor` (a ZMQ
-    socket of connection events, or None), `on_events`, `payloads` (the reply frames waiting), `readable`,
+    socket of connection events, or None), `on_events`, `payloads` (the reply frames waiting), `reply_unseen`,
     `_send` (False when there is no live connection) and `close`, and `_connect` for a probe while down."""
 
     fd: int
@@ -74,7 +74,9 @@ class Link(ABC):
     def payloads(self) -> list[bytes | memoryview]: ...
 
     @abstractmethod
-    def readable(self) -> bool: ...
+    def reply_unseen(self) -> bool:
+        """After an operation on the socket: whether a reply waits that `fd` will not signal again (never on a
+        level-triggered descriptor, which stays readable while one waits)."""
 
     @abstractmethod
     def _send(self, frame: zmq.Frame | bytes) -> bool: ...
@@ -226,8 +228,8 @@ class ZmqLink(Link):
             out.append(self.dealer.recv(zmq.NOBLOCK))
         return out
 
-    def readable(self) -> bool:
-        """Whether a reply waits (after an operation that may have taken the descriptor's signal)."""
+    def reply_unseen(self) -> bool:
+        """Whether a reply waits: an operation on the socket may have taken the descriptor's signal."""
         return bool(self.dealer.getsockopt(_EVENTS_OPT) & _POLLIN)
 
     def _send(self, frame: zmq.Frame | bytes) -> bool:

@@ -99,8 +99,8 @@ class UnixLink(Link):
                 break
         return out
 
-    def readable(self) -> bool:
-        return self._sock is not None and _ready(self._sock, select.POLLIN, 0)
+    def reply_unseen(self) -> bool:
+        return False  # the socket stays readable while a reply waits
 
     def _send(self, request: zmq.Frame | bytes) -> bool:
         sock = self._sock
