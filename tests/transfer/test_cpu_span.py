@@ -3,6 +3,9 @@ allocation; objects inside the address range it spans; the per-storage fallback.
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -160,6 +163,54 @@ def test_stores_on_own_threads_match_the_reference(monkeypatch: pytest.MonkeyPat
 def test_own_threads_need_one() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         cpu_threads.use_own_threads(0)
+
+
+class _Job:
+    """A copy job that says which thread ran it. On the caller's thread it sets `caller_ran` (and raises with
+    `fail`); on a copy thread it first waits for that, so the caller surely takes a job while helpers copy."""
+
+    nbytes = 1
+
+    def __init__(self, log: list[str], caller_ran: threading.Event, fail: bool = False) -> None:
+        self.log, self.caller_ran, self.fail = log, caller_ran, fail
+        self.caller = threading.current_thread()
+
+    def run(self) -> None:
+        if threading.current_thread() is self.caller:
+            self.caller_ran.set()
+            if self.fail:
+                raise RuntimeError("the caller's job failed")
+            self.log.append("caller")
+        else:
+            self.caller_ran.wait(2)
+            time.sleep(0.05)  # still copying after the caller is done with its job
+            self.log.append("helper" if self.caller_ran.is_set() else "helper, the caller never took a job")
+
+    def split(self, parts: int) -> list[_Job]:
+        raise AssertionError("no job is split when there are more jobs than threads")
+
+
+def test_copy_threads_run_every_job_once_the_caller_taking_some(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Jobs are shared out between the caller and the pool's threads: the caller copies instead of waiting."""
+    monkeypatch.setattr(cpu_threads, "_own_threads", 3)
+    monkeypatch.setattr(cpu_threads, "_MIN_PART_BYTES", 1)
+    log: list[str] = []
+    caller_ran = threading.Event()
+    cpu_threads.run([_Job(log, caller_ran) for _ in range(8)])
+    assert len(log) == 8
+    assert "caller" in log
+    assert set(log) <= {"caller", "helper"}
+
+
+def test_a_failed_copy_job_is_raised_after_every_thread_has_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The caller's job fails while a copy thread still copies: run() raises only once nothing writes any more."""
+    monkeypatch.setattr(cpu_threads, "_own_threads", 2)
+    monkeypatch.setattr(cpu_threads, "_MIN_PART_BYTES", 1)
+    log: list[str] = []
+    caller_ran = threading.Event()
+    with pytest.raises(RuntimeError, match="the caller's job failed"):
+        cpu_threads.run([_Job(log, caller_ran, fail=True) for _ in range(2)])
+    assert log == ["helper"]
 
 
 @pytest.mark.parametrize("one_buffer", [True, False], ids=["one-buffer", "a-tensor-per-layer"])
