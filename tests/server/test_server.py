@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kvferry.client import KvferryClient, ServerError
-from kvferry.server import KvferryServer
+from kvferry.server import KvferryServer, ServerConfig
+from kvferry.server.protocol import Op
 from tests.server.serverkit import FakeEngine, random_kv, raw_request, shm_mappings, shm_name, wait_for
 
 FMT = 3  # NL_X_NB_BS_HS: one layer of [NB, BS, W] is what the fake engine copies
@@ -170,6 +171,35 @@ def test_silent_session_times_out_but_heartbeats_keep_one_alive(
     assert server.metrics.sessions_ended.labels("heartbeat")._value.get() == 1
     silent.close(linger=0)
     ctx.term()
+
+
+def test_a_stall_inside_a_turn_of_the_loop_ends_no_session(
+    engine: FakeEngine, server_config: ServerConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server stopped (SIGSTOP, swapped out) while handling a request, not while waiting for one: on resuming,
+    its clients' silence is its own, and they get a whole heartbeat timeout to be heard before any is judged. (The
+    clock jumps inside a PING's handler, as it would for a process stopped there.)"""
+    jump = [0.0]
+    server = KvferryServer(server_config, engine, clock=lambda: time.monotonic() + jump[0])  # type: ignore[arg-type]
+    ping = server._handlers.table[Op.PING]
+    stall = 10 * server_config.heartbeat_timeout_s
+
+    def stalled_ping(*args: Any) -> Any:
+        jump[0] += stall
+        return ping(*args)
+
+    server.start()
+    try:
+        with KvferryClient(f"tcp://127.0.0.1:{server.port}") as client:
+            reg = client.register_kv_cache(random_kv(14), FMT, namespace=NS)
+            monkeypatch.setitem(server._handlers.table, Op.PING, stalled_ping)
+            client.ping()
+            monkeypatch.setitem(server._handlers.table, Op.PING, ping)
+            time.sleep(2 * server_config.heartbeat_timeout_s)  # its heartbeats go on meanwhile
+            assert client.store(reg, list(range(4)), [0, 1]) == 4  # still registered
+        assert server.metrics.sessions_ended.labels("heartbeat")._value.get() == 0
+    finally:
+        server.stop()
 
 
 def test_server_stop_releases_every_session(endpoint: str, server: KvferryServer, engine: FakeEngine) -> None:

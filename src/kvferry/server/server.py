@@ -210,10 +210,7 @@ class KvferryServer:
                 now = self._clock()
                 if ready and busy_poll_s:
                     spin_until = now + busy_poll_s
-                if now - last_turn > self.config.heartbeat_timeout_s / 2:
-                    # This process was stalled (stopped, swapped): its clients' silence is its own. Give each
-                    # a whole timeout to be heard again before any is judged.
-                    next_sweep = max(next_sweep, now + self.config.heartbeat_timeout_s)
+                next_sweep = self._after_stall(last_turn, now, next_sweep)
                 last_turn = now
                 if monitor in ready:
                     self._drain_monitor(monitor)
@@ -222,10 +219,13 @@ class KvferryServer:
                 drained = router not in ready or self._serve_requests(router, monitor)
                 if self._unix is not None and ready:
                     self._unix.serve(ready, self._serve_unix, self._unix_ended)
-                # Sweep only with no request waiting: after a stall, queued heartbeats count first.
-                if drained and self._clock() >= next_sweep:
-                    next_sweep = self._clock() + sweep_every
-                    self._sweep()
+                # Sweep only with no request waiting: after a stall, queued heartbeats count first. A stall
+                # may also fall inside this turn, after its first look at the clock: looked at again here.
+                end = self._clock()
+                next_sweep = self._after_stall(now, end, next_sweep)
+                if drained and end >= next_sweep:
+                    next_sweep = end + sweep_every
+                    self._sweep(end)
             # Let transfers and tier lookups already running answer before the socket closes.
             self._workers.shutdown(wait=True)
             self._tier_workers.shutdown(wait=True)
@@ -348,8 +348,16 @@ class KvferryServer:
                 for session_id in self._sessions.on_connection(event["value"]):
                     self._end_session(session_id, "disconnect")
 
-    def _sweep(self) -> None:
-        deadline = self._clock() - self.config.heartbeat_timeout_s
+    def _after_stall(self, before: float, now: float, next_sweep: float) -> float:
+        """The next sweep's time, put off when this process was stalled (stopped, swapped) between `before` and
+        `now`: its clients' silence is its own, so each gets a whole timeout to be heard again before it is judged."""
+        if now - before > self.config.heartbeat_timeout_s / 2:
+            return max(next_sweep, now + self.config.heartbeat_timeout_s)
+        return next_sweep
+
+    def _sweep(self, now: float) -> None:
+        """End the sessions silent for a heartbeat timeout before `now` (read before a stall could fall in here)."""
+        deadline = now - self.config.heartbeat_timeout_s
         for session_id in self._sessions.silent_since(deadline):
             self._end_session(session_id, "heartbeat")
 
