@@ -5,6 +5,7 @@ The same path on a real GPU: tests/server/test_server_done_flags_gpu.py."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Any
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from kvferry.cache.steps import Enqueued
+from kvferry.server import client_events
 from kvferry.server import transfers as transfers_module
 from kvferry.server.kv_mapping import MappedKV
 from kvferry.server.protocol import ProtocolError, pack_ids
@@ -194,10 +196,19 @@ def test_a_store_after_client_work_leaves_the_thread_on_its_device_and_stream(mo
     class Stream:
         def __init__(self, index: int) -> None:
             self.device = torch.device("cuda", index)
-            self.waited: list[Any] = []
+            self.cuda_stream = 1000 + index
 
-        def wait_event(self, event: Any) -> None:
-            self.waited.append(event)
+    class Driver:  # the GPU-side wait, enqueued with the registration's device context current
+        def __init__(self) -> None:
+            self.waits: list[tuple[int, int, int, int]] = []
+            self.context = 0
+
+        def current(self, context: int) -> contextlib.AbstractContextManager[None]:
+            self.context = context
+            return contextlib.nullcontext()
+
+        def wait(self, stream: int, event: int, flags: int) -> None:
+            self.waits.append((self.context, stream, event, flags))
 
     def set_stream(stream: Any) -> None:  # as torch's: the stream's device becomes current
         index = stream.device.index if isinstance(stream, Stream) else int(stream[-1])
@@ -208,11 +219,14 @@ def test_a_store_after_client_work_leaves_the_thread_on_its_device_and_stream(mo
     monkeypatch.setattr(torch.cuda, "current_device", lambda: current["device"])
     monkeypatch.setattr(torch.cuda, "set_stream", set_stream)
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: current.update(device=index))
+    driver = Driver()
+    monkeypatch.setattr(client_events, "driver", lambda: driver)
     for index in (0, 1):
         stream = Stream(index)
-        reg = Registration(0, None, None, None, None, None, ready_events=("event",), ready_stream=stream)  # type: ignore[arg-type]
-        args = TransferArgs(registration=0, tokens=b"", block_ids=b"", ready_slot=0)
+        ready = client_events.ClientEvents(("event-0", "event-1"), stream, (50, 51), context=70 + index)
+        reg = Registration(0, None, None, None, None, None, ready=ready)  # type: ignore[arg-type]
+        args = TransferArgs(registration=0, tokens=b"", block_ids=b"", ready_slot=1)
         with transfers_module._after_client_work(reg, args, True, first=True):
             assert current["streams"][index] is stream and current["device"] == index
-        assert stream.waited == ["event"]
+        assert driver.waits.pop() == (70 + index, 1000 + index, 51, 0)
         assert current == {"device": 0, "streams": {0: "default-0", 1: "default-1"}}

@@ -195,6 +195,19 @@ class _Current:
             self._driver._set_ctx(self._previous or None)
 
 
+def primary_context(device: Any) -> int:
+    """The context torch runs on on CUDA `device` (its primary context). A runtime call on the device first: a
+    thread that never made one has no context current, even with the device selected."""
+    import torch
+
+    with torch.cuda.device(device):
+        torch.cuda.synchronize(device)
+        context = driver().current_context()
+    if not context:
+        raise CudaError(f"no CUDA context is current on {device} after a runtime call there")
+    return context
+
+
 @cache
 def driver() -> Driver:
     """The process's driver bindings (loads libcuda.so.1, which torch has already loaded)."""

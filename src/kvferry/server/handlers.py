@@ -16,6 +16,7 @@ from typing import Any
 
 from kvferry.cache import CacheEngine, CacheNamespace
 from kvferry.formats import EngineKVFormat, describe
+from kvferry.server.client_events import open_client_events
 from kvferry.server.done_signal import DoneFlags
 from kvferry.server.kv_mapping import map_kv, map_shared
 from kvferry.server.protocol import ErrorCode, Op, ProtocolError, unpack_ids
@@ -113,7 +114,7 @@ class RequestHandlers:
         deployment = args.namespace
         done_flags = None
         try:
-            ready_events, ready_stream = _open_ready_events(kv.device, args.ready_events or [])
+            ready = open_client_events(kv.device, args.ready_events or [])
             if args.done_flags is not None:
                 done_flags = DoneFlags(map_shared(args.done_flags, "done_flags"), kv.device)
             # Described once here: every transfer of this registration reuses the checked geometry.
@@ -135,10 +136,7 @@ class RequestHandlers:
                 done_flags.close()
             kv.close()
             raise
-        reg = Registration(
-            self._sessions.next_id(), kv, fmt, args.block_size, namespace, geometry, ready_events, ready_stream,
-            done_flags,
-        )  # fmt: skip
+        reg = Registration(self._sessions.next_id(), kv, fmt, args.block_size, namespace, geometry, ready, done_flags)
         if not self._sessions.add_registration(session, reg):
             raise ProtocolError(ErrorCode.UNKNOWN_REGISTRATION, "the session ended while registering")
         return {
@@ -224,22 +222,6 @@ _KEY_SPACES_KEPT = 1024
 
 def _lookup_result(found: Any) -> dict[str, Any]:
     return {"tokens": found.hit_tokens, "pending": found.pending_tokens, "lock": found.lock_id}
-
-
-def _open_ready_events(device: Any, handles: list[bytes]) -> tuple[tuple[Any, ...], Any]:
-    """The client's CUDA IPC events of a registration, opened once (opening one per STORE cost more than the
-    STORE's own bookkeeping), and the stream its stores are ordered on."""
-    if not handles:
-        return (), None
-    import torch
-
-    if device.type != "cuda":
-        raise ProtocolError(ErrorCode.BAD_ARGUMENT, "'ready_events' are only meaningful for a CUDA registration")
-    try:
-        events = tuple(torch.cuda.Event.from_ipc_handle(device, handle) for handle in handles)
-    except RuntimeError as exc:
-        raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"'ready_events': cannot open a CUDA IPC event ({exc})") from None
-    return events, torch.cuda.Stream(device)
 
 
 def _describe(error: BaseException | None) -> str | None:

@@ -200,10 +200,10 @@ def _use_device(device: Any) -> None:
 
 
 def _check_ready_slot(reg: Registration, args: TransferArgs) -> None:
-    if args.ready_slot is not None and args.ready_slot >= len(reg.ready_events):
+    events = 0 if reg.ready is None else len(reg.ready.events)
+    if args.ready_slot is not None and args.ready_slot >= events:
         raise ProtocolError(
-            ErrorCode.BAD_ARGUMENT,
-            f"'ready_slot'={args.ready_slot}, but the registration has {len(reg.ready_events)} events",
+            ErrorCode.BAD_ARGUMENT, f"'ready_slot'={args.ready_slot}, but the registration has {events} events"
         )
 
 
@@ -218,9 +218,9 @@ def _after_client_work(reg: Registration, args: TransferArgs, store: bool, *, fi
         return
     import torch
 
-    stream = reg.ready_stream
+    stream = reg.ready.stream
     if first:
-        stream.wait_event(reg.ready_events[args.ready_slot])
+        reg.ready.wait(args.ready_slot)
     # set_stream, not the `torch.cuda.stream` context: that one switches and restores the current device every time,
     # and cost a one-chunk STORE ~70 us on the H200 host (`server_timeline.py`); the engine reads this device's
     # stream. set_stream also makes the stream's device current when it is not, so only then is it switched back.
