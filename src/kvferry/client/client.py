@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from kvferry.client.connection import Connection
-from kvferry.client.done_flags import LOST_DRAIN_S, DoneFlags, FlagWatch
+from kvferry.client.done_flags import LOST_DRAIN_S, DoneFlags, FlagWatch, release_slot, take_slot
 from kvferry.client.errors import ServerError, ServerUnavailable
 from kvferry.client.kv_export import export_kv
 from kvferry.client.ready_events import ReadyEvents
@@ -280,7 +280,7 @@ class KvferryClient:
 
     def _transfer(self, op: Op, registration: int, args: dict[str, Any]) -> int:
         flags = self._done_flags.get(registration)
-        slot = _take_slot(flags, args)
+        slot = take_slot(flags, args)
         deadline = time.monotonic() + self.timeout_s
         sent: list[Future[Any]] = []
 
@@ -291,7 +291,7 @@ class KvferryClient:
         try:
             result = self._call(send)
         except ServerError:  # refused before anything was enqueued: nothing will write the flag
-            _release_slot(flags, slot)
+            release_slot(flags, slot)
             raise
         except ServerUnavailable:
             if sent and registration in self._cuda_registrations:
@@ -299,12 +299,12 @@ class KvferryClient:
             raise
         if slot is not None and result["signalled"]:
             flags.wait(slot, args["done_seq"], deadline, self._check_up)  # type: ignore[union-attr]
-        _release_slot(flags, slot)  # seen, or never to be written (answered after the copy)
+        release_slot(flags, slot)  # seen, or never to be written (answered after the copy)
         return int(result["tokens"])
 
     def _transfer_async(self, op: Op, registration: int, args: dict[str, Any]) -> Future[int]:
         flags = self._done_flags.get(registration)
-        slot = _take_slot(flags, args)
+        slot = take_slot(flags, args)
         deadline = time.monotonic() + self.timeout_s
         outcome: Future[int] = Future()
         reply = self._submit(op, registration, args)
@@ -313,7 +313,7 @@ class KvferryClient:
             error = done.exception()
             if error is not None:
                 if isinstance(error, ServerError):
-                    _release_slot(flags, slot)
+                    release_slot(flags, slot)
                 if isinstance(error, ServerUnavailable) and registration in self._cuda_registrations:
                     _fail_later(outcome, error)  # see _lost_mid_copy
                 else:
@@ -323,7 +323,7 @@ class KvferryClient:
             if slot is not None and result["signalled"]:
                 self._flag_watch.watch(flags, slot, args["done_seq"], outcome, int(result["tokens"]), deadline)  # type: ignore[arg-type]
                 return
-            _release_slot(flags, slot)
+            release_slot(flags, slot)
             outcome.set_result(int(result["tokens"]))
 
         reply.add_done_callback(replied)
@@ -345,7 +345,7 @@ class KvferryClient:
         except BaseException:  # not sent: neither the event nor the done flag will be used
             if slot is not None:
                 ready.release(slot)  # type: ignore[union-attr]
-            _release_slot(self._done_flags.get(registration), args.get("done_slot"))
+            release_slot(self._done_flags.get(registration), args.get("done_slot"))
             raise
         if slot is not None:
             future.add_done_callback(lambda _: ready.release(slot))  # type: ignore[union-attr]
@@ -366,19 +366,6 @@ def _fail_later(outcome: Future[int], error: BaseException) -> None:
     timer = threading.Timer(LOST_DRAIN_S, outcome.set_exception, (error,))
     timer.daemon = True
     timer.start()
-
-
-def _take_slot(flags: DoneFlags | None, args: dict[str, Any]) -> int | None:
-    taken = flags.take() if flags is not None else None
-    if taken is None:
-        return None
-    args["done_slot"], args["done_seq"] = taken
-    return taken[0]
-
-
-def _release_slot(flags: DoneFlags | None, slot: int | None) -> None:
-    if flags is not None and slot is not None:
-        flags.release(slot)
 
 
 def _transfer_args(registration: int, tokens: Any, block_ids: Any, skip_prefix_tokens: int) -> dict[str, Any]:

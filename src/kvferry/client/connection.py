@@ -38,13 +38,13 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
-from kvferry.client.errors import RegistrationLost, ServerError, ServerUnavailable
+from kvferry.client.errors import RegistrationLost, ServerUnavailable
 from kvferry.client.link import CONNECTING, DOWN, UP, Link, ZmqLink
+from kvferry.client.pending import Pending, PendingRequests
 from kvferry.client.unix_link import UnixLink
 from kvferry.server.protocol import ErrorCode, Op, Reply, encode_request
 
@@ -52,18 +52,6 @@ log = logging.getLogger("kvferry.client")
 
 _instances = itertools.count()
 _LEADER_RECHECK_S = 0.05  # a leader also looks at its future this often (a failure set by another thread)
-
-
-_LOST_CODES = frozenset({ErrorCode.UNKNOWN_REGISTRATION.value, ErrorCode.SESSION_ENDED.value})
-
-
-@dataclass(slots=True)
-class _Pending:
-    op: Op
-    future: Future[Any]
-    convert: Callable[[dict[str, Any]], Any]
-    keepalive: Any  # objects the server reads while the request runs (a CUDA IPC event)
-    deadline: float  # time.monotonic() after which nobody waits for it
 
 
 class Connection:
@@ -94,7 +82,7 @@ class Connection:
         self.context = zmq.Context()
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # the state, the pending requests, the outbox, who leads and who watches
-        self._pending: dict[int, _Pending] = {}
+        self._pending = PendingRequests(self._lock, endpoint, timeout_s)
         self._closed = False
         self.state = CONNECTING
         self.since = time.monotonic()  # when the state last changed
@@ -154,7 +142,7 @@ class Connection:
                 raise ConnectionError(f"{op.value}: the client is closed")
             if self.state is DOWN:
                 raise self.unavailable(op.value)
-            self._pending[request_id] = _Pending(op, future, convert, keepalive, time.monotonic() + self.timeout_s)
+            self._pending.add(request_id, Pending(op, future, convert, keepalive, time.monotonic() + self.timeout_s))
             if self.state is not UP:  # the thread holds it until the server first answers
                 self._outbox.send(payload)
                 return future
@@ -166,7 +154,7 @@ class Connection:
                 replies = self._take_replies(link)
             else:
                 replies = []
-        self._settle_all(replies)
+        self._pending.settle(replies)
         if wake_thread:  # it is not watching the socket: it must, for this reply
             self._poke()
         return future
@@ -200,8 +188,7 @@ class Connection:
 
     def forget(self, future: Future[Any]) -> None:
         """Stop waiting for `future`'s reply (after a caller's timeout); a late reply is dropped."""
-        with self._lock:
-            self._pending.pop(getattr(future, "request_id", -1), None)
+        self._pending.forget(getattr(future, "request_id", -1))
 
     def close(self) -> None:
         with self._lock:
@@ -212,7 +199,7 @@ class Connection:
         self._thread.join()
         self._outbox.close(linger=0)
         self.context.term()
-        self._fail_pending(ConnectionError("the client was closed before the server replied"))
+        self._pending.fail_all(ConnectionError("the client was closed before the server replied"))
         for fd in (self._wake_leader_r, self._wake_leader_w):
             os.close(fd)
 
@@ -231,7 +218,7 @@ class Connection:
                     with self._socket_lock:
                         link = self._link
                         replies = [] if link.closed else link.receive()
-                    self._settle_all(replies)
+                    self._pending.settle(replies)
                 read = True
                 link = self._link
                 left = deadline - time.monotonic()
@@ -258,7 +245,7 @@ class Connection:
                 self._leading = False
                 # replies still due, or a session the server ended (the thread replaces it)
                 wake_thread = (bool(self._pending) and not self._watching) or link.rotate
-        self._settle_all(replies)
+        self._pending.settle(replies)
         if wake_thread:
             self._poke()
 
@@ -310,7 +297,7 @@ class Connection:
                         due = now + 0.01
                         link.tick(now)
                     replies = self._take_replies(link)
-                self._settle_all(replies)
+                self._pending.settle(replies)
                 if link.rotate:  # the server ended this session: what was sent in it is not coming back
                     with self._socket_lock:
                         if watched is not None:
@@ -320,13 +307,14 @@ class Connection:
                             poller.unregister(link.monitor)
                         link.close()
                         # Failed before the new session exists, so that no request made in it is failed.
-                        self._fail_pending(RegistrationLost("request", ErrorCode.SESSION_ENDED, "the session ended"))
+                        ended = RegistrationLost("request", ErrorCode.SESSION_ENDED, "the session ended")
+                        self._pending.fail_all(ended)
                         self._link = link = _new_link(self)
                         if link.monitor is not None:
                             poller.register(link.monitor, zmq.POLLIN)
                     due = 0.0
                 if ticked:
-                    self._expire_pending(now)
+                    self._pending.expire(now)
         finally:
             with self._socket_lock:
                 link.close()
@@ -354,7 +342,7 @@ class Connection:
                 log.warning(
                     "kvferry server %s is unreachable (%s); requests fail until it answers", self.endpoint, reason
                 )
-            self._fail_pending(self.unavailable("the request"))
+            self._pending.fail_all(self.unavailable("the request"))
 
     def unavailable(self, what: str) -> ServerUnavailable:
         return ServerUnavailable(f"{what}: kvferry server {self.endpoint} is unreachable ({self._down_reason})")
@@ -370,56 +358,12 @@ class Connection:
             self._clock_offset = hello["time"] - (sent_wall + time.time()) / 2
 
     def fail(self, request_id: int, error: Exception) -> None:
-        with self._lock:
-            pending = self._pending.pop(request_id, None)
-        if pending is not None and not pending.future.done():
-            pending.future.set_exception(error)
-
-    def _settle_all(self, replies: list[Reply]) -> None:
-        # Never the replies of a leader's requests: only the leader reads the socket while it leads.
-        for reply in replies:
-            self._settle(reply)
+        """Fail a request the link could not send (it will get no reply)."""
+        self._pending.fail(request_id, error)
 
     def _wake_leader(self) -> None:
         with contextlib.suppress(OSError):  # full (it is awake anyway), or closed with the client
             os.write(self._wake_leader_w, b"x")
-
-    def _settle(self, reply: Reply) -> None:
-        with self._lock:
-            pending = self._pending.pop(reply.id, None) if isinstance(reply.id, int) else None
-        if pending is None:
-            if not reply.ok and reply.error_code != ErrorCode.SESSION_ENDED:
-                log.warning("server error without a waiting request: %s %s", reply.error_code, reply.error_message)
-            return
-        if not reply.ok:
-            kind = RegistrationLost if reply.error_code in _LOST_CODES else ServerError
-            pending.future.set_exception(kind(pending.op.value, reply.error_code, reply.error_message))
-            return
-        try:
-            pending.future.set_result(pending.convert(reply.result))
-        except Exception as exc:  # a reply missing a field: report it on the future, keep the thread
-            pending.future.set_exception(exc)
-
-    def _expire_pending(self, now: float) -> None:
-        """Fail requests past their deadline (oldest first: every request has the same timeout)."""
-        expired = []
-        with self._lock:
-            for request_id, pending in self._pending.items():
-                if pending.deadline > now:
-                    break
-                expired.append(request_id)
-            entries = [self._pending.pop(request_id) for request_id in expired]
-        for entry in entries:
-            if not entry.future.done():
-                message = f"{entry.op.value}: no reply from {self.endpoint} within {self.timeout_s} s"
-                entry.future.set_exception(TimeoutError(message))
-
-    def _fail_pending(self, error: Exception) -> None:
-        with self._lock:
-            pending, self._pending = list(self._pending.values()), {}
-        for entry in pending:
-            if not entry.future.done():
-                entry.future.set_exception(error)
 
 
 def _drain_pipe(fd: int) -> None:

@@ -77,6 +77,21 @@ class DoneFlags:
             time.sleep(0 if now < spin_until else 50e-6)
 
 
+def take_slot(flags: DoneFlags | None, args: dict[str, Any]) -> int | None:
+    """Take a free word of `flags` for a transfer: its slot and sequence number go into the request's `args`. None
+    (the server answers after the copy) without flags or with every word in use."""
+    taken = flags.take() if flags is not None else None
+    if taken is None:
+        return None
+    args["done_slot"], args["done_seq"] = taken
+    return taken[0]
+
+
+def release_slot(flags: DoneFlags | None, slot: int | None) -> None:
+    if flags is not None and slot is not None:
+        flags.release(slot)
+
+
 @dataclass(frozen=True, slots=True)
 class _Lost:
     """The server was found lost (`error`); its copy may still end until `until` (time.monotonic())."""

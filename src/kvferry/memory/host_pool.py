@@ -7,7 +7,6 @@ alignment-sized units handed out by an :class:`~kvferry.memory.extent_allocator.
 
 from __future__ import annotations
 
-import operator
 import threading
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -15,6 +14,7 @@ from typing import NamedTuple
 import torch
 
 from kvferry.memory.extent_allocator import ExtentAllocator
+from kvferry.memory.slab import aligned_slab, checked_layout
 from kvferry.transfer.pinned import register_pinned
 
 _MIN_ALIGNMENT = 64
@@ -87,7 +87,7 @@ class HostPool:
         self._alignment = alignment
         self._unit_shift = alignment.bit_length() - 1
         self._is_pinned = bool(pin)
-        self._slab = _aligned_slab(capacity_bytes, alignment, self._is_pinned)
+        self._slab = aligned_slab(capacity_bytes, alignment, self._is_pinned)
         self._base_ptr = self._slab.data_ptr()
         if self._is_pinned:  # the slab lives at least as long as the pool
             register_pinned(self, self._base_ptr, capacity_bytes)
@@ -349,7 +349,7 @@ class HostPool:
         key = (shape, dtype) if type(shape) is tuple else None
         layout = self._layouts.get(key) if key is not None else None
         if layout is None:
-            layout = _checked_layout(shape, dtype)
+            layout = checked_layout(shape, dtype)
             if key is not None and len(self._layouts) < 64:
                 self._layouts[key] = layout
         return layout
@@ -371,35 +371,3 @@ class HostPool:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _checked_layout(shape: Sequence[int], dtype: torch.dtype) -> tuple[tuple[int, ...], list[int], int]:
-    """``shape`` as a tuple of ints, its contiguous strides and the byte size of a ``shape``/``dtype``
-    tensor; rejects empty ones."""
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype={dtype!r} must be a torch.dtype")
-    try:
-        dims = tuple(map(operator.index, shape))
-    except TypeError:
-        raise TypeError(f"shape={shape!r} must be a sequence of ints") from None
-    if min(dims, default=1) <= 0:
-        raise ValueError(f"shape={dims} must have every dimension >= 1 (zero-size allocations are rejected)")
-    strides = [1] * len(dims)
-    numel = 1
-    for axis in range(len(dims) - 1, -1, -1):
-        strides[axis] = numel
-        numel *= dims[axis]
-    return dims, strides, numel * dtype.itemsize
-
-
-def _aligned_slab(capacity: int, alignment: int, pin: bool) -> torch.Tensor:
-    raw = torch.empty(capacity, dtype=torch.uint8, pin_memory=pin)
-    if raw.data_ptr() % alignment == 0:
-        return raw
-    # Over-allocate and start at the first aligned byte. Only done when the exact-size allocation is not
-    # aligned: torch's pinned allocator rounds every request up to a power of two, so padding a
-    # power-of-two capacity up front would double the pinned memory.
-    del raw
-    raw = torch.empty(capacity + alignment, dtype=torch.uint8, pin_memory=pin)
-    pad = -raw.data_ptr() % alignment
-    return raw[pad : pad + capacity]
