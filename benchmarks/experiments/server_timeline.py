@@ -15,6 +15,11 @@ over the Unix socket left the client 68 us after the call, was read 104 us later
 decoded and checked by 238, ordered after the client's work by 344 (88 us, ~70 of them entering `torch.cuda.stream`;
 57 with `set_stream`), and its copy enqueued from 429 to 638 (the engine's `submit`, 186 us in process too).
 
+At bce93fd (2026-12-02, H200 host): the same STORE left the client at 100 us (its ready event's record 23 of
+them), was read at 147, decoded and validated by 230, ordered after the client's work by 312 (~50 us of torch
+calls; the driver's since 72037e1), enqueued from 363 to 589, and returned at 1207 (0.533 of the memcpy; in
+process 920, 0.695): ~260 us more than in process before the enqueue, in no single large piece.
+
 Before (2026-12-01, H200 host, d79bcfb): a one-chunk llama3-8b RETRIEVE was read by the server 128 us after the
 client sent it, reached a worker 95 us later, and its answer left the copy's end 350 us behind (worker -> socket
 thread -> client): each hand-over between threads costs ~90-130 us of wake-up there. Since 7d79137 a GPU transfer
