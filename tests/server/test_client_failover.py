@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
+import tempfile
 import time
 from collections.abc import Iterator
 
@@ -193,3 +195,29 @@ def test_a_frozen_server_fails_requests_fast_and_never_runs_them_late(server_pro
         assert client.wait_available(10)
         assert client.lookup(tokens, registration=reg).tokens == REAL_CHUNK
         assert peer.stats()["cache"]["locks"] == 0  # the lookup sent before the freeze was not run after it
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_a_client_stalled_itself_does_not_take_its_server_for_gone(transport: str) -> None:
+    """The client's own process stalls (stopped, swapped) with a heartbeat and a request in flight, for longer than
+    the silence timeout; their replies come meanwhile. On resuming it reads them: the server is not declared
+    unreachable and the request succeeds. (The client's thread is held on its socket lock, as a stopped process
+    would hold it, while the replies arrive.)"""
+    with tempfile.TemporaryDirectory(prefix="kvf-") as sockets:  # short: a Unix socket path has ~100 bytes at most
+        config = ServerConfig(port=0, http_port=None, heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0,
+                              ipc_path=os.path.join(sockets, "s.sock"))  # fmt: skip
+        server = KvferryServer(config, FakeEngine())  # type: ignore[arg-type]
+        server.start()
+        endpoint = f"tcp://127.0.0.1:{server.port}" if transport == "tcp" else str(server.ipc_endpoint)
+        try:
+            with KvferryClient(endpoint, timeout_s=10) as client:
+                client.ping()
+                conn = client._conn
+                with conn._socket_lock:
+                    conn._link.probe()  # a heartbeat in flight
+                    pending = client.lookup_async(list(range(8)), namespace=KEY_SPACE)
+                    time.sleep(2 * conn.silence_timeout_s)  # both replies wait in the socket
+                assert pending.result(timeout=5).tokens == 0
+                assert client.available
+        finally:
+            server.stop()

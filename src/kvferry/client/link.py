@@ -58,6 +58,8 @@ class Link(ABC):
         self.probe_sent = 0.0
         self.probe_wall = 0.0
         self.next_probe = 0.0  # while down: when to probe next
+        self.last_tick = time.monotonic()
+        self.resumed = 0.0  # when this thread last ran again after being kept from running (see tick)
         self.backoff = BACKOFF_S
 
     def close(self) -> None:
@@ -157,8 +159,13 @@ class Link(ABC):
         """Heartbeats while up; probes with backoff while down; a connection attempt that takes too long."""
         conn = self.conn
         state = conn.state
+        if now - self.last_tick > conn.silence_timeout_s / 2:
+            # This thread was kept from running (its process stopped or swapped; it ticks every 10-250 ms): what the
+            # server sent meanwhile is not read yet. Silence is counted from now, never across the stall.
+            self.resumed = now
+        self.last_tick = now
         if state is CONNECTING:
-            if now - conn.since > conn.connect_timeout_s:
+            if now - max(conn.since, self.resumed) > conn.connect_timeout_s:
                 self.down(f"no answer within {conn.connect_timeout_s:g} s of connecting")
             elif self.probe_id is None:
                 self.probe()
@@ -170,9 +177,10 @@ class Link(ABC):
                 self.backoff = min(self.backoff * 2, BACKOFF_MAX_S, conn.silence_timeout_s / 2)
                 self.next_probe = now + self.backoff
         elif self.probe_id is not None:
-            # Judge the server by a heartbeat it has had time to answer, never by how long this thread itself
-            # was kept from running (a reply that came meanwhile was read before this check).
-            if self.last_heard < self.probe_sent and now - self.probe_sent > conn.silence_timeout_s:
+            # Judge the server by a heartbeat it has had time to answer since it was sent and since this thread
+            # last resumed, never by how long this thread itself was kept from running.
+            silent = now - max(self.probe_sent, self.resumed)
+            if self.last_heard < self.probe_sent and silent > conn.silence_timeout_s:
                 self.down(f"no reply for {now - self.probe_sent:.1f} s")
         elif now - self.probe_sent >= conn.heartbeat_interval_s:
             self.probe()
