@@ -196,12 +196,13 @@ class _Current:
 
 
 def primary_context(device: Any) -> int:
-    """The context torch runs on on CUDA `device` (its primary context). A runtime call on the device first: a
-    thread that never made one has no context current, even with the device selected."""
+    """The context torch runs on on CUDA `device` (its primary context). A runtime call on the device first (a
+    stream query: it waits for nothing): a thread that never made one has no context current, even with the device
+    selected."""
     import torch
 
     with torch.cuda.device(device):
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).query()
         context = driver().current_context()
     if not context:
         raise CudaError(f"no CUDA context is current on {device} after a runtime call there")
