@@ -14,7 +14,7 @@ import torch
 from kvferry.client import KvferryClient, ServerError, ServerUnavailable, done_flags
 from kvferry.client.done_flags import DoneFlags, FlagWatch
 from kvferry.server.protocol import Op, pack_ids
-from tests.server.serverkit import random_kv
+from tests.server.serverkit import FakeEngine, random_kv
 
 FMT = 3  # NL_X_NB_BS_HS: what the fake engine copies
 NS = {"model": "fake-model"}
@@ -261,3 +261,31 @@ def test_a_transfer_that_was_never_sent_gives_its_flag_slot_back(
         with pytest.raises(ConnectionError):
             client.retrieve_async(reg, list(range(8)), [0, 1, 2, 3])
     assert sorted(flags._free) == [0, 1]
+
+
+def test_requests_about_registrations_and_counts_settle_transfers_seen_done_first() -> None:
+    """A client that saw its transfer's flag, then ends its session, unregisters or asks for the counts, finds the
+    transfer's effects there: the registration it held released, the counts including it."""
+    from kvferry.server.handlers import RequestHandlers
+    from kvferry.server.protocol import ProtocolError
+    from kvferry.server.requests import NoArgs, RegistrationArgs
+    from kvferry.server.sessions import SessionTable
+
+    table = SessionTable(time.monotonic)
+    session = table.open(b"a" * 16, 1)
+    settled: list[float] = []
+    table.answering_early(session, 1, _Copy(done=True), settled.append)  # left answered-early: settles every time
+    ended: list[str] = []
+    handlers = RequestHandlers(
+        FakeEngine(),  # type: ignore[arg-type]
+        table,
+        hello={},
+        end_session=lambda session_id, reason: ended.append(reason) or {},
+        server_stats=lambda: {"settled": len(settled)},
+    )
+    assert handlers.run(Op.STATS, session, NoArgs(), None)["server"] == {"settled": 1}
+    handlers.run(Op.END_SESSION, session, NoArgs(), None)
+    assert (len(settled), ended) == (2, ["end_session"])
+    with pytest.raises(ProtocolError, match="is not registered by this session"):
+        handlers.run(Op.UNREGISTER_KV_CACHE, session, RegistrationArgs(registration=5), None)
+    assert len(settled) == 3

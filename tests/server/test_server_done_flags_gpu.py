@@ -60,10 +60,11 @@ def tokens_at(base: int, chunks: int) -> list[int]:
 
 def raw_transfer(client: KvferryClient, op: Op, reg: int, tokens: list[int], ids: list[int]) -> tuple[dict, int, int]:
     """Send a transfer naming a done flag; its answer, slot and number (the caller waits for the flag)."""
-    from kvferry.client.client import _take_slot, _transfer_args
+    from kvferry.client.client import _transfer_args
+    from kvferry.client.done_flags import take_slot
 
     args = _transfer_args(reg, tokens, ids, 0)
-    slot = _take_slot(client._done_flags[reg], args)
+    slot = take_slot(client._done_flags[reg], args)
     assert slot is not None
     result = client._call(lambda: client._submit(op, reg, args))
     return result, slot, args["done_seq"]

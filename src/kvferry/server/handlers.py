@@ -150,6 +150,7 @@ class RequestHandlers:
         }
 
     def unregister(self, session: Session, args: RegistrationArgs) -> dict[str, Any]:
+        self._sessions.settle()  # a transfer its client saw done no longer holds the registration open
         self._sessions.unregister(session, args.registration)
         return {}
 
@@ -188,6 +189,7 @@ class RequestHandlers:
         return {"freed": bool(self._engine.free_lookup_locks(args.lock))}
 
     def end_session(self, session: Session, _: NoArgs) -> dict[str, Any]:
+        self._sessions.settle()  # as for unregister
         return self._end_session(session.id, "end_session")
 
     def clear(self, _: Session, __: NoArgs) -> dict[str, Any]:
@@ -195,6 +197,7 @@ class RequestHandlers:
         return {}
 
     def stats(self, _: Session, __: NoArgs) -> dict[str, Any]:
+        self._sessions.settle()  # the counts include what the clients have seen done
         return {"server": self._server_stats(), "cache": self._engine.stats()}
 
     def _namespace(self, session: Session, registration: int | None, explicit: Namespace | None) -> CacheNamespace:
