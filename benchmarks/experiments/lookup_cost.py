@@ -7,6 +7,10 @@ pieces of the latter: decoding, argument validation, the cache's `lookup_pool` (
 the lock), the reply's encoding. Medians of 3000 calls, twice.
 
     PYTHONPATH=src python3 benchmarks/experiments/lookup_cost.py
+
+Answer (2026-12-02, H200 host, 3c2dd17): the client's packing 24.5 / 36.3 us, the server's handling 31.8 / 41.0
+(a PING's 6.7 / 7.4): decoding 2.2-2.4, validation 2.0-2.2, `lookup_pool` 15.4-16.4, the reply 0.8-0.9. At >= 50k
+LOOKUPs/s each may cost 20 us: the server's Python alone allows 24-31k/s, one client thread's packing 28-41k/s.
 """
 
 from __future__ import annotations
