@@ -18,8 +18,8 @@ from kvferry.server.protocol import ErrorCode, ProtocolError
 
 @dataclass(frozen=True, eq=False)
 class ClientEvents:
-    """The opened events of one registration (kept: they own the handles), the stream its stores wait on them on,
-    the raw handles of both, and the device's context."""
+    """The opened events of one registration (kept: they own the handles) and their raw handles, the stream its
+    stores wait on them on, and the device's context."""
 
     events: tuple[Any, ...]  # torch.cuda.Event
     stream: Any  # torch.cuda.Stream
