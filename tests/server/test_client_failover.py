@@ -214,8 +214,8 @@ def test_a_client_stalled_itself_does_not_take_its_server_for_gone(transport: st
                 client.ping()
                 conn = client._conn
                 with conn._socket_lock:
-                    conn._link.probe()  # a heartbeat in flight
                     pending = client.lookup_async(list(range(8)), namespace=KEY_SPACE)
+                    conn._link.probe()  # then a heartbeat (sending it reads nothing: its reply stays unread)
                     time.sleep(2 * conn.silence_timeout_s)  # both replies wait in the socket
                 assert pending.result(timeout=5).tokens == 0
                 assert client.available
