@@ -264,11 +264,11 @@ def test_a_transfer_that_was_never_sent_gives_its_flag_slot_back(
 
 
 def test_requests_about_registrations_and_counts_settle_transfers_seen_done_first() -> None:
-    """A client that saw its transfer's flag, then ends its session, unregisters or asks for the counts, finds the
-    transfer's effects there: the registration it held released, the counts including it."""
+    """A client that saw its transfer's flag, then prefetches, asks for the counts, ends its session or unregisters,
+    finds the transfer's effects there: the chunks it stored in the pool, the registration it held released."""
     from kvferry.server.handlers import RequestHandlers
     from kvferry.server.protocol import ProtocolError
-    from kvferry.server.requests import NoArgs, RegistrationArgs
+    from kvferry.server.requests import NoArgs, PrefetchArgs, RegistrationArgs
     from kvferry.server.sessions import SessionTable
 
     table = SessionTable(time.monotonic)
@@ -283,9 +283,12 @@ def test_requests_about_registrations_and_counts_settle_transfers_seen_done_firs
         end_session=lambda session_id, reason: ended.append(reason) or {},
         server_stats=lambda: {"settled": len(settled)},
     )
-    assert handlers.run(Op.STATS, session, NoArgs(), None)["server"] == {"settled": 1}
+    key_space = {"model": "m", "kv_dtype": "bfloat16", "layout": "fake:3"}
+    handlers.run(Op.PREFETCH, session, PrefetchArgs(tokens=pack_ids(list(range(8)), "t"), namespace=key_space), None)
+    assert len(settled) == 1
+    assert handlers.run(Op.STATS, session, NoArgs(), None)["server"] == {"settled": 2}
     handlers.run(Op.END_SESSION, session, NoArgs(), None)
-    assert (len(settled), ended) == (2, ["end_session"])
+    assert (len(settled), ended) == (3, ["end_session"])
     with pytest.raises(ProtocolError, match="is not registered by this session"):
         handlers.run(Op.UNREGISTER_KV_CACHE, session, RegistrationArgs(registration=5), None)
-    assert len(settled) == 3
+    assert len(settled) == 4

@@ -168,6 +168,7 @@ class RequestHandlers:
     def prefetch(self, session: Session, args: PrefetchArgs) -> dict[str, Any]:
         namespace = self._namespace(session, args.registration, args.namespace)
         tokens = unpack_ids(args.tokens, "tokens")
+        self._sessions.settle()  # its answer counts the pool's hits, as a LOOKUP's does
 
         def start() -> dict[str, Any]:
             future = self._engine.prefetch(tokens, namespace=namespace)  # asks the tiers which chunks they hold
