@@ -163,8 +163,9 @@ def test_a_rank_of_a_model_without_a_head_axis_is_refused() -> None:
 
 
 def test_ranks_storing_concurrently_under_eviction_keep_every_hit_exact_and_free_everything() -> None:
-    """Two rank threads store many prompts in different orders into a pool too small for them all; every hit a
-    whole engine then reads holds the right bytes, and once cleared the pool holds nothing."""
+    """Two rank threads store many prompts into a pool too small for them all, first in opposite orders, then the
+    same prompts at the same time (as the ranks of one engine do); every hit a whole engine then reads holds the right
+    bytes, the last prompts both stored are hits, and once cleared the pool holds nothing."""
     fmt = F.NL_X_TWO_NB_BS_NH_HS
     full = make_paged(fmt, NB, seed=8)
     prompts = [[p * 7919 + t for t in range(2 * CHUNK)] for p in range(24)]
@@ -174,18 +175,22 @@ def test_ranks_storing_concurrently_under_eviction_keep_every_hit_exact_and_free
     ) as cache:
         r0, r1 = ranks(cache, fmt, full)
         errors: list[BaseException] = []
+        # Steps in lockstep, so what the pool holds at the end does not depend on how the threads were scheduled.
+        step = threading.Barrier(2)
 
         def run(rank: Engine, order: list[int]) -> None:
             try:
                 for p in order:
+                    step.wait(timeout=60)
                     rank.cache.store(prompts[p], rank.paged, IDS[: 2 * PER_CHUNK], fmt, namespace=rank.ns,
                                      geometry=rank.geometry)  # fmt: skip
             except BaseException as exc:
                 errors.append(exc)
+                step.abort()
 
         threads = [
             threading.Thread(target=run, args=(r0, list(range(24)))),
-            threading.Thread(target=run, args=(r1, list(reversed(range(24))))),
+            threading.Thread(target=run, args=(r1, list(reversed(range(12))) + list(range(12, 24)))),
         ]
         for thread in threads:
             thread.start()
@@ -193,15 +198,15 @@ def test_ranks_storing_concurrently_under_eviction_keep_every_hit_exact_and_free
             thread.join()
         assert not errors
         whole = Engine(cache, fmt, make_paged(fmt, NB, seed=9), None)
-        hits = 0
+        hits = []
         for prompt in prompts:
             poison(whole.paged)
             got = cache.retrieve(prompt, whole.paged, IDS[: 2 * PER_CHUNK], fmt, namespace=whole.ns,
                                  geometry=whole.geometry)  # fmt: skip
             n = got // BS
             assert_blocks_equal(full, IDS[:n], whole.paged, IDS[:n], fmt)
-            hits += got
-        assert 0 < hits < len(prompts) * 2 * CHUNK, hits
+            hits.append(got)
+        assert hits[-1] == 2 * CHUNK and sum(hits) < len(prompts) * 2 * CHUNK, hits
         stats = cache.stats()
         assert stats["locks"] == 0 and stats["evictions"] > 0, stats
         cache.clear()
