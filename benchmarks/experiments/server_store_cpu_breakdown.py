@@ -15,7 +15,15 @@ run and 1.4 ms in another whose server copy took 1.2-1.6: most of a 3 MiB copy's
 own-threads mode (a pool hand-off to Python threads instead of OpenMP's spinning ones); this machine's spread
 between runs (2x) is too wide to say whether anything else adds to it. The server's Python around the copy ~0.5 ms.
 
+After other work in the engine's process (2026-12-02, same machine, 0bd15c5, `... 4 16 numpy|torch`, 3 runs each,
+alternating): each store followed by a plain copy of its bytes in the engine's process. After numpy's copy (one
+thread) the server's copy took 9.5-9.9 ms (client p50 11.8-12.4); after torch's `copy_` (OpenMP threads, which spin
+for milliseconds once done) 13.1-14.9 ms (client 16.4-18.4), and 9.5-10.9 ms (client 11.9-13.3, 3 runs) with
+`OMP_WAIT_POLICY=PASSIVE` in the engine. In process the copy took 8.4-10.0 ms either way (8.6-10.6 passive). So an
+engine whose torch ops spin takes the cores the server copies on: a server of CPU KV wants cores of its own.
+
     PYTHONPATH=src python3 benchmarks/experiments/server_store_cpu_breakdown.py [seconds] [chunks, default 16]
+        [after each store: none (default), numpy or torch, a copy of its bytes in this process]
 """
 
 from __future__ import annotations
@@ -49,9 +57,13 @@ def server_mean_s(http: str, op: str) -> float:
 
 
 def timed_stores(
-    store: Callable[[list[int]], object], prefixes: Iterator[int], seconds: float, tokens_per_store: int
+    store: Callable[[list[int]], object],
+    prefixes: Iterator[int],
+    seconds: float,
+    tokens_per_store: int,
+    after: Callable[[], object],
 ) -> list[float]:
-    """Seconds of each store of a new 4096-token prefix, back to back for `seconds`."""
+    """Seconds of each store of a new prefix, back to back for `seconds`, each followed by `after()` (not timed)."""
     latencies = []
     end = time.monotonic() + seconds
     while time.monotonic() < end:
@@ -60,12 +72,25 @@ def timed_stores(
         started = time.perf_counter()
         store(tokens)
         latencies.append(time.perf_counter() - started)
+        after()
     return latencies
+
+
+def other_work(kind: str, nbytes: int) -> Callable[[], object]:
+    """What the engine's process does between stores: nothing, or a plain copy of `nbytes` by numpy or by torch."""
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    if kind == "numpy":
+        src_np, dst_np = src.numpy(), dst.numpy()
+        return lambda: np.copyto(dst_np, src_np)
+    if kind == "torch":
+        return lambda: dst.copy_(src)
+    return lambda: None
 
 
 def main() -> None:
     seconds = float(sys.argv[1]) if len(sys.argv) > 1 else 6.0
     tokens = 256 * (int(sys.argv[2]) if len(sys.argv) > 2 else 16)
+    after = other_work(sys.argv[3] if len(sys.argv) > 3 else "none", tokens * 12 << 10)  # 12 KiB a qwen token
     cmd = [sys.executable, "-m", "kvferry.server", "--port", "0", "--http-port", "0", "--l1-size-gb", "1"]
     server = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     try:
@@ -78,7 +103,7 @@ def main() -> None:
         prefixes = iter(range(1, 1 << 30))
         with KvferryClient(endpoint) as client:
             reg = client.register_kv_cache(paged, FMT, namespace={"model": "m"})  # KV now in shared memory
-            latencies = timed_stores(lambda t: client.store(reg, t, ids), prefixes, seconds, tokens)
+            latencies = timed_stores(lambda t: client.store(reg, t, ids), prefixes, seconds, tokens, after)
             cache = client.stats()["cache"]
         print(f"through the server: client p50 {statistics.median(latencies) * 1e3:.1f} ms over {len(latencies)}")
         print(f"  the server's own time per STORE {server_mean_s(http, 'STORE') * 1e3:.1f} ms")
@@ -89,7 +114,7 @@ def main() -> None:
             def in_process(t: list[int]) -> int:
                 return engine.store(t, paged, ids, FMT, namespace=ns)
 
-            latencies = timed_stores(in_process, prefixes, seconds, tokens)
+            latencies = timed_stores(in_process, prefixes, seconds, tokens, after)
             own = engine.stats()
         print(f"in process: p50 {statistics.median(latencies) * 1e3:.1f} ms over {len(latencies)}")
         print(f"  the cache's copy per store {own['store_seconds'] / own['stores'] * 1e3:.1f} ms")
