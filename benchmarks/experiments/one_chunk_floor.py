@@ -32,6 +32,7 @@ GPU machine:
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -44,7 +45,7 @@ from kvferry.bench.gpu_transfer_bench import F, Setup, memcpy, paired_ms
 from kvferry.kernels import triton_copy
 from kvferry.kernels.cuda_driver import driver
 from kvferry.transfer.api import _plans
-from kvferry.transfer.gpu_engine import TransferEngine
+from kvferry.transfer.gpu_engine import EngineConfig, TransferEngine
 from kvferry.transfer.request import check
 
 
@@ -59,7 +60,9 @@ def enqueue_us(enqueue: Callable[[], Callable[[], None]], reps: int) -> float:
     return statistics.median(spent)
 
 
-def variants(s: Setup, d: Direction, engine: TransferEngine) -> dict[str, Callable[[], Callable[[], None]]]:
+def variants(
+    s: Setup, d: Direction, engine: TransferEngine, ungraphed: TransferEngine
+) -> dict[str, Callable[[], Callable[[], None]]]:
     """Each variant's enqueue, returning the wait that completes it."""
     to_objects = d is Direction.D2H
     plan = _plans.triton(s.geom)
@@ -84,10 +87,10 @@ def variants(s: Setup, d: Direction, engine: TransferEngine) -> dict[str, Callab
     start, done = drv.event(), drv.event()
     mode = "zero_copy" if n == 1 else "staged"
 
-    def api(mode: str | None) -> Callable[[], Callable[[], None]]:
+    def api(mode: str | None, through: TransferEngine = engine) -> Callable[[], Callable[[], None]]:
         return lambda: (
             kvferry.transfer_async(
-                s.paged, objs, s.ids, d, s.fmt, s.chunk, geometry=s.geom, engine=engine, mode=mode
+                s.paged, objs, s.ids, d, s.fmt, s.chunk, geometry=s.geom, engine=through, mode=mode
             ).wait
         )
 
@@ -127,14 +130,62 @@ def variants(s: Setup, d: Direction, engine: TransferEngine) -> dict[str, Callab
             dmas(lane_stream)
         return torch.cuda.synchronize
 
-    return {
+    side = torch.cuda.Stream()
+
+    def staged_pieces(pieces: int) -> None:
+        """The staged path split into `pieces` row ranges on two streams, so one piece's DMA runs while the next is
+        gathered (a store) or scattered (a retrieve): enqueued on the current stream, for a graph to capture."""
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        doff, dcap = dmeta + n_ids * 8, dmeta + (n_ids + n) * 8
+        shape = s.geom.object_shape(s.chunk)
+        total = shape[0] * shape[1]  # object rows: plane x layer, each one contiguous run of the object
+        row_bytes = obj_bytes // total
+        cuts = [total * i // pieces for i in range(pieces + 1)]
+        for r0, r1 in itertools.pairwise(cuts):
+            a, b = r0 * row_bytes, (r1 - r0) * row_bytes
+            if to_objects:
+                triton_copy.launch_raw(
+                    plan, main.cuda_stream, stage, doff, dcap, dmeta, True, s.chunk, 0, rows, (r0, r1)
+                )
+                side.wait_stream(main)
+                drv.dtoh(ptrs[0] + a, stage + a, b, side.cuda_stream)
+            else:
+                drv.htod(stage + a, ptrs[0] + a, b, side.cuda_stream)
+                main.wait_stream(side)
+                triton_copy.launch_raw(
+                    plan, main.cuda_stream, stage, doff, dcap, dmeta, False, s.chunk, 0, rows, (r0, r1)
+                )
+        main.wait_stream(side)
+
+    def graph(pieces: int) -> Callable[[], Callable[[], None]] | None:
+        """The staged sequence captured once as a CUDA graph (torch's capture) and replayed with torch's `replay` on
+        the caller's stream: its addresses are the capture's, so this is the least host work for the request."""
+        if n != 1:
+            return None
+        staged_pieces(pieces)  # compile and warm outside the capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            staged_pieces(pieces)
+        torch.cuda.synchronize()
+        keep.append(g)
+        return lambda: (g.replay(), torch.cuda.synchronize)[1]
+
+    keep: list[torch.cuda.CUDAGraph] = []
+    found = {
         "api, auto": api(None),
+        "api, auto, graphs off": api(None, ungraphed),
         f"api, {mode}": api(mode),
         f"submit, {mode}": submit,
+        "submit, auto (one object: a graph)": lambda: engine.submit(plan, objs, checked, to_objects, s.chunk, 0).wait,
         "floor, ordered": ordered,
         "floor, on the caller's stream": direct,
         "floor, staged": staged,
     }
+    for pieces in (1, 2, 4):
+        found[f"graph x{pieces}, replay"] = graph(pieces)
+    return {k: v for k, v in found.items() if v is not None}
 
 
 def main() -> None:
@@ -143,12 +194,13 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=1, help="scattered chunk objects per request (default: 1)")
     args = parser.parse_args()
     engine = TransferEngine("cuda")
+    ungraphed = TransferEngine("cuda", EngineConfig(graph_max_bytes=0))
     print(f"{torch.cuda.get_device_name()}; ratio = memcpy p50 / variant p50; enqueue = CPU us to return")
     for model in ("qwen2.5-0.5b", "llama3-8b"):
         s = Setup(model, F.NL_X_TWO_NB_BS_NH_HS, args.chunks)
         for d in (Direction.D2H, Direction.H2D):
             ceiling = memcpy(s.nbytes, d is Direction.D2H)
-            for name, enqueue in variants(s, d, engine).items():
+            for name, enqueue in variants(s, d, engine, ungraphed).items():
                 for _ in range(20):  # warm: compile, caches
                     enqueue()()
                 ours, ceil = (ms * 1e3 for ms in paired_ms(lambda e=enqueue: e()(), ceiling, args.reps))

@@ -109,6 +109,7 @@ def breakdown(model: str) -> dict[str, Any]:
     from kvferry import transfer_async
     from kvferry.cache import writer
     from kvferry.kernels.cuda_driver import driver
+    from kvferry.kernels.cuda_graphs import graph_calls
     from kvferry.transfer.handle import TransferHandle
 
     cache, paged, geom, ns = _cache_on_gpu(model)
@@ -127,8 +128,8 @@ def breakdown(model: str) -> dict[str, Any]:
         stamps["waited"] = time.perf_counter()
 
     # The driver calls on the path to the first DMA, stamped when each returns (first of each kind per store).
-    drv = driver()
-    calls = {name: getattr(drv, name) for name in DRIVER_CALLS}
+    holders = {name: (driver(), name) for name in DRIVER_CALLS} | {"graph launch": (graph_calls(), "launch")}
+    calls = {name: getattr(*holder) for name, holder in holders.items()}
 
     def stamping(name: str, call: Callable[..., Any]) -> Callable[..., Any]:
         def stamped(*args: Any) -> Any:
@@ -152,26 +153,27 @@ def breakdown(model: str) -> dict[str, Any]:
             parts["bare"].append((time.perf_counter() - t) * 1e6)
             stamped = i % 2 == 1  # every other store: the driver calls stamped (each wrapper adds ~1 us)
             for name, call in calls.items():
-                setattr(drv, name, stamping(name, call) if stamped else call)
+                setattr(*holders[name], stamping(name, call) if stamped else call)
             stamps.clear()
             t = time.perf_counter()
             cache.store(tokens, paged, ids, FMT, namespace=ns, geometry=geom)
             end = time.perf_counter()
             for name, call in calls.items():
-                setattr(drv, name, call)
+                setattr(*holders[name], call)
             marks = [t, stamps["enter"], stamps["enqueued"], stamps["wait"], stamps["waited"], end]
             if not stamped:
                 for k, a, b in zip(STEPS, marks[:-1], marks[1:], strict=True):
                     parts[k].append((b - a) * 1e6)
                 parts["store"].append((end - t) * 1e6)
-            else:
+            else:  # the calls this store made (a one-chunk store replays a graph: no launch, no dtoh of its own)
                 for name in calls:
-                    parts["cu " + name].append((stamps["cu " + name] - t) * 1e6)
+                    if "cu " + name in stamps:
+                        parts["cu " + name].append((stamps["cu " + name] - t) * 1e6)
     finally:
         writer.transfer_pool_at_async, TransferHandle.wait = real_enqueue, real_wait  # type: ignore[method-assign]
         for name, call in calls.items():
-            setattr(drv, name, call)
-    med = {k: statistics.median(v[5:]) for k, v in parts.items()}
+            setattr(*holders[name], call)
+    med = {k: statistics.median(v[5:]) for k, v in parts.items() if v[5:]}
     # The same store alternated with the ceiling alone (no other kvferry call in between, unlike one_model's loop,
     # and unlike the loop above, which keeps kvferry's code and data warm in the CPU's caches for the store).
     ceiling = PinnedCopy(geom.bytes_per_token * 256)
@@ -188,7 +190,7 @@ def breakdown(model: str) -> dict[str, Any]:
     return {
         "model": model,
         "steps_us": {k: med[k] for k in (*STEPS, "store", "bare")},
-        "first_driver_call_us": {k: med["cu " + k] for k in calls},
+        "first_driver_call_us": {k: med["cu " + k] for k in calls if "cu " + k in med},
         "alternated_with_memcpy": {"store_us": store, "memcpy_us": ceil, "ratio": ceil / store},
     }
 

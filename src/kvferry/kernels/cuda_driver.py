@@ -86,6 +86,10 @@ class Driver:
                                               _PREFER_OVERLAP_WITH_COMPUTE)  # fmt: skip
         self._batch_first = ctypes.c_size_t(0)  # the one attribute set applies from copy 0 on
 
+    def bind(self, name: str, *argtypes: Any, quick: bool = False) -> Any:
+        """Another entry point, checked like these (`quick`: keeps the GIL, for calls that only enqueue)."""
+        return self._bind_quick(name, *argtypes) if quick else self._bind(name, *argtypes)
+
     def _bind(self, name: str, *argtypes: Any, lib: Any = None) -> Any:
         fn = getattr(self._lib if lib is None else lib, name)
         fn.argtypes = list(argtypes)

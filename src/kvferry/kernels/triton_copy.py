@@ -149,6 +149,7 @@ class TritonPlan:
     word: int
     stripes: tuple[_StripeArgs, ...]
     compiled: dict[tuple, Any] = field(default_factory=dict)  # launch shape -> compiled kernel
+    graphs: dict[tuple, Any] = field(default_factory=dict)  # (lane, request shape) -> its captured CUDA graph
 
     @property
     def obj_row(self) -> int:

@@ -23,6 +23,7 @@ kernel's launcher: torch's copy and event wrappers cost more CPU than a small re
 from __future__ import annotations
 
 import functools
+import logging
 import struct
 import threading
 import weakref
@@ -34,12 +35,16 @@ import numpy as np
 import torch
 
 from kvferry.kernels import triton_copy
-from kvferry.kernels.cuda_driver import Driver, driver
+from kvferry.kernels.cuda_driver import CudaError, Driver, driver
+from kvferry.transfer.graphed import ObjectGraph
 from kvferry.transfer.handle import Completion, TransferHandle
 from kvferry.transfer.schedule import MiB, Ring, Schedule, Step, dma_runs, schedule
 
 if TYPE_CHECKING:
     from kvferry.transfer.request import Checked
+
+log = logging.getLogger(__name__)
+_GRAPHS_PER_PLAN = 16  # request shapes x lanes: an engine's plan meets one or two shapes per direction
 
 
 class _Lane:
@@ -174,6 +179,10 @@ class EngineConfig:
     # moves 36 GB/s and the GEMM keeps 99% (docs/gpu_data_path.md, "GEMM").
     kernel_priority: int = -1
     batch_dma: bool = True  # a slice's scattered objects as one cuMemcpyBatchAsync where the driver has it
+    # A request of one whole object up to this size replays a CUDA graph of its staged transfer, captured for its
+    # shape on first use (`graphed`); 0 turns graphs off. In "auto" mode such a request is staged even below
+    # `zero_copy_below`: the graph is faster than the zero-copy kernel and leaves the SMs to the model.
+    graph_max_bytes: int = 64 * MiB
 
     def __post_init__(self) -> None:
         if self.mode not in ("auto", "staged", "zero_copy"):
@@ -198,6 +207,7 @@ class TransferEngine:
             self._context = self._driver.current_context()  # the primary context, which torch made current
         self._schedules: dict[tuple[object, ...], Schedule] = {}  # staged request shapes seen (a small cache)
         self._batch = self.config.batch_dma and self._driver.has_batch
+        self._graphs_failed = not self.config.graph_max_bytes
 
     def submit(
         self,
@@ -222,8 +232,13 @@ class TransferEngine:
         lane = self._store if to_objects else self._retrieve
         nbytes = (len(ids) - skip_prefix_blocks) * plan.bs * plan.bytes_per_token
         mode = mode or self.config.mode
+        graphed = (mode != "zero_copy" and len(ptrs) == 1 and not skip_prefix_blocks and not plan.partial_rows
+                   and len(ids) * plan.bs == caps[0] and 0 < nbytes <= self.config.graph_max_bytes
+                   and not self._graphs_failed)  # fmt: skip
         if plan.partial_rows:  # staging rows would be whole object rows: a DMA of them would overwrite other heads
             mode = "zero_copy"
+        elif graphed:
+            mode = "staged"
         elif mode == "auto":
             mode = "zero_copy" if nbytes < self.config.zero_copy_below else "staged"
         if mode == "zero_copy" or (to_objects and skip_prefix_blocks * plan.bs % chunk_size):
@@ -238,7 +253,12 @@ class TransferEngine:
             d.record(lane.start, caller)  # what the request's kernels wait for (its DMAs to and from staging do not)
             end = caller
             keep: object = None
-            if nbytes and mode == "zero_copy":
+            graph = graphed and self._graph(lane, plan, len(ids), caps[0], rows, chunk_size, to_objects, ptrs[0])
+            if graph:
+                meta, keep = lane.upload([ids], len(ids), done, graph.stream, to_device=False)
+                graph.launch(ptrs[0], meta, lane.start)
+                keep, end = (keep, graph), graph.stream  # the graph's staging stays until the request has run
+            elif nbytes and mode == "zero_copy":
                 keep, end = self._zero_copy(lane, plan, ptrs, caps, ids, to_objects, chunk_size, skip_prefix_blocks,
                                             done)  # fmt: skip
             elif nbytes:
@@ -248,6 +268,37 @@ class TransferEngine:
             lane.retire()
             lane.inflight.append((done, (objects, keep)))
         return TransferHandle(done, nbytes, mode)
+
+    def _graph(
+        self,
+        lane: _Lane,
+        plan: triton_copy.TritonPlan,
+        n_ids: int,
+        cap: int,
+        rows: int,
+        chunk_size: int,
+        to_objects: bool,
+        host: int,
+    ) -> ObjectGraph | None:
+        """The lane's graph for this request shape, captured now if new; None where graphs cannot serve it (a plan
+        holding as many as it keeps, or a driver that refused a capture: then this engine stops trying)."""
+        key = (lane.ref, n_ids, cap, chunk_size, to_objects)
+        graph = plan.graphs.get(key)
+        if graph is not None:
+            return graph
+        for k in [k for k in plan.graphs if k[0]() is None]:  # graphs of lanes gone (their engines were dropped)
+            del plan.graphs[k]
+        if len(plan.graphs) >= _GRAPHS_PER_PLAN:
+            return None
+        try:
+            graph = ObjectGraph(self._driver, self._context, plan, n_ids, cap, rows, chunk_size, to_objects,
+                                self.config.programs, lane.handles[0], host)  # fmt: skip
+        except CudaError as e:
+            log.warning("CUDA graph capture failed (%s): one-object requests take the staged path", e)
+            self._graphs_failed = True
+            return None
+        plan.graphs[key] = graph
+        return graph
 
     def _zero_copy(
         self,
