@@ -88,7 +88,11 @@ def test_transfer_section_gives_the_gpu_engine_settings(tmp_path: Path) -> None:
 
     path = tmp_path / "kvferry.yaml"
     path.write_text("transfer:\n  staging_slots: 3\n  slice_mib: 8\n  mode: staged\n")
-    env = {"KVFERRY_TRANSFER__STAGING_SLOT_MIB": "128", "KVFERRY_TRANSFER__KERNEL_PRIORITY": "0"}
+    env = {
+        "KVFERRY_TRANSFER__STAGING_SLOT_MIB": "128",
+        "KVFERRY_TRANSFER__KERNEL_PRIORITY": "0",
+        "KVFERRY_TRANSFER__GRAPH_MAX_MIB": "0",
+    }
     cfg = KvferryConfig.load(path, env=env)
     engine = EngineConfig(**cfg.transfer.engine_settings())
     assert (engine.slots, engine.slot_bytes, engine.slice_bytes) == (3, 128 << 20, 8 << 20)
@@ -98,6 +102,7 @@ def test_transfer_section_gives_the_gpu_engine_settings(tmp_path: Path) -> None:
         4 << 20,
         True,
     )
+    assert engine.graph_max_bytes == 0  # graphs off
     assert EngineConfig(**KvferryConfig.load(env={}).transfer.engine_settings()) == EngineConfig()  # same defaults
     with pytest.raises(ValidationError, match="staging_slot_mib"):
         KvferryConfig.load(env={"KVFERRY_TRANSFER__STAGING_SLOT_MIB": "0"})

@@ -96,6 +96,9 @@ class TransferConfig(BaseModel):
     )
     batch_dma: bool = Field(True, description="a slice's scattered objects as one cuMemcpyBatchAsync (CUDA 12.8+)")
     programs: int | None = Field(None, gt=0, description="programs per gather/scatter launch (default two per SM)")
+    graph_max_mib: float = Field(
+        64.0, ge=0, description="a request of one whole object up to this size replays a captured CUDA graph (0: off)"
+    )
 
     def engine_settings(self) -> dict[str, Any]:
         """The `EngineConfig` keyword arguments these settings give."""
@@ -109,6 +112,7 @@ class TransferConfig(BaseModel):
             programs=self.programs,
             kernel_priority=self.kernel_priority,
             batch_dma=self.batch_dma,
+            graph_max_bytes=int(self.graph_max_mib * mib),
         )
 
 

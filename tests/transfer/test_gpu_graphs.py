@@ -4,6 +4,7 @@ requests in flight through one graph re-aimed at different objects and ids, orde
 from __future__ import annotations
 
 import gc
+import time
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import kvferry
 from kvferry import Direction
 from kvferry.formats import EngineKVFormat, describe, layout_of
 from kvferry.formats.synthetic import MODELS, ModelDims, make_paged, random_fill
+from kvferry.kernels import triton_copy
 from kvferry.memory import HostPool
 from kvferry.transfer.api import _plans
 from kvferry.transfer.gpu_engine import EngineConfig, TransferEngine
@@ -159,6 +161,31 @@ def test_graphed_requests_wait_for_the_callers_stream(pool: HostPool) -> None:
     pool.free(obj)
 
 
+def test_a_first_graphed_request_behind_a_busy_stream_does_not_block(pool: HostPool) -> None:
+    """The capture of a shape's graph happens on the first such request; the caller's stream may be queued behind
+    a second of the model's work, and neither the capture nor the request waits for it on the CPU."""
+    fmt = F.NL_X_TWO_NB_BS_NH_HS
+    paged = make_paged(fmt, MODELS["qwen2.5-0.5b"], 64, 16, device="cuda")
+    geom = describe(fmt, paged, block_size=16)
+    engine = TransferEngine("cuda")
+    [obj] = _poisoned(pool, geom.object_shape(256), geom.dtype, 1)
+    triton_copy.compile_all(_plans.triton(geom))  # compiling is not what this measures
+    compute = torch.cuda.Stream()
+    with torch.cuda.stream(compute):
+        torch.cuda._sleep(2_000_000_000)  # ~1 s of "model compute"
+        for t in paged:
+            t.fill_(0.5)
+        t0 = time.perf_counter()
+        handle = kvferry.transfer_async(paged, [obj], list(range(16)), Direction.D2H, fmt, geometry=geom,
+                                        engine=engine)  # fmt: skip
+        enqueue_s = time.perf_counter() - t0
+    assert enqueue_s < 0.2, f"a first graphed request behind a busy stream took {enqueue_s * 1e3:.0f} ms to enqueue"
+    assert not handle.done()
+    handle.wait()
+    assert bool((obj == 0.5).all())
+    pool.free(obj)
+
+
 def test_a_dropped_engines_graphs_are_let_go(pool: HostPool) -> None:
     """Graphs live on the plan, keyed by their engine's lane: a dropped engine's graphs (and their staging) go at
     the next capture for that plan."""
@@ -177,3 +204,34 @@ def test_a_dropped_engines_graphs_are_let_go(pool: HostPool) -> None:
     kvferry.transfer_async(paged, [obj], list(range(16)), Direction.D2H, fmt, geometry=geom, engine=fresh).wait()
     assert len(plan.graphs) == 1 and all(key[0]() is not None for key in plan.graphs)
     pool.free(obj)
+
+
+def test_a_refused_capture_falls_back_to_the_staged_path(
+    pool: HostPool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A driver that refuses the capture (an old one, or a capture invalidated) costs nothing but the graph: the
+    request moves by the staged pipeline, a warning says so once, and the engine stops trying."""
+    from kvferry.kernels.cuda_driver import CudaError
+    from kvferry.transfer import gpu_engine
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise CudaError("cuStreamBeginCapture_v2 failed: CUDA_ERROR_NOT_SUPPORTED (801)")
+
+    monkeypatch.setattr(gpu_engine, "ObjectGraph", refuse)
+    fmt = F.NL_X_TWO_NB_BS_NH_HS
+    paged = make_paged(fmt, MODELS["qwen2.5-0.5b"], 64, 16, device="cuda")
+    geom = describe(fmt, paged, block_size=16)
+    engine = TransferEngine("cuda")
+    objs = _poisoned(pool, geom.object_shape(256), geom.dtype, 2)
+    ids = torch.randperm(64)[:16]
+    for obj in objs:
+        kvferry.transfer_async(paged, [obj], ids, Direction.D2H, fmt, geometry=geom, engine=engine).wait()
+    want = torch.empty(objs[0].shape, dtype=geom.dtype, device="cuda")
+    kvferry.transfer(paged, [want], ids, Direction.D2H, fmt, backend="torch", geometry=geom)
+    assert all(torch.equal(o.cuda(), want) for o in objs)
+    assert [r.message for r in caplog.records if "capture" in r.message] == [
+        "CUDA graph capture failed (cuStreamBeginCapture_v2 failed: CUDA_ERROR_NOT_SUPPORTED (801)): one-object "
+        "requests take the staged path"
+    ]
+    for o in objs:
+        pool.free(o)

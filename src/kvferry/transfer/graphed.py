@@ -27,11 +27,11 @@ from kvferry.transfer.schedule import MiB
 
 
 def pieces_for(nbytes: int, rows: int, to_objects: bool) -> int:
-    """Row ranges per object. H200, 2026-12-02, graphs of one, two or four ranges (three boots): a 3 MiB store
-    0.89-0.91 / 0.93-0.95 / 0.90-0.92 of a memcpy, a retrieve 0.86-0.99 / 0.92-0.93 / 0.83-0.84 (its DMA comes
-    first, and a range's scatter is short); a 32 MiB store 0.96-0.97 / 0.97-0.99 / 0.98-0.99, a retrieve 0.96-0.97 /
-    0.97-0.98 / 0.97-0.98. Each node costs launch time (a four-range graph's launch 26-36 us of CPU against 14-16
-    for two): two ranges, one for a small retrieve."""
+    """Row ranges per object. H200, 2026-12-02 #12-#15, graphs of one / two / four ranges: a 3 MiB store 0.88-0.91 /
+    0.93-0.95 / 0.90-0.97 of a memcpy, a retrieve 0.86-0.99 / 0.89-0.93 / 0.80-0.84 (its DMA comes first, and a
+    range's scatter is short); a 32 MiB store 0.96-0.97 / 0.97-0.99 / 0.97-0.99, a retrieve 0.96-0.97 / 0.97-0.98 /
+    0.97-0.98. Each node costs launch time (a four-range graph's launch 17-36 us of CPU against 8-16 for two): two
+    ranges, one for a small retrieve."""
     return min(rows, 1 if nbytes <= 8 * MiB and not to_objects else 2)
 
 
@@ -60,13 +60,15 @@ class ObjectGraph:
         device = plan.stripes[0].base.device
         row_bytes = cap * plan.width * plan.element_size
         self.nbytes = rows * row_bytes
-        with torch.cuda.device(device):
+        capture_stream, side = torch.cuda.Stream(device), torch.cuda.Stream(device)
+        # On a stream of its own: the caller's may be queued behind the model for a long time, and a capture's
+        # first request must not wait for it on the CPU.
+        with torch.cuda.device(device), torch.cuda.stream(capture_stream):
             self._staging = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
             # ids (uploaded per launch), then the one object's offset in words and its capacity (fixed)
             self._tables = torch.zeros(n_ids + 2, dtype=torch.int64, device=device)
             self._tables[n_ids + 1] = cap
-            capture_stream, side = torch.cuda.Stream(device), torch.cuda.Stream(device)
-            torch.cuda.current_stream(device).synchronize()  # the tables' fill, before a launch reads them
+        capture_stream.synchronize()  # the tables' fill, before a launch reads them
         staging, tables = self._staging.data_ptr(), self._tables.data_ptr()
         self._tables_ptr = tables
         off, caps = tables + n_ids * 8, tables + (n_ids + 1) * 8
