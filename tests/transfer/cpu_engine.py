@@ -148,5 +148,6 @@ def engine_on(world: World, driver: CopyingDriver, config: gpu_engine.EngineConf
     engine.__dict__.update(
         device=torch.device("cuda", 0), config=config, _driver=driver, _store=_lane(driver, world, slot_bytes, 2),
         _retrieve=_lane(driver, world, slot_bytes, 2), _context=0, _schedules={}, _batch=config.batch_dma,
+        _graphs_failed=True,  # this driver captures no CUDA graphs: one-object requests take the staged path
     )  # fmt: skip
     return engine

@@ -36,7 +36,7 @@ import torch
 
 from kvferry.kernels import triton_copy
 from kvferry.kernels.cuda_driver import CudaError, Driver, driver
-from kvferry.transfer.graphed import ObjectGraph
+from kvferry.transfer.graphed import ObjectGraph, tables_bytes
 from kvferry.transfer.handle import Completion, TransferHandle
 from kvferry.transfer.schedule import MiB, Ring, Schedule, Step, dma_runs, schedule
 
@@ -234,6 +234,7 @@ class TransferEngine:
         mode = mode or self.config.mode
         graphed = (mode != "zero_copy" and len(ptrs) == 1 and not skip_prefix_blocks and not plan.partial_rows
                    and len(ids) * plan.bs == caps[0] and 0 < nbytes <= self.config.graph_max_bytes
+                   and nbytes + tables_bytes(len(ids)) <= self.config.slot_bytes
                    and not self._graphs_failed)  # fmt: skip
         if plan.partial_rows:  # staging rows would be whole object rows: a DMA of them would overwrite other heads
             mode = "zero_copy"
@@ -255,9 +256,9 @@ class TransferEngine:
             keep: object = None
             graph = graphed and self._graph(lane, plan, len(ids), caps[0], rows, chunk_size, to_objects, ptrs[0])
             if graph:
-                meta, keep = lane.upload([ids], len(ids), done, graph.stream, to_device=False)
+                meta, keep = lane.upload([ids, [0, caps[0]]], len(ids) + 2, done, graph.stream, to_device=False)
                 graph.launch(ptrs[0], meta, lane.start)
-                keep, end = (keep, graph), graph.stream  # the graph's staging stays until the request has run
+                keep, end = (keep, graph), graph.stream  # the graph stays until the request has run
             elif nbytes and mode == "zero_copy":
                 keep, end = self._zero_copy(lane, plan, ptrs, caps, ids, to_objects, chunk_size, skip_prefix_blocks,
                                             done)  # fmt: skip
@@ -292,7 +293,7 @@ class TransferEngine:
             return None
         try:
             graph = ObjectGraph(self._driver, self._context, plan, n_ids, cap, rows, chunk_size, to_objects,
-                                self.config.programs, lane.handles[0], host)  # fmt: skip
+                                self.config.programs, lane.handles[0], lane.staging_ptr, host)  # fmt: skip
         except CudaError as e:
             log.warning("CUDA graph capture failed (%s): one-object requests take the staged path", e)
             self._graphs_failed = True

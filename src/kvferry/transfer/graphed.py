@@ -10,8 +10,10 @@ What varies per request, and how it reaches a graph captured with other values:
 - the block ids: the caller uploads them into the graph's device table before each launch, on the one stream the
   graph is launched on, so a launch never reads another's ids (launches of one graph also run one at a time);
 - the object's address: the graph's host copies are re-aimed before each launch (`CapturedGraph.aim`).
-The staging buffer is the graph's own. The engine's KV addresses are baked into the kernels, which is why graphs
-live on the plan (`TritonPlan.graphs`), built for one engine KV cache.
+A graph stages in the first staging slot of its lane and is launched on that slot's stream, so stream order keeps
+it apart from the staged requests using the slot (and allocates nothing: allocating device memory synchronises the
+device). The engine's KV addresses are baked into the kernels, which is why graphs live on the plan
+(`TritonPlan.graphs`), built for one engine KV cache.
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ def pieces_for(nbytes: int, rows: int, to_objects: bool) -> int:
     return min(rows, 1 if nbytes <= 8 * MiB and not to_objects else 2)
 
 
+def tables_bytes(n_ids: int) -> int:
+    """Device bytes of a graph's tables (block ids, the object's offset and capacity), 256-byte aligned."""
+    return -(-(n_ids + 2) * 8 // 256) * 256
+
+
 class ObjectGraph:
     """The captured transfer of one object of `cap` tokens (all of them) in one direction, for one plan and lane."""
 
@@ -50,27 +57,25 @@ class ObjectGraph:
         to_objects: bool,
         programs: int | None,
         stream: int,
+        slot: int,
         host: int,
     ) -> None:
         """Capture the transfer with the object at `host` (a pinned object of the first request; nothing moves
-        during a capture). `stream`: where every launch of it goes."""
+        during a capture). `stream`: where every launch of it goes; `slot`: the device memory it stages in, the
+        staging slot whose work runs on `stream` (`tables_bytes(n_ids)` + the object's bytes; stream order keeps
+        the slot's other users apart). No device memory is allocated: that would synchronise the device, and the
+        caller's stream may be queued behind the model for a long time."""
         self._driver = drv
         self.stream = stream
         self.n_ids = n_ids
         device = plan.stripes[0].base.device
-        row_bytes = cap * plan.width * plan.element_size
-        self.nbytes = rows * row_bytes
+        self.nbytes = rows * cap * plan.width * plan.element_size
+        row_bytes = self.nbytes // rows
         capture_stream, side = torch.cuda.Stream(device), torch.cuda.Stream(device)
-        # On a stream of its own: the caller's may be queued behind the model for a long time, and a capture's
-        # first request must not wait for it on the CPU.
-        with torch.cuda.device(device), torch.cuda.stream(capture_stream):
-            self._staging = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
-            # ids (uploaded per launch), then the one object's offset in words and its capacity (fixed)
-            self._tables = torch.zeros(n_ids + 2, dtype=torch.int64, device=device)
-            self._tables[n_ids + 1] = cap
-        capture_stream.synchronize()  # the tables' fill, before a launch reads them
-        staging, tables = self._staging.data_ptr(), self._tables.data_ptr()
-        self._tables_ptr = tables
+        # ids, then the one object's offset in words (0) and its capacity: uploaded with every launch, as the slot's
+        # other users overwrite them
+        self._tables_ptr = tables = slot
+        staging = slot + tables_bytes(n_ids)
         off, caps = tables + n_ids * 8, tables + (n_ids + 1) * 8
         pieces = pieces_for(self.nbytes, rows, to_objects)
         cuts = [rows * i // pieces for i in range(pieces + 1)]
@@ -112,10 +117,11 @@ class ObjectGraph:
             raise CudaError(f"the captured graph has {len(copies)} host copies; {pieces} were enqueued")
         self._copies: list[tuple[HostCopy, int]] = [(c, c.device_address - staging) for c in copies]
 
-    def launch(self, host: int, ids_host: int, start: int) -> None:
-        """Move the object at `host` by the block ids at `ids_host` (pinned int64s), after `start` (an event)."""
+    def launch(self, host: int, tables_host: int, start: int) -> None:
+        """Move the object at `host` after `start` (an event); `tables_host`: pinned int64s, the block ids then 0
+        and the object's capacity (`tables`)."""
         d, stream = self._driver, self.stream
-        d.htod(self._tables_ptr, ids_host, self.n_ids * 8, stream)
+        d.htod(self._tables_ptr, tables_host, (self.n_ids + 2) * 8, stream)
         for copy, at in self._copies:
             self._graph.aim(copy, host + at)
         d.wait(stream, start, 0)
