@@ -8,6 +8,12 @@ Answer (2026-12-01, H200 #40-#42, store / retrieve): qwen2.5-0.5b (3 MiB) the ca
 qwen2.5-0.5b the call 0.85-0.91 / 0.82, `submit` 0.94-0.95 / 0.95, gather + one batch of DMAs by hand 0.947 /
 0.947; llama3-8b 0.956 / 0.956, 0.978 / 0.986, 0.967 / 0.970 (docs/benchmark_log.md).
 
+Graphs (2026-12-02, H200 #12-#15): the staged sequence captured once and replayed reaches qwen2.5-0.5b 0.88-0.91 /
+0.93-0.95 / 0.90-0.97 (store; one, two, four row ranges) and 0.86-0.99 / 0.89-0.93 / 0.80-0.84 (retrieve), llama3-8b
+0.96-0.99 and 0.96-0.98: the GPU side of one chunk reaches both goals. The engine now replays such a graph for a
+one-object request (`api, auto`; `api, auto, graphs off` is the same call without): qwen2.5-0.5b 0.53-0.63 / 0.57-0.64,
+llama3-8b 0.86-0.87 / 0.83-0.92; what is left is the call's own CPU time before the launch.
+
 Each row times one chunk (format 1, scattered blocks, one pool object) from the Python call to the bytes having
 moved, alternating with the same-run pinned memcpy (torch `copy_` + synchronize), medians over --reps:
 
@@ -20,7 +26,9 @@ moved, alternating with the same-run pinned memcpy (torch `copy_` + synchronize)
 - `floor, on the caller's stream`: the launch alone on the caller's stream, then `torch.cuda.synchronize()` (the
   memcpy's own sync): the least any Python caller of this kernel can do;
 - `floor, staged`: the gather into a device buffer and one DMA of it (a retrieve: the DMA, then the scatter), both
-  on one stream with no ordering after the caller's, then the same sync: the staged path's least.
+  on one stream with no ordering after the caller's, then the same sync: the staged path's least;
+- `graph xN, replay`: that sequence, its object cut into N row ranges on two streams, captured once as a CUDA graph
+  and replayed by torch on the caller's stream (one object only).
 
 Also the CPU time of each variant's enqueue (call to return, before the wait). `--chunks N` moves N scattered
 objects per request instead (the engine's path then staged; by hand one launch and one batch of DMAs). Run on the

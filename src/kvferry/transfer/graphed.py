@@ -32,7 +32,7 @@ def pieces_for(nbytes: int, rows: int, to_objects: bool) -> int:
     """Row ranges per object. H200, 2026-12-02 #12-#15, graphs of one / two / four ranges: a 3 MiB store 0.88-0.91 /
     0.93-0.95 / 0.90-0.97 of a memcpy, a retrieve 0.86-0.99 / 0.89-0.93 / 0.80-0.84 (its DMA comes first, and a
     range's scatter is short); a 32 MiB store 0.96-0.97 / 0.97-0.99 / 0.97-0.99, a retrieve 0.96-0.97 / 0.97-0.98 /
-    0.97-0.98. Each node costs launch time (a four-range graph's launch 17-36 us of CPU against 8-16 for two): two
+    0.97-0.98. Each node costs launch time (a four-range graph's replay 10-36 us of CPU against 7-16 for two): two
     ranges, one for a small retrieve."""
     return min(rows, 1 if nbytes <= 8 * MiB and not to_objects else 2)
 
