@@ -28,6 +28,7 @@ from kvferry.memory import HostPool
 from kvferry.transfer import check_request
 from kvferry.transfer.api import _plans
 from kvferry.transfer.gpu_engine import TransferEngine
+from kvferry.transfer.lane import Lane
 
 
 def us(fn, n: int = 300) -> float:  # type: ignore[no-untyped-def]
@@ -164,14 +165,14 @@ def stages(paged, objs, ids, fmt, geom, engine) -> None:  # type: ignore[no-unty
 
     for module, name in ((api, "check"), (api, "_backend"), (triton_copy, "launch_raw")):
         timed(module, name)
-    orig_upload = gpu_engine._Lane.upload
+    orig_upload = Lane.upload
 
     def upload(self, *args):  # type: ignore[no-untyped-def]
         out = orig_upload(self, *args)
         marks.append(("upload", time.perf_counter()))
         return out
 
-    gpu_engine._Lane.upload = upload  # type: ignore[method-assign]
+    Lane.upload = upload  # type: ignore[method-assign]
     orig_submit = gpu_engine.TransferEngine.submit
 
     def submit(self, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -196,7 +197,7 @@ def stages(paged, objs, ids, fmt, geom, engine) -> None:  # type: ignore[no-unty
         print(f"stages of transfer_async, llama one chunk, {direction.name} (median us from the call):", flush=True)
         for key in order:
             print(f"    {key:18s} {sorted(runs[key])[len(runs[key]) // 2]:8.1f}", flush=True)
-    gpu_engine._Lane.upload = orig_upload  # type: ignore[method-assign]
+    Lane.upload = orig_upload  # type: ignore[method-assign]
     gpu_engine.TransferEngine.submit = orig_submit  # type: ignore[method-assign]
 
 

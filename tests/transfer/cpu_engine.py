@@ -21,6 +21,7 @@ import torch
 from kvferry.kernels import triton_copy
 from kvferry.memory import HostPool
 from kvferry.transfer import gpu_engine
+from kvferry.transfer.lane import Lane
 from tests.conftest import poisoned
 
 STREAMS = (1, 2)  # a lane's slot streams, as the fake driver sees them (the caller's stream is 0)
@@ -90,7 +91,7 @@ class World:
 
     def __init__(self, pool: HostPool, slot_bytes: int, slots: int = 2) -> None:
         self.staging = poisoned((slots * slot_bytes,), torch.uint8)
-        self.meta = torch.zeros((gpu_engine._Lane.META_SLOTS, gpu_engine._Lane.META_INTS), dtype=torch.int64)
+        self.meta = torch.zeros((Lane.META_SLOTS, Lane.META_INTS), dtype=torch.int64)
         self.meta_host = torch.zeros_like(self.meta)  # the pinned ring: zero-copy kernels read it in place
         self.pool = pool
         self.launches = 0
@@ -120,8 +121,8 @@ class World:
                            n_rows, rows, obj_shift)  # fmt: skip
 
 
-def _lane(drv: CopyingDriver, world: World, slot_bytes: int, slots: int) -> gpu_engine._Lane:
-    lane = gpu_engine._Lane.__new__(gpu_engine._Lane)
+def _lane(drv: CopyingDriver, world: World, slot_bytes: int, slots: int) -> Lane:
+    lane = Lane.__new__(Lane)
     lane.__dict__.update(
         _driver=drv, streams=[], handles=list(STREAMS[:slots]), slot_bytes=slot_bytes, staging=world.staging,
         staging_ptr=world.staging.data_ptr(), start=START, meta_ready=META_READY,

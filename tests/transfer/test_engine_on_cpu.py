@@ -21,6 +21,7 @@ from kvferry.formats.synthetic import random_fill
 from kvferry.kernels import triton_copy
 from kvferry.memory import HostPool
 from kvferry.transfer import gpu_engine
+from kvferry.transfer.lane import Lane
 from kvferry.transfer.pinned import register_pinned
 from kvferry.transfer.request import check, check_pool_addresses
 from tests.conftest import engine_bytes
@@ -277,9 +278,9 @@ def test_a_metadata_slot_is_reused_once_its_request_finished(cpu_engine, monkeyp
         return engine.submit(plan, objs, torch.randperm(12), True, chunk, 0)
 
     drv.requests_finish = False  # every request stays in flight
-    for _ in range(gpu_engine._Lane.META_SLOTS):
+    for _ in range(Lane.META_SLOTS):
         submit()
-    assert len(set(tables)) == gpu_engine._Lane.META_SLOTS and all(t in host_ring for t in tables)
+    assert len(set(tables)) == Lane.META_SLOTS and all(t in host_ring for t in tables)
     submit()  # slot 0's request may still read it
     assert tables[-1] not in host_ring
     drv.requests_finish = True

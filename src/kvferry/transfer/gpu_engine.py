@@ -22,12 +22,8 @@ kernel's launcher: torch's copy and event wrappers cost more CPU than a small re
 
 from __future__ import annotations
 
-import functools
 import logging
-import struct
 import threading
-import weakref
-from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,9 +31,10 @@ import numpy as np
 import torch
 
 from kvferry.kernels import triton_copy
-from kvferry.kernels.cuda_driver import CudaError, Driver, driver
+from kvferry.kernels.cuda_driver import CudaError, driver
 from kvferry.transfer.graphed import ObjectGraph, tables_bytes
 from kvferry.transfer.handle import Completion, TransferHandle
+from kvferry.transfer.lane import Lane
 from kvferry.transfer.schedule import MiB, Ring, Schedule, Step, dma_runs, schedule
 
 if TYPE_CHECKING:
@@ -45,123 +42,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _GRAPHS_PER_PLAN = 16  # request shapes x lanes: an engine's plan meets one or two shapes per direction
-
-
-class _Lane:
-    """One direction's streams, staging ring and request-metadata ring (all allocated once)."""
-
-    # Block ids + object tables of one request per slot (16K ints: a 250K-token request at 16-token blocks). A slot
-    # is free once its request's kernels have run, and they queue behind the caller's stream: the ring holds that
-    # many requests waiting on a busy model. Beyond it (or a larger request) a one-off buffer is allocated, and
-    # allocating pinned or device memory synchronises the device, so the ring is generous.
-    META_SLOTS = 32
-    META_INTS = 1 << 14
-
-    def __init__(self, drv: Driver, device: torch.device, slots: int, slot_bytes: int, priority: int) -> None:
-        self._driver = drv
-        # One stream per staging slot runs that slot's gathers (scatters) and DMAs in order: stream order is what
-        # frees a slot for its next slice, so slices need no events. (High priority: see EngineConfig.)
-        self.streams = [torch.cuda.Stream(device, priority=priority) for _ in range(slots)]
-        self.handles = [stream.cuda_stream for stream in self.streams]
-        self.slot_bytes = slot_bytes
-        self.staging = torch.empty(slots * slot_bytes, dtype=torch.uint8, device=device)
-        self.staging_ptr = self.staging.data_ptr()
-        self.start = drv.event()  # the caller's stream, as of the request being enqueued
-        self.meta_ready = drv.event()  # a request's metadata upload, for its streams other than the first
-        self.joined = [drv.event() for _ in range(slots)]  # a slot stream's part of a request, for the last stream
-        self.next_slot = 0
-        self.meta_host = torch.empty((self.META_SLOTS, self.META_INTS), dtype=torch.int64, pin_memory=True)
-        self.meta_host_flat = self.meta_host.numpy().reshape(-1)
-        self.meta_host_bytes = memoryview(self.meta_host_flat).cast("B")
-        self.meta_dev = torch.empty((self.META_SLOTS, self.META_INTS), dtype=torch.int64, device=device)
-        self.meta_host_ptr, self.meta_dev_ptr = self.meta_host.data_ptr(), self.meta_dev.data_ptr()
-        self.next_meta = 0
-        # The request that used each metadata slot last, until it is seen finished (then None): the slot is free
-        # once its done-event has fired (recorded after every kernel and DMA of it), and a slot whose owner is None
-        # needs no event query, a driver call (~5 us on a slow host) on the path to the first GPU operation.
-        # (Holding the owner keeps its pooled event from being recorded for another request meanwhile.)
-        self.meta_owner: list[Completion | None] = [None] * self.META_SLOTS
-        self.lock = threading.Lock()
-        self.inflight: deque[tuple[Completion, object]] = deque()  # what a request's GPU work still reads
-        self.ref = weakref.ref(self)  # how a request's completion reaches its lane (weakly: no cycle)
-
-    def upload(
-        self, parts: list[np.ndarray | list[int] | bytes], n: int, done: Completion, stream: int, to_device: bool = True
-    ) -> tuple[int, object]:
-        """Write request metadata (`n` int64s: arrays, lists or their bytes) into a pinned slot; return the address
-        the kernels read it at, and a keepalive.
-
-        `to_device`: copied to a device slot on `stream` (a device slot is reused only once the host slot is).
-        Otherwise the kernels read the pinned slot itself: a zero-copy request's kernel reads host memory anyway,
-        and this takes a driver call and a small DMA off the path to its launch. A host slot whose last request
-        has not run yet (requests queued behind a busy compute stream) is skipped for a one-off pinned buffer rather
-        than waited for. (The slot is free once its owner's done-event fired: later than needed for an upload,
-        exactly when needed for kernels that read the slot.) Lists are packed with `struct`: a short request's ids
-        touch no numpy on the way to its first GPU operation.
-        """
-        k = self.next_meta
-        owner = self.meta_owner[k]
-        if n <= self.META_INTS and (owner is None or self._driver.query(owner.event)):
-            self.next_meta = (k + 1) % self.META_SLOTS
-            self.meta_owner[k] = done
-            done.meta = k
-            offset = k * self.META_INTS * 8
-            at, slab = offset, self.meta_host_bytes
-            for p in parts:
-                if type(p) is bytes:
-                    slab[at : at + len(p)] = p
-                    at += len(p)
-                elif type(p) is list:
-                    _int64s(len(p)).pack_into(slab, at, *p)
-                    at += 8 * len(p)
-                else:
-                    self.meta_host_flat[at // 8 : at // 8 + len(p)] = p
-                    at += 8 * len(p)
-            if not to_device:
-                return self.meta_host_ptr + offset, None
-            dev = self.meta_dev_ptr + offset
-            self._driver.htod(dev, self.meta_host_ptr + offset, n * 8, stream)
-            return dev, None
-        flat = [np.frombuffer(p, dtype=np.int64) if type(p) is bytes else np.asarray(p, dtype=np.int64) for p in parts]
-        host = torch.from_numpy(np.concatenate(flat)).pin_memory()
-        if not to_device:
-            return host.data_ptr(), host
-        buf = torch.empty(n, dtype=torch.int64, device=self.staging.device)
-        for s in self.streams:  # allocated on the caller's stream, read on the lane's
-            buf.record_stream(s)
-        self._driver.htod(buf.data_ptr(), host.data_ptr(), n * 8, stream)
-        return buf.data_ptr(), (host, buf)
-
-    def retire(self) -> None:
-        """Drop the keepalives of finished requests (oldest first; one seen fired takes no query). Call with the
-        lock held."""
-        inflight, query = self.inflight, self._driver.query
-        while inflight and (inflight[0][0].fired or query(inflight[0][0].event)):
-            self._release(inflight.popleft()[0])
-
-    def finished(self, done: Completion) -> None:
-        """`done` has fired: the metadata slot it used is idle."""
-        with self.lock:
-            self._release(done)
-
-    def _release(self, done: Completion) -> None:
-        if done.meta >= 0 and self.meta_owner[done.meta] is done:
-            self.meta_owner[done.meta] = None
-
-    def __del__(self) -> None:
-        try:
-            if self.inflight:  # requests may still read staging or metadata: drain before the memory goes back
-                for stream in self.streams:
-                    stream.synchronize()
-            for e in (self.start, self.meta_ready, *self.joined):
-                self._driver.destroy(e)
-        except Exception:  # a CudaError, __init__ failed half way, or interpreter exit (module globals gone)
-            pass
-
-
-@functools.lru_cache(maxsize=64)
-def _int64s(n: int) -> struct.Struct:
-    return struct.Struct(f"<{n}q")
 
 
 @dataclass(frozen=True)
@@ -202,8 +82,8 @@ class TransferEngine:
         self._driver = driver()
         with torch.cuda.device(self.device):
             lane = (self._driver, self.device, self.config.slots, self.config.slot_bytes, self.config.kernel_priority)
-            self._store = _Lane(*lane)
-            self._retrieve = _Lane(*lane)
+            self._store = Lane(*lane)
+            self._retrieve = Lane(*lane)
             self._context = self._driver.current_context()  # the primary context, which torch made current
         self._schedules: dict[tuple[object, ...], Schedule] = {}  # staged request shapes seen (a small cache)
         self._batch = self.config.batch_dma and self._driver.has_batch
@@ -265,14 +145,14 @@ class TransferEngine:
             elif nbytes:
                 keep, end = self._staged(lane, plan, objects, ptrs, caps, ids, rows, one_allocation, to_objects,
                                          chunk_size, skip_prefix_blocks, done)  # fmt: skip
-            d.record(done.event, end)  # also frees its metadata slot (`_Lane.upload`)
+            d.record(done.event, end)  # also frees its metadata slot (`Lane.upload`)
             lane.retire()
             lane.inflight.append((done, (objects, keep)))
         return TransferHandle(done, nbytes, mode)
 
     def _graph(
         self,
-        lane: _Lane,
+        lane: Lane,
         plan: triton_copy.TritonPlan,
         n_ids: int,
         cap: int,
@@ -303,7 +183,7 @@ class TransferEngine:
 
     def _zero_copy(
         self,
-        lane: _Lane,
+        lane: Lane,
         plan: triton_copy.TritonPlan,
         ptrs: list[int],
         caps: list[int],
@@ -326,7 +206,7 @@ class TransferEngine:
 
     def _staged(
         self,
-        lane: _Lane,
+        lane: Lane,
         plan: triton_copy.TritonPlan,
         objects: list[torch.Tensor] | torch.Tensor,
         ptrs: list[int],
@@ -426,7 +306,7 @@ _engines_lock = threading.Lock()
 
 def default_engine(device: torch.device, config: EngineConfig | None = None) -> TransferEngine:
     """One engine per GPU for `kvferry.transfer` (created on first use). A `config` other than the current engine's
-    replaces it for later requests; the old one's streams drain before its staging is freed (`_Lane.__del__`)."""
+    replaces it for later requests; the old one's streams drain before its staging is freed (`Lane.__del__`)."""
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     config = config or _DEFAULT_CONFIG

@@ -15,7 +15,7 @@ import torch
 from kvferry.kernels.cuda_driver import Driver
 
 if TYPE_CHECKING:
-    from kvferry.transfer.gpu_engine import _Lane
+    from kvferry.transfer.lane import Lane
 
 
 class Completion:
@@ -23,14 +23,14 @@ class Completion:
 
     Pooled because creating an event costs more CPU than recording one. An event only returns to the pool after
     the request has finished (the lane retires it only then, and a handle's holder is gone), so reusing it is safe.
-    Whoever sees it fire tells its lane (`_Lane.finished`), which then knows the metadata slot it used is idle. It
+    Whoever sees it fire tells its lane (`Lane.finished`), which then knows the metadata slot it used is idle. It
     holds the lane weakly: the lane holds it (in flight, or as a slot's last user), and a cycle would keep a dropped
     engine's staging memory until the garbage collector ran.
     """
 
     __slots__ = ("_driver", "_pool", "context", "event", "fired", "lane", "meta")
 
-    def __init__(self, drv: Driver, context: int, lane: weakref.ref[_Lane] | None = None) -> None:
+    def __init__(self, drv: Driver, context: int, lane: weakref.ref[Lane] | None = None) -> None:
         self._driver = drv
         self.context = context
         self._pool = _event_pools.setdefault(context, [])
