@@ -5,7 +5,6 @@ The same path on a real GPU: tests/server/test_server_done_flags_gpu.py."""
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from typing import Any
@@ -21,6 +20,7 @@ from kvferry.server.protocol import ProtocolError, pack_ids
 from kvferry.server.requests import TransferArgs
 from kvferry.server.sessions import Registration, SessionTable
 from kvferry.server.transfers import Transfers
+from kvferry.transfer import api as transfer_api
 
 
 class Copy:
@@ -188,45 +188,39 @@ def test_a_refused_or_failed_start_leaves_nothing_held() -> None:
     assert transfers.start(session, args(), store=True, deadline=None, request_id=7) is None  # no flag: a worker's
 
 
-def test_a_store_after_client_work_leaves_the_thread_on_its_device_and_stream(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A STORE ordered after its client's work runs on the registration's stream and gives the thread back its
-    stream and device, also for a registration on another GPU (setting a stream makes its device current)."""
-    current = {"device": 0, "streams": {0: "default-0", 1: "default-1"}}
+class OrderSeen(Engine):
+    """Steps that note the event the transfers they would enqueue are ordered after, at the copy and at the rest."""
 
-    class Stream:
-        def __init__(self, index: int) -> None:
-            self.device = torch.device("cuda", index)
-            self.cuda_stream = 1000 + index
+    def __init__(self, final: bool) -> None:
+        super().__init__(final=final)
+        self.seen: list[int | None] = []
 
-    class Driver:  # the GPU-side wait, enqueued with the registration's device context current
-        def __init__(self) -> None:
-            self.waits: list[tuple[int, int, int, int]] = []
-            self.context = 0
+    def _steps(self, tokens: Any, lock_id: int | None = None) -> Any:
+        self.seen.append(getattr(transfer_api._order, "event", None))
+        yield Enqueued(self.copy, len(tokens), self.final)
+        self.seen.append(getattr(transfer_api._order, "event", None))
+        return len(tokens)
 
-        def current(self, context: int) -> contextlib.AbstractContextManager[None]:
-            self.context = context
-            return contextlib.nullcontext()
 
-        def wait(self, stream: int, event: int, flags: int) -> None:
-            self.waits.append((self.context, stream, event, flags))
-
-    def set_stream(stream: Any) -> None:  # as torch's: the stream's device becomes current
-        index = stream.device.index if isinstance(stream, Stream) else int(stream[-1])
-        current["device"] = index
-        current["streams"][index] = stream
-
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: current["streams"][device.index])
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: current["device"])
-    monkeypatch.setattr(torch.cuda, "set_stream", set_stream)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda index: current.update(device=index))
-    driver = Driver()
-    monkeypatch.setattr(client_events, "driver", lambda: driver)
-    for index in (0, 1):
-        stream = Stream(index)
-        ready = client_events.ClientEvents(("event-0", "event-1"), stream, (50, 51), context=70 + index)
-        reg = Registration(0, None, None, None, None, None, ready=ready)  # type: ignore[arg-type]
-        args = TransferArgs(registration=0, tokens=b"", block_ids=b"", ready_slot=1)
-        with transfers_module._after_client_work(reg, args, True, first=True):
-            assert current["streams"][index] is stream and current["device"] == index
-        assert driver.waits.pop() == (70 + index, 1000 + index, 51, 0)
-        assert current == {"device": 0, "streams": {0: "default-0", 1: "default-1"}}
+@pytest.mark.parametrize("final", [True, False])
+def test_a_store_waits_for_its_ready_event_on_the_gpu_and_leaves_the_thread_as_it_was(final: bool) -> None:
+    """A STORE naming a ready slot orders its copies after that slot's event, when started on the socket thread and
+    when its rest runs on a worker (a copy of chunks a concurrent store gave up); the thread's order is put back
+    after each. A RETRIEVE, and a STORE naming no slot, wait for no event (the thread's stream, as in process)."""
+    engine = OrderSeen(final)
+    transfers, _, session, reg = setup(engine, Flags())
+    reg.ready = client_events.ClientEvents(("event-0", "event-1"), (50, 51))
+    started = transfers.start(session, args(done_slot=0, done_seq=1, ready_slot=1), store=True, deadline=None,
+                              request_id=1)  # fmt: skip
+    assert started is not None and started.finish is not None
+    assert getattr(transfer_api._order, "event", None) is None
+    engine.copy.ended.set()
+    started.finish()
+    assert engine.seen == [51, 51]
+    assert getattr(transfer_api._order, "event", None) is None
+    engine.seen.clear()
+    assert transfers.run(session, args(ready_slot=0), store=True, deadline=None)["tokens"] == 64
+    assert transfers.run(session, args(), store=True, deadline=None)["tokens"] == 64
+    assert transfers.run(session, args(), store=False, deadline=None)["tokens"] == 64
+    assert engine.seen == [50, 50, None, None, None, None]
+    assert getattr(transfer_api._order, "event", None) is None

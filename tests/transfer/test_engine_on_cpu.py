@@ -217,6 +217,38 @@ def test_kernels_wait_for_the_callers_stream(cpu_engine, monkeypatch, to_objects
             assert joined < log.index(("wait", done[1], JOINED + slot)) < log.index(done)
 
 
+CLIENT_EVENT = 77  # an event recorded elsewhere (a client's interprocess event), as the fake driver sees it
+
+
+@pytest.mark.parametrize("mode", ["staged", "zero_copy"])
+@pytest.mark.parametrize("to_objects", [True, False])
+def test_kernels_wait_for_a_given_event_instead_of_the_callers_stream(cpu_engine, monkeypatch, to_objects: bool,
+                                                                      mode: str) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+    """`after`: every gather/scatter waits for that event (what a server's copy of a client's STORE does), nothing is
+    recorded on the caller's stream, and the bytes move as without it. A request with nothing to copy is done once
+    the event is."""
+    engine, (plan, paged), objs, ids, chunk, _ = _small_slices(cpu_engine, monkeypatch)
+    drv, fmt = engine._driver, F.NL_X_TWO_NB_BS_NH_HS
+    for o in objs[:3]:
+        random_fill(o)
+    want = [o.clone() for o in objs[:3]] if to_objects else _engine(fmt, torch.bfloat16, 3, False, nb=24)
+    if to_objects:
+        kvferry.transfer(paged, want, ids[:12], Direction.D2H, fmt, chunk, backend="reference", block_size=4)
+    else:
+        kvferry.transfer(want, objs[:3], ids[:12], Direction.H2D, fmt, chunk, backend="reference", block_size=4)
+    engine.submit(plan, objs[:3], ids[:12], to_objects, chunk, 0, mode=mode, after=CLIENT_EVENT).wait()
+    got, expected = (objs[:3], want) if to_objects else (engine_bytes(paged), engine_bytes(want))
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    log = drv.log
+    assert not [e for e in log if e[0] == "record" and e[1] == 0] and not [e for e in log if e[2] == START]
+    launches = [i for i, e in enumerate(log) if e[0] == "launch"]
+    assert launches and all(log.index(("wait", log[i][1], CLIENT_EVENT)) < i for i in launches)
+    drv.log.clear()
+    engine.submit(plan, objs[:1], ids[:4], to_objects, chunk, 4, mode=mode, after=CLIENT_EVENT).wait()  # all skipped
+    done = next(e for e in drv.log if e[0] == "record" and e[2] >= DONE)
+    assert drv.log.index(("wait", done[1], CLIENT_EVENT)) < drv.log.index(done) and done[1] in STREAMS
+
+
 @pytest.mark.parametrize("to_objects", [True, False])
 def test_zero_copy_kernels_read_the_pinned_metadata_slot(cpu_engine, monkeypatch, to_objects: bool) -> None:  # type: ignore[no-untyped-def]
     """A zero-copy request's kernel reads its block ids and tables in the pinned ring itself (no upload before the

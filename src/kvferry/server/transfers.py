@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,7 @@ from kvferry.cache.steps import Finished, Steps, finish_steps, first_step, run_s
 from kvferry.server.protocol import ErrorCode, ProtocolError, unpack_ids
 from kvferry.server.requests import TransferArgs
 from kvferry.server.sessions import Registration, Session, SessionTable
+from kvferry.transfer import ordered_after
 
 log = logging.getLogger("kvferry.server")
 
@@ -85,7 +86,7 @@ class Transfers:
             self._take_lock(session, args)  # from here the engine owns it: a retrieve ends it however it goes
             if store and args.ready_event is not None:
                 _wait_for_client_event(reg, args.ready_event)
-            with _after_client_work(reg, args, store, first=True):
+            with _after_client_work(reg, args, store):
                 done = run_steps(self._steps(reg, args, store, deadline, tokens, block_ids))
         finally:
             self._sessions.done_with(reg)
@@ -111,7 +112,7 @@ class Transfers:
             _use_device(reg.kv.device)
             self._take_lock(session, args)  # from here the steps own it (they end it however they go)
             steps = self._steps(reg, args, store, deadline, tokens, block_ids)
-            with _after_client_work(reg, args, store, first=True):
+            with _after_client_work(reg, args, store):
                 first = first_step(steps)
         except BaseException:
             self._sessions.done_with(reg)
@@ -136,7 +137,7 @@ class Transfers:
 
         def finish() -> dict[str, Any]:
             try:
-                with _after_client_work(reg, args, store, first=False):
+                with _after_client_work(reg, args, store):
                     done = finish_steps(steps)
                 return {"tokens": int(done), "signalled": False}
             finally:
@@ -207,31 +208,14 @@ def _check_ready_slot(reg: Registration, args: TransferArgs) -> None:
         )
 
 
-@contextlib.contextmanager
-def _after_client_work(reg: Registration, args: TransferArgs, store: bool, *, first: bool) -> Iterator[None]:
-    """For a STORE naming a ready slot: this thread's current stream is the registration's store stream, made (once,
-    `first`) to wait on the GPU for the client's work recorded in that event. The store's copies are ordered after
-    that work, so no CPU thread blocks on the engine's forward pass, and no other client's transfer queues behind
-    it. A store resumed on another thread (`first=False`) may still copy (chunks a concurrent store gave up)."""
+def _after_client_work(reg: Registration, args: TransferArgs, store: bool) -> contextlib.AbstractContextManager[None]:
+    """For a STORE naming a ready slot: the GPU transfers this thread enqueues wait, on the GPU, for the client's
+    work recorded in that slot's event (`ordered_after`). No CPU thread blocks on the engine's forward pass, and no
+    other client's transfer queues behind it. The same holds for a store resumed on another thread (chunks a
+    concurrent store gave up): it has not been answered, so the client has not recorded that slot again."""
     if not store or args.ready_slot is None:
-        yield
-        return
-    import torch
-
-    stream = reg.ready.stream
-    if first:
-        reg.ready.wait(args.ready_slot)
-    # set_stream, not the `torch.cuda.stream` context: that one switches and restores the current device every time,
-    # and cost a one-chunk STORE ~70 us on the H200 host (`server_timeline.py`); the engine reads this device's
-    # stream. set_stream also makes the stream's device current when it is not, so only then is it switched back.
-    previous, device = torch.cuda.current_stream(stream.device), torch.cuda.current_device()
-    torch.cuda.set_stream(stream)
-    try:
-        yield
-    finally:
-        torch.cuda.set_stream(previous)
-        if device != stream.device.index:
-            torch.cuda.set_device(device)
+        return contextlib.nullcontext()
+    return ordered_after(reg.ready.raw_events[args.ready_slot])
 
 
 def _wait_for_client_event(reg: Registration, handle: bytes) -> None:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -106,7 +107,8 @@ def transfer_async(
 ) -> TransferHandle:
     """Enqueue a transfer between GPU blocks and pinned host objects; returns at once with a handle.
 
-    The request is ordered after the caller's current CUDA stream (the engine's compute) and never blocks it.
+    The request is ordered after the caller's current CUDA stream (the engine's compute), or after the event of
+    `ordered_after` around the call, and never blocks it.
     Use `handle.wait_on(stream)` before the engine reads retrieved blocks, `handle.done()` to poll.
     """
     geom = geometry if geometry is not None else _geometries.get(fmt, paged, block_size)
@@ -119,6 +121,26 @@ def transfer_async(
         raise ValueError("transfer_async needs chunk objects in pinned host memory")
     check_pinned(objs, checked)
     return _submit(geom, objs, checked, direction is Direction.D2H, chunk_size, skip_prefix_blocks, engine, mode)
+
+
+@contextlib.contextmanager
+def ordered_after(event: int) -> Iterator[None]:
+    """GPU transfers this thread enqueues in the block wait, on the GPU, for the CUDA event `event` (a raw
+    `CUevent` handle, e.g. `torch.cuda.Event.cuda_event`, recorded by now) instead of for its current stream.
+
+    What a server does for a client's STORE: the client records an interprocess event after the work that writes
+    the blocks, and the copy waits for that event itself. Making a stream current for it instead (a stream waiting
+    on the event, `torch.cuda.set_stream`, the old stream put back) cost a STORE through the server ~70-110 us on
+    the H200 host (`benchmarks/experiments/server_timeline.py`)."""
+    previous = getattr(_order, "event", None)
+    _order.event = event
+    try:
+        yield
+    finally:
+        _order.event = previous
+
+
+_order = threading.local()  # `ordered_after`'s event, per thread
 
 
 def prepare_gpu(geometry: KVGeometry) -> None:
@@ -176,7 +198,8 @@ def _submit(
     mode: str | None,
 ) -> TransferHandle:
     engine = engine or _gpu_engine().default_engine(geom.device, _gpu_config)
-    return engine.submit(_plans.triton(geom), objs, checked, to_objects, chunk_size, skip, mode)
+    after = getattr(_order, "event", None)
+    return engine.submit(_plans.triton(geom), objs, checked, to_objects, chunk_size, skip, mode, after)
 
 
 @functools.cache

@@ -98,9 +98,11 @@ class TransferEngine:
         chunk_size: int,
         skip_prefix_blocks: int,
         mode: str | None = None,
+        after: int | None = None,
     ) -> TransferHandle:
         """Enqueue a validated request (`kvferry.transfer.request.check`) on pinned host objects. `request` is the
-        `Checked` result, or just the block ids of a list of objects (their addresses are then read here)."""
+        `Checked` result, or just the block ids of a list of objects (their addresses are then read here). The
+        request's kernels wait for the caller's current stream, or for the CUDA event `after` when given."""
         if isinstance(request, torch.Tensor):
             assert not isinstance(objects, torch.Tensor)
             ids, ptrs = request.numpy(), [o.data_ptr() for o in objects]
@@ -127,24 +129,31 @@ class TransferEngine:
                 if p % plan.word:
                     raise ValueError(f"objects[{i}] is not {plan.word}-byte aligned (allocate from kvferry's pool)")
         d = self._driver
-        caller = torch._C._cuda_getCurrentRawStream(self.device.index)
         # the GPU work first: bookkeeping after it costs no latency
         with d.current(self._context), lane.lock:
             done = Completion(d, self._context, lane.ref)
-            d.record(lane.start, caller)  # what the request's kernels wait for (its DMAs to and from staging do not)
-            end = caller
+            end: int | None = None  # the stream the request ends on
+            if after is None:  # what the request's kernels wait for (its DMAs to and from staging do not)
+                end = torch._C._cuda_getCurrentRawStream(self.device.index)
+                d.record(lane.start, end)
+                start = lane.start
+            else:
+                start = after
             keep: object = None
             graph = graphed and self._graph(lane, plan, len(ids), caps[0], rows, chunk_size, to_objects, ptrs[0])
             if graph:
                 meta, keep = lane.upload([ids, [0, caps[0]]], len(ids) + 2, done, graph.stream, to_device=False)
-                graph.launch(ptrs[0], meta, lane.start)
+                graph.launch(ptrs[0], meta, start)
                 keep, end = (keep, graph), graph.stream  # the graph stays until the request has run
             elif nbytes and mode == "zero_copy":
                 keep, end = self._zero_copy(lane, plan, ptrs, caps, ids, to_objects, chunk_size, skip_prefix_blocks,
-                                            done)  # fmt: skip
+                                            done, start)  # fmt: skip
             elif nbytes:
                 keep, end = self._staged(lane, plan, objects, ptrs, caps, ids, rows, one_allocation, to_objects,
-                                         chunk_size, skip_prefix_blocks, done)  # fmt: skip
+                                         chunk_size, skip_prefix_blocks, done, start)  # fmt: skip
+            if end is None:  # nothing to copy, and no caller's stream: done once `after` is
+                end = lane.handles[lane.next_slot]
+                d.wait(end, start, 0)
             d.record(done.event, end)  # also frees its metadata slot (`Lane.upload`)
             lane.retire()
             lane.inflight.append((done, (objects, keep)))
@@ -192,12 +201,13 @@ class TransferEngine:
         chunk_size: int,
         skip: int,
         done: Completion,
+        start: int,
     ) -> tuple[object, int]:
         n_ids, n_obj = len(ids), len(ptrs)
         offsets = [(p - ptrs[0]) // plan.word for p in ptrs]
         stream = lane.handles[lane.next_slot]
         meta, keep = lane.upload([ids, offsets, caps], n_ids + 2 * n_obj, done, stream, to_device=False)
-        self._driver.wait(stream, lane.start, 0)
+        self._driver.wait(stream, start, 0)
         off = meta + n_ids * 8
         rows = (n_ids - skip) * plan.bs
         triton_copy.launch_raw(plan, stream, ptrs[0], off, off + n_obj * 8, meta, to_objects, chunk_size,
@@ -218,6 +228,7 @@ class TransferEngine:
         chunk_size: int,
         skip: int,
         done: Completion,
+        start: int,
     ) -> tuple[object, int]:
         """Each slice runs on its slot's stream: gather then DMA (a store), or DMA then scatter (a retrieve). The
         next slice, on the next slot's stream, overlaps it; the slice after that waits for it by stream order."""
@@ -247,7 +258,7 @@ class TransferEngine:
         launch_raw, wait = triton_copy.launch_raw, d.wait
         ordered: set[int] = set()  # streams already waiting for the caller's stream (and the metadata)
         if sched.head_rows:
-            wait(home, lane.start, 0)
+            wait(home, start, 0)
             ordered.add(home)
             first, head_rows = sched.first, sched.head_rows
             tail = meta + (n_ids + 2 * len(caps)) * 8  # the [0, cap] table of the head object alone
@@ -259,7 +270,7 @@ class TransferEngine:
             if not to_objects:  # into staging: touches no KV, waits for nothing but its slot's last scatter
                 self._dma(stream, step, objects, ptrs, one_allocation, False)
             if stream not in ordered:  # a gather sees what the model wrote; a scatter waits until the model is done
-                wait(stream, lane.start, 0)
+                wait(stream, start, 0)
                 if stream != home:
                     wait(stream, lane.meta_ready, 0)
                 ordered.add(stream)
