@@ -12,6 +12,7 @@ tmp=$(mktemp -d)
 git archive "$rev" src/kvferry | tar -x -C "$tmp"
 mv "$tmp/src/kvferry" src/kvferry_base
 rm -rf "$tmp"
-find src/kvferry_base -name '*.py' -exec sed -i -e 's/\bkvferry\./kvferry_base./g' -e 's/\bfrom kvferry import/from kvferry_base import/g' \
-    -e 's/^import kvferry$/import kvferry_base/' -e 's/"kvferry_/"kvferrybase_/g' {} +
+# Metric names first: renaming them after the modules would turn "kvferry_base.server" into "kvferrybase_base...".
+find src/kvferry_base -name '*.py' -exec sed -i -e 's/"kvferry_/"kvferrybase_/g' -e 's/\bkvferry\./kvferry_base./g' \
+    -e 's/\bfrom kvferry import/from kvferry_base import/g' -e 's/^import kvferry$/import kvferry_base/' {} +
 echo "src/kvferry_base: kvferry as of $(git rev-parse --short "$rev")"

@@ -112,7 +112,7 @@ STAGES = ["pack_in", "pack_out", "ready_in", "ready_out", "encode_in", "encode_o
           "registration_in", "registration_out", "geometry_in", "geometry_out", "block_ids_in", "block_ids_out",
           "reserve_in", "reserve_out", "enqueue_in", "addresses_in", "addresses_out", "submit_in", "submit_out",
           "enqueued", "answered", "worker", "wait_in", "wait_out", "handler_out", "pushed", "forwarded",
-          "reply_read", "flag_wait", "flag_seen", "return"]  # fmt: skip
+          "reply_read", "flag_wait", "flag_seen", "call_out", "return"]  # fmt: skip
 
 
 def timeline(calls: list[tuple[int, int]], events: list[tuple[str, int]]) -> dict[str, float]:
@@ -215,6 +215,7 @@ def main() -> None:
             sync()
             start = time.monotonic_ns()
             call(t, ids)
+            stamp("call_out")  # what follows is the caller's sync (a memcpy's ceiling includes one too)
             sync()
             calls.append((start, time.monotonic_ns()))
             if copy is not None:
