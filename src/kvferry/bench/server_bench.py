@@ -137,22 +137,21 @@ def transport_floor(n: int, ipc_path: str | None = None) -> dict[str, float]:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as unix:
                 unix.connect(ipc_path)
                 framed = frame(request)
-                return latency_summary(timed(n, lambda i: (unix.sendall(framed), unix.recv(1 << 16)), lambda: None))
+                return latency_summary(timed(n, lambda i: (unix.sendall(framed), unix.recv(1 << 16))))
         with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as dealer:
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.connect(endpoint)
-            return latency_summary(timed(n, lambda i: (dealer.send(request), dealer.recv()), lambda: None))
+            return latency_summary(timed(n, lambda i: (dealer.send(request), dealer.recv())))
     finally:
         echo.kill()
         echo.wait()
 
 
-def timed(n: int, call: Callable[[int], Any], sync: Callable[[], None]) -> list[float]:
+def timed(n: int, call: Callable[[int], Any]) -> list[float]:
     samples = []
     for i in range(n):
         start = time.perf_counter()
         call(i)
-        sync()
         samples.append(time.perf_counter() - start)
     return samples
 
@@ -165,7 +164,6 @@ def transfer_cases(
     retrieve: Mover,
     tokens: Callable[[int], list[int]],
     transfers: int,
-    sync: Callable[[], None],
     steps: Steps,
     where: str,
     ceiling: Callable[[int, str], CopyCeiling],
@@ -173,13 +171,19 @@ def transfer_cases(
 ) -> dict[str, Any]:
     """Time `store` of new prefixes, then `retrieve` of the last one, for one chunk and for 16, each request
     alternating with a plain copy of its bytes (`ceiling(chunks, direction)`): `ratio` is the copy's median time
-    over the request's (client to reply)."""
+    over the request's (client to reply).
+
+    A call is timed to its return and no further: both movers return once the bytes have moved (GPU KV: the
+    server's done flag seen, or the in-process engine's wait), when the engine may read the KV or reuse its
+    blocks. A `torch.cuda.synchronize()` after it would time something an engine does not do: with the server's
+    process the last on the GPU, it waits for a switch back to the client's context (47-120 us on the H200 host,
+    `benchmarks/experiments/server_timeline.py`). The copy it is compared with synchronizes: that is its end."""
     rng = np.random.default_rng(1)
 
     def case(n: int, call: Callable[[int], Any], copy: CopyCeiling | None) -> dict[str, Any]:
         samples = []
         for i in range(n):
-            samples += timed(1, lambda _, i=i: call(i), sync)
+            samples += timed(1, lambda _, i=i: call(i))
             if copy is not None:
                 copy.time_once()
         summary = latency_summary(samples)
@@ -210,9 +214,9 @@ def request_cases(client: KvferryClient, reg: int, prompt: list[int], n: int, st
     client.store(reg, prompt, rng.permutation(NB)[: len(prompt) // BS].tolist())
     if client.lookup(prompt, registration=reg).tokens != len(prompt):
         raise BenchError("the server did not find the prompt it just stored")
-    cases = {"ping": latency_summary(timed(n, lambda i: client.ping(), lambda: None))}
+    cases = {"ping": latency_summary(timed(n, lambda i: client.ping()))}
     steps.done("ping")
-    cases["lookup"] = latency_summary(timed(n, lambda i: client.lookup(prompt, registration=reg), lambda: None))
+    cases["lookup"] = latency_summary(timed(n, lambda i: client.lookup(prompt, registration=reg)))
     steps.done("lookup")
     start = time.perf_counter()
     window: list[Any] = []
@@ -279,7 +283,6 @@ def _server_cases(
     floor: dict[str, float],
     args: argparse.Namespace,
     new_tokens: Callable[[int], list[int]],
-    sync: Callable[[], None],
     steps: Steps,
     ceiling: Callable[[int, str], CopyCeiling],
 ) -> dict[str, Any]:
@@ -295,7 +298,6 @@ def _server_cases(
                 lambda t, ids: client.retrieve(reg, t, ids),
                 new_tokens,
                 args.transfers,
-                sync,
                 steps,
                 "server",
                 ceiling,
@@ -308,7 +310,6 @@ def _server_cases(
 def run(args: argparse.Namespace, steps: Steps) -> Outcome:
     steps.expect(1 + 4 + 4 + 4)
     dims = MODELS[args.model]
-    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     generator = torch.Generator().manual_seed(0)
     kv = make_paged(FMT, dims, NB, BS, dtype=torch.bfloat16, device=args.device, generator=generator)
     chunk_bytes = 2 * dims.nl * CHUNK * dims.nh * dims.hs * 2
@@ -334,7 +335,7 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
         steps.done("server started")
         try:
             floor = transport_floor(args.requests, os.path.join(socket_dir, "echo.sock") if socket_dir else None)
-            cases = _server_cases(server.endpoint, kv, floor, args, new_tokens, sync, steps, ceiling)
+            cases = _server_cases(server.endpoint, kv, floor, args, new_tokens, steps, ceiling)
         finally:
             server.stop()
     config = KvferryConfig.load(env={}, overrides={"cache": {"chunk_size": CHUNK, "l1_size_gb": args.pool_gb}})
@@ -345,7 +346,6 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
             lambda t, ids: engine.retrieve(t, kv, ids, FMT, namespace=ns, block_size=BS),
             new_tokens,
             args.transfers,
-            sync,
             steps,
             "embedded engine",
             ceiling,
