@@ -20,6 +20,12 @@ them), was read at 147, decoded and validated by 230, ordered after the client's
 calls; the driver's since 72037e1), enqueued from 363 to 589, and returned at 1207 (0.533 of the memcpy; in
 process 920, 0.695): ~260 us more than in process before the enqueue, in no single large piece.
 
+Later the same day (#19-#21): between finding its registration and the cache's first step a STORE spent 83 us (one
+chunk) and 151 us (16 chunks) against a RETRIEVE's 15 and 37: its order after the client's work, a stream made to
+wait on the client's event and made current. Since b3ca4b0 the engine waits on the event itself
+(`kvferry.transfer.ordered_after`): 17 and 31 us. The caller's `torch.cuda.synchronize()` after a call that had
+returned (stamped `call_out`) took 47-120 us: a switch back to the client's context on the GPU.
+
 Before (2026-12-01, H200 host, d79bcfb): a one-chunk llama3-8b RETRIEVE was read by the server 128 us after the
 client sent it, reached a worker 95 us later, and its answer left the copy's end 350 us behind (worker -> socket
 thread -> client): each hand-over between threads costs ~90-130 us of wake-up there. Since 7d79137 a GPU transfer
