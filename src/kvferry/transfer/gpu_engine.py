@@ -12,9 +12,10 @@ overlaps its gather with its DMA, and an object may be larger than a slot).
 Each direction has its own ring and one stream per slot, so a store and a retrieve can be in flight at once. A
 slot's stream runs that slot's gathers (scatters) and DMAs in order, so the stream itself frees a slot for its next
 slice: slices take no events, and a request takes a handful of event calls however many slices it has. A
-request orders itself after the caller's current stream with an event and never blocks it; the caller gets a
-`TransferHandle` to poll or wait on, and the CPU returns right after enqueueing. Below a size crossover, or when
-configured, the request runs zero-copy in one launch (lower latency).
+request orders itself after the caller's current stream with an event (or after an event it is given:
+`kvferry.transfer.ordered_after`) and never blocks it; the caller gets a `TransferHandle` to poll or wait on, and
+the CPU returns right after enqueueing. Below a size crossover, or when configured, the request runs zero-copy in
+one launch (lower latency).
 
 The enqueue itself goes straight to the driver (`cuda_driver`: memcpys, events, waits) and to the compiled
 kernel's launcher: torch's copy and event wrappers cost more CPU than a small request's whole transfer.
