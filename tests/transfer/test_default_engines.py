@@ -1,16 +1,20 @@
-"""The process-wide GPU engines behind `kvferry.transfer`: their settings, and a CacheEngine's config applied.
+"""The process-wide GPU engines behind `kvferry.transfer`: their settings, a CacheEngine's config applied, and the
+event a thread's transfers are ordered after.
 
 No GPU here: the engine class is replaced by a stand-in that records the settings it was made with."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
 
 from kvferry.cache import CacheEngine
 from kvferry.config import KvferryConfig
+from kvferry.formats import EngineKVFormat, describe
 from kvferry.memory import HostPool
-from kvferry.transfer import api, configure_gpu, gpu_engine
+from kvferry.transfer import api, configure_gpu, gpu_engine, ordered_after
 from kvferry.transfer.gpu_engine import EngineConfig, default_engine
 
 
@@ -54,3 +58,30 @@ def test_a_cache_engine_applies_its_transfer_section(engines: dict[torch.device,
     config = KvferryConfig.load(env={}, overrides={"transfer": {"staging_slot_mib": 16, "batch_dma": False}})
     with CacheEngine(config, pool=pool):
         assert api._gpu_config == EngineConfig(slot_bytes=16 << 20, batch_dma=False)
+
+
+def test_transfers_inside_ordered_after_wait_for_its_event() -> None:
+    """`ordered_after(event)` hands its event to the engine of every GPU transfer this thread enqueues inside it, and
+    to no other: outside it, and on another thread meanwhile, the engine orders after the caller's stream (None)."""
+    seen: list[int | None] = []
+
+    class Recorder:
+        def submit(self, *args: object) -> None:
+            seen.append(args[-1])  # type: ignore[arg-type]
+
+    paged = torch.zeros(2, 2, 8, 4, 1, 8)  # one layer, vLLM's flash-attention layout
+    geom = describe(EngineKVFormat.NL_X_TWO_NB_BS_NH_HS, [paged[0]], block_size=4)
+
+    def submit() -> None:
+        api._submit(geom, [], None, True, 8, 0, Recorder(), None)  # type: ignore[arg-type]
+
+    with ordered_after(77):
+        submit()
+        with ordered_after(78):
+            submit()
+        submit()
+        elsewhere = threading.Thread(target=submit)
+        elsewhere.start()
+        elsewhere.join()
+    submit()
+    assert seen == [77, 78, 77, None, None]
