@@ -62,6 +62,26 @@ def test_two_gpu_sessions_share_through_the_server(server: ServerProcess) -> Non
     assert torch.equal(blocks(reader_kv, [i + 20 for i in ids]), blocks(writer_kv, ids))
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_kv_moves_between_engines_on_two_gpus_through_one_server(server: ServerProcess) -> None:
+    """Engines on two GPUs share one server: KV stored from GPU 0 comes back bit-exact into GPU 1's blocks, and the
+    other way round. Each registration's copies run on its own device's engine, ordered after its own client's
+    events; the objects in between are host memory."""
+    tokens = [list(range(start, start + 2 * REAL_CHUNK)) for start in (11000, 12000)]
+    ids, elsewhere = list(range(8)), [i + 30 for i in range(8)]
+    kv = [gpu_kv(seed=24), [layer.to("cuda:1") for layer in real_kv(seed=25)]]
+    with KvferryClient(server.endpoint) as first, KvferryClient(server.endpoint) as second:
+        clients = [first, second]
+        regs = [
+            c.register_kv_cache(k, FMT_REAL, block_size=REAL_BS, namespace=REAL_NS)
+            for c, k in zip(clients, kv, strict=True)
+        ]
+        for source, target in ((0, 1), (1, 0)):
+            assert clients[source].store(regs[source], tokens[source], ids) == 2 * REAL_CHUNK
+            assert clients[target].retrieve(regs[target], tokens[source], elsewhere) == 2 * REAL_CHUNK
+            assert torch.equal(blocks(kv[target], elsewhere).cpu(), blocks(kv[source], ids).cpu())
+
+
 def test_stores_in_flight_beyond_the_ready_event_ring(server: ServerProcess) -> None:
     """More STOREs in flight than the registration has IPC events: the ring's slots are reused only after their
     STORE was answered, and the ones beyond it send an event of their own. Each STORE follows a write of its own
