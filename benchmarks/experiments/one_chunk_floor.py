@@ -28,7 +28,10 @@ moved, alternating with the same-run pinned memcpy (torch `copy_` + synchronize)
 - `floor, staged`: the gather into a device buffer and one DMA of it (a retrieve: the DMA, then the scatter), both
   on one stream with no ordering after the caller's, then the same sync: the staged path's least;
 - `graph xN, replay`: that sequence, its object cut into N row ranges on two streams, captured once as a CUDA graph
-  and replayed by torch on the caller's stream (one object only).
+  and replayed by torch on the caller's stream (one object only);
+- `engine's graph, a request by hand`: the graph the engine replays for this request, launched with what any real
+  request needs (ordered after the caller's stream, its ids uploaded, its host copies aimed at the object, an end
+  event waited for) and nothing else: the floor under the public call's one-object path.
 
 Also the CPU time of each variant's enqueue (call to return, before the wait). `--chunks N` moves N scattered
 objects per request instead (the engine's path then staged; by hand one launch and one batch of DMAs). Run on the
@@ -180,6 +183,27 @@ def variants(
         keep.append(g)
         return lambda: (g.replay(), torch.cuda.synchronize)[1]
 
+    def engine_graph() -> Callable[[], Callable[[], None]] | None:
+        """The engine's own graph of this request (`ObjectGraph`) launched by hand: order after the caller's stream,
+        upload the ids, aim its host copies at the object, wait, launch, record the end, then wait for that event.
+        What any real one-object request must do, with none of the engine's checks or bookkeeping around it."""
+        if n != 1:
+            return None
+        lane = engine._store if to_objects else engine._retrieve
+        g = engine._graph(lane, plan, n_ids, s.chunk, checked.rows, s.chunk, to_objects, ptrs[0])
+        if g is None:
+            return None
+        ids_and_cap = torch.tensor([*ids, 0, s.chunk]).pin_memory()
+        host_tables = ids_and_cap.data_ptr()
+
+        def request() -> Callable[[], None]:
+            drv.record(start, torch._C._cuda_getCurrentRawStream(s.geom.device.index))
+            g.launch(ptrs[0], host_tables, start)
+            drv.record(done, g.stream)
+            return lambda: drv.synchronize(done)
+
+        return request
+
     keep: list[torch.cuda.CUDAGraph] = []
     found = {
         "api, auto": api(None),
@@ -193,6 +217,7 @@ def variants(
     }
     for pieces in (1, 2, 4):
         found[f"graph x{pieces}, replay"] = graph(pieces)
+    found["engine's graph, a request by hand"] = engine_graph()
     return {k: v for k, v in found.items() if v is not None}
 
 

@@ -29,13 +29,16 @@ def test_gpu_transfer_refuses_unknown_sections(capsys: pytest.CaptureFixture[str
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_transfer_onechunk_and_bidir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    doc, progress = run_bench(monkeypatch, tmp_path, "gpu-transfer", "--sections", "onechunk,bidir", "--reps", "2")
-    assert progress.totals == [planned_steps(["onechunk", "bidir"])]
+def test_gpu_transfer_calls_and_bidir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    doc, progress = run_bench(monkeypatch, tmp_path, "gpu-transfer", "--sections", "calls,bidir", "--reps", "2")
+    assert progress.totals == [planned_steps(["calls", "bidir"])]
     rows = doc["results"]["rows"]
-    assert {r["section"] for r in rows} == {"one-chunk", "bidir"}
+    assert {r["section"] for r in rows} == {"calls", "bidir"}
     assert all(r["ratio"] > 0 and r["gbps"] > 0 for r in rows)
-    assert len(doc["results"]["enqueue"]) == 4 and doc["machine"]["device"] != "cpu"
+    calls = doc["results"]["calls"]
+    assert len(calls) == 8 and doc["machine"]["device"] != "cpu"
+    for c in calls:  # the profiler saw each request's GPU work, inside its call
+        assert c["enqueue_us"] > 0 and 0 < c["first_op_us"] < c["gpu_end_us"]
 
 
 @pytest.mark.gpu
@@ -60,6 +63,9 @@ class _FakeSetup:
     def run(self, *args: object) -> None:
         pass
 
+    def start(self, *args: object) -> None:
+        pass
+
     def runner(self, *args: object) -> Callable[[], None]:
         return lambda: None
 
@@ -82,6 +88,8 @@ def test_gpu_transfer_control_flow_with_the_gpu_faked(
     monkeypatch.setattr(gpu_transfer_bench, "memcpy", lambda nbytes, to_host: lambda: None)
     monkeypatch.setattr(gpu_transfer_bench, "by_hand", lambda s: lambda: None)
     monkeypatch.setattr(kvferry, "transfer_async", lambda *args, **kwargs: Handle())
+    costs = {"enqueue_us": 30.0, "first_op_us": None, "gpu_end_us": None}  # as without CUPTI's records
+    monkeypatch.setattr(gpu_transfer_bench, "call_costs", lambda enqueue: costs)
     monkeypatch.setattr(torch.cuda, "Stream", lambda *args, **kwargs: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "no GPU (faked)")
@@ -93,9 +101,16 @@ def test_gpu_transfer_control_flow_with_the_gpu_faked(
     sections = gpu_transfer_bench.SECTIONS
     assert progress.totals == [planned_steps(list(sections))]
     rows = doc["results"]["rows"]
-    assert {r["section"] for r in rows} == {"bulk", "formats", "formats-run", "one-chunk", "bidir", "gemm", "crossover"}
+    assert {r["section"] for r in rows} == {
+        "bulk", "formats", "formats-run", "one-chunk", "calls", "bidir", "gemm", "crossover"
+    }  # fmt: skip
     assert all(r["ratio"] == 0.5 for r in rows if r["section"] != "gemm")
     assert sum(r["section"] == "gemm" for r in rows) == gpu_gemm.STEPS - 1
-    assert len(doc["results"]["enqueue"]) == 4 and doc["machine"]["device"] == "no GPU (faked)"
+    calls = doc["results"]["calls"]
+    assert [(c["what"], c["direction"]) for c in calls] == [
+        (what, d) for what in ("llama3-8b one chunk", "qwen2.5-0.5b one chunk", "qwen2.5-0.5b 16 scattered chunks",
+                               "qwen2.5-0.5b 32 chunks as one tensor") for d in ("D2H", "H2D")
+    ]  # fmt: skip
+    assert doc["machine"]["device"] == "no GPU (faked)"
     out = capsys.readouterr().out
-    assert "serial gather+DMA (1 slot)" in out and "GEMM TFLOP/s" in out and "CPU time of the call" in out
+    assert "serial gather+DMA (1 slot)" in out and "GEMM TFLOP/s" in out and "first GPU op us" in out

@@ -6,7 +6,10 @@ Sections:
                serial (one staging slot), zero-copy, torch by hand; adjacent objects; objects as one tensor
   formats      every engine format at a realistic shape, 16 chunks, objects scattered in the pool
   formats-run  the same with the objects as one tensor (as the cache allocates a request's objects)
-  onechunk     one chunk, from the Python call to completion, per mode; the CPU time of the call
+  onechunk     one chunk, from the Python call to completion, per mode
+  calls        the latency-bound requests (one chunk of llama3-8b and of qwen2.5-0.5b, 16 scattered and 32 as
+               one tensor of qwen2.5-0.5b): the CPU time of the call, when its first GPU operation starts and its
+               last ends (a profiled timeline: `kvferry.bench.gpu_timeline`); the 16 chunks' ratios
   bidir        a store and a retrieve at once, against two memcpys on two streams
   gemm         a bf16 8192^3 GEMM loop's TFLOP/s while transfers run beside it, against GEMMs alone
   crossover    1-8 qwen2.5-0.5b chunks, staged against zero-copy
@@ -15,6 +18,7 @@ Sections:
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -26,6 +30,7 @@ import kvferry
 from kvferry import Direction
 from kvferry.bench.gpu_gemm import STEPS as GEMM_STEPS
 from kvferry.bench.gpu_gemm import gemm_rows, gemm_table
+from kvferry.bench.gpu_timeline import Waitable, call_costs
 from kvferry.bench.harness import BenchError, Outcome, Steps, add_json_argument, description_of, require_cuda
 from kvferry.bench.report import new_table
 from kvferry.bench.timing import PinnedCopy
@@ -36,7 +41,7 @@ from kvferry.transfer.gpu_engine import EngineConfig, TransferEngine
 
 F = EngineKVFormat
 SHAPES = {"llama3-8b": 16, "qwen2.5-0.5b": 16, "deepseek-v3-mla": 64}
-SECTIONS = ("bulk", "formats", "formats-run", "onechunk", "bidir", "gemm", "crossover")
+SECTIONS = ("bulk", "formats", "formats-run", "onechunk", "calls", "bidir", "gemm", "crossover")
 D2H = Direction.D2H
 DIRECTIONS = (Direction.D2H, Direction.H2D)
 
@@ -45,6 +50,7 @@ EXAMPLES = """\
 examples:
   kvferry bench gpu-transfer                                      # every section
   kvferry bench gpu-transfer --sections bulk,onechunk --reps 15 --json bench-out/gpu.json
+  kvferry bench gpu-transfer --sections calls --reps 15          # what a small request's call costs
   PYTHONPATH=src python3 benchmarks/bench_gpu_transfer.py --reps 15 --sections bulk   # JSON to gpu_bench.json
 """
 
@@ -77,6 +83,14 @@ def memcpy(nbytes: int, to_host: bool) -> Callable[[], None]:
     return lambda: copy(to_host)
 
 
+# The latency-bound requests of the `calls` section: (model, chunks, the objects as one tensor)
+CALLS = (("llama3-8b", 1, False), ("qwen2.5-0.5b", 1, False), ("qwen2.5-0.5b", 16, False), ("qwen2.5-0.5b", 32, True))
+
+
+def call_name(model: str, n: int, run: bool) -> str:
+    return f"{model} " + ("one chunk" if n == 1 else f"{n} chunks as one tensor" if run else f"{n} scattered chunks")
+
+
 class Setup:
     def __init__(
         self, model: str, fmt: F, n_chunks: int, chunk: int = 256, nb: int = 4096, gaps: bool = True, run: bool = False
@@ -106,7 +120,11 @@ class Setup:
         self.nbytes = obj_bytes * n_chunks
 
     def run(self, direction: Direction, engine: TransferEngine, mode: str | None = None) -> None:
-        kvferry.transfer_async(
+        self.start(direction, engine, mode).wait()
+
+    def start(self, direction: Direction, engine: TransferEngine, mode: str | None = None) -> Waitable:
+        """The request enqueued: its handle."""
+        return kvferry.transfer_async(
             self.paged,
             self.objects,
             self.ids,
@@ -116,7 +134,7 @@ class Setup:
             geometry=self.geom,
             engine=engine,
             mode=mode,
-        ).wait()
+        )
 
     def runner(self, direction: Direction, engine: TransferEngine, mode: str | None) -> Callable[[], None]:
         return lambda: self.run(direction, engine, mode)
@@ -144,7 +162,7 @@ class Bench:
     def __init__(self, reps: int, steps: Steps) -> None:
         self.reps, self.steps = reps, steps
         self.rows: list[dict[str, Any]] = []
-        self.enqueue: list[dict[str, Any]] = []
+        self.calls: list[dict[str, Any]] = []
         self.engine = TransferEngine("cuda")
         self.serial = TransferEngine("cuda", EngineConfig(slots=1, mode="staged"))
         self.old_floor = TransferEngine("cuda", EngineConfig(slice_bytes=16 << 20))  # the slice floor before 8 MiB
@@ -217,14 +235,6 @@ class Bench:
             s = Setup(model, F.NL_X_TWO_NB_BS_NH_HS, 1)
             for d in DIRECTIONS:
                 ceil = memcpy(s.nbytes, d is D2H)
-                enqueue = []
-                for _ in range(50):
-                    t0 = time.perf_counter()
-                    h = kvferry.transfer_async(s.paged, s.objects, s.ids, d, s.fmt, geometry=s.geom, engine=self.engine)
-                    enqueue.append((time.perf_counter() - t0) * 1e6)
-                    h.wait()
-                self.enqueue.append({"model": model, "direction": d.name, "enqueue_us": statistics.median(enqueue)})
-                self.steps.done(f"one-chunk {model} {d.name}: CPU time of the call")
                 for label, engine, mode in (
                     ("staged", self.engine, "staged"),
                     ("zero_copy", self.engine, "zero_copy"),
@@ -233,6 +243,23 @@ class Bench:
                 ):
                     self.row("one-chunk", f"{model} {d.name} {label}", s.nbytes, s.runner(d, engine, mode), ceil, reps)
             self.row("one-chunk", f"{model} D2H torch by hand", s.nbytes, by_hand(s), memcpy(s.nbytes, True), reps)
+
+    def latency_bound(self) -> None:
+        """The requests whose call's CPU time shows: per direction, the call's CPU time (median of 50) and its GPU
+        timeline (median of 10 profiled calls), in the mode `auto` picks; and the ratio of 16 scattered qwen2.5-0.5b
+        chunks (the other three are rows of `onechunk` and `bulk`)."""
+        for model, n, run in CALLS:
+            s = Setup(model, F.NL_X_TWO_NB_BS_NH_HS, n, run=run)
+            what = call_name(model, n, run)
+            for d in DIRECTIONS:
+                if n == 16:
+                    ratio = s.runner(d, self.engine, None)
+                    self.row("calls", f"{what} {d.name} auto", s.nbytes, ratio, memcpy(s.nbytes, d is D2H))
+                costs = call_costs(functools.partial(s.start, d, self.engine))
+                self.calls.append({"what": what, "direction": d.name, **costs})
+                self.steps.done(f"calls {what} {d.name}: the call's CPU time and GPU timeline")
+            del s
+            torch.cuda.empty_cache()
 
     def bidir(self, s: Setup) -> None:
         """Both directions at once vs two-stream memcpy."""
@@ -291,7 +318,8 @@ def planned_steps(sections: list[str]) -> int:
         "bulk": 11 + 11 + 10,  # llama and qwen: 3 modes x 2 directions, by hand, adjacent x 2, one tensor x 2
         "formats": 2 * len(F),
         "formats-run": 2 * len(F),
-        "onechunk": 2 * (2 * (1 + 3 + 1) + 1),  # per model, per direction: the call's CPU time, 3 modes, 16 MiB
+        "onechunk": 2 * (2 * 4 + 1),  # per model: 4 modes x 2 directions, by hand
+        "calls": len(CALLS) * 2 + 2,  # per request and direction; the 16 chunks' ratios
         "bidir": 1,
         "gemm": GEMM_STEPS,
         "crossover": 4 * 2 * 2,
@@ -310,6 +338,8 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
             bench.formats(section)
     if "onechunk" in sections:
         bench.onechunk()
+    if "calls" in sections:
+        bench.latency_bound()
     if sections & {"bidir", "gemm"}:
         s = Setup("llama3-8b", F.NL_X_TWO_NB_BS_NH_HS, 16)
         if "bidir" in sections:
@@ -330,7 +360,7 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
                         args.reps * 2,
                     )
     config = {"reps": args.reps, "sections": [name for name in SECTIONS if name in sections]}
-    results = {"rows": bench.rows, "enqueue": bench.enqueue}
+    results = {"rows": bench.rows, "calls": bench.calls}
     return Outcome(config, results, _show(bench), device="cuda")
 
 
@@ -353,15 +383,25 @@ def _show(bench: Bench) -> list[Any]:
                 f"{r['ratio']:.3f}",
             )
         out.append(table)
-    if bench.enqueue:
-        calls = new_table("one chunk: CPU time of the call (enqueue), median of 50", ("model", "dir", "us"), names=2)
-        for e in bench.enqueue:
-            calls.add_row(e["model"], e["direction"], f"{e['enqueue_us']:.0f}")
+    if bench.calls:
+        calls = new_table(
+            "the call: its CPU time to return (median of 50), and on a profiled GPU timeline (median of 10) when its "
+            "first GPU operation starts and its last ends, after the call",
+            ("request", "dir", "CPU us", "first GPU op us", "last ends us"),
+            names=2,
+        )
+        for c in bench.calls:
+            cpu = f"{c['enqueue_us']:.0f}"
+            calls.add_row(c["what"], c["direction"], cpu, _us(c["first_op_us"]), _us(c["gpu_end_us"]))
         out.append(calls)
     gemm = [r for r in bench.rows if r["section"] == "gemm"]
     if gemm:
         out.append(gemm_table(gemm))
     return out
+
+
+def _us(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,58 @@
+"""`kvferry.bench.gpu_timeline`: a call's GPU operations read off a Chrome trace, and the enqueue's CPU time. The
+profiled run itself needs a GPU (`test_bench_gpu.py`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvferry.bench import gpu_timeline
+from kvferry.bench.gpu_timeline import LABEL, call_timelines, enqueue_us
+
+
+def _span(name: str, ts: float, dur: float, cat: str = "cpu_op") -> dict[str, object]:
+    return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur}
+
+
+def test_each_call_gets_the_gpu_operations_that_ran_inside_it() -> None:
+    events = [
+        _span(LABEL, 1000.0, 100.0),
+        _span("gather", 1030.0, 10.0, "kernel"),
+        _span("Memcpy DtoH", 1042.0, 50.0, "gpu_memcpy"),
+        _span("cuLaunchKernel", 1005.0, 3.0, "cuda_runtime"),  # a CPU-side driver call: not a GPU operation
+        _span("model", 1500.0, 30.0, "kernel"),  # between the calls: nobody's
+        _span(LABEL, 2000.0, 80.0),
+        _span("Memcpy HtoD", 2011.0, 40.0, "gpu_memcpy"),
+        _span("scatter", 2052.0, 5.0, "kernel"),
+        _span(LABEL, 3000.0, 20.0),  # no GPU operation inside: left out
+        {"ph": "i", "name": LABEL, "ts": 4000.0},  # an instant event: not a span
+    ]
+    assert call_timelines(events) == [
+        {"call_us": 100.0, "first_op_us": 30.0, "gpu_end_us": 92.0},
+        {"call_us": 80.0, "first_op_us": 11.0, "gpu_end_us": 57.0},
+    ]
+    assert call_timelines(events, "another label") == []
+
+
+def test_the_enqueue_is_timed_to_the_return_and_each_request_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = iter(float(t) for t in (0, 10e-6, 100, 100 + 30e-6, 200, 200 + 20e-6))
+    monkeypatch.setattr(gpu_timeline.time, "perf_counter", lambda: next(clock))
+    waits: list[int] = []
+
+    class Handle:
+        def wait(self) -> None:
+            waits.append(1)
+
+    assert enqueue_us(Handle, 3) == pytest.approx(20.0)
+    assert len(waits) == 3
+
+
+def test_a_call_without_gpu_operations_has_no_timeline() -> None:
+    """The profiled path end to end on the CPU: the trace is written and read, and no GPU operation is found."""
+
+    class Handle:
+        def wait(self) -> None:
+            pass
+
+    costs = gpu_timeline.call_costs(Handle, n_timed=3, n_traced=2)
+    assert costs["enqueue_us"] is not None and costs["enqueue_us"] >= 0
+    assert costs["first_op_us"] is None and costs["gpu_end_us"] is None
