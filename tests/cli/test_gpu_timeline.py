@@ -9,16 +9,17 @@ from kvferry.bench import gpu_timeline
 from kvferry.bench.gpu_timeline import LABEL, call_timelines, enqueue_us
 
 
-def _span(name: str, ts: float, dur: float, cat: str = "cpu_op") -> dict[str, object]:
+def _span(name: str, ts: float, dur: float, cat: str = "user_annotation") -> dict[str, object]:
     return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur}
 
 
 def test_each_call_gets_the_gpu_operations_that_ran_inside_it() -> None:
     events = [
         _span(LABEL, 1000.0, 100.0),
+        _span(LABEL, 1030.0, 62.0, "gpu_user_annotation"),  # the profiler's mirror of the call on the GPU
         _span("gather", 1030.0, 10.0, "kernel"),
         _span("Memcpy DtoH", 1042.0, 50.0, "gpu_memcpy"),
-        _span("cuLaunchKernel", 1005.0, 3.0, "cuda_runtime"),  # a CPU-side driver call: not a GPU operation
+        _span("cuLaunchKernel", 1005.0, 3.0, "cuda_driver"),  # a CPU-side driver call: not a GPU operation
         _span("model", 1500.0, 30.0, "kernel"),  # between the calls: nobody's
         _span(LABEL, 2000.0, 80.0),
         _span("Memcpy HtoD", 2011.0, 40.0, "gpu_memcpy"),

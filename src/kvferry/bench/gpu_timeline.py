@@ -28,7 +28,10 @@ def call_timelines(events: list[dict[str, Any]], label: str = LABEL) -> list[dic
     """For each call annotated `label` in a Chrome trace's events that ran GPU operations: the call's duration,
     and when its first GPU operation started and its last ended, in us after the call began."""
     spans = [e for e in events if e.get("ph") == "X" and "ts" in e and "dur" in e]
-    calls = sorted((e for e in spans if e.get("name") == label), key=lambda e: e["ts"])
+    # The CPU-side span of each call: the profiler mirrors it on the GPU's timeline (category "gpu_user_annotation",
+    # from its first GPU operation to its last), which is not the call.
+    calls = sorted((e for e in spans if e.get("name") == label and not str(e.get("cat")).startswith("gpu_")),
+                   key=lambda e: e["ts"])  # fmt: skip
     gpu = sorted((e for e in spans if e.get("cat") in _GPU_CATEGORIES), key=lambda e: e["ts"])
     out = []
     for call in calls:
