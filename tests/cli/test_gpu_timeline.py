@@ -49,11 +49,46 @@ def test_the_enqueue_is_timed_to_the_return_and_each_request_waited_for(monkeypa
 
 def test_a_call_without_gpu_operations_has_no_timeline() -> None:
     """The profiled path end to end on the CPU: the trace is written and read, and no GPU operation is found."""
+    assert gpu_timeline.profiled_calls(lambda: sum(range(100)), 2) == []
+
+
+def test_the_gpu_time_is_the_request_behind_a_sleeping_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`gpu_wait_us` on a faked GPU: each round a call timed on the wall clock, then the request queued behind a sleep
+    between two timing events on the caller's stream; the difference of their medians is the GPU's wait for the CPU."""
+    log: list[str] = []
+    clock = iter(float(t) for t in (0, 100e-6, 1, 1 + 120e-6, 2, 2 + 110e-6))
+    spans = iter((70.0, 80.0, 60.0))
+
+    class Event:
+        def __init__(self, enable_timing: bool = False) -> None:
+            assert enable_timing
+
+        def record(self, stream: object) -> None:
+            log.append(f"record on {stream}")
+
+        def synchronize(self) -> None:
+            log.append("synchronize")
+
+        def elapsed_time(self, end: Event) -> float:
+            return next(spans) / 1e3  # ms, as torch's
 
     class Handle:
         def wait(self) -> None:
-            pass
+            log.append("wait")
 
-    costs = gpu_timeline.call_costs(Handle, n_timed=3, n_traced=2)
-    assert costs["enqueue_us"] is not None and costs["enqueue_us"] >= 0
-    assert costs["first_op_us"] is None and costs["gpu_end_us"] is None
+        def wait_on(self, stream: object) -> None:
+            log.append(f"wait_on {stream}")
+
+    def enqueue() -> Handle:
+        log.append("call")
+        return Handle()
+
+    monkeypatch.setattr(gpu_timeline.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(gpu_timeline.torch.cuda, "current_stream", lambda: "caller")
+    monkeypatch.setattr(gpu_timeline.torch.cuda, "Event", Event)
+    monkeypatch.setattr(gpu_timeline.torch.cuda, "_sleep", lambda cycles: log.append(f"sleep {cycles}"))
+    got = gpu_timeline.gpu_wait_us(enqueue, 3)
+    assert got == pytest.approx({"wall_us": 110.0, "gpu_us": 70.0, "cpu_bound_us": 40.0})
+    one_round = ["call", "wait", f"sleep {gpu_timeline.SLEEP_CYCLES}", "record on caller", "call", "wait_on caller",
+                 "record on caller", "synchronize"]  # fmt: skip
+    assert log == one_round * 3

@@ -1,9 +1,13 @@
-"""What a GPU request costs before its bytes move: the CPU time of its call (to its return, before the wait), and on
-the GPU's timeline when its first operation starts after the call and when its last one ends.
+"""What a GPU request costs before its bytes move, three ways:
 
-The timeline is CUPTI's, through `torch.profiler`, over a few calls that each wait for their GPU work and then let
-the GPU idle (a request arriving alone). The profiler adds CPU time to every driver call it records, so its figures
-are upper bounds of an unprofiled call's; the enqueue's CPU time is timed without it.
+- the CPU time of its call, to its return (before the wait);
+- the time the GPU waits for the CPU: the call's wall time to completion on an idle GPU, less the GPU's own time for
+  the same request enqueued behind a sleeping stream (so that all of it is queued before any of it runs). That is the
+  time from the call to the request's first GPU operation, plus any gap the GPU then spends waiting for the CPU to
+  enqueue the rest; no profiler is involved;
+- a CUPTI timeline (`torch.profiler`) of a few calls: when the first GPU operation starts and the last ends after the
+  call. The profiler adds CPU time to every driver call it records (a llama3-8b chunk's first operation 178 us after
+  its call profiled, against a 46 us call unprofiled; H200, 2026-12-02), so these are upper bounds.
 """
 
 from __future__ import annotations
@@ -16,12 +20,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
+
 LABEL = "kvferry call"
 _GPU_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 
 
+# GPU cycles the caller's stream sleeps while a request is queued behind it (~2 ms at the H200's clock: longer than
+# any request's enqueue here)
+SLEEP_CYCLES = 4_000_000
+
+
 class Waitable(Protocol):
     def wait(self) -> None: ...
+
+    def wait_on(self, stream: torch.cuda.Stream | None = None) -> None: ...
 
 
 def call_timelines(events: list[dict[str, Any]], label: str = LABEL) -> list[dict[str, float]]:
@@ -75,14 +88,37 @@ def enqueue_us(enqueue: Callable[[], Waitable], n: int) -> float:
     return statistics.median(samples)
 
 
+def gpu_wait_us(enqueue: Callable[[], Waitable], n: int) -> dict[str, float]:
+    """Medians over `n` rounds of: the call's wall time to completion on an idle GPU (`wall_us`), the same request's
+    time on the GPU alone (`gpu_us`: enqueued behind `SLEEP_CYCLES` of sleep on the caller's stream, timed by events
+    from the sleep's end to the request's end), and their difference (`cpu_bound_us`: what the GPU waited for the
+    CPU). The request must order itself after the caller's stream, as kvferry's do."""
+    stream = torch.cuda.current_stream()
+    walls, spans = [], []
+    for _ in range(n):
+        start = time.perf_counter()
+        enqueue().wait()
+        walls.append((time.perf_counter() - start) * 1e6)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(SLEEP_CYCLES)
+        begin.record(stream)
+        enqueue().wait_on(stream)
+        end.record(stream)
+        end.synchronize()
+        spans.append(begin.elapsed_time(end) * 1e3)
+    wall, gpu = statistics.median(walls), statistics.median(spans)
+    return {"wall_us": wall, "gpu_us": gpu, "cpu_bound_us": wall - gpu}
+
+
 def call_costs(enqueue: Callable[[], Waitable], n_timed: int = 50, n_traced: int = 10) -> dict[str, float | None]:
-    """`enqueue_us` over `n_timed` calls, and the medians of `profiled_calls` over `n_traced` (None when the
-    profiler saw no GPU operation: a driver without CUPTI's activity records, say)."""
+    """`enqueue_us` and `gpu_wait_us` over `n_timed` calls, and the medians of `profiled_calls` over `n_traced`
+    (None when the profiler saw no GPU operation: a driver without CUPTI's activity records, say)."""
     enqueue().wait()  # compiled, captured and cached before anything is timed
     timed = enqueue_us(enqueue, n_timed)
+    waits = gpu_wait_us(enqueue, n_timed)
     traced = profiled_calls(lambda: enqueue().wait(), n_traced)
 
     def median(key: str) -> float | None:
         return statistics.median(t[key] for t in traced) if traced else None
 
-    return {"enqueue_us": timed, "first_op_us": median("first_op_us"), "gpu_end_us": median("gpu_end_us")}
+    return {"enqueue_us": timed, **waits, "first_op_us": median("first_op_us"), "gpu_end_us": median("gpu_end_us")}

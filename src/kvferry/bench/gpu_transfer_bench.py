@@ -245,9 +245,8 @@ class Bench:
             self.row("one-chunk", f"{model} D2H torch by hand", s.nbytes, by_hand(s), memcpy(s.nbytes, True), reps)
 
     def latency_bound(self) -> None:
-        """The requests whose call's CPU time shows: per direction, the call's CPU time (median of 50) and its GPU
-        timeline (median of 10 profiled calls), in the mode `auto` picks; and the ratio of 16 scattered qwen2.5-0.5b
-        chunks (the other three are rows of `onechunk` and `bulk`)."""
+        """The requests whose call's CPU time shows, in the mode `auto` picks: per direction, `gpu_timeline.call_costs`;
+        and the ratio of 16 scattered qwen2.5-0.5b chunks (the other three are rows of `onechunk` and `bulk`)."""
         for model, n, run in CALLS:
             s = Setup(model, F.NL_X_TWO_NB_BS_NH_HS, n, run=run)
             what = call_name(model, n, run)
@@ -385,14 +384,15 @@ def _show(bench: Bench) -> list[Any]:
         out.append(table)
     if bench.calls:
         calls = new_table(
-            "the call: its CPU time to return (median of 50), and on a profiled GPU timeline (median of 10) when its "
+            "the call (medians of 50): its CPU time to return; its wall time to completion, the GPU's own time for "
+            "it, and the difference: what the GPU waited for the CPU. Profiled (10 calls, upper bounds): when its "
             "first GPU operation starts and its last ends, after the call",
-            ("request", "dir", "CPU us", "first GPU op us", "last ends us"),
+            ("request", "dir", "CPU us", "wall us", "GPU us", "GPU waited us", "first op us", "last ends us"),
             names=2,
         )
         for c in bench.calls:
-            cpu = f"{c['enqueue_us']:.0f}"
-            calls.add_row(c["what"], c["direction"], cpu, _us(c["first_op_us"]), _us(c["gpu_end_us"]))
+            times = (c["enqueue_us"], c["wall_us"], c["gpu_us"], c["cpu_bound_us"], c["first_op_us"], c["gpu_end_us"])
+            calls.add_row(c["what"], c["direction"], *map(_us, times))
         out.append(calls)
     gemm = [r for r in bench.rows if r["section"] == "gemm"]
     if gemm:
