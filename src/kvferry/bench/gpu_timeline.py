@@ -4,7 +4,9 @@
 - the time the GPU waits for the CPU: the call's wall time to completion on an idle GPU, less the GPU's own time for
   the same request enqueued behind a sleeping stream (so that all of it is queued before any of it runs). That is the
   time from the call to the request's first GPU operation, plus any gap the GPU then spends waiting for the CPU to
-  enqueue the rest; no profiler is involved;
+  enqueue the rest; no profiler is involved. It needs every GPU operation of the request ordered after the caller's
+  stream: not so a staged retrieve of several slices, whose first DMAs into staging wait for nothing (they would
+  run during the sleep and the GPU's time would read short);
 - a CUPTI timeline (`torch.profiler`) of a few calls: when the first GPU operation starts and the last ends after the
   call. The profiler adds CPU time to every driver call it records (a llama3-8b chunk's first operation 178 us after
   its call profiled, against a 46 us call unprofiled; H200, 2026-12-02), so these are upper bounds.
