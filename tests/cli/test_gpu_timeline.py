@@ -92,3 +92,17 @@ def test_the_gpu_time_is_the_request_behind_a_sleeping_stream(monkeypatch: pytes
     one_round = ["call", "wait", f"sleep {gpu_timeline.SLEEP_CYCLES}", "record on caller", "call", "wait_on caller",
                  "record on caller", "synchronize"]  # fmt: skip
     assert log == one_round * 3
+
+
+def test_a_request_not_wholly_ordered_after_the_callers_stream_gets_no_gpu_wait() -> None:
+    """`call_costs(ordered=False)` never sleeps a stream (runs on the CPU): the enqueue timed, the rest None."""
+
+    class Handle:
+        def wait(self) -> None:
+            pass
+
+    costs = gpu_timeline.call_costs(Handle, n_timed=3, n_traced=2, ordered=False)
+    assert costs["enqueue_us"] is not None and costs["enqueue_us"] >= 0
+    assert {k: v for k, v in costs.items() if k != "enqueue_us"} == dict.fromkeys(
+        ("wall_us", "gpu_us", "cpu_bound_us", "first_op_us", "gpu_end_us")
+    )
