@@ -112,12 +112,16 @@ def gpu_wait_us(enqueue: Callable[[], Waitable], n: int) -> dict[str, float]:
     return {"wall_us": wall, "gpu_us": gpu, "cpu_bound_us": wall - gpu}
 
 
-def call_costs(enqueue: Callable[[], Waitable], n_timed: int = 50, n_traced: int = 10) -> dict[str, float | None]:
-    """`enqueue_us` and `gpu_wait_us` over `n_timed` calls, and the medians of `profiled_calls` over `n_traced`
-    (None when the profiler saw no GPU operation: a driver without CUPTI's activity records, say)."""
+def call_costs(
+    enqueue: Callable[[], Waitable], n_timed: int = 50, n_traced: int = 10, *, ordered: bool = True
+) -> dict[str, float | None]:
+    """`enqueue_us` and, when every GPU operation of the request is `ordered` after the caller's stream,
+    `gpu_wait_us` (else its figures are None), over `n_timed` calls; and the medians of `profiled_calls` over
+    `n_traced` (None when the profiler saw no GPU operation: a driver without CUPTI's activity records, say)."""
     enqueue().wait()  # compiled, captured and cached before anything is timed
     timed = enqueue_us(enqueue, n_timed)
-    waits = gpu_wait_us(enqueue, n_timed)
+    no_waits: dict[str, float | None] = {"wall_us": None, "gpu_us": None, "cpu_bound_us": None}
+    waits = gpu_wait_us(enqueue, n_timed) if ordered else no_waits
     traced = profiled_calls(lambda: enqueue().wait(), n_traced)
 
     def median(key: str) -> float | None:
