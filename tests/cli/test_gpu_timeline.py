@@ -53,10 +53,10 @@ def test_a_call_without_gpu_operations_has_no_timeline() -> None:
 
 
 def test_the_gpu_time_is_the_request_behind_a_sleeping_stream(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`gpu_wait_us` on a faked GPU: each round a call timed on the wall clock, then the request queued behind a sleep
+    """`gpu_wait_us` on a faked GPU: calls timed on the wall clock back to back, then the request queued behind a sleep
     between two timing events on the caller's stream; the difference of their medians is the GPU's wait for the CPU."""
     log: list[str] = []
-    clock = iter(float(t) for t in (0, 100e-6, 1, 1 + 120e-6, 2, 2 + 110e-6))
+    clock = iter(float(t) for t in (0, 100e-6, 1, 1 + 120e-6, 2, 2 + 110e-6))  # the calls' starts and ends
     spans = iter((70.0, 80.0, 60.0))
 
     class Event:
@@ -89,9 +89,9 @@ def test_the_gpu_time_is_the_request_behind_a_sleeping_stream(monkeypatch: pytes
     monkeypatch.setattr(gpu_timeline.torch.cuda, "_sleep", lambda cycles: log.append(f"sleep {cycles}"))
     got = gpu_timeline.gpu_wait_us(enqueue, 3)
     assert got == pytest.approx({"wall_us": 110.0, "gpu_us": 70.0, "cpu_bound_us": 40.0})
-    one_round = ["call", "wait", f"sleep {gpu_timeline.SLEEP_CYCLES}", "record on caller", "call", "wait_on caller",
-                 "record on caller", "synchronize"]  # fmt: skip
-    assert log == one_round * 3
+    behind_sleep = [f"sleep {gpu_timeline.SLEEP_CYCLES}", "record on caller", "call", "wait_on caller",
+                    "record on caller", "synchronize"]  # fmt: skip
+    assert log == ["call", "wait"] * 3 + behind_sleep * 3
 
 
 def test_a_request_not_wholly_ordered_after_the_callers_stream_gets_no_gpu_wait() -> None:

@@ -91,16 +91,20 @@ def enqueue_us(enqueue: Callable[[], Waitable], n: int) -> float:
 
 
 def gpu_wait_us(enqueue: Callable[[], Waitable], n: int) -> dict[str, float]:
-    """Medians over `n` rounds of: the call's wall time to completion on an idle GPU (`wall_us`), the same request's
-    time on the GPU alone (`gpu_us`: enqueued behind `SLEEP_CYCLES` of sleep on the caller's stream, timed by events
-    from the sleep's end to the request's end), and their difference (`cpu_bound_us`: what the GPU waited for the
-    CPU). The request must order itself after the caller's stream, as kvferry's do."""
-    stream = torch.cuda.current_stream()
-    walls, spans = [], []
+    """Medians of: the call's wall time to completion on an idle GPU (`wall_us`, `n` calls back to back, as the
+    ratio rows time them), the same request's time on the GPU alone (`gpu_us`, `n` more: each enqueued behind
+    `SLEEP_CYCLES` of sleep on the caller's stream, timed by events from the sleep's end to the request's end), and
+    their difference (`cpu_bound_us`: what the GPU waited for the CPU). Not interleaved: after each 2 ms sleep the CPU
+    runs the next call cold (about twice as slow on the H200 host). The request must order itself after the caller's
+    stream, as kvferry's do."""
+    walls = []
     for _ in range(n):
         start = time.perf_counter()
         enqueue().wait()
         walls.append((time.perf_counter() - start) * 1e6)
+    stream = torch.cuda.current_stream()
+    spans = []
+    for _ in range(n):
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda._sleep(SLEEP_CYCLES)
         begin.record(stream)
