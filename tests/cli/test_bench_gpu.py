@@ -36,10 +36,10 @@ def test_gpu_transfer_calls_and_bidir(monkeypatch: pytest.MonkeyPatch, tmp_path:
     assert {r["section"] for r in rows} == {"calls", "bidir"}
     assert all(r["ratio"] > 0 and r["gbps"] > 0 for r in rows)
     calls = doc["results"]["calls"]
-    assert len(calls) == 8 and doc["machine"]["device"] != "cpu"
+    assert len(calls) == 16 and doc["machine"]["device"] != "cpu"
     for c in calls:  # each request's GPU time is part of its wall time; the profiler saw its work inside the call
         assert c["enqueue_us"] > 0
-        if "one chunk" in c["what"] or c["direction"] == "D2H":
+        if "one chunk" in c["what"] or c["direction"] == "D2H" or c["what"].endswith("memcpy"):
             assert 0 < c["gpu_us"] < c["wall_us"]
         else:  # a staged retrieve's first DMAs are not ordered after the caller's stream: no GPU time of its own
             assert c["gpu_us"] is None
@@ -91,11 +91,12 @@ def test_gpu_transfer_control_flow_with_the_gpu_faked(
     monkeypatch.setattr(gpu_transfer_bench, "Setup", _FakeSetup)
     monkeypatch.setattr(gpu_transfer_bench, "paired_ms", lambda fn, ceiling, reps: (2.0, 1.0))
     monkeypatch.setattr(gpu_transfer_bench, "memcpy", lambda nbytes, to_host: lambda: None)
+    monkeypatch.setattr(gpu_transfer_bench, "memcpy_start", lambda nbytes, to_host: lambda: Handle())
     monkeypatch.setattr(gpu_transfer_bench, "by_hand", lambda s: lambda: None)
     monkeypatch.setattr(kvferry, "transfer_async", lambda *args, **kwargs: Handle())
     times = {"enqueue_us": 30.0, "wall_us": 100.0, "gpu_us": 60.0, "cpu_bound_us": 40.0}
     costs = {**times, "first_op_us": None, "gpu_end_us": None}  # as without CUPTI's records
-    monkeypatch.setattr(gpu_transfer_bench, "call_costs", lambda enqueue, ordered: costs)
+    monkeypatch.setattr(gpu_transfer_bench, "call_costs", lambda enqueue, ordered=True: costs)
     monkeypatch.setattr(torch.cuda, "Stream", lambda *args, **kwargs: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "no GPU (faked)")
@@ -114,8 +115,11 @@ def test_gpu_transfer_control_flow_with_the_gpu_faked(
     assert sum(r["section"] == "gemm" for r in rows) == gpu_gemm.STEPS - 1
     calls = doc["results"]["calls"]
     assert [(c["what"], c["direction"]) for c in calls] == [
-        (what, d) for what in ("llama3-8b one chunk", "qwen2.5-0.5b one chunk", "qwen2.5-0.5b 16 scattered chunks",
-                               "qwen2.5-0.5b 32 chunks as one tensor") for d in ("D2H", "H2D")
+        (f"{what}{ceiling}", d)
+        for what in ("llama3-8b one chunk", "qwen2.5-0.5b one chunk", "qwen2.5-0.5b 16 scattered chunks",
+                     "qwen2.5-0.5b 32 chunks as one tensor")
+        for d in ("D2H", "H2D")
+        for ceiling in ("", ": memcpy")
     ]  # fmt: skip
     assert doc["machine"]["device"] == "no GPU (faked)"
     out = capsys.readouterr().out

@@ -76,11 +76,35 @@ _ceilings: dict[int, PinnedCopy] = {}
 
 def memcpy(nbytes: int, to_host: bool) -> Callable[[], None]:
     """The ceiling: one pinned <-> device copy of nbytes (torch's copy_, i.e. cudaMemcpyAsync), then a sync."""
+    copy = _ceiling(nbytes)
+    return lambda: copy(to_host)
+
+
+def memcpy_start(nbytes: int, to_host: bool) -> Callable[[], Waitable]:
+    """The ceiling's copy as a request `gpu_timeline` times: enqueued on the caller's stream, waited for as the
+    ceiling is (a device-wide sync)."""
+    copy = _ceiling(nbytes)
+
+    def start() -> Waitable:
+        (copy.host.copy_(copy.dev, non_blocking=True) if to_host else copy.dev.copy_(copy.host, non_blocking=True))
+        return _OnCallersStream()
+
+    return start
+
+
+class _OnCallersStream:
+    def wait(self) -> None:
+        torch.cuda.synchronize()
+
+    def wait_on(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Nothing to do: the copy is on the caller's stream."""
+
+
+def _ceiling(nbytes: int) -> PinnedCopy:
     if nbytes not in _ceilings:
         _ceilings.clear()  # one size at a time: 512 MiB buffers add up
         _ceilings[nbytes] = PinnedCopy(nbytes)
-    copy = _ceilings[nbytes]
-    return lambda: copy(to_host)
+    return _ceilings[nbytes]
 
 
 # The latency-bound requests of the `calls` section: (model, chunks, the objects as one tensor)
@@ -245,8 +269,9 @@ class Bench:
             self.row("one-chunk", f"{model} D2H torch by hand", s.nbytes, by_hand(s), memcpy(s.nbytes, True), reps)
 
     def latency_bound(self) -> None:
-        """The requests whose call's CPU time shows, in the mode `auto` picks: per direction, `gpu_timeline.call_costs`;
-        and the ratio of 16 scattered qwen2.5-0.5b chunks (the other three are rows of `onechunk` and `bulk`)."""
+        """The requests whose call's CPU time shows, in the mode `auto` picks: per direction, `gpu_timeline.call_costs`
+        of the request and of the ceiling's memcpy of its bytes; and the ratio of 16 scattered qwen2.5-0.5b chunks
+        (the other three are rows of `onechunk` and `bulk`)."""
         for model, n, run in CALLS:
             s = Setup(model, F.NL_X_TWO_NB_BS_NH_HS, n, run=run)
             what = call_name(model, n, run)
@@ -258,6 +283,8 @@ class Bench:
                 ordered = n == 1 or d is D2H
                 costs = call_costs(functools.partial(s.start, d, self.engine), ordered=ordered)
                 self.calls.append({"what": what, "direction": d.name, **costs})
+                ceiling = call_costs(memcpy_start(s.nbytes, d is D2H))
+                self.calls.append({"what": f"{what}: memcpy", "direction": d.name, **ceiling})
                 self.steps.done(f"calls {what} {d.name}: the call's CPU time and GPU timeline")
             del s
             torch.cuda.empty_cache()
@@ -320,7 +347,7 @@ def planned_steps(sections: list[str]) -> int:
         "formats": 2 * len(F),
         "formats-run": 2 * len(F),
         "onechunk": 2 * (2 * 4 + 1),  # per model: 4 modes x 2 directions, by hand
-        "calls": len(CALLS) * 2 + 2,  # per request and direction; the 16 chunks' ratios
+        "calls": len(CALLS) * 2 + 2,  # per request and direction (with its memcpy's); the 16 chunks' ratios
         "bidir": 1,
         "gemm": GEMM_STEPS,
         "crossover": 4 * 2 * 2,
