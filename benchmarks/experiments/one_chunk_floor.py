@@ -12,7 +12,9 @@ Graphs (2026-12-02, H200 #12-#15): the staged sequence captured once and replaye
 0.93-0.95 / 0.90-0.97 (store; one, two, four row ranges) and 0.86-0.99 / 0.89-0.93 / 0.80-0.84 (retrieve), llama3-8b
 0.96-0.99 and 0.96-0.98: the GPU side of one chunk reaches both goals. The engine now replays such a graph for a
 one-object request (`api, auto`; `api, auto, graphs off` is the same call without): qwen2.5-0.5b 0.53-0.63 / 0.57-0.64,
-llama3-8b 0.86-0.87 / 0.83-0.92; what is left is the call's own CPU time before the launch.
+llama3-8b 0.86-0.87 / 0.83-0.92; what is left is the call's own CPU time before the launch. The engine's graph
+launched by hand with nothing but what a real request needs (#23, #28): qwen2.5-0.5b 0.848 / 0.799 and 0.838 / 0.846
+(enqueue 11-18 us), llama3-8b 0.965 / 0.949 and 0.956 / 0.957: one 3 MiB chunk stays under 0.90 from Python even so.
 
 Each row times one chunk (format 1, scattered blocks, one pool object) from the Python call to the bytes having
 moved, alternating with the same-run pinned memcpy (torch `copy_` + synchronize), medians over --reps:
