@@ -8,8 +8,9 @@ Sections:
   formats-run  the same with the objects as one tensor (as the cache allocates a request's objects)
   onechunk     one chunk, from the Python call to completion, per mode
   calls        the latency-bound requests (one chunk of llama3-8b and of qwen2.5-0.5b, 16 scattered and 32 as
-               one tensor of qwen2.5-0.5b): the CPU time of the call, when its first GPU operation starts and its
-               last ends (a profiled timeline: `kvferry.bench.gpu_timeline`); the 16 chunks' ratios
+               one tensor of qwen2.5-0.5b) and the memcpy of their bytes: the call's CPU time, its wall time split
+               into the GPU's own time and its wait for the CPU, a profiled timeline (`kvferry.bench.gpu_timeline`);
+               the 16 chunks' ratios
   bidir        a store and a retrieve at once, against two memcpys on two streams
   gemm         a bf16 8192^3 GEMM loop's TFLOP/s while transfers run beside it, against GEMMs alone
   crossover    1-8 qwen2.5-0.5b chunks, staged against zero-copy
