@@ -33,7 +33,9 @@ moved, alternating with the same-run pinned memcpy (torch `copy_` + synchronize)
   and replayed by torch on the caller's stream (one object only);
 - `engine's graph, a request by hand`: the graph the engine replays for this request, launched with what any real
   request needs (ordered after the caller's stream, its ids uploaded, its host copies aimed at the object, an end
-  event waited for) and nothing else: the floor under the public call's one-object path.
+  event waited for) and nothing else: the floor under the public call's one-object path;
+- `retrieve without a graph, by hand`: a one-object retrieve as separate launches with the same needs, its DMA into
+  staging issued first and waiting for nothing (only its scatter waits for the caller's stream).
 
 Also the CPU time of each variant's enqueue (call to return, before the wait). `--chunks N` moves N scattered
 objects per request instead (the engine's path then staged; by hand one launch and one batch of DMAs). Run on the
@@ -206,6 +208,25 @@ def variants(
 
         return request
 
+    def retrieve_by_hand() -> Callable[[], Callable[[], None]] | None:
+        """A one-object retrieve without a graph, with what a real request needs: its ids uploaded, its DMA into
+        staging issued first (it touches no KV, so it waits for nothing), the scatter ordered after the caller's
+        stream, its end recorded and waited for. Against the graph, whose DMA waits for the caller's stream too."""
+        if n != 1 or to_objects:
+            return None
+        doff, dcap = dmeta + n_ids * 8, dmeta + (n_ids + n) * 8
+
+        def request() -> Callable[[], None]:
+            drv.record(start, torch._C._cuda_getCurrentRawStream(s.geom.device.index))
+            drv.htod(dmeta, meta, (n_ids + 2 * n) * 8, lane_stream)  # one object: the same tables either way
+            dmas(lane_stream)
+            drv.wait(lane_stream, start, 0)
+            triton_copy.launch_raw(plan, lane_stream, stage, doff, dcap, dmeta, False, s.chunk, 0, rows)
+            drv.record(done, lane_stream)
+            return lambda: drv.synchronize(done)
+
+        return request
+
     keep: list[torch.cuda.CUDAGraph] = []
     found = {
         "api, auto": api(None),
@@ -220,6 +241,7 @@ def variants(
     for pieces in (1, 2, 4):
         found[f"graph x{pieces}, replay"] = graph(pieces)
     found["engine's graph, a request by hand"] = engine_graph()
+    found["retrieve without a graph, by hand"] = retrieve_by_hand()
     return {k: v for k, v in found.items() if v is not None}
 
 
