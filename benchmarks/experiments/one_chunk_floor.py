@@ -227,6 +227,9 @@ def variants(
 
         return request
 
+    def staged_submit() -> Callable[[], None]:
+        return ungraphed.submit(plan, objs, checked, to_objects, s.chunk, 0, "staged").wait
+
     keep: list[torch.cuda.CUDAGraph] = []
     found = {
         "api, auto": api(None),
@@ -234,6 +237,7 @@ def variants(
         f"api, {mode}": api(mode),
         f"submit, {mode}": submit,
         "submit, auto (one object: a graph)": lambda: engine.submit(plan, objs, checked, to_objects, s.chunk, 0).wait,
+        "submit, staged, graphs off": staged_submit,
         "floor, ordered": ordered,
         "floor, on the caller's stream": direct,
         "floor, staged": staged,
