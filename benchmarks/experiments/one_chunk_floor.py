@@ -234,6 +234,7 @@ def variants(
     found = {
         "api, auto": api(None),
         "api, auto, graphs off": api(None, ungraphed),
+        "api, staged, graphs off": api("staged", ungraphed),
         f"api, {mode}": api(mode),
         f"submit, {mode}": submit,
         "submit, auto (one object: a graph)": lambda: engine.submit(plan, objs, checked, to_objects, s.chunk, 0).wait,
