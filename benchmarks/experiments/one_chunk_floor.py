@@ -15,13 +15,16 @@ one-object request (`api, auto`; `api, auto, graphs off` is the same call withou
 llama3-8b 0.86-0.87 / 0.83-0.92; what is left is the call's own CPU time before the launch. The engine's graph
 launched by hand with nothing but what a real request needs (#23, #28): qwen2.5-0.5b 0.848 / 0.799 and 0.838 / 0.846
 (enqueue 11-18 us), llama3-8b 0.965 / 0.949 and 0.956 / 0.957: one 3 MiB chunk stays under 0.90 from Python even so.
+A one-object retrieve without its graph (#29): 0.885-0.889 by hand, 0.776-0.810 through `submit` against the graph's
+0.751-0.766, but through the public call 0.615 and 0.664 against 0.655 and 0.647: no gain the call shows.
 
 Each row times one chunk (format 1, scattered blocks, one pool object) from the Python call to the bytes having
 moved, alternating with the same-run pinned memcpy (torch `copy_` + synchronize), medians over --reps:
 
 - `api`: `kvferry.transfer_async(..., geometry=)` + `wait()` (what the bench's one-chunk rows time), in the mode
-  `auto` picks and forced zero-copy;
-- `submit`: `TransferEngine.submit` with the request checked once beforehand (no validation per call);
+  `auto` picks and forced zero-copy; `graphs off`: through an engine that captures none (`auto`, and staged);
+- `submit`: `TransferEngine.submit` with the request checked once beforehand (no validation per call), as `auto`
+  takes it (a graph) and staged with graphs off;
 - `floor, ordered`: the zero-copy kernel launched by hand, ordered after the caller's stream as kvferry orders every
   request (record an event on the caller's stream, a lane stream waits for it, launch, record, synchronize the
   event): four driver calls and the launch's argument packing;
