@@ -68,7 +68,7 @@ def gemm_rows(s: Setup, steps: Steps) -> list[dict[str, Any]]:
     copy = PinnedCopy(s.nbytes)
 
     def plain(to_host: bool) -> int:
-        copy.host.copy_(copy.dev, non_blocking=True) if to_host else copy.dev.copy_(copy.host, non_blocking=True)
+        copy.start(to_host)
         torch.cuda.current_stream().synchronize()  # the side stream only: a device sync would wait for the GEMMs
         return s.nbytes
 

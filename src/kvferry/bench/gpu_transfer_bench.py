@@ -87,7 +87,7 @@ def memcpy_start(nbytes: int, to_host: bool) -> Callable[[], Waitable]:
     copy = _ceiling(nbytes)
 
     def start() -> Waitable:
-        (copy.host.copy_(copy.dev, non_blocking=True) if to_host else copy.dev.copy_(copy.host, non_blocking=True))
+        copy.start(to_host)
         return _OnCallersStream()
 
     return start

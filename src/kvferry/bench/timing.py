@@ -144,11 +144,15 @@ class PinnedCopy:
         self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).fill_(1)
 
     def __call__(self, to_host: bool) -> None:
+        self.start(to_host)
+        torch.cuda.synchronize()
+
+    def start(self, to_host: bool) -> None:
+        """Enqueue the copy on the current stream, without waiting for it."""
         if to_host:
             self.host.copy_(self.dev, non_blocking=True)
         else:
             self.dev.copy_(self.host, non_blocking=True)
-        torch.cuda.synchronize()
 
 
 def _host_buffer(nbytes: int, fill: int) -> torch.Tensor:
