@@ -35,7 +35,28 @@ def test_cpu_layout_is_recognised_in_layer_order() -> None:
         ({"isa": "neon", "kv_cache_dtype": "auto"}, cpu_kv(), "ISA is 'neon'"),
         ({"isa": "amx", "kv_cache_dtype": "auto"}, cpu_kv(hs=40), "packs HS in tiles of 16"),
         ({"isa": "amx", "kv_cache_dtype": "auto"}, {"l.0.x": torch.randn(6, 2, 32, 64)}, "1 or 2-byte elements"),
-        ({"isa": None, "kv_cache_dtype": "auto"}, cpu_kv(), "ISA is None"),
+        # vLLM's page views (every backend but CPU_ATTN): whatever their strides cannot be one of its layouts
+        (
+            {"isa": None, "kv_cache_dtype": "auto"},
+            {"l.0.x": torch.randn(6, 2, 64, 32).to(torch.bfloat16).transpose(2, 3)},
+            "content axis C has stride 32",
+        ),
+        (
+            {"isa": None, "kv_cache_dtype": "auto"},
+            {"l.0.x": torch.randn(6, 4096).to(torch.bfloat16).as_strided((6, 2, 32, 64), (4096, 64, 64, 1))},
+            "cells would overlap",
+        ),
+        (
+            {"isa": None, "kv_cache_dtype": "auto"},
+            {
+                "l.0.x": torch.randn(6, 2, 32, 64).to(torch.bfloat16),
+                "l.1.x": torch.randn(6, 2, 32, 64).to(torch.bfloat16),
+            },
+            "not a view of the buffer",
+        ),
+        ({"isa": None, "kv_cache_dtype": "auto"}, {"l.0.x": torch.randn(6, 2, 32, 63)}, "holds 63 elements"),
+        ({"isa": None, "kv_cache_dtype": "auto", "mla": True}, cpu_kv(), "one latent per token, but the views have 2"),
+        ({"isa": None, "kv_cache_dtype": "auto", "block_size": 48}, cpu_kv(), "32-token blocks do not divide .* 48"),
         ({"isa": "vec", "kv_cache_dtype": "fp8"}, cpu_kv(), "dtype 'fp8'"),
         ({"isa": "vec", "kv_cache_dtype": "auto"}, {}, "kv_caches is empty"),
         (

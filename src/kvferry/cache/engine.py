@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
+import torch
+
 from kvferry.cache.index import object_checksum, readable_run
 from kvferry.cache.keys import CacheNamespace, ChunkHasher, TokenIds
 from kvferry.cache.metrics import GAUGES, CacheCounters, counters_dict, gbps, make_registry
@@ -36,7 +38,15 @@ from kvferry.formats import EngineKVFormat, KVGeometry
 from kvferry.memory import HostPool
 from kvferry.tiers import Tier, make_tier
 from kvferry.tiers.metrics import TierCollector
-from kvferry.transfer import configure_gpu, geometry_of
+from kvferry.transfer import configure_gpu, geometry_of, ordered_after
+
+
+def _ordered(after: torch.cuda.Event | None, call: Callable[..., int], args: tuple, kwargs: dict[str, Any]) -> int:
+    """``call(*args, **kwargs)`` with its GPU copies ordered after the CUDA event ``after`` (kept alive until then)."""
+    if after is None:
+        return call(*args, **kwargs)
+    with ordered_after(after.cuda_event):
+        return call(*args, **kwargs)
 
 
 class LookupResult(NamedTuple):
@@ -272,13 +282,18 @@ class CacheEngine:
             raise
         return (yield from self._reader.read_steps(tokens, ns, paged, geom, block_ids, skip_prefix_tokens, lock_id))
 
-    def store_async(self, *args: Any, **kwargs: Any) -> Future[int]:
-        """``store`` on the engine's worker threads; the engine must leave those blocks alone until done."""
-        return self._executor.submit(self.store, *args, **kwargs)
+    def store_async(self, *args: Any, after: torch.cuda.Event | None = None, **kwargs: Any) -> Future[int]:
+        """``store`` on the engine's worker threads; the engine must leave those blocks alone until done.
 
-    def retrieve_async(self, *args: Any, **kwargs: Any) -> Future[int]:
-        """``retrieve`` on the engine's worker threads; the blocks hold the KV once the future is done."""
-        return self._executor.submit(self.retrieve, *args, **kwargs)
+        ``after``: a CUDA event the caller recorded after the work that writes the blocks (its stream is not the
+        worker thread's); the GPU copy waits for it on the GPU. Without one it is ordered after the worker
+        thread's current stream."""
+        return self._executor.submit(_ordered, after, self.store, args, kwargs)
+
+    def retrieve_async(self, *args: Any, after: torch.cuda.Event | None = None, **kwargs: Any) -> Future[int]:
+        """``retrieve`` on the engine's worker threads; the blocks hold the KV once the future is done. ``after``:
+        as for ``store_async`` (the last work that reads the blocks before they are written)."""
+        return self._executor.submit(_ordered, after, self.retrieve, args, kwargs)
 
     # --- administration -----------------------------------------------------------------------------------
 

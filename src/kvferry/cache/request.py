@@ -14,13 +14,15 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvferry.formats import EngineKVFormat
+from kvferry.formats import EngineKVFormat, layout_of
 
 BlockIds = Sequence[int] | np.ndarray | torch.Tensor
 
 
 def layout_name(fmt: EngineKVFormat | int, shape: Sequence[int]) -> str:
-    return f"{EngineKVFormat(fmt).name}:{'x'.join(str(d) for d in shape)}"
+    """The object layout in cache keys: the object's kind and shape, not the engine's format, so an engine of any
+    layout whose objects hold the same bytes (vLLM's six GPU orders, the CPU backend's ISAs) shares them."""
+    return f"{layout_of(fmt).object_kind}:{'x'.join(str(d) for d in shape)}"
 
 
 def dtype_name(dtype: torch.dtype) -> str:

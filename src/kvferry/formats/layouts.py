@@ -105,6 +105,15 @@ class Layout:
         return "NH" in axes and "BS" in axes and axes.index("NH") < axes.index("BS")
 
     @property
+    def object_kind(self) -> str:
+        """What a chunk object of this layout holds, in the cache's keys: ``kv`` (a K plane and a V plane), ``fused``
+        (one plane, K and V interleaved per head) or ``plane`` (one plane: an MLA latent, or a single component).
+        Layouts of one kind and object shape store the same bytes, so engines of different layouts share them."""
+        if self.kv_size == 2:
+            return "kv"
+        return "fused" if self.fused else "plane"
+
+    @property
     def is_cross_layer(self) -> bool:
         """All layers inside one tensor."""
         return "NL" in self.axes

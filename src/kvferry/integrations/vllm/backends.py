@@ -14,15 +14,19 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
+
+import torch
 
 from kvferry.cache import CacheEngine, CacheNamespace
 from kvferry.cache.request import dtype_name, layout_name
 from kvferry.formats import EngineKVFormat, describe
 from kvferry.integrations.vllm.kv_layout import EngineKV
 from kvferry.integrations.vllm.server_link import ServerDown, ServerLink
+from kvferry.integrations.vllm.settings import ConnectorSettings
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +46,7 @@ class KeySpace:
 
     @classmethod
     def of(cls, kv: EngineKV, *, model: str, salt: str) -> KeySpace:
-        geometry = describe(kv.fmt, kv.layers, kv.block_size, heads=kv.heads)
+        geometry = describe(kv.fmt, kv.paged, kv.block_size, heads=kv.heads)
         kv_size, num_layers, _, width = geometry.object_shape(1)  # every head's width, on any rank
         dtype = dtype_name(geometry.dtype)
         if kv.kv_dtype != dtype:  # fp8 caches of either encoding are uint8 tensors: the encoding splits the keys
@@ -90,7 +94,12 @@ class Backend(Protocol):
 
 
 class EmbeddedBackend:
-    """A `CacheEngine` owned by this worker process."""
+    """A `CacheEngine` owned by this worker process.
+
+    On a GPU each load and store is ordered, on the GPU, after what vLLM's stream had queued when the connector
+    asked for it (an event recorded there: the forward pass that wrote the blocks a store reads, or the last
+    reader of the blocks a load writes); the copy then runs on kvferry's streams from the engine's worker thread,
+    whose own current stream is not vLLM's. Nothing waits on the CPU for the model."""
 
     def __init__(self, engine: CacheEngine, kv: EngineKV, namespace: CacheNamespace) -> None:
         self.engine = engine
@@ -98,7 +107,8 @@ class EmbeddedBackend:
         self.namespace = namespace
         self.chunk_size: int | None = engine.chunk_size
         # Validated once here: every load and store then skips re-describing vLLM's tensors.
-        self.geometry = describe(kv.fmt, kv.layers, kv.block_size)
+        self.geometry = describe(kv.fmt, kv.paged, kv.block_size, heads=kv.heads)
+        self._on_gpu = self.geometry.device.type == "cuda"
 
     def lookup(self, tokens: list[int]) -> Hit | None:
         try:
@@ -118,25 +128,35 @@ class EmbeddedBackend:
     def retrieve_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
         written = self.engine.retrieve_async(
             tokens,
-            self.kv.layers,
-            block_ids,
+            self.kv.paged,
+            self.kv.kernel_block_ids(block_ids),
             self.kv.fmt,
             namespace=self.namespace,
             skip_prefix_tokens=skip_prefix_tokens,
             geometry=self.geometry,
+            after=self._callers_stream(),
         )
         return _plus(written, skip_prefix_tokens)
 
     def store_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
         return self.engine.store_async(
             tokens,
-            self.kv.layers,
-            block_ids,
+            self.kv.paged,
+            self.kv.kernel_block_ids(block_ids),
             self.kv.fmt,
             namespace=self.namespace,
             skip_prefix_tokens=skip_prefix_tokens,
             geometry=self.geometry,
+            after=self._callers_stream(),
         )
+
+    def _callers_stream(self) -> torch.cuda.Event | None:
+        """An event at the end of what the calling thread's current stream (vLLM's) has queued; None on the CPU."""
+        if not self._on_gpu:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.geometry.device))
+        return event
 
     def close(self) -> None:
         self.engine.close()
@@ -146,9 +166,10 @@ class ServerBackend:
     """A ``kvferry server`` behind a `ServerLink` (misses while it is down). With ``kv`` the link registers the
     engine's KV cache (the worker); without, it only looks up (a scheduler in another process)."""
 
-    def __init__(self, link: ServerLink, key_space: KeySpace) -> None:
+    def __init__(self, link: ServerLink, key_space: KeySpace, kv: EngineKV | None = None) -> None:
         self.link = link
         self.key_space = key_space
+        self._kv = kv
         self._namespaces: dict[int, dict[str, Any]] = {}
 
     @property
@@ -185,19 +206,24 @@ class ServerBackend:
             log.debug("kvferry: freeing lookup lock %s: %s", lock_id, exc)
 
     def retrieve_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
+        ids = self._kernel_block_ids(block_ids)
         written = self.link.submit(
             lambda client, reg: client.retrieve_async(
-                _registered(reg), tokens, block_ids, skip_prefix_tokens=skip_prefix_tokens
+                _registered(reg), tokens, ids, skip_prefix_tokens=skip_prefix_tokens
             )
         )
         return _plus(written, skip_prefix_tokens)
 
     def store_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
+        # Sent from vLLM's thread: the client records the STORE's ready event on vLLM's current stream, after the
+        # forward pass that wrote the blocks, and the server's copy waits for it on the GPU.
+        ids = self._kernel_block_ids(block_ids)
         return self.link.submit(
-            lambda client, reg: client.store_async(
-                _registered(reg), tokens, block_ids, skip_prefix_tokens=skip_prefix_tokens
-            )
+            lambda client, reg: client.store_async(_registered(reg), tokens, ids, skip_prefix_tokens=skip_prefix_tokens)
         )
+
+    def _kernel_block_ids(self, block_ids: list[int]) -> list[int] | Any:
+        return block_ids if self._kv is None else self._kv.kernel_block_ids(block_ids)
 
     def close(self) -> None:
         self.link.close()
@@ -210,6 +236,49 @@ class ServerBackend:
             names = ("model", "kv_dtype", "layout", "world_size", "rank", "salt")
             self._namespaces[chunk_size] = {name: getattr(namespace, name) for name in names}
         return self._namespaces[chunk_size]
+
+
+def make_worker_backend(
+    settings: ConnectorSettings,
+    kv: EngineKV,
+    *,
+    model: str,
+    block_size: int,
+    name: str,
+    on_chunk_size: Callable[[int], None] | None = None,
+) -> EmbeddedBackend | ServerBackend:
+    """The backend of a worker that registered ``kv``: a cache engine in this process (embedded mode), or a session
+    with the server that registers ``kv`` there (server mode; a chunk size that is not whole ``block_size``-token
+    blocks of the scheduler refuses to start). What the connector makes in ``register_kv_caches``, without vLLM."""
+    key_space = KeySpace.of(kv, model=model, salt=settings.salt)
+
+    def check_chunk_size(chunk_size: int) -> None:
+        settings.check_chunk_size(chunk_size, block_size)
+        if on_chunk_size is not None:
+            on_chunk_size(chunk_size)
+
+    if settings.mode == "server":
+        deployment = {"model": key_space.model, "salt": key_space.salt}
+        link = ServerLink(
+            settings.server_url,
+            timeout_s=settings.timeout_s,
+            register=lambda client: client.register_kv_cache(
+                kv.paged, kv.fmt, block_size=kv.block_size, namespace=deployment, heads=kv.heads
+            ),
+        )
+        try:
+            link.connect(check_chunk_size=check_chunk_size)  # a bad chunk size refuses to start
+        except BaseException:
+            link.close()
+            raise
+        return ServerBackend(link, key_space, kv)
+    config = settings.kvferry_config()
+    check_chunk_size(config.cache.chunk_size)
+    engine = CacheEngine(config, name=name)
+    namespace = engine.namespace_for(
+        key_space.model, kv.fmt, kv.paged, world_size=1, rank=0, salt=key_space.salt, block_size=kv.block_size
+    )
+    return EmbeddedBackend(engine, kv, namespace)
 
 
 def _registered(registration: int | None) -> int:

@@ -28,9 +28,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvferry.cache import CacheEngine
 from kvferry.integrations.vllm import backends
-from kvferry.integrations.vllm.backends import EmbeddedBackend, KeySpace, ServerBackend
+from kvferry.integrations.vllm.backends import KeySpace, ServerBackend
 from kvferry.integrations.vllm.kv_layout import EngineKV, UnsupportedKVLayout, recognise, tensor_parallel_rank
 from kvferry.integrations.vllm.logs import show_in_vllm_log
 from kvferry.integrations.vllm.plan import StepPlan
@@ -138,27 +137,37 @@ class KvferryConnector(KVConnectorBase_V1):
         except UnsupportedKVLayout as exc:
             log.error("kvferry connector disabled (every lookup is a miss): %s", exc)
             return
-        backend = self._make_backend(kv)
+        backend = backends.make_worker_backend(
+            self._settings,
+            kv,
+            model=self._settings.model_id or _served_model_name(self._vllm_config),
+            block_size=self._block_size,
+            name=f"vllm-{self._engine_id[:8]}",
+        )
         backends.publish(self._engine_id, backend)
         self._handshake = KvferryHandshake(self._key_space(kv).fields())
         hook = self._settings.load_after_load_hook()
         self._worker = WorkerSide(
             backend,
-            block_size=kv.block_size,
-            after_load=None if hook is None else lambda block_ids: hook(kv.layers, block_ids),
+            block_size=self._block_size,
+            after_load=None if hook is None else lambda ids: hook(kv.layers, list(kv.kernel_block_ids(ids))),
         )
         chunk = backend.chunk_size
         log.info(
-            "kvferry connector active: %s mode%s, layout %s (CPU attention ISA %s), %d layers of %s %s, block "
-            "size %d, chunk size %s, %s loads",
+            "kvferry connector active: %s mode%s, %s KV on %s, vLLM order %s (%s) as %s, %d layers of %s %s, "
+            "block size %d%s, chunk size %s, %s loads",
             self._settings.mode,
             f" ({self._settings.server_url})" if self._settings.mode == "server" else "",
+            kv.kv_dtype,
+            kv.layers[0].device,
+            kv.order,
+            ", ".join(sorted(self._backend_names(kv_caches))),
             kv.fmt.name,
-            self._isa(kv_caches),
             len(kv.layers),
             tuple(kv.layers[0].shape),
             str(kv.layers[0].dtype).removeprefix("torch."),
-            kv.block_size,
+            self._block_size,
+            f" ({kv.split} kernel blocks of {kv.block_size})" if kv.split > 1 else "",
             chunk if chunk is not None else "the server's (not reached yet)",
             "background" if self._settings.async_load else "foreground",
         )
@@ -294,22 +303,37 @@ class KvferryConnector(KVConnectorBase_V1):
         return metadata.plan
 
     def _isa(self, kv_caches: dict[str, torch.Tensor]) -> str | None:
+        """The CPU attention ISA of vLLM's CPU backend (it packs K and V inside each page its own way); None for
+        every other backend, whose per-layer views are read from their strides."""
         layers = self._vllm_config.compilation_config.static_forward_context
         isas = {getattr(layers.get(name), "isa", None) for name in kv_caches}
         if len(isas) != 1:
             raise UnsupportedKVLayout(f"attention layers use different CPU ISAs {sorted(map(str, isas))}")
-        return isas.pop()
+        isa = isas.pop()
+        if isa is None and "CPU_ATTN" in self._backend_names(kv_caches):
+            raise UnsupportedKVLayout("vLLM's CPU attention layers name no ISA: their pages' packing is unknown")
+        return isa
+
+    def _backend_names(self, kv_caches: dict[str, torch.Tensor]) -> set[str]:
+        """The attention backends of the layers holding ``kv_caches`` (for messages, and to tell CPU_ATTN apart)."""
+        layers = self._vllm_config.compilation_config.static_forward_context
+        names = set()
+        for name in kv_caches:
+            backend = getattr(layers.get(name), "attn_backend", None)
+            names.add(backend.get_name() if hasattr(backend, "get_name") else type(layers.get(name)).__name__)
+        return names
 
     def _recognise(self, kv_caches: dict[str, torch.Tensor]) -> EngineKV:
-        isa = self._isa(kv_caches)
         tp, model_kv_heads = tensor_parallel_rank(self._vllm_config)
-        kv_cache_dtype = str(self._vllm_config.cache_config.cache_dtype)
-        kv = recognise(kv_caches, isa=isa, kv_cache_dtype=kv_cache_dtype, tp=tp, model_kv_heads=model_kv_heads)
-        if kv.block_size != self._block_size:
-            raise UnsupportedKVLayout(
-                f"the KV tensors hold {kv.block_size}-token blocks but the scheduler uses {self._block_size}"
-            )
-        return kv
+        return recognise(
+            kv_caches,
+            isa=self._isa(kv_caches),
+            kv_cache_dtype=str(self._vllm_config.cache_config.cache_dtype),
+            tp=tp,
+            model_kv_heads=model_kv_heads,
+            mla=bool(getattr(self._vllm_config.model_config, "use_mla", False)),
+            block_size=self._block_size,
+        )
 
     def _key_space(self, kv: EngineKV) -> KeySpace:
         model = self._settings.model_id or _served_model_name(self._vllm_config)
@@ -317,29 +341,6 @@ class KvferryConnector(KVConnectorBase_V1):
 
     def _check_chunk_size(self, chunk_size: int) -> None:
         self._settings.check_chunk_size(chunk_size, self._block_size)
-
-    def _make_backend(self, kv: EngineKV) -> backends.Backend:
-        key_space = self._key_space(kv)
-        if self._settings.mode == "server":
-            deployment = {"model": key_space.model, "salt": key_space.salt}
-            link = ServerLink(
-                self._settings.server_url,
-                timeout_s=self._settings.timeout_s,
-                register=lambda client: client.register_kv_cache(
-                    kv.layers, kv.fmt, block_size=kv.block_size, namespace=deployment, heads=kv.heads
-                ),
-            )
-            try:
-                link.connect(check_chunk_size=self._check_chunk_size)  # a bad chunk size refuses to start
-            except BaseException:
-                link.close()
-                raise
-            return ServerBackend(link, key_space)
-        engine = CacheEngine(self._settings.kvferry_config(), name=f"vllm-{self._engine_id[:8]}")
-        namespace = engine.namespace_for(
-            key_space.model, kv.fmt, kv.layers, world_size=1, rank=0, salt=key_space.salt, block_size=kv.block_size
-        )
-        return EmbeddedBackend(engine, kv, namespace)
 
     def _scheduler_side(self) -> SchedulerSide | None:
         """The scheduler half, made on first use: over the worker's backend when it lives in this process,

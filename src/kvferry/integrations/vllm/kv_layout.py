@@ -1,7 +1,8 @@
 """Recognise the KV cache vLLM hands to ``register_kv_caches`` and name it as a kvferry format.
 
-vLLM's CPU backend (CPU_ATTN) gives one tensor per attention layer, ``[NB, NH, BS, 2*HS]``, all views of one
-buffer; what each (block, head) holds depends on the attention ISA vLLM picked for the machine:
+Every backend but the CPU one hands over per-layer ``[B, H, N, C]`` views of one buffer, recognised from their
+strides (`page_views`). vLLM's CPU backend (CPU_ATTN) gives one tensor per attention layer, ``[NB, NH, BS, 2*HS]``,
+all views of one buffer; what each (block, head) holds depends on the attention ISA vLLM picked for the machine:
 
 - ``vec`` / ``vec16``: K transposed (``[HS][BS]``), then V row-major (``[BS][HS]``): ``VLLM_CPU_NL_X_NB_NH_KT_V``;
 - ``amx`` (Intel CPUs with AMX tiles, bf16 models): K in 16-token tiles with head-size pairs together, V in
@@ -24,9 +25,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvferry.formats import EngineKVFormat, describe
+from kvferry.integrations.vllm.page_views import UnsupportedKVLayout, read_views
 
 FORMAT_OF_ISA = {
     "vec": EngineKVFormat.VLLM_CPU_NL_X_NB_NH_KT_V,
@@ -37,22 +40,32 @@ _KV_DTYPES = {"auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-class UnsupportedKVLayout(ValueError):
-    """vLLM's KV cache is in a layout this connector does not move (the message says which and why)."""
-
-
 @dataclass(frozen=True)
 class EngineKV:
-    """The engine's KV as kvferry sees it: the format, the per-layer tensors in layer order, the block size and
-    the cache's element type (vLLM's ``cache_dtype`` where it quantises, else the tensors' dtype): fp8 caches of
-    both encodings are uint8 tensors, so the encoding must name the cache key space."""
+    """The engine's KV as kvferry sees it: the format, what kvferry's copies take (``paged``), vLLM's per-layer
+    tensors in layer order, the tokens of one block of those tensors and the cache's element type (vLLM's
+    ``cache_dtype`` where it quantises, else the tensors' dtype): fp8 caches of both encodings are uint8 tensors,
+    so the encoding must name the cache key space.
+
+    ``split``: the tensors' blocks per scheduler block (vLLM splits each block into kernel blocks when its
+    attention kernel takes smaller ones); `kernel_block_ids` turns the scheduler's block ids into theirs."""
 
     fmt: EngineKVFormat
+    paged: list[torch.Tensor] | torch.Tensor
     layers: list[torch.Tensor]
     layer_names: list[str]
     block_size: int
     kv_dtype: str
     heads: tuple[int, int] | None = None  # (first head, the model's heads) on a tensor-parallel rank; else None
+    order: str = "LBHNC"  # vLLM's physical order of the tensors' axes (KVCacheLayout's name)
+    split: int = 1
+
+    def kernel_block_ids(self, block_ids: list[int]) -> list[int] | np.ndarray:
+        """The tensors' block ids for the scheduler's ``block_ids`` (the same list when blocks are not split)."""
+        if self.split == 1:
+            return block_ids
+        ids = np.asarray(block_ids, dtype=np.int64)
+        return (ids[:, None] * self.split + np.arange(self.split, dtype=np.int64)).ravel()
 
 
 def recognise(
@@ -62,13 +75,16 @@ def recognise(
     kv_cache_dtype: str,
     tp: tuple[int, int] = (0, 1),
     model_kv_heads: int | None = None,
+    mla: bool = False,
+    block_size: int | None = None,
 ) -> EngineKV:
     """The format of ``kv_caches`` (vLLM's ``register_kv_caches`` argument); UnsupportedKVLayout otherwise.
 
-    ``isa`` is the CPU attention ISA vLLM chose (``layer.isa``; None when the backend is not CPU_ATTN),
-    ``kv_cache_dtype`` vLLM's ``cache_config.cache_dtype``, ``tp`` this worker's (rank, size) in its tensor-parallel
-    group and ``model_kv_heads`` the model's KV heads (vLLM's ``get_total_num_kv_heads()``; None: the tensors hold
-    them all).
+    ``isa`` is the CPU attention ISA vLLM chose (``layer.isa``; None when the backend is not CPU_ATTN: vLLM's
+    per-layer page views, on any device), ``kv_cache_dtype`` vLLM's ``cache_config.cache_dtype``, ``tp`` this
+    worker's (rank, size) in its tensor-parallel group, ``model_kv_heads`` the model's KV heads (vLLM's
+    ``get_total_num_kv_heads()``; None: the tensors hold them all), ``mla`` whether the model uses MLA and
+    ``block_size`` the scheduler's (None: the tensors').
     """
     if not kv_caches:
         raise UnsupportedKVLayout("kv_caches is empty: the model has no attention layer with a KV cache")
@@ -78,22 +94,21 @@ def recognise(
     if not all(isinstance(t, torch.Tensor) for t in layers):
         kinds = sorted({type(t).__name__ for t in layers})
         raise UnsupportedKVLayout(f"kv_caches values must be tensors, got {kinds}")
-    if first.device.type != "cpu":
-        raise UnsupportedKVLayout(
-            f"kv_caches are on {first.device}; this connector moves vLLM's CPU backend layout only"
-        )
-    fmt = FORMAT_OF_ISA.get(str(isa))
-    if fmt is None:
-        raise UnsupportedKVLayout(
-            f"vLLM's CPU attention ISA is {isa!r}; kvferry knows the KV layout of {sorted(FORMAT_OF_ISA)} only "
-            "(checked against vLLM's own cache writes); moving another with a guessed layout would corrupt KV"
-        )
     quantised = kv_cache_dtype.startswith("fp8")
     dtype_fits = first.dtype == torch.uint8 if quantised else first.dtype in _FLOAT_DTYPES
     if kv_cache_dtype not in _KV_DTYPES or not dtype_fits:
         raise UnsupportedKVLayout(
             f"KV cache dtype {kv_cache_dtype!r} ({first.dtype}) is not supported; expected a bf16/fp16/fp32 cache "
             "or an fp8 one (uint8 tensors)"
+        )
+    kv_dtype = kv_cache_dtype if quantised else str(first.dtype).removeprefix("torch.")
+    if isa is None:
+        return _from_page_views(layers, names, kv_dtype, tp, model_kv_heads, mla, block_size)
+    fmt = FORMAT_OF_ISA.get(str(isa))
+    if fmt is None:
+        raise UnsupportedKVLayout(
+            f"vLLM's CPU attention ISA is {isa!r}; kvferry knows the KV layout of {sorted(FORMAT_OF_ISA)} only "
+            "(checked against vLLM's own cache writes); moving another with a guessed layout would corrupt KV"
         )
     for name, t in zip(names, layers, strict=True):
         if t.dim() != 4 or t.shape != first.shape or t.dtype != first.dtype or not t.is_contiguous():
@@ -106,8 +121,32 @@ def recognise(
         describe(fmt, layers, heads=heads)
     except (TypeError, ValueError) as exc:
         raise UnsupportedKVLayout(f"vLLM's {isa!r} KV cache does not fit {fmt.name}: {exc}") from None
-    kv_dtype = kv_cache_dtype if quantised else str(first.dtype).removeprefix("torch.")
-    return EngineKV(fmt, layers, names, int(first.shape[2]), kv_dtype, heads)
+    bs = int(first.shape[2])
+    if block_size is not None and block_size != bs:
+        raise UnsupportedKVLayout(f"the KV tensors hold {bs}-token blocks but the scheduler uses {block_size}")
+    return EngineKV(fmt, layers, layers, names, bs, kv_dtype, heads)
+
+
+def _from_page_views(
+    layers: list[torch.Tensor],
+    names: list[str],
+    kv_dtype: str,
+    tp: tuple[int, int],
+    model_kv_heads: int | None,
+    mla: bool,
+    block_size: int | None,
+) -> EngineKV:
+    views = read_views(layers, names, mla=mla)
+    bs = views.block_tokens
+    block_size = bs if block_size is None else block_size
+    if block_size % bs:
+        raise UnsupportedKVLayout(f"the KV views' {bs}-token blocks do not divide the scheduler's {block_size}")
+    heads = None if mla else rank_heads(int(layers[0].shape[1]), model_kv_heads, *tp)
+    try:
+        describe(views.fmt, views.paged, heads=heads)
+    except (TypeError, ValueError) as exc:
+        raise UnsupportedKVLayout(f"vLLM's {views.order} KV views do not fit {views.fmt.name}: {exc}") from None
+    return EngineKV(views.fmt, views.paged, layers, names, bs, kv_dtype, heads, views.order, block_size // bs)
 
 
 def tensor_parallel_rank(vllm_config: Any) -> tuple[tuple[int, int], int | None]:
