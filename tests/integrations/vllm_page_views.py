@@ -18,10 +18,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MLAA
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache, customize_attention_spec, select_common_block_size
 
-try:
-    from tests.integrations.page_view_cases import ALL_LAYOUTS, BACKENDS, FIXTURES, Case, cases_for, record
-except ModuleNotFoundError:  # run as a script
-    from page_view_cases import ALL_LAYOUTS, BACKENDS, FIXTURES, Case, cases_for, record  # type: ignore[no-redef]
+from kvferry.bench.vllm_views import ALL_LAYOUTS, BACKENDS, BENCH_CASES, FIXTURES, Case, cases_for, record
 
 
 def backend_class(name: str) -> type:
@@ -34,7 +31,7 @@ def all_cases() -> list[Case]:
     for name in BACKENDS:
         layouts = backend_class(name).supported_kv_cache_layouts()
         out += cases_for(name, tuple(m.name for m in layouts) if layouts else ALL_LAYOUTS)
-    return out
+    return out + BENCH_CASES
 
 
 def build(case: Case, device: str = "cpu") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -1,10 +1,11 @@
-"""vLLM's GPU KV cache views as plain data: the cases, and their replay on any device without vLLM.
+"""vLLM's GPU KV caches as plain data: the cases, and their replay on any device without vLLM.
 
-A case names an attention backend, a ``KVCacheLayout`` and a model shape; `vllm_page_views.build` runs vLLM's own
-allocation code for it (``allocate_kv_cache`` over a ``KVCacheConfig`` from ``get_kv_cache_config_from_groups``),
-and `record` writes what it built -- the buffer's size and every layer view's dtype, shape, strides and offset --
-into ``data/vllm_page_views.json``. CI re-builds every case with vLLM and checks the file (so it cannot drift from
-vLLM); the GPU machine, which has no vLLM, replays the file on CUDA (`replay`).
+A case names an attention backend, a ``KVCacheLayout`` and a model shape. vLLM's own allocation code
+(``allocate_kv_cache`` over a ``KVCacheConfig`` from ``get_kv_cache_config_from_groups``, see
+tests/integrations/vllm_page_views.py) built each one, and `record` wrote what it built -- the buffer's size and
+every layer view's dtype, shape, strides and offset -- into ``data/vllm_page_views.json``. The tests re-build every
+case with vLLM and check the file, so it cannot drift from vLLM; a GPU machine without vLLM replays it (`replay`):
+the connector's tests and ``kvferry bench vllm-gpu`` move KV in exactly the views a vLLM GPU engine registers.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 FIXTURES = Path(__file__).parent / "data" / "vllm_page_views.json"
+BENCH_TAG = "bench"  # the recorded cases of `BENCH_CASES`, model-sized
 ALL_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 SPLITTABLE = ("LBHNC", "LBNHC")  # the layouts whose blocks are dense pages, which vLLM can split into kernel blocks
 
@@ -91,6 +93,16 @@ def cases_for(backend: str, layouts: tuple[str, ...]) -> list[Case]:
             if layout in SPLITTABLE:  # a kernel block smaller than the scheduler's
                 out.append(Case(backend, layout, block_size=64, kernel_block=16, num_blocks=6))
     return out
+
+
+# Model-sized KV caches for `kvferry bench vllm-gpu`: llama3-8b with FlashAttention in vLLM's first layout and in a
+# cross-layer one, and DeepSeek-V3's MLA latent with FlashMLA; enough blocks for a 16-chunk prefix stored from one
+# set of blocks and loaded into another.
+BENCH_CASES = [
+    Case("FLASH_ATTN", "LBHNC", layers=32, kv_heads=8, head_size=128, block_size=16, num_blocks=560),
+    Case("FLASH_ATTN", "BLHNC", layers=32, kv_heads=8, head_size=128, block_size=16, num_blocks=560),
+    Case("FLASHMLA", "LBHNC", mla=True, layers=61, kv_heads=1, head_size=576, block_size=64, num_blocks=140),
+]
 
 
 def record(case: Case, raw: torch.Tensor, views: dict[str, torch.Tensor]) -> dict[str, Any]:
