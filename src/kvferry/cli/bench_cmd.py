@@ -36,6 +36,7 @@ BENCHMARKS = (
     Benchmark("server-engines", "server_engines_bench", "several engine processes on one server at once", "CPU/GPU"),
     Benchmark("gpu-transfer", "gpu_transfer_bench", "the GPU data path section by section", "GPU"),
     Benchmark("cache-gpu", "cache_gpu_bench", "one chunk through CacheEngine on a GPU engine", "GPU"),
+    Benchmark("vllm-gpu", "vllm_gpu_bench", "the vLLM connector on a GPU, in the views vLLM builds", "GPU"),
     Benchmark("vllm-ttft", "vllm_ttft_bench", "vLLM time to first token with and without a kvferry hit", "CPU, vLLM"),
     Benchmark("vllm-async-load", "vllm_async_load_bench", "vLLM step time while a prefix loads", "CPU, vLLM"),
 )

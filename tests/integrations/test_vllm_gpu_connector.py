@@ -1,0 +1,180 @@
+"""The vLLM connector's worker side on a GPU, over KV in the views vLLM 0.32 builds (replayed from the fixtures
+that tests/integrations/test_vllm_gpu_layouts.py checks against vLLM), in process and through a server.
+
+Run on a CUDA machine (no vLLM needed): `PYTHONPATH=src python3 -m pytest -m gpu tests/integrations`.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvferry.bench.vllm_views import BENCH_CASES, case_of, load_fixtures
+from kvferry.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
+from kvferry.integrations.vllm.settings import ConnectorSettings
+from tests.integrations.page_view_roundtrip import check_roundtrip, embedded_settings, gathered, two_workers
+from tests.server.serverkit import ServerProcess
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+FIXTURES = [f for f in load_fixtures() if case_of(f) not in BENCH_CASES]
+SINGLE = [f for f in FIXTURES if case_of(f).tp[1] == 1]
+TP = [f for f in FIXTURES if case_of(f).tp[1] == 2]
+BASE = next(f for f in SINGLE if case_of(f).layout == "LBHNC" and case_of(f).backend == "FLASH_ATTN")
+
+
+def ids(fixture: dict) -> str:
+    return case_of(fixture).name
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[dict[int, ServerProcess]]:
+    """One server per chunk size the cases use (two scheduler blocks)."""
+    chunks = sorted({2 * case_of(f).block_size for f in FIXTURES})
+    procs = {c: ServerProcess("--chunk-size", str(c), "--l1-size-gb", "0.25") for c in chunks}
+    yield procs
+    for proc in procs.values():
+        assert proc.stop() == 0, "".join(proc.log)
+
+
+def server_settings(servers: dict[int, ServerProcess], fixture: dict) -> ConnectorSettings:
+    return ConnectorSettings(mode="server", server_url=servers[2 * case_of(fixture).block_size].endpoint)
+
+
+@pytest.mark.parametrize("fixture", SINGLE, ids=ids)
+def test_embedded_store_then_load_is_bit_exact(fixture: dict) -> None:
+    check_roundtrip(fixture, "cuda")
+
+
+@pytest.mark.parametrize("fixture", SINGLE, ids=ids)
+def test_through_the_server_by_cuda_ipc_is_bit_exact(servers: dict[int, ServerProcess], fixture: dict) -> None:
+    shm_before = set(os.listdir("/dev/shm"))
+    check_roundtrip(fixture, "cuda", server_settings(servers, fixture))
+    assert set(os.listdir("/dev/shm")) <= shm_before  # GPU KV is shared by CUDA IPC handle, nothing in /dev/shm
+
+
+def test_tensor_parallel_ranks_on_the_gpu_through_the_server(servers: dict[int, ServerProcess]) -> None:
+    """Both ranks' halves of the heads, stored through their own registrations, make objects each rank loads."""
+    for layout in ("LBNHC", "BLHNC"):
+        ranks = [f for f in TP if case_of(f).layout == layout]
+        case = case_of(ranks[0])
+        bs = case.block_size
+        tokens = list(range(300, 300 + 4 * bs))
+        pairs = [two_workers(case_of(f), f, "cuda", server_settings(servers, f)) for f in ranks]
+        try:
+            for (_, worker), _, _ in pairs:
+                worker.start_stores(StepPlan(stores=[StoreSpec("s", tokens, [4, 1, 8, 2], 0)]))
+                worker.preempted(["s"])
+            for (kv_a, _), (kv_b, worker_b), _ in pairs:
+                worker_b.start_loads(StepPlan(loads=[LoadSpec("l", tokens, [0, 5, 9, 3], 0)]))
+                assert worker_b.take_load_errors() == set()
+                for got, want in zip(gathered(kv_b, [0, 5, 9, 3]), gathered(kv_a, [4, 1, 8, 2]), strict=True):
+                    assert torch.equal(got, want)
+        finally:
+            for _, _, owned in pairs:
+                for thing in owned:
+                    thing.close()
+
+
+@pytest.mark.parametrize("mode", ["embedded", "server"])
+def test_a_store_reads_the_blocks_only_after_the_forward_pass_on_vllms_stream(
+    servers: dict[int, ServerProcess], mode: str
+) -> None:
+    """vLLM writes the blocks on its stream and asks for the store at once: the copy must wait for that write on the
+    GPU (never the CPU), or the object would hold what the blocks held before."""
+    case = case_of(BASE)
+    settings = embedded_settings(case) if mode == "embedded" else server_settings(servers, BASE)
+    (kv_a, worker_a), (kv_b, worker_b), owned = two_workers(case, BASE, "cuda", settings)
+    bs, src, dst = case.block_size, [2, 6, 3, 9], [7, 0, 11, 4]
+    tokens = [random.Random(mode).randrange(50_000) for _ in range(4 * bs)]
+    vllm_stream = torch.cuda.Stream()
+    try:
+        with torch.cuda.stream(vllm_stream):
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the "forward pass" writes
+            index = torch.as_tensor(src, device="cuda")
+            for layer in kv_a.layers:
+                layer.index_copy_(0, index, torch.randn_like(layer[src]) if layer.is_floating_point() else
+                                  torch.randint_like(layer[src], 0, 255))  # fmt: skip
+            called = time.perf_counter()
+            worker_a.start_stores(StepPlan(stores=[StoreSpec("a", tokens, src, 0)]))
+            returned = time.perf_counter() - called
+        expected = gathered(kv_a, src)  # read after the write (ordered on this stream)
+        worker_a.preempted(["a"])
+        assert returned < 0.05, f"the store's call took {returned:.3f} s: it waited for vLLM's stream on the CPU"
+        worker_b.start_loads(StepPlan(loads=[LoadSpec("b", tokens, dst, 0)]))
+        torch.cuda.synchronize()
+        for got, want in zip(gathered(kv_b, dst), expected, strict=True):
+            assert torch.equal(got, want)
+    finally:
+        for thing in owned:
+            thing.close()
+
+
+def test_a_hit_stays_locked_until_loaded_and_an_evicted_one_is_recomputed() -> None:
+    case = case_of(BASE)
+    (_, worker_a), (_, worker_b), owned = two_workers(case, BASE, "cuda", embedded_settings(case))
+    backend = owned[-1]
+    bs = case.block_size
+    tokens = list(range(900, 900 + 4 * bs))
+    try:
+        worker_a.start_stores(StepPlan(stores=[StoreSpec("a", tokens, [1, 2, 3, 4], 0)]))
+        worker_a.preempted(["a"])
+        hit = backend.lookup(tokens)
+        assert hit.tokens == 4 * bs and backend.engine.stats()["locks"] == 1
+        backend.engine.clear()  # eviction between the lookup and the load: the lock went with the objects
+        worker_b.start_loads(StepPlan(loads=[LoadSpec("b", tokens, [5, 6, 7, 8], bs)]))
+        assert worker_b.take_load_errors() == {6, 7, 8}  # vLLM recomputes exactly those blocks
+        backend.free_lock(hit.lock)
+        assert backend.engine.stats()["locks"] == 0
+    finally:
+        for thing in owned:
+            thing.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_worker_registers_again_with_a_restarted_server() -> None:
+    case = case_of(BASE)
+    port = _free_port()
+    flags = ("--port", str(port), "--chunk-size", str(2 * case.block_size), "--l1-size-gb", "0.1")
+    first = ServerProcess(*flags)
+    settings = ConnectorSettings(mode="server", server_url=f"tcp://127.0.0.1:{port}", timeout_s=5.0)
+    (kv_a, worker_a), (kv_b, worker_b), owned = two_workers(case, BASE, "cuda", settings)
+    link = owned[2].link
+    bs = case.block_size
+    tokens = list(range(500, 500 + 4 * bs))
+    try:
+        assert first.stop() == 0
+        second = ServerProcess(*flags)
+        try:
+            deadline = time.monotonic() + 60
+            while link.generation < 2 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert link.up and link.generation >= 2, "the link did not reconnect to the restarted server"
+            deadline = time.monotonic() + 60
+            while not owned[3].link.up and time.monotonic() < deadline:
+                time.sleep(0.1)
+            worker_a.start_stores(StepPlan(stores=[StoreSpec("a", tokens, [1, 2, 3, 4], 0)]))
+            worker_a.preempted(["a"])
+            assert worker_a.counters.tokens_stored == 4 * bs
+            worker_b.start_loads(StepPlan(loads=[LoadSpec("b", tokens, [8, 9, 10, 11], 0)]))
+            assert worker_b.take_load_errors() == set()
+            for got, want in zip(gathered(kv_b, [8, 9, 10, 11]), gathered(kv_a, [1, 2, 3, 4]), strict=True):
+                assert torch.equal(got, want)
+        finally:
+            for thing in owned:
+                thing.close()
+            assert second.stop() == 0
+    finally:
+        if first.proc.poll() is None:
+            first.stop()
