@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import random
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -54,9 +56,29 @@ def test_embedded_store_then_load_is_bit_exact(fixture: dict) -> None:
 
 @pytest.mark.parametrize("fixture", SINGLE, ids=ids)
 def test_through_the_server_by_cuda_ipc_is_bit_exact(servers: dict[int, ServerProcess], fixture: dict) -> None:
-    shm_before = set(os.listdir("/dev/shm"))
     check_roundtrip(fixture, "cuda", server_settings(servers, fixture))
-    assert set(os.listdir("/dev/shm")) <= shm_before  # GPU KV is shared by CUDA IPC handle, nothing in /dev/shm
+
+
+_ENGINE = """
+import sys
+from kvferry.bench.vllm_views import case_of, load_fixtures
+from kvferry.integrations.vllm.settings import ConnectorSettings
+from tests.integrations.test_vllm_gpu_connector import BASE
+from tests.integrations.page_view_roundtrip import check_roundtrip
+check_roundtrip(BASE, "cuda", ConnectorSettings(mode="server", server_url=sys.argv[1]))
+"""
+
+
+def test_an_engine_that_exits_leaves_nothing_in_dev_shm(servers: dict[int, ServerProcess]) -> None:
+    """What an engine registered by CUDA IPC (torch's reference-count files included) is gone once it exits."""
+    before = set(os.listdir("/dev/shm"))
+    url = server_settings(servers, BASE).server_url
+    done = subprocess.run([sys.executable, "-c", _ENGINE, url], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    deadline = time.monotonic() + 10
+    while set(os.listdir("/dev/shm")) - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert set(os.listdir("/dev/shm")) - before == set()
 
 
 def test_tensor_parallel_ranks_on_the_gpu_through_the_server(servers: dict[int, ServerProcess]) -> None:
