@@ -65,15 +65,19 @@ from kvferry.bench.vllm_views import case_of, load_fixtures
 from kvferry.integrations.vllm.settings import ConnectorSettings
 from tests.integrations.test_vllm_gpu_connector import BASE
 from tests.integrations.page_view_roundtrip import check_roundtrip
-check_roundtrip(BASE, "cuda", ConnectorSettings(mode="server", server_url=sys.argv[1]))
+check_roundtrip(BASE, "cuda", ConnectorSettings(mode="server", server_url=sys.argv[1], salt=sys.argv[2]))
 """
 
 
-def test_an_engine_that_exits_leaves_nothing_in_dev_shm(servers: dict[int, ServerProcess]) -> None:
-    """What an engine registered by CUDA IPC (torch's reference-count files included) is gone once it exits."""
+@pytest.mark.parametrize("alloc_conf", ["", "expandable_segments:True"])
+def test_an_engine_that_exits_leaves_nothing_in_dev_shm(servers: dict[int, ServerProcess], alloc_conf: str) -> None:
+    """An engine process's KV moves through the server bit-exact, also with torch's expandable segments (CUDA IPC
+    of them works), and what its registration made (torch's reference-count files included) goes when it exits."""
     before = set(os.listdir("/dev/shm"))
     url = server_settings(servers, BASE).server_url
-    done = subprocess.run([sys.executable, "-c", _ENGINE, url], capture_output=True, text=True, timeout=120)
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": alloc_conf}
+    cmd = [sys.executable, "-c", _ENGINE, url, f"exit-{alloc_conf}"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr
     deadline = time.monotonic() + 10
     while set(os.listdir("/dev/shm")) - before and time.monotonic() < deadline:
