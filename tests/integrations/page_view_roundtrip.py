@@ -45,14 +45,15 @@ def gathered(kv: EngineKV, block_ids: list[int]) -> list[torch.Tensor]:
 
 
 def two_workers(
-    case: Case, fixture: dict[str, Any], device: str, settings: ConnectorSettings
+    case: Case, fixture: dict[str, Any], device: str, settings: ConnectorSettings, model: str | None = None
 ) -> tuple[tuple[EngineKV, WorkerSide], tuple[EngineKV, WorkerSide], list[Any]]:
-    """Two engines' KV (each a fresh replay of ``fixture``, random bytes) and their worker sides, sharing one cache:
-    in embedded mode the second backend uses the first's cache engine, in server mode both register with the
-    server. The last item is what to close."""
+    """Two engines' KV (each a fresh replay of ``fixture``, random bytes) and their worker sides, sharing one cache
+    (key space: ``model``, else the case's name): in embedded mode the second backend uses the first's cache
+    engine, in server mode both register with the server. The last item is what to close."""
     kv_a = recognised(case, replay(fixture, device)[1])
     kv_b = recognised(case, replay(fixture, device)[1])
-    make = lambda kv: make_worker_backend(settings, kv, model=case.name, block_size=case.block_size, name="test")  # noqa: E731
+    model = model or case.name
+    make = lambda kv: make_worker_backend(settings, kv, model=model, block_size=case.block_size, name="test")  # noqa: E731
     backend_a = make(kv_a)
     if isinstance(backend_a, EmbeddedBackend):
         backend_b: Any = EmbeddedBackend(backend_a.engine, kv_b, backend_a.namespace)

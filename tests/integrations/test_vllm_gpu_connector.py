@@ -79,7 +79,7 @@ def test_an_engine_that_exits_leaves_nothing_in_dev_shm(servers: dict[int, Serve
     cmd = [sys.executable, "-c", _ENGINE, url, f"exit-{alloc_conf}"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30  # the server drops the session (and its mapping) once the engine has gone
     while set(os.listdir("/dev/shm")) - before and time.monotonic() < deadline:
         time.sleep(0.2)
     assert set(os.listdir("/dev/shm")) - before == set()
@@ -92,7 +92,7 @@ def test_tensor_parallel_ranks_on_the_gpu_through_the_server(servers: dict[int, 
         case = case_of(ranks[0])
         bs = case.block_size
         tokens = list(range(300, 300 + 4 * bs))
-        pairs = [two_workers(case_of(f), f, "cuda", server_settings(servers, f)) for f in ranks]
+        pairs = [two_workers(case_of(f), f, "cuda", server_settings(servers, f), model=f"tp-{layout}") for f in ranks]
         try:
             for (_, worker), _, _ in pairs:
                 worker.start_stores(StepPlan(stores=[StoreSpec("s", tokens, [4, 1, 8, 2], 0)]))
@@ -183,18 +183,21 @@ def test_the_worker_registers_again_with_a_restarted_server() -> None:
         assert first.stop() == 0
         second = ServerProcess(*flags)
         try:
+            # The link learns of the restart from its next call (the store is then skipped, a later miss), and
+            # registers the KV again in the background.
             deadline = time.monotonic() + 60
-            while link.generation < 2 and time.monotonic() < deadline:
-                time.sleep(0.1)
-            assert link.up and link.generation >= 2, "the link did not reconnect to the restarted server"
-            deadline = time.monotonic() + 60
-            while not owned[3].link.up and time.monotonic() < deadline:
-                time.sleep(0.1)
-            worker_a.start_stores(StepPlan(stores=[StoreSpec("a", tokens, [1, 2, 3, 4], 0)]))
-            worker_a.preempted(["a"])
+            while not worker_a.counters.tokens_stored and time.monotonic() < deadline:
+                worker_a.start_stores(StepPlan(stores=[StoreSpec("a", tokens, [1, 2, 3, 4], 0)]))
+                worker_a.preempted(["a"])
+                time.sleep(0.2)
             assert worker_a.counters.tokens_stored == 4 * bs
-            worker_b.start_loads(StepPlan(loads=[LoadSpec("b", tokens, [8, 9, 10, 11], 0)]))
-            assert worker_b.take_load_errors() == set()
+            assert link.generation >= 2  # registered again with the new server
+            errors = {-1}
+            while errors and time.monotonic() < deadline:
+                worker_b.start_loads(StepPlan(loads=[LoadSpec("b", tokens, [8, 9, 10, 11], 0)]))
+                errors = worker_b.take_load_errors()
+                time.sleep(0.2)
+            assert errors == set()
             for got, want in zip(gathered(kv_b, [8, 9, 10, 11]), gathered(kv_a, [1, 2, 3, 4]), strict=True):
                 assert torch.equal(got, want)
         finally:

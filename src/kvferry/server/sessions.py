@@ -25,6 +25,7 @@ from typing import Any
 
 from kvferry.server.kv_mapping import MappedKV
 from kvferry.server.protocol import ErrorCode, ProtocolError
+from kvferry.transfer import forget_plans
 
 
 @dataclass(eq=False)
@@ -283,4 +284,6 @@ class SessionTable:
         if reg.done_flags is not None:
             reg.done_flags.close()
         reg.kv.close()
+        if reg.geometry is not None:
+            forget_plans(reg.geometry)  # a cached plan would keep the client's mapped memory open
         reg.geometry = None  # it holds the mapped tensors too

@@ -1,6 +1,14 @@
 """Moving KV between an engine's paged blocks and chunk objects."""
 
-from kvferry.transfer.api import BACKENDS, configure_gpu, geometry_of, ordered_after, transfer, transfer_async
+from kvferry.transfer.api import (
+    BACKENDS,
+    configure_gpu,
+    forget_plans,
+    geometry_of,
+    ordered_after,
+    transfer,
+    transfer_async,
+)
 from kvferry.transfer.request import Direction, check_request
 
 __all__ = [
@@ -8,6 +16,7 @@ __all__ = [
     "Direction",
     "check_request",
     "configure_gpu",
+    "forget_plans",
     "geometry_of",
     "ordered_after",
     "transfer",

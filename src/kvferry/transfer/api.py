@@ -143,6 +143,12 @@ def ordered_after(event: int) -> Iterator[None]:
 _order = threading.local()  # `ordered_after`'s event, per thread
 
 
+def forget_plans(geometry: KVGeometry) -> None:
+    """Drop the copy plans built for ``geometry``'s tensors (an engine's KV that is going away), so that nothing
+    cached here keeps its memory alive."""
+    _plans.forget(geometry)
+
+
 def prepare_gpu(geometry: KVGeometry) -> None:
     """Build the GPU plan of `geometry` (an engine's registered KV) and compile its kernels for both directions, so
     that its first store and first retrieve run at full speed."""
@@ -299,14 +305,26 @@ class _PlanCache:
 
         return build_plan(geom)
 
+    def forget(self, geom: KVGeometry) -> None:
+        """Drop the plans of ``geom``'s tensors: the layout cache would otherwise keep one of them alive, and with it
+        all of their memory (for KV mapped from another process, that process's GPU memory, held open)."""
+        with self._lock:
+            self._plans.pop(geom, None)
+            if geom.device.type == "cuda":
+                self._by_layout.pop(self._layout_key(geom), None)
+
+    @staticmethod
+    def _layout_key(geom: KVGeometry) -> tuple[Any, ...]:
+        tensors = {id(t): t for s in geom.stripes for t in s.tensors}.values()
+        views = tuple((t.data_ptr(), tuple(t.shape), t.stride()) for t in tensors)
+        return (geom.fmt, geom.bs, geom.dtype, geom.first_head, geom.total_heads, views)
+
     def _build_triton(self, geom: KVGeometry) -> Any:
         from kvferry.kernels.triton_copy import build_plan
 
         if geom.device.type != "cuda":
             return build_plan(geom)
-        tensors = {id(t): t for s in geom.stripes for t in s.tensors}.values()
-        views = tuple((t.data_ptr(), tuple(t.shape), t.stride()) for t in tensors)
-        key = (geom.fmt, geom.bs, geom.dtype, geom.first_head, geom.total_heads, views)
+        key = self._layout_key(geom)
         plan = self._by_layout.get(key)  # called with the lock held
         if plan is None:
             plan = self._by_layout[key] = build_plan(geom)
