@@ -70,42 +70,13 @@ check_roundtrip(BASE, "cuda", ConnectorSettings(mode="server", server_url=sys.ar
 
 
 @pytest.mark.parametrize("alloc_conf", ["", "expandable_segments:True"])
-def test_an_engine_that_exits_leaves_nothing_in_dev_shm(servers: dict[int, ServerProcess], alloc_conf: str) -> None:
-    """An engine process's KV moves through the server bit-exact, also with torch's expandable segments (CUDA IPC
-    of them works), and what its registration made (torch's reference-count files included) goes when it exits."""
-    before = set(os.listdir("/dev/shm"))
+def test_an_engine_process_moves_kv_through_the_server(servers: dict[int, ServerProcess], alloc_conf: str) -> None:
+    """An engine in a process of its own, also with torch's expandable segments (their CUDA IPC works)."""
     url = server_settings(servers, BASE).server_url
     env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": alloc_conf}
     cmd = [sys.executable, "-c", _ENGINE, url, f"exit-{alloc_conf}"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr
-    deadline = time.monotonic() + 30  # the server drops the session (and its mapping) once the engine has gone
-    while set(os.listdir("/dev/shm")) - before and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert set(os.listdir("/dev/shm")) - before == set()
-
-
-def test_tensor_parallel_ranks_on_the_gpu_through_the_server(servers: dict[int, ServerProcess]) -> None:
-    """Both ranks' halves of the heads, stored through their own registrations, make objects each rank loads."""
-    for layout in ("LBNHC", "BLHNC"):
-        ranks = [f for f in TP if case_of(f).layout == layout]
-        case = case_of(ranks[0])
-        bs = case.block_size
-        tokens = list(range(300, 300 + 4 * bs))
-        pairs = [two_workers(case_of(f), f, "cuda", server_settings(servers, f), model=f"tp-{layout}") for f in ranks]
-        try:
-            for (_, worker), _, _ in pairs:
-                worker.start_stores(StepPlan(stores=[StoreSpec("s", tokens, [4, 1, 8, 2], 0)]))
-                worker.preempted(["s"])
-            for (kv_a, _), (kv_b, worker_b), _ in pairs:
-                worker_b.start_loads(StepPlan(loads=[LoadSpec("l", tokens, [0, 5, 9, 3], 0)]))
-                assert worker_b.take_load_errors() == set()
-                for got, want in zip(gathered(kv_b, [0, 5, 9, 3]), gathered(kv_a, [4, 1, 8, 2]), strict=True):
-                    assert torch.equal(got, want)
-        finally:
-            for _, _, owned in pairs:
-                for thing in owned:
-                    thing.close()
 
 
 @pytest.mark.parametrize("mode", ["embedded", "server"])
