@@ -234,7 +234,52 @@ def test_each_isa_and_dtype_hits_with_the_tokens_of_a_miss(
     assert cached_of(hit) == HIT and tokens_of(hit) == tokens_of(miss)
     assert_no_leak(report)
     if isa:
-        assert f"(CPU attention ISA {isa})" in report["output"]
+        assert f"(CPU_ATTN, CPU attention ISA {isa})" in report["output"]
+
+
+@pytest.fixture(scope="module")
+def mla_model_dir(workdir: Path) -> Path:
+    """A tiny random DeepSeek-V3 (MLA: a 512 + 64 latent per token, the only size vLLM's CPU MLA kernel takes)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        first_k_dense_replace=LAYERS,  # dense layers only
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        max_position_embeddings=2048,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        rope_scaling=None,
+    )
+    torch.manual_seed(0)
+    path = workdir / "tiny-deepseek-v3"
+    DeepseekV3ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def test_an_mla_model_on_the_cpu_computes_every_prompt_itself(
+    workdir: Path, mla_model_dir: Path, prompt: list[int]
+) -> None:
+    """vLLM's CPU MLA attention gives other tokens over a prefix it did not compute (vLLM turns its own prefix
+    caching off there; with a loaded prefix this model's tokens differ from the third on): the connector says so
+    once and never offers a hit, so a repeated prompt gets the tokens of its first run."""
+    report = run_driver("isa", workdir, mla_model_dir, "--tier-dir", str(workdir / "tier-mla"))
+    miss, again = report["runs"]
+    assert cached_of(miss) == cached_of(again) == 0
+    assert tokens_of(miss) == tokens_of(again) and len(set(tokens_of(miss))) > 1
+    assert "vLLM's CPU MLA attention cannot compute" in report["output"]
 
 
 def test_a_tiny_pool_over_disk_serves_a_batch_without_failing_a_request(

@@ -133,7 +133,8 @@ class KvferryConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         try:
-            kv = self._recognise(kv_caches)
+            isa = self._isa(kv_caches)
+            kv = self._recognise(kv_caches, isa)
         except UnsupportedKVLayout as exc:
             log.error("kvferry connector disabled (every lookup is a miss): %s", exc)
             return
@@ -161,7 +162,7 @@ class KvferryConnector(KVConnectorBase_V1):
             kv.kv_dtype,
             kv.layers[0].device,
             kv.order,
-            ", ".join(sorted(self._backend_names(kv_caches))),
+            ", ".join([*sorted(self._backend_names(kv_caches)), *([f"CPU attention ISA {isa}"] if isa else [])]),
             kv.fmt.name,
             len(kv.layers),
             tuple(kv.layers[0].shape),
@@ -323,15 +324,22 @@ class KvferryConnector(KVConnectorBase_V1):
             names.add(backend.get_name() if hasattr(backend, "get_name") else type(layers.get(name)).__name__)
         return names
 
-    def _recognise(self, kv_caches: dict[str, torch.Tensor]) -> EngineKV:
+    def _recognise(self, kv_caches: dict[str, torch.Tensor], isa: str | None) -> EngineKV:
+        mla = bool(getattr(self._vllm_config.model_config, "use_mla", False))
+        if mla and _on_cpu():
+            raise UnsupportedKVLayout(
+                "vLLM's CPU MLA attention cannot compute a prompt's rest over a prefix it did not compute itself "
+                "(vLLM turns prefix caching and chunked prefill off for MLA on a CPU); a loaded prefix would give "
+                "other tokens"
+            )
         tp, model_kv_heads = tensor_parallel_rank(self._vllm_config)
         return recognise(
             kv_caches,
-            isa=self._isa(kv_caches),
+            isa=isa,
             kv_cache_dtype=str(self._vllm_config.cache_config.cache_dtype),
             tp=tp,
             model_kv_heads=model_kv_heads,
-            mla=bool(getattr(self._vllm_config.model_config, "use_mla", False)),
+            mla=mla,
             block_size=self._block_size,
         )
 
@@ -378,6 +386,12 @@ class KvferryConnector(KVConnectorBase_V1):
         if not self._scheduler_warned:
             log.error("kvferry: %s", message)
             self._scheduler_warned = True
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 def _served_model_name(vllm_config: VllmConfig) -> str:
