@@ -101,12 +101,7 @@ class KvferryClient:
         waits for a server that is not answering: the server frees a session whose connection drops anyway."""
         try:
             if self._conn.available:
-                had_cuda = bool(self._cuda_registrations)
                 self.end_session()
-                if had_cuda:
-                    # The server has let go of our GPU memory: free torch's IPC bookkeeping of it now, or a process
-                    # that exits next leaves its reference-count file in /dev/shm.
-                    torch.cuda.ipc_collect()
         except (ServerError, ConnectionError, TimeoutError):
             pass  # the server is gone or going
         finally:
