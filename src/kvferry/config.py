@@ -123,7 +123,11 @@ class KvferryConfig(BaseModel):
 
     cache: CacheConfig = Field(default_factory=CacheConfig)
     transfer: TransferConfig = Field(default_factory=TransferConfig)
-    tiers: list[str] = Field(default_factory=list)
+    tiers: list[str] = Field(
+        default_factory=list,
+        description="storage tiers below the host pool, searched in order: disk:/var/cache/kvferry?size=200GB, "
+        "redis://host:6379/0, valkey+cluster://host:port,... (a JSON list or comma-separated in KVFERRY_TIERS)",
+    )
     server: ServerConfig = Field(default_factory=ServerConfig)
 
     @field_validator("tiers")

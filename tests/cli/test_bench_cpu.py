@@ -1,13 +1,8 @@
-"""`kvferry bench cache | pool | tiers | server` end to end in tiny configurations, their option checks, and a
-benchmarks/ script running the same command with its old flags and default JSON path."""
+"""`kvferry bench cache | pool | tiers | server` end to end in tiny configurations, and their option checks."""
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -134,18 +129,3 @@ def test_bad_options_exit_2_naming_them(args: list[str], named: str, capsys: pyt
     assert main(["bench", *args]) == 2
     err = capsys.readouterr().err
     assert f"kvferry bench {args[0]}: error:" in err and named in err
-
-
-def test_script_keeps_its_flags_and_default_json(tmp_path: Path) -> None:
-    """benchmarks/bench_pool.py is `kvferry bench pool`, writing bench-out/bench_pool.json as it always did, or the
-    file --out names; the JSON records the script's command line."""
-    script = ROOT / "benchmarks" / "bench_pool.py"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    runs = (([], tmp_path / "bench-out" / "bench_pool.json"), (["--out", "x.json"], tmp_path / "x.json"))
-    for extra, written in runs:
-        cmd = [sys.executable, str(script), "--ops", "200", "--capacity-mib", "32", *extra]
-        done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr
-        assert "allocator_pairs" in done.stdout
-        doc = json.loads(written.read_text())
-        assert doc["benchmark"] == "pool" and f"{script} --ops 200" in doc["command"]

@@ -26,7 +26,7 @@ def test_without_vllm_exit_2_saying_so(
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "vllm" else real(n, *a))
     assert main(["bench", name]) == 2
     err = capsys.readouterr().err
-    assert f"kvferry bench {name}: error: needs the vllm extra" in err
+    assert f"kvferry bench {name}: error: needs vLLM" in err
 
 
 def test_ttft_width_must_be_a_multiple_of_256(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,4 +1,6 @@
-"""README.md stays true: its set-up block, its formats table, its benchmarks table and its Python example."""
+"""The docs stay true: README.md's set-up block and configuration table, docs/configuration.md's and
+docs/formats.md's tables, BENCHMARKS.md's list of benchmarks, the Python examples (run against a real server), and
+the docs' size and links."""
 
 from __future__ import annotations
 
@@ -13,11 +15,13 @@ from kvferry.cli.main import main
 from kvferry.config import KvferryConfig
 from kvferry.server import KvferryServer, ServerConfig
 
-README = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+DOCS = {path.name: path.read_text(encoding="utf-8") for path in (ROOT / "docs").glob("*.md")}
 
 
-def _blocks(language: str) -> list[str]:
-    return re.findall(rf"```{language}\n(.*?)```", README, flags=re.S)
+def _blocks(language: str, text: str = README) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", text, flags=re.S)
 
 
 def test_readme_opens_with_the_two_setup_commands() -> None:
@@ -26,22 +30,41 @@ def test_readme_opens_with_the_two_setup_commands() -> None:
     assert commands == ["pip install -e . && kvferry server", "bash .ci/run"]
 
 
-def test_readme_formats_table_is_what_kvferry_formats_prints(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_formats_table_is_what_kvferry_formats_prints(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["formats", "--markdown"]) == 0
-    assert capsys.readouterr().out.strip() in README
+    assert capsys.readouterr().out.strip() in DOCS["formats.md"]
 
 
-def test_readme_benchmarks_table_has_every_benchmark() -> None:
-    rows = re.findall(r"^\| `kvferry bench ([a-z-]+)` \|", README, flags=re.M)
+@pytest.mark.parametrize(("where", "flags"), [("README.md", ["--brief"]), ("configuration.md", [])])
+def test_the_configuration_tables_are_what_kvferry_config_prints(
+    capsys: pytest.CaptureFixture[str], where: str, flags: list[str]
+) -> None:
+    assert main(["config", "--markdown", *flags]) == 0
+    assert capsys.readouterr().out.strip() in (README if where == "README.md" else DOCS[where])
+
+
+def test_benchmarks_md_lists_every_benchmark() -> None:
+    text = (ROOT / "BENCHMARKS.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| `kvferry bench ([a-z-]+)` \|", text, flags=re.M)
     assert rows == [b.name for b in BENCHMARKS]
 
 
-def test_readme_python_examples_run() -> None:
+def test_the_docs_are_short_and_every_link_resolves() -> None:
+    assert len(README.encode()) < 12 * 1024
+    assert len((ROOT / "BENCHMARKS.md").read_bytes()) < 12 * 1024
+    for name, text in [("README.md", README), *((f"docs/{n}", t) for n, t in DOCS.items())]:
+        base = ROOT if name == "README.md" else ROOT / "docs"
+        for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text):
+            if "://" not in target:
+                assert (base / target).exists(), f"{name} links to {target}, which does not exist"
+
+
+def test_the_python_examples_run() -> None:
     """Every python block, in order, in one namespace (later examples continue earlier ones); the client example
     against a real server (only its port is changed, to a free one)."""
     namespace: dict[str, object] = {"__name__": "readme_example"}
-    blocks = _blocks("python")
-    assert len(blocks) >= 3
+    blocks = [b for text in (README, DOCS["python_api.md"], DOCS["server.md"]) for b in _blocks("python", text)]
+    assert len(blocks) >= 4
     server = KvferryServer(
         ServerConfig(port=0, http_port=0),
         CacheEngine(KvferryConfig.load(env={}, overrides={"cache": {"l1_size_gb": 0.05}})),

@@ -1,8 +1,8 @@
 """The GPU transfer engine on CPU memory: a driver whose copies are `memmove`s executed at once, staging and the
 metadata ring in CPU tensors, and kernel launches mapped back to tensors and run in Triton's interpreter.
 
-Used by `test_engine_on_cpu.py` (correctness of the engine's own logic in CI, which has no GPU) and by
-`benchmarks/experiments/submit_cpu_cost.py` and `cache_cpu_cost.py` (the enqueue's Python cost, with `copies=False`).
+Used by `test_engine_on_cpu.py` (correctness of the engine's own logic in CI, which has no GPU); `copies=False`
+leaves out the copies themselves (to time the enqueue's Python cost).
 Enqueue order is a valid order for every stream dependency the engine records, so running each call at once is
 faithful; both lanes share one staging buffer and ring, which is safe because nothing is ever in flight.
 """

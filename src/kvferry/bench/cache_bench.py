@@ -46,7 +46,6 @@ EXAMPLES = """\
 examples:
   kvferry bench cache                          # 50 repeats per case
   kvferry bench cache --repeats 30 --json bench-out/cache.json
-  python3 benchmarks/bench_cache.py --repeats 30   # the same, JSON to bench-out/bench_cache.json
 """
 
 
@@ -208,10 +207,3 @@ def _show(calibration: float, lookup: dict[str, float], overhead: list[dict[str,
         )
     busy = f"calibration: 10M interpreter steps took {calibration:.2f} s (about 0.4 s on an idle machine)"
     return [busy, lookups, per_chunk]
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python3 benchmarks/bench_cache.py ...`: this benchmark with the script's own default JSON path."""
-    from kvferry.cli.bench_cmd import script_main
-
-    return script_main("cache", argv, json_default="bench-out/bench_cache.json")

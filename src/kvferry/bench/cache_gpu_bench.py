@@ -36,7 +36,6 @@ EXAMPLES = """\
 examples:
   kvferry bench cache-gpu                                 # on a machine with CUDA
   kvferry bench cache-gpu --json bench-out/cache_gpu.json
-  PYTHONPATH=src python3 benchmarks/bench_cache_gpu.py    # the same
 """
 
 
@@ -247,10 +246,3 @@ def _show(rows: list[dict[str, Any]], where: dict[str, Any]) -> list[Any]:
         f"memcpy {alt['memcpy_us']:.0f} us (ratio {alt['ratio']:.3f})"
     )
     return [table, steps, line]
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python3 benchmarks/bench_cache_gpu.py ...`: this benchmark as a script."""
-    from kvferry.cli.bench_cmd import script_main
-
-    return script_main("cache-gpu", argv)

@@ -52,7 +52,6 @@ examples:
   kvferry bench gpu-transfer                                      # every section
   kvferry bench gpu-transfer --sections bulk,onechunk --reps 15 --json bench-out/gpu.json
   kvferry bench gpu-transfer --sections calls --reps 15          # what a small request's call costs
-  PYTHONPATH=src python3 benchmarks/bench_gpu_transfer.py --reps 15 --sections bulk   # JSON to gpu_bench.json
 """
 
 
@@ -432,10 +431,3 @@ def _show(bench: Bench) -> list[Any]:
 
 def _us(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}"
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python3 benchmarks/bench_gpu_transfer.py ...`: this benchmark with the script's own default JSON path."""
-    from kvferry.cli.bench_cmd import script_main
-
-    return script_main("gpu-transfer", argv, json_default="gpu_bench.json")

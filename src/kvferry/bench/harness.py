@@ -84,9 +84,8 @@ def positive(args: argparse.Namespace, *names: str) -> None:
 
 
 def add_json_argument(parser: argparse.ArgumentParser) -> None:
-    """`--json PATH`; `--out PATH` is the same (the flag the benchmarks/ scripts always took)."""
+    """`--json PATH`."""
     parser.add_argument("--json", metavar="PATH", help="also write machine-readable results here")
-    parser.add_argument("--out", dest="json", help=argparse.SUPPRESS)
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:

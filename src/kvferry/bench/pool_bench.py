@@ -30,7 +30,6 @@ EXAMPLES = """\
 examples:
   kvferry bench pool                                  # 200000 operations per case, a 1 GiB pool
   kvferry bench pool --ops 20000 --capacity-mib 256 --json bench-out/pool.json
-  python benchmarks/bench_pool.py                     # the same, JSON to bench-out/bench_pool.json
 """
 
 
@@ -118,10 +117,3 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
         )
     config = {"ops": args.ops, "capacity_bytes": pool.capacity_bytes, "pinned": pool.is_pinned}
     return Outcome(config, rows, [table])
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python3 benchmarks/bench_pool.py ...`: this benchmark with the script's own default JSON path."""
-    from kvferry.cli.bench_cmd import script_main
-
-    return script_main("pool", argv, json_default="bench-out/bench_pool.json")

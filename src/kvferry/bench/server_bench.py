@@ -177,7 +177,7 @@ def transfer_cases(
     server's done flag seen, or the in-process engine's wait), when the engine may read the KV or reuse its
     blocks. A `torch.cuda.synchronize()` after it would time something an engine does not do: with the server's
     process the last on the GPU, it waits for a switch back to the client's context (47-120 us on the H200 host,
-    `benchmarks/experiments/server_timeline.py`). The copy it is compared with synchronizes: that is its end."""
+    measured stage by stage). The copy it is compared with synchronizes: that is its end."""
     rng = np.random.default_rng(1)
 
     def case(n: int, call: Callable[[int], Any], copy: CopyCeiling | None) -> dict[str, Any]:
@@ -387,10 +387,3 @@ def _show(args: argparse.Namespace, results: dict[str, Any]) -> list[Any]:
         f"one chunk = {results['chunk_bytes'] / 2**20:.2f} MiB; ratio: the same bytes copied by {ceiling}, timed "
         "after each request (median) over the request's p50 (client call to reply)",
     ]
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python3 benchmarks/bench_server.py ...`: this benchmark with the script's own default JSON path."""
-    from kvferry.cli.bench_cmd import script_main
-
-    return script_main("server", argv, json_default="bench-out/bench_server.json")

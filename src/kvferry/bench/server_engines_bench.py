@@ -181,10 +181,3 @@ def _show(args: argparse.Namespace, rows: dict[str, dict[str, float]]) -> list[A
             f"{row['slowdown_p50']:.2f} / {row['slowdown_p99']:.2f}",
         )
     return [table]
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python3 benchmarks/bench_server_engines.py ...`: this benchmark with the script's own default JSON path."""
-    from kvferry.cli.bench_cmd import script_main
-
-    return script_main("server-engines", argv, json_default="bench-out/bench_server_engines.json")

@@ -321,10 +321,3 @@ def _row(tier: str, name: str, objs: list[torch.Tensor], op: str, times: dict, n
         f"plain_{THREADS}_threads_GBps": gbps(f"plain{THREADS}"),
         "ratio": tier_gbps / max(plain),
     }
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python3 benchmarks/bench_tiers.py ...`: this benchmark with the script's own default JSON path."""
-    from kvferry.cli.bench_cmd import script_main
-
-    return script_main("tiers", argv, json_default="bench-out/bench_tiers.json")

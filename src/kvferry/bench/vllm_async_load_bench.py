@@ -161,10 +161,3 @@ def measure(payload: dict[str, Any], step: Callable[[str], None]) -> dict[str, A
         "long_request_first_token_ms": 1000 * first_token,
         "tokens_loaded": loaded,
     }
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python3 benchmarks/bench_vllm_async_load.py ...`: this benchmark as a script."""
-    from kvferry.cli.bench_cmd import script_main
-
-    return script_main("vllm-async-load", argv)

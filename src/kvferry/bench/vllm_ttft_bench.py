@@ -233,10 +233,3 @@ def measure(payload: dict[str, Any], step: Callable[[str], None]) -> dict[str, A
         "kvferry": kvferry_stats,
         "rows": rows,
     }
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python3 benchmarks/bench_vllm_ttft.py ...`: this benchmark with the script's own default JSON path."""
-    from kvferry.cli.bench_cmd import script_main
-
-    return script_main("vllm-ttft", argv, json_default="bench-out/bench_vllm_ttft.json")

@@ -4,7 +4,7 @@ In order: keys, then pool objects for the chunks not present, then their copy. A
 pool): the copy of every chunk after the skipped ones is enqueued first, and the keys and index entries are made
 while the bytes move. On the GPU host the CPU time before a store's first GPU operation was most of a one-chunk
 store's overhead, and after idling (or any other work) that CPU time is several times its warm cost: every module
-the path touches comes back from memory (`benchmarks/experiments/store_context_gpu.py`). Ahead takes the keys and
+the path touches comes back from memory. Ahead takes the keys and
 the index off that path.
 """
 

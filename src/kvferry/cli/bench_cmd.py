@@ -1,19 +1,16 @@
 """`kvferry bench NAME`: the benchmarks a user runs, each a module of `kvferry.bench`.
 
 Only the chosen benchmark's module is imported (and its flags attached): `kvferry --help` and `kvferry bench --help`
-import none of them, and a benchmark's `--help` works without CUDA or vLLM. The scripts in benchmarks/ run the same
-commands through `script_main`, with the flags and the default JSON path they always had.
+import none of them, and a benchmark's `--help` works without CUDA or vLLM.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import sys
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 
 from rich.console import Console
@@ -54,7 +51,6 @@ def add_bench_parser(
     commands: argparse._SubParsersAction,
     chosen: str | None,
     formatter: type[argparse.HelpFormatter],
-    defaults: dict[str, object] | None = None,
 ) -> None:
     """`kvferry bench` and one subparser per benchmark; only `chosen`'s module is imported, for its flags."""
     bench = commands.add_parser(
@@ -78,15 +74,14 @@ def add_bench_parser(
         sub.description = module.DESCRIPTION
         sub.epilog = module.EXAMPLES
         module.add_arguments(sub)
-        sub.set_defaults(run=_runner(b, module), **(defaults or {}))
+        sub.set_defaults(run=_runner(b, module))
 
 
 def _runner(b: Benchmark, module: ModuleType) -> Callable[[argparse.Namespace, list[str], Console], int]:
     from kvferry.bench.harness import run_and_report
 
     def run(args: argparse.Namespace, argv: list[str], console: Console) -> int:
-        command = getattr(args, "command_line", None) or ["kvferry", *argv]
-        return run_and_report(b.name, module, args, command, console)
+        return run_and_report(b.name, module, args, ["kvferry", *argv], console)
 
     return run
 
@@ -95,16 +90,6 @@ def chosen_benchmark(argv: list[str]) -> str | None:
     """The benchmark named on a `kvferry bench NAME ...` command line (the first word after `bench`)."""
     words = [a for a in argv if not a.startswith("-")]
     return words[1] if len(words) > 1 and words[0] == "bench" else None
-
-
-def script_main(name: str, argv: list[str] | None = None, json_default: str | None = None) -> int:
-    """`kvferry bench NAME` for a script in benchmarks/: its JSON goes to `json_default` unless --json/--out says
-    otherwise, and the JSON records the script's own command line."""
-    from kvferry.cli.main import main
-
-    args = list(sys.argv[1:] if argv is None else argv)
-    defaults = {"command_line": [Path(sys.executable).name, sys.argv[0], *args], "json": json_default}
-    return main(["bench", name, *args], bench_defaults=defaults)
 
 
 def _wrap(text: str) -> str:

@@ -10,6 +10,7 @@ from rich.console import Console
 
 from kvferry import __version__
 from kvferry.cli.bench_cmd import add_bench_parser, chosen_benchmark
+from kvferry.cli.config_cmd import add_config_parser
 from kvferry.cli.formats_cmd import add_formats_arguments, run_formats
 from kvferry.cli.server_cmd import add_server_parser
 
@@ -25,6 +26,7 @@ examples:
   kvferry bench --help                          # every benchmark: cache, pool, tiers, server, GPU, vLLM
   kvferry formats                               # every engine KV layout kvferry knows
   kvferry server --l1-size-gb 8 --port 5555     # the shared cache server
+  kvferry config                                # the configuration kvferry would run with here
 
 Run `kvferry COMMAND --help` for a command's options."""
 
@@ -36,9 +38,7 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         super().__init__(prog, max_help_position=32)
 
 
-def build_parser(
-    with_server_flags: bool = False, bench: str | None = None, bench_defaults: dict[str, object] | None = None
-) -> argparse.ArgumentParser:
+def build_parser(with_server_flags: bool = False, bench: str | None = None) -> argparse.ArgumentParser:
     """The whole command line; the server's flags and benchmark `bench`'s flags only when asked for (importing
     them costs the server's and that benchmark's imports)."""
     parser = argparse.ArgumentParser(
@@ -47,7 +47,7 @@ def build_parser(
     parser.add_argument("--version", action="version", version=f"kvferry {__version__}")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
 
-    add_bench_parser(commands, bench, _Formatter, bench_defaults)
+    add_bench_parser(commands, bench, _Formatter)
 
     formats = commands.add_parser(
         "formats",
@@ -59,15 +59,15 @@ def build_parser(
     add_formats_arguments(formats)
     formats.set_defaults(run=lambda args, argv, console: run_formats(args, console))
 
+    add_config_parser(commands, _Formatter)
     add_server_parser(commands, with_server_flags, _Formatter)
     return parser
 
 
-def main(argv: Sequence[str] | None = None, bench_defaults: dict[str, object] | None = None) -> int:
-    """`bench_defaults`: option defaults of the chosen benchmark (a script in benchmarks/ sets its JSON path)."""
+def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in args_list if not a.startswith("-")), None)
-    parser = build_parser(command == "server", chosen_benchmark(args_list), bench_defaults)
+    parser = build_parser(command == "server", chosen_benchmark(args_list))
     args = parser.parse_args(args_list)
     if command == "server":
         return args.run(args)

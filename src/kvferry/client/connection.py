@@ -7,7 +7,7 @@ reply that came with it: one caller at a time does so (the leader); others wait 
 thread reads the replies nobody is waiting on the socket for (asynchronous requests), matches them to futures by
 request id, and sends heartbeats so the server keeps the session (and everything registered in it) alive. So a
 synchronous request crosses no other thread of this process (a 2-core machine: PING p50 312-424 us with every reply
-read by the background thread, 275-320 us read by the caller; `benchmarks/experiments/client_thread_hops.py`).
+read by the background thread, 275-320 us read by the caller).
 
 The thread also knows whether the server can be reached, and an engine never waits on one that cannot:
 - the connection starts lazily (nothing blocks); requests made before the first reply are held until the

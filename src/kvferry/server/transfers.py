@@ -4,7 +4,7 @@
   names no done flag, and a STORE whose readiness is an event of its own (waited for on the CPU).
 - Started on the socket thread: a GPU transfer naming a done flag (`kvferry.server.done_signal`). The thread runs
   it up to its copy being enqueued, answers at once, and leaves the wait and the bookkeeping to a worker. On the
-  GPU host a hand-over between threads costs ~100-200 us of wake-up (`benchmarks/experiments/server_timeline.py`):
+  GPU host a hand-over between threads costs ~100-200 us of wake-up:
   this path has none before the copy starts and none before the answer leaves. The rest runs once (`FinishOnce`):
   on that worker, or on the socket thread when a later request must see its effects first and the copy has ended
   (`SessionTable.settle`) -- rather than the socket thread waiting for the worker to wake up.

@@ -131,7 +131,7 @@ def ordered_after(event: int) -> Iterator[None]:
     What a server does for a client's STORE: the client records an interprocess event after the work that writes
     the blocks, and the copy waits for that event itself. Making a stream current for it instead (a stream waiting
     on the event, `torch.cuda.set_stream`, the old stream put back) cost a STORE through the server ~70-110 us on
-    the H200 host (`benchmarks/experiments/server_timeline.py`)."""
+    the H200 host."""
     previous = getattr(_order, "event", None)
     _order.event = event
     try:
