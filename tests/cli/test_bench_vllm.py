@@ -18,7 +18,7 @@ needs_vllm = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("name", ["vllm-ttft", "vllm-async-load"])
+@pytest.mark.parametrize("name", ["vllm-ttft", "vllm-async-load", "vllm-batch"])
 def test_without_vllm_exit_2_saying_so(
     name: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -58,3 +58,15 @@ def test_async_load_tiny(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Non
     assert [m["async_load"] for m in modes] == [False, True]
     for m in modes:
         assert m["tokens_loaded"] == 256 and m["steps_while_loading"] >= 1 and m["step_ms_median"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@needs_vllm
+def test_batch_tiny(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(vllm_child, "CHILD_TIMEOUT_S", 300.0)
+    args = ("--prompt-tokens", "300", "--prompts", "2", "--rounds", "1", "--layers", "1", "--hidden", "256")
+    doc, _ = run_bench(monkeypatch, tmp_path, "vllm-batch", *args, "--modes", "vLLM alone,embedded")
+    alone, embedded = doc["results"]["vLLM alone"], doc["results"]["embedded"]
+    assert alone["wall_ratio"] == 1.0 and embedded["wall_s"] > 0 and embedded["cpu_s"] > 0
+    assert alone["tokens_stored_per_round"] == 0 and embedded["tokens_stored_per_round"] == 2 * 256

@@ -73,6 +73,7 @@ FLAGS = {
         "--foreground-loads",
     ),
     "vllm-async-load": ("--prefix-tokens", "--running", "--layers", "--kv-heads"),
+    "vllm-batch": ("--prompt-tokens", "--prompts", "--rounds", "--modes"),
 }
 
 
