@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvferry.client import KvferryClient, ServerError, ServerUnavailable, done_flags
+from kvferry.client.client import GpuRegistration
 from kvferry.client.done_flags import DoneFlags, FlagWatch
 from kvferry.server.protocol import Op, pack_ids
 from tests.server.serverkit import FakeEngine, random_kv
@@ -217,7 +218,7 @@ def test_a_gpu_transfer_whose_server_is_lost_fails_only_once_its_copy_can_no_lon
         assert client.store(reg, list(range(8)), [0, 1, 2, 3]) == 8
         for as_gpu in (False, True):
             if as_gpu:  # retrieves are answered after their copy: no flag to watch, only the grace
-                client._cuda_registrations[reg] = torch.device("cuda")
+                client._gpu[reg] = GpuRegistration(torch.device("cuda"), FakeRing(), None)  # no flags: copies answered
             for call in ("async", "sync"):
                 engine.retrieve_gate.clear()  # the server's copy holds
                 engine.in_transfer.clear()
@@ -252,7 +253,8 @@ def test_a_transfer_that_was_never_sent_gives_its_flag_slot_back(
     from kvferry.client.link import DOWN, Link
 
     reg = client.register_kv_cache(random_kv(6), FMT, namespace=NS)
-    flags = client._done_flags[reg] = DoneFlags(slots=2)  # as a GPU registration holds (the fake engine is CPU)
+    flags = DoneFlags(slots=2)  # as a GPU registration holds (the fake engine is CPU)
+    client._gpu[reg] = GpuRegistration(torch.device("cuda"), FakeRing(), flags)
     monkeypatch.setattr(Link, "probe", lambda self: None)  # it stays unreachable for the test
     client._conn.set_state(DOWN, "test: the server went away")
     for _ in range(5):
@@ -292,3 +294,22 @@ def test_requests_about_registrations_and_counts_settle_transfers_seen_done_firs
     with pytest.raises(ProtocolError, match="is not registered by this session"):
         handlers.run(Op.UNREGISTER_KV_CACHE, session, RegistrationArgs(registration=5), None)
     assert len(settled) == 4
+
+
+class FakeRing:
+    """Stands in for a GPU registration's ring of ready events (the fake engine is CPU): every STORE gets slot 0."""
+
+    def record(self) -> int:
+        return 0
+
+    def release(self, slot: int) -> None:
+        pass
+
+
+def test_ending_the_session_forgets_every_gpu_registration(client: KvferryClient) -> None:
+    """Registrations of a session the client ended are gone with everything kept for them (their done flags too):
+    the server may hand the same ids out again."""
+    reg = client.register_kv_cache(random_kv(6), FMT, namespace=NS)
+    client._gpu[reg] = GpuRegistration(torch.device("cuda"), FakeRing(), DoneFlags(slots=2))
+    client.end_session()
+    assert client._gpu == {} and client._flags(reg) is None

@@ -64,7 +64,7 @@ def raw_transfer(client: KvferryClient, op: Op, reg: int, tokens: list[int], ids
     from kvferry.client.done_flags import take_slot
 
     args = _transfer_args(reg, tokens, ids, 0)
-    slot = take_slot(client._done_flags[reg], args)
+    slot = take_slot(client._gpu[reg].flags, args)
     assert slot is not None
     result = client._call(lambda: client._submit(op, reg, args))
     return result, slot, args["done_seq"]
@@ -79,7 +79,7 @@ def test_a_transfer_is_answered_before_its_copy_ends_and_the_flag_shows_the_end(
     expected = blocks(kv, src)
     with KvferryClient(endpoint, timeout_s=60) as client:
         reg = client.register_kv_cache(kv, FMT, block_size=BS, namespace=NS)
-        flags = client._done_flags[reg]
+        flags = client._gpu[reg].flags
         early = 0
         for attempt in range(3):
             tokens = tokens_at(10**6 * (attempt + 1) + _apart(endpoint), 16)
@@ -123,7 +123,7 @@ def test_plain_and_async_calls_through_flags_are_bit_exact(endpoint: str, kv: li
             else:
                 assert client.retrieve_async(reg, tokens, target).result(timeout=60) == 2 * CHUNK
             assert torch.equal(blocks(kv, target), expected)
-        assert sorted(client._done_flags[reg]._free) == list(range(64))  # every slot back
+        assert sorted(client._gpu[reg].flags._free) == list(range(64))  # every slot back
 
 
 @pytest.mark.parametrize("transport", ["tcp", "ipc"])
@@ -147,7 +147,7 @@ def test_a_server_killed_mid_copy_ends_the_wait_with_every_byte_or_none_later(
         assert client.store(reg, tokens, src) == 16 * CHUNK
         result, slot, seq = raw_transfer(client, Op.RETRIEVE, reg, tokens, dst)
         assert result["signalled"]
-        flags = client._done_flags[reg]
+        flags = client._gpu[reg].flags
         assert not flags.is_set(slot, seq), "the copy ended before its answer arrived: nothing to kill mid-copy"
         proc.proc.send_signal(signal.SIGKILL)
         proc.proc.wait(timeout=30)

@@ -54,6 +54,16 @@ class PrefetchStatus:
     error: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class GpuRegistration:
+    """What a client keeps of one registration of GPU KV, as one record so that it goes whole: the device, the
+    ring of ready events the server opened, and the done flags its GPU signals transfers on."""
+
+    device: torch.device
+    ready: ReadyEvents
+    flags: DoneFlags
+
+
 class KvferryClient:
     """A session with one server. Thread-safe; `close()` (or `with`) ends the session and frees its state."""
 
@@ -65,9 +75,7 @@ class KvferryClient:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self._conn = Connection(endpoint, timeout_s=timeout_s, heartbeat_interval_s=1.0, silence_timeout_s=timeout_s)
-        self._cuda_registrations: dict[int, torch.device] = {}
-        self._ready_events: dict[int, ReadyEvents] = {}  # CUDA registrations whose server opened them
-        self._done_flags: dict[int, DoneFlags] = {}  # CUDA registrations whose transfers the GPU signals done
+        self._gpu: dict[int, GpuRegistration] = {}  # this session's registrations of GPU KV
         self._flag_watch = FlagWatch(self._check_up)
 
     @property
@@ -155,15 +163,11 @@ class KvferryClient:
             args["done_flags"] = flags.descriptor
         reg = self._call(lambda: self._conn.submit(Op.REGISTER_KV_CACHE, args, lambda r: int(r["registration"])))
         if ready is not None and flags is not None:
-            self._cuda_registrations[reg] = ready.device
-            self._ready_events[reg] = ready
-            self._done_flags[reg] = flags
+            self._gpu[reg] = GpuRegistration(ready.device, ready, flags)
         return reg
 
     def unregister_kv_cache(self, registration: int) -> None:
-        self._cuda_registrations.pop(registration, None)
-        self._ready_events.pop(registration, None)
-        self._done_flags.pop(registration, None)
+        self._gpu.pop(registration, None)
         self._call(lambda: self._conn.submit(Op.UNREGISTER_KV_CACHE, {"registration": registration}))
 
     def lookup(
@@ -261,8 +265,7 @@ class KvferryClient:
 
     def end_session(self) -> dict[str, Any]:
         """Release everything this session holds on the server; the client stays usable (a new session)."""
-        self._cuda_registrations.clear()
-        self._ready_events.clear()
+        self._gpu.clear()
         return self._call(lambda: self._conn.submit(Op.END_SESSION, {}))
 
     def clear(self) -> None:
@@ -279,7 +282,7 @@ class KvferryClient:
     # -- transfers: answered after the copy, or once it is enqueued with its end shown by a done flag -------------
 
     def _transfer(self, op: Op, registration: int, args: dict[str, Any]) -> int:
-        flags = self._done_flags.get(registration)
+        flags = self._flags(registration)
         slot = take_slot(flags, args)
         deadline = time.monotonic() + self.timeout_s
         sent: list[Future[Any]] = []
@@ -294,7 +297,7 @@ class KvferryClient:
             release_slot(flags, slot)
             raise
         except ServerUnavailable:
-            if sent and registration in self._cuda_registrations:
+            if sent and registration in self._gpu:
                 time.sleep(LOST_DRAIN_S)  # see _lost_mid_copy
             raise
         if slot is not None and result["signalled"]:
@@ -303,7 +306,7 @@ class KvferryClient:
         return int(result["tokens"])
 
     def _transfer_async(self, op: Op, registration: int, args: dict[str, Any]) -> Future[int]:
-        flags = self._done_flags.get(registration)
+        flags = self._flags(registration)
         slot = take_slot(flags, args)
         deadline = time.monotonic() + self.timeout_s
         outcome: Future[int] = Future()
@@ -314,7 +317,7 @@ class KvferryClient:
             if error is not None:
                 if isinstance(error, ServerError):
                     release_slot(flags, slot)
-                if isinstance(error, ServerUnavailable) and registration in self._cuda_registrations:
+                if isinstance(error, ServerUnavailable) and registration in self._gpu:
                     _fail_later(outcome, error)  # see _lost_mid_copy
                 else:
                     outcome.set_exception(error)
@@ -332,24 +335,29 @@ class KvferryClient:
     def _submit(self, op: Op, registration: int, args: dict[str, Any]) -> Future[dict[str, Any]]:
         """Send a STORE or RETRIEVE; its future resolves to the server's result map."""
         event = None
-        ready = self._ready_events.get(registration) if op is Op.STORE else None
+        gpu = self._gpu.get(registration)
+        ready = gpu.ready if gpu is not None and op is Op.STORE else None
         slot = ready.record() if ready is not None else None
         if slot is not None:
             args["ready_slot"] = slot
-        elif op is Op.STORE and (device := self._cuda_registrations.get(registration)) is not None:
+        elif op is Op.STORE and gpu is not None:  # every ready event of the ring in use: a fresh one
             event = torch.cuda.Event(interprocess=True)
-            event.record(torch.cuda.current_stream(device))
+            event.record(torch.cuda.current_stream(gpu.device))
             args["ready_event"] = bytes(event.ipc_handle())
         try:
             future = self._conn.submit(op, args, keepalive=event)
         except BaseException:  # not sent: neither the event nor the done flag will be used
             if slot is not None:
                 ready.release(slot)  # type: ignore[union-attr]
-            release_slot(self._done_flags.get(registration), args.get("done_slot"))
+            release_slot(self._flags(registration), args.get("done_slot"))
             raise
         if slot is not None:
             future.add_done_callback(lambda _: ready.release(slot))  # type: ignore[union-attr]
         return future
+
+    def _flags(self, registration: int) -> DoneFlags | None:
+        gpu = self._gpu.get(registration)
+        return gpu.flags if gpu is not None else None
 
     def _check_up(self) -> None:
         """Raise when a transfer's done flag will not be written for us: the server is unreachable."""
