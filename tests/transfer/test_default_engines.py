@@ -51,13 +51,15 @@ def test_bad_gpu_settings_fail_when_given(engines: dict[torch.device, object]) -
     assert api._gpu_config is None  # nothing half-applied
 
 
-def test_a_cache_engine_applies_its_transfer_section(engines: dict[torch.device, object]) -> None:
+def test_a_cache_engine_leaves_the_process_gpu_settings_alone(engines: dict[torch.device, object]) -> None:
+    """The GPU engines are the process's: a `CacheEngine` never changes them (its owner, the server or the
+    connector, applies its config's transfer section with `configure_gpu`)."""
     pool = HostPool(1 << 20, pin=False)
-    with CacheEngine(KvferryConfig.load(env={}), pool=pool):
-        assert api._gpu_config is None  # the defaults: nothing to set, another cache's settings stay
     config = KvferryConfig.load(env={}, overrides={"transfer": {"staging_slot_mib": 16, "batch_dma": False}})
     with CacheEngine(config, pool=pool):
-        assert api._gpu_config == EngineConfig(slot_bytes=16 << 20, batch_dma=False)
+        assert api._gpu_config is None
+    configure_gpu(**config.transfer.engine_settings())
+    assert api._gpu_config == EngineConfig(slot_bytes=16 << 20, batch_dma=False)
 
 
 def test_transfers_inside_ordered_after_wait_for_its_event() -> None:

@@ -33,12 +33,12 @@ from kvferry.cache.residency import Residency
 from kvferry.cache.steps import Steps, run_steps
 from kvferry.cache.tiering import TierLink, when_all
 from kvferry.cache.writer import ChunkWriter
-from kvferry.config import KvferryConfig, TransferConfig
+from kvferry.config import KvferryConfig
 from kvferry.formats import EngineKVFormat, KVGeometry
 from kvferry.memory import HostPool
 from kvferry.tiers import Tier, make_tier
 from kvferry.tiers.metrics import TierCollector
-from kvferry.transfer import configure_gpu, geometry_of, ordered_after
+from kvferry.transfer import geometry_of, ordered_after
 
 
 def _ordered(after: torch.cuda.Event | None, call: Callable[..., int], args: tuple, kwargs: dict[str, Any]) -> int:
@@ -73,8 +73,6 @@ class CacheEngine:
     ) -> None:
         self.config = config if config is not None else KvferryConfig()
         cfg = self.config.cache
-        if self.config.transfer != TransferConfig():  # the GPU engines are process-wide: set only when asked
-            configure_gpu(**self.config.transfer.engine_settings())
         self.chunk_size = cfg.chunk_size
         self.namespace = namespace
         self.pool = pool if pool is not None else host_pool(cfg.l1_size_gb, cfg.l1_size_bytes, cfg.l1_populate)

@@ -16,6 +16,7 @@ from kvferry.cache import CacheEngine
 from kvferry.config import KvferryConfig
 from kvferry.kernels.cpu_threads import usable_cpus, use_own_threads
 from kvferry.server.server import KvferryServer, ServerStartError
+from kvferry.transfer import configure_gpu
 
 log = logging.getLogger("kvferry.server")
 
@@ -111,6 +112,7 @@ def main(config: KvferryConfig) -> int:
     could not start, said in one line: a tier it cannot open, a pool it cannot allocate, a port in use)."""
     log.info("kvferry server starting with config %s", json.dumps(config.model_dump(mode="json")))
     use_own_threads(config.server.copy_threads or usable_cpus())
+    configure_gpu(**config.transfer.engine_settings())  # the process's GPU data path: the server owns its process
     try:
         engine = CacheEngine(config, name="server")
     except (ValueError, OSError, MemoryError) as exc:  # tier URLs and directories, the pool's size: named

@@ -6,7 +6,6 @@ tier.get(key, pool.try_alloc)    -> Future[Tensor | None]   (verified, or a miss
 """
 
 from kvferry.tiers.base import Alloc, Free, Tier, TierFull, TierUnavailable
-from kvferry.tiers.chain import TierChain
 from kvferry.tiers.disk import DiskTier
 from kvferry.tiers.header import FORMAT_VERSION, CorruptObject
 from kvferry.tiers.redis_tier import RedisTier
@@ -20,7 +19,6 @@ __all__ = [
     "Free",
     "RedisTier",
     "Tier",
-    "TierChain",
     "TierFull",
     "TierURLError",
     "TierUnavailable",

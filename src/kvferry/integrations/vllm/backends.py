@@ -23,10 +23,12 @@ import torch
 
 from kvferry.cache import CacheEngine, CacheNamespace
 from kvferry.cache.request import dtype_name, layout_name
+from kvferry.config import TransferConfig
 from kvferry.formats import EngineKVFormat, describe
 from kvferry.integrations.vllm.kv_layout import EngineKV
 from kvferry.integrations.vllm.server_link import ServerDown, ServerLink
 from kvferry.integrations.vllm.settings import ConnectorSettings
+from kvferry.transfer import configure_gpu
 
 log = logging.getLogger(__name__)
 
@@ -274,6 +276,8 @@ def make_worker_backend(
         return ServerBackend(link, key_space, kv)
     config = settings.kvferry_config()
     check_chunk_size(config.cache.chunk_size)
+    if config.transfer != TransferConfig():  # the GPU data path is process-wide: changed only when asked to
+        configure_gpu(**config.transfer.engine_settings())
     engine = CacheEngine(config, name=name)
     namespace = engine.namespace_for(
         key_space.model, kv.fmt, kv.paged, world_size=1, rank=0, salt=key_space.salt, block_size=kv.block_size
