@@ -1,4 +1,11 @@
-"""Moving KV between an engine's paged blocks and chunk objects."""
+"""Moving KV between an engine's paged blocks and chunk objects.
+
+The package is also the operation: ``kvferry.transfer(paged, objects, ...)`` is `transfer`, and the package's other
+names (``kvferry.transfer.configure_gpu``, ``.ordered_after``, ...) are reached through the same name.
+"""
+
+import sys
+import types
 
 from kvferry.transfer.api import (
     BACKENDS,
@@ -22,3 +29,13 @@ __all__ = [
     "transfer",
     "transfer_async",
 ]
+
+
+class _Operation(types.ModuleType):
+    """This package, callable as its `transfer`."""
+
+    def __call__(self, *args: object, **kwargs: object) -> None:
+        return transfer(*args, **kwargs)  # type: ignore[arg-type]
+
+
+sys.modules[__name__].__class__ = _Operation
