@@ -9,7 +9,7 @@
   run during the sleep and the GPU's time would read short);
 - a CUPTI timeline (`torch.profiler`) of a few calls: when the first GPU operation starts and the last ends after the
   call. The profiler adds CPU time to every driver call it records (a llama3-8b chunk's first operation 178 us after
-  its call profiled, against a 46 us call unprofiled; H200, 2026-12-02), so these are upper bounds.
+  its call profiled, against a 46 us call unprofiled on the H200), so these are upper bounds.
 """
 
 from __future__ import annotations

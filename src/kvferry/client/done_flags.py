@@ -8,7 +8,7 @@ A slot is reused only after its number was seen, so a word never holds a number 
 its own. A request that ends without its number seen (a timeout, the server lost) keeps its slot out of use: the
 server may still write it. With every slot out of use a request is answered after its copy, as without flags.
 
-A server lost with a copy enqueued may still carry it out: on the H200 (2026-12-01) a server SIGKILLed mid-copy
+A server lost with a copy enqueued may still carry it out: on the H200 a server SIGKILLed mid-copy
 had its queued copy and flag write completed as its process was torn down, after its socket had closed. So the
 flag is watched for `LOST_DRAIN_S` more once the server is lost: shown, the transfer succeeded (the write is
 ordered after the copy: every byte is there); not shown, it fails, and its blocks are the engine's again.

@@ -2,8 +2,8 @@
 
 Why: a one-chunk transfer is a gather (or scatter) kernel and a DMA per row range on two streams, each launched
 from Python. As separate launches the copy engine idles between them and the enqueue costs 20-40 us of CPU; the
-same work captured as one graph runs its pieces back to back on the GPU and costs one launch (H200, 2026-12-02:
-one 3 MiB qwen2.5-0.5b store 0.78 of a memcpy as separate launches, 0.89-0.93 as a graph; llama3-8b 0.94 / 0.97-0.99).
+same work captured as one graph runs its pieces back to back on the GPU and costs one launch (H200: one 3 MiB
+qwen2.5-0.5b store 0.78 of a memcpy as separate launches, 0.89-0.93 as a graph; llama3-8b 0.94 / 0.97-0.99).
 
 A replay moves different bytes by re-aiming its host copies (`cuGraphExecMemcpyNodeSetParams`, ~1.5 us each: the
 object's address changes per request) while its kernels keep the device tables they were captured with (the caller

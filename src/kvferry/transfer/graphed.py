@@ -2,7 +2,7 @@
 
 Why: a one-chunk request is the latency-bound case. Launched piece by piece from Python, its gather and DMAs leave
 the copy engine idle between them and one 3 MiB qwen2.5-0.5b store reaches 0.78 of a memcpy; the same pieces as one
-captured graph reach 0.89-0.93, and llama3-8b's 32 MiB 0.97-0.99 (H200, 2026-12-02, `one_chunk_floor.py`). The
+captured graph reach 0.89-0.93, and llama3-8b's 32 MiB 0.97-0.99 (H200). The
 graph splits the object into row ranges on two streams, so each range's DMA overlaps the next range's gather (a
 store) or the previous range's scatter (a retrieve).
 
@@ -29,7 +29,7 @@ from kvferry.transfer.schedule import MiB
 
 
 def pieces_for(nbytes: int, rows: int, to_objects: bool) -> int:
-    """Row ranges per object. H200, 2026-12-02 #12-#15, graphs of one / two / four ranges: a 3 MiB store 0.88-0.91 /
+    """Row ranges per object. H200, graphs of one / two / four ranges: a 3 MiB store 0.88-0.91 /
     0.93-0.95 / 0.90-0.97 of a memcpy, a retrieve 0.86-0.99 / 0.89-0.93 / 0.80-0.84 (its DMA comes first, and a
     range's scatter is short); a 32 MiB store 0.96-0.97 / 0.97-0.99 / 0.97-0.99, a retrieve 0.96-0.97 / 0.97-0.98 /
     0.97-0.98. Each node costs launch time (a four-range graph's replay 10-36 us of CPU against 7-16 for two): two

@@ -117,7 +117,7 @@ def default_target(total: int, slot_bytes: int) -> int:
     """About a quarter of the request per slice, so even a one-chunk request overlaps its gather with its DMA; at
     most half a slot; at least 8 MiB. Each slice costs a launch, a DMA set-up and two cross-stream waits, while only
     a store's first gather (a retrieve's last scatter) is on the critical path: ~7 us for 8 MiB. One llama chunk in
-    8 MiB slices beat 16 MiB ones by ~0.01 in 7 of 8 paired comparisons over two H200 boots on 2026-11-29 (6aadc74).
+    8 MiB slices beat 16 MiB ones by ~0.01 in 7 of 8 paired comparisons on the H200.
     (A still smaller first slice measured slower: its extra launch costs more CPU than its gather saves.)"""
     return min(slot_bytes // 2, max(8 * MiB, total // 4))
 

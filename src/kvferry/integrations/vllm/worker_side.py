@@ -14,7 +14,7 @@ While any of them runs, Python's GIL switch interval is cut to `HANDOFF_S` (`Gil
 or store hands the GIL back and forth many times (each copy call, each reply read off the server's socket), and
 vLLM's engine loop runs Python without a pause while a request waits for its load: at the default 5 ms interval a
 hit's 22 MiB load on vLLM's CPU backend took 182 ms instead of 9.4 ms in the foreground (12.8 ms at 0.1 ms;
-`kvferry bench vllm-ttft`, 2026-12-01).
+`kvferry bench vllm-ttft`).
 """
 
 from __future__ import annotations
