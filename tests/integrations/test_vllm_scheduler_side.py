@@ -360,3 +360,41 @@ def test_a_short_block_table_skips_the_store_instead_of_failing(caplog: pytest.L
     assert plan.stores == []
     assert "holds too few blocks for 256 tokens" in caplog.text
     assert side.request_finished("a") is False
+
+
+def test_a_finished_request_stores_the_whole_chunks_it_generated_in_the_next_step() -> None:
+    """A chat's next turn repeats the last one's output: what a request computed is stored when it finishes (its
+    prompt's chunks were stored during the prefill), and vLLM keeps the blocks until the store is done."""
+    side = make_side(FakeCache(0))
+    toks, ids = prompt(300), blocks(14)
+    assert matched(side, "a", toks, len(toks), 0) == 0
+    side.after_alloc("a", toks, ids, 0)
+    plan = side.build_plan(Step([NewReq("a", toks, (ids[:10],), 0)], num_scheduled_tokens={"a": 300}))
+    assert plan.stores == [StoreSpec("a", toks[:256], ids[:8], skip_tokens=0)]
+    computed = toks + prompt(100, seed=1)  # 300 prompt tokens, then 100 generated (the KV of 400)
+    assert side.request_finished("a", computed, ids) is True
+    assert list(side.tracked_requests()) == []
+    plan = side.build_plan(Step())
+    assert plan.stores == [StoreSpec("a", computed[:384], ids[:12], skip_tokens=256)]
+    assert side.build_plan(Step()).stores == []  # planned once
+
+
+@pytest.mark.parametrize("generated", [0, 20])
+def test_a_finished_request_with_no_new_whole_chunk_plans_nothing_more(generated: int) -> None:
+    side = make_side(FakeCache(0))
+    toks, ids = prompt(300), blocks(10)
+    matched(side, "a", toks, len(toks), 0)
+    side.after_alloc("a", toks, ids, 0)
+    side.build_plan(Step([NewReq("a", toks, (ids,), 0)], num_scheduled_tokens={"a": 300}))
+    assert side.request_finished("a", toks + prompt(generated, seed=2), ids) is True  # the prefill's stores
+    assert side.build_plan(Step()).stores == []
+
+
+def test_a_request_finished_before_it_ran_or_uncacheable_stores_nothing_at_the_end() -> None:
+    side = make_side(FakeCache(0))
+    toks = prompt(600)
+    matched(side, "waiting", toks, len(toks), 0)  # looked up, aborted before it was scheduled
+    assert side.request_finished("waiting", toks, blocks(20)) is False
+    side.num_new_matched_tokens("img", toks, len(toks), 0, cacheable=False)
+    assert side.request_finished("img", toks, blocks(20)) is False
+    assert side.build_plan(Step()).stores == []

@@ -271,7 +271,13 @@ class KvferryConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         side = self._scheduler
-        return (side is not None and side.request_finished(request.request_id)), None
+        if side is None:
+            return False, None
+        # What the request computed: its tokens but the last generated one, less any still in flight (vLLM's
+        # async scheduling); `block_ids` are the blocks holding them.
+        computed = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
+        tokens = request.all_token_ids[: max(0, computed)]
+        return side.request_finished(request.request_id, tokens, block_ids), None
 
     # --- metrics ------------------------------------------------------------------------------------------
 

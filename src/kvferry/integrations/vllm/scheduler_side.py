@@ -12,8 +12,9 @@ Invariants:
 - A load never covers vLLM's own prefix hit: ``skip_tokens`` is the block-aligned count vLLM reported as
   computed, and those blocks may be shared with other running requests.
 - A request whose load failed is not offered kvferry's hit again (vLLM recomputes it).
-- Only whole chunks of the prompt are stored, each once per request, and only after the step that computes
-  its last token (the worker stores after the forward pass).
+- Only whole chunks are stored, each once per request: the prompt's after the step that computes their last token
+  (the worker stores after the forward pass), and when the request finishes, the whole chunks of everything it
+  computed (its generated tokens too: a chat's next turn repeats them), in the step after it finished.
 - A request whose KV token ids alone do not determine is neither looked up nor stored.
 - A request that had any store planned since it last started is reported to vLLM as "saving asynchronously"
   when it finishes, so vLLM keeps its blocks until the worker reports the stores done. A preempted request's
@@ -108,6 +109,7 @@ class SchedulerSide:
         self._clock = clock
         self._ranks = ranks
         self._requests: dict[str, _Request] = {}
+        self._finishing: list[StoreSpec] = []  # stores of finished requests, for the next step's plan
         self.counters = SchedulerCounters()
 
     def num_new_matched_tokens(
@@ -167,6 +169,8 @@ class SchedulerSide:
     def build_plan(self, step: SchedulerStep) -> StepPlan:
         """The loads and stores of one scheduler step; updates each request's block table."""
         plan = StepPlan(preempted=sorted(step.preempted_req_ids or ()))
+        plan.stores += self._finishing  # their requests are gone from the step; vLLM keeps their blocks meanwhile
+        self._finishing = []
         for req_id in plan.preempted:
             req = self._requests.get(req_id)
             if req is not None:  # its blocks are freed; it is looked up again when it resumes
@@ -218,9 +222,13 @@ class SchedulerSide:
             if req.finished:
                 del self._requests[req_id]
 
-    def request_finished(self, req_id: str) -> bool:
-        """vLLM finished (or aborted) the request; True when stores were planned for it (vLLM must keep its
-        blocks until the worker reports them done)."""
+    def request_finished(
+        self, req_id: str, computed: Sequence[int] = (), block_ids: Sequence[int] | None = None
+    ) -> bool:
+        """vLLM finished (or aborted) the request, which had computed the KV of the tokens ``computed`` (its prompt
+        and what it generated but the last token) into ``block_ids`` (None: the block table kept here). Plans the
+        store of their whole chunks not stored yet. True when stores were planned for the request: vLLM must keep
+        its blocks until the worker reports them done."""
         req = self._requests.get(req_id)
         if req is None:
             return False
@@ -229,6 +237,12 @@ class SchedulerSide:
             req.finished = True
             return False
         del self._requests[req_id]
+        end = len(computed) // self.chunk_size * self.chunk_size
+        table = list(block_ids) if block_ids is not None else req.block_ids
+        needed = end // self.block_size
+        if req.running and not req.uncacheable and end > req.stored_upto and len(table) >= needed:
+            self._finishing.append(StoreSpec(req_id, list(computed[:end]), table[:needed], req.stored_upto))
+            req.stores_planned = True
         return req.stores_planned
 
     def close(self) -> None:
