@@ -5,8 +5,9 @@ DeepSeek-V3's MLA latent with FlashMLA), replayed on the GPU and recognised by t
 (embedded: the cache in this process; server: a ``kvferry server`` holding the pool, the KV registered by CUDA
 IPC) stores a 16-chunk prefix from vLLM's blocks (a fresh prefix each time: every store copies) and loads it into
 other blocks, as vLLM's model runner calls the worker side (a store after the forward pass, a foreground load before
-it), timed from the call to the bytes in place, alternately with a pinned memcpy of the same bytes (medians). Then a
-GEMM standing in for the model runs while stores and loads of the same size loop beside it.
+it), timed from the call to the bytes in place, alternately with a pinned memcpy of the same bytes (medians). The
+first load is checked byte for byte against the blocks it was stored from. Then a GEMM standing in for the model
+runs while stores and loads of the same size loop beside it.
 """
 
 from __future__ import annotations
@@ -87,6 +88,15 @@ class Bench:
             raise RuntimeError(f"{self.case.name}: a load came back short")
         return seconds
 
+    def check_loaded(self) -> None:
+        """The blocks the last load wrote hold the bytes of the blocks its prefix was stored from, in every layer."""
+        src, dst = (torch.as_tensor(list(self.kv.kernel_block_ids(b)), device="cuda") for b in (self.src, self.dst))
+        for layer in self.kv.layers:
+            if not torch.equal(
+                layer.index_select(0, src).view(torch.uint8), layer.index_select(0, dst).view(torch.uint8)
+            ):
+                raise RuntimeError(f"{self.case.name}: a load did not give back the stored bytes")
+
     def memcpy(self, to_host: bool) -> float:
         started = time.perf_counter()
         self.copy(to_host)
@@ -106,7 +116,9 @@ def measure(bench: Bench, repeats: int) -> dict[str, Any]:
     times: dict[str, list[float]] = {"store": [], "load": [], "d2h": [], "h2d": []}
     for i in range(repeats + 1):
         samples = (bench.store(), bench.memcpy(True), bench.load(), bench.memcpy(False))
-        if i:
+        if not i:
+            bench.check_loaded()  # the warm-up's load, byte for byte (outside the timed rounds)
+        else:
             for name, seconds in zip(times, samples, strict=True):
                 times[name].append(seconds)
     med = {name: statistics.median(s) for name, s in times.items()}
