@@ -105,7 +105,7 @@ def test_a_copy_a_lost_server_still_finishes_counts_and_one_that_does_not_fails_
             failed.result(timeout=5)
         assert 0.3 <= time.monotonic() - started < 2
     finally:
-        watch.close()
+        watch.close(time.monotonic() + 5)
 
 
 def test_flag_watch_resolves_futures_as_their_words_show() -> None:
@@ -125,7 +125,7 @@ def test_flag_watch_resolves_futures_as_their_words_show() -> None:
         for writer in writers:
             writer.join()
     finally:
-        watch.close()
+        watch.close(time.monotonic() + 5)
 
 
 def test_flag_watch_fails_late_and_orphaned_transfers_and_keeps_their_slots() -> None:
@@ -152,7 +152,7 @@ def test_flag_watch_fails_late_and_orphaned_transfers_and_keeps_their_slots() ->
     up[0] = True
     slot3, seq3 = flags.take()  # type: ignore[misc]
     watch.watch(flags, slot3, seq3, pending, 1, time.monotonic() + 5)
-    watch.close()
+    watch.close(time.monotonic() + 5)
     with pytest.raises(ConnectionError, match="closed"):
         pending.result(timeout=5)
     assert sorted(flags._free) == [s for s in range(4) if s not in (slot, slot2, slot3)]  # the server may still write
