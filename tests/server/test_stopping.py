@@ -1,5 +1,5 @@
 """Every stop is bounded: a server whose tier lookup never ends, a client of a frozen server, a ZMQ context with
-a socket left open."""
+a socket left open; and the signal handling of `kvferry server` (a second signal exits at once)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import zmq
 from kvferry.client import KvferryClient
 from kvferry.client.client import CLOSE_TIMEOUT_S
 from kvferry.server import KvferryServer, ServerConfig
+from kvferry.server.app import StopSignals
 from kvferry.stopping import term_context
 from tests.server.serverkit import FakeEngine, Found, ServerProcess, freeze, wait_for
 
@@ -67,3 +68,11 @@ def test_a_context_with_a_socket_left_open_is_given_up_on_at_the_deadline() -> N
     sock.close(linger=0)  # the termination left behind then finishes
     wait_for(lambda: context.closed, "the context to terminate")
 
+
+def test_the_first_signal_asks_for_a_stop_and_a_second_exits_at_once() -> None:
+    exits: list[int] = []
+    signals = StopSignals(exit_now=exits.append)
+    signals.handle(signal.SIGINT, None)
+    assert signals.received == [signal.SIGINT] and exits == []
+    signals.handle(signal.SIGTERM, None)
+    assert exits == [128 + signal.SIGTERM]
