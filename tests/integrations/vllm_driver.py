@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -191,6 +192,10 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--runs", help="server phase: comma-separated prompt names to run in turn")
     args = parser.parse_args()
+    if args.phase == "hold":
+        # Ctrl-C as from a terminal: a process started in the background by a non-interactive shell (CI, nohup)
+        # inherits SIGINT ignored, and Python then never installs its handler: the engine would not hear it.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if args.tp > 1:  # a CPU per rank for its OpenMP threads
         cpus = sorted(os.sched_getaffinity(0))
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cpus[r % len(cpus)]) for r in range(args.tp))
