@@ -141,8 +141,8 @@ class KvferryServer:
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> bool:
         """Finish running transfers, end every session (freeing its locks and mappings), close the ports; all
-        within `timeout_s`. False if a thread was still busy at that deadline (a transfer or a tier that does not
-        end): it is left behind, and so are the sockets it holds."""
+        within `timeout_s`. False if a thread the process's exit would wait for was still busy at that deadline (a
+        transfer or a tier lookup that does not end), or the loop with it: left behind, with the sockets it holds."""
         if self._stopping.is_set():
             return True
         deadline = time.monotonic() + timeout_s
@@ -162,10 +162,9 @@ class KvferryServer:
         term_ended = term_context(self._ctx, deadline if loop_ended else time.monotonic())
         if self.ipc_endpoint is not None and self.config.ipc_path is not None:
             remove_ipc_socket(self.config.ipc_path)
-        clean = loop_ended and workers_ended and watch_ended and term_ended
-        if not clean:
+        if not (loop_ended and workers_ended and watch_ended and term_ended):
             log.warning("the server stopped with threads still busy after %.1f s: %s", timeout_s, still_running())
-        return clean
+        return loop_ended and workers_ended  # the tier watch is a daemon: a probe stuck in it holds up no exit
 
     # -- views ----------------------------------------------------------------------------------------------
 
