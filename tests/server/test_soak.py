@@ -42,9 +42,9 @@ pytestmark = pytest.mark.skipif(not (REDIS_SERVER and REDIS_CLI), reason=NO_REDI
 
 SOAK_S = float(os.environ.get("KVFERRY_SOAK_S", "1800"))
 WORKERS = 2  # transfer and tier workers each
-# Threads the server starts on demand: transfer and tier workers, copy threads (one per CPU, 2 in CI), the cache's
-# async workers (2) and the disk tier's writers and readers (4 each).
-LAZY_THREADS = 2 * WORKERS + 2 + 2 + 8
+# Threads the server starts on demand: transfer and tier workers, copy threads (one per CPU), the cache's async
+# workers (2) and the disk tier's writers and readers (4 each).
+LAZY_THREADS = 2 * WORKERS + len(os.sched_getaffinity(0)) + 2 + 8
 REDIS_USERS = WORKERS + 2 + 1  # the tier workers, the Redis tier's batching threads and the tier watch
 # forkserver: clients start from a process that imported torch and kvferry once (a spawn would import per client)
 CLIENTS = multiprocessing.get_context("forkserver")
