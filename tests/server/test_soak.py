@@ -68,8 +68,8 @@ def run_soak(workdir: Path, duration_s: float, bucket_s: float, clients: int, li
         _traffic(server, None, workdir / "warm-up", min(10.0, duration_s / 3), bucket_s, clients, lifetime_s)
         wait_for(lambda: _footprint(server)["sessions"] == 0, "the warm-up sessions to end", 30)
         baseline = _footprint(server)
-        logs = _traffic(server, redis, workdir, duration_s, bucket_s, clients, lifetime_s)
-        report = _collect(logs, bucket_s)
+        logs, killed = _traffic(server, redis, workdir, duration_s, bucket_s, clients, lifetime_s)
+        report = {**_collect(logs, bucket_s), "clients": {"started": len(logs), "killed": killed}}
         stored = sorted(set().union(*(set(doc["stored"]) for doc in _read(logs))))
         report.update(audit=_audit(server.endpoint, stored), stored=len(stored))
         wait_for(lambda: _footprint(server)["sessions"] == 0, "every session to end", 30)
@@ -94,9 +94,9 @@ def _traffic(
     bucket_s: float,
     clients: int,
     lifetime_s: tuple[float, float],
-) -> list[Path]:
+) -> tuple[list[Path], int]:
     """Keep `clients` client processes running; each lives a random time, then leaves or is killed (SIGKILL).
-    `redis` (when given) is killed and started again halfway."""
+    `redis` (when given) is killed and started again halfway. Their logs, and how many were killed."""
     workdir.mkdir(exist_ok=True)
     rng = random.Random(1)
     start = time.time()
@@ -104,11 +104,13 @@ def _traffic(
     live: list[tuple[Any, float | None]] = []  # (process, when to kill it or None: it leaves by itself)
     logs: list[Path] = []
     restarted = redis is None
+    killed: set[int] = set()
     while time.time() < end:
         live = [(proc, kill_at) for proc, kill_at in live if proc.is_alive()]
         for proc, kill_at in live:
             if kill_at is not None and time.time() >= kill_at:
                 os.kill(proc.pid, signal.SIGKILL)
+                killed.add(proc.pid)
         while len(live) < clients:
             leave = min(time.time() + rng.uniform(*lifetime_s), end)
             log = workdir / f"client-{len(logs)}.json"
@@ -126,7 +128,7 @@ def _traffic(
     for proc, _ in live:
         proc.join(timeout=30)
         assert proc.exitcode is not None, "a client did not stop"
-    return logs
+    return logs, len(killed)
 
 
 def _read(logs: list[Path]) -> list[dict[str, Any]]:
