@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import time
 from concurrent.futures import Future
 from typing import Any
@@ -11,6 +12,7 @@ import pytest
 
 from kvferry.client import ServerError
 from kvferry.integrations.vllm.server_link import ServerDown, ServerLink
+from tests.server.serverkit import ServerProcess, freeze
 
 
 class FakeServer:
@@ -58,7 +60,7 @@ class FakeClient:
             future.set_exception(ConnectionError("gone"))
         return future
 
-    def close(self) -> None:
+    def close(self, timeout_s: float | None = None) -> None:
         self.closed = True
 
 
@@ -165,3 +167,19 @@ def test_a_bad_chunk_size_refuses_at_start_and_a_changed_one_stays_off(caplog: p
     with pytest.raises(ServerDown, match="now uses chunk size 512"):
         link.call(lambda client, reg: client.lookup())
     link.close()
+
+
+def test_closing_the_link_of_a_frozen_server_takes_a_bounded_time() -> None:
+    """An engine's shutdown (its operator's Ctrl-C) closes the link: a server that stopped answering, with the link
+    still up, must not hold it for the link's timeout or the client's."""
+    server = ServerProcess()
+    try:
+        link = ServerLink(server.endpoint, timeout_s=30)
+        assert link.connect()
+        freeze(server.pid)
+        started = time.monotonic()
+        link.close()
+        assert time.monotonic() - started < 5.0
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+        assert server.stop() == 0

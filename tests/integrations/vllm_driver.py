@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -169,6 +170,24 @@ def resilience(llm_factory: Any, prompt: list[int], report: dict[str, Any], out_
     return llm
 
 
+def time_connector_shutdowns(log: Path) -> None:
+    """Append how long each `KvferryConnector.shutdown` takes to `log`: the test bounds the connector's part of an
+    engine's exit apart from vLLM's own teardown (seconds on a loaded machine)."""
+    from kvferry.integrations.vllm import KvferryConnector
+
+    shutdown = KvferryConnector.shutdown
+
+    def timed(self: Any) -> None:
+        started = time.perf_counter()
+        try:
+            shutdown(self)
+        finally:
+            with log.open("a") as f:
+                f.write(f"{time.perf_counter() - started:.3f}\n")
+
+    KvferryConnector.shutdown = timed  # type: ignore[method-assign]
+
+
 def write_report(out: Path, report: dict[str, Any]) -> None:
     """Whole or not at all: a test waiting for the file (the hold phase) reads it as soon as it exists."""
     partial = out.with_name(out.name + ".partial")
@@ -191,6 +210,11 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--runs", help="server phase: comma-separated prompt names to run in turn")
     args = parser.parse_args()
+    if args.phase == "hold":
+        # Ctrl-C as from a terminal: a process started in the background by a non-interactive shell (CI, nohup)
+        # inherits SIGINT ignored, and Python then never installs its handler: the engine would not hear it.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        time_connector_shutdowns(Path(args.out).with_suffix(".shutdown"))
     if args.tp > 1:  # a CPU per rank for its OpenMP threads
         cpus = sorted(os.sched_getaffinity(0))
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cpus[r % len(cpus)]) for r in range(args.tp))

@@ -151,7 +151,7 @@ def test_no_request_waits_past_its_timeout_even_unwatched(restartable: Restartab
             held = client.store_async(reg, list(range(8)), [0, 1, 2, 3])
             with pytest.raises(TimeoutError):
                 held.result(timeout=5)
-            assert 0.9 < time.monotonic() - started < 2
+            assert 0.9 < time.monotonic() - started < 3  # its timeout, with room for a loaded machine
             late = client.store_async(reg, list(range(8)), [0, 1, 2, 3])  # queued behind it: starts too late
             time.sleep(1.2)
         finally:
@@ -189,10 +189,11 @@ def test_a_frozen_server_fails_requests_fast_and_never_runs_them_late(server_pro
             assert time.monotonic() - started < 2.5
             wait_for(lambda: not client.available, "the client to give the server up")
             _fails_fast(lambda: client.lookup(tokens, registration=reg))
-            time.sleep(2.2 - (time.monotonic() - started))  # past the stale request's deadline
+            time.sleep(max(0.0, 2.2 - (time.monotonic() - started)))  # past the stale request's deadline
         finally:
             server_process.proc.send_signal(signal.SIGCONT)
-        assert client.wait_available(10)
+        # Both clients may have given the frozen server up (the idle peer by its heartbeats): each gets it back.
+        assert client.wait_available(10) and peer.wait_available(10)
         assert client.lookup(tokens, registration=reg).tokens == REAL_CHUNK
         assert peer.stats()["cache"]["locks"] == 0  # the lookup sent before the freeze was not run after it
 

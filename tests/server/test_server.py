@@ -145,7 +145,7 @@ def test_disconnect_releases_the_session(endpoint: str, server: KvferryServer, e
     reg = client.register_kv_cache(random_kv(10), FMT, namespace=NS)
     client.store(reg, list(range(4)), [0, 1])
     client.lookup(list(range(4)), registration=reg, lock=True)
-    client._conn.close()  # the socket goes away without END_SESSION
+    client._conn.close(time.monotonic() + 5)  # the socket goes away without END_SESSION
     wait_for(lambda: server.stats()["open_registrations"] == 0 and not engine.locks, "disconnect release")
     assert server.metrics.sessions_ended.labels("disconnect")._value.get() == 1
 
@@ -211,7 +211,7 @@ def test_server_stop_releases_every_session(endpoint: str, server: KvferryServer
     assert server.stats()["open_registrations"] == 0 and not engine.locks
     with pytest.raises((TimeoutError, ConnectionError)):
         client.ping()
-    client._conn.close()
+    client._conn.close(time.monotonic() + 5)
 
 
 def test_prefetch_status_clear_and_stats(client: KvferryClient, engine: FakeEngine) -> None:

@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,7 @@ from kvferry.client.ready_events import ReadyEvents
 from kvferry.server.protocol import Op, pack_ids
 
 Namespace = Mapping[str, str | int]
+CLOSE_TIMEOUT_S = 5.0  # the longest close() waits by default: ending the session, then the background thread
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,17 +106,20 @@ class KvferryClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def close(self) -> None:
-        """End the session (the server frees its registrations and locks) and stop the background thread. Never
-        waits for a server that is not answering: the server frees a session whose connection drops anyway."""
+    def close(self, timeout_s: float | None = None) -> None:
+        """End the session (the server frees its registrations and locks) and stop the background thread, within
+        `timeout_s` in all (default: the client's timeout, at most CLOSE_TIMEOUT_S). Never waits for a server that
+        is not answering: the server frees a session whose connection drops anyway."""
+        wait_s = min(self.timeout_s, CLOSE_TIMEOUT_S) if timeout_s is None else timeout_s
+        deadline = time.monotonic() + wait_s
         try:
             if self._conn.available:
-                self.end_session()
-        except (ServerError, ConnectionError, TimeoutError):
+                self._conn.submit(Op.END_SESSION, {}).result(timeout=wait_s / 2)  # half: the rest is for the thread
+        except (ServerError, ConnectionError, TimeoutError, FutureTimeout):
             pass  # the server is gone or going
         finally:
-            self._flag_watch.close()
-            self._conn.close()
+            self._flag_watch.close(deadline)
+            self._conn.close(deadline)
 
     # -- requests -------------------------------------------------------------------------------------------
 

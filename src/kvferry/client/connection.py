@@ -47,6 +47,7 @@ from kvferry.client.link import CONNECTING, DOWN, UP, Link, ZmqLink
 from kvferry.client.pending import Pending, PendingRequests
 from kvferry.client.unix_link import UnixLink
 from kvferry.server.protocol import ErrorCode, Op, Reply, encode_request
+from kvferry.stopping import join_thread, term_context
 
 log = logging.getLogger("kvferry.client")
 
@@ -190,18 +191,22 @@ class Connection:
         """Stop waiting for `future`'s reply (after a caller's timeout); a late reply is dropped."""
         self._pending.forget(getattr(future, "request_id", -1))
 
-    def close(self) -> None:
+    def close(self, deadline: float) -> None:
+        """Stop the thread and close the sockets, waiting until `deadline` (a `time.monotonic()` value) at most; a
+        thread still running then (a callback of a future that does not return) keeps its sockets, left to the
+        process's exit with the context."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            self._outbox.send(b"")  # wakes the thread, which sees _closed
-        self._thread.join()
+            self._wake_thread()  # it sees _closed
+        ended = join_thread(self._thread, deadline)
         self._outbox.close(linger=0)
-        self.context.term()
+        term_context(self.context, deadline if ended else time.monotonic())
         self._pending.fail_all(ConnectionError("the client was closed before the server replied"))
-        for fd in (self._wake_leader_r, self._wake_leader_w):
-            os.close(fd)
+        if ended:  # else the thread may still write to them
+            for fd in (self._wake_leader_r, self._wake_leader_w):
+                os.close(fd)
 
     # -- the leader ----------------------------------------------------------------------------------------
 
@@ -261,7 +266,12 @@ class Connection:
     def _poke(self) -> None:
         with self._lock:
             if not self._closed:
-                self._outbox.send(b"")
+                self._wake_thread()
+
+    def _wake_thread(self) -> None:
+        """An empty frame on the outbox (lock held). Never blocks: a full outbox wakes the thread anyway."""
+        with contextlib.suppress(zmq.Again):
+            self._outbox.send(b"", zmq.NOBLOCK)
 
     # -- the thread ----------------------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from kvferry.client.kv_export import export_kv
+from kvferry.stopping import join_thread
 
 SLOTS = 64
 LOST_DRAIN_S = 1.0  # a lost server's copy in flight ends within this (a 16-chunk llama3-8b copy takes ~10 ms)
@@ -147,13 +148,14 @@ class FlagWatch:
                 self._thread.start()
             self._cond.notify()
 
-    def close(self) -> None:
+    def close(self, deadline: float) -> None:
+        """Stop watching; the thread (a daemon) is waited for until `deadline` (it may be running a callback)."""
         with self._cond:
             self._closed = True
             self._cond.notify()
             thread = self._thread
         if thread is not None:
-            thread.join()
+            join_thread(thread, deadline)
         for item in self._items:  # their slots stay out of use: the server may still write them
             if not item.future.done():
                 item.future.set_exception(ConnectionError("the client was closed before the transfer finished"))

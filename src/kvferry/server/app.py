@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -16,9 +19,12 @@ from kvferry.cache import CacheEngine
 from kvferry.config import KvferryConfig
 from kvferry.kernels.cpu_threads import usable_cpus, use_own_threads
 from kvferry.server.server import KvferryServer, ServerStartError
+from kvferry.stopping import join_thread
 from kvferry.transfer import configure_gpu
 
 log = logging.getLogger("kvferry.server")
+
+STOP_DEADLINE_S = 8.0  # from the first signal to the exit, whatever is stuck: a supervisor's kill timer is ~10 s
 
 # flag dest -> (config section, field); a flag left unset keeps the YAML/env/default value.
 _FLAG_FIELDS: dict[str, tuple[str, str]] = {
@@ -128,22 +134,57 @@ def main(config: KvferryConfig) -> int:
         engine.close()
         return 2
     http = f"http://{config.server.host}:{server.http_port}" if server.http_port is not None else "off"
-    stop = threading.Event()
+    signals = StopSignals()
     # Handlers before the "ready" line: whoever waits for it may signal at once.
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, signals.handle) for sig in (signal.SIGINT, signal.SIGTERM)}
     ipc = f" ipc={server.ipc_endpoint}" if server.ipc_endpoint else ""
     log.info("kvferry server ready: zmq=tcp://%s:%d http=%s%s", config.server.host, server.port, http, ipc)
     try:
-        while not stop.wait(0.5):
-            pass
-        log.info("kvferry server stopping")
+        while not signals.received:
+            time.sleep(0.1)  # a signal interrupts the sleep; its handler has run when the loop looks again
+        log.info("kvferry server stopping (%s; a second one exits at once)", signal.Signals(signals.received[0]).name)
     finally:
-        server.stop()  # a second signal meanwhile only sets `stop` again: shutdown is not interrupted
-        engine.close()
+        if not stop_within(server, engine, STOP_DEADLINE_S):
+            log.error("kvferry server did not stop within %g s; exiting without it", STOP_DEADLINE_S)
+            os._exit(1)  # a normal exit would wait for the pool threads still busy
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     log.info("kvferry server stopped")
     return 0
+
+
+class StopSignals:
+    """SIGINT/SIGTERM: the first asks for a clean stop, a second exits at once.
+
+    A handler runs on the main thread between two of its bytecodes, even inside a `threading` call holding a lock:
+    one that takes a lock (`threading.Event.set`) deadlocks when the signal lands while the main thread holds that
+    very lock (inside `Event.wait`). So the handler only appends to a list, and the main thread polls it.
+    """
+
+    def __init__(self, exit_now: Callable[[int], object] = os._exit) -> None:
+        self.received: list[int] = []
+        self._exit_now = exit_now
+
+    def handle(self, signum: int, _frame: object) -> None:
+        if self.received:
+            self._exit_now(128 + signum)  # the operator does not want to wait for the clean stop
+        self.received.append(signum)
+
+
+def stop_within(server: KvferryServer, engine: CacheEngine, timeout_s: float) -> bool:
+    """Stop the server, then close the engine (its tiers), on a thread of their own waited for at most `timeout_s`;
+    True if both finished and no thread they ran is left (a tier that stopped answering holds the engine's)."""
+    deadline = time.monotonic() + timeout_s
+    clean: list[bool] = []
+
+    def stop() -> None:
+        clean.append(server.stop(timeout_s=max(0.0, timeout_s - 2.0)))  # the rest is for the engine's tiers
+        engine.close()
+        clean.append(True)
+
+    stopping = threading.Thread(target=stop, name="kvferry-stop", daemon=True)
+    stopping.start()
+    return join_thread(stopping, deadline) and all(clean) and len(clean) == 2
 
 
 def run_from_command_line(argv: list[str] | None = None) -> int:

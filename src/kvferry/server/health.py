@@ -12,6 +12,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvferry.stopping import join_thread
 from kvferry.tiers import Tier
 
 log = logging.getLogger("kvferry.server")
@@ -27,9 +28,11 @@ class TierWatch:
         self._thread = threading.Thread(target=self._run, name="kvferry-tier-watch", daemon=True)
         self._thread.start()
 
-    def close(self) -> None:
+    def close(self, deadline: float) -> bool:
+        """Stop probing; True if the thread ended by `deadline` (a probe of a frozen backend holds it for the
+        tier's timeout: it is a daemon, left to the process's exit)."""
         self._closed.set()
-        self._thread.join()
+        return join_thread(self._thread, deadline)
 
     def _run(self) -> None:
         while True:

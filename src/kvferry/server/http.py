@@ -10,6 +10,8 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from kvferry.stopping import join_thread
+
 
 class HttpSidePort:
     """Serves three read-only views of a running server; `close` stops the thread and frees the port."""
@@ -34,10 +36,12 @@ class HttpSidePort:
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="kvferry-http", daemon=True)
         self._thread.start()
 
-    def close(self) -> None:
+    def close(self, deadline: float) -> None:
+        """Stop serving and free the port. `shutdown` returns once `serve_forever` sees it (it looks every 0.5 s);
+        requests still being answered run on daemon threads, not waited for."""
         self._httpd.shutdown()
         self._httpd.server_close()
-        self._thread.join()
+        join_thread(self._thread, deadline)
 
 
 def _json(obj: Any) -> bytes:

@@ -42,9 +42,11 @@ from kvferry.server.protocol import (
 from kvferry.server.runner import RequestRunner
 from kvferry.server.sessions import SessionTable
 from kvferry.server.unix_clients import UnixClients
+from kvferry.stopping import join_thread, shut_down_pool, still_running, term_context
 
 log = logging.getLogger("kvferry.server")
 
+STOP_TIMEOUT_S = 5.0  # a stop's wait for running transfers and tier lookups, and for every thread and socket
 _BATCH = 256  # requests taken off the socket per loop turn before looking at replies and the monitor
 _instances = itertools.count()
 
@@ -83,6 +85,7 @@ class KvferryServer:
         self._reply_addr = f"inproc://kvferry-replies-{next(_instances)}"
         self._reply_lock = threading.Lock()
         self._stopping = threading.Event()
+        self._stop_deadline = 0.0  # set by stop(), before _stopping
         self._loop_thread: threading.Thread | None = None
         self._runner = RequestRunner(
             self._handlers, self.metrics, clock, self._workers, self._tier_workers, self._send_from_worker
@@ -136,26 +139,32 @@ class KvferryServer:
         )
         self._loop_thread.start()
 
-    def stop(self) -> None:
-        """Finish running transfers, end every session (freeing its locks and mappings), close the ports."""
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> bool:
+        """Finish running transfers, end every session (freeing its locks and mappings), close the ports; all
+        within `timeout_s`. False if a thread the process's exit would wait for was still busy at that deadline (a
+        transfer or a tier lookup that does not end), or the loop with it: left behind, with the sockets it holds."""
         if self._stopping.is_set():
-            return
+            return True
+        deadline = time.monotonic() + timeout_s
+        self._stop_deadline = deadline
         self._stopping.set()
-        if self._loop_thread is not None:
-            self._loop_thread.join()
-        self._workers.shutdown(wait=True)
-        self._tier_workers.shutdown(wait=True)
+        loop_ended = self._loop_thread is None or join_thread(self._loop_thread, deadline)
+        workers_ended = shut_down_pool(self._workers, deadline) & shut_down_pool(self._tier_workers, deadline)
         for session_id in self._sessions.ids():
             self._end_session(session_id, "shutdown")
-        if self._tier_watch is not None:
-            self._tier_watch.close()
+        watch_ended = self._tier_watch is None or self._tier_watch.close(deadline)
         if self._http is not None:
-            self._http.close()
+            self._http.close(deadline)
         if self._loop_thread is not None:
-            self._replies_out.close(linger=0)
-        self._ctx.term()
+            with self._reply_lock:  # a worker past the deadline may still send: it then finds the socket closed
+                self._replies_out.close(linger=0)
+        # With the loop stuck its sockets stay open, and term would wait for them: it is not waited for then.
+        term_ended = term_context(self._ctx, deadline if loop_ended else time.monotonic())
         if self.ipc_endpoint is not None and self.config.ipc_path is not None:
             remove_ipc_socket(self.config.ipc_path)
+        if not (loop_ended and workers_ended and watch_ended and term_ended):
+            log.warning("the server stopped with threads still busy after %.1f s: %s", timeout_s, still_running())
+        return loop_ended and workers_ended  # the tier watch is a daemon: a probe stuck in it holds up no exit
 
     # -- views ----------------------------------------------------------------------------------------------
 
@@ -226,9 +235,10 @@ class KvferryServer:
                 if drained and end >= next_sweep:
                     next_sweep = end + sweep_every
                     self._sweep(end)
-            # Let transfers and tier lookups already running answer before the socket closes.
-            self._workers.shutdown(wait=True)
-            self._tier_workers.shutdown(wait=True)
+            # Let transfers and tier lookups already running answer before the socket closes (until the stop's
+            # deadline: what is still running then is not answered).
+            shut_down_pool(self._workers, self._stop_deadline)
+            shut_down_pool(self._tier_workers, self._stop_deadline)
             self._forward_replies(replies_in, router)
         finally:
             if self._unix is not None:
@@ -313,7 +323,8 @@ class KvferryServer:
 
     def _send_from_worker(self, identity: bytes, reply: bytes) -> None:
         with self._reply_lock:
-            self._replies_out.send_multipart([identity, reply])
+            if not self._replies_out.closed:  # closed: the server stopped without waiting for this worker
+                self._replies_out.send_multipart([identity, reply])
 
     def _refuse_ended(self, identity: bytes, payload: memoryview | bytes) -> bytes:
         request_id = None

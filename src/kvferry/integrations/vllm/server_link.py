@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 _OUTAGE_CODES = frozenset({"UNKNOWN_REGISTRATION", "SESSION_ENDED", "SHUTTING_DOWN"})
 _BACKOFF_FIRST_S, _BACKOFF_MAX_S = 0.25, 30.0
+_CLOSE_TIMEOUT_S = 2.0  # ending the session and stopping the client's thread, at an engine's shutdown
 
 
 class ServerDown(ConnectionError):
@@ -217,12 +218,10 @@ class ServerLink:
         """Stop reconnecting and end the session (the server frees the registration and its locks)."""
         with self._lock:
             self._closed = True
-            up, self._up = self._up, False
+            self._up = False
             client, self._client = self._client, None
             self._wake.notify_all()
-        if client is None:
-            return
-        if up:
-            client.close()
-        else:  # ending the session would wait out the timeout; the server drops it when we disconnect anyway
-            threading.Thread(target=client.close, name="kvferry-close", daemon=True).start()
+        if client is not None:
+            # Bounded whether or not the server answers (an engine's Ctrl-C must not wait on it): the server
+            # drops a session whose connection closes anyway.
+            client.close(timeout_s=_CLOSE_TIMEOUT_S)
