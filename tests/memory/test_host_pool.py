@@ -406,5 +406,9 @@ def _resident_fraction(t: torch.Tensor) -> float:
 def test_populate_maps_every_page_of_an_unpinned_slab() -> None:
     lazy = HostPool(64 * MIB, pin=False)
     populated = HostPool(64 * MIB, pin=False, populate=True)
-    assert _resident_fraction(lazy.slab) < 0.5  # fresh anonymous memory: mapped on first touch
     assert _resident_fraction(populated.slab) == 1.0
+    # Fresh anonymous memory is mapped on first touch, unless the machine's allocator hands back memory it had
+    # touched before (a long test run's freed buffers): then there is nothing to tell apart.
+    fresh = torch.empty(64 * MIB, dtype=torch.uint8)
+    if _resident_fraction(fresh) < 0.5:
+        assert _resident_fraction(lazy.slab) < 0.5
