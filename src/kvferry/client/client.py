@@ -386,9 +386,11 @@ def _transfer_args(registration: int, tokens: Any, block_ids: Any, skip_prefix_t
 
 
 def _key_space(registration: int | None, namespace: Namespace | None) -> dict[str, Any]:
-    if (registration is None) == (namespace is None):
-        raise ValueError("give exactly one of registration= and namespace=")
-    return {"registration": registration} if registration is not None else {"namespace": dict(namespace)}
+    if registration is not None and namespace is None:
+        return {"registration": registration}
+    if namespace is not None and registration is None:
+        return {"namespace": dict(namespace)}
+    raise ValueError("give exactly one of registration= and namespace=")
 
 
 def _first_tensor(paged: Any) -> torch.Tensor:
