@@ -219,7 +219,7 @@ class ChunkWriter:
         ids = select_blocks(block_ids, [first + i for i, _ in new], self._chunk_size // geom.bs)
         started = time.perf_counter()
         try:
-            objects = cast(list[torch.Tensor], [entry.obj for entry in entries])  # reserved entries hold objects
+            objects = cast("list[torch.Tensor]", [entry.obj for entry in entries])  # reserved entries hold objects
             in_flight = copy_chunks(self._pool, self._chunk_size, paged, geom, objects, ids, Direction.D2H, 0)
         except BaseException:
             self._res.abort(entries)

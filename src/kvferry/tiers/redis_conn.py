@@ -75,7 +75,7 @@ class _LargeReplySocketBuffer(SocketBuffer):
         view = np.empty(length + 2, dtype=np.uint8).data
         got = self._buffer.readinto(view)  # whatever redis-py had already buffered
         if timeout is not SENTINEL:
-            self._sock.settimeout(cast(float | None, timeout))  # anything but SENTINEL is a timeout
+            self._sock.settimeout(cast("float | None", timeout))  # anything but SENTINEL is a timeout
         try:
             while got < len(view):
                 n = self._sock.recv_into(view[got:])

@@ -107,7 +107,7 @@ class TransferEngine:
         ids: np.ndarray | list[int]  # a short pool request's ids stay a list (`check_pool_addresses`)
         if isinstance(request, torch.Tensor):
             assert not isinstance(objects, torch.Tensor)
-            tensors = cast(list[torch.Tensor], objects)  # block ids alone come only with a list of tensors
+            tensors = cast("list[torch.Tensor]", objects)  # block ids alone come only with a list of tensors
             ids, ptrs = request.numpy(), [o.data_ptr() for o in tensors]
             caps = [o.shape[2] for o in tensors]
             rows, one_allocation = tensors[0].shape[0] * tensors[0].shape[1], False  # pairs compared by storage
