@@ -129,9 +129,8 @@ def breakdown(model: str) -> dict[str, Any]:
         stamps["waited"] = time.perf_counter()
 
     # The driver calls on the path to the first DMA, stamped when each returns (first of each kind per store).
-    holders: dict[str, tuple[object, str]] = {name: (driver(), name) for name in DRIVER_CALLS} | {
-        "graph launch": (graph_calls(), "launch")
-    }
+    holders: dict[str, tuple[object, str]] = {name: (driver(), name) for name in DRIVER_CALLS}
+    holders["graph launch"] = (graph_calls(), "launch")
     calls = {name: getattr(*holder) for name, holder in holders.items()}
 
     def stamping(name: str, call: Callable[..., Any]) -> Callable[..., Any]:
