@@ -164,7 +164,7 @@ class KvferryConfig(BaseModel):
 
 def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     """The nested settings that ``KVFERRY_*`` variables in ``env`` give; unknown names raise ValueError."""
-    sections = {"CACHE": CacheConfig, "SERVER": ServerConfig, "TRANSFER": TransferConfig}
+    sections: dict[str, type[BaseModel]] = {"CACHE": CacheConfig, "SERVER": ServerConfig, "TRANSFER": TransferConfig}
     out: dict[str, Any] = {}
     for name, value in env.items():
         if not name.startswith(ENV_PREFIX):

@@ -14,6 +14,7 @@ Targets: lookup_128k < 1 ms; per-chunk overhead < 20 us. Medians of --repeats ru
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -114,13 +115,13 @@ def bench_overhead(n_chunks: int, repeats: int, with_geometry: bool, steps: Step
                 lambda: transfer(paged, objects, ids, Direction.D2H, FMT, chunk_size=CHUNK, geometry=geom)
             )
             inside = counters.store_seconds
-            store = elapsed_us(lambda t=tokens: engine.store(t, paged, ids, FMT, **kwargs))
+            store = elapsed_us(functools.partial(engine.store, tokens, paged, ids, FMT, **kwargs))
             store_in = store - (counters.store_seconds - inside) * 1e6
             bare_h2d = elapsed_us(
                 lambda: transfer(paged, objects, ids, Direction.H2D, FMT, chunk_size=CHUNK, geometry=geom)
             )
             inside = counters.retrieve_seconds
-            retr = elapsed_us(lambda t=tokens: engine.retrieve(t, paged, ids, FMT, **kwargs))
+            retr = elapsed_us(functools.partial(engine.retrieve, tokens, paged, ids, FMT, **kwargs))
             retr_in = retr - (counters.retrieve_seconds - inside) * 1e6
             engine.clear()
             if i:  # the first round warms plan caches

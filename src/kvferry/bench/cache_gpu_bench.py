@@ -10,6 +10,7 @@ to the bare transfer of the same chunk, and the store alternated with the memcpy
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -68,14 +69,15 @@ def one_model(model: str) -> dict[str, Any]:
         tokens = list(range(i * 1000, i * 1000 + 256))
         ids = torch.randperm(1024)[:16].tolist()
         timed("memcpy d2h", lambda: ceiling(to_host=True))
-        timed("fresh d2h", lambda r=regions[i]: copy_into(r, ceiling.dev))
+        timed("fresh d2h", functools.partial(copy_into, regions[i], ceiling.dev))
         inside = cache.counters.store_seconds
-        timed("store", lambda t=tokens, b=ids: cache.store(t, paged, b, FMT, namespace=ns, geometry=geom))
+        timed("store", functools.partial(cache.store, tokens, paged, ids, FMT, namespace=ns, geometry=geom))
         times["store transfer"].append((cache.counters.store_seconds - inside) * 1e6)
         timed("memcpy h2d", lambda: ceiling(to_host=False))
-        timed("fresh h2d", lambda r=regions[(i + 30) % 60]: copy_into(ceiling.dev, r))
+        timed("fresh h2d", functools.partial(copy_into, ceiling.dev, regions[(i + 30) % 60]))
         inside = cache.counters.retrieve_seconds
-        timed("retrieve", lambda t=tokens, b=ids: cache.retrieve(t, paged, b[::-1], FMT, namespace=ns, geometry=geom))
+        backwards = ids[::-1]
+        timed("retrieve", functools.partial(cache.retrieve, tokens, paged, backwards, FMT, namespace=ns, geometry=geom))
         times["retrieve transfer"].append((cache.counters.retrieve_seconds - inside) * 1e6)
     stats = cache.stats()
     cache.close()
@@ -105,7 +107,7 @@ def breakdown(model: str) -> dict[str, Any]:
     """Where one chunk's store spends its time: the cache's steps timed by wrapping its enqueue (the writer's
     `transfer_pool_at_async`) and the handle's wait (wrappers add ~1 us), next to the bare transfer_async of the same
     chunk into a pool object. Between the two: the store's keys, index entries and eviction."""
-    from kvferry import transfer_async
+    from kvferry import Direction, transfer_async
     from kvferry.cache import writer
     from kvferry.kernels.cuda_driver import driver
     from kvferry.kernels.cuda_graphs import graph_calls
@@ -127,7 +129,8 @@ def breakdown(model: str) -> dict[str, Any]:
         stamps["waited"] = time.perf_counter()
 
     # The driver calls on the path to the first DMA, stamped when each returns (first of each kind per store).
-    holders = {name: (driver(), name) for name in DRIVER_CALLS} | {"graph launch": (graph_calls(), "launch")}
+    holders: dict[str, tuple[object, str]] = {name: (driver(), name) for name in DRIVER_CALLS}
+    holders["graph launch"] = (graph_calls(), "launch")
     calls = {name: getattr(*holder) for name, holder in holders.items()}
 
     def stamping(name: str, call: Callable[..., Any]) -> Callable[..., Any]:
@@ -141,14 +144,14 @@ def breakdown(model: str) -> dict[str, Any]:
     obj = cache.pool.alloc(geom.object_shape(256), geom.dtype)
     parts: dict[str, list[float]] = {k: [] for k in (*STEPS, "store", "bare", *("cu " + c for c in calls))}
     writer.transfer_pool_at_async = stamped_enqueue
-    TransferHandle.wait = stamped_wait  # type: ignore[method-assign]
+    TransferHandle.wait = stamped_wait  # type: ignore[method-assign]  # timing stamps, undone below
     try:
         for i in range(60):
             tokens = list(range(i * 1000, i * 1000 + 256))
             ids = torch.randperm(1024)[:16].tolist()
             torch.cuda.synchronize()
             t = time.perf_counter()
-            transfer_async(paged, [obj], ids, "D2H", FMT, geometry=geom).wait()
+            transfer_async(paged, [obj], ids, Direction.D2H, FMT, geometry=geom).wait()
             parts["bare"].append((time.perf_counter() - t) * 1e6)
             stamped = i % 2 == 1  # every other store: the driver calls stamped (each wrapper adds ~1 us)
             for name, call in calls.items():
@@ -181,7 +184,7 @@ def breakdown(model: str) -> dict[str, Any]:
         tokens = list(range(i * 1000, i * 1000 + 256))
         ids = torch.randperm(1024)[:16].tolist()
         pairs["store"].append(
-            elapsed_us(lambda t=tokens, b=ids: cache.store(t, paged, b, FMT, namespace=ns, geometry=geom))
+            elapsed_us(functools.partial(cache.store, tokens, paged, ids, FMT, namespace=ns, geometry=geom))
         )
         pairs["memcpy"].append(elapsed_us(lambda: ceiling(to_host=True)))
     store, ceil = (statistics.median(v[10:]) for v in pairs.values())

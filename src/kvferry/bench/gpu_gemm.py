@@ -8,6 +8,7 @@ it. Control: a plain pinned memcpy loop (the copy engine, no kernel).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -74,7 +75,7 @@ def gemm_rows(s: Setup, steps: Steps) -> list[dict[str, Any]]:
 
     variants: list[tuple[str, Direction, Callable[[], int]]] = []
     for d in (Direction.D2H, Direction.H2D):
-        variants.append(("plain memcpy (control)", d, lambda d=d: plain(d is Direction.D2H)))
+        variants.append(("plain memcpy (control)", d, functools.partial(plain, d is Direction.D2H)))
     for mode, programs, priority in CONFIGS:
         eng = TransferEngine("cuda", EngineConfig(programs=programs, kernel_priority=priority))
         label = f"{mode}{'' if programs is None else f' {programs} programs'}{' high priority' * (priority < 0)}"

@@ -13,6 +13,7 @@ import argparse
 import random
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -96,7 +97,7 @@ def check(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace, steps: Steps) -> Outcome:
     steps.expect(len(CASES))
     pool = HostPool(args.capacity_mib * MIB)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name, case in CASES.items():
         start = time.perf_counter()
         done = case(pool, args.ops)

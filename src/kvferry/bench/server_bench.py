@@ -137,7 +137,12 @@ def transport_floor(n: int, ipc_path: str | None = None) -> dict[str, float]:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as unix:
                 unix.connect(ipc_path)
                 framed = frame(request)
-                return latency_summary(timed(n, lambda i: (unix.sendall(framed), unix.recv(1 << 16))))
+
+                def round_trip(_: int) -> bytes:
+                    unix.sendall(framed)
+                    return unix.recv(1 << 16)
+
+                return latency_summary(timed(n, round_trip))
         with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as dealer:
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.connect(endpoint)
@@ -181,9 +186,12 @@ def transfer_cases(
     rng = np.random.default_rng(1)
 
     def case(n: int, call: Callable[[int], Any], copy: CopyCeiling | None) -> dict[str, Any]:
+        def calling(i: int) -> Callable[[int], Any]:  # request `i`, whichever index `timed` passes
+            return lambda _: call(i)
+
         samples = []
         for i in range(n):
-            samples += timed(1, lambda _, i=i: call(i))
+            samples += timed(1, calling(i))
             if copy is not None:
                 copy.time_once()
         summary = latency_summary(samples)

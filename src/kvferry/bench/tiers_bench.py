@@ -181,7 +181,7 @@ def _start_redis(workdir: Path) -> tuple[subprocess.Popen[bytes] | None, str | N
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 def _timed(fn: Callable[..., object], *args: object) -> tuple[float, object]:

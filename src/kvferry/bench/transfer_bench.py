@@ -27,6 +27,7 @@ from kvferry.formats import EngineKVFormat, KVGeometry, describe
 from kvferry.formats.synthetic import MODELS, make_paged, random_fill
 from kvferry.memory import HostPool
 from kvferry.transfer import Direction, transfer
+from kvferry.transfer.api import Backend
 
 DIRECTION_NAMES = {Direction.D2H: "d2h", Direction.H2D: "h2d"}
 _VERIFY_OBJECTS = 2  # chunk objects' worth of blocks checked against the reference per case
@@ -71,7 +72,7 @@ class _Case:
     def nbytes(self) -> int:
         return self.tokens * self.geom.bytes_per_token
 
-    def run(self, direction: Direction, backend: str, objects: list[torch.Tensor] | None = None) -> None:
+    def run(self, direction: Direction, backend: Backend, objects: list[torch.Tensor] | None = None) -> None:
         objs = self.objects if objects is None else objects
         n_blocks = sum(o.shape[2] for o in objs) // self.geom.bs
         transfer(
@@ -102,7 +103,7 @@ def _build_case(spec: BenchSpec, fmt: EngineKVFormat, generator: torch.Generator
     return _Case(fmt, paged, geom, objects, block_ids, spec.tokens, spec.chunk_size)
 
 
-def _check_against_reference(case: _Case, direction: Direction, backend: str, generator: torch.Generator) -> int:
+def _check_against_reference(case: _Case, direction: Direction, backend: Backend, generator: torch.Generator) -> int:
     """Run `backend` on the first objects of the request and compare with the reference; returns blocks checked."""
     objs = case.objects[:_VERIFY_OBJECTS]
     fresh = [torch.empty(o.shape, dtype=o.dtype, device=case.geom.device) for o in objs]

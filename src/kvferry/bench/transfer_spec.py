@@ -10,6 +10,7 @@ from kvferry.bench.harness import BenchError
 from kvferry.formats import EngineKVFormat, layout_of
 from kvferry.formats.synthetic import MODELS, ModelDims
 from kvferry.transfer import Direction
+from kvferry.transfer.api import Backend
 
 DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
@@ -30,7 +31,7 @@ class BenchSpec:
     tokens: int
     chunk_size: int
     block_size: int
-    backend: str
+    backend: Backend
     device: torch.device
     dtype: torch.dtype
     repeats: int
@@ -91,7 +92,7 @@ def make_spec(
     tokens: int = 4096,
     chunk_size: int = 256,
     block_size: int | None = None,
-    backend: str = "auto",
+    backend: Backend = "auto",
     device: str = "cpu",
     dtype: str = "bf16",
     repeats: int = 7,

@@ -112,6 +112,9 @@ def measure(payload: dict[str, Any], step: Callable[[str], None]) -> dict[str, A
     from vllm import LLM, SamplingParams
     from vllm.distributed.kv_transfer import get_kv_transfer_group
     from vllm.inputs import TokensPrompt
+    from vllm.outputs import RequestOutput
+
+    from kvferry.integrations.vllm.connector import KvferryConnector
 
     prefix_tokens, running, async_load = payload["prefix_tokens"], payload["running"], payload["async_load"]
     llm = LLM(
@@ -143,13 +146,18 @@ def measure(payload: dict[str, Any], step: Callable[[str], None]) -> dict[str, A
         started = time.perf_counter()
         outputs = engine.step()
         steps.append(time.perf_counter() - started)
-        if any(o.request_id == "999" and o.outputs and o.outputs[0].token_ids for o in outputs):
+        if any(
+            isinstance(o, RequestOutput) and o.request_id == "999" and o.outputs and o.outputs[0].token_ids
+            for o in outputs
+        ):
             first_token = time.perf_counter() - arrived
     for _ in range(5):  # steady decode after it, for comparison
         started = time.perf_counter()
         engine.step()
         steps_after = time.perf_counter() - started
-    loaded = get_kv_transfer_group()._worker.counters.tokens_loaded  # the connector's own count
+    connector = get_kv_transfer_group()
+    assert isinstance(connector, KvferryConnector) and connector._worker is not None  # configured so, in-process
+    loaded = connector._worker.counters.tokens_loaded  # the connector's own count
     engine.engine_core.shutdown()
     step(f"async_load={async_load}: measured")
     return {

@@ -183,6 +183,7 @@ def measure(payload: dict[str, Any], step: Callable[[str], None]) -> dict[str, A
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     from kvferry.integrations.vllm import backends
+    from kvferry.integrations.vllm.connector import KvferryConnector
 
     prompt_tokens = payload["prompt_tokens"]
     url = payload.get("server_url")
@@ -216,7 +217,9 @@ def measure(payload: dict[str, Any], step: Callable[[str], None]) -> dict[str, A
         rows.append(
             {"prompt": i, "miss_s": miss_s, "hit_s": hit_s, "miss_cached": miss_cached, "hit_cached": hit_cached}
         )
-    backend = backends.find(str(llm.llm_engine.vllm_config.kv_transfer_config.engine_id))
+    transfer_config = llm.llm_engine.vllm_config.kv_transfer_config
+    assert transfer_config is not None  # the LLM above was made with the kvferry connector
+    backend = backends.find(str(transfer_config.engine_id))
     if isinstance(backend, backends.EmbeddedBackend):
         stats = backend.engine.stats()
     elif isinstance(backend, backends.ServerBackend):
@@ -224,7 +227,9 @@ def measure(payload: dict[str, Any], step: Callable[[str], None]) -> dict[str, A
     else:
         raise RuntimeError("the connector did not register the KV cache")
     kvferry_stats = {k: stats[k] for k in ("stored_bytes", "store_seconds", "retrieved_bytes", "retrieve_seconds")}
-    worker = get_kv_transfer_group()._worker.counters  # the loads as vLLM's worker saw them, call to result
+    connector = get_kv_transfer_group()
+    assert isinstance(connector, KvferryConnector) and connector._worker is not None  # configured so, in-process
+    worker = connector._worker.counters  # the loads as vLLM's worker saw them, call to result
     kvferry_stats["worker_load_seconds"] = worker.load_seconds / max(1, worker.loads)
     llm.llm_engine.engine_core.shutdown()
     return {

@@ -152,10 +152,10 @@ class CacheEngine:
         prefix = self._hasher.prefix(tokens, self._ns(namespace))
         index = self._res.index
         removals = index.removals  # read before the index: see CacheIndex
-        found = readable_run(index.get, prefix)  # a few keys and parent links, not every chunk's key
+        run = readable_run(index.get, prefix)  # a few keys and parent links, not every chunk's key
         with self._res.lock:
             self._res.expire_locks_locked()
-            hits = self._res.still_readable_locked(found, removals)
+            hits = self._res.still_readable_locked(run, removals)
             lock_id = self._res.lock_entries_locked(hits) if lock and hits else None
             hit_tokens = len(hits) * self.chunk_size
             self.counters.lookups += 1

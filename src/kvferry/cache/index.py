@@ -138,4 +138,4 @@ def _walk(get: Callable[[bytes], Entry | None], key: bytes | None, steps: int) -
 def object_checksum(obj: torch.Tensor) -> bytes:
     """xxh3-128 of an object's bytes (objects are contiguous CPU tensors in the pool): guards against corruption,
     at >10 GB/s per core."""
-    return xxhash.xxh3_128(obj.reshape(-1).view(torch.uint8).numpy()).digest()
+    return xxhash.xxh3_128(obj.reshape(-1).view(torch.uint8).numpy().data).digest()

@@ -203,7 +203,7 @@ def token_view(tokens: TokenIds) -> memoryview:
     """``tokens`` as little-endian uint32 bytes (a byte view, copied only where the dtype needs converting);
     ValueError/TypeError naming ``tokens`` on bad input."""
     if type(tokens) is np.ndarray and tokens.dtype == _U32_LE and tokens.ndim == 1 and tokens.flags.c_contiguous:
-        return memoryview(tokens.view(np.uint8))  # already the bytes hashed (ids off the wire): nothing to check
+        return tokens.view(np.uint8).data  # already the bytes hashed (ids off the wire): nothing to check
     if isinstance(tokens, torch.Tensor):
         if tokens.dim() != 1 or tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
             raise TypeError(
@@ -223,7 +223,7 @@ def token_view(tokens: TokenIds) -> memoryview:
             raise ValueError(
                 f"tokens must be ids in [0, 2**32), got values in [{int(tokens.min())}, {int(tokens.max())}]"
             )
-        return memoryview(np.ascontiguousarray(tokens.astype("<u4", copy=False)).view(np.uint8))
+        return np.ascontiguousarray(tokens.astype("<u4", copy=False)).view(np.uint8).data
     try:
         # array.array is the fastest list -> uint32 packing measured (np.fromiter / np.array: 3x slower).
         packed = array.array("I", tokens)

@@ -80,7 +80,7 @@ GAUGES = {
 }
 
 
-def gbps(nbytes: int, seconds: float) -> float:
+def gbps(nbytes: float, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else 0.0
 
 
@@ -96,9 +96,9 @@ class _CacheCollector(Collector):
             family.add_metric([self._label], values[name])
             yield family
         for name, help_text in GAUGES.items():
-            family = GaugeMetricFamily(f"{_PREFIX}_{name}", help_text, labels=["engine"])
-            family.add_metric([self._label], values[name])
-            yield family
+            gauge = GaugeMetricFamily(f"{_PREFIX}_{name}", help_text, labels=["engine"])
+            gauge.add_metric([self._label], values[name])
+            yield gauge
 
 
 def make_registry(engine_label: str, snapshot: Callable[[], dict[str, float]]) -> CollectorRegistry:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -68,7 +68,7 @@ class ChunkReader:
             end = first + len(entries)
             started = time.perf_counter()
             ids = block_ids[first * per_chunk : end * per_chunk]
-            objects = [entry.obj for entry in entries]
+            objects = cast("list[torch.Tensor]", [entry.obj for entry in entries])  # readable entries hold objects
             skip_blocks = (skip - first * chunk) // bs
             in_flight = copy_chunks(self._res.pool, chunk, paged, geom, objects, ids, Direction.H2D, skip_blocks)
             try:

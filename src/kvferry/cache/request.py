@@ -40,7 +40,7 @@ def check_skip(skip_prefix_tokens: int, n_tokens: int) -> int:
 def token_count(tokens: object) -> int:
     """``len(tokens)``, or a TypeError naming ``tokens`` (its values are checked when they are hashed)."""
     try:
-        return len(tokens)  # type: ignore[arg-type]
+        return len(tokens)  # type: ignore[arg-type]  # any object: len() itself tells whether it has one
     except TypeError:
         raise TypeError(
             f"tokens must be a sequence of token ids (a list, numpy array or 1-D tensor of ints), "
@@ -99,7 +99,7 @@ def check_block_ids(
 def _all_ints(ids: list[object]) -> bool:
     """Whether a list holds Python ints only, in one C-level pass: any float makes the sum a float."""
     try:
-        return type(sum(ids)) is int  # type: ignore[arg-type]
+        return type(sum(ids)) is int  # type: ignore[arg-type]  # a non-number's TypeError is an answer too
     except TypeError:
         return False
 

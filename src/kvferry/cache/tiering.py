@@ -78,10 +78,10 @@ class TierLink:
         waits: list[Future[None]] = []
         for i, entry in enumerate(known):
             if entry is None:
-                tier = found_in.get(i)
-                if tier is None:
+                source = found_in.get(i)
+                if source is None:
                     break
-                landed = self._promote(keys[i], tier, keys[i - 1] if i else parent)
+                landed = self._promote(keys[i], source, keys[i - 1] if i else parent)
                 if landed is not None:
                     waits.append(landed)
             elif entry.loaded is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 
@@ -219,7 +219,7 @@ class ChunkWriter:
         ids = select_blocks(block_ids, [first + i for i, _ in new], self._chunk_size // geom.bs)
         started = time.perf_counter()
         try:
-            objects = [entry.obj for entry in entries]
+            objects = cast("list[torch.Tensor]", [entry.obj for entry in entries])  # reserved entries hold objects
             in_flight = copy_chunks(self._pool, self._chunk_size, paged, geom, objects, ids, Direction.D2H, 0)
         except BaseException:
             self._res.abort(entries)
@@ -247,8 +247,9 @@ class ChunkWriter:
             return [], seconds
         whole = self._res.end_writes(entries)  # all of them, unless some are objects still missing head slices
         checksum = self._checksum
-        checksums = [checksum(e.obj) if e.obj is not None else None for e in whole] if checksum else [None] * len(
-            whole)  # fmt: skip
+        checksums: list[bytes | None] = (
+            [checksum(e.obj) if e.obj is not None else None for e in whole] if checksum else [None] * len(whole)
+        )
         tiers = self._tiers
         writers = len(tiers.tiers) if tiers is not None and tiers.write_on_store else 0
         kept = self._res.commit(whole, checksums, writers)

@@ -21,6 +21,7 @@ def setting_rows() -> list[tuple[str, str, str, str]]:
     """(setting, default, environment variable, description) of every kvferry setting."""
     rows = []
     for section, field in KvferryConfig.model_fields.items():
+        # pydantic's type allows a factory taking the validated data; the sections' factories (their classes) take none.
         model = field.default_factory() if field.default_factory is not None else None  # type: ignore[call-arg]
         if isinstance(model, BaseModel):
             for name, info in type(model).model_fields.items():

@@ -306,7 +306,8 @@ class KvferryClient:
                 time.sleep(LOST_DRAIN_S)  # see _lost_mid_copy
             raise
         if slot is not None and result["signalled"]:
-            flags.wait(slot, args["done_seq"], deadline, self._check_up)  # type: ignore[union-attr]
+            assert flags is not None  # the slot was taken from them
+            flags.wait(slot, args["done_seq"], deadline, self._check_up)
         release_slot(flags, slot)  # seen, or never to be written (answered after the copy)
         return int(result["tokens"])
 
@@ -329,7 +330,8 @@ class KvferryClient:
                 return
             result = done.result()
             if slot is not None and result["signalled"]:
-                self._flag_watch.watch(flags, slot, args["done_seq"], outcome, int(result["tokens"]), deadline)  # type: ignore[arg-type]
+                assert flags is not None  # the slot was taken from them
+                self._flag_watch.watch(flags, slot, args["done_seq"], outcome, int(result["tokens"]), deadline)
                 return
             release_slot(flags, slot)
             outcome.set_result(int(result["tokens"]))
@@ -352,12 +354,12 @@ class KvferryClient:
         try:
             future = self._conn.submit(op, args, keepalive=event)
         except BaseException:  # not sent: neither the event nor the done flag will be used
-            if slot is not None:
-                ready.release(slot)  # type: ignore[union-attr]
+            if ready is not None and slot is not None:  # a slot is one of `ready`'s events
+                ready.release(slot)
             release_slot(self._flags(registration), args.get("done_slot"))
             raise
-        if slot is not None:
-            future.add_done_callback(lambda _: ready.release(slot))  # type: ignore[union-attr]
+        if ready is not None and slot is not None:
+            future.add_done_callback(lambda _: ready.release(slot))
         return future
 
     def _flags(self, registration: int) -> DoneFlags | None:
@@ -391,9 +393,11 @@ def _transfer_args(registration: int, tokens: Any, block_ids: Any, skip_prefix_t
 
 
 def _key_space(registration: int | None, namespace: Namespace | None) -> dict[str, Any]:
-    if (registration is None) == (namespace is None):
-        raise ValueError("give exactly one of registration= and namespace=")
-    return {"registration": registration} if registration is not None else {"namespace": dict(namespace)}
+    if registration is not None and namespace is None:
+        return {"registration": registration}
+    if namespace is not None and registration is None:
+        return {"namespace": dict(namespace)}
+    raise ValueError("give exactly one of registration= and namespace=")
 
 
 def _first_tensor(paged: Any) -> torch.Tensor:

@@ -137,7 +137,7 @@ class Connection:
                 f"{op.value} request of {len(payload)} bytes exceeds the server's max_message_bytes="
                 f"{self.max_message_bytes} (fewer tokens per request, or raise --max-message-mb)"
             )
-        future.request_id = request_id  # type: ignore[attr-defined]
+        future.request_id = request_id  # type: ignore[attr-defined]  # read back by `forget`, with getattr
         with self._lock:
             if self._closed:
                 raise ConnectionError(f"{op.value}: the client is closed")

@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -198,6 +198,8 @@ class Link(ABC):
 class ZmqLink(Link):
     """One ZMQ DEALER socket under one session id, and its monitor."""
 
+    monitor: zmq.Socket  # always one here
+
     def __init__(self, conn: Connection) -> None:
         super().__init__(conn)
         self.dealer = conn.context.socket(zmq.DEALER)
@@ -209,7 +211,7 @@ class ZmqLink(Link):
         # Readable when the socket may have something to read. Threads wait on this descriptor, never in a ZMQ
         # call on the socket, so one thread may use the socket while others wait; and after any operation on
         # the socket the holder reads what arrived, since that operation may have taken the descriptor's signal.
-        self.fd: int = self.dealer.getsockopt(zmq.FD)
+        self.fd = cast(int, self.dealer.getsockopt(zmq.FD))  # pyzmq types every option as int | bytes
         self.monitor = self.dealer.get_monitor_socket(_EVENTS)
         self.dealer.connect(conn.endpoint)
 
@@ -232,13 +234,13 @@ class ZmqLink(Link):
 
     def payloads(self) -> list[bytes | memoryview]:
         out: list[bytes | memoryview] = []
-        while self.dealer.getsockopt(_EVENTS_OPT) & _POLLIN:  # cheaper than a recv raising zmq.Again
+        while cast(int, self.dealer.getsockopt(_EVENTS_OPT)) & _POLLIN:  # cheaper than a recv raising zmq.Again
             out.append(self.dealer.recv(zmq.NOBLOCK))
         return out
 
     def reply_unseen(self) -> bool:
         """Whether a reply waits: an operation on the socket may have taken the descriptor's signal."""
-        return bool(self.dealer.getsockopt(_EVENTS_OPT) & _POLLIN)
+        return bool(cast(int, self.dealer.getsockopt(_EVENTS_OPT)) & _POLLIN)
 
     def _send(self, frame: zmq.Frame | bytes) -> bool:
         try:

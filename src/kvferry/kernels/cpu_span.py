@@ -86,10 +86,10 @@ class SpanPlan:
 
 
 class _Run(NamedTuple):
-    """Objects `first .. first + count - 1` (adjacent in memory when more than one), block entries `j0 .. j1 - 1`."""
+    """Objects `first .. first + n - 1` (adjacent in memory when more than one), block entries `j0 .. j1 - 1`."""
 
     first: int
-    count: int
+    n: int  # not `count`: a NamedTuple field would hide tuple.count
     j0: int
     j1: int
 
@@ -128,10 +128,10 @@ def copy_span(
     jobs: list[CopyJob] = []
     for run in _runs(objects, plan.bs, per, len(ids), skip_prefix_blocks):
         obj = objects[run.first].view(plan.word)
-        batch = obj.as_strided((run.count, *obj.shape), (obj.numel(), *obj.stride()))
+        batch = obj.as_strided((run.n, *obj.shape), (obj.numel(), *obj.stride()))
         base = run.first * per
         tokens = slice((run.j0 - base) * plan.bs, (run.j1 - base) * plan.bs)
-        run_ids = ids[run.j0 : run.j1].reshape(run.count, -1)
+        run_ids = ids[run.j0 : run.j1].reshape(run.n, -1)
         for stripe, e in enumerate(plan.entries):
             if stripe in folded:
                 continue
@@ -171,7 +171,7 @@ class _Permuted(NamedTuple):
     of the copy this way, 0.09-0.12 per storage)."""
 
     entries: _Entries
-    index: np.ndarray  # [n] rows of the span
+    at: np.ndarray  # [n] rows of the span
     pieces: torch.Tensor  # [n, *piece]: the objects' pieces
     to_objects: bool
 
@@ -180,11 +180,11 @@ class _Permuted(NamedTuple):
         return self.pieces.numel() * self.pieces.element_size()
 
     def split(self, parts: int) -> list[_Permuted]:
-        bounds = np.linspace(0, len(self.index), parts + 1, dtype=np.int64).tolist()
-        return [self._replace(index=self.index[a:b], pieces=self.pieces[a:b]) for a, b in itertools.pairwise(bounds)]
+        bounds = np.linspace(0, len(self.at), parts + 1, dtype=np.int64).tolist()
+        return [self._replace(at=self.at[a:b], pieces=self.pieces[a:b]) for a, b in itertools.pairwise(bounds)]
 
     def run(self) -> None:
-        e, n = self.entries, len(self.index)
+        e, n = self.entries, len(self.at)
         assert e.runs is not None and e.runs_np is not None
         numel = e.runs.shape[1]
         step = max(1, _SLAB_BYTES // (numel * self.pieces.element_size()))
@@ -194,11 +194,11 @@ class _Permuted(NamedTuple):
             runs = buffer[: b - a]
             in_object_order = runs.as_strided((b - a, *self.pieces.shape[1:]), (numel, *e.piece_strides))
             if self.to_objects:
-                torch.index_select(e.runs, 0, torch.from_numpy(self.index[a:b]), out=runs)
+                torch.index_select(e.runs, 0, torch.from_numpy(self.at[a:b]), out=runs)
                 self.pieces[a:b].copy_(in_object_order)
             else:
                 in_object_order.copy_(self.pieces[a:b])
-                e.runs_np[self.index[a:b]] = runs.numpy()
+                e.runs_np[self.at[a:b]] = runs.numpy()
 
 
 def _runs(objects: list[torch.Tensor], bs: int, per: int, n: int, skip: int) -> list[_Run]:
@@ -213,7 +213,7 @@ def _runs(objects: list[torch.Tensor], bs: int, per: int, n: int, skip: int) -> 
         here = obj.untyped_storage().data_ptr()
         if whole and runs and end == obj.data_ptr() and storage == here:
             last = runs[-1]
-            runs[-1] = last._replace(count=last.count + 1, j1=j1)
+            runs[-1] = last._replace(n=last.n + 1, j1=j1)
         else:
             runs.append(_Run(o, 1, j0, j1))
         end, storage = (obj.data_ptr() + obj.nbytes, here) if whole else (-1, -1)

@@ -32,15 +32,15 @@ class CopyJob(Protocol):
 
     def run(self) -> None: ...
 
-    def split(self, parts: int) -> list[CopyJob]: ...
+    def split(self, parts: int) -> Sequence[CopyJob]: ...
 
 
 class Scatter(NamedTuple):
-    """`rows[..., index, ...] = values` with `index` on `axis`: block pieces of one object or one run of objects
-    (`index` may have several axes, `values` those axes and then a piece's)."""
+    """`rows[..., at, ...] = values` with `at` on `axis`: block pieces of one object or one run of objects
+    (`at` may have several axes, `values` those axes and then a piece's)."""
 
     rows: np.ndarray
-    index: np.ndarray
+    at: np.ndarray  # not `index`: a NamedTuple field would hide tuple.index
     values: np.ndarray
     axis: int = 0
 
@@ -49,20 +49,20 @@ class Scatter(NamedTuple):
         return self.values.nbytes
 
     def run(self) -> None:
-        self.rows[(slice(None),) * self.axis + (self.index,)] = self.values
+        self.rows[(slice(None),) * self.axis + (self.at,)] = self.values
 
     def split(self, parts: int) -> list[Scatter]:
-        bounds = np.linspace(0, len(self.index), parts + 1, dtype=np.int64)
+        bounds = np.linspace(0, len(self.at), parts + 1, dtype=np.int64)
         at = (slice(None),) * self.axis
-        return [self._replace(index=self.index[a:b], values=self.values[(*at, slice(a, b))])
+        return [self._replace(at=self.at[a:b], values=self.values[(*at, slice(a, b))])
                 for a, b in itertools.pairwise(bounds)]  # fmt: skip
 
 
 class Gather(NamedTuple):
-    """`out = rows[index]` along the first axis, written in place (`out` a view of the objects' pieces)."""
+    """`out = rows[at]` along the first axis, written in place (`out` a view of the objects' pieces)."""
 
     rows: torch.Tensor
-    index: torch.Tensor
+    at: torch.Tensor
     out: torch.Tensor
 
     @property
@@ -70,11 +70,11 @@ class Gather(NamedTuple):
         return self.out.numel() * self.out.element_size()
 
     def run(self) -> None:
-        torch.index_select(self.rows, 0, self.index, out=self.out)
+        torch.index_select(self.rows, 0, self.at, out=self.out)
 
     def split(self, parts: int) -> list[Gather]:
-        bounds = np.linspace(0, len(self.index), parts + 1, dtype=np.int64).tolist()
-        return [self._replace(index=self.index[a:b], out=self.out[a:b]) for a, b in itertools.pairwise(bounds)]
+        bounds = np.linspace(0, len(self.at), parts + 1, dtype=np.int64).tolist()
+        return [self._replace(at=self.at[a:b], out=self.out[a:b]) for a, b in itertools.pairwise(bounds)]
 
 
 def use_own_threads(threads: int) -> None:

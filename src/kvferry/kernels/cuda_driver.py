@@ -165,7 +165,8 @@ class Driver:
             ctypes.POINTER(ctypes.c_size_t),
         ]
         info.restype = ctypes.c_int
-        offset, size, sizes = ctypes.c_size_t(), ctypes.c_size_t(), []
+        offset, size = ctypes.c_size_t(), ctypes.c_size_t()
+        sizes: list[int] = []
         while info(function, len(sizes), ctypes.byref(offset), ctypes.byref(size)) == 0:
             sizes.append(size.value)
         return sizes

@@ -128,6 +128,7 @@ class CapturedGraph:
         calls.nodes(self._graph, nodes, ctypes.byref(count))
         copies = []
         for node in nodes:
+            assert node is not None  # a c_void_p array item: None would be NULL, and the driver lists only real nodes
             kind = ctypes.c_int()
             calls.node_type(node, ctypes.byref(kind))
             if kind.value != _NODE_MEMCPY:

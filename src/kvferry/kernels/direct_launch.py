@@ -62,7 +62,8 @@ def direct_launcher(
     then `n_request` per-request ones that must all be unspecialised (Triton then keeps them all as parameters).
     """
     if _hooked():
-        return _no("a Triton launch hook is set")
+        _decline("a Triton launch hook is set")
+        return None
     meta = compiled.metadata
     plain = (
         getattr(meta, "num_ctas", 1) == 1
@@ -74,23 +75,27 @@ def direct_launcher(
     )
     signature = getattr(getattr(compiled, "src", None), "signature", None)
     if not plain or not isinstance(signature, dict):
-        return _no(f"not a plain launch: metadata {meta}, signature {signature!r}")
+        _decline(f"not a plain launch: metadata {meta}, signature {signature!r}")
+        return None
     if hasattr(compiled, "_init_handles"):
         compiled._init_handles()
     function = getattr(compiled, "function", None)
     sizes = drv.param_sizes(function) if function else None
-    if sizes is None:
-        return _no("the driver cannot list kernel parameters (cuFuncGetParamInfo needs CUDA 12.4)")
+    if not function or sizes is None:
+        _decline("the driver cannot list kernel parameters (cuFuncGetParamInfo needs CUDA 12.4)")
+        return None
     kept: list[int] = []  # constants Triton did not fold into the kernel (a stride of 1 becomes a constexpr)
     want: list[int] = []
     for i, name in enumerate(arg_names):
         kind = signature.get(name)
         if kind == "constexpr":
             if i >= len(constants):
-                return _no(f"per-request argument {name} was specialised")
+                _decline(f"per-request argument {name} was specialised")
+                return None
             continue
         if not isinstance(kind, str) or not (kind.startswith("*") or kind in ("i32", "i64")):
-            return _no(f"argument {name} has type {kind!r}")
+            _decline(f"argument {name} has type {kind!r}")
+            return None
         want.append(4 if kind == "i32" else 8)
         if i < len(constants):
             kept.append(constants[i])
@@ -101,13 +106,13 @@ def direct_launcher(
         or extra not in (0, 1, 2)  # Triton's trailing scratch pointers, unused here (checked above)
         or any(s != 8 for s in sizes[len(want) :])
     ):
-        return _no(f"parameter sizes {sizes} are not {want} + scratch pointers")
+        _decline(f"parameter sizes {sizes} are not {want} + scratch pointers")
+        return None
     return DirectLaunch(drv, function, 32 * meta.num_warps, meta.shared, want, kept, extra)
 
 
-def _no(reason: str) -> None:
+def _decline(reason: str) -> None:
     log.debug("Triton's launcher keeps this kernel: %s", reason)
-    return None
 
 
 def active_hook(name: str) -> Any:

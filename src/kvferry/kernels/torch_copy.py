@@ -152,7 +152,7 @@ def _grid(stripe: Stripe, members: list[int]) -> tuple[int, int] | None:
 
 def _storage_offset(stripe: Stripe, i: int) -> int:
     t = stripe.tensors[i]
-    return t.storage_offset() + stripe.offsets[i]
+    return int(t.storage_offset()) + stripe.offsets[i]  # int: a SymInt only under tracing
 
 
 def _fold(geom: KVGeometry, stripe: Stripe, members: list[int], word: torch.dtype) -> _Block:

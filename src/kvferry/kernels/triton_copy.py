@@ -217,7 +217,7 @@ def build_plan(geom: KVGeometry) -> TritonPlan:
 
 
 @cache
-def _interpreted():  # type: ignore[no-untyped-def]
+def _interpreted() -> Any:  # an InterpretedFunction: triton ships no types
     from triton.runtime.interpreter import InterpretedFunction
 
     return InterpretedFunction(_stripe_copy_kernel.fn)

@@ -288,10 +288,10 @@ class HostPool:
                 self._requested_bytes += count * nbytes
             else:
                 for _ in range(count):
-                    offset = self._reserve_locked(units, nbytes)
-                    if offset is None:
+                    reserved = self._reserve_locked(units, nbytes)
+                    if reserved is None:
                         break
-                    offsets.append(offset)
+                    offsets.append(reserved)
         return offsets, run is not None
 
     def _reserve_locked(self, units: int, nbytes: int) -> int | None:

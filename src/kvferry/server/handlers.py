@@ -118,7 +118,9 @@ class RequestHandlers:
             if args.done_flags is not None:
                 done_flags = DoneFlags(map_shared(args.done_flags, "done_flags"), kv.device)
             # Described once here: every transfer of this registration reuses the checked geometry.
-            geometry = describe(fmt, kv.paged, args.block_size, heads=tuple(args.heads) if args.heads else None)
+            geometry = describe(
+                fmt, kv.paged, args.block_size, heads=(args.heads[0], args.heads[1]) if args.heads else None
+            )
             if kv.device.type == "cuda":
                 prepare_gpu(geometry)  # its kernels compiled now: no transfer of the registration pays for it
             namespace = self._engine.namespace_for(
@@ -154,7 +156,7 @@ class RequestHandlers:
         self._sessions.unregister(session, args.registration)
         return {}
 
-    def lookup(self, session: Session, args: LookupArgs) -> dict[str, Any]:
+    def lookup(self, session: Session, args: LookupArgs) -> dict[str, Any] | Deferred:
         namespace = self._namespace(session, args.registration, args.namespace)
         tokens = unpack_ids(args.tokens, "tokens")
         self._sessions.settle()
@@ -165,7 +167,7 @@ class RequestHandlers:
             return _lookup_result(found)
         return Deferred(lambda: _lookup_result(below()))
 
-    def prefetch(self, session: Session, args: PrefetchArgs) -> dict[str, Any]:
+    def prefetch(self, session: Session, args: PrefetchArgs) -> dict[str, Any] | Deferred:
         namespace = self._namespace(session, args.registration, args.namespace)
         tokens = unpack_ids(args.tokens, "tokens")
         self._sessions.settle()  # its answer counts the pool's hits, as a LOOKUP's does

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from pydantic import ValidationError
@@ -157,7 +157,8 @@ def _map_shm(desc: ShmStorage, where: str) -> _Region:
             )
         # MAP_SHARED up to `end` (never past the file's end: that would grow it): the mapping, not the
         # descriptor, keeps the memory alive from here.
-        storage = torch.UntypedStorage.from_file(own, True, end)
+        # torch types _StorageBase.from_file as returning any storage; UntypedStorage's returns an UntypedStorage.
+        storage = cast(torch.UntypedStorage, torch.UntypedStorage.from_file(own, True, end))
     finally:
         os.close(fd)
     return _Region(storage, desc.offset_bytes, desc.nbytes)

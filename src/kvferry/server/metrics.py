@@ -45,8 +45,8 @@ class _RequestCounts(Collector):
             latency = {op: list(counts) for op, counts in self._latency.items()}
         what = "requests answered, by op and outcome (ok or an error code)"
         requests = CounterMetricFamily("kvferry_server_requests", what, labels=["op", "status"])
-        for (op, status), count in sorted(answered.items()):
-            requests.add_metric([op, status], count)
+        for (op, status), n in sorted(answered.items()):
+            requests.add_metric([op, status], n)
         yield requests
         seconds = HistogramMetricFamily(
             "kvferry_server_request_seconds", "time from receiving a request to queueing its reply", labels=["op"]

@@ -119,7 +119,7 @@ def _unpack_map(payload: bytes | memoryview, what: str) -> dict[str, Any]:
 
 
 def encode_request(op: Op, request_id: int, args: dict[str, Any], deadline: float | None = None) -> bytes:
-    msg = {"v": PROTOCOL_VERSION, "id": request_id, "op": op.value, "args": args}
+    msg: dict[str, Any] = {"v": PROTOCOL_VERSION, "id": request_id, "op": op.value, "args": args}
     if deadline is not None:
         msg["deadline"] = deadline
     return _pack(msg)

@@ -56,7 +56,7 @@ class RequestRunner:
         if request.op in _TRANSFER_OPS and request.args.get("done_slot") is not None:
             started = self._start_transfer(identity, session, request, received)
             if started is not _ON_WORKER:
-                return started  # type: ignore[return-value]
+                return started
         self._workers.submit(self._run_on_worker, identity, session, request, received)
         return None, None
 

@@ -256,7 +256,9 @@ class KvferryServer:
                 return True
             identity = frames[0].bytes
             if len(frames) != 2:
-                reply = self._refuse(None, ErrorCode.MALFORMED, f"a request is one frame, got {len(frames) - 1}")
+                reply: bytes | None = self._refuse(
+                    None, ErrorCode.MALFORMED, f"a request is one frame, got {len(frames) - 1}"
+                )
             else:
                 reply = self._serve_one(identity, frames[1].buffer, frames[1], monitor)
             if reply is not None:

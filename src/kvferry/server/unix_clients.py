@@ -113,7 +113,7 @@ class UnixClients:
             if fd == listener:
                 self._accept()
                 continue
-            client = self._by_fd.get(fd)  # type: ignore[arg-type]
+            client = self._by_fd.get(fd) if isinstance(fd, int) else None  # `ready` holds zmq sockets too
             if client is None:
                 continue
             if events & _POLLOUT:

@@ -117,9 +117,9 @@ def _write_direct(fd: int, header: bytes, payload: memoryview) -> None:
         _pwrite_all(fd, payload[:aligned], offset)
     else:
         for start in range(0, aligned, _BOUNCE_BYTES):
-            piece = min(_BOUNCE_BYTES, aligned - start)
-            bounce[:piece] = payload[start : start + piece]
-            _pwrite_all(fd, bounce[:piece], offset + start)
+            size = min(_BOUNCE_BYTES, aligned - start)
+            bounce[:size] = payload[start : start + size]
+            _pwrite_all(fd, bounce[:size], offset + start)
     tail = len(payload) - aligned
     if tail:
         bounce[:tail] = payload[aligned:]

@@ -86,7 +86,7 @@ def tensor_bytes(obj: object) -> memoryview:
         raise ValueError(f"obj.dim()={obj.dim()} must be between 1 and {MAX_NDIM}")
     if not obj.is_contiguous():
         raise ValueError(f"obj must be contiguous, got strides {obj.stride()} for shape {tuple(obj.shape)}")
-    return memoryview(obj.detach().reshape(-1).view(torch.uint8).numpy()).toreadonly()
+    return obj.detach().reshape(-1).view(torch.uint8).numpy().data.toreadonly()
 
 
 def destination_bytes(tensor: object, header: ObjectHeader) -> memoryview:
@@ -100,7 +100,7 @@ def destination_bytes(tensor: object, header: ObjectHeader) -> memoryview:
     ):
         got = f"{tuple(tensor.shape)} {tensor.dtype} on {tensor.device}" if isinstance(tensor, torch.Tensor) else tensor
         raise ValueError(f"alloc({header.shape}, {header.dtype}) returned {got}; expected a contiguous CPU tensor")
-    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+    return tensor.detach().reshape(-1).view(torch.uint8).numpy().data
 
 
 def encode_header(key: bytes, obj: torch.Tensor, payload: memoryview, *, align: int = 1) -> bytes:

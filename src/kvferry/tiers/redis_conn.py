@@ -11,6 +11,7 @@ with its own command packer and reply parser):
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import redis
@@ -22,6 +23,9 @@ from redis.connection import PythonRespSerializer
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.retry import Retry
 from redis.utils import SENTINEL
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 # Replies at least this long are read with recv_into; smaller ones go through redis-py's buffer.
 LARGE_REPLY_BYTES = 256 << 10
@@ -55,21 +59,23 @@ class _SplitValuePacker:
                 output.extend(arg.parts)
                 pending = b"\r\n"
             else:
-                data = arg.encode() if isinstance(arg, str) else bytes(arg)  # type: ignore[arg-type]
+                # The other arguments of a SplitValue command (SET and its key) are str or bytes.
+                data = arg.encode() if isinstance(arg, str) else bytes(cast("Buffer", arg))
                 pending += b"$%d\r\n%s\r\n" % (len(data), data)
         output.append(pending)
         return output
 
 
 class _LargeReplySocketBuffer(SocketBuffer):
-    def read(self, length: int, timeout: object = SENTINEL) -> bytes | memoryview:
+    # A large reply is a memoryview of the buffer it was read into, not bytes: the tier takes either.
+    def read(self, length: int, timeout: object = SENTINEL) -> bytes | memoryview:  # type: ignore[override]
         if length < LARGE_REPLY_BYTES:
             return super().read(length, timeout)
         # np.empty: no zero-fill pass over a buffer that recv_into overwrites anyway.
-        view = memoryview(np.empty(length + 2, dtype=np.uint8))
+        view = np.empty(length + 2, dtype=np.uint8).data
         got = self._buffer.readinto(view)  # whatever redis-py had already buffered
         if timeout is not SENTINEL:
-            self._sock.settimeout(timeout)
+            self._sock.settimeout(cast("float | None", timeout))  # anything but SENTINEL is a timeout
         try:
             while got < len(view):
                 n = self._sock.recv_into(view[got:])
@@ -85,7 +91,11 @@ class _LargeReplySocketBuffer(SocketBuffer):
 class _LargeReplyParser(_RESP2Parser):
     def on_connect(self, connection: redis.Connection) -> None:
         super().on_connect(connection)
-        self._buffer = _LargeReplySocketBuffer(self._sock, self.socket_read_size, connection.socket_timeout)
+        assert self._sock is not None  # the connected socket, which on_connect just took from `connection`
+        # SocketBuffer's annotation says float, but its timeout is a socket's: None (blocking) too, as redis-py's
+        # own parsers pass it.
+        timeout = connection.socket_timeout
+        self._buffer = _LargeReplySocketBuffer(self._sock, self.socket_read_size, timeout)  # type: ignore[arg-type]
 
 
 class ChunkConnection(redis.Connection):
@@ -109,7 +119,7 @@ def make_client(
     connect_timeout_s: float,
 ) -> redis.Redis | RedisCluster:
     """A client that fails fast: no redis-py retries, since the tier's health gate owns retrying."""
-    common = {
+    common: dict[str, Any] = {
         "username": username,
         "password": password,
         "socket_timeout": timeout_s,

@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import blake3
 import redis
@@ -85,7 +86,7 @@ class RedisTier(Tier):
         scheme = "redis+cluster" if cluster else "redis"
         default_name = f"{scheme}://" + ",".join(f"{h}:{p}" for h, p in nodes) + (f"/{db}" if db else "")
         super().__init__(name or default_name, backoff_s=backoff_s, backoff_max_s=backoff_max_s)
-        self._client_args = {
+        self._client_args: dict[str, Any] = {
             "nodes": list(nodes),
             "cluster": cluster,
             "db": db,
@@ -178,6 +179,7 @@ class RedisTier(Tier):
             pipe = self._connect().pipeline(transaction=False)
             for request in batch:
                 if request.payload is not None:
+                    assert request.obj is not None  # a put holds the object its payload views
                     header = encode_header(request.key, request.obj, request.payload)
                     pipe.execute_command("SET", self._redis_key(request.key), SplitValue(header, request.payload))
                 else:
@@ -194,7 +196,7 @@ class RedisTier(Tier):
         for request, reply in zip(batch, replies, strict=True):
             op = "put" if request.payload is not None else "get"
             try:
-                result = (
+                result: object = (
                     self._finish_put(request, reply, started)
                     if op == "put"
                     else self._finish_get(request, reply, started)
@@ -229,6 +231,7 @@ class RedisTier(Tier):
             self._record_corrupt(request.key, exc)
             return None
         self._typical_bytes = len(payload)
+        assert request.alloc is not None  # every get gives its allocator
         tensor = request.alloc(header.shape, header.dtype)
         if tensor is None:
             self._record_success("get", "no_memory")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import NamedTuple
 from urllib.parse import parse_qsl, unquote
@@ -81,7 +81,7 @@ def parse_duration(text: str) -> float:
 class TierSpec(NamedTuple):
     """A parsed tier URL: what `make_tier` builds (nothing opened yet)."""
 
-    kind: type[Tier]
+    kind: Callable[..., Tier]  # the tier class, called with its own arguments: `args` and `kwargs`
     args: tuple[object, ...]
     kwargs: dict[str, object]
     shown: str  # the URL with any password hidden

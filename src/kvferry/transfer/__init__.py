@@ -6,6 +6,7 @@ names (``kvferry.transfer.configure_gpu``, ``.ordered_after``, ...) are reached 
 
 import sys
 import types
+from typing import Any
 
 from kvferry.transfer.api import (
     BACKENDS,
@@ -34,8 +35,8 @@ __all__ = [
 class _Operation(types.ModuleType):
     """This package, callable as its `transfer`."""
 
-    def __call__(self, *args: object, **kwargs: object) -> None:
-        return transfer(*args, **kwargs)  # type: ignore[arg-type]
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        return transfer(*args, **kwargs)
 
 
 sys.modules[__name__].__class__ = _Operation

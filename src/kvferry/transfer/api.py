@@ -10,6 +10,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
 import torch
 
 from kvferry.formats import EngineKVFormat, KVGeometry
@@ -37,7 +38,7 @@ BACKENDS = ("auto", "reference", "torch", "triton")
 def transfer(
     paged: Any,
     objects: Objects,
-    block_ids: Sequence[int] | torch.Tensor,
+    block_ids: Sequence[int] | np.ndarray | torch.Tensor,
     direction: Direction,
     fmt: EngineKVFormat | int,
     chunk_size: int = 256,
@@ -67,6 +68,7 @@ def transfer(
     if geom.device.type == "cuda" and checked.on_host and chosen == "triton":  # the GPU data path
         _submit(geom, objs, checked, to_objects, chunk_size, skip_prefix_blocks, None, None).wait()
         return
+    assert isinstance(checked.ids, np.ndarray)  # `check` keeps no list (that is `keep_list`)
     ids = torch.from_numpy(checked.ids)
     if chosen == "reference":
         from kvferry.kernels.reference import copy_reference
@@ -95,7 +97,7 @@ def geometry_of(fmt: EngineKVFormat | int, paged: Any, block_size: int | None = 
 def transfer_async(
     paged: Any,
     objects: Objects,
-    block_ids: Sequence[int] | torch.Tensor,
+    block_ids: Sequence[int] | np.ndarray | torch.Tensor,
     direction: Direction,
     fmt: EngineKVFormat | int,
     chunk_size: int = 256,
@@ -162,7 +164,7 @@ def prepare_gpu(geometry: KVGeometry) -> None:
 def transfer_pool_async(
     geom: KVGeometry,
     objects: list[torch.Tensor],
-    block_ids: Sequence[int] | torch.Tensor,
+    block_ids: Sequence[int] | np.ndarray | torch.Tensor,
     direction: Direction,
     chunk_size: int,
     skip_prefix_blocks: int,
@@ -179,7 +181,7 @@ def transfer_pool_async(
 def transfer_pool_at_async(
     geom: KVGeometry,
     addresses: list[int],
-    block_ids: Sequence[int] | torch.Tensor,
+    block_ids: Sequence[int] | np.ndarray | torch.Tensor,
     direction: Direction,
     chunk_size: int,
     skip_prefix_blocks: int,

@@ -50,7 +50,8 @@ class GeometryCache:
             self._entries.clear()
 
 
-_DEPTH = {fmt: len(layout.nesting) for fmt, layout in LAYOUTS.items()}  # IntEnum keys: plain ints find them too
+# IntEnum keys: plain ints find them too.
+_DEPTH: dict[int, int] = {fmt: len(layout.nesting) for fmt, layout in LAYOUTS.items()}
 
 
 def _fingerprint(

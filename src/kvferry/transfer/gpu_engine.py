@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -93,7 +93,7 @@ class TransferEngine:
     def submit(
         self,
         plan: triton_copy.TritonPlan,
-        objects: list[torch.Tensor] | torch.Tensor,
+        objects: list[torch.Tensor] | torch.Tensor | list[int],
         request: Checked | torch.Tensor,
         to_objects: bool,
         chunk_size: int,
@@ -104,11 +104,13 @@ class TransferEngine:
         """Enqueue a validated request (`kvferry.transfer.request.check`) on pinned host objects. `request` is the
         `Checked` result, or just the block ids of a list of objects (their addresses are then read here). The
         request's kernels wait for the caller's current stream, or for the CUDA event `after` when given."""
+        ids: np.ndarray | list[int]  # a short pool request's ids stay a list (`check_pool_addresses`)
         if isinstance(request, torch.Tensor):
             assert not isinstance(objects, torch.Tensor)
-            ids, ptrs = request.numpy(), [o.data_ptr() for o in objects]
-            caps = [o.shape[2] for o in objects]
-            rows, one_allocation = objects[0].shape[0] * objects[0].shape[1], False  # pairs compared by storage
+            tensors = cast("list[torch.Tensor]", objects)  # block ids alone come only with a list of tensors
+            ids, ptrs = request.numpy(), [o.data_ptr() for o in tensors]
+            caps = [o.shape[2] for o in tensors]
+            rows, one_allocation = tensors[0].shape[0] * tensors[0].shape[1], False  # pairs compared by storage
         else:
             ids, ptrs, caps, rows = request.ids, request.ptrs, request.caps, request.rows
             one_allocation = request.one_allocation
@@ -197,7 +199,7 @@ class TransferEngine:
         plan: triton_copy.TritonPlan,
         ptrs: list[int],
         caps: list[int],
-        ids: np.ndarray,
+        ids: np.ndarray | list[int],
         to_objects: bool,
         chunk_size: int,
         skip: int,
@@ -219,10 +221,10 @@ class TransferEngine:
         self,
         lane: Lane,
         plan: triton_copy.TritonPlan,
-        objects: list[torch.Tensor] | torch.Tensor,
+        objects: list[torch.Tensor] | torch.Tensor | list[int],
         ptrs: list[int],
         caps: list[int],
-        ids: np.ndarray,
+        ids: np.ndarray | list[int],
         rows: int,
         one_allocation: bool,
         to_objects: bool,

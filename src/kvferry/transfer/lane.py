@@ -46,7 +46,7 @@ class Lane:
         self.next_slot = 0
         self.meta_host = torch.empty((self.META_SLOTS, self.META_INTS), dtype=torch.int64, pin_memory=True)
         self.meta_host_flat = self.meta_host.numpy().reshape(-1)
-        self.meta_host_bytes = memoryview(self.meta_host_flat).cast("B")
+        self.meta_host_bytes = self.meta_host_flat.data.cast("B")
         self.meta_dev = torch.empty((self.META_SLOTS, self.META_INTS), dtype=torch.int64, device=device)
         self.meta_host_ptr, self.meta_dev_ptr = self.meta_host.data_ptr(), self.meta_dev.data_ptr()
         self.next_meta = 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from enum import IntEnum
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 import numpy as np
 import torch
@@ -58,7 +58,7 @@ def object_list(objects: list[torch.Tensor] | torch.Tensor) -> list[torch.Tensor
 def check_request(
     geom: KVGeometry,
     objects: Objects,
-    block_ids: Sequence[int] | torch.Tensor,
+    block_ids: Sequence[int] | np.ndarray | torch.Tensor,
     direction: Direction,
     chunk_size: int,
     skip_prefix_blocks: int,
@@ -75,7 +75,7 @@ _SMALL_IDS = 128
 def check(
     geom: KVGeometry,
     objects: list[torch.Tensor] | torch.Tensor,
-    block_ids: Sequence[int] | torch.Tensor,
+    block_ids: Sequence[int] | np.ndarray | torch.Tensor,
     direction: Direction,
     chunk_size: int,
     skip_prefix_blocks: int,
@@ -108,7 +108,7 @@ def check(
 def check_pool_objects(
     geom: KVGeometry,
     objects: list[torch.Tensor],
-    block_ids: Sequence[int] | torch.Tensor,
+    block_ids: Sequence[int] | np.ndarray | torch.Tensor,
     direction: Direction,
     chunk_size: int,
     skip_prefix_blocks: int,
@@ -135,7 +135,7 @@ def check_pool_objects(
 def check_pool_addresses(
     geom: KVGeometry,
     addresses: list[int],
-    block_ids: Sequence[int] | torch.Tensor,
+    block_ids: Sequence[int] | np.ndarray | torch.Tensor,
     direction: Direction,
     chunk_size: int,
     skip_prefix_blocks: int,
@@ -157,7 +157,7 @@ def check_pool_addresses(
 
 def _checked_ids(
     geom: KVGeometry,
-    block_ids: Sequence[int] | torch.Tensor,
+    block_ids: Sequence[int] | np.ndarray | torch.Tensor,
     n_blocks: int,
     n_objects: int,
     direction: Direction,
@@ -166,6 +166,7 @@ def _checked_ids(
 ) -> np.ndarray | list[int]:
     """The block ids as a private int64 array (``keep_list``: short ones as a private list of ints), checked: one
     per block the objects hold, in the pool's range, and no block written twice by a retrieve."""
+    ids: np.ndarray | list[int]
     if keep_list and _short(block_ids):
         ids = block_ids.tolist() if type(block_ids) is torch.Tensor else list(block_ids)
     else:
@@ -180,20 +181,28 @@ def _checked_ids(
         raise ValueError(f"skip_prefix_blocks={skip_prefix_blocks} must be within 0..{n}")
     if skip_prefix_blocks < n:
         copied = ids[skip_prefix_blocks:] if skip_prefix_blocks else ids
-        small = copied if type(copied) is list else (copied.tolist() if n < _SMALL_IDS else None)  # type: ignore[union-attr]
-        lo, hi = (min(small), max(small)) if small is not None else (copied.min(), copied.max())  # type: ignore[union-attr]
-        if lo < 0 or hi >= geom.nb:
-            if small is not None:
-                bad = next(i for i, b in enumerate(small) if not 0 <= b < geom.nb) + skip_prefix_blocks
-            else:
-                bad = int(np.flatnonzero((copied < 0) | (copied >= geom.nb))[0]) + skip_prefix_blocks  # type: ignore[operator]
-            raise ValueError(f"block_ids[{bad}]={int(ids[bad])} is outside the pool of {geom.nb} blocks")
-        if direction is Direction.H2D and n - skip_prefix_blocks > 1 and _repeats(copied, small):  # type: ignore[arg-type]
+        distinct = direction is Direction.H2D and n - skip_prefix_blocks > 1  # a retrieve writes each block once
+        if isinstance(copied, list) or n < _SMALL_IDS:  # a few ids: Python's min, max and set beat numpy's
+            small = copied if isinstance(copied, list) else copied.tolist()
+            if min(small) < 0 or max(small) >= geom.nb:
+                bad = next(i for i, b in enumerate(small) if not 0 <= b < geom.nb)
+                _outside(ids, skip_prefix_blocks + bad, geom.nb)
+            repeats = distinct and len(set(small)) != len(small)
+        else:
+            if copied.min() < 0 or copied.max() >= geom.nb:
+                bad = int(np.flatnonzero((copied < 0) | (copied >= geom.nb))[0])
+                _outside(ids, skip_prefix_blocks + bad, geom.nb)
+            repeats = distinct and _repeats(copied)
+        if repeats:
             raise ValueError("block_ids repeats a block: a retrieve would write one block from two places")
     return ids
 
 
-def _short(block_ids: Sequence[int] | torch.Tensor) -> bool:
+def _outside(ids: np.ndarray | list[int], bad: int, nb: int) -> NoReturn:
+    raise ValueError(f"block_ids[{bad}]={int(ids[bad])} is outside the pool of {nb} blocks")
+
+
+def _short(block_ids: Sequence[int] | np.ndarray | torch.Tensor) -> bool:
     """A short list of ints, or a short 1-D int64 CPU tensor: checked as a Python list (for a few ids, a numpy
     array's copy and reductions cost more than the list's)."""
     if type(block_ids) is torch.Tensor:
@@ -212,7 +221,7 @@ def _check_list(
 ) -> tuple[list[int], list[int], bool]:
     if not objects:
         raise ValueError("objects is empty: pass at least one chunk object")
-    ptrs = []
+    ptrs: list[int] = []
     on_host = True
     for obj in objects:  # attribute reads only: ~0.5 us per object; a failure is explained below
         if type(obj) is not torch.Tensor or obj.shape != want or obj.dtype != dtype or not obj.is_contiguous():
@@ -262,9 +271,7 @@ def _check_run(
     return list(range(base, base + n * size, size)), [full[2]] * n, objects.is_cpu
 
 
-def _repeats(ids: np.ndarray, small: list[int] | None) -> bool:
-    if small is not None:
-        return len(set(small)) != len(small)
+def _repeats(ids: np.ndarray) -> bool:
     ordered = np.sort(ids)  # a repeat sits next to itself once sorted (np.unique costs twice this)
     return bool((ordered[1:] == ordered[:-1]).any())
 
@@ -278,7 +285,7 @@ def _partial_ok(shape: torch.Size, want: tuple[int, int, int, int], chunk_size: 
     )
 
 
-def _as_id_array(block_ids: Sequence[int] | torch.Tensor) -> np.ndarray:
+def _as_id_array(block_ids: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:
     if isinstance(block_ids, torch.Tensor):
         if block_ids.dtype is torch.int64 and block_ids.is_cpu and block_ids.dim() == 1:  # the common case, fast
             return block_ids.numpy().copy()

@@ -60,7 +60,8 @@ class KeySpace:
         layout = layout_name(EngineKVFormat[self.fmt], shape)
         return CacheNamespace(self.model, self.kv_dtype, layout, salt=self.salt)
 
-    def fields(self) -> dict[str, str | int]:
+    def fields(self) -> dict[str, Any]:
+        """The fields by name, plain values: `KeySpace(**fields)` is this key space again."""
         return asdict(self)
 
 

@@ -30,6 +30,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvferry.integrations.vllm import backends
 from kvferry.integrations.vllm.backends import KeySpace, ServerBackend
+from kvferry.integrations.vllm.counters import SchedulerCounters, WorkerCounters
 from kvferry.integrations.vllm.kv_layout import EngineKV, UnsupportedKVLayout, recognise, tensor_parallel_rank
 from kvferry.integrations.vllm.logs import show_in_vllm_log
 from kvferry.integrations.vllm.plan import StepPlan
@@ -75,7 +76,7 @@ class KvferryWorkerMeta(KVConnectorWorkerMetadata):
 class KvferryHandshake(KVConnectorHandshakeMetadata):
     """What the worker half tells the scheduler half once KV is registered: the cache key space (plain fields)."""
 
-    def __init__(self, key_space: dict[str, str | int]) -> None:
+    def __init__(self, key_space: dict[str, Any]) -> None:
         self.key_space = key_space
 
 
@@ -91,9 +92,7 @@ class KvferryConnector(KVConnectorBase_V1):
 
     _cache_hit_source = CacheHitSource.HOST
 
-    def __init__(
-        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
-    ) -> None:
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         show_in_vllm_log()
         self._settings = ConnectorSettings.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
@@ -282,7 +281,9 @@ class KvferryConnector(KVConnectorBase_V1):
     # --- metrics ------------------------------------------------------------------------------------------
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        counters = self._worker.counters if self._worker is not None else None
+        counters: WorkerCounters | SchedulerCounters | None = (
+            self._worker.counters if self._worker is not None else None
+        )
         if counters is None and self._scheduler is not None:
             counters = self._scheduler.counters
         moved = counters.take(self._stats_since) if counters is not None else {}
@@ -327,7 +328,11 @@ class KvferryConnector(KVConnectorBase_V1):
         names = set()
         for name in kv_caches:
             backend = getattr(layers.get(name), "attn_backend", None)
-            names.add(backend.get_name() if hasattr(backend, "get_name") else type(layers.get(name)).__name__)
+            names.add(
+                backend.get_name()
+                if backend is not None and hasattr(backend, "get_name")
+                else type(layers.get(name)).__name__
+            )
         return names
 
     def _recognise(self, kv_caches: dict[str, torch.Tensor], isa: str | None) -> EngineKV:

@@ -39,27 +39,40 @@ Lookup = Callable[[list[int]], Hit | None]
 FreeLock = Callable[[Any], None]
 
 
+# Read-only properties, not attributes: vLLM's dataclasses then match with their own (narrower) field types.
 class NewRequest(Protocol):
-    req_id: str
-    prompt_token_ids: list[int] | None
-    block_ids: tuple[list[int], ...]
-    num_computed_tokens: int
+    @property
+    def req_id(self) -> str: ...
+    @property
+    def prompt_token_ids(self) -> list[int] | None: ...
+    @property
+    def block_ids(self) -> tuple[list[int], ...]: ...
+    @property
+    def num_computed_tokens(self) -> int: ...
 
 
 class CachedRequests(Protocol):
-    req_ids: list[str]
-    resumed_req_ids: set[str]
-    new_block_ids: list[tuple[list[int], ...] | None]
-    num_computed_tokens: list[int]
+    @property
+    def req_ids(self) -> list[str]: ...
+    @property
+    def resumed_req_ids(self) -> set[str]: ...
+    @property
+    def new_block_ids(self) -> list[tuple[list[int], ...] | None]: ...
+    @property
+    def num_computed_tokens(self) -> list[int]: ...
 
 
 class SchedulerStep(Protocol):
     """The fields of vLLM's ``SchedulerOutput`` this module reads."""
 
-    scheduled_new_reqs: Sequence[NewRequest]
-    scheduled_cached_reqs: CachedRequests
-    num_scheduled_tokens: Mapping[str, int]
-    preempted_req_ids: set[str] | None
+    @property
+    def scheduled_new_reqs(self) -> Sequence[NewRequest]: ...
+    @property
+    def scheduled_cached_reqs(self) -> CachedRequests: ...
+    @property
+    def num_scheduled_tokens(self) -> Mapping[str, int]: ...
+    @property
+    def preempted_req_ids(self) -> set[str] | None: ...
 
 
 @dataclass
