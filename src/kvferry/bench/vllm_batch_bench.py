@@ -10,7 +10,6 @@ that held up vLLM's step would show as wall time at the same CPU seconds.
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import resource
 import shutil
@@ -24,7 +23,7 @@ from typing import Any
 from kvferry.bench.harness import BenchError, Outcome, Steps, add_json_argument, description_of, positive, require_vllm
 from kvferry.bench.report import new_table
 from kvferry.bench.server_bench import ServerProcess
-from kvferry.bench.vllm_child import connector_config, run_child, write_llama
+from kvferry.bench.vllm_child import connector_config, engine_env, run_child, write_llama
 
 VOCAB = 32000
 MODES = ("vLLM alone", "embedded", "server")
@@ -58,15 +57,6 @@ def check(args: argparse.Namespace) -> None:
     require_vllm()
 
 
-def _env() -> dict[str, str]:
-    defaults = {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CPU_KVCACHE_SPACE": "2",
-        "VLLM_CPU_OMP_THREADS_BIND": f"0-{max(0, (os.cpu_count() or 1) - 1)}",
-    }
-    return {name: os.environ.get(name, value) for name, value in defaults.items()}
-
-
 def run(args: argparse.Namespace, steps: Steps) -> Outcome:
     modes = [m for m in MODES if m in args.modes.split(",")]
     steps.expect(len(modes) * (3 + args.rounds))
@@ -83,7 +73,7 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
                 server = ServerProcess(pool_gb=2, ipc_path=str(workdir / "kvferry.sock"), chunk_size=args.chunk_size)
                 payload["server_url"] = server.endpoint
             try:
-                measured[mode] = run_child("kvferry.bench.vllm_batch_bench:measure", payload, _env(), steps)
+                measured[mode] = run_child("kvferry.bench.vllm_batch_bench:measure", payload, engine_env(), steps)
             finally:
                 if server is not None:
                     server.stop()

@@ -52,6 +52,17 @@ def write_llama(
     return sum(p.numel() for p in model.parameters())
 
 
+def engine_env() -> dict[str, str]:
+    """The environment of a benchmark's in-process vLLM CPU engine: its worker in the same process, a 2 GiB KV cache,
+    its OpenMP threads on every CPU; a variable already set wins."""
+    defaults = {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{max(0, (os.cpu_count() or 1) - 1)}",
+    }
+    return {name: os.environ.get(name, value) for name, value in defaults.items()}
+
+
 def connector_config(**extra: Any) -> dict[str, Any]:
     """vLLM's `kv_transfer_config` for KvferryConnector with the cache embedded in the engine's process."""
     return {

@@ -13,7 +13,6 @@ prompts, the hit's speed-up, and the tokens vLLM reported as cached.
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import shutil
 import statistics
@@ -26,7 +25,7 @@ from typing import Any
 from kvferry.bench.harness import BenchError, Outcome, Steps, add_json_argument, description_of, positive, require_vllm
 from kvferry.bench.report import new_table
 from kvferry.bench.server_bench import ServerProcess
-from kvferry.bench.vllm_child import connector_config, run_child, write_llama
+from kvferry.bench.vllm_child import connector_config, engine_env, run_child, write_llama
 
 VOCAB = 32000
 
@@ -74,15 +73,6 @@ def check(args: argparse.Namespace) -> None:
     require_vllm()
 
 
-def _env() -> dict[str, str]:
-    defaults = {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CPU_KVCACHE_SPACE": "2",
-        "VLLM_CPU_OMP_THREADS_BIND": f"0-{max(0, (os.cpu_count() or 1) - 1)}",
-    }
-    return {name: os.environ.get(name, value) for name, value in defaults.items()}
-
-
 def run(args: argparse.Namespace, steps: Steps) -> Outcome:
     steps.expect(3 + 2 * args.prompts)
     kv_heads = max(1, args.hidden // 256)
@@ -97,7 +87,7 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
             server = ServerProcess(pool_gb=2, ipc_path=str(workdir / "kvferry.sock"), chunk_size=args.chunk_size)
             payload["server_url"] = server.endpoint
         try:
-            measured = run_child("kvferry.bench.vllm_ttft_bench:measure", payload, _env(), steps)
+            measured = run_child("kvferry.bench.vllm_ttft_bench:measure", payload, engine_env(), steps)
         finally:
             if server is not None:
                 server.stop()

@@ -77,7 +77,7 @@ class KvferryClient:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self._conn = Connection(endpoint, timeout_s=timeout_s, heartbeat_interval_s=1.0, silence_timeout_s=timeout_s)
-        self._gpu: dict[int, GpuRegistration] = {}  # this session's registrations of GPU KV
+        self._gpu: dict[int, GpuRegistration] = {}  # registrations of GPU KV in the server session now open
         self._flag_watch = FlagWatch(self._check_up)
 
     @property
