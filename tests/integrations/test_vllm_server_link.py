@@ -172,7 +172,7 @@ def test_a_bad_chunk_size_refuses_at_start_and_a_changed_one_stays_off(caplog: p
 def test_closing_the_link_of_a_frozen_server_takes_a_bounded_time() -> None:
     """An engine's shutdown (its operator's Ctrl-C) closes the link: a server that stopped answering, with the link
     still up, must not hold it for the link's timeout or the client's."""
-    server = ServerProcess()
+    server = ServerProcess("--l1-size-gb", "0.05")  # a small pool: a quick start
     try:
         link = ServerLink(server.endpoint, timeout_s=30)
         assert link.connect()

@@ -46,7 +46,7 @@ def test_a_server_stop_gives_up_on_a_tier_lookup_that_never_ends() -> None:
 
 
 def test_a_client_of_a_frozen_server_closes_without_waiting_for_it() -> None:
-    server = ServerProcess()
+    server = ServerProcess("--l1-size-gb", "0.05")  # a small pool: a quick start
     try:
         client = KvferryClient(server.endpoint, timeout_s=30)
         client.ping()
