@@ -23,9 +23,8 @@ from typing import Any
 from kvferry.bench.harness import BenchError, Outcome, Steps, add_json_argument, description_of, positive, require_vllm
 from kvferry.bench.report import new_table
 from kvferry.bench.server_bench import ServerProcess
-from kvferry.bench.vllm_child import connector_config, engine_env, run_child, write_llama
+from kvferry.bench.vllm_child import VOCAB, connector_config, engine_env, llama_shape, run_child, write_shaped_llama
 
-VOCAB = 32000
 MODES = ("vLLM alone", "embedded", "server")
 
 DESCRIPTION = description_of(__doc__)
@@ -49,8 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check(args: argparse.Namespace) -> None:
     positive(args, "prompt_tokens", "prompts", "rounds", "layers", "hidden", "chunk_size")
-    if args.hidden % 256:
-        raise BenchError(f"--hidden must be a multiple of 256 (heads of 64, 4 per KV head), got {args.hidden}")
+    llama_shape(args.layers, args.hidden)  # a width it cannot make is refused here
     unknown = set(args.modes.split(",")) - set(MODES)
     if unknown:
         raise BenchError(f"--modes: unknown {sorted(unknown)}; known: {', '.join(MODES)}")
@@ -60,8 +58,7 @@ def check(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace, steps: Steps) -> Outcome:
     modes = [m for m in MODES if m in args.modes.split(",")]
     steps.expect(len(modes) * (3 + args.rounds))
-    kv_heads = max(1, args.hidden // 256)
-    model = {"layers": args.layers, "hidden": args.hidden, "heads": args.hidden // 64, "kv_heads": kv_heads}
+    model: dict[str, Any] = dict(llama_shape(args.layers, args.hidden))
     workdir = Path(tempfile.mkdtemp(prefix="kvferry-batch-"))
     measured: dict[str, dict[str, Any]] = {}
     try:
@@ -119,16 +116,7 @@ def _cpu_s() -> float:
 def measure(payload: dict[str, Any], step: Callable[[str], None]) -> dict[str, Any]:
     """In the engine's process (see `vllm_child`): write the model, start vLLM, time each round."""
     shape = payload["model"]
-    write_llama(
-        Path(payload["model_dir"]),
-        layers=shape["layers"],
-        hidden=shape["hidden"],
-        heads=shape["heads"],
-        kv_heads=shape["kv_heads"],
-        intermediate=shape["hidden"] * 3,
-        vocab=VOCAB,
-        dtype="float32",
-    )
+    write_shaped_llama(Path(payload["model_dir"]), shape, "float32")
     step(f"{payload['mode']}: model written")
 
     import vllm

@@ -52,6 +52,23 @@ def write_llama(
     return sum(p.numel() for p in model.parameters())
 
 
+VOCAB = 32000
+
+
+def llama_shape(layers: int, hidden: int) -> dict[str, int]:
+    """The benchmarks' Llama of `layers` x `hidden` (a multiple of 256): heads of 64, 4 query heads per KV head."""
+    if hidden % 256:
+        raise BenchError(f"--hidden must be a multiple of 256 (heads of 64, 4 per KV head), got {hidden}")
+    return {"layers": layers, "hidden": hidden, "heads": hidden // 64, "kv_heads": max(1, hidden // 256)}
+
+
+def write_shaped_llama(path: Path, shape: dict[str, int], dtype: str) -> int:
+    """`write_llama` of a `llama_shape` (an MLP 3x wide, `VOCAB` tokens); returns its parameter count."""
+    return write_llama(path, layers=shape["layers"], hidden=shape["hidden"], heads=shape["heads"],
+                       kv_heads=shape["kv_heads"], intermediate=shape["hidden"] * 3, vocab=VOCAB,
+                       dtype=dtype)  # fmt: skip
+
+
 def engine_env() -> dict[str, str]:
     """The environment of a benchmark's in-process vLLM CPU engine: its worker in the same process, a 2 GiB KV cache,
     its OpenMP threads on every CPU; a variable already set wins."""

@@ -22,12 +22,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvferry.bench.harness import BenchError, Outcome, Steps, add_json_argument, description_of, positive, require_vllm
+from kvferry.bench.harness import Outcome, Steps, add_json_argument, description_of, positive, require_vllm
 from kvferry.bench.report import new_table
 from kvferry.bench.server_bench import ServerProcess
-from kvferry.bench.vllm_child import connector_config, engine_env, run_child, write_llama
-
-VOCAB = 32000
+from kvferry.bench.vllm_child import VOCAB, connector_config, engine_env, llama_shape, run_child, write_shaped_llama
 
 DESCRIPTION = description_of(__doc__)
 EXAMPLES = """\
@@ -68,15 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check(args: argparse.Namespace) -> None:
     positive(args, "prompt_tokens", "prompts", "layers", "hidden", "chunk_size")
-    if args.hidden % 256:
-        raise BenchError(f"--hidden must be a multiple of 256 (heads of 64, 4 per KV head), got {args.hidden}")
+    llama_shape(args.layers, args.hidden)  # a width it cannot make is refused here
     require_vllm()
 
 
 def run(args: argparse.Namespace, steps: Steps) -> Outcome:
     steps.expect(3 + 2 * args.prompts)
-    kv_heads = max(1, args.hidden // 256)
-    model = {"layers": args.layers, "hidden": args.hidden, "heads": args.hidden // 64, "kv_heads": kv_heads}
+    model: dict[str, Any] = dict(llama_shape(args.layers, args.hidden))
     workdir = Path(tempfile.mkdtemp(prefix="kvferry-ttft-"))
     try:
         payload = {"model_dir": str(workdir / "model"), "model": model}
@@ -157,16 +153,7 @@ def measure(payload: dict[str, Any], step: Callable[[str], None]) -> dict[str, A
     """In the engine's process (see `vllm_child`): write the model, start vLLM with kvferry embedded, then time
     misses and hits."""
     shape = payload["model"]
-    parameters = write_llama(
-        Path(payload["model_dir"]),
-        layers=shape["layers"],
-        hidden=shape["hidden"],
-        heads=shape["heads"],
-        kv_heads=shape["kv_heads"],
-        intermediate=shape["hidden"] * 3,
-        vocab=VOCAB,
-        dtype=payload["dtype"],
-    )
+    parameters = write_shaped_llama(Path(payload["model_dir"]), shape, payload["dtype"])
     step("model written")
 
     import vllm
