@@ -73,7 +73,9 @@ class Hit:
     lock: Any = None
 
 
-class Backend(Protocol):
+class Lookups(Protocol):
+    """What the scheduler half needs of a backend (or of a hybrid model's backends together)."""
+
     @property
     def chunk_size(self) -> int | None:
         """The cache's chunk size; None while a server was never reached."""
@@ -86,14 +88,16 @@ class Backend(Protocol):
 
     def free_lock(self, lock: Any) -> None: ...
 
+    def close(self) -> None: ...
+
+
+class Backend(Lookups, Protocol):
     def retrieve_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
         """Load the cached prefix of ``tokens``; resolves to how many leading tokens the blocks then hold (the
         skipped prefix included)."""
         ...
 
     def store_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]: ...
-
-    def close(self) -> None: ...
 
 
 class EmbeddedBackend:
@@ -104,10 +108,13 @@ class EmbeddedBackend:
     reader of the blocks a load writes); the copy then runs on kvferry's streams from the engine's worker thread,
     whose own current stream is not vLLM's. Nothing waits on the CPU for the model."""
 
-    def __init__(self, engine: CacheEngine, kv: EngineKV, namespace: CacheNamespace) -> None:
+    def __init__(
+        self, engine: CacheEngine, kv: EngineKV, namespace: CacheNamespace, key_space: KeySpace | None = None
+    ) -> None:
         self.engine = engine
         self.kv = kv
         self.namespace = namespace
+        self.key_space = key_space
         self.chunk_size: int | None = engine.chunk_size
         # Validated once here: every load and store then skips re-describing vLLM's tensors.
         self.geometry = describe(kv.fmt, kv.paged, kv.block_size, heads=kv.heads)
@@ -249,11 +256,16 @@ def make_worker_backend(
     block_size: int,
     name: str,
     on_chunk_size: Callable[[int], None] | None = None,
+    group_tag: str = "",
+    engine: CacheEngine | None = None,
 ) -> EmbeddedBackend | ServerBackend:
     """The backend of a worker that registered ``kv``: a cache engine in this process (embedded mode), or a session
     with the server that registers ``kv`` there (server mode; a chunk size that is not whole ``block_size``-token
-    blocks of the scheduler refuses to start). What the connector makes in ``register_kv_caches``, without vLLM."""
-    key_space = KeySpace.of(kv, model=model, salt=settings.salt)
+    blocks of the scheduler refuses to start). What the connector makes in ``register_kv_caches``, without vLLM.
+
+    A hybrid model's KV cache groups each make one, ``group_tag`` (`KVGroup.tag`) in their key space; in embedded
+    mode they share one cache ``engine`` (the first group's backend's)."""
+    key_space = KeySpace.of(kv, model=model, salt=f"{settings.salt}|{group_tag}" if group_tag else settings.salt)
 
     def check_chunk_size(chunk_size: int) -> None:
         settings.check_chunk_size(chunk_size, block_size)
@@ -275,15 +287,18 @@ def make_worker_backend(
             link.close()
             raise
         return ServerBackend(link, key_space, kv)
-    config = settings.kvferry_config()
-    check_chunk_size(config.cache.chunk_size)
-    if config.transfer != TransferConfig():  # the GPU data path is process-wide: changed only when asked to
-        configure_gpu(**config.transfer.engine_settings())
-    engine = CacheEngine(config, name=name)
+    if engine is None:
+        config = settings.kvferry_config()
+        check_chunk_size(config.cache.chunk_size)
+        if config.transfer != TransferConfig():  # the GPU data path is process-wide: changed only when asked to
+            configure_gpu(**config.transfer.engine_settings())
+        engine = CacheEngine(config, name=name)
+    else:
+        check_chunk_size(engine.chunk_size)
     namespace = engine.namespace_for(
         key_space.model, kv.fmt, kv.paged, world_size=1, rank=0, salt=key_space.salt, block_size=kv.block_size
     )
-    return EmbeddedBackend(engine, kv, namespace)
+    return EmbeddedBackend(engine, kv, namespace, key_space)
 
 
 def _registered(registration: int | None) -> int:
@@ -307,11 +322,11 @@ def _plus(future: Future[int], offset: int) -> Future[int]:
     return out
 
 
-_registry: dict[str, Backend] = {}
+_registry: dict[str, Lookups] = {}
 _registry_lock = threading.Lock()
 
 
-def publish(engine_id: str, backend: Backend) -> None:
+def publish(engine_id: str, backend: Lookups) -> None:
     """Make ``backend`` the one of vLLM engine ``engine_id`` in this process."""
     with _registry_lock:
         if engine_id in _registry:
@@ -319,11 +334,11 @@ def publish(engine_id: str, backend: Backend) -> None:
         _registry[engine_id] = backend
 
 
-def find(engine_id: str) -> Backend | None:
+def find(engine_id: str) -> Lookups | None:
     with _registry_lock:
         return _registry.get(engine_id)
 
 
-def withdraw(engine_id: str) -> Backend | None:
+def withdraw(engine_id: str) -> Lookups | None:
     with _registry_lock:
         return _registry.pop(engine_id, None)

@@ -7,6 +7,10 @@ that pinned their hits); once, at start-up, the worker tells the scheduler the c
 handshake metadata), which a scheduler in another process needs for its lookups. This module only translates
 between vLLM's objects and those halves.
 
+Hybrid models (vLLM's hybrid KV cache manager: sliding-window, chunked-local and full attention groups): the
+connector supports it (`SupportsHMA`); each group's layers are KV of their own (`kv_groups`) and the scheduler
+half plans each group's share of a load or store (`hybrid_scheduler`).
+
 Tensor parallelism (server mode): every rank's worker registers its slice of the KV heads with the server, whose
 objects hold every head; the scheduler's one lookup answers for all ranks (an object is a hit once every head is
 written), each rank loads and stores its columns, and a lookup's lock goes once every rank reported its load.
@@ -25,12 +29,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvferry.integrations.vllm import backends
 from kvferry.integrations.vllm.backends import KeySpace, ServerBackend
 from kvferry.integrations.vllm.counters import SchedulerCounters, WorkerCounters
+from kvferry.integrations.vllm.hybrid_scheduler import GroupedSchedulerSide
+from kvferry.integrations.vllm.kv_groups import (
+    GroupedLookups,
+    KVGroup,
+    UnsupportedGroups,
+    groups_of,
+    make_group_backends,
+)
 from kvferry.integrations.vllm.kv_layout import EngineKV, UnsupportedKVLayout, recognise, tensor_parallel_rank
 from kvferry.integrations.vllm.logs import show_in_vllm_log
 from kvferry.integrations.vllm.plan import StepPlan
@@ -76,11 +89,12 @@ class KvferryWorkerMeta(KVConnectorWorkerMetadata):
 class KvferryHandshake(KVConnectorHandshakeMetadata):
     """What the worker half tells the scheduler half once KV is registered: the cache key space (plain fields)."""
 
-    def __init__(self, key_space: dict[str, Any]) -> None:
+    def __init__(self, key_space: dict[str, Any], group_key_spaces: list[dict[str, Any]] | None = None) -> None:
         self.key_space = key_space
+        self.group_key_spaces = group_key_spaces  # a hybrid model's: one per KV cache group
 
 
-class KvferryConnector(KVConnectorBase_V1):
+class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
     """Loads prompt prefixes kvferry holds into vLLM's blocks and stores newly computed ones.
 
     Server mode works with tensor parallelism and in any process layout. Embedded mode needs the scheduler and
@@ -117,10 +131,20 @@ class KvferryConnector(KVConnectorBase_V1):
             # whose load came back short with an error; a cache's miss must cost only the recomputation.
             log.info("kvferry: setting vLLM's kv_load_failure_policy to 'recompute' (a failed load is recomputed)")
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
-        self._scheduler: SchedulerSide | None = None
+        self._groups: list[KVGroup] = []  # a hybrid model's KV cache groups (empty: one full-attention group)
+        self._groups_refused: str | None = None
+        try:
+            groups = groups_of(kv_cache_config)
+            if len(groups) > 1 or groups[0].windowed:
+                self._groups = groups
+        except UnsupportedGroups as exc:
+            self._groups_refused = str(exc)
+            if role == KVConnectorRole.WORKER:
+                log.error("kvferry connector disabled (every lookup is a miss): %s", exc)
+        self._scheduler: SchedulerSide | GroupedSchedulerSide | None = None
         self._scheduler_warned = False
         self._handshake: KvferryHandshake | None = None  # worker: sent; scheduler: received
-        self._lookup_backend: ServerBackend | None = None
+        self._lookup_backend: ServerBackend | GroupedLookups | None = None
         self._worker: WorkerSide | None = None
         self._stats_since: dict[str, float] = {}
 
@@ -131,9 +155,14 @@ class KvferryConnector(KVConnectorBase_V1):
     # --- worker side --------------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self._groups_refused is not None:
+            return
         try:
             isa = self._isa(kv_caches)
             kv = self._recognise(kv_caches, isa)
+            if self._groups:
+                self._register_groups(kv_caches, isa)
+                return
         except UnsupportedKVLayout as exc:
             log.error("kvferry connector disabled (every lookup is a miss): %s", exc)
             return
@@ -190,7 +219,10 @@ class KvferryConnector(KVConnectorBase_V1):
             self._worker.start_stores(self._plan())
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # vLLM calls this every step, before the forward pass: a windowed group's blocks freed since the last step
+        # may be written by this one, so their stores end now.
         if self._worker is not None and isinstance(kv_connector_metadata, KvferryConnectorMetadata):
+            self._worker.settle_windowed_stores()
             self._worker.preempted(kv_connector_metadata.plan.preempted)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -234,7 +266,12 @@ class KvferryConnector(KVConnectorBase_V1):
             # The worker is in another process: this half looks up through a session of its own, made now (at
             # start-up) so the first request never waits for it.
             link = ServerLink(self._settings.server_url, timeout_s=self._settings.timeout_s)
-            self._lookup_backend = ServerBackend(link, KeySpace(**received.key_space))
+            if received.group_key_spaces is not None:  # a hybrid model: its groups' lookups share the session
+                self._lookup_backend = GroupedLookups(
+                    [ServerBackend(link, KeySpace(**fields)) for fields in received.group_key_spaces]
+                )
+            else:
+                self._lookup_backend = ServerBackend(link, KeySpace(**received.key_space))
             try:
                 link.connect(check_chunk_size=self._check_chunk_size)
             except ValueError as exc:
@@ -255,7 +292,10 @@ class KvferryConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         side = self._scheduler_side()
-        if side is not None:
+        if isinstance(side, GroupedSchedulerSide):
+            side.after_alloc(request.request_id, request.prompt_token_ids or [], blocks.get_block_ids(),
+                             num_external_tokens)  # fmt: skip
+        elif side is not None:
             block_ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
             side.after_alloc(request.request_id, request.prompt_token_ids or [], block_ids, num_external_tokens)
 
@@ -269,14 +309,21 @@ class KvferryConnector(KVConnectorBase_V1):
             self._scheduler.loads_done(report.loaded.elements(), report.failed)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         side = self._scheduler
         if side is None:
             return False, None
         # What the request computed: its tokens but the last generated one, less any still in flight (vLLM's
-        # async scheduling); `block_ids` are the blocks holding them.
+        # async scheduling); `block_ids` are the blocks holding them (a windowed group's freed ones: null).
         computed = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
         tokens = request.all_token_ids[: max(0, computed)]
-        return side.request_finished(request.request_id, tokens, block_ids), None
+        if isinstance(side, GroupedSchedulerSide):
+            return side.request_finished(request.request_id, tokens, block_ids), None
+        return side.request_finished(request.request_id, tokens, block_ids[0]), None
 
     # --- metrics ------------------------------------------------------------------------------------------
 
@@ -335,7 +382,9 @@ class KvferryConnector(KVConnectorBase_V1):
             )
         return names
 
-    def _recognise(self, kv_caches: dict[str, torch.Tensor], isa: str | None) -> EngineKV:
+    def _recognise(
+        self, kv_caches: dict[str, torch.Tensor], isa: str | None, block_size: int | None = None
+    ) -> EngineKV:
         mla = bool(getattr(self._vllm_config.model_config, "use_mla", False))
         if mla and _on_cpu():
             raise UnsupportedKVLayout(
@@ -351,7 +400,40 @@ class KvferryConnector(KVConnectorBase_V1):
             tp=tp,
             model_kv_heads=model_kv_heads,
             mla=mla,
-            block_size=self._block_size,
+            block_size=block_size or self._block_size,
+        )
+
+    def _register_groups(self, kv_caches: dict[str, torch.Tensor], isa: str | None) -> None:
+        """A hybrid model's KV: each group's layers registered as KV of their own (`kv_groups`)."""
+        kvs = [self._recognise({n: kv_caches[n] for n in group.layer_names}, isa, group.block_size)
+               for group in self._groups]  # fmt: skip
+        model = self._settings.model_id or _served_model_name(self._vllm_config)
+        made = make_group_backends(self._settings, kvs, self._groups, model=model, name=f"vllm-{self._engine_id[:8]}")
+        backends.publish(self._engine_id, GroupedLookups(made))
+        key_spaces = [KeySpace.of(kv, model=model, salt=f"{self._settings.salt}|{g.tag}").fields()
+                      for kv, g in zip(kvs, self._groups, strict=True)]  # fmt: skip
+        self._handshake = KvferryHandshake(key_spaces[0], key_spaces)
+        full = [i for i, group in enumerate(self._groups) if not group.windowed]
+        counted = full[0] if full else 0  # counters count the tokens of a group that holds them all
+        hook = self._settings.load_after_load_hook()
+        self._worker = WorkerSide(
+            made,
+            block_size=[group.block_size for group in self._groups],
+            after_load=None
+            if hook is None
+            else lambda ids: hook(kvs[counted].layers, list(kvs[counted].kernel_block_ids(ids))),
+            counted_group=counted,
+            windowed_groups=[i for i, group in enumerate(self._groups) if group.windowed],
+        )
+        log.info(
+            "kvferry connector active: %s mode%s, hybrid model: %s; %s KV, vLLM order %s as %s, chunk size %s",
+            self._settings.mode,
+            f" ({self._settings.server_url})" if self._settings.mode == "server" else "",
+            ", ".join(f"{g.tag} ({len(g.layer_names)} layers, block size {g.block_size})" for g in self._groups),
+            kvs[0].kv_dtype,
+            kvs[0].order,
+            kvs[0].fmt.name,
+            made[0].chunk_size,
         )
 
     def _key_space(self, kv: EngineKV) -> KeySpace:
@@ -361,12 +443,12 @@ class KvferryConnector(KVConnectorBase_V1):
     def _check_chunk_size(self, chunk_size: int) -> None:
         self._settings.check_chunk_size(chunk_size, self._block_size)
 
-    def _scheduler_side(self) -> SchedulerSide | None:
+    def _scheduler_side(self) -> SchedulerSide | GroupedSchedulerSide | None:
         """The scheduler half, made on first use: over the worker's backend when it lives in this process,
         else over a lookup-only session with the server in the key space the worker reported."""
         if self._scheduler is not None:
             return self._scheduler
-        lookups: backends.Backend | None = backends.find(self._engine_id) or self._lookup_backend
+        lookups: backends.Lookups | None = backends.find(self._engine_id) or self._lookup_backend
         if lookups is None:
             self._warn_once(
                 "no KV cache registered with kvferry for this engine"
@@ -382,15 +464,16 @@ class KvferryConnector(KVConnectorBase_V1):
         chunk_size = lookups.chunk_size
         if chunk_size is None:
             return None  # the server was never reached (its link warned and keeps trying): lookups miss
-        self._scheduler = SchedulerSide(
+        side = SchedulerSide(
             lookups.lookup,
             lookups.free_lock,
-            block_size=self._block_size,
+            block_size=self._groups[0].block_size if self._groups else self._block_size,
             chunk_size=chunk_size,
             in_background=self._settings.async_load,
             refresh_s=self._settings.lock_refresh_s,
             ranks=self._tp_size,
         )
+        self._scheduler = GroupedSchedulerSide(side, self._groups) if self._groups else side
         return self._scheduler
 
     def _warn_once(self, message: str) -> None:

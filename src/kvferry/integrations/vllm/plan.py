@@ -17,7 +17,8 @@ class LoadSpec:
     engine block per ``block_size`` tokens of it. ``skip_tokens`` (a multiple of the block size) is what vLLM
     already holds in its own prefix cache: those blocks may be shared with running requests, so they are
     never written. ``in_background``: the request waits for this load (vLLM's async-load path) while the step
-    runs without it; otherwise the load completes before the step's forward pass.
+    runs without it; otherwise the load completes before the step's forward pass. ``group``: the vLLM KV cache
+    group whose blocks these are (a hybrid model's; 0 otherwise).
     """
 
     req_id: str
@@ -25,17 +26,19 @@ class LoadSpec:
     block_ids: list[int]
     skip_tokens: int
     in_background: bool = False
+    group: int = 0
 
 
 @dataclass(frozen=True)
 class StoreSpec:
     """Copy the KV of ``tokens`` (a chunk-aligned prompt prefix, all computed) out of ``block_ids`` into the
-    cache, except the first ``skip_tokens`` tokens, which the cache already holds."""
+    cache, except the first ``skip_tokens`` tokens, which the cache already holds (``group``: as in `LoadSpec`)."""
 
     req_id: str
     tokens: list[int]
     block_ids: list[int]
     skip_tokens: int
+    group: int = 0
 
 
 @dataclass

@@ -10,6 +10,11 @@ load, short or not, is reported in `take_load_report` so the scheduler half free
 Stores start after the forward pass and run in the background; a request's blocks stay with it until its stores
 are done, which this side reports through `finished_sending`.
 
+A hybrid model's plan names each load's and store's KV cache group (`LoadSpec.group`): each group has a backend
+of its own, a request's loads are reported once all its groups' ran, and its counters count one group's tokens
+(the one given as ``counted_group``). A windowed group's stores end before the next step's forward pass
+(`settle_windowed_stores`): vLLM frees such a group's blocks as its window slides, while the request runs.
+
 While any of them runs, Python's GIL switch interval is cut to `HANDOFF_S` (`GilHandoff`). A background load
 or store hands the GIL back and forth many times (each copy call, each reply read off the server's socket), and
 vLLM's engine loop runs Python without a pause while a request waits for its load: at the default 5 ms interval a
@@ -23,8 +28,9 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_all
 from typing import Protocol
 
 from kvferry.integrations.vllm.counters import WorkerCounters
@@ -83,17 +89,25 @@ _HANDOFF = GilHandoff()
 class WorkerSide:
     def __init__(
         self,
-        backend: KVBackend,
+        backend: KVBackend | Sequence[KVBackend],
         *,
-        block_size: int,
+        block_size: int | Sequence[int],
         after_load: Callable[[list[int]], None] | None = None,
+        counted_group: int = 0,
+        windowed_groups: Iterable[int] = (),
     ) -> None:
-        """``after_load(block_ids)`` runs after each load with the blocks written (a debugging/testing hook)."""
-        self._backend = backend
-        self.block_size = block_size
+        """``backend``: one, or one per KV cache group with its block size in ``block_size``. ``after_load(block_ids)``
+        runs after each load with the blocks written (a debugging/testing hook)."""
+        self._backends = list(backend) if isinstance(backend, Sequence) else [backend]
+        self._block_sizes = list(block_size) if isinstance(block_size, Sequence) else [block_size]
+        self.block_size = self._block_sizes[0]
         self._after_load = after_load
-        self._loading: dict[str, tuple[LoadSpec, Future[int], _Timer]] = {}  # background loads in flight
-        self._inflight: dict[str, list[tuple[Future[int], _Timer]]] = {}  # req_id -> its unfinished stores
+        self._counted_group = counted_group
+        self._windowed_groups = frozenset(windowed_groups)
+        self._windowed_stores: list[Future[int]] = []  # since the last settle_windowed_stores
+        self._loading: dict[str, list[tuple[LoadSpec, Future[int], _Timer]]] = {}  # background loads in flight
+        # req_id -> its unfinished stores (and whether their group is the counted one)
+        self._inflight: dict[str, list[tuple[Future[int], _Timer, bool]]] = {}
         self._saving: set[str] = set()  # requests vLLM keeps blocks for until their stores are reported done
         self._finished: set[str] = set()  # those of them that vLLM reported finished
         self._load_errors: set[int] = set()
@@ -107,15 +121,17 @@ class WorkerSide:
             timer = _Timer()
             future = timer.watch(self._retrieve(spec))
             if spec.in_background:
-                self._loading[spec.req_id] = (spec, future, timer)
+                self._loading.setdefault(spec.req_id, []).append((spec, future, timer))
             else:
                 self._settle_load(spec, future, timer)
 
     def finished_loading(self) -> set[str]:
-        """Background loads done since the last call (their failed blocks are in `take_load_errors` now)."""
-        done = {req_id for req_id, (_, future, _) in self._loading.items() if future.done()}
+        """Background loads done since the last call, every group's (their failed blocks are in
+        `take_load_errors` now)."""
+        done = {req_id for req_id, loads in self._loading.items() if all(load[1].done() for load in loads)}
         for req_id in done:
-            self._settle_load(*self._loading.pop(req_id))
+            for load in self._loading.pop(req_id):
+                self._settle_load(*load)
         return done
 
     def start_stores(self, plan: StepPlan) -> None:
@@ -123,7 +139,16 @@ class WorkerSide:
         for spec in plan.stores:
             self._saving.add(spec.req_id)
             timer = _Timer()
-            self._inflight.setdefault(spec.req_id, []).append((timer.watch(self._store(spec)), timer))
+            future = timer.watch(self._store(spec))
+            self._inflight.setdefault(spec.req_id, []).append((future, timer, spec.group == self._counted_group))
+            if spec.group in self._windowed_groups:
+                self._windowed_stores.append(future)
+
+    def settle_windowed_stores(self) -> None:
+        """Wait for the windowed groups' stores started so far (before a forward pass that may reuse their
+        blocks); their results are collected with the request's other stores."""
+        stores, self._windowed_stores = self._windowed_stores, []
+        wait_all(stores)
 
     def preempted(self, req_ids: Iterable[str]) -> None:
         """Wait for these requests' stores (their blocks are about to be reused) and forget them: vLLM frees a
@@ -138,7 +163,7 @@ class WorkerSide:
         self._finished.update(r for r in finished_req_ids if r in self._saving)
         done = set()
         for req_id in list(self._finished):
-            if any(not future.done() for future, _ in self._inflight.get(req_id, [])):
+            if any(not future.done() for future, _, _ in self._inflight.get(req_id, [])):
                 continue
             self._wait_for_stores(req_id)  # all done: collect their results and errors
             done.add(req_id)
@@ -159,8 +184,9 @@ class WorkerSide:
 
     def close(self) -> None:
         """Wait for every load and store still running (they read or write vLLM's blocks)."""
-        for spec, future, timer in list(self._loading.values()):
-            self._settle_load(spec, future, timer)
+        for loads in list(self._loading.values()):
+            for spec, future, timer in loads:
+                self._settle_load(spec, future, timer)
         self._loading.clear()
         for req_id in list(self._inflight):
             self._wait_for_stores(req_id)
@@ -169,7 +195,8 @@ class WorkerSide:
 
     def _retrieve(self, spec: LoadSpec) -> Future[int]:
         try:
-            return _HANDOFF.watch(self._backend.retrieve_async(spec.tokens, spec.block_ids, spec.skip_tokens))
+            backend = self._backends[spec.group]
+            return _HANDOFF.watch(backend.retrieve_async(spec.tokens, spec.block_ids, spec.skip_tokens))
         except Exception as exc:
             failed: Future[int] = Future()
             failed.set_exception(exc)
@@ -183,40 +210,49 @@ class WorkerSide:
             if not isinstance(exc, ServerDown):  # the link already said the server is down, once
                 log.warning("kvferry: loading request %s failed: %s: %s", spec.req_id, type(exc).__name__, exc)
             got = spec.skip_tokens
-        self.counters.loads += 1
-        self.counters.load_seconds += timer.seconds
+        counted = spec.group == self._counted_group
+        block_size = self._block_sizes[spec.group]
+        if counted:
+            self.counters.loads += 1
+            self.counters.load_seconds += timer.seconds
         self._loads_done.add(spec.req_id)
         if got < target:
-            first_bad = max(got, spec.skip_tokens) // self.block_size
+            first_bad = max(got, spec.skip_tokens) // block_size
             self._load_errors.update(spec.block_ids[first_bad:])
             self._loads_failed.add(spec.req_id)
             self.counters.load_failures += 1
             log.warning(
                 "kvferry: request %s: loaded %d of %d tokens; vLLM recomputes the rest", spec.req_id, got, target
             )
+        if not counted:
+            return
         self.counters.tokens_loaded += max(0, min(got, target) - spec.skip_tokens)
-        written = spec.block_ids[spec.skip_tokens // self.block_size : -(-min(got, target) // self.block_size)]
+        written = spec.block_ids[spec.skip_tokens // block_size : -(-min(got, target) // block_size)]
         if self._after_load is not None and written:
             self._after_load(written)
 
     def _store(self, spec: StoreSpec) -> Future[int]:
         try:
-            return _HANDOFF.watch(self._backend.store_async(spec.tokens, spec.block_ids, spec.skip_tokens))
+            backend = self._backends[spec.group]
+            return _HANDOFF.watch(backend.store_async(spec.tokens, spec.block_ids, spec.skip_tokens))
         except Exception as exc:  # a store is best effort: a failed one is a later cache miss
             failed: Future[int] = Future()
             failed.set_exception(exc)
             return failed
 
     def _wait_for_stores(self, req_id: str) -> None:
-        for future, timer in self._inflight.pop(req_id, []):
+        for future, timer, counted in self._inflight.pop(req_id, []):
             try:
-                self.counters.tokens_stored += future.result()
+                stored = future.result()
             except Exception as exc:
                 self.counters.store_failures += 1
                 if not isinstance(exc, ServerDown):
                     log.warning("kvferry: a store for request %s failed (a later lookup misses): %s", req_id, exc)
-            self.counters.stores += 1
-            self.counters.store_seconds += timer.seconds
+                stored = 0
+            if counted:
+                self.counters.tokens_stored += stored
+                self.counters.stores += 1
+                self.counters.store_seconds += timer.seconds
 
 
 class _Timer:

@@ -1,0 +1,177 @@
+"""The scheduler half for a hybrid model: one `SchedulerSide` decides, every group gets its share of the plan.
+
+`SchedulerSide` looks up (through `GroupedLookups`: the prefix every group holds), locks, and plans loads and
+stores over one block table, the first group's. This wrapper keeps every group's block table as vLLM hands
+them out and turns each planned load or store into one per group, over that group's blocks (`LoadSpec.group`).
+
+A windowed group (sliding window, chunked local) differs in two ways:
+- a load writes only the group's blocks vLLM allocated, those inside the window at the hit's end (vLLM puts its
+  null block before them); what lies before is skipped, not loaded;
+- a store reads only blocks vLLM has not freed: vLLM frees a windowed group's blocks as the window slides, at
+  the start of a step, so a chunk is stored from the blocks of the step that computed it, never after. A chunk
+  with blocks already freed (it straddles steps and the window passed its start) is left out for that group: a
+  later lookup then stops before it (a shorter hit), never loads another request's bytes. The worker waits for
+  a windowed group's stores before the next step's forward pass (`WorkerSide.settle_windowed_stores`), since
+  vLLM may give those blocks to another request then.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvferry.integrations.vllm.kv_groups import KVGroup, first_unfreed_token
+from kvferry.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
+from kvferry.integrations.vllm.scheduler_side import SchedulerSide, SchedulerStep
+
+Tables = tuple[list[int], ...]
+
+
+@dataclass(frozen=True)
+class _FirstGroupNew:
+    """A new request of the step as `SchedulerSide` reads it: the first group's block ids only."""
+
+    req_id: str
+    prompt_token_ids: list[int] | None
+    block_ids: tuple[list[int], ...]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class _FirstGroupCached:
+    req_ids: list[str]
+    resumed_req_ids: set[str]
+    new_block_ids: list[tuple[list[int], ...] | None]
+    num_computed_tokens: list[int]
+
+
+@dataclass(frozen=True)
+class _FirstGroupStep:
+    scheduled_new_reqs: list[_FirstGroupNew]
+    scheduled_cached_reqs: _FirstGroupCached
+    num_scheduled_tokens: Mapping[str, int]
+    preempted_req_ids: set[str] | None
+
+
+class GroupedSchedulerSide:
+    """`SchedulerSide`'s interface for a model of several KV cache groups (``groups``, in vLLM's order)."""
+
+    def __init__(self, side: SchedulerSide, groups: Sequence[KVGroup]) -> None:
+        self.side = side
+        self.groups = list(groups)
+        self.counters = side.counters
+        self._tables: dict[str, Tables] = {}  # running requests' block tables, one list per group
+        self._pending: dict[str, Tables] = {}  # an accepted background load's blocks, until planned
+        self._finished: dict[str, Tables] = {}  # finished requests' tables, until their stores are planned
+
+    def num_new_matched_tokens(
+        self, req_id: str, prompt: Sequence[int], num_tokens: int, num_computed_tokens: int, *, cacheable: bool = True
+    ) -> tuple[int | None, bool]:
+        return self.side.num_new_matched_tokens(req_id, prompt, num_tokens, num_computed_tokens, cacheable=cacheable)
+
+    def after_alloc(self, req_id: str, prompt: Sequence[int], block_ids: Tables, num_external: int) -> None:
+        self.side.after_alloc(req_id, prompt, block_ids[0] if num_external > 0 else [], num_external)
+        if num_external > 0 and self.side.in_background:
+            self._pending[req_id] = tuple(list(ids) for ids in block_ids)
+
+    def build_plan(self, step: SchedulerStep) -> StepPlan:
+        computed = self._update_tables(step)
+        pending, self._pending = self._pending, {}
+        finished, self._finished = self._finished, {}
+        plan = self.side.build_plan(_first_group(step))
+        grouped = StepPlan(preempted=plan.preempted)
+        for load in plan.loads:
+            tables = pending.get(load.req_id) or self._tables.get(load.req_id)
+            if tables is not None:
+                grouped.loads += [self._load(load, group, tables[group.index]) for group in self.groups]
+        for store in plan.stores:
+            tables = finished.get(store.req_id) or self._tables.get(store.req_id)
+            if tables is not None:
+                num_computed = computed.get(store.req_id)
+                grouped.stores += [
+                    self._store(store, group, tables[group.index], num_computed) for group in self.groups
+                ]
+        for req_id in plan.preempted:
+            self._tables.pop(req_id, None)
+        return grouped
+
+    def loads_done(self, req_ids: Any, failed: Any = ()) -> None:
+        self.side.loads_done(req_ids, failed)
+
+    def request_finished(self, req_id: str, computed: Sequence[int], block_ids: Tables) -> bool:
+        self._tables.pop(req_id, None)
+        self._pending.pop(req_id, None)
+        saving = self.side.request_finished(req_id, computed, block_ids[0])
+        if saving:
+            self._finished[req_id] = tuple(list(ids) for ids in block_ids)
+        return saving
+
+    def close(self) -> None:
+        self.side.close()
+
+    def tracked_requests(self) -> Any:
+        return self.side.tracked_requests()
+
+    def locks_held(self) -> int:
+        return self.side.locks_held()
+
+    # -- helpers ---------------------------------------------------------------------------------------------
+
+    def _update_tables(self, step: SchedulerStep) -> dict[str, int]:
+        """Every group's block table after the step's allocations; each scheduled request's computed tokens at the
+        step's start (what vLLM freed windowed blocks by)."""
+        computed = {}
+        for new in step.scheduled_new_reqs:
+            self._tables[new.req_id] = tuple(list(ids) for ids in new.block_ids)
+            computed[new.req_id] = new.num_computed_tokens
+        cached = step.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids or req_id not in self._tables:
+                self._tables[req_id] = tuple(list(ids) for ids in new_blocks) if new_blocks else ()
+            elif new_blocks:
+                for table, ids in zip(self._tables[req_id], new_blocks, strict=True):
+                    table.extend(ids)
+            computed[req_id] = cached.num_computed_tokens[i]
+        return computed
+
+    def _load(self, load: LoadSpec, group: KVGroup, table: list[int]) -> LoadSpec:
+        end = len(load.tokens)
+        ids = table[: -(-end // group.block_size)]
+        skip = load.skip_tokens
+        if group.windowed:  # vLLM allocated only the window's blocks: load from the first it holds
+            skip = min(end, first_unfreed_token(group, ids, skip, end) // group.block_size * group.block_size)
+        return dataclasses.replace(load, block_ids=ids, skip_tokens=skip, group=group.index)
+
+    def _store(self, store: StoreSpec, group: KVGroup, table: list[int], num_computed: int | None) -> StoreSpec:
+        end = len(store.tokens)
+        ids = table[: -(-end // group.block_size)]
+        skip = store.skip_tokens
+        if group.windowed:
+            start = first_unfreed_token(group, ids, skip, end)
+            if num_computed is not None:  # blocks vLLM freed at this step's start still hold their old ids here
+                start = max(start, group.skipped_tokens(num_computed))
+            chunk = self.side.chunk_size
+            skip = min(end, -(-start // chunk) * chunk)  # whole chunks only: one with a freed block is left out
+        return dataclasses.replace(store, block_ids=ids, skip_tokens=skip, group=group.index)
+
+
+def _first_group(step: SchedulerStep) -> _FirstGroupStep:
+    """``step`` as `SchedulerSide` reads it: the first group's block ids (it plans over that group's table)."""
+    cached = step.scheduled_cached_reqs
+    return _FirstGroupStep(
+        [
+            _FirstGroupNew(new.req_id, new.prompt_token_ids, (list(new.block_ids[0]),), new.num_computed_tokens)
+            for new in step.scheduled_new_reqs
+        ],
+        _FirstGroupCached(
+            list(cached.req_ids),
+            set(cached.resumed_req_ids),
+            [None if ids is None else (list(ids[0]),) for ids in cached.new_block_ids],
+            list(cached.num_computed_tokens),
+        ),
+        step.num_scheduled_tokens,
+        step.preempted_req_ids,
+    )

@@ -1,0 +1,169 @@
+"""Hybrid models (vLLM's hybrid KV cache manager): groups read off vLLM's specs, each group's share of a plan, and
+the bytes a hybrid hit loads, over a real cache engine (no vLLM engine needed)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from kvferry.cache import CacheEngine
+from kvferry.config import KvferryConfig
+from kvferry.integrations.vllm.backends import EmbeddedBackend, Hit
+from kvferry.integrations.vllm.hybrid_scheduler import GroupedSchedulerSide
+from kvferry.integrations.vllm.kv_groups import GroupedLookups, KVGroup, UnsupportedGroups, groups_of
+from kvferry.integrations.vllm.kv_layout import recognise
+from kvferry.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
+from kvferry.integrations.vllm.scheduler_side import SchedulerSide
+from kvferry.integrations.vllm.worker_side import WorkerSide
+
+BS, CHUNK, WINDOW, NB = 16, 64, 32, 64
+SLIDING = KVGroup(0, "sliding_window", BS, ("model.layers.0.attn",), WINDOW)
+FULL = KVGroup(1, "full", BS, ("model.layers.1.attn",))
+
+
+def test_groups_are_read_off_vllms_specs_and_mamba_is_refused() -> None:
+    kv_cache_interface = pytest.importorskip("vllm.v1.kv_cache_interface")
+    common = {"block_size": 16, "num_kv_heads": 2, "head_size": 64, "dtype": torch.bfloat16}
+    specs = [
+        kv_cache_interface.SlidingWindowSpec(**common, sliding_window=128),
+        kv_cache_interface.FullAttentionSpec(**common),
+        kv_cache_interface.ChunkedLocalAttentionSpec(**common, attention_chunk_size=256),
+    ]
+    config = SimpleNamespace(
+        kv_cache_groups=[SimpleNamespace(layer_names=[f"l{i}"], kv_cache_spec=s) for i, s in enumerate(specs)]
+    )
+    groups = groups_of(config)
+    assert [(g.kind, g.window) for g in groups] == [("sliding_window", 128), ("full", 0), ("chunked_local", 256)]
+    assert len({g.tag for g in groups}) == 3  # each group its own key space
+    assert groups[0].skipped_tokens(300) == 160  # 300 - 128 + 1 = 173, down to whole blocks
+    assert groups[2].skipped_tokens(300) == 256 and groups[1].skipped_tokens(300) == 0
+    mamba = kv_cache_interface.MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.bfloat16,))
+    config.kv_cache_groups.append(SimpleNamespace(layer_names=["m"], kv_cache_spec=mamba))
+    with pytest.raises(UnsupportedGroups, match="MambaSpec"):
+        groups_of(config)
+
+
+def _step(new: list[Any] = (), cached: list[tuple[str, Any, int]] = (), scheduled: dict[str, int] | None = None):
+    return SimpleNamespace(
+        scheduled_new_reqs=list(new),
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[c[0] for c in cached],
+            resumed_req_ids=set(),
+            new_block_ids=[c[1] for c in cached],
+            num_computed_tokens=[c[2] for c in cached],
+        ),
+        num_scheduled_tokens=scheduled or {},
+        preempted_req_ids=set(),
+    )
+
+
+def _side(hit: int = 0) -> GroupedSchedulerSide:
+    side = SchedulerSide(lambda tokens: Hit(hit, "lock"), lambda lock: None, block_size=BS, chunk_size=CHUNK)
+    return GroupedSchedulerSide(side, [SLIDING, FULL])
+
+
+def test_a_windowed_group_stores_what_the_step_computed_and_never_a_freed_block() -> None:
+    side = _side()
+    prompt = list(range(300))
+    tables = (list(range(1, 20)), list(range(21, 40)))
+    new = SimpleNamespace(req_id="r", prompt_token_ids=prompt, block_ids=tables, num_computed_tokens=0)
+    plan = side.build_plan(_step(new=[new], scheduled={"r": 120}))  # chunk 0 computed
+    assert [(s.group, len(s.tokens), s.skip_tokens) for s in plan.stores] == [(0, 64, 0), (1, 64, 0)]
+    assert plan.stores[0].block_ids == tables[0][:4] and plan.stores[1].block_ids == tables[1][:4]
+    # Next step: vLLM freed the windowed blocks before token 120 - 32 + 1 = 89 (blocks 0..4): chunk 1 (64..128)
+    # lost its first block there, so that group leaves it out (chunk 2 it stores); the full group stores both.
+    plan = side.build_plan(_step(cached=[("r", None, 120)], scheduled={"r": 100}))
+    assert [(s.group, len(s.tokens), s.skip_tokens) for s in plan.stores] == [(0, 192, 128), (1, 192, 64)]
+    # Finished: its table as vLLM hands it over, freed windowed blocks null
+    freed = ([0] * 14 + tables[0][14:], tables[1])
+    assert side.request_finished("r", prompt[:299], freed)
+    plan = side.build_plan(_step())
+    assert [(s.group, len(s.tokens), s.skip_tokens) for s in plan.stores] == [(0, 256, 256), (1, 256, 192)]
+
+
+def test_a_windowed_group_loads_only_the_blocks_vllm_allocated_in_its_window() -> None:
+    side = _side(hit=256)
+    prompt = list(range(300))
+    assert side.num_new_matched_tokens("r", prompt, 300, 0) == (256, False)
+    tables = ([0] * 13 + list(range(1, 7)), list(range(21, 40)))  # window at token 256: blocks 13.. (token 208..)
+    side.after_alloc("r", prompt, tables, 256)
+    new = SimpleNamespace(req_id="r", prompt_token_ids=prompt, block_ids=tables, num_computed_tokens=0)
+    plan = side.build_plan(_step(new=[new], scheduled={"r": 44}))
+    sliding, full = plan.loads
+    assert (sliding.group, sliding.skip_tokens, sliding.block_ids[13:]) == (0, 13 * BS, [1, 2, 3])
+    assert (full.group, full.skip_tokens, full.block_ids) == (1, 0, tables[1][:16])
+
+
+@pytest.fixture
+def hybrid() -> Iterator[tuple[GroupedLookups, WorkerSide, list[list[torch.Tensor]]]]:
+    config = KvferryConfig.load(env={}, overrides={"cache": {"chunk_size": CHUNK, "l1_size_gb": 0.01}})
+    engine = CacheEngine(config)
+    made, layers = [], []
+    for group in (SLIDING, FULL):
+        buf = torch.randn(2, NB, 2, BS, 128).to(torch.bfloat16)  # 2 layers of vLLM's CPU layout per group
+        kv = recognise({f"model.layers.{i}.attn": buf[i] for i in range(2)}, isa="vec", kv_cache_dtype="auto")
+        ns = engine.namespace_for("tiny", kv.fmt, kv.layers, block_size=BS, salt=group.tag)
+        made.append(EmbeddedBackend(engine, kv, ns))
+        layers.append(kv.layers)
+    worker = WorkerSide(made, block_size=[BS, BS], counted_group=1, windowed_groups=[0])
+    yield GroupedLookups(made), worker, layers
+    worker.close()
+    engine.close()
+
+
+def _store(worker: WorkerSide, tokens: list[int], ids: list[int], sliding_skip: int = 0) -> None:
+    plan = StepPlan(
+        stores=[StoreSpec("a", tokens, ids, sliding_skip, group=0), StoreSpec("a", tokens, ids, 0, group=1)]
+    )
+    worker.start_stores(plan)
+    worker.settle_windowed_stores()
+    worker.preempted(["a"])
+
+
+def test_a_hybrid_hit_loads_each_groups_own_bytes(hybrid) -> None:
+    lookups, worker, layers = hybrid
+    tokens = [random.Random(1).randrange(32_000) for _ in range(4 * CHUNK)]
+    src, dst = list(range(1, 17)), list(range(30, 46))
+    _store(worker, tokens, src)
+    assert worker.counters.tokens_stored == 4 * CHUNK  # counted once, not per group
+    hit = lookups.lookup(tokens)
+    assert hit is not None and hit.tokens == 4 * CHUNK
+    lookups.free_lock(hit.lock)
+    before = [[t.clone() for t in group] for group in layers]
+    window = 14  # the windowed group's first block vLLM allocates for a hit at token 256
+    worker.start_loads(
+        StepPlan(loads=[LoadSpec("b", tokens, dst, window * BS, group=0), LoadSpec("b", tokens, dst, 0, group=1)])
+    )
+    assert worker.take_load_errors() == set()
+    for group, first in ((0, window), (1, 0)):
+        for layer, old in zip(layers[group], before[group], strict=True):
+            assert torch.equal(layer[dst[first:]], old[src[first:]])  # each group's own bytes
+            untouched = [b for b in range(NB) if b not in dst[first:]]
+            assert torch.equal(layer[untouched], old[untouched])  # nothing before the window is written
+
+
+def test_a_windowed_chunk_evicted_or_never_written_is_a_shorter_hit(hybrid) -> None:
+    lookups, worker, _ = hybrid
+    rng = random.Random(2)
+    tokens = [rng.randrange(32_000) for _ in range(4 * CHUNK)]
+    _store(worker, tokens, list(range(1, 17)))
+    sliding = lookups.backends[0]
+    assert isinstance(sliding, EmbeddedBackend)
+    engine = sliding.engine
+    with engine._res.lock:  # the windowed group's chunk 2 goes (eviction); the full group keeps all four
+        entry = engine._res.index.get(engine.chunk_keys(tokens, namespace=sliding.namespace)[2])
+        assert entry is not None
+        engine._res.detach_locked(entry)
+    hit = lookups.lookup(tokens)
+    assert hit is not None and hit.tokens == 2 * CHUNK
+    lookups.free_lock(hit.lock)
+    assert engine.stats()["locks"] == 0
+    other = [rng.randrange(32_000) for _ in range(4 * CHUNK)]
+    _store(worker, other, list(range(20, 36)), sliding_skip=4 * CHUNK)  # the windowed group wrote nothing
+    assert lookups.lookup(other) == Hit(0)
+    assert engine.stats()["locks"] == 0

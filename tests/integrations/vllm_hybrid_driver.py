@@ -1,0 +1,152 @@
+"""Runs one vLLM engine over a tiny random-weight hybrid model (sliding-window and full attention layers).
+
+    python vllm_hybrid_driver.py PHASE --model DIR --out FILE [--server-url URL]
+
+PHASE
+  model       write the model (Gemma 3: layers 0 and 2 slide over WINDOW tokens, 1 and 3 attend to everything).
+  reference   no connector: each prompt once.
+  embedded    kvferry's cache in this process: the main prompt (a miss), again (a hit), the other prompt (a hit of
+              the shared prefix, well past the window), each after the other.
+  server      the same through a kvferry server at --server-url.
+  capacity    vLLM's KV capacity in tokens with the connector on, with vLLM's hybrid KV cache manager and without
+              (``disable_hybrid_kv_cache_manager``): every layer then holds every token.
+
+Writes a JSON report (tokens, vLLM's cached tokens, the connector's counters, vLLM's KV cache groups).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from vllm_driver import CHUNK_SIZE, ENGINE_ENV, connector_state, generate, write_report  # noqa: E402
+
+WINDOW = 128
+PROMPT_TOKENS = 1000  # the hit: its 3 full chunks (768 tokens), six windows long
+SHARED_TOKENS = 768  # the other prompt shares this prefix with the main one
+VOCAB = 1024
+
+
+def prompts() -> dict[str, list[int]]:
+    rng = random.Random(7)
+    main = [rng.randrange(3, VOCAB) for _ in range(PROMPT_TOKENS)]
+    other = main[:SHARED_TOKENS] + [rng.randrange(3, VOCAB) for _ in range(PROMPT_TOKENS - SHARED_TOKENS)]
+    return {"main": main, "other": other}
+
+
+def write_model(path: str) -> None:
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=4096,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    Gemma3ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+
+
+def make_llm(model: str, extra: dict[str, Any] | None, **options: Any) -> Any:
+    from vllm import LLM
+
+    kv_transfer = None
+    if extra is not None:
+        kv_transfer = {
+            "kv_connector": "KvferryConnector",
+            "kv_connector_module_path": "kvferry.integrations.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": extra,
+        }
+    return LLM(
+        model=model,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        enable_prefix_caching=False,  # every reused token comes from kvferry
+        max_model_len=2048,
+        enforce_eager=True,
+        seed=0,
+        kv_transfer_config=kv_transfer,
+        **options,
+    )
+
+
+def kv_groups(llm: Any) -> list[dict[str, Any]]:
+    config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+    return [
+        {
+            "kind": type(g.kv_cache_spec).__name__,
+            "layers": list(g.layer_names),
+            "window": getattr(g.kv_cache_spec, "sliding_window", None),
+        }
+        for g in config.kv_cache_groups
+    ]
+
+
+def kv_capacity_tokens(llm: Any) -> int:
+    """Tokens of context vLLM's KV cache holds for one request of this model (vLLM's own count)."""
+    from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
+
+    vllm_config = llm.llm_engine.vllm_config
+    config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+    return int(get_max_concurrency_for_kv_cache_config(vllm_config, config) * vllm_config.model_config.max_model_len)
+
+
+def main() -> None:
+    phase, model = sys.argv[1], sys.argv[sys.argv.index("--model") + 1]
+    out = Path(sys.argv[sys.argv.index("--out") + 1])
+    if phase == "model":
+        write_model(model)
+        write_report(out, {"phase": phase})
+        return
+    for name, value in ENGINE_ENV.items():
+        os.environ.setdefault(name, value)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    embedded = {"mode": "embedded", "config": {"cache": {"chunk_size": CHUNK_SIZE, "l1_size_gb": 0.25}}}
+    report: dict[str, Any] = {"phase": phase}
+    if phase == "capacity":
+        for hma in (True, False):
+            llm = make_llm(model, embedded, disable_hybrid_kv_cache_manager=not hma)
+            report["hma" if hma else "no_hma"] = {"groups": kv_groups(llm), "tokens": kv_capacity_tokens(llm)}
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+        write_report(out, report)
+        os._exit(0)
+    extra = {
+        "reference": None,
+        "embedded": embedded,
+        "server": {
+            "mode": "server",
+            "server_url": sys.argv[sys.argv.index("--server-url") + 1] if phase == "server" else "",
+        },
+    }[phase]
+    llm = make_llm(model, extra)
+    report["groups"] = kv_groups(llm)
+    texts = prompts()
+    order = ["main", "other"] if phase == "reference" else ["main", "main", "other"]
+    report["runs"] = [generate(llm, [texts[name]]) for name in order]
+    if phase == "embedded":
+        report.update(connector_state(llm))
+    llm.llm_engine.engine_core.shutdown()
+    write_report(out, report)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
