@@ -1,6 +1,6 @@
 """Runs one vLLM engine over a tiny random-weight hybrid model (sliding-window and full attention layers).
 
-    python vllm_hybrid_driver.py PHASE --model DIR --out FILE [--server-url URL]
+    python vllm_hybrid_driver.py PHASE --model DIR --out FILE [--server-url URL] [--multiprocessing]
 
 PHASE
   model       write the model (Gemma 3: layers 0 and 2 slide over WINDOW tokens, 1 and 3 attend to everything).
@@ -11,7 +11,9 @@ PHASE
   capacity    vLLM's KV capacity in tokens with the connector on, with vLLM's hybrid KV cache manager and without
               (``disable_hybrid_kv_cache_manager``): every layer then holds every token.
 
-Writes a JSON report (tokens, vLLM's cached tokens, the connector's counters, vLLM's KV cache groups).
+``--multiprocessing``: vLLM's engine core and worker in processes of their own (the connector's scheduler half
+then looks up apart from its KV). Writes a JSON report (tokens, vLLM's cached tokens, the connector's counters,
+vLLM's KV cache groups, the bytes the connector copied).
 """
 
 from __future__ import annotations
@@ -79,11 +81,10 @@ def make_llm(model: str, extra: dict[str, Any] | None, **options: Any) -> Any:
         skip_tokenizer_init=True,
         dtype="bfloat16",
         enable_prefix_caching=False,  # every reused token comes from kvferry
-        max_model_len=2048,
         enforce_eager=True,
         seed=0,
         kv_transfer_config=kv_transfer,
-        **options,
+        **{"max_model_len": 2048, **options},
     )
 
 
@@ -108,6 +109,23 @@ def kv_capacity_tokens(llm: Any) -> int:
     return int(get_max_concurrency_for_kv_cache_config(vllm_config, config) * vllm_config.model_config.max_model_len)
 
 
+def count_copied_bytes(moved: dict[str, int]) -> None:
+    """Add the bytes each load and store of an embedded backend copies (per direction) to ``moved``."""
+    from kvferry.integrations.vllm.backends import EmbeddedBackend
+
+    for name, direction in (("retrieve_async", "loaded"), ("store_async", "stored")):
+        original = getattr(EmbeddedBackend, name)
+
+        def counted(self: Any, tokens: Any, block_ids: Any, skip: int, _run: Any = original, _to: str = direction):
+            future = _run(self, tokens, block_ids, skip)
+            per_token = self.geometry.bytes_per_token
+            done = (lambda f: f.result() - skip) if _to == "loaded" else (lambda f: f.result())
+            future.add_done_callback(lambda f: moved.__setitem__(_to, moved[_to] + done(f) * per_token))
+            return future
+
+        setattr(EmbeddedBackend, name, counted)
+
+
 def main() -> None:
     phase, model = sys.argv[1], sys.argv[sys.argv.index("--model") + 1]
     out = Path(sys.argv[sys.argv.index("--out") + 1])
@@ -117,12 +135,16 @@ def main() -> None:
         return
     for name, value in ENGINE_ENV.items():
         os.environ.setdefault(name, value)
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    multiprocessing = "--multiprocessing" in sys.argv  # the connector's scheduler half apart from its KV
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocessing else "0"
     embedded = {"mode": "embedded", "config": {"cache": {"chunk_size": CHUNK_SIZE, "l1_size_gb": 0.25}}}
     report: dict[str, Any] = {"phase": phase}
     if phase == "capacity":
-        for hma in (True, False):
-            llm = make_llm(model, embedded, disable_hybrid_kv_cache_manager=not hma)
+        for hma in (True, False):  # long requests, prefilled in steps: what a windowed group frees counts
+            llm = make_llm(
+                model, embedded, disable_hybrid_kv_cache_manager=not hma, max_num_batched_tokens=512,
+                max_model_len=4096,
+            )  # fmt: skip
             report["hma" if hma else "no_hma"] = {"groups": kv_groups(llm), "tokens": kv_capacity_tokens(llm)}
             llm.llm_engine.engine_core.shutdown()
             del llm
@@ -136,13 +158,20 @@ def main() -> None:
             "server_url": sys.argv[sys.argv.index("--server-url") + 1] if phase == "server" else "",
         },
     }[phase]
+    moved = {"loaded": 0, "stored": 0}
+    count_copied_bytes(moved)
     llm = make_llm(model, extra)
-    report["groups"] = kv_groups(llm)
+    if not multiprocessing:  # else the test reads them off the connector's log line
+        report["groups"] = kv_groups(llm)
     texts = prompts()
     order = ["main", "other"] if phase == "reference" else ["main", "main", "other"]
     report["runs"] = [generate(llm, [texts[name]]) for name in order]
-    if phase == "embedded":
+    if not multiprocessing and phase != "reference":
         report.update(connector_state(llm))
+        report["bytes"] = dict(moved)
+        config = llm.llm_engine.vllm_config.model_config  # every layer's K and V of one token, bf16
+        layers = config.hf_text_config.num_hidden_layers
+        report["bytes_per_token_all_layers"] = layers * 2 * config.get_total_num_kv_heads() * config.get_head_size() * 2
     llm.llm_engine.engine_core.shutdown()
     write_report(out, report)
     os._exit(0)

@@ -33,17 +33,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvferry.integrations.vllm import backends
+from kvferry.integrations.vllm import backends, hybrid_worker
 from kvferry.integrations.vllm.backends import KeySpace, ServerBackend
 from kvferry.integrations.vllm.counters import SchedulerCounters, WorkerCounters
 from kvferry.integrations.vllm.hybrid_scheduler import GroupedSchedulerSide
-from kvferry.integrations.vllm.kv_groups import (
-    GroupedLookups,
-    KVGroup,
-    UnsupportedGroups,
-    groups_of,
-    make_group_backends,
-)
+from kvferry.integrations.vllm.kv_groups import GroupedLookups, KVGroup, UnsupportedGroups, hybrid_groups
 from kvferry.integrations.vllm.kv_layout import EngineKV, UnsupportedKVLayout, recognise, tensor_parallel_rank
 from kvferry.integrations.vllm.logs import show_in_vllm_log
 from kvferry.integrations.vllm.plan import StepPlan
@@ -134,9 +128,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         self._groups: list[KVGroup] = []  # a hybrid model's KV cache groups (empty: one full-attention group)
         self._groups_refused: str | None = None
         try:
-            groups = groups_of(kv_cache_config)
-            if len(groups) > 1 or groups[0].windowed:
-                self._groups = groups
+            self._groups = hybrid_groups(kv_cache_config)
         except UnsupportedGroups as exc:
             self._groups_refused = str(exc)
             if role == KVConnectorRole.WORKER:
@@ -267,9 +259,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
             # start-up) so the first request never waits for it.
             link = ServerLink(self._settings.server_url, timeout_s=self._settings.timeout_s)
             if received.group_key_spaces is not None:  # a hybrid model: its groups' lookups share the session
-                self._lookup_backend = GroupedLookups(
-                    [ServerBackend(link, KeySpace(**fields)) for fields in received.group_key_spaces]
-                )
+                self._lookup_backend = hybrid_worker.lookups_from_handshake(link, received.group_key_spaces)
             else:
                 self._lookup_backend = ServerBackend(link, KeySpace(**received.key_space))
             try:
@@ -404,37 +394,17 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         )
 
     def _register_groups(self, kv_caches: dict[str, torch.Tensor], isa: str | None) -> None:
-        """A hybrid model's KV: each group's layers registered as KV of their own (`kv_groups`)."""
-        kvs = [self._recognise({n: kv_caches[n] for n in group.layer_names}, isa, group.block_size)
-               for group in self._groups]  # fmt: skip
+        """A hybrid model's KV: each group's layers registered as KV of their own (`hybrid_worker`)."""
+        kvs = [self._recognise({n: kv_caches[n] for n in g.layer_names}, isa, g.block_size) for g in self._groups]
         model = self._settings.model_id or _served_model_name(self._vllm_config)
-        made = make_group_backends(self._settings, kvs, self._groups, model=model, name=f"vllm-{self._engine_id[:8]}")
-        backends.publish(self._engine_id, GroupedLookups(made))
-        key_spaces = [KeySpace.of(kv, model=model, salt=f"{self._settings.salt}|{g.tag}").fields()
-                      for kv, g in zip(kvs, self._groups, strict=True)]  # fmt: skip
-        self._handshake = KvferryHandshake(key_spaces[0], key_spaces)
-        full = [i for i, group in enumerate(self._groups) if not group.windowed]
-        counted = full[0] if full else 0  # counters count the tokens of a group that holds them all
-        hook = self._settings.load_after_load_hook()
-        self._worker = WorkerSide(
-            made,
-            block_size=[group.block_size for group in self._groups],
-            after_load=None
-            if hook is None
-            else lambda ids: hook(kvs[counted].layers, list(kvs[counted].kernel_block_ids(ids))),
-            counted_group=counted,
-            windowed_groups=[i for i, group in enumerate(self._groups) if group.windowed],
+        name, hook = f"vllm-{self._engine_id[:8]}", self._settings.load_after_load_hook()
+        hybrid = hybrid_worker.start_hybrid_worker(
+            self._settings, kvs, self._groups, model=model, name=name, after_load_hook=hook
         )
-        log.info(
-            "kvferry connector active: %s mode%s, hybrid model: %s; %s KV, vLLM order %s as %s, chunk size %s",
-            self._settings.mode,
-            f" ({self._settings.server_url})" if self._settings.mode == "server" else "",
-            ", ".join(f"{g.tag} ({len(g.layer_names)} layers, block size {g.block_size})" for g in self._groups),
-            kvs[0].kv_dtype,
-            kvs[0].order,
-            kvs[0].fmt.name,
-            made[0].chunk_size,
-        )
+        backends.publish(self._engine_id, hybrid.lookups)
+        self._handshake = KvferryHandshake(hybrid.key_spaces[0], hybrid.key_spaces)
+        self._worker = hybrid.worker
+        log.info("%s", hybrid_worker.describe(self._settings, kvs, self._groups, hybrid.lookups.chunk_size))
 
     def _key_space(self, kv: EngineKV) -> KeySpace:
         model = self._settings.model_id or _served_model_name(self._vllm_config)

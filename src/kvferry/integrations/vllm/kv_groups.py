@@ -19,10 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kvferry.integrations.vllm.backends import Backend, EmbeddedBackend, Hit, ServerBackend, make_worker_backend
-from kvferry.integrations.vllm.kv_layout import EngineKV
+from kvferry.integrations.vllm.backends import Backend, Hit
 from kvferry.integrations.vllm.page_views import UnsupportedKVLayout
-from kvferry.integrations.vllm.settings import ConnectorSettings
 
 Kind = Literal["full", "sliding_window", "chunked_local"]
 NULL_BLOCK = 0  # vLLM's null block (block_pool.null_block, the pool's first block): a freed windowed position
@@ -87,6 +85,12 @@ def groups_of(kv_cache_config: Any) -> list[KVGroup]:
     return groups
 
 
+def hybrid_groups(kv_cache_config: Any) -> list[KVGroup]:
+    """The groups when the model needs the hybrid path (several groups, or a windowed one); else none."""
+    groups = groups_of(kv_cache_config)
+    return groups if len(groups) > 1 or groups[0].windowed else []
+
+
 def first_unfreed_token(group: KVGroup, block_ids: Sequence[int], start: int, end: int) -> int:
     """The first token at or after ``start`` from which ``block_ids`` (the group's table) holds no freed block up
     to ``end``: a load or store of the group reads or writes only from there."""
@@ -135,30 +139,3 @@ class GroupedLookups:
     def close(self) -> None:
         for backend in self.backends:
             backend.close()
-
-
-def make_group_backends(
-    settings: ConnectorSettings, kvs: Sequence[EngineKV], groups: Sequence[KVGroup], *, model: str, name: str
-) -> list[EmbeddedBackend | ServerBackend]:
-    """One worker backend per group (``kvs[i]`` the KV of ``groups[i]``), each in the group's key space; embedded
-    ones share the first one's cache engine, server ones each register their group's KV in a session of its own."""
-    made: list[EmbeddedBackend | ServerBackend] = []
-    try:
-        for kv, group in zip(kvs, groups, strict=True):
-            engine = made[0].engine if made and isinstance(made[0], EmbeddedBackend) else None
-            made.append(
-                make_worker_backend(
-                    settings,
-                    kv,
-                    model=model,
-                    block_size=group.block_size,
-                    name=name,
-                    group_tag=group.tag,
-                    engine=engine,
-                )
-            )
-    except BaseException:
-        for backend in made:
-            backend.close()
-        raise
-    return made

