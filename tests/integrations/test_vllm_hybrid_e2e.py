@@ -2,7 +2,8 @@
 tiny random-weight Gemma 3 (two sliding-window layers over 128 tokens, two full-attention ones) written here.
 
 Engines run in processes of their own (vllm_hybrid_driver.py): a reference without kvferry; one with the cache
-embedded; one in vLLM's multiprocess layout through a kvferry server. Each runs a 1000-token prompt (a miss),
+embedded; one in vLLM's multiprocess layout through a kvferry server; a state-space hybrid (Qwen3-Next's gated
+delta-net), which kvferry does not move yet but must let run. Each runs a 1000-token prompt (a miss),
 again (a hit of its 768 tokens of whole chunks, six windows long), and another prompt sharing those 768 tokens.
 vLLM's own prefix cache is off, so every reused token comes from kvferry; greedy tokens must equal the reference.
 """
@@ -96,6 +97,17 @@ def test_server_mode_with_the_scheduler_apart_from_the_kv(tmp: Path, reference: 
         server.terminate()
         server.wait(timeout=30)
     _check_runs(report, reference)
+
+
+def test_a_state_space_hybrid_runs_with_kvferry_configured(tmp: Path) -> None:
+    """Its linear-attention layers' state (vLLM's MambaSpec group) is not moved yet: the connector says so and
+    stays off, and vLLM runs the model with its hybrid manager (which such models need) as without kvferry."""
+    report = run_driver("gdn", tmp)
+    reference = run_driver("gdn-reference", tmp)
+    assert [g["kind"] for g in report["groups"]] == ["MambaSpec", "FullAttentionSpec"]
+    assert [run["tokens"] for run in report["runs"]] == [run["tokens"] for run in reference["runs"]]
+    assert [run["cached"] for run in report["runs"]] == [[0], [0]]
+    assert "kvferry connector disabled (every lookup is a miss): vLLM's KV cache group 0" in report["output"]
 
 
 def test_hma_holds_more_tokens_than_every_layer_holding_the_whole_context(tmp: Path) -> None:

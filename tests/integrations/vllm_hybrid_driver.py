@@ -3,11 +3,14 @@
     python vllm_hybrid_driver.py PHASE --model DIR --out FILE [--server-url URL] [--multiprocessing]
 
 PHASE
-  model       write the model (Gemma 3: layers 0 and 2 slide over WINDOW tokens, 1 and 3 attend to everything).
+  model       write the model (Gemma 3: layers 0 and 2 slide over WINDOW tokens, 1 and 3 attend to everything),
+              and a state-space hybrid next to it (Qwen3-Next: gated delta-net linear attention in layers 0 and 2).
   reference   no connector: each prompt once.
   embedded    kvferry's cache in this process: the main prompt (a miss), again (a hit), the other prompt (a hit of
               the shared prefix, well past the window), each after the other.
   server      the same through a kvferry server at --server-url.
+  gdn, gdn-reference
+              the state-space hybrid with kvferry embedded, and without: the main prompt twice.
   capacity    vLLM's KV capacity in tokens with the connector on, with vLLM's hybrid KV cache manager and without
               (``disable_hybrid_kv_cache_manager``): every layer then holds every token.
 
@@ -63,6 +66,35 @@ def write_model(path: str) -> None:
     )
     torch.manual_seed(0)
     Gemma3ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+
+
+def write_gdn_model(path: str) -> None:
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    config = Qwen3NextConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_key_head_dim=128,  # vLLM's CPU kernel takes no smaller head
+        linear_value_head_dim=128,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+        num_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["linear_attention", "full_attention"] * 2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    Qwen3NextForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
 
 
 def make_llm(model: str, extra: dict[str, Any] | None, **options: Any) -> Any:
@@ -131,6 +163,7 @@ def main() -> None:
     out = Path(sys.argv[sys.argv.index("--out") + 1])
     if phase == "model":
         write_model(model)
+        write_gdn_model(model + "-gdn")
         write_report(out, {"phase": phase})
         return
     for name, value in ENGINE_ENV.items():
@@ -148,6 +181,13 @@ def main() -> None:
             report["hma" if hma else "no_hma"] = {"groups": kv_groups(llm), "tokens": kv_capacity_tokens(llm)}
             llm.llm_engine.engine_core.shutdown()
             del llm
+        write_report(out, report)
+        os._exit(0)
+    if phase.startswith("gdn"):
+        llm = make_llm(model + "-gdn", None if phase == "gdn-reference" else embedded)
+        report["groups"] = kv_groups(llm)
+        report["runs"] = [generate(llm, [prompts()["main"]]) for _ in range(2)]
+        llm.llm_engine.engine_core.shutdown()
         write_report(out, report)
         os._exit(0)
     extra = {

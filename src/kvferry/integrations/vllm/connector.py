@@ -118,13 +118,6 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
             )
         self._engine_id = str(self._kv_transfer_config.engine_id)
         self._block_size = vllm_config.cache_config.block_size
-        if self._settings.mode == "embedded":
-            self._settings.check_chunk_size(self._settings.kvferry_config().cache.chunk_size, self._block_size)
-        if self._kv_transfer_config.kv_load_failure_policy != "recompute":
-            # vLLM reads it right after making its scheduler's connector. Its default, "fail", would end a request
-            # whose load came back short with an error; a cache's miss must cost only the recomputation.
-            log.info("kvferry: setting vLLM's kv_load_failure_policy to 'recompute' (a failed load is recomputed)")
-            self._kv_transfer_config.kv_load_failure_policy = "recompute"
         self._groups: list[KVGroup] = []  # a hybrid model's KV cache groups (empty: one full-attention group)
         self._groups_refused: str | None = None
         try:
@@ -133,6 +126,13 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
             self._groups_refused = str(exc)
             if role == KVConnectorRole.WORKER:
                 log.error("kvferry connector disabled (every lookup is a miss): %s", exc)
+        if self._settings.mode == "embedded" and self._groups_refused is None:
+            self._check_chunk_size(self._settings.kvferry_config().cache.chunk_size)
+        if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+            # vLLM reads it right after making its scheduler's connector. Its default, "fail", would end a request
+            # whose load came back short with an error; a cache's miss must cost only the recomputation.
+            log.info("kvferry: setting vLLM's kv_load_failure_policy to 'recompute' (a failed load is recomputed)")
+            self._kv_transfer_config.kv_load_failure_policy = "recompute"
         self._scheduler: SchedulerSide | GroupedSchedulerSide | None = None
         self._scheduler_warned = False
         self._handshake: KvferryHandshake | None = None  # worker: sent; scheduler: received
@@ -411,12 +411,13 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         return KeySpace.of(kv, model=model, salt=self._settings.salt)
 
     def _check_chunk_size(self, chunk_size: int) -> None:
-        self._settings.check_chunk_size(chunk_size, self._block_size)
+        for block_size in sorted({group.block_size for group in self._groups} or {self._block_size}):
+            self._settings.check_chunk_size(chunk_size, block_size)
 
     def _scheduler_side(self) -> SchedulerSide | GroupedSchedulerSide | None:
         """The scheduler half, made on first use: over the worker's backend when it lives in this process,
         else over a lookup-only session with the server in the key space the worker reported."""
-        if self._scheduler is not None:
+        if self._scheduler is not None or self._groups_refused is not None:  # the worker logged why it is off
             return self._scheduler
         lookups: backends.Lookups | None = backends.find(self._engine_id) or self._lookup_backend
         if lookups is None:
