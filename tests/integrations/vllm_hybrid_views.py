@@ -1,0 +1,60 @@
+"""A hybrid model's KV cache built with vLLM's own code, as its GPU model runner does under the hybrid KV cache
+manager (needs vLLM): a sliding-window group (layers 0, 2) and a full-attention one (1, 3), whose layers share
+vLLM's tensors. Recorded like `kvferry.bench.vllm_views` (plus each group's kind, window and layers) so that a GPU
+machine without vLLM replays them: ``python tests/integrations/vllm_hybrid_views.py`` rewrites the fixtures.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from kvferry.bench.vllm_views import ALL_LAYOUTS, Case, record
+
+HYBRID_FIXTURES = Path(__file__).resolve().parents[2] / "src/kvferry/bench/data/vllm_hybrid_views.json"
+WINDOW = 32
+CASES = [Case("FLASH_ATTN", layout, num_blocks=48) for layout in ALL_LAYOUTS]
+
+
+def build(case: Case) -> dict[str, Any]:
+    """The recorded views of ``case`` as a hybrid model (its ``groups``: kind, window and layer names)."""
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache, customize_attention_spec
+
+    from tests.integrations.vllm_page_views import backend_class
+
+    backend = backend_class(case.backend)
+    common = {"block_size": case.block_size, "num_kv_heads": case.kv_heads, "head_size": case.head_size}
+    common["dtype"] = case.model_dtype
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(case.layers)]
+    sliding = customize_attention_spec(backend, SlidingWindowSpec(**common, sliding_window=WINDOW))
+    full = customize_attention_spec(backend, FullAttentionSpec(**common))
+    specs = [KVCacheGroupSpec(names[0::2], sliding), KVCacheGroupSpec(names[1::2], full)]
+    layout = KVCacheLayout[case.layout]
+    cache_config = SimpleNamespace(
+        get_resolved_kv_cache_layout=lambda: layout,
+        num_gpu_blocks_override=case.num_blocks,
+        prefix_cache_retention_interval=None,
+    )
+    vllm_config = SimpleNamespace(cache_config=cache_config, attention_config=SimpleNamespace(hisparse_config=None))
+    config = get_kv_cache_config_from_groups(vllm_config, specs, available_memory=1 << 40)  # type: ignore[arg-type]
+    views = allocate_kv_cache(config, torch.device("cpu"), layout, [case.block_size] * len(specs))
+    first = views[names[0]]
+    raw = torch.empty(0, dtype=torch.int8).set_(first.untyped_storage())
+    fixture = record(case, raw, {name: views[name] for name in names})
+    fixture["groups"] = [
+        {"kind": "sliding_window", "window": WINDOW, "layers": names[0::2]},
+        {"kind": "full", "window": 0, "layers": names[1::2]},
+    ]
+    return fixture
+
+
+if __name__ == "__main__":
+    HYBRID_FIXTURES.write_text(json.dumps([build(case) for case in CASES], indent=1) + "\n")
+    print(f"{len(CASES)} cases written to {HYBRID_FIXTURES}")
