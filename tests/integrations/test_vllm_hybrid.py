@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from concurrent.futures import Future
 from types import SimpleNamespace
 from typing import Any
 
@@ -167,3 +168,27 @@ def test_a_windowed_chunk_evicted_or_never_written_is_a_shorter_hit(hybrid) -> N
     _store(worker, other, list(range(20, 36)), sliding_skip=4 * CHUNK)  # the windowed group wrote nothing
     assert lookups.lookup(other) == Hit(0)
     assert engine.stats()["locks"] == 0
+
+
+def test_a_background_load_is_planned_per_group_and_reported_once_every_group_ran() -> None:
+    side = SchedulerSide(lambda tokens: Hit(128, "lock"), lambda lock: None, block_size=BS, chunk_size=CHUNK,
+                         in_background=True)  # fmt: skip
+    grouped = GroupedSchedulerSide(side, [SLIDING, FULL])
+    prompt = list(range(200))
+    assert grouped.num_new_matched_tokens("r", prompt, 200, 0) == (128, True)
+    tables = ([0] * 6 + [7, 8], list(range(21, 29)))  # the window at token 128: blocks 6, 7
+    grouped.after_alloc("r", prompt, tables, 128)
+    sliding, full = grouped.build_plan(_step()).loads  # the request waits for it: not in the step
+    assert (sliding.in_background, sliding.skip_tokens, sliding.block_ids[6:]) == (True, 6 * BS, [7, 8])
+    assert (full.skip_tokens, full.block_ids) == (0, tables[1])
+
+    done = {0: Future(), 1: Future()}
+    backends = [SimpleNamespace(retrieve_async=lambda *args, g=g: done[g]) for g in (0, 1)]
+    worker = WorkerSide(backends, block_size=[BS, BS], counted_group=1, windowed_groups=[0])
+    worker.start_loads(StepPlan(loads=[sliding, full]))
+    done[1].set_result(128)
+    assert worker.finished_loading() == set()  # the sliding group's load still runs
+    done[0].set_result(128)  # what the blocks hold now, the skipped prefix included
+    assert worker.finished_loading() == {"r"}
+    assert worker.take_load_report() == ({"r"}, set()) and worker.take_load_errors() == set()
+    assert worker.counters.tokens_loaded == 128  # the full group's tokens, once

@@ -1,6 +1,6 @@
 """Runs one vLLM engine over a tiny random-weight hybrid model (sliding-window and full attention layers).
 
-    python vllm_hybrid_driver.py PHASE --model DIR --out FILE [--server-url URL] [--multiprocessing]
+    python vllm_hybrid_driver.py PHASE --model DIR --out FILE [--server-url URL] [--multiprocessing] [--tp N]
 
 PHASE
   model       write the model (Gemma 3: layers 0 and 2 slide over WINDOW tokens, 1 and 3 attend to everything),
@@ -15,7 +15,8 @@ PHASE
               (``disable_hybrid_kv_cache_manager``): every layer then holds every token.
 
 ``--multiprocessing``: vLLM's engine core and worker in processes of their own (the connector's scheduler half
-then looks up apart from its KV). Writes a JSON report (tokens, vLLM's cached tokens, the connector's counters,
+then looks up apart from its KV); ``--tp N``: N tensor-parallel workers (server mode).
+Writes a JSON report (tokens, vLLM's cached tokens, the connector's counters,
 vLLM's KV cache groups, the bytes the connector copied).
 """
 
@@ -166,9 +167,13 @@ def main() -> None:
         write_gdn_model(model + "-gdn")
         write_report(out, {"phase": phase})
         return
+    tp = int(sys.argv[sys.argv.index("--tp") + 1]) if "--tp" in sys.argv else 1
+    if tp > 1:  # a CPU per rank for its OpenMP threads
+        cpus = sorted(os.sched_getaffinity(0))
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cpus[r % len(cpus)]) for r in range(tp))
     for name, value in ENGINE_ENV.items():
         os.environ.setdefault(name, value)
-    multiprocessing = "--multiprocessing" in sys.argv  # the connector's scheduler half apart from its KV
+    multiprocessing = "--multiprocessing" in sys.argv or tp > 1  # the connector's scheduler half apart from its KV
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocessing else "0"
     embedded = {"mode": "embedded", "config": {"cache": {"chunk_size": CHUNK_SIZE, "l1_size_gb": 0.25}}}
     report: dict[str, Any] = {"phase": phase}
@@ -200,7 +205,7 @@ def main() -> None:
     }[phase]
     moved = {"loaded": 0, "stored": 0}
     count_copied_bytes(moved)
-    llm = make_llm(model, extra)
+    llm = make_llm(model, extra, tensor_parallel_size=tp)
     if not multiprocessing:  # else the test reads them off the connector's log line
         report["groups"] = kv_groups(llm)
     texts = prompts()

@@ -151,10 +151,10 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
             return
         try:
             isa = self._isa(kv_caches)
-            kv = self._recognise(kv_caches, isa)
-            if self._groups:
+            if self._groups:  # a hybrid model: each group's layers apart (their shapes and places may differ)
                 self._register_groups(kv_caches, isa)
                 return
+            kv = self._recognise(kv_caches, isa)
         except UnsupportedKVLayout as exc:
             log.error("kvferry connector disabled (every lookup is a miss): %s", exc)
             return
