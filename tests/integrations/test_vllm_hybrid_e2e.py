@@ -2,9 +2,10 @@
 tiny random-weight Gemma 3 (two sliding-window layers over 128 tokens, two full-attention ones) written here.
 
 Engines run in processes of their own (vllm_hybrid_driver.py): a reference without kvferry; one with the cache
-embedded; one in vLLM's multiprocess layout through a kvferry server; a state-space hybrid (Qwen3-Next's gated
-delta-net), which kvferry does not move yet but must let run. Each runs a 1000-token prompt (a miss),
-again (a hit of its 768 tokens of whole chunks, six windows long), and another prompt sharing those 768 tokens.
+embedded; through a kvferry server, one in vLLM's multiprocess layout and one with two tensor-parallel ranks; a
+state-space hybrid (Qwen3-Next's gated delta-net), which kvferry does not move yet but must let run. Each runs a
+1000-token prompt (a miss), again (a hit of its 768 tokens of whole chunks, six windows long), and another prompt
+sharing those 768 tokens.
 vLLM's own prefix cache is off, so every reused token comes from kvferry; greedy tokens must equal the reference.
 """
 
@@ -88,15 +89,20 @@ def test_embedded_hits_a_prefix_after_the_window_slid(tmp: Path, reference: dict
     assert report["bytes"]["loaded"] == 2 * (2 * HIT + 2 * WINDOW) * per_layer
 
 
-def test_server_mode_with_the_scheduler_apart_from_the_kv(tmp: Path, reference: dict[str, Any]) -> None:
+@pytest.mark.parametrize("layout", [["--multiprocessing"], ["--tp", "2"]], ids=["multiprocess", "tp2"])
+def test_server_mode_with_the_scheduler_apart_from_the_kv(
+    tmp: Path, reference: dict[str, Any], layout: list[str]
+) -> None:
     port = free_port()
-    server = start_server(port, tmp / "server.log")
+    server = start_server(port, tmp / f"server-{port}.log")
     try:
-        report = run_driver("server", tmp, "--server-url", f"tcp://127.0.0.1:{port}", "--multiprocessing")
+        report = run_driver("server", tmp, "--server-url", f"tcp://127.0.0.1:{port}", *layout)
     finally:
         server.terminate()
         server.wait(timeout=30)
     _check_runs(report, reference)
+    ranks = 2 if "--tp" in layout else 1  # every rank registers its heads of each group
+    assert report["output"].count("hybrid model: group=0:sliding_window:128") == ranks
 
 
 def test_a_state_space_hybrid_runs_with_kvferry_configured(tmp: Path) -> None:

@@ -94,10 +94,11 @@ def hybrid_groups(kv_cache_config: Any) -> list[KVGroup]:
 def first_unfreed_token(group: KVGroup, block_ids: Sequence[int], start: int, end: int) -> int:
     """The first token at or after ``start`` from which ``block_ids`` (the group's table) holds no freed block up
     to ``end``: a load or store of the group reads or writes only from there."""
-    last_null = -1
-    for i in range(start // group.block_size, min(len(block_ids), -(-end // group.block_size))):
-        if block_ids[i] == NULL_BLOCK:
-            last_null = i
+    first = start // group.block_size
+    span = list(block_ids[first : -(-end // group.block_size)])
+    if NULL_BLOCK not in span:
+        return start
+    last_null = first + len(span) - 1 - span[::-1].index(NULL_BLOCK)  # list methods: no Python loop per block
     return max(start, (last_null + 1) * group.block_size)
 
 
