@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvferry.kernels.cuda_driver import HOST_REGISTER_DEVICEMAP, HOST_REGISTER_PORTABLE, driver
+from kvferry.cuda.driver import HOST_REGISTER_DEVICEMAP, HOST_REGISTER_PORTABLE, driver
 from kvferry.server.protocol import ErrorCode, ProtocolError
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ request orders itself after the caller's current stream with an event (or after 
 the CPU returns right after enqueueing. Below a size crossover, or when configured, the request runs zero-copy in
 one launch (lower latency).
 
-The enqueue itself goes straight to the driver (`cuda_driver`: memcpys, events, waits) and to the compiled
+The enqueue itself goes straight to the driver (`kvferry.cuda.driver`: memcpys, events, waits) and to the compiled
 kernel's launcher: torch's copy and event wrappers cost more CPU than a small request's whole transfer.
 """
 
@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import torch
 
+from kvferry.cuda.driver import CudaError, driver
 from kvferry.kernels import triton_copy
-from kvferry.kernels.cuda_driver import CudaError, driver
 from kvferry.transfer.graphed import ObjectGraph, tables_bytes
 from kvferry.transfer.handle import Completion, TransferHandle
 from kvferry.transfer.lane import Lane
