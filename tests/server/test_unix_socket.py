@@ -19,8 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvferry.client import KvferryClient, RegistrationLost, ServerUnavailable
+from kvferry.protocol.messages import Op, encode_request
 from kvferry.server import KvferryServer, ServerConfig, unix_clients
-from kvferry.server.protocol import Op, encode_request
 from tests.server.serverkit import FakeEngine, random_kv, read_frame, wait_for
 
 FMT = 3

@@ -36,7 +36,7 @@ from kvferry.client.done_flags import LOST_DRAIN_S, DoneFlags, FlagWatch, releas
 from kvferry.client.errors import ServerError, ServerUnavailable
 from kvferry.client.kv_export import export_kv
 from kvferry.client.ready_events import ReadyEvents
-from kvferry.server.protocol import Op, pack_ids
+from kvferry.protocol.messages import Op, pack_ids
 
 Namespace = Mapping[str, str | int]
 CLOSE_TIMEOUT_S = 5.0  # the longest close() waits by default: ending the session, then the background thread

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvferry.cuda.driver import HOST_REGISTER_DEVICEMAP, HOST_REGISTER_PORTABLE, driver
-from kvferry.server.protocol import ErrorCode, ProtocolError
+from kvferry.protocol.messages import ErrorCode, ProtocolError
 
 if TYPE_CHECKING:
     from kvferry.server.kv_mapping import SharedRegion
