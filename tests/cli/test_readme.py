@@ -12,8 +12,8 @@ import pytest
 from kvferry.cache import CacheEngine
 from kvferry.cli.bench_cmd import BENCHMARKS
 from kvferry.cli.main import main
-from kvferry.config import KvferryConfig
-from kvferry.server import KvferryServer, ServerConfig
+from kvferry.config import KvferryConfig, ServerConfig
+from kvferry.server import KvferryServer
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text(encoding="utf-8")

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from kvferry.client import KvferryClient, ServerError
+from kvferry.config import ServerConfig
 from kvferry.protocol.messages import Op
-from kvferry.server import KvferryServer, ServerConfig
+from kvferry.server import KvferryServer
 from tests.server.serverkit import FakeEngine, random_kv, raw_request, shm_mappings, shm_name, wait_for
 
 FMT = 3  # NL_X_NB_BS_HS: one layer of [NB, BS, W] is what the fake engine copies
@@ -251,7 +252,7 @@ def test_ready_events_belong_to_stores_of_cuda_registrations(client: KvferryClie
 
 
 def test_a_busy_polling_server_serves_and_stops(engine: FakeEngine) -> None:
-    from kvferry.server import ServerConfig
+    from kvferry.config import ServerConfig
 
     config = ServerConfig(port=0, http_port=None, busy_poll_us=20_000)
     server = KvferryServer(config, engine)  # type: ignore[arg-type]
@@ -272,7 +273,7 @@ def test_a_busy_polling_server_serves_and_stops(engine: FakeEngine) -> None:
 
 
 def test_the_server_also_listens_on_a_unix_socket(engine: FakeEngine, tmp_path: Any) -> None:
-    from kvferry.server import ServerConfig
+    from kvferry.config import ServerConfig
 
     path = tmp_path / "kvferry.sock"
     server = KvferryServer(ServerConfig(port=0, http_port=None, ipc_path=str(path)), engine)  # type: ignore[arg-type]
@@ -291,7 +292,7 @@ def test_the_server_also_listens_on_a_unix_socket(engine: FakeEngine, tmp_path: 
 
 
 def test_a_unix_socket_path_in_use_or_not_a_socket_is_refused(engine: FakeEngine, tmp_path: Any) -> None:
-    from kvferry.server import ServerConfig
+    from kvferry.config import ServerConfig
     from kvferry.server.server import ServerStartError
 
     path = tmp_path / "kvferry.sock"

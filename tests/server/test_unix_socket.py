@@ -17,9 +17,10 @@ import msgpack
 import pytest
 
 from kvferry.client import KvferryClient, RegistrationLost, ServerUnavailable
+from kvferry.config import ServerConfig
 from kvferry.protocol.messages import Op, encode_request
 from kvferry.protocol.unix_framing import HEADER, frame
-from kvferry.server import KvferryServer, ServerConfig, unix_clients
+from kvferry.server import KvferryServer, unix_clients
 from tests.server.serverkit import FakeEngine, random_kv, read_frame, wait_for
 
 FMT = 3

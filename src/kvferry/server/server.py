@@ -26,6 +26,7 @@ from prometheus_client import generate_latest
 from zmq.utils.monitor import parse_monitor_message
 
 from kvferry.cache import CacheEngine
+from kvferry.config import ServerConfig
 from kvferry.protocol.messages import (
     PROTOCOL_VERSION,
     ErrorCode,
@@ -33,7 +34,6 @@ from kvferry.protocol.messages import (
     decode_request,
     encode_error,
 )
-from kvferry.server.config import ServerConfig
 from kvferry.server.handlers import RequestHandlers
 from kvferry.server.health import TierWatch, tier_health
 from kvferry.server.http import HttpSidePort
