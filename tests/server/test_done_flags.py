@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from kvferry.client import KvferryClient, ServerError, ServerUnavailable, done_flags
-from kvferry.client.client import GpuRegistration
 from kvferry.client.done_flags import DoneFlags, FlagWatch
+from kvferry.client.records import GpuRegistration
 from kvferry.protocol.messages import Op, pack_ids
 from tests.server.serverkit import FakeEngine, random_kv
 
