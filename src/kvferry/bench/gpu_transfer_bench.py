@@ -165,7 +165,7 @@ class Setup:
 
 
 def by_hand(s: Setup) -> Callable[[], None]:
-    """LIMITS.md's 'torch by hand': per layer kv[l][:, ids] into a GPU buffer, then one D2H copy."""
+    """The plain-torch baseline ('torch by hand'): per layer kv[l][:, ids] into a GPU buffer, then one D2H copy."""
     ids = s.ids.cuda()
     buf = torch.empty(s.nbytes, dtype=torch.uint8, device="cuda")
     host = torch.empty(s.nbytes, dtype=torch.uint8, pin_memory=True)

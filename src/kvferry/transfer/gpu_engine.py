@@ -1,9 +1,9 @@
 """The GPU data path: engine blocks on the GPU <-> chunk objects in pinned host memory, at the PCIe limit.
 
 Why gather + DMA: a kernel that reads or writes pinned host memory directly (zero-copy) reaches the link but keeps
-SMs busy for the whole transfer and halves a concurrent GEMM (LIMITS.md); a Triton gather into a GPU staging slot
-runs at >1 TB/s and leaves the PCIe crossing to the copy engine, which costs the model nothing. The two are
-pipelined over a small ring of staging slots: the gather of slice i+1 overlaps the DMA of slice i.
+SMs busy for the whole transfer and halves a concurrent GEMM (docs/gpu_data_path.md); a Triton gather into a GPU
+staging slot runs at >1 TB/s and leaves the PCIe crossing to the copy engine, which costs the model nothing. The
+two are pipelined over a small ring of staging slots: the gather of slice i+1 overlaps the DMA of slice i.
 
 Slices are cut by bytes, not by a fixed number of chunks: small objects are grouped (qwen2.5-0.5b's 3 MiB chunks
 would otherwise be launch-bound) and a large one is cut into ranges of its rows (so even a one-chunk request
