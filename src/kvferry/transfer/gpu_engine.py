@@ -192,8 +192,20 @@ class TransferEngine:
         if len(plan.graphs) >= _GRAPHS_PER_PLAN:
             return None
         try:
-            graph = ObjectGraph(self._driver, self._context, plan, n_ids, cap, req.rows, chunk_size, to_objects,
-                                self.config.programs, lane.handles[0], lane.staging_ptr, req.ptrs[0])  # fmt: skip
+            graph = ObjectGraph(
+                self._driver,
+                self._context,
+                plan,
+                n_ids=n_ids,
+                cap=cap,
+                rows=req.rows,
+                chunk_size=chunk_size,
+                to_objects=to_objects,
+                programs=self.config.programs,
+                stream=lane.handles[0],
+                slot=lane.staging_ptr,
+                host=req.ptrs[0],
+            )
         except CudaError as e:
             log.warning("CUDA graph capture failed (%s): one-object requests take the staged path", e)
             self._graphs_failed = True
@@ -226,8 +238,18 @@ class TransferEngine:
             if len(self._schedules) >= 256:
                 self._schedules.clear()
             ring = Ring(lane.staging_ptr, lane.slot_bytes, len(lane.handles), lane.next_slot)
-            sched = schedule(caps, rows, to_objects, chunk_size, skip, plan.bs, plan.bytes_per_token, plan.word, ring,
-                             self.config.slice_bytes)  # fmt: skip
+            sched = schedule(
+                caps,
+                rows=rows,
+                to_objects=to_objects,
+                chunk_size=chunk_size,
+                skip=skip,
+                bs=plan.bs,
+                bytes_per_token=plan.bytes_per_token,
+                word=plan.word,
+                ring=ring,
+                slice_bytes=self.config.slice_bytes,
+            )
             self._schedules[key] = sched
         d, handles = self._driver, lane.handles
         home = handles[lane.next_slot]  # the request's first slice (the schedule starts there)

@@ -50,6 +50,7 @@ class ObjectGraph:
         drv: Driver,
         context: int,
         plan: triton_copy.TritonPlan,
+        *,
         n_ids: int,
         cap: int,
         rows: int,
