@@ -66,6 +66,16 @@ def test_without_matplotlib_plot_exits_2_before_running(
     assert not captured.out and not (tmp_path / "t.png").exists()
 
 
+@needs_matplotlib
+def test_a_plot_that_cannot_be_written_fails_after_the_results(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "file").write_text("")  # a file where the plot's directory would be
+    assert main(["bench", "transfer", *SMALL, "--tokens", "64", "--plot", str(tmp_path / "file" / "t.png")]) == 1
+    captured = capsys.readouterr()
+    assert "ratio" in captured.out and "cannot write the plot" in captured.err
+
+
 def test_a_bad_size_list_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
         main(["bench", "transfer", "--tokens", "64,lots"])

@@ -159,6 +159,10 @@ def run_and_report(name: str, module: Any, args: argparse.Namespace, command: Se
     if plot and outcome.chart is not None:
         from kvferry.bench.plot import write_chart
 
-        write_chart(outcome.chart, plot)
+        try:
+            write_chart(outcome.chart, plot)
+        except OSError as exc:  # the results are printed (and written) already: only the picture is lost
+            errors.print(f"{label}: cannot write the plot: {exc}", markup=False, highlight=False, soft_wrap=True)
+            return 1
         console.print(f"plot written to {plot}", markup=False, highlight=False)
     return 0
