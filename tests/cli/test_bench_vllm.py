@@ -40,7 +40,10 @@ def test_ttft_width_must_be_a_multiple_of_256(capsys: pytest.CaptureFixture[str]
 def test_ttft_tiny(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(vllm_child, "CHILD_TIMEOUT_S", 300.0)
     args = ("--prompt-tokens", "512", "--prompts", "1", "--layers", "1", "--hidden", "256")
-    doc, _ = run_bench(monkeypatch, tmp_path, "vllm-ttft", *args)
+    plot = tmp_path / "ttft.png"
+    with_plot = ("--plot", str(plot)) if importlib.util.find_spec("matplotlib") is not None else ()
+    doc, _ = run_bench(monkeypatch, tmp_path, "vllm-ttft", *args, *with_plot)
+    assert plot.exists() == bool(with_plot)
     (row,) = doc["results"]["rows"]
     assert row["miss_cached"] == 0 and row["hit_cached"] == 511  # both chunks loaded; vLLM computes the last token
     assert doc["results"]["ttft_hit_s"] > 0 and doc["results"]["kvferry"]["retrieved_bytes"] > 0

@@ -1,10 +1,11 @@
 """The docs stay true: README.md's set-up block and configuration table, docs/configuration.md's and
-docs/formats.md's tables, BENCHMARKS.md's list of benchmarks, the Python examples (run against a real server), and
-the docs' size and links."""
+docs/formats.md's tables, docs/development.md's layers, BENCHMARKS.md's list of benchmarks, the Python examples (run
+against a real server), and the docs' size and links."""
 
 from __future__ import annotations
 
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,8 @@ import pytest
 from kvferry.cache import CacheEngine
 from kvferry.cli.bench_cmd import BENCHMARKS
 from kvferry.cli.main import main
-from kvferry.config import KvferryConfig
-from kvferry.server import KvferryServer, ServerConfig
+from kvferry.config import KvferryConfig, ServerConfig
+from kvferry.server import KvferryServer
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -47,6 +48,14 @@ def test_benchmarks_md_lists_every_benchmark() -> None:
     text = (ROOT / "BENCHMARKS.md").read_text(encoding="utf-8")
     rows = re.findall(r"^\| `kvferry bench ([a-z-]+)` \|", text, flags=re.M)
     assert rows == [b.name for b in BENCHMARKS]
+
+
+def test_the_layers_table_is_the_import_contract() -> None:
+    """docs/development.md's package table, lowest first, is pyproject.toml's layers contract read bottom up."""
+    (contract,) = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    layers = [sorted(f"kvferry.{p.strip()}" for p in layer.split("|")) for layer in reversed(contract["layers"])]
+    rows = re.findall(r"^\| (`kvferry\.[a-z_]+`(?:, `kvferry\.[a-z_]+`)*) \|", DOCS["development.md"], flags=re.M)
+    assert [sorted(re.findall(r"`([a-z_.]+)`", row)) for row in rows] == layers
 
 
 def test_the_docs_are_short_and_every_link_resolves() -> None:

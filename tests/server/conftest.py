@@ -9,7 +9,8 @@ from collections.abc import Iterator
 import pytest
 
 from kvferry.client import KvferryClient
-from kvferry.server import KvferryServer, ServerConfig
+from kvferry.config import ServerConfig
+from kvferry.server import KvferryServer
 from tests.server.serverkit import FakeEngine
 
 

@@ -20,7 +20,7 @@ import torch
 from prometheus_client import CollectorRegistry, Counter
 
 from kvferry.cache import CacheNamespace
-from kvferry.server.unix_clients import HEADER, frame
+from kvferry.protocol.unix_framing import HEADER, frame
 
 
 class Found(NamedTuple):
@@ -212,7 +212,7 @@ def raw_request(endpoint: str, op: str, args: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_frame(unix: socket.socket) -> bytes:
-    """One frame off a bare Unix socket client (kvferry.server.unix_clients' framing)."""
+    """One frame off a bare Unix socket client (kvferry.protocol.unix_framing)."""
     (size,) = HEADER.unpack(_read_exactly(unix, HEADER.size))
     return _read_exactly(unix, size)
 

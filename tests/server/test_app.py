@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvferry.server import ServerConfig, add_server_arguments, config_from_args
+from kvferry.config import ServerConfig
+from kvferry.server import add_server_arguments, config_from_args
 from kvferry.server.app import run_from_command_line
 
 

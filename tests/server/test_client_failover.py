@@ -12,7 +12,8 @@ from collections.abc import Iterator
 import pytest
 
 from kvferry.client import KvferryClient, RegistrationLost, ServerError, ServerUnavailable
-from kvferry.server import KvferryServer, ServerConfig
+from kvferry.config import ServerConfig
+from kvferry.server import KvferryServer
 from tests.server.serverkit import (
     FMT_REAL,
     REAL_CHUNK,

@@ -12,7 +12,7 @@ import pytest
 
 from kvferry.client import KvferryClient
 from kvferry.client import connection as connection_module
-from kvferry.server.protocol import Op
+from kvferry.protocol.messages import Op
 
 KEY_SPACE = {"model": "m", "kv_dtype": "bfloat16", "layout": "fake:3"}
 

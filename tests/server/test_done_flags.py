@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from kvferry.client import KvferryClient, ServerError, ServerUnavailable, done_flags
-from kvferry.client.client import GpuRegistration
 from kvferry.client.done_flags import DoneFlags, FlagWatch
-from kvferry.server.protocol import Op, pack_ids
+from kvferry.client.records import GpuRegistration
+from kvferry.protocol.messages import Op, pack_ids
 from tests.server.serverkit import FakeEngine, random_kv
 
 FMT = 3  # NL_X_NB_BS_HS: what the fake engine copies
@@ -268,8 +268,8 @@ def test_a_transfer_that_was_never_sent_gives_its_flag_slot_back(
 def test_requests_about_registrations_and_counts_settle_transfers_seen_done_first() -> None:
     """A client that saw its transfer's flag, then prefetches, asks for the counts, ends its session or unregisters,
     finds the transfer's effects there: the chunks it stored in the pool, the registration it held released."""
+    from kvferry.protocol.messages import ProtocolError
     from kvferry.server.handlers import RequestHandlers
-    from kvferry.server.protocol import ProtocolError
     from kvferry.server.requests import NoArgs, PrefetchArgs, RegistrationArgs
     from kvferry.server.sessions import SessionTable
 

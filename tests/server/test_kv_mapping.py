@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kvferry.client.kv_export import export_kv
+from kvferry.protocol.messages import ProtocolError
 from kvferry.server.kv_mapping import map_kv
-from kvferry.server.protocol import ProtocolError
 from kvferry.server.requests import RegisterArgs
 from tests.server.serverkit import shm_mappings, shm_name
 

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from kvferry.client import KvferryClient, ServerError
-from kvferry.server import KvferryServer, ServerConfig
-from kvferry.server.protocol import Op
+from kvferry.config import ServerConfig
+from kvferry.protocol.messages import Op
+from kvferry.server import KvferryServer
 from tests.server.serverkit import FakeEngine, random_kv, raw_request, shm_mappings, shm_name, wait_for
 
 FMT = 3  # NL_X_NB_BS_HS: one layer of [NB, BS, W] is what the fake engine copies
@@ -158,7 +159,7 @@ def test_silent_session_times_out_but_heartbeats_keep_one_alive(
     ctx = zmq.Context()
     silent = ctx.socket(zmq.DEALER)
     silent.connect(f"tcp://127.0.0.1:{server.port}")
-    from kvferry.server.protocol import Op, encode_request
+    from kvferry.protocol.messages import Op, encode_request
 
     silent.send(encode_request(Op.PING, 1, {}))
     assert silent.poll(5000)
@@ -233,7 +234,7 @@ def test_ready_events_belong_to_stores_of_cuda_registrations(client: KvferryClie
     """A CUDA registration's STORE names which of its opened IPC events it recorded (`ready_slot`); anywhere
     else the fields are refused by name (the GPU path itself: tests/server/test_server_gpu.py)."""
     from kvferry.client.kv_export import export_kv
-    from kvferry.server.protocol import Op, pack_ids
+    from kvferry.protocol.messages import Op, pack_ids
 
     paged = random_kv(9)  # its shared memory stays open while the server maps it
     storages, kv = export_kv(paged)
@@ -251,7 +252,7 @@ def test_ready_events_belong_to_stores_of_cuda_registrations(client: KvferryClie
 
 
 def test_a_busy_polling_server_serves_and_stops(engine: FakeEngine) -> None:
-    from kvferry.server import ServerConfig
+    from kvferry.config import ServerConfig
 
     config = ServerConfig(port=0, http_port=None, busy_poll_us=20_000)
     server = KvferryServer(config, engine)  # type: ignore[arg-type]
@@ -272,7 +273,7 @@ def test_a_busy_polling_server_serves_and_stops(engine: FakeEngine) -> None:
 
 
 def test_the_server_also_listens_on_a_unix_socket(engine: FakeEngine, tmp_path: Any) -> None:
-    from kvferry.server import ServerConfig
+    from kvferry.config import ServerConfig
 
     path = tmp_path / "kvferry.sock"
     server = KvferryServer(ServerConfig(port=0, http_port=None, ipc_path=str(path)), engine)  # type: ignore[arg-type]
@@ -291,7 +292,7 @@ def test_the_server_also_listens_on_a_unix_socket(engine: FakeEngine, tmp_path: 
 
 
 def test_a_unix_socket_path_in_use_or_not_a_socket_is_refused(engine: FakeEngine, tmp_path: Any) -> None:
-    from kvferry.server import ServerConfig
+    from kvferry.config import ServerConfig
     from kvferry.server.server import ServerStartError
 
     path = tmp_path / "kvferry.sock"

@@ -16,7 +16,7 @@ import torch
 from kvferry.client import KvferryClient, ServerUnavailable
 from kvferry.formats import EngineKVFormat
 from kvferry.formats.synthetic import MODELS, make_paged
-from kvferry.server.protocol import Op
+from kvferry.protocol.messages import Op
 from tests.server.serverkit import ServerProcess
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -16,8 +16,9 @@ import zmq
 
 from kvferry.cache import CacheNamespace
 from kvferry.client import KvferryClient, ServerError
-from kvferry.server import KvferryServer, ServerConfig
-from kvferry.server.protocol import pack_ids
+from kvferry.config import ServerConfig
+from kvferry.protocol.messages import pack_ids
+from kvferry.server import KvferryServer
 from tests.server.serverkit import (
     FMT_REAL,
     PER_CHUNK,

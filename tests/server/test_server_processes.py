@@ -111,7 +111,7 @@ def test_random_and_malformed_frames_get_error_replies(server: ServerProcess) ->
     import msgpack
     import zmq
 
-    from kvferry.server.protocol import Op
+    from kvferry.protocol.messages import Op
 
     rng = np.random.default_rng(11)
     ops = [op.value for op in Op] + ["NOPE", "", 7]

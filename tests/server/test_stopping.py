@@ -13,7 +13,8 @@ import zmq
 
 from kvferry.client import KvferryClient
 from kvferry.client.client import CLOSE_TIMEOUT_S
-from kvferry.server import KvferryServer, ServerConfig
+from kvferry.config import ServerConfig
+from kvferry.server import KvferryServer
 from kvferry.server.app import StopSignals
 from kvferry.stopping import term_context
 from tests.server.serverkit import FakeEngine, Found, ServerProcess, freeze, wait_for

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from kvferry.cache.steps import Enqueued
+from kvferry.protocol.messages import ProtocolError, pack_ids
 from kvferry.server import client_events
 from kvferry.server import transfers as transfers_module
 from kvferry.server.kv_mapping import MappedKV
-from kvferry.server.protocol import ProtocolError, pack_ids
 from kvferry.server.requests import TransferArgs
 from kvferry.server.sessions import Registration, SessionTable
 from kvferry.server.transfers import Transfers

@@ -1,12 +1,12 @@
 """The server's Unix socket (`kvferry.server.unix_clients`, `kvferry.client.unix_link`): what differs from ZMQ.
 
 The requests themselves run over both transports in test_server.py; here: connecting before the server exists, a
-server restart, frames a client library would never send, a client that stops reading, a frame cut short.
+server restart, frames a client library would never send, a client that stops reading, a frame cut short (the
+framing itself: tests/protocol/test_unix_framing.py).
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 import socket
 import tempfile
@@ -15,12 +15,12 @@ from collections.abc import Iterator
 
 import msgpack
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from kvferry.client import KvferryClient, RegistrationLost, ServerUnavailable
-from kvferry.server import KvferryServer, ServerConfig, unix_clients
-from kvferry.server.protocol import Op, encode_request
+from kvferry.config import ServerConfig
+from kvferry.protocol.messages import Op, encode_request
+from kvferry.protocol.unix_framing import HEADER, frame
+from kvferry.server import KvferryServer, unix_clients
 from tests.server.serverkit import FakeEngine, random_kv, read_frame, wait_for
 
 FMT = 3
@@ -103,10 +103,10 @@ def test_bad_frames_cost_only_their_own_connection(path: str) -> None:
     try:
         with KvferryClient(f"ipc://{path}") as bystander, _raw(path) as raw:
             bystander.ping()
-            raw.sendall(unix_clients.frame(b"\xc1 not msgpack"))
+            raw.sendall(frame(b"\xc1 not msgpack"))
             reply = msgpack.unpackb(read_frame(raw))
             assert (reply["ok"], reply["error"]["code"]) == (False, "MALFORMED")
-            raw.sendall(unix_clients.HEADER.pack(64 * 1024 + 1) + b"x" * 100)  # longer than the server takes
+            raw.sendall(HEADER.pack(64 * 1024 + 1) + b"x" * 100)  # longer than the server takes
             assert raw.recv(1) == b""  # dropped
             wait_for(lambda: len(server.stats()["sessions"]) == 1, "the dropped client's session to end")
             assert bystander.ping()["chunk_size"] == 4
@@ -122,7 +122,7 @@ def test_a_frame_cut_short_is_never_run(path: str) -> None:
             reg = client.register_kv_cache(random_kv(4), FMT, namespace=NS)
             assert client.store(reg, list(range(8)), [0, 1, 2, 3]) == 8
             with _raw(path) as raw:
-                raw.sendall(unix_clients.frame(encode_request(Op.CLEAR, 1, {}))[:-1])
+                raw.sendall(frame(encode_request(Op.CLEAR, 1, {}))[:-1])
                 wait_for(lambda: len(server._unix._by_fd) == 2, "the cut connection to be read")  # type: ignore[union-attr]
             wait_for(lambda: len(server._unix._by_fd) == 1, "the cut connection to be dropped")  # type: ignore[union-attr]
             assert engine.objects  # CLEAR never ran
@@ -139,7 +139,7 @@ def test_a_client_that_stops_reading_is_dropped_without_stalling_others(
     try:
         with KvferryClient(f"ipc://{path}") as bystander, _raw(path) as greedy:
             greedy.settimeout(0.5)
-            stats = unix_clients.frame(encode_request(Op.STATS, 1, {}))
+            stats = frame(encode_request(Op.STATS, 1, {}))
             with pytest.raises(OSError):  # reset or broken pipe once the server drops it (or a send timing out)
                 for _ in range(100_000):  # its replies are never read
                     greedy.sendall(stats)
@@ -149,37 +149,3 @@ def test_a_client_that_stops_reading_is_dropped_without_stalling_others(
             assert time.monotonic() - started < 1
     finally:
         server.stop()
-
-
-@settings(max_examples=200, deadline=None)
-@given(payloads=st.lists(st.binary(max_size=300), max_size=8), cuts=st.lists(st.integers(0, 2500), max_size=12))
-def test_frames_split_across_reads_come_out_whole_and_in_order(payloads: list[bytes], cuts: list[int]) -> None:
-    stream = b"".join(unix_clients.frame(p) for p in payloads)
-    bounds = sorted({0, len(stream), *(c for c in cuts if c < len(stream))})
-    inbox = bytearray()
-    got = []
-    for lo, hi in itertools.pairwise(bounds):
-        got += [bytes(view) for view in unix_clients.take_frames(inbox, stream[lo:hi], max_bytes=300)]
-    assert got == payloads
-    assert not inbox  # nothing unfinished left over
-
-
-def test_a_frame_announcing_more_than_the_limit_is_refused_before_it_is_read() -> None:
-    header = unix_clients.HEADER.pack(301)
-    with pytest.raises(unix_clients.FrameTooLarge, match="301-byte frame"):
-        unix_clients.take_frames(bytearray(), header + b"x" * 10, max_bytes=300)
-    inbox = bytearray()
-    assert unix_clients.take_frames(inbox, header[:2], max_bytes=300) == []  # the header cut in two reads
-    with pytest.raises(unix_clients.FrameTooLarge, match="301-byte frame"):
-        unix_clients.take_frames(inbox, header[2:] + b"x" * 10, max_bytes=300)
-
-
-def test_a_frame_in_many_reads_is_kept_as_it_came_until_whole() -> None:
-    payload = bytes(range(256)) * 64
-    stream = unix_clients.frame(payload)
-    inbox = bytearray()
-    for at in range(0, len(stream) - 1000, 1000):
-        assert unix_clients.take_frames(inbox, stream[at : at + 1000]) == []
-        assert bytes(inbox) == stream[: at + 1000]  # appended, nothing else
-    got = unix_clients.take_frames(inbox, stream[len(inbox) :] + unix_clients.frame(b"next"))
-    assert [bytes(view) for view in got] == [payload, b"next"] and not inbox

@@ -19,10 +19,10 @@ import torch
 
 import kvferry
 from kvferry import Direction
+from kvferry.cuda.driver import CudaError
 from kvferry.formats import EngineKVFormat, describe
 from kvferry.formats.synthetic import random_fill
 from kvferry.kernels import triton_copy
-from kvferry.kernels.cuda_driver import CudaError
 from kvferry.memory import HostPool
 from kvferry.transfer import gpu_engine
 from kvferry.transfer.graphed import pieces_for, tables_bytes

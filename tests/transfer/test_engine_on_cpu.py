@@ -16,13 +16,13 @@ import torch
 
 import kvferry
 from kvferry import Direction
+from kvferry.cuda.pinned import register_pinned
 from kvferry.formats import EngineKVFormat, describe
 from kvferry.formats.synthetic import random_fill
 from kvferry.kernels import triton_copy
 from kvferry.memory import HostPool
 from kvferry.transfer import gpu_engine
 from kvferry.transfer.lane import Lane
-from kvferry.transfer.pinned import register_pinned
 from kvferry.transfer.request import check, check_pool_addresses
 from tests.conftest import engine_bytes
 from tests.transfer.cpu_engine import (

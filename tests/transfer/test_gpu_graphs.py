@@ -237,7 +237,7 @@ def test_a_refused_capture_falls_back_to_the_staged_path(
 ) -> None:
     """A driver that refuses the capture (an old one, or a capture invalidated) costs nothing but the graph: the
     request moves by the staged pipeline, a warning says so once, and the engine stops trying."""
-    from kvferry.kernels.cuda_driver import CudaError
+    from kvferry.cuda.driver import CudaError
     from kvferry.transfer import gpu_engine
 
     def refuse(*args: object, **kwargs: object) -> None:

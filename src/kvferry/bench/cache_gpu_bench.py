@@ -109,8 +109,8 @@ def breakdown(model: str) -> dict[str, Any]:
     chunk into a pool object. Between the two: the store's keys, index entries and eviction."""
     from kvferry import Direction, transfer_async
     from kvferry.cache import writer
-    from kvferry.kernels.cuda_driver import driver
-    from kvferry.kernels.cuda_graphs import graph_calls
+    from kvferry.cuda.driver import driver
+    from kvferry.cuda.graphs import graph_calls
     from kvferry.transfer.handle import TransferHandle
 
     cache, paged, geom, ns = _cache_on_gpu(model)

@@ -22,7 +22,7 @@ from kvferry.bench.timing import PinnedCopy
 from kvferry.transfer.gpu_engine import EngineConfig, TransferEngine
 
 if TYPE_CHECKING:
-    from kvferry.bench.gpu_transfer_bench import Setup
+    from kvferry.bench.gpu_setup import Setup
 
 # (mode, programs per launch, kernel stream priority) of the engines run beside the GEMMs
 CONFIGS = [

@@ -31,17 +31,15 @@ import kvferry
 from kvferry import Direction
 from kvferry.bench.gpu_gemm import STEPS as GEMM_STEPS
 from kvferry.bench.gpu_gemm import gemm_rows, gemm_table
+from kvferry.bench.gpu_setup import Setup, by_hand
 from kvferry.bench.gpu_timeline import Waitable, call_costs
 from kvferry.bench.harness import BenchError, Outcome, Steps, add_json_argument, description_of, require_cuda
 from kvferry.bench.report import new_table
 from kvferry.bench.timing import PinnedCopy
-from kvferry.formats import EngineKVFormat, describe, layout_of
-from kvferry.formats.synthetic import MODELS, ModelDims, make_paged
-from kvferry.memory import HostPool
+from kvferry.formats import EngineKVFormat, layout_of
 from kvferry.transfer.gpu_engine import EngineConfig, TransferEngine
 
 F = EngineKVFormat
-SHAPES = {"llama3-8b": 16, "qwen2.5-0.5b": 16, "deepseek-v3-mla": 64}
 SECTIONS = ("bulk", "formats", "formats-run", "onechunk", "calls", "bidir", "gemm", "crossover")
 D2H = Direction.D2H
 DIRECTIONS = (Direction.D2H, Direction.H2D)
@@ -113,71 +111,6 @@ CALLS = (("llama3-8b", 1, False), ("qwen2.5-0.5b", 1, False), ("qwen2.5-0.5b", 1
 
 def call_name(model: str, n: int, run: bool) -> str:
     return f"{model} " + ("one chunk" if n == 1 else f"{n} chunks as one tensor" if run else f"{n} scattered chunks")
-
-
-class Setup:
-    def __init__(
-        self, model: str, fmt: F, n_chunks: int, chunk: int = 256, nb: int = 4096, gaps: bool = True, run: bool = False
-    ) -> None:
-        """`gaps`: objects scattered in the pool (a small hole after each); `run`: one tensor of all objects."""
-        dims = MODELS[model]
-        if layout_of(fmt).is_mla and not layout_of(fmt).nesting.count("NP"):
-            dims = ModelDims(nl=dims.nl, nh=1, hs=sum(dims.plane_widths) or dims.hs)
-        if not layout_of(fmt).is_mla and model == "deepseek-v3-mla":
-            dims = MODELS["llama3-8b"]
-        if fmt == F.NL_X_NB_BSV_BSS:
-            dims = ModelDims(nl=61, nh=1, hs=132)
-        bs = SHAPES[model]
-        dtype = torch.uint8 if fmt == F.NL_X_NB_BSV_BSS else torch.bfloat16
-        self.fmt, self.chunk, self.bs = fmt, chunk, bs
-        self.paged = make_paged(fmt, dims, nb, bs, dtype, device="cuda")
-        self.geom = describe(fmt, self.paged, block_size=bs)
-        obj_bytes = self.geom.bytes_per_token * chunk
-        self.pool = HostPool(1 << max(30, (obj_bytes * n_chunks * 2).bit_length()))
-        listed: list[torch.Tensor] = []
-        for _ in range(0 if run else n_chunks):
-            listed.append(self.pool.alloc(self.geom.object_shape(chunk), dtype))
-            if gaps:  # scattered in the pool: a small hole after each object
-                self.pool.alloc((4096,), torch.uint8)
-        self.objects = self.pool.alloc((n_chunks, *self.geom.object_shape(chunk)), dtype) if run else listed
-        self.ids = torch.randperm(nb)[: n_chunks * chunk // bs]
-        self.nbytes = obj_bytes * n_chunks
-
-    def run(self, direction: Direction, engine: TransferEngine, mode: str | None = None) -> None:
-        self.start(direction, engine, mode).wait()
-
-    def start(self, direction: Direction, engine: TransferEngine, mode: str | None = None) -> Waitable:
-        """The request enqueued: its handle."""
-        return kvferry.transfer_async(
-            self.paged,
-            self.objects,
-            self.ids,
-            direction,
-            self.fmt,
-            self.chunk,
-            geometry=self.geom,
-            engine=engine,
-            mode=mode,
-        )
-
-    def runner(self, direction: Direction, engine: TransferEngine, mode: str | None) -> Callable[[], None]:
-        return lambda: self.run(direction, engine, mode)
-
-
-def by_hand(s: Setup) -> Callable[[], None]:
-    """LIMITS.md's 'torch by hand': per layer kv[l][:, ids] into a GPU buffer, then one D2H copy."""
-    ids = s.ids.cuda()
-    buf = torch.empty(s.nbytes, dtype=torch.uint8, device="cuda")
-    host = torch.empty(s.nbytes, dtype=torch.uint8, pin_memory=True)
-    per_layer = s.nbytes // len(s.paged)
-
-    def once() -> None:
-        for i, t in enumerate(s.paged):
-            buf[i * per_layer : (i + 1) * per_layer].view(t.dtype).view(-1).copy_(t[:, ids].reshape(-1))
-        host.copy_(buf, non_blocking=True)
-        torch.cuda.synchronize()
-
-    return once
 
 
 class Bench:

@@ -14,13 +14,16 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console, RenderableType
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 import kvferry
 from kvferry.bench.report import document, write_json
+
+if TYPE_CHECKING:
+    from kvferry.bench.plot import Chart
 
 
 class BenchError(ValueError):
@@ -29,12 +32,14 @@ class BenchError(ValueError):
 
 @dataclass
 class Outcome:
-    """A finished run: what it ran with, its machine-readable results, and what to print (tables, lines)."""
+    """A finished run: what it ran with, its machine-readable results, what to print (tables, lines), and the
+    curve its results draw (`--plot`), where it has one."""
 
     config: dict[str, Any]
     results: Any
     show: list[RenderableType] = field(default_factory=list)
     device: str = "cpu"
+    chart: Chart | None = None
 
 
 class Steps:
@@ -83,6 +88,14 @@ def positive(args: argparse.Namespace, *names: str) -> None:
             raise BenchError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
 
 
+def int_list(text: str) -> list[int]:
+    """An option's comma-separated whole numbers (`--tokens 1024,4096`), for argparse."""
+    try:
+        return [int(word) for word in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of whole numbers") from None
+
+
 def add_json_argument(parser: argparse.ArgumentParser) -> None:
     """`--json PATH`."""
     parser.add_argument("--json", metavar="PATH", help="also write machine-readable results here")
@@ -100,7 +113,12 @@ def run_and_report(name: str, module: Any, args: argparse.Namespace, command: Se
     """Exit status 2 for options or requirements that cannot run, 1 for a run that failed or measured wrong."""
     errors = Console(stderr=True)
     label = f"kvferry bench {name}"
+    plot = getattr(args, "plot", None)  # only benchmarks with a curve take --plot
     try:
+        if plot:
+            from kvferry.bench.plot import require_matplotlib
+
+            require_matplotlib()  # before a long run, not after it
         module.check(args)
     except BenchError as exc:
         errors.print(f"{label}: error: {exc}", markup=False, highlight=False, soft_wrap=True)
@@ -138,4 +156,13 @@ def run_and_report(name: str, module: Any, args: argparse.Namespace, command: Se
     if args.json:
         write_json(args.json, document(name, command, outcome))
         console.print(f"results written to {args.json}", markup=False, highlight=False)
+    if plot and outcome.chart is not None:
+        from kvferry.bench.plot import write_chart
+
+        try:
+            write_chart(outcome.chart, plot)
+        except OSError as exc:  # the results are printed (and written) already: only the picture is lost
+            errors.print(f"{label}: cannot write the plot: {exc}", markup=False, highlight=False, soft_wrap=True)
+            return 1
+        console.print(f"plot written to {plot}", markup=False, highlight=False)
     return 0

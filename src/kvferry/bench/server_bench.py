@@ -54,8 +54,8 @@ from kvferry.client import KvferryClient
 from kvferry.config import KvferryConfig
 from kvferry.formats import EngineKVFormat
 from kvferry.formats.synthetic import MODELS, make_paged
-from kvferry.server.protocol import Op, encode_request
-from kvferry.server.unix_clients import frame
+from kvferry.protocol.messages import Op, encode_request
+from kvferry.protocol.unix_framing import frame
 
 FMT = EngineKVFormat.NL_X_TWO_NB_BS_NH_HS
 CHUNK, BS, NB = 256, 16, 1024

@@ -17,6 +17,7 @@ import os
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -96,8 +97,8 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
 def _run_engines(ctx: Any, endpoint: str, args: argparse.Namespace, n: int) -> list[dict[str, list[float]]]:
     """Start `n` engine processes, let them all go at once, and gather each one's latencies (seconds per op)."""
     ready, go, results = ctx.Barrier(n + 1), ctx.Event(), ctx.Queue()
-    spec = (endpoint, args.model, args.device, args.rounds, args.think_ms / 1e3)
-    procs = [ctx.Process(target=engine_main, args=(i, *spec, ready, go, results), daemon=True) for i in range(n)]
+    spec = EngineSpec(endpoint, args.model, args.device, args.rounds, args.think_ms / 1e3)
+    procs = [ctx.Process(target=engine_main, args=(i, spec, ready, go, results), daemon=True) for i in range(n)]
     for proc in procs:
         proc.start()
     try:
@@ -117,18 +118,20 @@ def _run_engines(ctx: Any, endpoint: str, args: argparse.Namespace, n: int) -> l
     return [r["latencies"] for r in sorted(got, key=lambda r: r["engine"])]
 
 
-def engine_main(
-    index: int,
-    endpoint: str,
-    model: str,
-    device: str,
-    rounds: int,
-    think_s: float,
-    ready: Any,
-    go: Any,
-    results: Any,
-) -> None:
-    """One engine process: register its KV, cache what its lookups and retrieves hit, wait for the start, run."""
+@dataclass(frozen=True)
+class EngineSpec:
+    """What every engine process of a run is told (picklable: the processes are spawned)."""
+
+    endpoint: str
+    model: str
+    device: str
+    rounds: int
+    think_s: float  # between rounds
+
+
+def engine_main(index: int, spec: EngineSpec, ready: Any, go: Any, results: Any) -> None:
+    """One engine process: register its KV, cache what its lookups and retrieves hit, wait for the start, run.
+    `ready` and `go` line the engines up (a barrier, an event); `results` gets its latencies or its error."""
     import torch
 
     from kvferry.client import KvferryClient
@@ -136,16 +139,16 @@ def engine_main(
 
     latencies: dict[str, list[float]] = {op: [] for op in OPS}
     try:
-        kv = make_paged(FMT, MODELS[model], NB, 16, dtype=torch.bfloat16, device=device)
+        kv = make_paged(FMT, MODELS[spec.model], NB, 16, dtype=torch.bfloat16, device=spec.device)
         rng = np.random.default_rng(index)
         base = (index + 1) * 10**8
         prompt = list(range(base, base + 16 * CHUNK))  # its own: the engines' prompts differ
-        with KvferryClient(endpoint, timeout_s=120) as client:
+        with KvferryClient(spec.endpoint, timeout_s=120) as client:
             reg = client.register_kv_cache(kv, FMT, block_size=16, namespace={"model": "bench", "salt": "engines"})
             client.store(reg, prompt, rng.permutation(NB)[: 16 * PER_CHUNK].tolist())
             ready.wait(timeout=START_TIMEOUT_S)
             go.wait(timeout=START_TIMEOUT_S)
-            for r in range(rounds):
+            for r in range(spec.rounds):
                 ids = rng.permutation(NB)[:PER_CHUNK].tolist()
                 fresh = list(range(base + (r + 100) * CHUNK * 16, base + (r + 100) * CHUNK * 16 + CHUNK))
                 for op, call in (
@@ -156,7 +159,7 @@ def engine_main(
                     started = time.perf_counter()
                     call()
                     latencies[op].append(time.perf_counter() - started)
-                time.sleep(think_s)
+                time.sleep(spec.think_s)
         results.put({"engine": index, "latencies": latencies})
     except BaseException as exc:  # reported to the parent, which names it
         results.put({"engine": index, "error": f"{type(exc).__name__}: {exc}"})

@@ -1,5 +1,7 @@
 """`kvferry bench transfer`: GB/s of `kvferry.transfer` on a model-shaped KV cache, as a ratio to a plain copy.
 
+Several request sizes (`--tokens 256,1024,4096`) draw the ratio against the request's size (`--plot PATH`).
+
 One case per (format, direction): an engine KV cache of `tokens / block_size` blocks in the format's layout
 (random data), chunk objects carved from a `HostPool` (pinned when CUDA is available), and block ids in a random
 permutation, so every block is somewhere else in the pool (scattered, as in a long-running engine). Before any
@@ -20,7 +22,8 @@ from typing import Any
 import torch
 from rich.table import Table
 
-from kvferry.bench.harness import BenchError, Outcome, Steps, add_json_argument, description_of
+from kvferry.bench.harness import BenchError, Outcome, Steps, add_json_argument, description_of, int_list
+from kvferry.bench.plot import Chart, Series, add_plot_argument
 from kvferry.bench.timing import CopyCeiling, gbps, time_call
 from kvferry.bench.transfer_spec import DTYPES, BenchSpec, kv_dtype, make_spec
 from kvferry.formats import EngineKVFormat, KVGeometry, describe
@@ -197,6 +200,7 @@ examples:
   kvferry bench transfer --format all --tokens 1024        # every MHA layout
   kvferry bench transfer --layers 28 --heads 4 --head-size 128 --format 2 --direction h2d
   kvferry bench transfer --device cuda --tokens 16384 --json bench-out/transfer.json
+  kvferry bench transfer --tokens 256,1024,4096,16384 --plot bench-out/transfer.png   # the ratio against size
 """
 
 
@@ -217,7 +221,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     shape.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="KV dtype (default: %(default)s)")
     shape.add_argument("--block-size", type=int, metavar="BS", help="tokens per block (default: 16; 64 for MLA)")
     request = parser.add_argument_group("request")
-    request.add_argument("--tokens", type=int, default=4096, help="tokens per transfer (default: %(default)s)")
+    request.add_argument(
+        "--tokens",
+        type=int_list,
+        default=[4096],
+        metavar="N[,N...]",
+        help="tokens per transfer; a comma-separated list measures each size (default: 4096)",
+    )
     request.add_argument(
         "--chunk-size", type=int, default=256, metavar="TOKENS", help="tokens per chunk object (default: %(default)s)"
     )
@@ -234,43 +244,62 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     request.add_argument("--repeats", type=int, default=7, help="timed runs per case; medians are reported")
     request.add_argument("--seed", type=int, default=0, help="seed of the random data and block ids")
     add_json_argument(parser)
+    add_plot_argument(parser, "the ratio to the ceiling against the request's size")
 
 
-def spec_of(args: argparse.Namespace) -> BenchSpec:
-    return make_spec(
-        model=args.model,
-        layers=args.layers,
-        heads=args.heads,
-        head_size=args.head_size,
-        formats=args.format,
-        direction=args.direction,
-        tokens=args.tokens,
-        chunk_size=args.chunk_size,
-        block_size=args.block_size,
-        backend=args.backend,
-        device=args.device,
-        dtype=args.dtype,
-        repeats=args.repeats,
-        seed=args.seed,
-    )
+def specs_of(args: argparse.Namespace) -> list[BenchSpec]:
+    """One spec per request size."""
+    return [
+        make_spec(
+            model=args.model,
+            layers=args.layers,
+            heads=args.heads,
+            head_size=args.head_size,
+            formats=args.format,
+            direction=args.direction,
+            tokens=tokens,
+            chunk_size=args.chunk_size,
+            block_size=args.block_size,
+            backend=args.backend,
+            device=args.device,
+            dtype=args.dtype,
+            repeats=args.repeats,
+            seed=args.seed,
+        )
+        for tokens in args.tokens
+    ]
 
 
 def check(args: argparse.Namespace) -> None:
-    spec_of(args)
+    specs_of(args)
 
 
 def run(args: argparse.Namespace, steps: Steps) -> Outcome:
-    spec = spec_of(args)
-    steps.expect(spec.steps)
-    results = run_bench(spec, steps.done)
-    table = results_table(spec, results)
-    return Outcome(_config(spec), [_result_json(r) for r in results], [table], device=spec.device.type)
+    specs = specs_of(args)
+    steps.expect(sum(spec.steps for spec in specs))
+    results = [r for spec in specs for r in run_bench(spec, steps.done)]
+    spec = specs[0]  # the sizes' specs differ in their tokens only
+    table = results_table(spec, [s.tokens for s in specs], results)
+    config = _config(spec) | {"tokens": [s.tokens for s in specs]}
+    chart = ratio_chart(spec, results)
+    return Outcome(config, [_result_json(r) for r in results], [table], device=spec.device.type, chart=chart)
 
 
-def results_table(spec: BenchSpec, results: list[TransferResult]) -> Table:
+def ratio_chart(spec: BenchSpec, results: list[TransferResult]) -> Chart:
+    """The ratio to the ceiling against the request's MiB, a line per format and direction."""
+    lines: dict[str, list[TransferResult]] = {}
+    for r in results:
+        lines.setdefault(f"{r.fmt.name} {r.direction}", []).append(r)
+    series = [Series(label, [r.nbytes / 2**20 for r in rs], [r.ratio for r in rs]) for label, rs in lines.items()]
+    title = f"kvferry.transfer against a plain copy: {spec.model}, {spec.device.type}, median of {spec.repeats}"
+    return Chart(title, "request MiB", "ratio to the same-run ceiling", series, x_log=True)
+
+
+def results_table(spec: BenchSpec, tokens: list[int], results: list[TransferResult]) -> Table:
     dims = spec.dims
+    sizes = ", ".join(str(t) for t in tokens)
     title = (
-        f"kvferry.transfer on {spec.model} (NL={dims.nl}, NH={dims.nh}, HS={dims.hs}), {spec.tokens} tokens, "
+        f"kvferry.transfer on {spec.model} (NL={dims.nl}, NH={dims.nh}, HS={dims.hs}), {sizes} tokens, "
         f"block {spec.block_size}, chunk {spec.chunk_size}, {spec.device.type}, median of {spec.repeats}"
     )
     table = Table(title=title, title_justify="left")

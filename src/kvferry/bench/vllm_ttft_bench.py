@@ -7,7 +7,8 @@ in vLLM's process, or with --server in a `kvferry server` it reaches over the se
 --prompts distinct random prompts: a first request (kvferry misses, computes the whole prompt and stores its full
 chunks), then the same prompt again (kvferry loads every full chunk; vLLM computes only the tail). TTFT is the
 wall time of a `generate` with `max_tokens=1` (prefill plus one sampled token). Reported: medians over the
-prompts, the hit's speed-up, and the tokens vLLM reported as cached.
+prompts, the hit's speed-up, and the tokens vLLM reported as cached. Several prompt lengths
+(`--prompt-tokens 1024,2048,4096`) draw TTFT with and without a hit against the prompt's length (`--plot PATH`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvferry.bench.harness import Outcome, Steps, add_json_argument, description_of, positive, require_vllm
+from kvferry.bench.harness import (
+    BenchError,
+    Outcome,
+    Steps,
+    add_json_argument,
+    description_of,
+    int_list,
+    positive,
+    require_vllm,
+)
+from kvferry.bench.plot import Chart, Series, add_plot_argument
 from kvferry.bench.report import new_table
 from kvferry.bench.server_bench import ServerProcess
 from kvferry.bench.vllm_child import VOCAB, connector_config, engine_env, llama_shape, run_child, write_shaped_llama
@@ -33,11 +44,18 @@ examples:
   kvferry bench vllm-ttft                                  # 3000-token prompts, a 57M-parameter model, fp32
   kvferry bench vllm-ttft --prompt-tokens 4096 --prompts 5 --json bench-out/vllm_ttft.json
   kvferry bench vllm-ttft --layers 16 --hidden 1024 --dtype bfloat16
+  kvferry bench vllm-ttft --prompt-tokens 1024,2048,4096 --plot bench-out/vllm_ttft.png
 """
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prompt-tokens", type=int, default=3000, help="tokens per prompt (default: %(default)s)")
+    parser.add_argument(
+        "--prompt-tokens",
+        type=int_list,
+        default=[3000],
+        metavar="N[,N...]",
+        help="tokens per prompt; a comma-separated list measures each length (default: 3000)",
+    )
     parser.add_argument(
         "--prompts", type=int, default=3, help="distinct prompts, each a miss, then a hit (default: %(default)s)"
     )
@@ -62,16 +80,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the connector's async_load off: a hit loads before the forward pass of the step that schedules it",
     )
     add_json_argument(parser)
+    add_plot_argument(parser, "TTFT with and without a hit against the prompt's length")
 
 
 def check(args: argparse.Namespace) -> None:
-    positive(args, "prompt_tokens", "prompts", "layers", "hidden", "chunk_size")
+    positive(args, "prompts", "layers", "hidden", "chunk_size")
+    if min(args.prompt_tokens) < 1:
+        raise BenchError(f"--prompt-tokens must be at least 1, got {min(args.prompt_tokens)}")
     llama_shape(args.layers, args.hidden)  # a width it cannot make is refused here
     require_vllm()
 
 
 def run(args: argparse.Namespace, steps: Steps) -> Outcome:
-    steps.expect(3 + 2 * args.prompts)
+    steps.expect(3 + 2 * args.prompts * len(args.prompt_tokens))
     model: dict[str, Any] = dict(llama_shape(args.layers, args.hidden))
     workdir = Path(tempfile.mkdtemp(prefix="kvferry-ttft-"))
     try:
@@ -91,13 +112,11 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
         shutil.rmtree(workdir, ignore_errors=True)
     model |= {"head_dim": 64, "parameters": measured["parameters"]}
     rows = measured["rows"]
-    miss = statistics.median(r["miss_s"] for r in rows)
-    hit = statistics.median(r["hit_s"] for r in rows)
+    by_length = [_medians(length, [r for r in rows if r["prompt_tokens"] == length]) for length in args.prompt_tokens]
     results = {
         "engine_start_s": measured["engine_start_s"],
-        "ttft_miss_s": miss,
-        "ttft_hit_s": hit,
-        "speedup": miss / hit,
+        **by_length[-1],  # the headline: the last length asked for
+        "by_length": by_length,
         "kvferry": measured["kvferry"],
         "rows": rows,
     }
@@ -107,27 +126,50 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
         "loads": "foreground" if args.foreground_loads else "background",
         "cache": "server" if args.server else "embedded",
     }
-    return Outcome(config, results, _show(args, model, results))
+    return Outcome(config, results, _show(args, model, results), chart=_chart(args, model, by_length))
+
+
+def _medians(length: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    miss = statistics.median(r["miss_s"] for r in rows)
+    hit = statistics.median(r["hit_s"] for r in rows)
+    return {"prompt_tokens": length, "ttft_miss_s": miss, "ttft_hit_s": hit, "speedup": miss / hit}
+
+
+def _setup(args: argparse.Namespace, model: dict[str, Any]) -> str:
+    return (
+        f"{model['parameters'] / 1e6:.0f}M-param random Llama ({args.layers} layers, {args.dtype}), kvferry "
+        f"{'server' if args.server else 'embedded'}, {'foreground' if args.foreground_loads else 'background'} loads"
+    )
+
+
+def _chart(args: argparse.Namespace, model: dict[str, Any], by_length: list[dict[str, Any]]) -> Chart:
+    lengths = [float(m["prompt_tokens"]) for m in by_length]
+    series = [
+        Series("without a hit", lengths, [m["ttft_miss_s"] for m in by_length]),
+        Series("with a kvferry hit", lengths, [m["ttft_hit_s"] for m in by_length]),
+    ]
+    title = f"vLLM CPU time to first token, median of {args.prompts}\n{_setup(args, model)}"
+    return Chart(title, "prompt tokens", "TTFT s", series)
 
 
 def _show(args: argparse.Namespace, model: dict[str, Any], results: dict[str, Any]) -> list[Any]:
     rows = results["rows"]
     table = new_table(
-        f"vLLM CPU TTFT, {args.prompt_tokens}-token prompt, {model['parameters'] / 1e6:.0f}M-param random Llama "
-        f"({args.layers} layers, {args.dtype}), kvferry {'server' if args.server else 'embedded'}, "
-        f"{'foreground' if args.foreground_loads else 'background'} loads",
-        ("prompt", "miss TTFT s", "hit TTFT s", "cached tokens (miss / hit)", "speed-up"),
+        f"vLLM CPU TTFT, {_setup(args, model)}",
+        ("prompt", "tokens", "miss TTFT s", "hit TTFT s", "cached tokens (miss / hit)", "speed-up"),
     )
     for r in rows:
         table.add_row(
             str(r["prompt"]),
+            str(r["prompt_tokens"]),
             f"{r['miss_s']:.3f}",
             f"{r['hit_s']:.3f}",
             f"{r['miss_cached']} / {r['hit_cached']}",
             f"{r['miss_s'] / r['hit_s']:.1f}x",
         )
-    miss, hit = results["ttft_miss_s"], results["ttft_hit_s"]
-    table.add_row("median", f"{miss:.3f}", f"{hit:.3f}", "", f"{miss / hit:.1f}x")
+    for m in results["by_length"]:
+        miss, hit = m["ttft_miss_s"], m["ttft_hit_s"]
+        table.add_row("median", str(m["prompt_tokens"]), f"{miss:.3f}", f"{hit:.3f}", "", f"{m['speedup']:.1f}x")
     stats, loads = results["kvferry"], len(rows)
     line = (
         f"kvferry: {stats['retrieved_bytes'] / loads / 2**20:.1f} MiB loaded per hit in "
@@ -162,7 +204,8 @@ def measure(payload: dict[str, Any], step: Callable[[str], None]) -> dict[str, A
     from kvferry.integrations.vllm import backends
     from kvferry.integrations.vllm.connector import KvferryConnector
 
-    prompt_tokens = payload["prompt_tokens"]
+    lengths = payload["prompt_tokens"]
+    longest = max(lengths)
     url = payload.get("server_url")
     cache: dict[str, Any] = {"config": {"cache": {"chunk_size": payload["chunk_size"], "l1_size_gb": 2}}}
     if url:
@@ -174,8 +217,8 @@ def measure(payload: dict[str, Any], step: Callable[[str], None]) -> dict[str, A
         dtype=payload["dtype"],
         enable_prefix_caching=False,
         enforce_eager=True,
-        max_model_len=prompt_tokens + 16,
-        max_num_batched_tokens=prompt_tokens + 16,  # the whole prompt in one prefill step
+        max_model_len=longest + 16,
+        max_num_batched_tokens=longest + 16,  # the whole prompt in one prefill step
         kv_transfer_config=connector_config(async_load=not payload["foreground_loads"], **cache),
     )
     engine_start_s = time.perf_counter() - started
@@ -184,16 +227,16 @@ def measure(payload: dict[str, Any], step: Callable[[str], None]) -> dict[str, A
     _ttft(llm, [rng.randrange(VOCAB) for _ in range(64)])  # warm-up: first-call costs out of the numbers
     step("warm-up")
     rows = []
-    for i in range(payload["prompts"]):
-        prompt = [rng.randrange(VOCAB) for _ in range(prompt_tokens)]
-        miss_s, miss_cached = _ttft(llm, prompt)
-        step(f"prompt {i + 1}: miss")
-        time.sleep(0.5)  # let the miss's asynchronous store finish: a hit needs the chunks committed
-        hit_s, hit_cached = _ttft(llm, prompt)
-        step(f"prompt {i + 1}: hit")
-        rows.append(
-            {"prompt": i, "miss_s": miss_s, "hit_s": hit_s, "miss_cached": miss_cached, "hit_cached": hit_cached}
-        )
+    for length in lengths:
+        for i in range(payload["prompts"]):
+            prompt = [rng.randrange(VOCAB) for _ in range(length)]
+            miss_s, miss_cached = _ttft(llm, prompt)
+            step(f"{length} tokens, prompt {i + 1}: miss")
+            time.sleep(0.5)  # let the miss's asynchronous store finish: a hit needs the chunks committed
+            hit_s, hit_cached = _ttft(llm, prompt)
+            step(f"{length} tokens, prompt {i + 1}: hit")
+            row = {"prompt": i, "prompt_tokens": length, "miss_s": miss_s, "hit_s": hit_s}
+            rows.append(row | {"miss_cached": miss_cached, "hit_cached": hit_cached})
     transfer_config = llm.llm_engine.vllm_config.kv_transfer_config
     assert transfer_config is not None  # the LLM above was made with the kvferry connector
     backend = backends.find(str(transfer_config.engine_id))

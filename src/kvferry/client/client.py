@@ -26,7 +26,6 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,34 +35,11 @@ from kvferry.client.done_flags import LOST_DRAIN_S, DoneFlags, FlagWatch, releas
 from kvferry.client.errors import ServerError, ServerUnavailable
 from kvferry.client.kv_export import export_kv
 from kvferry.client.ready_events import ReadyEvents
-from kvferry.server.protocol import Op, pack_ids
+from kvferry.client.records import GpuRegistration, LookupResult, PrefetchStatus
+from kvferry.protocol.messages import Op, pack_ids
 
 Namespace = Mapping[str, str | int]
 CLOSE_TIMEOUT_S = 5.0  # the longest close() waits by default: ending the session, then the background thread
-
-
-@dataclass(frozen=True, slots=True)
-class LookupResult:
-    tokens: int  # prefix tokens ready in the server's host pool (chunk-aligned)
-    pending: int  # further prefix tokens on their way up from a lower tier (ask again shortly)
-    lock: int | None  # lock id when the lookup locked: pass it to retrieve(lock=) or free_lookup_locks
-
-
-@dataclass(frozen=True, slots=True)
-class PrefetchStatus:
-    done: bool
-    tokens: int  # prefix tokens now in the server's host pool (when done)
-    error: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class GpuRegistration:
-    """What a client keeps of one registration of GPU KV, as one record so that it goes whole: the device, the
-    ring of ready events the server opened, and the done flags its GPU signals transfers on."""
-
-    device: torch.device
-    ready: ReadyEvents
-    flags: DoneFlags
 
 
 class KvferryClient:

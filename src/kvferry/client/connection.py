@@ -46,7 +46,7 @@ from kvferry.client.errors import RegistrationLost, ServerUnavailable
 from kvferry.client.link import CONNECTING, DOWN, UP, Link, ZmqLink
 from kvferry.client.pending import Pending, PendingRequests
 from kvferry.client.unix_link import UnixLink
-from kvferry.server.protocol import ErrorCode, Op, Reply, encode_request
+from kvferry.protocol.messages import ErrorCode, Op, Reply, encode_request
 from kvferry.stopping import join_thread, term_context
 
 log = logging.getLogger("kvferry.client")

@@ -19,7 +19,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from kvferry.client.errors import ServerUnavailable
-from kvferry.server.protocol import ErrorCode, Op, ProtocolError, Reply, decode_reply, decode_request, encode_request
+from kvferry.protocol.messages import ErrorCode, Op, ProtocolError, Reply, decode_reply, decode_request, encode_request
 
 if TYPE_CHECKING:
     from kvferry.client.connection import Connection

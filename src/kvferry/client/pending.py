@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvferry.client.errors import RegistrationLost, ServerError
-from kvferry.server.protocol import ErrorCode, Op, Reply
+from kvferry.protocol.messages import ErrorCode, Op, Reply
 
 log = logging.getLogger("kvferry.client")
 

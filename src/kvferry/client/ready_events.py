@@ -6,7 +6,7 @@ interprocess event, exporting its handle and opening it in the server costs far 
 registration comes with a ring of events the server opens once; a STORE names the slot it recorded. A slot is
 reused only after the server answered the STORE that used it (re-recording it earlier could move the wait to
 another stream). With every slot in use a STORE sends a fresh event of its own, as before. The record is the
-driver's (`kvferry.kernels.cuda_driver`, on the raw handles): torch's `Event.record` on `current_stream` cost a
+driver's (`kvferry.cuda.driver`, on the raw handles): torch's `Event.record` on `current_stream` cost a
 one-chunk STORE ~20 us of the client's time before it was sent (H200 host).
 """
 
@@ -16,7 +16,7 @@ import threading
 
 import torch
 
-from kvferry.kernels.cuda_driver import driver, primary_context
+from kvferry.cuda.driver import driver, primary_context
 
 SLOTS = 16
 

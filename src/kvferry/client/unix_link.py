@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from kvferry.client.link import Link
-from kvferry.server.unix_clients import frame, take_frames
+from kvferry.protocol.unix_framing import frame, take_frames
 
 if TYPE_CHECKING:
     from kvferry.client.connection import Connection

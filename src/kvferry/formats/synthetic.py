@@ -21,7 +21,7 @@ class ModelDims:
     plane_widths: tuple[int, ...] = ()
 
 
-# Realistic shapes (LIMITS.md): kv heads x head size per layer.
+# Realistic shapes: kv heads x head size per layer.
 MODELS: dict[str, ModelDims] = {
     "llama3-8b": ModelDims(nl=32, nh=8, hs=128),
     "qwen2.5-0.5b": ModelDims(nl=24, nh=2, hs=64),

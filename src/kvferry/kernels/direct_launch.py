@@ -20,7 +20,7 @@ from typing import Any
 
 import triton
 
-from kvferry.kernels.cuda_driver import Driver
+from kvferry.cuda.driver import Driver
 
 log = logging.getLogger(__name__)
 _SLOT = 8  # every parameter gets an 8-byte slot of our buffer; the driver copies it by the kernel's own size

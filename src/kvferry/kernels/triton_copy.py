@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvferry.cuda.driver import driver
 from kvferry.formats import KVGeometry
-from kvferry.kernels.cuda_driver import driver
 from kvferry.kernels.direct_launch import active_hook, direct_launcher
 from kvferry.kernels.triton_tiling import kernel_constants, stripe_tiling
 

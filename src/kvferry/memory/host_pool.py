@@ -13,9 +13,9 @@ from typing import NamedTuple
 
 import torch
 
+from kvferry.cuda.pinned import register_pinned
 from kvferry.memory.extent_allocator import ExtentAllocator
 from kvferry.memory.slab import aligned_slab, checked_layout
-from kvferry.transfer.pinned import register_pinned
 
 _MIN_ALIGNMENT = 64
 _MAX_VIEWS = 4096  # carved views remembered (see HostPool._views)

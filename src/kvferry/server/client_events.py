@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvferry.server.protocol import ErrorCode, ProtocolError
+from kvferry.protocol.messages import ErrorCode, ProtocolError
 
 
 @dataclass(frozen=True, eq=False)

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvferry.kernels.cuda_driver import HOST_REGISTER_DEVICEMAP, HOST_REGISTER_PORTABLE, driver
-from kvferry.server.protocol import ErrorCode, ProtocolError
+from kvferry.cuda.driver import HOST_REGISTER_DEVICEMAP, HOST_REGISTER_PORTABLE, driver
+from kvferry.protocol.messages import ErrorCode, ProtocolError
 
 if TYPE_CHECKING:
     from kvferry.server.kv_mapping import SharedRegion

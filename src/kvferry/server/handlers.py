@@ -16,10 +16,10 @@ from typing import Any
 
 from kvferry.cache import CacheEngine, CacheNamespace
 from kvferry.formats import EngineKVFormat, describe
+from kvferry.protocol.messages import ErrorCode, Op, ProtocolError, unpack_ids
 from kvferry.server.client_events import open_client_events
 from kvferry.server.done_signal import DoneFlags
 from kvferry.server.kv_mapping import map_kv, map_shared
-from kvferry.server.protocol import ErrorCode, Op, ProtocolError, unpack_ids
 from kvferry.server.requests import (
     FreeLocksArgs,
     LookupArgs,

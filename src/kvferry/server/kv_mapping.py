@@ -16,7 +16,7 @@ from typing import Any, cast
 import torch
 from pydantic import ValidationError
 
-from kvferry.server.protocol import ErrorCode, ProtocolError
+from kvferry.protocol.messages import ErrorCode, ProtocolError
 from kvferry.server.requests import CudaIpcStorage, RegisterArgs, ShmStorage, TensorView
 
 # torch's fd strategy creates "/dev/shm/torch_<pid>_<random>_<counter>" (at::NewProcessWideShmHandle) and

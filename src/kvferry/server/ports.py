@@ -9,7 +9,7 @@ import stat
 
 import zmq
 
-from kvferry.server.config import ServerConfig
+from kvferry.config import ServerConfig
 from kvferry.server.unix_clients import listen
 
 

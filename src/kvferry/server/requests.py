@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvferry.server.protocol import ErrorCode, Op, ProtocolError
+from kvferry.protocol.messages import ErrorCode, Op, ProtocolError
 
 NonNegative = Annotated[int, Field(ge=0)]
 

@@ -12,9 +12,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from kvferry.protocol.messages import ErrorCode, Op, ProtocolError, Request, encode_error, encode_result
 from kvferry.server.handlers import INLINE_OPS, Deferred, RequestHandlers
 from kvferry.server.metrics import ServerMetrics
-from kvferry.server.protocol import ErrorCode, Op, ProtocolError, Request, encode_error, encode_result
 from kvferry.server.requests import parse_args
 from kvferry.server.sessions import Session
 from kvferry.server.transfers import Started

@@ -26,19 +26,19 @@ from prometheus_client import generate_latest
 from zmq.utils.monitor import parse_monitor_message
 
 from kvferry.cache import CacheEngine
-from kvferry.server.config import ServerConfig
-from kvferry.server.handlers import RequestHandlers
-from kvferry.server.health import TierWatch, tier_health
-from kvferry.server.http import HttpSidePort
-from kvferry.server.metrics import ServerMetrics
-from kvferry.server.ports import ServerStartError, bind_clients, remove_ipc_socket
-from kvferry.server.protocol import (
+from kvferry.config import ServerConfig
+from kvferry.protocol.messages import (
     PROTOCOL_VERSION,
     ErrorCode,
     ProtocolError,
     decode_request,
     encode_error,
 )
+from kvferry.server.handlers import RequestHandlers
+from kvferry.server.health import TierWatch, tier_health
+from kvferry.server.http import HttpSidePort
+from kvferry.server.metrics import ServerMetrics
+from kvferry.server.ports import ServerStartError, bind_clients, remove_ipc_socket
 from kvferry.server.runner import RequestRunner
 from kvferry.server.sessions import SessionTable
 from kvferry.server.unix_clients import UnixClients

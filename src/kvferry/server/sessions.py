@@ -23,8 +23,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvferry.protocol.messages import ErrorCode, ProtocolError
 from kvferry.server.kv_mapping import MappedKV
-from kvferry.server.protocol import ErrorCode, ProtocolError
 from kvferry.transfer import forget_plans
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from kvferry.cache import CacheEngine
 from kvferry.cache.steps import Finished, Steps, finish_steps, first_step, run_steps
-from kvferry.server.protocol import ErrorCode, ProtocolError, unpack_ids
+from kvferry.protocol.messages import ErrorCode, ProtocolError, unpack_ids
 from kvferry.server.requests import TransferArgs
 from kvferry.server.sessions import Registration, Session, SessionTable
 from kvferry.transfer import ordered_after

@@ -6,10 +6,10 @@ reply three on its way out. On the H200 host each wake-up costs ~90-130 us; a pl
 server's loop thread itself is one wake-up each way (a bare round trip on the CPU machine: 21-37 us against 90-180
 us through ZMQ). Engines that share a GPU's KV by CUDA IPC are on the server's host anyway.
 
-Framing (`frame`): a 4-byte little-endian length, then that many bytes. A connection is one session: the server
-names it (no id from the client to trust), and ends it when the connection closes. Everything here runs on the
-server's loop thread: reads, and writes (replies of workers reach the loop as they do for ZMQ clients). Writes
-never block the loop: what a client does not read waits in its connection's buffer, up to a bound past which the
+Frames as `kvferry.protocol.unix_framing` makes them. A connection is one session: the server names it (no id
+from the client to trust), and ends it when the connection closes. Everything here runs on the server's loop
+thread: reads, and writes (replies of workers reach the loop as they do for ZMQ clients). Writes never block the
+loop: what a client does not read waits in its connection's buffer, up to a bound past which the
 client is dropped, so a client that stops reading cannot stall the others.
 """
 
@@ -18,64 +18,20 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
 
+from kvferry.protocol.unix_framing import FrameTooLarge, frame, take_frames
+
 log = logging.getLogger("kvferry.server")
 
-HEADER = struct.Struct("<I")
 _READ_BYTES = 1 << 16  # per recv call
 _READS_PER_TURN = 16  # then the loop serves the others (the socket stays readable: it comes back next turn)
 _UNSENT_LIMIT = 256 << 20  # replies a client has not read, beyond which it is dropped
 # Plain ints: arithmetic on zmq's enum flags costs a few us a request
 _POLLIN, _POLLOUT, _READ_EVENTS = int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.POLLIN | zmq.POLLERR)
-
-
-def frame(payload: bytes) -> bytes:
-    """One message as it travels on the Unix socket (both directions)."""
-    return HEADER.pack(len(payload)) + payload
-
-
-class FrameTooLarge(ValueError):
-    """A frame announcing more bytes than the reader takes."""
-
-
-def take_frames(inbox: bytearray, data: bytes, max_bytes: int | None = None) -> list[memoryview]:
-    """The whole frames in what came so far: `inbox` (the unfinished frame of earlier reads), then `data` just
-    read. An unfinished frame stays in `inbox`. The frames are views of bytes nobody changes: one copy less than
-    slicing the buffer, and usually none at all (a read holds whole frames)."""
-    if inbox:
-        inbox += data
-        if len(inbox) < HEADER.size:
-            return []
-        (size,) = HEADER.unpack_from(inbox)
-        _check_size(size, max_bytes)
-        if len(inbox) < HEADER.size + size:
-            return []  # a large frame comes in many reads: each only appends, nothing is copied until it is whole
-        data = bytes(inbox)
-        inbox.clear()
-    view = memoryview(data)
-    frames = []
-    start, length = 0, len(data)
-    while length - start >= HEADER.size:
-        (size,) = HEADER.unpack_from(data, start)
-        _check_size(size, max_bytes)
-        end = start + HEADER.size + size
-        if length < end:
-            break
-        frames.append(view[start + HEADER.size : end])
-        start = end
-    if start < length:
-        inbox += view[start:]
-    return frames
-
-
-def _check_size(size: int, max_bytes: int | None) -> None:
-    if max_bytes is not None and size > max_bytes:
-        raise FrameTooLarge(f"a {size}-byte frame (max_message_bytes={max_bytes})")
 
 
 @dataclass(eq=False)

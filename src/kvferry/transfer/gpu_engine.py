@@ -1,9 +1,9 @@
 """The GPU data path: engine blocks on the GPU <-> chunk objects in pinned host memory, at the PCIe limit.
 
 Why gather + DMA: a kernel that reads or writes pinned host memory directly (zero-copy) reaches the link but keeps
-SMs busy for the whole transfer and halves a concurrent GEMM (LIMITS.md); a Triton gather into a GPU staging slot
-runs at >1 TB/s and leaves the PCIe crossing to the copy engine, which costs the model nothing. The two are
-pipelined over a small ring of staging slots: the gather of slice i+1 overlaps the DMA of slice i.
+SMs busy for the whole transfer and halves a concurrent GEMM (docs/gpu_data_path.md); a Triton gather into a GPU
+staging slot runs at >1 TB/s and leaves the PCIe crossing to the copy engine, which costs the model nothing. The
+two are pipelined over a small ring of staging slots: the gather of slice i+1 overlaps the DMA of slice i.
 
 Slices are cut by bytes, not by a fixed number of chunks: small objects are grouped (qwen2.5-0.5b's 3 MiB chunks
 would otherwise be launch-bound) and a large one is cut into ranges of its rows (so even a one-chunk request
@@ -17,7 +17,7 @@ request orders itself after the caller's current stream with an event (or after 
 the CPU returns right after enqueueing. Below a size crossover, or when configured, the request runs zero-copy in
 one launch (lower latency).
 
-The enqueue itself goes straight to the driver (`cuda_driver`: memcpys, events, waits) and to the compiled
+The enqueue itself goes straight to the driver (`kvferry.cuda.driver`: memcpys, events, waits) and to the compiled
 kernel's launcher: torch's copy and event wrappers cost more CPU than a small request's whole transfer.
 """
 
@@ -26,13 +26,13 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
 
+from kvferry.cuda.driver import CudaError, driver
 from kvferry.kernels import triton_copy
-from kvferry.kernels.cuda_driver import CudaError, driver
 from kvferry.transfer.graphed import ObjectGraph, tables_bytes
 from kvferry.transfer.handle import Completion, TransferHandle
 from kvferry.transfer.lane import Lane
@@ -70,6 +70,23 @@ class EngineConfig:
             raise ValueError(f"mode={self.mode!r} must be 'auto', 'staged' or 'zero_copy'")
         if self.slots < 1 or self.slot_bytes < 1 or (self.programs is not None and self.programs < 1):
             raise ValueError(f"slots, slot_bytes and programs must be positive: {self}")
+
+
+@dataclass(slots=True)  # not frozen: a frozen dataclass costs ~2 us to build, a one-chunk request's enqueue ~20
+class _Request:
+    """One validated request as the engine moves it: the plan, and the host side read off `Checked` (or off the
+    objects themselves). Built once per request and only read after."""
+
+    plan: triton_copy.TritonPlan
+    objects: list[torch.Tensor] | torch.Tensor | list[int]  # kept alive until the request has run
+    ids: np.ndarray | list[int]  # block ids; a short pool request's stay a list (`check_pool_addresses`)
+    ptrs: list[int]  # each object's host address
+    caps: list[int]  # each object's capacity in tokens
+    rows: int  # rows per object (plane * NL + layer)
+    one_allocation: bool  # every object in one pinned allocation: one DMA may run across neighbours
+    to_objects: bool
+    chunk_size: int
+    skip: int  # leading blocks not copied
 
 
 class TransferEngine:
@@ -114,6 +131,7 @@ class TransferEngine:
         else:
             ids, ptrs, caps, rows = request.ids, request.ptrs, request.caps, request.rows
             one_allocation = request.one_allocation
+        req = _Request(plan, objects, ids, ptrs, caps, rows, one_allocation, to_objects, chunk_size, skip_prefix_blocks)
         lane = self._store if to_objects else self._retrieve
         nbytes = (len(ids) - skip_prefix_blocks) * plan.bs * plan.bytes_per_token
         mode = mode or self.config.mode
@@ -143,17 +161,15 @@ class TransferEngine:
             else:
                 start = after
             keep: object = None
-            graph = graphed and self._graph(lane, plan, len(ids), caps[0], rows, chunk_size, to_objects, ptrs[0])
+            graph = graphed and self._graph(lane, req)
             if graph:
                 meta, keep = lane.upload([ids, [0, caps[0]]], len(ids) + 2, done, graph.stream, to_device=False)
                 graph.launch(ptrs[0], meta, start)
                 keep, end = (keep, graph), graph.stream  # the graph stays until the request has run
             elif nbytes and mode == "zero_copy":
-                keep, end = self._zero_copy(lane, plan, ptrs, caps, ids, to_objects, chunk_size, skip_prefix_blocks,
-                                            done, start)  # fmt: skip
+                keep, end = self._zero_copy(lane, req, done, start)
             elif nbytes:
-                keep, end = self._staged(lane, plan, objects, ptrs, caps, ids, rows, one_allocation, to_objects,
-                                         chunk_size, skip_prefix_blocks, done, start)  # fmt: skip
+                keep, end = self._staged(lane, req, done, start)
             if end is None:  # nothing to copy, and no caller's stream: done once `after` is
                 end = lane.handles[lane.next_slot]
                 d.wait(end, start, 0)
@@ -162,19 +178,11 @@ class TransferEngine:
             lane.inflight.append((done, (objects, keep)))
         return TransferHandle(done, nbytes, mode)
 
-    def _graph(
-        self,
-        lane: Lane,
-        plan: triton_copy.TritonPlan,
-        n_ids: int,
-        cap: int,
-        rows: int,
-        chunk_size: int,
-        to_objects: bool,
-        host: int,
-    ) -> ObjectGraph | None:
-        """The lane's graph for this request shape, captured now if new; None where graphs cannot serve it (a plan
-        holding as many as it keeps, or a driver that refused a capture: then this engine stops trying)."""
+    def _graph(self, lane: Lane, req: _Request) -> ObjectGraph | None:
+        """The lane's graph for this request shape (one whole object), captured now if new; None where graphs cannot
+        serve it (a plan holding as many as it keeps, or a driver that refused a capture: then this engine stops
+        trying)."""
+        plan, n_ids, cap, chunk_size, to_objects = req.plan, len(req.ids), req.caps[0], req.chunk_size, req.to_objects
         key = (lane.ref, n_ids, cap, chunk_size, to_objects)
         graph = plan.graphs.get(key)
         if graph is not None:
@@ -184,8 +192,20 @@ class TransferEngine:
         if len(plan.graphs) >= _GRAPHS_PER_PLAN:
             return None
         try:
-            graph = ObjectGraph(self._driver, self._context, plan, n_ids, cap, rows, chunk_size, to_objects,
-                                self.config.programs, lane.handles[0], lane.staging_ptr, host)  # fmt: skip
+            graph = ObjectGraph(
+                self._driver,
+                self._context,
+                plan,
+                n_ids=n_ids,
+                cap=cap,
+                rows=req.rows,
+                chunk_size=chunk_size,
+                to_objects=to_objects,
+                programs=self.config.programs,
+                stream=lane.handles[0],
+                slot=lane.staging_ptr,
+                host=req.ptrs[0],
+            )
         except CudaError as e:
             log.warning("CUDA graph capture failed (%s): one-object requests take the staged path", e)
             self._graphs_failed = True
@@ -193,48 +213,24 @@ class TransferEngine:
         plan.graphs[key] = graph
         return graph
 
-    def _zero_copy(
-        self,
-        lane: Lane,
-        plan: triton_copy.TritonPlan,
-        ptrs: list[int],
-        caps: list[int],
-        ids: np.ndarray | list[int],
-        to_objects: bool,
-        chunk_size: int,
-        skip: int,
-        done: Completion,
-        start: int,
-    ) -> tuple[object, int]:
+    def _zero_copy(self, lane: Lane, req: _Request, done: Completion, start: int) -> tuple[object, int]:
+        plan, ptrs, ids, skip = req.plan, req.ptrs, req.ids, req.skip
         n_ids, n_obj = len(ids), len(ptrs)
         offsets = [(p - ptrs[0]) // plan.word for p in ptrs]
         stream = lane.handles[lane.next_slot]
-        meta, keep = lane.upload([ids, offsets, caps], n_ids + 2 * n_obj, done, stream, to_device=False)
+        meta, keep = lane.upload([ids, offsets, req.caps], n_ids + 2 * n_obj, done, stream, to_device=False)
         self._driver.wait(stream, start, 0)
         off = meta + n_ids * 8
         rows = (n_ids - skip) * plan.bs
-        triton_copy.launch_raw(plan, stream, ptrs[0], off, off + n_obj * 8, meta, to_objects, chunk_size,
+        triton_copy.launch_raw(plan, stream, ptrs[0], off, off + n_obj * 8, meta, req.to_objects, req.chunk_size,
                                skip * plan.bs, rows)  # fmt: skip
         return keep, stream
 
-    def _staged(
-        self,
-        lane: Lane,
-        plan: triton_copy.TritonPlan,
-        objects: list[torch.Tensor] | torch.Tensor | list[int],
-        ptrs: list[int],
-        caps: list[int],
-        ids: np.ndarray | list[int],
-        rows: int,
-        one_allocation: bool,
-        to_objects: bool,
-        chunk_size: int,
-        skip: int,
-        done: Completion,
-        start: int,
-    ) -> tuple[object, int]:
+    def _staged(self, lane: Lane, req: _Request, done: Completion, start: int) -> tuple[object, int]:
         """Each slice runs on its slot's stream: gather then DMA (a store), or DMA then scatter (a retrieve). The
         next slice, on the next slot's stream, overlaps it; the slice after that waits for it by stream order."""
+        plan, ptrs, caps, ids, rows = req.plan, req.ptrs, req.caps, req.ids, req.rows
+        to_objects, chunk_size, skip = req.to_objects, req.chunk_size, req.skip
         key = (tuple(caps), skip, rows, chunk_size, plan.bs, plan.bytes_per_token, plan.word, to_objects,
                lane.next_slot)  # fmt: skip
         sched = self._schedules.get(key)
@@ -242,8 +238,18 @@ class TransferEngine:
             if len(self._schedules) >= 256:
                 self._schedules.clear()
             ring = Ring(lane.staging_ptr, lane.slot_bytes, len(lane.handles), lane.next_slot)
-            sched = schedule(caps, rows, to_objects, chunk_size, skip, plan.bs, plan.bytes_per_token, plan.word, ring,
-                             self.config.slice_bytes)  # fmt: skip
+            sched = schedule(
+                caps,
+                rows=rows,
+                to_objects=to_objects,
+                chunk_size=chunk_size,
+                skip=skip,
+                bs=plan.bs,
+                bytes_per_token=plan.bytes_per_token,
+                word=plan.word,
+                ring=ring,
+                slice_bytes=self.config.slice_bytes,
+            )
             self._schedules[key] = sched
         d, handles = self._driver, lane.handles
         home = handles[lane.next_slot]  # the request's first slice (the schedule starts there)
@@ -271,7 +277,7 @@ class TransferEngine:
         for step in sched.steps:
             stream = handles[step.slot]
             if not to_objects:  # into staging: touches no KV, waits for nothing but its slot's last scatter
-                self._dma(stream, step, objects, ptrs, one_allocation, False)
+                self._dma(stream, step, req, False)
             if stream not in ordered:  # a gather sees what the model wrote; a scatter waits until the model is done
                 wait(stream, start, 0)
                 if stream != home:
@@ -283,7 +289,7 @@ class TransferEngine:
                 d.record(lane.meta_ready, home)
                 ready = True
             if to_objects:
-                self._dma(stream, step, objects, ptrs, one_allocation, True)
+                self._dma(stream, step, req, True)
         # The request ends on its last slice's stream, once its other streams' parts have run too.
         end = handles[sched.steps[-1].slot] if sched.steps else home
         for slot in sched.slots:
@@ -292,7 +298,7 @@ class TransferEngine:
                 wait(end, lane.joined[slot], 0)
         return keep, end
 
-    def _dma(self, stream: int, step: Step, objects: Any, ptrs: list[int], one_allocation: bool, to_host: bool) -> None:
+    def _dma(self, stream: int, step: Step, req: _Request, to_host: bool) -> None:
         """Copy a slice between its slot and host memory on the slot's stream.
 
         Scattered objects cost a DMA each: ~1.3 us apart and each ~3% slower than one long copy, so a slice of
@@ -301,10 +307,12 @@ class TransferEngine:
         d = self._driver
         if len(step.parts) == 1:  # one object, or a row range of one
             o, offset, n, dev = step.parts[0]
-            host = ptrs[o] + offset
+            host = req.ptrs[o] + offset
             d.dtoh(host, dev, n, stream) if to_host else d.htod(dev, host, n, stream)
             return
-        parts = dma_runs(objects, step, ptrs, one_allocation)
+        # addresses alone (list[int]) come from one pool allocation: never compared by storage
+        objects = cast("list[torch.Tensor] | torch.Tensor", req.objects)
+        parts = dma_runs(objects, step, req.ptrs, req.one_allocation)
         if len(parts) > 1 and self._batch:  # scattered objects: one batch for the copy engine
             hosts, devs, sizes = zip(*parts, strict=True)
             d.copy_batch(hosts, devs, sizes, stream) if to_host else d.copy_batch(devs, hosts, sizes, stream)

@@ -22,9 +22,9 @@ import itertools
 
 import torch
 
+from kvferry.cuda.driver import CudaError, Driver
+from kvferry.cuda.graphs import CapturedGraph, HostCopy
 from kvferry.kernels import triton_copy
-from kvferry.kernels.cuda_driver import CudaError, Driver
-from kvferry.kernels.cuda_graphs import CapturedGraph, HostCopy
 from kvferry.transfer.schedule import MiB
 
 
@@ -50,6 +50,7 @@ class ObjectGraph:
         drv: Driver,
         context: int,
         plan: triton_copy.TritonPlan,
+        *,
         n_ids: int,
         cap: int,
         rows: int,

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvferry.kernels.cuda_driver import Driver
+from kvferry.cuda.driver import Driver
 
 if TYPE_CHECKING:
     from kvferry.transfer.lane import Lane

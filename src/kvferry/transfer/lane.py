@@ -17,7 +17,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from kvferry.kernels.cuda_driver import Driver
+from kvferry.cuda.driver import Driver
 from kvferry.transfer.handle import Completion
 
 

@@ -15,8 +15,8 @@ from typing import NamedTuple, NoReturn
 import numpy as np
 import torch
 
+from kvferry.cuda.pinned import is_known_pinned
 from kvferry.formats import KVGeometry
-from kvferry.transfer.pinned import is_known_pinned
 
 Objects = Sequence[torch.Tensor] | torch.Tensor
 

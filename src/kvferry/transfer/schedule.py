@@ -62,6 +62,7 @@ class Slice:
 
 def schedule(
     caps: list[int],
+    *,
     rows: int,
     to_objects: bool,
     chunk_size: int,

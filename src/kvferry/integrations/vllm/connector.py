@@ -28,13 +28,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvferry.integrations.vllm import backends, hybrid_worker
 from kvferry.integrations.vllm.backends import KeySpace, ServerBackend
+from kvferry.integrations.vllm.connector_metadata import KvferryConnectorMetadata, KvferryHandshake, KvferryWorkerMeta
 from kvferry.integrations.vllm.counters import SchedulerCounters, WorkerCounters
 from kvferry.integrations.vllm.hybrid_scheduler import GroupedSchedulerSide
 from kvferry.integrations.vllm.kv_groups import GroupedLookups, KVGroup, UnsupportedGroups, hybrid_groups
@@ -58,34 +58,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
-
-
-class KvferryConnectorMetadata(KVConnectorMetadata):
-    """One step's `StepPlan`, in the type vLLM passes from the scheduler to the workers."""
-
-    def __init__(self, plan: StepPlan) -> None:
-        self.plan = plan
-
-
-class KvferryWorkerMeta(KVConnectorWorkerMetadata):
-    """What the worker halves tell the scheduler half after a step: the loads that ran, counted per request over
-    the tensor-parallel ranks (a lock goes once every rank's load ran), and those that came back short on any."""
-
-    def __init__(self, loaded: Counter[str], failed: set[str]) -> None:
-        self.loaded = loaded
-        self.failed = failed
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KvferryWorkerMeta:
-        assert isinstance(other, KvferryWorkerMeta), type(other)
-        return KvferryWorkerMeta(self.loaded + other.loaded, self.failed | other.failed)
-
-
-class KvferryHandshake(KVConnectorHandshakeMetadata):
-    """What the worker half tells the scheduler half once KV is registered: the cache key space (plain fields)."""
-
-    def __init__(self, key_space: dict[str, Any], group_key_spaces: list[dict[str, Any]] | None = None) -> None:
-        self.key_space = key_space
-        self.group_key_spaces = group_key_spaces  # a hybrid model's: one per KV cache group
 
 
 class KvferryConnector(KVConnectorBase_V1, SupportsHMA):

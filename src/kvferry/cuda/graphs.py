@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from kvferry.kernels.cuda_driver import Driver, driver
+from kvferry.cuda.driver import Driver, driver
 
 _CAPTURE_THREAD_LOCAL = 1  # only this thread's unsafe calls break the capture (other threads keep working)
 _NODE_MEMCPY = 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 
-from kvferry.transfer.pinned import is_known_pinned, register_pinned
+from kvferry.cuda.pinned import is_known_pinned, register_pinned
 
 
 class _Owner:

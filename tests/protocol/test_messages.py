@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvferry.server.protocol import (
+from kvferry.protocol.messages import (
     PROTOCOL_VERSION,
     ErrorCode,
     Op,

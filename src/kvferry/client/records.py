@@ -1,0 +1,34 @@
+"""What a client hands back (a lookup's result, a prefetch's status) and what it keeps per registration of GPU KV."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvferry.client.done_flags import DoneFlags
+from kvferry.client.ready_events import ReadyEvents
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    tokens: int  # prefix tokens ready in the server's host pool (chunk-aligned)
+    pending: int  # further prefix tokens on their way up from a lower tier (ask again shortly)
+    lock: int | None  # lock id when the lookup locked: pass it to retrieve(lock=) or free_lookup_locks
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchStatus:
+    done: bool
+    tokens: int  # prefix tokens now in the server's host pool (when done)
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GpuRegistration:
+    """What a client keeps of one registration of GPU KV, as one record so that it goes whole: the device, the
+    ring of ready events the server opened, and the done flags its GPU signals transfers on."""
+
+    device: torch.device
+    ready: ReadyEvents
+    flags: DoneFlags
