@@ -234,7 +234,7 @@ class KvferryConnector(KVConnectorBase_V1):
             # The worker is in another process: this half looks up through a session of its own, made now (at
             # start-up) so the first request never waits for it.
             link = ServerLink(self._settings.server_url, timeout_s=self._settings.timeout_s)
-            self._lookup_backend = ServerBackend(link, KeySpace(**received.key_space))
+            self._lookup_backend = ServerBackend(link, KeySpace(**received.key_space), block_size=self._block_size)
             try:
                 link.connect(check_chunk_size=self._check_chunk_size)
             except ValueError as exc:

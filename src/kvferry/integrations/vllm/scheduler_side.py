@@ -12,9 +12,11 @@ Invariants:
 - A load never covers vLLM's own prefix hit: ``skip_tokens`` is the block-aligned count vLLM reported as
   computed, and those blocks may be shared with other running requests.
 - A request whose load failed is not offered kvferry's hit again (vLLM recomputes it).
-- Only whole chunks are stored, each once per request: the prompt's after the step that computes their last token
-  (the worker stores after the forward pass), and when the request finishes, the whole chunks of everything it
-  computed (its generated tokens too: a chat's next turn repeats them), in the step after it finished.
+- Whole chunks of the prompt are stored once per request, after the step that computes their last token (the
+  worker stores after the forward pass). When the request finishes, everything it computed (its generated tokens
+  too: a chat's next turn repeats them) is stored in the step after, in whole blocks: full chunks, and the blocks
+  after the last one as a tail object (`kvferry.cache.tails`), which the next turn's lookup hits.
+- A hit is block-aligned: full chunks, then a stored tail.
 - A request whose KV token ids alone do not determine is neither looked up nor stored.
 - A request that had any store planned since it last started is reported to vLLM as "saving asynchronously"
   when it finishes, so vLLM keeps its blocks until the worker reports the stores done. A preempted request's
@@ -80,7 +82,7 @@ class _Request:
     """What this side knows of one request, from its first lookup until vLLM finished it (and its load ran)."""
 
     prompt: list[int] = field(default_factory=list)
-    hit: int = 0  # the cache's hit at the last lookup (chunk-aligned)
+    hit: int = 0  # the cache's hit at the last lookup (block-aligned)
     skip: int = 0  # vLLM's own computed tokens at the last lookup
     lock: Any = None
     looked_up_at: float | None = None
@@ -140,7 +142,7 @@ class SchedulerSide:
         if not cacheable:
             req.uncacheable = True
             return 0, False
-        if req.load_failed or len(prompt) < self.chunk_size:
+        if req.load_failed or len(prompt) < self.block_size:
             return 0, False
         stale = req.looked_up_at is not None and self._clock() - req.looked_up_at > self._refresh_s
         if req.looked_up_at is None or stale:
@@ -148,7 +150,7 @@ class SchedulerSide:
             found = self._lookup(list(prompt))
             if found is None:
                 return None, False
-            req.hit = min(found.tokens, len(prompt)) // self.chunk_size * self.chunk_size
+            req.hit = min(found.tokens, len(prompt)) // self.block_size * self.block_size
             req.lock = found.lock
             if req.hit == 0:
                 self._release(req)  # nothing to pin
@@ -240,8 +242,8 @@ class SchedulerSide:
     ) -> bool:
         """vLLM finished (or aborted) the request, which had computed the KV of the tokens ``computed`` (its prompt
         and what it generated but the last token) into ``block_ids`` (None: the block table kept here). Plans the
-        store of their whole chunks not stored yet. True when stores were planned for the request: vLLM must keep
-        its blocks until the worker reports them done."""
+        store of their whole blocks not stored yet (full chunks, then a tail). True when stores were planned for
+        the request: vLLM must keep its blocks until the worker reports them done."""
         req = self._requests.get(req_id)
         if req is None:
             return False
@@ -250,7 +252,7 @@ class SchedulerSide:
             req.finished = True
             return False
         del self._requests[req_id]
-        end = len(computed) // self.chunk_size * self.chunk_size
+        end = len(computed) // self.block_size * self.block_size
         table = list(block_ids) if block_ids is not None else req.block_ids
         needed = end // self.block_size
         if req.running and not req.uncacheable and end > req.stored_upto and len(table) >= needed:
