@@ -422,3 +422,34 @@ def test_a_request_finished_before_it_ran_or_uncacheable_stores_nothing_at_the_e
     side.num_new_matched_tokens("img", toks, len(toks), 0, cacheable=False)
     assert side.request_finished("img", toks, blocks(20)) is False
     assert side.build_plan(Step()).stores == []
+
+
+def test_a_next_turn_waits_for_the_last_turns_store_in_flight() -> None:
+    """An agent's next request, sent the moment the last one finished, must not miss what that one is storing."""
+    now = [0.0]
+    cache = FakeCache(0)
+    side = make_side(cache, clock=lambda: now[0])
+    toks, ids = prompt(300), blocks(14)
+    matched(side, "a", toks, len(toks), 0)
+    side.after_alloc("a", toks, ids, 0)
+    side.build_plan(Step([NewReq("a", toks, (ids[:10],), 0)], num_scheduled_tokens={"a": 300}))
+    said = toks + prompt(100, seed=1)
+    assert side.request_finished("a", said, ids) is True
+    next_turn, other = [*said, *prompt(50, seed=2)], prompt(400, seed=3)
+    calls = len(cache.calls)
+    assert matched(side, "b", next_turn, len(next_turn), 0) is None  # not known yet: the store is in flight
+    assert matched(side, "c", other, len(other), 0) == 0  # another prompt is looked up at once
+    side.build_plan(Step())  # the step that issues the store
+    side.stores_done(["a"])
+    assert matched(side, "b", next_turn, len(next_turn), 0) == 0  # looked up now (the fake cache misses)
+    assert len(cache.calls) == calls + 2
+    assert side.request_finished("b", next_turn, blocks(15)) is False  # it never ran: nothing to store
+    side.request_finished("c", other)
+    # A store never reported done holds a lookup back for refresh_s (10 s) at most.
+    matched(side, "e", toks, len(toks), 0)
+    side.after_alloc("e", toks, ids, 0)
+    side.build_plan(Step([NewReq("e", toks, (ids[:10],), 0)], num_scheduled_tokens={"e": 300}))
+    assert side.request_finished("e", said, ids) is True
+    assert matched(side, "d", next_turn, len(next_turn), 0) is None
+    now[0] = 10.5
+    assert matched(side, "d", next_turn, len(next_turn), 0) == 0

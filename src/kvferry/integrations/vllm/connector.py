@@ -265,6 +265,8 @@ class KvferryConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         report = connector_output.kv_connector_worker_meta
+        if self._scheduler is not None and connector_output.finished_sending:
+            self._scheduler.stores_done(connector_output.finished_sending)
         if self._scheduler is not None and isinstance(report, KvferryWorkerMeta):
             self._scheduler.loads_done(report.loaded.elements(), report.failed)
 

@@ -17,6 +17,9 @@ Invariants:
   too: a chat's next turn repeats them) is stored in the step after, in whole blocks: full chunks, and the blocks
   after the last one as a tail object (`kvferry.cache.tails`), which the next turn's lookup hits.
 - A hit is block-aligned: full chunks, then a stored tail.
+- A lookup of a prompt that goes on from a finished request's tokens whose store is still in flight waits for it
+  (answers "not known yet"; at most ``refresh_s``): a chat's or an agent's next turn, sent the moment the last one
+  finished, hits all of it. vLLM runs the step that issues the store meanwhile.
 - A request whose KV token ids alone do not determine is neither looked up nor stored.
 - A request that had any store planned since it last started is reported to vLLM as "saving asynchronously"
   when it finishes, so vLLM keeps its blocks until the worker reports the stores done. A preempted request's
@@ -125,6 +128,8 @@ class SchedulerSide:
         self._ranks = ranks
         self._requests: dict[str, _Request] = {}
         self._finishing: list[StoreSpec] = []  # stores of finished requests, for the next step's plan
+        # Finished requests' stores not reported done yet: their tokens, and until when a lookup waits for them
+        self._saving: dict[str, tuple[list[int], float]] = {}
         self.counters = SchedulerCounters()
 
     def num_new_matched_tokens(
@@ -146,6 +151,8 @@ class SchedulerSide:
             return 0, False
         stale = req.looked_up_at is not None and self._clock() - req.looked_up_at > self._refresh_s
         if req.looked_up_at is None or stale:
+            if self._saving and self._extends_a_store_in_flight(prompt):
+                return None, False
             self._release(req)
             found = self._lookup(list(prompt))
             if found is None:
@@ -257,8 +264,14 @@ class SchedulerSide:
         needed = end // self.block_size
         if req.running and not req.uncacheable and end > req.stored_upto and len(table) >= needed:
             self._finishing.append(StoreSpec(req_id, list(computed[:end]), table[:needed], req.stored_upto))
+            self._saving[req_id] = (list(computed[:end]), self._clock() + self._refresh_s)
             req.stores_planned = True
         return req.stores_planned
+
+    def stores_done(self, req_ids: Iterable[str]) -> None:
+        """The worker finished the stores of these (finished) requests: lookups need not wait for them."""
+        for req_id in req_ids:
+            self._saving.pop(req_id, None)
 
     def close(self) -> None:
         """Free every lock still held (the engine is shutting down)."""
@@ -273,6 +286,19 @@ class SchedulerSide:
         return sum(req.lock is not None for req in self._requests.values())
 
     # -- helpers ---------------------------------------------------------------------------------------------
+
+    def _extends_a_store_in_flight(self, prompt: Sequence[int]) -> bool:
+        """Whether ``prompt`` shares its first block and on with the tokens of a finished request's store in
+        flight (forgetting those past their wait)."""
+        now = self._clock()
+        for req_id, (tokens, until) in list(self._saving.items()):
+            if now > until:
+                del self._saving[req_id]
+                continue
+            n = min(len(tokens), len(prompt))
+            if n >= self.block_size and tokens[0] == prompt[0] and list(prompt[:n]) == tokens[:n]:
+                return True
+        return False
 
     def _release(self, req: _Request) -> None:
         if req.lock is not None:
