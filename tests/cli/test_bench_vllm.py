@@ -77,11 +77,11 @@ def test_batch_tiny(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 @needs_vllm
 def test_chat_tiny(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(vllm_child, "CHILD_TIMEOUT_S", 300.0)
-    args = ("--conversations", "3", "--turns", "2", "--first-tokens", "400", "--new-tokens", "100", "--generated", "8")
+    args = ("--conversations", "4", "--turns", "2", "--first-tokens", "400", "--new-tokens", "100", "--generated", "8")
     doc, _ = run_bench(monkeypatch, tmp_path, "vllm-chat", *args, "--layers", "1", "--hidden", "256")
     (turn2,) = doc["results"]["turns"]
     # Each conversation's turn 2 could reuse turn 1's 400 + 8 tokens: a whole chunk, a tail of one 128-token block.
-    assert turn2["reusable"] == 3 * 408 and turn2["cached_kvferry"] == 3 * 384
-    assert turn2["cached_alone"] == 0  # vLLM's own cache was too small to keep them
+    assert turn2["reusable"] == 4 * 408 and turn2["cached_kvferry"] == 4 * 384
+    assert turn2["cached_alone"] == 0  # vLLM's own cache (two prompts' blocks) was too small to keep four
     storage = doc["results"]["storage"]
     assert storage["tail_tokens"] > 0 and storage["tier_bytes_per_token"] >= storage["kv_bytes_per_token"]
