@@ -127,3 +127,16 @@ def test_factory_rejects_unknown_names() -> None:
         make_policy("arc")
     with pytest.raises(ValueError, match="small_ratio"):
         S3FIFOPolicy(small_ratio=1.5)
+
+
+@pytest.mark.parametrize("name", ["lru", "s3fifo"])
+def test_a_demoted_key_is_the_next_victim(name: str) -> None:
+    policy = make_policy(name)
+    for i in range(6):
+        policy.insert(_k(i))
+    for i in range(6):
+        policy.touch(_k(i))  # every key reused: none is a one-hit key
+    policy.demote(_k(4))
+    policy.demote(_k(99))  # unknown: ignored
+    assert policy.evict(1, _any) == [_k(4)]
+    assert len(policy) == 5 and _k(4) not in policy

@@ -18,7 +18,7 @@ needs_vllm = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("name", ["vllm-ttft", "vllm-async-load", "vllm-batch"])
+@pytest.mark.parametrize("name", ["vllm-ttft", "vllm-async-load", "vllm-batch", "vllm-chat"])
 def test_without_vllm_exit_2_saying_so(
     name: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -73,3 +73,18 @@ def test_batch_tiny(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     alone, embedded = doc["results"]["vLLM alone"], doc["results"]["embedded"]
     assert alone["wall_ratio"] == 1.0 and embedded["wall_s"] > 0 and embedded["cpu_s"] > 0
     assert alone["tokens_stored_per_round"] == 0 and embedded["tokens_stored_per_round"] == 2 * 256
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@needs_vllm
+def test_chat_tiny(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(vllm_child, "CHILD_TIMEOUT_S", 300.0)
+    args = ("--conversations", "4", "--turns", "2", "--first-tokens", "400", "--new-tokens", "100", "--generated", "8")
+    doc, _ = run_bench(monkeypatch, tmp_path, "vllm-chat", *args, "--layers", "1", "--hidden", "256")
+    (turn2,) = doc["results"]["turns"]
+    # Each conversation's turn 2 could reuse turn 1's 400 + 8 tokens: a whole chunk, a tail of one 128-token block.
+    assert turn2["reusable"] == 4 * 408 and turn2["cached_kvferry"] == 4 * 384
+    assert turn2["cached_alone"] == 0  # vLLM's own cache (two prompts' blocks) was too small to keep four
+    storage = doc["results"]["storage"]
+    assert storage["tail_tokens"] > 0 and storage["tier_bytes_per_token"] >= storage["kv_bytes_per_token"]

@@ -67,26 +67,27 @@ def two_workers(
 
 
 def check_roundtrip(fixture: dict[str, Any], device: str, settings: ConnectorSettings | None = None) -> None:
-    """Store two chunks from random blocks of engine A, load them into random blocks of engine B but for vLLM's own
-    first block: B's loaded blocks equal A's, byte for byte, and every other byte of B is as it was."""
+    """Store two chunks and a one-block tail object (kvferry.cache.tails) from random blocks of engine A, load them
+    into random blocks of engine B but for vLLM's own first block: B's loaded blocks equal A's, byte for byte, and
+    every other byte of B is as it was."""
     case = case_of(fixture)
     rng = random.Random(case.name)
     blocks, bs = case.num_blocks, case.block_size
-    tokens = [rng.randrange(50_000) for _ in range(4 * bs + 5)]  # two chunks and a partial one
-    src, dst = rng.sample(range(blocks), 4), rng.sample(range(blocks), 4)
+    tokens = [rng.randrange(50_000) for _ in range(5 * bs + 5)]  # two chunks, a whole block and 5 tokens more
+    src, dst = rng.sample(range(blocks), 6), rng.sample(range(blocks), 6)
     (kv_a, worker_a), (kv_b, worker_b), owned = two_workers(case, fixture, device, settings or embedded_settings(case))
     try:
         worker_a.start_stores(StepPlan(stores=[StoreSpec("a", tokens, src, skip_tokens=0)]))
         worker_a.preempted(["a"])  # waits for the stores
-        assert worker_a.counters.tokens_stored == 4 * bs, worker_a.counters
+        assert worker_a.counters.tokens_stored == 5 * bs, worker_a.counters  # the chunks and a tail of one block
         expected = gathered(kv_a, src)
         before = [layer.view(torch.uint8).clone() for layer in kv_b.layers]
-        worker_b.start_loads(StepPlan(loads=[LoadSpec("b", tokens[: 4 * bs], dst, skip_tokens=bs)]))
+        worker_b.start_loads(StepPlan(loads=[LoadSpec("b", tokens[: 5 * bs], dst[:5], skip_tokens=bs)]))
         assert worker_b.take_load_errors() == set()
-        assert worker_b.counters.tokens_loaded == 3 * bs
-        for got, want in zip(gathered(kv_b, dst[1:]), expected, strict=True):
-            assert torch.equal(got, want[kv_a.split :])
-        untouched = [b for b in range(blocks) if b not in dst[1:]]
+        assert worker_b.counters.tokens_loaded == 4 * bs
+        for got, want in zip(gathered(kv_b, dst[1:5]), expected, strict=True):
+            assert torch.equal(got, want[kv_a.split : 5 * kv_a.split])
+        untouched = [b for b in range(blocks) if b not in dst[1:5]]
         for got, old in zip(gathered(kv_b, untouched), before, strict=True):
             assert torch.equal(got, old.index_select(0, kernel_index(kv_b, untouched)))
     finally:

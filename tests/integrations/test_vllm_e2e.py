@@ -13,6 +13,7 @@ checked against K (after RoPE) and V computed from the weights.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
 import random
@@ -39,9 +40,15 @@ pytestmark = [
 ]
 
 HERE = Path(__file__).resolve().parent
-PROMPT_TOKENS = 1000  # not a multiple of the chunk: the hit is its 3 full chunks
+PROMPT_TOKENS = 1000  # not a multiple of the chunk: 3 full chunks, then a tail
 CHUNK = 256
-HIT = PROMPT_TOKENS // CHUNK * CHUNK  # 768: the full chunks of the prompt
+VLLM_BLOCK = 128  # vLLM's CPU backend's default block size
+CHUNKS = PROMPT_TOKENS // CHUNK * CHUNK  # 768: the full chunks of the prompt (what tiers hold)
+# 896: the prompt's whole blocks: its full chunks, then the tail object the first run stored when it finished
+HIT = PROMPT_TOKENS // VLLM_BLOCK * VLLM_BLOCK
+# A conversation: a 400-token first prompt, then 150 new tokens a turn after the previous turn's 12 generated ones
+CHAT_SEGMENTS = [400, 150, 150, 150]
+GENERATED = 12  # the driver's max_tokens
 BATCH, BATCH_TOKENS = 6, 600  # 12 chunk objects of 256 KiB: more than the 2 MiB pool holds
 DRIVER_TIMEOUT_S = 300
 LAYERS, KV_HEADS, HEAD_SIZE = 2, 2, 64
@@ -116,7 +123,8 @@ def prompt(workdir: Path) -> list[int]:
     tokens = [rng.randrange(1024) for _ in range(PROMPT_TOKENS)]
     batch = [[rng.randrange(1024) for _ in range(BATCH_TOKENS)] for _ in range(BATCH)]
     tp = {f"tp{i}": [rng.randrange(1024) for _ in range(PROMPT_TOKENS)] for i in (1, 2)}
-    (workdir / "prompts.json").write_text(json.dumps({"main": tokens, "batch": batch, **tp}))
+    chat = [[rng.randrange(1024) for _ in range(n)] for n in CHAT_SEGMENTS]
+    (workdir / "prompts.json").write_text(json.dumps({"main": tokens, "batch": batch, **tp, "chat": chat}))
     return tokens
 
 
@@ -195,7 +203,7 @@ def test_a_failed_load_is_recomputed_not_failed(reference: dict[str, Any], embed
     failed = embedded["runs"][3]
     assert failed["finish"] == ["length"]  # vLLM's default policy would have ended it with "error"
     assert tokens_of(failed) == reference["runs"][0]["tokens"][0]
-    assert "loaded 0 of 768 tokens; vLLM recomputes the rest" in embedded["output"]
+    assert f"loaded 0 of {HIT} tokens; vLLM recomputes the rest" in embedded["output"]
 
 
 def test_the_connector_says_it_is_active_in_vllms_output(embedded: dict[str, Any]) -> None:
@@ -423,6 +431,25 @@ def test_an_engine_ended_by_a_signal_leaves_nothing_in_dev_shm(
     assert left_behind(before, pids) == set(), "shared memory left behind"
 
 
+@pytest.mark.parametrize("mode", ["embedded", "server"])
+def test_each_turn_of_a_chat_hits_the_last_turns_prompt_and_output_but_for_less_than_a_block(
+    mode: str, workdir: Path, model_dir: Path, reference: dict[str, Any], request: pytest.FixtureRequest
+) -> None:
+    extra = ["--server-url", request.getfixturevalue("server_url")] if mode == "server" else []
+    report = run_driver("chat", workdir, model_dir, *extra)
+    turns = report["runs"]
+    assert [tokens_of(t) for t in turns] == [tokens_of(t) for t in reference["chat"]]
+    assert cached_of(turns[0]) == 0
+    for before, turn in itertools.pairwise(turns):
+        said = before["prompt_tokens"] + GENERATED  # the last turn's prompt and output: all in this prompt
+        # What the last turn computed (its last token's KV never was) in whole blocks: full chunks and a tail.
+        assert cached_of(turn) == (said - 1) // VLLM_BLOCK * VLLM_BLOCK
+        assert 0 < said - cached_of(turn) <= VLLM_BLOCK
+    assert any(cached_of(t) % CHUNK for t in turns)  # hits past the last full chunk: tails
+    if mode == "embedded":
+        assert_no_leak(report)
+
+
 def test_stored_objects_are_token_major_k_and_v(
     workdir: Path, model_dir: Path, prompt: list[int], embedded: dict[str, Any]
 ) -> None:
@@ -440,14 +467,14 @@ def test_stored_objects_are_token_major_k_and_v(
     finally:
         tier.close()
     assert all(o is not None for o in objects), "an object kvferry stored is missing from its disk tier"
-    stored = torch.cat(objects, dim=2).float()  # [2, NL, HIT, NH*HS]
-    assert stored.shape == (2, LAYERS, HIT, KV_HEADS * HEAD_SIZE)
+    stored = torch.cat(objects, dim=2).float()  # [2, NL, CHUNKS, NH*HS]: tails stay in the pool
+    assert stored.shape == (2, LAYERS, CHUNKS, KV_HEADS * HEAD_SIZE)
 
     model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
     with torch.no_grad():
-        cache = model(torch.tensor([prompt[:HIT]]), use_cache=True).past_key_values
+        cache = model(torch.tensor([prompt[:CHUNKS]]), use_cache=True).past_key_values
     for kv, ref in ((0, cache.layers[0].keys), (1, cache.layers[0].values)):
-        want = ref[0].permute(1, 0, 2).reshape(HIT, KV_HEADS * HEAD_SIZE)  # [T, NH*HS], K after RoPE
+        want = ref[0].permute(1, 0, 2).reshape(CHUNKS, KV_HEADS * HEAD_SIZE)  # [T, NH*HS], K after RoPE
         err = (stored[kv, 0] - want).abs()
         scale = want.abs().max()
         print(f"layer 0 {'KV'[kv]}: max err {err.max():.4f} (max |ref| {scale:.3f}), mean err {err.mean():.5f}")

@@ -181,14 +181,25 @@ def test_unknown_hit_and_short_prompts() -> None:
     cache = FakeCache(hit=None)
     side = make_side(cache)
     assert matched(side, "a", prompt(300), 300, 0) is None  # vLLM asks again later
-    assert matched(side, "b", prompt(127), 127, 0) == 0
-    assert len(cache.calls) == 1  # a prompt shorter than a chunk never costs a lookup
+    assert matched(side, "b", prompt(31), 31, 0) == 0
+    assert len(cache.calls) == 1  # a prompt shorter than a block never costs a lookup
     assert side.counters.lookup_requests == 0  # an answer not known yet is not a lookup
 
 
-def test_a_hit_past_the_prompt_is_clipped_to_whole_prompt_chunks() -> None:
+def test_a_hit_past_the_prompt_is_clipped_to_whole_prompt_blocks() -> None:
     side = make_side(FakeCache(hit=1024))
-    assert matched(side, "a", prompt(300), 300, 0) == 256
+    assert matched(side, "a", prompt(300), 300, 0) == 288
+
+
+def test_a_hit_that_ends_in_a_tail_is_loaded_block_by_block() -> None:
+    """A stored tail (kvferry.cache.tails) makes a hit of whole blocks past the last full chunk."""
+    side = make_side(FakeCache(hit=CHUNK + 2 * BS + 5))  # a hit is whole blocks: 5 more tokens are none
+    toks, ids = prompt(400), blocks(13)
+    assert matched(side, "a", toks, len(toks), 0) == CHUNK + 2 * BS
+    side.after_alloc("a", toks, ids, CHUNK + 2 * BS)
+    plan = side.build_plan(Step([NewReq("a", toks, (ids,), CHUNK + 2 * BS)], num_scheduled_tokens={"a": 208}))
+    assert plan.loads == [LoadSpec("a", toks[: CHUNK + 2 * BS], ids[:6], 0)]
+    assert plan.stores == [StoreSpec("a", toks[:384], ids[:12], skip_tokens=CHUNK + 2 * BS)]  # chunks 1 and 2
 
 
 def test_background_load_is_planned_when_blocks_are_allocated_then_the_request_runs() -> None:
@@ -379,13 +390,26 @@ def test_a_finished_request_stores_the_whole_chunks_it_generated_in_the_next_ste
     assert side.build_plan(Step()).stores == []  # planned once
 
 
-@pytest.mark.parametrize("generated", [0, 20])
-def test_a_finished_request_with_no_new_whole_chunk_plans_nothing_more(generated: int) -> None:
+def test_a_finished_request_stores_its_last_partial_chunk_in_whole_blocks() -> None:
+    """What a request computed past its last whole chunk is stored too (as a tail object), in whole blocks: the
+    next turn's hit then covers this turn's prompt and output but for less than a block."""
     side = make_side(FakeCache(0))
-    toks, ids = prompt(300), blocks(10)
+    toks, ids = prompt(300), blocks(14)
     matched(side, "a", toks, len(toks), 0)
     side.after_alloc("a", toks, ids, 0)
-    side.build_plan(Step([NewReq("a", toks, (ids,), 0)], num_scheduled_tokens={"a": 300}))
+    side.build_plan(Step([NewReq("a", toks, (ids[:10],), 0)], num_scheduled_tokens={"a": 300}))
+    computed = toks + prompt(130, seed=1)  # 430 tokens: 3 chunks and 1 block more (14 tokens recomputed)
+    assert side.request_finished("a", computed, ids) is True
+    assert side.build_plan(Step()).stores == [StoreSpec("a", computed[:416], ids[:13], skip_tokens=256)]
+
+
+@pytest.mark.parametrize("generated", [0, 10])
+def test_a_finished_request_with_no_new_whole_block_plans_nothing_more(generated: int) -> None:
+    side = make_side(FakeCache(0))
+    toks, ids = prompt(270), blocks(9)
+    matched(side, "a", toks, len(toks), 0)
+    side.after_alloc("a", toks, ids, 0)
+    side.build_plan(Step([NewReq("a", toks, (ids,), 0)], num_scheduled_tokens={"a": 270}))
     assert side.request_finished("a", toks + prompt(generated, seed=2), ids) is True  # the prefill's stores
     assert side.build_plan(Step()).stores == []
 
@@ -398,3 +422,34 @@ def test_a_request_finished_before_it_ran_or_uncacheable_stores_nothing_at_the_e
     side.num_new_matched_tokens("img", toks, len(toks), 0, cacheable=False)
     assert side.request_finished("img", toks, blocks(20)) is False
     assert side.build_plan(Step()).stores == []
+
+
+def test_a_next_turn_waits_for_the_last_turns_store_in_flight() -> None:
+    """An agent's next request, sent the moment the last one finished, must not miss what that one is storing."""
+    now = [0.0]
+    cache = FakeCache(0)
+    side = make_side(cache, clock=lambda: now[0])
+    toks, ids = prompt(300), blocks(14)
+    matched(side, "a", toks, len(toks), 0)
+    side.after_alloc("a", toks, ids, 0)
+    side.build_plan(Step([NewReq("a", toks, (ids[:10],), 0)], num_scheduled_tokens={"a": 300}))
+    said = toks + prompt(100, seed=1)
+    assert side.request_finished("a", said, ids) is True
+    next_turn, other = [*said, *prompt(50, seed=2)], prompt(400, seed=3)
+    calls = len(cache.calls)
+    assert matched(side, "b", next_turn, len(next_turn), 0) is None  # not known yet: the store is in flight
+    assert matched(side, "c", other, len(other), 0) == 0  # another prompt is looked up at once
+    side.build_plan(Step())  # the step that issues the store
+    side.stores_done(["a"])
+    assert matched(side, "b", next_turn, len(next_turn), 0) == 0  # looked up now (the fake cache misses)
+    assert len(cache.calls) == calls + 2
+    assert side.request_finished("b", next_turn, blocks(15)) is False  # it never ran: nothing to store
+    side.request_finished("c", other)
+    # A store never reported done holds a lookup back for refresh_s (10 s) at most.
+    matched(side, "e", toks, len(toks), 0)
+    side.after_alloc("e", toks, ids, 0)
+    side.build_plan(Step([NewReq("e", toks, (ids[:10],), 0)], num_scheduled_tokens={"e": 300}))
+    assert side.request_finished("e", said, ids) is True
+    assert matched(side, "d", next_turn, len(next_turn), 0) is None
+    now[0] = 10.5
+    assert matched(side, "d", next_turn, len(next_turn), 0) == 0

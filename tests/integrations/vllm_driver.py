@@ -3,7 +3,7 @@
     python vllm_driver.py PHASE --model DIR --prompts FILE --out FILE [options]
 
 PHASE
-  reference   no connector: every prompt of the prompts file, greedy.
+  reference   no connector: every prompt of the prompts file, greedy, then the conversation (see chat).
   embedded    the cache in this process (and a disk tier written on store, which the test reads objects back
               from): the main prompt as a miss, a hit, a hit whose loaded KV the test hook corrupts, and a hit
               whose load fails (vLLM must recompute it).
@@ -14,6 +14,8 @@ PHASE
   resilience  server mode with no server at start: misses; then the driver starts a server, waits for the
               connector to reconnect, stores, hits; then kills the server (SIGKILL) and goes on (misses).
   hold        server mode: the main prompt once, then writes --out and waits to be killed by the test.
+  chat        embedded (or server mode with --server-url): a conversation, each turn the previous turn's prompt,
+              its output and the next segment of the prompts file's "chat" list.
 
 Engines run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) unless --multiprocessing: then vLLM's engine
 core and its CPU worker are two more processes, so the connector's scheduler half runs apart from its KV.
@@ -91,6 +93,18 @@ def generate(llm: Any, prompts: list[list[int]]) -> dict[str, Any]:
         "finish": [o.outputs[0].finish_reason for o in outs],
         "seconds": time.perf_counter() - started,
     }
+
+
+def chat(llm: Any, segments: list[list[int]]) -> list[dict[str, Any]]:
+    """One conversation: turn i's prompt is turn i-1's prompt and output, then ``segments[i]``."""
+    runs: list[dict[str, Any]] = []
+    history: list[int] = []
+    for segment in segments:
+        prompt = history + segment
+        run = generate(llm, [prompt])
+        runs.append({**run, "prompt_tokens": len(prompt)})
+        history = prompt + run["tokens"][0]
+    return runs
 
 
 def connector_state(llm: Any) -> dict[str, Any]:
@@ -197,7 +211,7 @@ def write_report(out: Path, report: dict[str, Any]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    phases = ["reference", "embedded", "isa", "pool", "bad-chunk", "server", "resilience", "hold"]
+    phases = ["reference", "embedded", "isa", "pool", "bad-chunk", "server", "resilience", "hold", "chat"]
     parser.add_argument("phase", choices=phases)
     parser.add_argument("--model", required=True)
     parser.add_argument("--prompts", required=True)
@@ -264,18 +278,27 @@ def main() -> None:
             },
             "server": {"mode": "server", "server_url": args.server_url},
             "hold": {"mode": "server", "server_url": args.server_url},
+            "chat": (
+                {"mode": "server", "server_url": args.server_url}
+                if args.server_url
+                else {"mode": "embedded", "config": {"cache": {"chunk_size": CHUNK_SIZE, "l1_size_gb": 0.25}}}
+            ),
         }[args.phase]
         started = time.perf_counter()
         llm = llm_factory(extra)
         report["engine_start_seconds"] = time.perf_counter() - started
         batch = prompts["batch"] if args.phase == "pool" else [main_prompt]
-        repeats = {"reference": 1, "server": 1, "hold": 1, "isa": 2, "pool": 3, "embedded": 2}[args.phase]
+        repeats = {"reference": 1, "server": 1, "hold": 1, "isa": 2, "pool": 3, "embedded": 2, "chat": 1}[args.phase]
         if args.phase == "reference":
             batch = [main_prompt, *prompts["batch"]]
         if args.runs:
             report["runs"] = [generate(llm, [prompts[name]]) for name in args.runs.split(",")]
+        elif args.phase == "chat":
+            report["runs"] = chat(llm, prompts["chat"])
         else:
             report["runs"] = [generate(llm, batch) for _ in range(repeats)]
+        if args.phase == "reference" and "chat" in prompts:
+            report["chat"] = chat(llm, prompts["chat"])
     if args.phase == "embedded":
         import vllm_hooks
 

@@ -72,7 +72,9 @@ class FakeEngine:
         found, below = self.lookup_pool(tokens, namespace=namespace, lock=lock)
         return found if below is None else below()
 
-    def lookup_pool(self, tokens: Any, *, namespace: CacheNamespace, lock: bool = False) -> tuple[Found, Any]:
+    def lookup_pool(
+        self, tokens: Any, *, namespace: CacheNamespace, lock: bool = False, block_size: int | None = None
+    ) -> tuple[Found, Any]:
         found = self._pool_lookup(tokens, namespace, lock)
         if not self.tier_seconds or found.hit_tokens == len(tokens) // self.chunk_size * self.chunk_size:
             return found, None
@@ -103,7 +105,18 @@ class FakeEngine:
         yield
 
     def store(
-        self, tokens, paged, block_ids, fmt, *, namespace, block_size, geometry, skip_prefix_tokens, valid_until=None
+        self,
+        tokens,
+        paged,
+        block_ids,
+        fmt,
+        *,
+        namespace,
+        block_size,
+        geometry,
+        skip_prefix_tokens,
+        valid_until=None,
+        tail=False,  # the fake keeps full chunks only
     ) -> int:
         self.in_transfer.set()
         self.gate.wait()

@@ -110,6 +110,29 @@ def test_a_whole_engine_stores_and_each_rank_reads_its_heads(server: ServerProce
         assert torch.equal(blocks(layers(target), OTHER_IDS[:N]), want)
 
 
+def test_a_tail_is_assembled_from_rank_slices_and_hit_in_whole_blocks(server: ServerProcess) -> None:
+    """Tails (kvferry.cache.tails) over the wire: each rank stores its heads of the last partial chunk, a lookup
+    counts it in whole blocks of the size it names, and an engine of another parallelism loads it."""
+    whole = full_kv(seed=4)
+    tokens = list(range(30_000, 30_000 + 2 * REAL_CHUNK + 39))  # two chunks and a tail of two whole blocks
+    ids, other_ids = [*IDS, 70], [*OTHER_IDS, 59]
+    hit = 2 * REAL_CHUNK + 2 * REAL_BS
+    longer = tokens + list(range(100))  # the next turn goes on from all of it
+    with KvferryClient(server.endpoint) as r0, KvferryClient(server.endpoint) as r1:
+        regs = register_ranks([r0, r1], [rank_slice(whole, rank) for rank in range(2)])
+        assert r0.store(regs[0], tokens, ids, tail=True) == hit
+        assert r1.store(regs[1], tokens, ids, tail=True) == hit
+        assert r0.lookup(longer, registration=regs[0], block_size=REAL_BS).tokens == hit
+        assert r1.lookup(longer, registration=regs[1], block_size=3 * REAL_BS).tokens == 2 * REAL_CHUNK
+    with KvferryClient(server.endpoint) as tp1:
+        target = torch.full_like(whole, -3.5)
+        reg = tp1.register_kv_cache(layers(target), FMT_REAL, namespace=REAL_NS)
+        assert tp1.lookup(longer, registration=reg, block_size=REAL_BS).tokens == hit
+        assert tp1.retrieve(reg, tokens[:hit], other_ids) == hit
+    got, want = blocks(layers(target), other_ids), blocks(layers(whole), ids)
+    assert torch.equal(got, want)
+
+
 def test_a_slice_that_does_not_fit_is_refused(server: ServerProcess) -> None:
     with KvferryClient(server.endpoint) as client, pytest.raises(ServerError, match=r"BAD_ARGUMENT.*do not fit"):
         client.register_kv_cache(layers(full_kv(seed=3)), FMT_REAL, namespace=REAL_NS, heads=(1, REAL_NH))

@@ -31,6 +31,7 @@ from kvferry.cache.request import (
 )
 from kvferry.cache.residency import Residency
 from kvferry.cache.steps import Steps, run_steps
+from kvferry.cache.tails import find_tail, superseded
 from kvferry.cache.tiering import TierLink, when_all
 from kvferry.cache.writer import ChunkWriter
 from kvferry.config import KvferryConfig
@@ -50,7 +51,7 @@ def _ordered(after: torch.cuda.Event | None, call: Callable[..., int], args: tup
 
 
 class LookupResult(NamedTuple):
-    hit_tokens: int  # prefix tokens ready in the host pool (a multiple of chunk_size)
+    hit_tokens: int  # prefix tokens ready in the host pool (full chunks, then a tail's tokens)
     pending_tokens: int  # further prefix tokens being promoted from a tier: ready once they land
     lock_id: int | None  # lookup lock on the hit chunks (lock=True and a hit): retrieve(lock_id=) ends it
 
@@ -131,46 +132,68 @@ class CacheEngine:
 
     # --- lookup -------------------------------------------------------------------------------------------
 
-    def lookup(self, tokens: TokenIds, *, namespace: CacheNamespace | None = None) -> int:
-        """Prefix tokens of ``tokens`` ready in the host pool (chunk-aligned). Starts promoting tier hits."""
-        return self.lookup_status(tokens, namespace=namespace).hit_tokens
+    def lookup(
+        self, tokens: TokenIds, *, namespace: CacheNamespace | None = None, block_size: int | None = None
+    ) -> int:
+        """Prefix tokens of ``tokens`` ready in the host pool: full chunks, then a stored tail (see
+        `kvferry.cache.tails`) of whole ``block_size``-token blocks. Starts promoting tier hits."""
+        return self.lookup_status(tokens, namespace=namespace, block_size=block_size).hit_tokens
 
     def lookup_status(
-        self, tokens: TokenIds, *, namespace: CacheNamespace | None = None, lock: bool = False
+        self,
+        tokens: TokenIds,
+        *,
+        namespace: CacheNamespace | None = None,
+        lock: bool = False,
+        block_size: int | None = None,
     ) -> LookupResult:
         """Like ``lookup``, and reports the tokens in flight from tiers; ``lock=True`` locks the hit chunks
-        against eviction until ``retrieve(lock_id=...)`` / ``free_lookup_locks`` / the lock timeout."""
-        found, below = self.lookup_pool(tokens, namespace=namespace, lock=lock)
+        against eviction until ``retrieve(lock_id=...)`` / ``free_lookup_locks`` / the lock timeout.
+        ``block_size``: see ``lookup_pool``."""
+        found, below = self.lookup_pool(tokens, namespace=namespace, lock=lock, block_size=block_size)
         return found if below is None else below()
 
     def lookup_pool(
-        self, tokens: TokenIds, *, namespace: CacheNamespace | None = None, lock: bool = False
+        self,
+        tokens: TokenIds,
+        *,
+        namespace: CacheNamespace | None = None,
+        lock: bool = False,
+        block_size: int | None = None,
     ) -> tuple[LookupResult, Callable[[], LookupResult] | None]:
         """``lookup_status`` in two halves: the pool's answer now, without touching a tier, and -- when tiers may
         hold the chunks after the pool's hits -- a function that asks them (it waits for the tiers' I/O, so a
-        caller that must stay responsive runs it on another thread) and returns the whole answer."""
+        caller that must stay responsive runs it on another thread) and returns the whole answer. Tails
+        (`kvferry.cache.tails`) count in whole ``block_size``-token blocks (None: any stored tail), the pool's
+        only: while a tier holds chunks after the hit, the answer reports them pending."""
         prefix = self._hasher.prefix(tokens, self._ns(namespace))
         index = self._res.index
         removals = index.removals  # read before the index: see CacheIndex
         run = readable_run(index.get, prefix)  # a few keys and parent links, not every chunk's key
+        if index.has_tails:  # the longest stored tail after the run (see kvferry.cache.tails)
+            tail = find_tail(index, prefix, len(run), len(tokens), block_size or 1)
+            run = run if tail is None else [*run, tail]
         with self._res.lock:
             self._res.expire_locks_locked()
             hits = self._res.still_readable_locked(run, removals)
             lock_id = self._res.lock_entries_locked(hits) if lock and hits else None
-            hit_tokens = len(hits) * self.chunk_size
+            n_hits = len(hits) - (1 if hits and hits[-1].tail else 0)  # full chunks
+            hit_tokens = n_hits * self.chunk_size + (hits[-1].tail if hits else 0)
             self.counters.lookups += 1
             self.counters.hit_tokens += hit_tokens
             self.counters.miss_tokens += len(tokens) - hit_tokens
         found = LookupResult(hit_tokens, 0, lock_id)
         tiers = self._tiers
-        if tiers is None or len(hits) == prefix.n:
+        if tiers is None or n_hits == prefix.n:
             return found, None
-        n_hits = len(hits)
 
         def below() -> LookupResult:
             parent = prefix.key(n_hits - 1) if n_hits else None  # only now the keys after the hits are wanted
             pending, _ = tiers.fall_through(prefix.keys(n_hits), parent)
-            return found._replace(pending_tokens=pending * self.chunk_size)
+            if not pending:
+                return found
+            # Chunks on their way up extend the full chunks, which the tail does not: it is left out.
+            return found._replace(hit_tokens=n_hits * self.chunk_size, pending_tokens=pending * self.chunk_size)
 
         return found, below
 
@@ -211,6 +234,7 @@ class CacheEngine:
         skip_prefix_tokens: int = 0,
         geometry: KVGeometry | None = None,
         valid_until: float | None = None,
+        tail: bool = False,
     ) -> Steps[int]:
         """``store`` as steps (`kvferry.cache.steps`): it yields once, when its copy is in flight (or done, on the
         CPU).
@@ -226,23 +250,40 @@ class CacheEngine:
         An engine holding a slice of the model's heads writes its slice of each object (see ``namespace_for``):
         an object becomes readable once every head's slice is written, and is dropped if some are still missing
         ``slice_wait_s`` after the first (counted in ``stats()['expired_partial_chunks']``).
+
+        ``tail=True`` also stores the tokens after the last full chunk, as many as fill whole blocks, as a tail
+        object (`kvferry.cache.tails`): a later lookup of a prompt that goes on from them hits them too.
         """
         ns = self._ns(namespace)
         geom = self._geometry(fmt, paged, block_size, geometry, ns)
-        first = check_skip(skip_prefix_tokens, token_count(tokens)) // self.chunk_size
+        n_tokens = token_count(tokens)
+        skip = check_skip(skip_prefix_tokens, n_tokens)
+        first = skip // self.chunk_size
         per_chunk = self.chunk_size // geom.bs
+        n_full = self._hasher.num_chunks(tokens)
+        tail_len = (n_tokens - n_full * self.chunk_size) // geom.bs * geom.bs if tail else 0
         # Whether or not a chunk turns out to need a copy, every block a copy could read is checked now.
-        needed = self._hasher.num_chunks(tokens) * per_chunk
+        needed = n_full * per_chunk + tail_len // geom.bs
         block_ids = check_block_ids(block_ids, first * per_chunk, needed, geom.nb, geom.bs, distinct=False)
         entries, seconds = yield from self._writer.write_steps(tokens, ns, paged, geom, block_ids, first, valid_until)
-        nbytes = geom.bytes_per_token * self.chunk_size * geom.width // geom.object_width  # this engine's heads
+        stored_tail = None
+        if tail_len and n_full * self.chunk_size + tail_len > skip:
+            stored_tail, more = self._writer.write_tail(tokens, ns, paged, geom, block_ids, tail_len, valid_until)
+            seconds += more
+        if self._res.index.has_tails:  # tails the chunks and tail just stored supersede go first
+            self._res.demote(superseded(self._res.index, self._hasher.prefix(tokens, ns), first, tail_len))
+        share = geom.width / geom.object_width  # this engine's heads
+        tail_tokens = stored_tail.tail if stored_tail is not None else 0
         with self._res.lock:
             self.counters.stores += 1
-            if entries:
-                self.counters.stored_chunks += len(entries)
-                self.counters.stored_bytes += len(entries) * nbytes
+            if entries or tail_tokens:
+                self.counters.stored_chunks += len(entries) + (tail_tokens > 0)
+                self.counters.stored_tail_tokens += tail_tokens
+                self.counters.stored_bytes += int(
+                    geom.bytes_per_token * (len(entries) * self.chunk_size + tail_tokens) * share
+                )
                 self.counters.store_seconds += seconds
-        return len(entries) * self.chunk_size
+        return len(entries) * self.chunk_size + tail_tokens
 
     def retrieve(
         self, tokens: TokenIds, paged: Any, block_ids: BlockIds, fmt: EngineKVFormat | int, **options: Any

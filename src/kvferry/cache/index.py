@@ -40,6 +40,7 @@ class Entry:
     detached: bool = False  # dropped from the index while in use: its last reader frees it
     loaded: Future[None] | None = None  # while LOADING: done once the promotion has landed or missed
     parent: bytes | None = None  # key of the previous chunk of the same prefix; None for chunk 0 (or unknown)
+    tail: int = 0  # a tail object's tokens (fewer than a chunk, after chunk ``parent``); 0 for a full chunk
     # While WRITING: the stores copying into the object now, and (an object assembled from head slices, one per
     # tensor-parallel rank) the heads no store has taken yet, as a bit mask. Readable once both are zero.
     writers: int = 0
@@ -69,16 +70,39 @@ class CacheIndex:
         self.removals = 0
         # `get` is the dict's own (a bound builtin): lookups walk hundreds of keys per call.
         self.get: Callable[[bytes], Entry | None] = self._entries.get
+        # Tail objects by parent: parent key -> {tail length: how many tails of that length}. A lookup hashes
+        # only the lengths stored after its last full chunk (a tail's key commits to its exact tokens).
+        self._tails: dict[bytes | None, dict[int, int]] = {}
 
     def add(self, entry: Entry) -> None:
         if entry.key in self._entries:
             raise KeyError(f"CacheIndex.add: key {entry.key.hex()[:16]}... is already indexed")
         self._entries[entry.key] = entry
+        if entry.tail:
+            lengths = self._tails.setdefault(entry.parent, {})
+            lengths[entry.tail] = lengths.get(entry.tail, 0) + 1
 
     def pop(self, key: bytes) -> Entry:
         entry = self._entries.pop(key)
         self.removals += 1  # after the pop: a reader that sees the old count cannot miss the removal
+        if entry.tail:
+            lengths = self._tails[entry.parent]
+            lengths[entry.tail] -= 1
+            if not lengths[entry.tail]:
+                del lengths[entry.tail]
+                if not lengths:
+                    del self._tails[entry.parent]
         return entry
+
+    def tail_lengths(self, parent: bytes | None) -> list[int]:
+        """The lengths of the tails stored after chunk ``parent``, longest first (read without the lock: a
+        snapshot, which the caller checks against the entries it then finds)."""
+        lengths = self._tails.get(parent)
+        return sorted(lengths, reverse=True) if lengths else []
+
+    @property
+    def has_tails(self) -> bool:
+        return bool(self._tails)
 
     def __contains__(self, key: object) -> bool:
         return key in self._entries

@@ -14,8 +14,10 @@ links (see ``kvferry.cache.index.readable_run``) instead of hashing every chunk.
 hashes 8 chunks at once with SIMD (512 KiB in ~0.15-0.2 ms here, sha256 ~0.35 ms even with SHA-NI); read out
 chunk by chunk (a store's new chunks) it costs ~2 us per key against sha256's ~1.2 us.
 
-Tail policy: only full chunks get keys. The tokens after the last full chunk are never stored and never count
-as a hit; an engine recomputes them (at most ``chunk_size - 1`` tokens per request).
+Tails: the tokens after a prompt's last full chunk may be stored as a tail object (``store(..., tail=True)``,
+see ``kvferry.cache.tails``), keyed the same way: ``H_ns(tokens 0 .. end of the tail)``, the stream read out at the
+tail's last token. A tail's key input is never a whole number of chunks, so it never equals a chunk's key, and it
+stays a function of the token prefix alone (every engine and tensor-parallel size shares it).
 """
 
 from __future__ import annotations
@@ -100,6 +102,20 @@ class PrefixKeys:
         if not 0 <= m < self.n:
             raise IndexError(f"chunk {m} out of range [0, {self.n})")
         return self._state_at(m + 1).digest()
+
+    @property
+    def chunk_size(self) -> int:
+        return self._step // 4
+
+    def tail_key(self, m: int, length: int) -> bytes:
+        """Key of the tail of ``length`` tokens (0 < length < chunk size) after the first ``m`` full chunks."""
+        start = m * self._step
+        end = start + length * 4
+        if not 0 <= m <= self.n or not 0 < length * 4 < self._step or end > len(self._data):
+            raise IndexError(f"tail of {length} tokens after chunk {m} is out of range")
+        h = self._state_at(m)
+        h.update(self._data[start:end])
+        return h.digest()
 
     def keys(self, first: int = 0) -> list[bytes]:
         """Keys of chunks ``first .. n-1``: a bulk hash up to ``first``, then one update and digest per chunk."""

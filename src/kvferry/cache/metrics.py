@@ -20,7 +20,8 @@ class CacheCounters:
     hit_tokens: int = 0  # prefix tokens found in the pool by lookups
     miss_tokens: int = 0  # tokens asked for by lookups and not found in the pool
     stores: int = 0
-    stored_chunks: int = 0
+    stored_chunks: int = 0  # objects written: full chunks and tails
+    stored_tail_tokens: int = 0  # tokens stored in tail objects (partial last chunks)
     stored_bytes: int = 0
     store_seconds: float = 0.0  # time in the store transfers (D2H copies)
     present_chunks: int = 0  # chunks a store found already cached (no copy)
@@ -46,7 +47,8 @@ _HELP = {
     "hit_tokens": "prefix tokens found in the host pool by lookups",
     "miss_tokens": "tokens asked for by lookups and not found in the host pool",
     "stores": "store calls",
-    "stored_chunks": "chunk objects written into the host pool by stores",
+    "stored_chunks": "chunk objects written into the host pool by stores (tails included)",
+    "stored_tail_tokens": "tokens stored in tail objects (partial last chunks)",
     "stored_bytes": "bytes copied from engines into the host pool",
     "store_seconds": "seconds spent in store copies",
     "present_chunks": "chunks a store found already cached",

@@ -15,6 +15,7 @@ from kvferry.cache.metrics import CacheCounters
 from kvferry.cache.request import BlockIds, check_block_ids, check_skip, token_count
 from kvferry.cache.residency import Residency
 from kvferry.cache.steps import Enqueued, Steps
+from kvferry.cache.tails import find_tail
 from kvferry.cache.writer import copy_chunks
 from kvferry.formats import KVGeometry
 from kvferry.transfer import Direction
@@ -59,20 +60,29 @@ class ChunkReader:
             block_ids = check_block_ids(block_ids, skip // bs, needed, geom.nb, bs, distinct=True)
             prefix, index = self._hasher.prefix(tokens, ns), self._res.index
             removals = index.removals
-            held = self._res.acquire_readers(readable_run(index.get, prefix, first), removals)
+            run = readable_run(index.get, prefix, first)
+            if len(run) == prefix.n - first and index.has_tails:  # every full chunk: then the longest tail
+                tail = find_tail(index, prefix, prefix.n, token_count(tokens), bs)
+                if tail is not None:
+                    # Its blocks are checked as the chunks' were, before anything is held or copied.
+                    needed += tail.tail // bs
+                    block_ids = check_block_ids(block_ids, skip // bs, needed, geom.nb, bs, distinct=True)
+                    run.append(tail)
+            held = self._res.acquire_readers(run, removals)
             entries = self._verified(held)
-            if not entries:
+            last_tail = entries[-1].tail if entries else 0
+            end_tokens = (first + len(entries)) * chunk - (chunk - last_tail if last_tail else 0)
+            if not entries or end_tokens <= skip:
                 with self._res.lock:
                     self._counters.retrieves += 1
                 return 0
-            end = first + len(entries)
             started = time.perf_counter()
-            ids = block_ids[first * per_chunk : end * per_chunk]
+            ids = block_ids[first * per_chunk : end_tokens // bs]
             objects = cast("list[torch.Tensor]", [entry.obj for entry in entries])  # readable entries hold objects
             skip_blocks = (skip - first * chunk) // bs
             in_flight = copy_chunks(self._res.pool, chunk, paged, geom, objects, ids, Direction.H2D, skip_blocks)
             try:
-                yield Enqueued(in_flight, end * chunk - skip, in_flight is not None)
+                yield Enqueued(in_flight, end_tokens - skip, in_flight is not None)
             finally:
                 if in_flight is not None:
                     in_flight.wait()
@@ -83,7 +93,7 @@ class ChunkReader:
                 c.retrieved_chunks += len(entries)
                 c.retrieved_bytes += sum(e.nbytes for e in entries) * geom.width // geom.object_width
                 c.retrieve_seconds += seconds
-            return end * chunk - skip
+            return end_tokens - skip
         finally:
             self._res.release_readers(held)
             if lock_id is not None:

@@ -147,11 +147,13 @@ class Residency(TierTraffic):
         dtype: torch.dtype,
         nbytes: int,
         heads: tuple[int, int] | None = None,
+        tail: int = 0,
     ) -> tuple[list[tuple[int, Entry]], list[tuple[int, Entry]]]:
         """Index a WRITING entry with pool memory for every key not yet present, in order; returns them with
         their positions in ``keys``, and the entries found WRITING for another store (with their positions: the
         caller waits for them, see ``await_written``). ``keys`` are consecutive chunks; ``parent`` is the key of
         the chunk before ``keys[0]`` (None when it is chunk 0): entries record their parent for lookups to walk.
+        ``tail``: ``keys`` is one tail object of that many tokens after chunk ``parent`` (see `kvferry.cache.tails`).
 
         ``heads`` = (this store's heads, every head), bit masks: the store writes a slice of each object (a
         tensor-parallel rank). An object being assembled that still misses exactly these heads is returned with
@@ -203,7 +205,9 @@ class Residency(TierTraffic):
                         if obj is None:
                             blocked = True
                             break
-                        entry = Entry(key, WRITING, obj, nbytes, parent=keys[i - 1] if i else parent, writers=1)
+                        entry = Entry(
+                            key, WRITING, obj, nbytes, parent=keys[i - 1] if i else parent, writers=1, tail=tail
+                        )
                         if heads is not None:
                             entry.unclaimed_heads = heads[1] & ~heads[0]
                             entry.expires = time.monotonic() + self._config.slice_wait_s
@@ -278,6 +282,12 @@ class Residency(TierTraffic):
                     self._written.wait(left)
             finally:
                 self._written_waiters -= 1
+
+    def demote(self, keys: list[bytes]) -> None:
+        """Move these (superseded tails) to the front of the eviction order."""
+        with self.lock:
+            for key in keys:
+                self.policy.demote(key)
 
     def settle(self) -> None:
         """Evict down to the watermark (after ``reserve``; see there)."""
@@ -397,7 +407,7 @@ class Residency(TierTraffic):
             self.on_spill(entries)
 
     def _evict_locked(self, entry: Entry, to_spill: list[Entry]) -> None:
-        if self.on_spill is not None and not entry.persisted:
+        if self.on_spill is not None and not entry.persisted and not entry.tail:  # tails stay in the pool
             entry.state = State.SPILLING
             entry.readers += 1  # the tier write reads it
             self._spilling_bytes += entry.nbytes

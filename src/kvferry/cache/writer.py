@@ -42,8 +42,8 @@ def copy_chunks(
     skip: int,
 ) -> TransferHandle | None:
     """The one place the cache moves bytes: a GPU engine's transfer is returned in flight (its handle), anything
-    else has moved when this returns (None)."""
-    if _gpu_with_pinned_pool(geom, pool):  # the pool's own objects: the lighter check
+    else has moved when this returns (None). The last object may be a tail (fewer tokens, whole blocks)."""
+    if _gpu_with_pinned_pool(geom, pool) and objects[-1].shape[2] == chunk_size:  # whole pool objects: lighter check
         return transfer_pool_async(geom, objects, ids, direction, chunk_size, skip)
     if geom.device.type == "cuda" and objects[0].is_cpu:  # an unpinned pool: transfer_async explains
         return transfer_async(paged, objects, ids, direction, geom.fmt, chunk_size, skip, geometry=geom)
@@ -257,6 +257,51 @@ class ChunkWriter:
             assert tiers is not None
             tiers.write_through(kept)
         return entries, seconds
+
+    def write_tail(
+        self,
+        tokens: TokenIds,
+        ns: CacheNamespace,
+        paged: Any,
+        geom: KVGeometry,
+        block_ids: BlockIds,
+        length: int,
+        valid_until: float | None = None,
+    ) -> tuple[Entry | None, float]:
+        """Store the tail object of ``length`` tokens after the full chunks of ``tokens`` (see
+        `kvferry.cache.tails`) unless it is present, or its last full chunk is not cached (a lookup could never
+        reach it); returns the new (readable) entry, or None, and the seconds its copy took. Waits for its copy."""
+        prefix = self._hasher.prefix(tokens, ns)
+        n = prefix.n
+        parent = prefix.key(n - 1) if n else None
+        if parent is not None and parent not in self._res.index:
+            return None, 0.0
+        key = prefix.tail_key(n, length)
+        shape = geom.object_shape(length)
+        nbytes = geom.bytes_per_token * length
+        new, _ = self._res.reserve([key], parent, shape, geom.dtype, nbytes, head_masks(geom), tail=length)
+        if not new:  # present, in flight for another store, or no room
+            return None, 0.0
+        entry = new[0][1]
+        per_chunk = self._chunk_size // geom.bs
+        ids = block_ids[n * per_chunk : n * per_chunk + length // geom.bs]
+        started = time.perf_counter()
+        try:
+            assert entry.obj is not None  # a reserved entry holds its object
+            in_flight = copy_chunks(self._pool, self._chunk_size, paged, geom, [entry.obj], ids, Direction.D2H, 0)
+            if in_flight is not None:
+                in_flight.wait()
+        except BaseException:
+            self._res.abort([entry])
+            raise
+        seconds = time.perf_counter() - started
+        if valid_until is not None and time.time() > valid_until:
+            self._res.drop_late([entry])
+            return None, seconds
+        whole = self._res.end_writes([entry])  # not yet, while other ranks' head slices are missing
+        checksums = [self._checksum(e.obj) if self._checksum and e.obj is not None else None for e in whole]
+        self._res.commit(whole, checksums, 0)  # tails stay in the pool: no tier writes
+        return entry, seconds
 
     def _free(self, objects: list[torch.Tensor]) -> None:
         for obj in objects:

@@ -37,6 +37,7 @@ BENCHMARKS = (
     Benchmark("vllm-ttft", "vllm_ttft_bench", "vLLM time to first token with and without a kvferry hit", "CPU, vLLM"),
     Benchmark("vllm-async-load", "vllm_async_load_bench", "vLLM step time while a prefix loads", "CPU, vLLM"),
     Benchmark("vllm-batch", "vllm_batch_bench", "what stores cost a busy vLLM, nothing to hit", "CPU, vLLM"),
+    Benchmark("vllm-chat", "vllm_chat_bench", "multi-turn conversations' TTFT with and without kvferry", "CPU, vLLM"),
 )
 
 BENCH_EXAMPLES = """\

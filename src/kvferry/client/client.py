@@ -158,8 +158,13 @@ class KvferryClient:
         registration: int | None = None,
         namespace: Namespace | None = None,
         lock: bool = False,
+        block_size: int | None = None,
     ) -> LookupResult:
-        return self._call(lambda: self.lookup_async(tokens, registration=registration, namespace=namespace, lock=lock))
+        return self._call(
+            lambda: self.lookup_async(
+                tokens, registration=registration, namespace=namespace, lock=lock, block_size=block_size
+            )
+        )
 
     def lookup_async(
         self,
@@ -168,29 +173,40 @@ class KvferryClient:
         registration: int | None = None,
         namespace: Namespace | None = None,
         lock: bool = False,
+        block_size: int | None = None,
     ) -> Future[LookupResult]:
         """Prefix tokens cached for `tokens` in the key space of `registration` (or an explicit `namespace`:
-        a `kvferry.cache.CacheNamespace`'s fields, for a process that holds no KV)."""
+        a `kvferry.cache.CacheNamespace`'s fields, for a process that holds no KV): full chunks, then a stored
+        tail of whole `block_size`-token blocks (any stored tail when None)."""
         args = {"tokens": pack_ids(tokens, "tokens"), "lock": lock, **_key_space(registration, namespace)}
+        if block_size is not None:
+            args["block_size"] = block_size
         return self._conn.submit(
             Op.LOOKUP, args, lambda r: LookupResult(int(r["tokens"]), int(r["pending"]), r["lock"])
         )
 
-    def store(self, registration: int, tokens: Any, block_ids: Any, *, skip_prefix_tokens: int = 0) -> int:
+    def store(
+        self, registration: int, tokens: Any, block_ids: Any, *, skip_prefix_tokens: int = 0, tail: bool = False
+    ) -> int:
         """`store_async`, waited for on this thread."""
         args = _transfer_args(registration, tokens, block_ids, skip_prefix_tokens)
+        if tail:
+            args["tail"] = True
         return self._transfer(Op.STORE, registration, args)
 
     def store_async(
-        self, registration: int, tokens: Any, block_ids: Any, *, skip_prefix_tokens: int = 0
+        self, registration: int, tokens: Any, block_ids: Any, *, skip_prefix_tokens: int = 0, tail: bool = False
     ) -> Future[int]:
         """Copy the KV of `tokens` (held in `block_ids`) into the cache; resolves to the tokens stored, once the
-        blocks may be reused.
+        blocks may be reused. `tail`: the tokens after the last full chunk too, in whole blocks, as a tail object
+        that a longer prompt's lookup hits (`kvferry.cache.tails`).
 
         For GPU KV the server first waits for the work queued so far on this thread's current CUDA stream,
         so the store may be issued right after the forward pass that wrote the blocks.
         """
         args = _transfer_args(registration, tokens, block_ids, skip_prefix_tokens)
+        if tail:
+            args["tail"] = True
         return self._transfer_async(Op.STORE, registration, args)
 
     def retrieve(

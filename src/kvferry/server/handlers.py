@@ -160,7 +160,7 @@ class RequestHandlers:
         namespace = self._namespace(session, args.registration, args.namespace)
         tokens = unpack_ids(args.tokens, "tokens")
         self._sessions.settle()
-        found, below = self._engine.lookup_pool(tokens, namespace=namespace, lock=args.lock)
+        found, below = self._engine.lookup_pool(tokens, namespace=namespace, lock=args.lock, block_size=args.block_size)
         if found.lock_id is not None:
             self._sessions.add_lock(session, found.lock_id)
         if below is None:

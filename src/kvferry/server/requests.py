@@ -96,6 +96,7 @@ class RegistrationArgs(_Args):
 class LookupArgs(_Args):
     tokens: bytes
     lock: bool = False
+    block_size: Annotated[int, Field(gt=0)] | None = None  # a stored tail counts in whole blocks of this size
     registration: NonNegative | None = None  # the key space of that registration
     namespace: Namespace | None = None  # or an explicit one (scheduler processes hold no KV)
 
@@ -105,6 +106,7 @@ class TransferArgs(_Args):
     tokens: bytes
     block_ids: bytes
     skip_prefix_tokens: NonNegative = 0
+    tail: bool = False  # STORE: the tokens after the last full chunk too, as a tail object (kvferry.cache.tails)
     ready_event: bytes | None = None  # CUDA IPC event the server waits on before reading GPU KV (STORE)
     ready_slot: NonNegative | None = None  # or: which of the registration's `ready_events` it recorded (STORE)
     lock: NonNegative | None = None  # a LOOKUP lock that RETRIEVE ends once its copy is done

@@ -170,7 +170,9 @@ class Transfers:
             "skip_prefix_tokens": args.skip_prefix_tokens,
         }
         if store:
-            return self._engine.store_steps(tokens, reg.kv.paged, block_ids, reg.format, valid_until=deadline, **where)
+            return self._engine.store_steps(
+                tokens, reg.kv.paged, block_ids, reg.format, valid_until=deadline, tail=args.tail, **where
+            )
         return self._engine.retrieve_steps(tokens, reg.kv.paged, block_ids, reg.format, lock_id=args.lock, **where)
 
 

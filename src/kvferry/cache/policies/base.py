@@ -31,6 +31,11 @@ class EvictionPolicy(ABC):
         """Stop tracking ``key`` (deleted, cleared or corrupt); unknown keys are ignored."""
 
     @abstractmethod
+    def demote(self, key: bytes) -> None:
+        """``key`` is worth less than its accesses say (a tail that a longer object superseded): it goes where
+        the next eviction looks first; unknown keys are ignored."""
+
+    @abstractmethod
     def evict(self, n: int, can_evict: Callable[[bytes], bool]) -> list[bytes]:
         """Up to ``n`` victims, in eviction order, each accepted by ``can_evict``; they are no longer tracked.
 

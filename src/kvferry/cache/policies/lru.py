@@ -29,6 +29,10 @@ class LRUPolicy(EvictionPolicy):
         if key in self._order:
             self._order.move_to_end(key)
 
+    def demote(self, key: bytes) -> None:
+        if key in self._order:
+            self._order.move_to_end(key, last=False)
+
     def remove(self, key: bytes) -> None:
         self._order.pop(key, None)
 

@@ -53,6 +53,13 @@ class S3FIFOPolicy(EvictionPolicy):
                 queue[key] = min(freq + 1, _MAX_FREQ)
                 return
 
+    def demote(self, key: bytes) -> None:
+        """To the head of the probation queue with no access counted: the next eviction from S takes it."""
+        if key in self._small or key in self._main:
+            self._main.pop(key, None)
+            self._small[key] = 0
+            self._small.move_to_end(key, last=False)
+
     def remove(self, key: bytes) -> None:
         self._small.pop(key, None)
         self._main.pop(key, None)

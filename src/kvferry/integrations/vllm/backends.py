@@ -67,7 +67,8 @@ class KeySpace:
 
 @dataclass(frozen=True)
 class Hit:
-    """Leading prompt tokens the cache holds (chunk-aligned); ``lock`` pins them until `free_lock`."""
+    """Leading prompt tokens the cache holds (full chunks, then a stored tail of whole scheduler blocks: see
+    `kvferry.cache.tails`); ``lock`` pins them until `free_lock`."""
 
     tokens: int
     lock: Any = None
@@ -97,7 +98,9 @@ class Backend(Lookups, Protocol):
         skipped prefix included)."""
         ...
 
-    def store_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]: ...
+    def store_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
+        """Store the KV of ``tokens``: full chunks, and the tokens after them (whole blocks) as a tail object."""
+        ...
 
 
 class EmbeddedBackend:
@@ -118,11 +121,14 @@ class EmbeddedBackend:
         self.chunk_size: int | None = engine.chunk_size
         # Validated once here: every load and store then skips re-describing vLLM's tensors.
         self.geometry = describe(kv.fmt, kv.paged, kv.block_size, heads=kv.heads)
+        self.scheduler_block_size = kv.block_size * kv.split  # a tail hit counts in these blocks
         self._on_gpu = self.geometry.device.type == "cuda"
 
     def lookup(self, tokens: list[int]) -> Hit | None:
         try:
-            status = self.engine.lookup_status(tokens, namespace=self.namespace, lock=True)
+            status = self.engine.lookup_status(
+                tokens, namespace=self.namespace, lock=True, block_size=self.scheduler_block_size
+            )
         except Exception:
             log.exception("kvferry: lookup failed (counted as a miss)")
             return Hit(0)
@@ -158,6 +164,7 @@ class EmbeddedBackend:
             skip_prefix_tokens=skip_prefix_tokens,
             geometry=self.geometry,
             after=self._callers_stream(),
+            tail=True,
         )
 
     def _callers_stream(self) -> torch.cuda.Event | None:
@@ -176,10 +183,14 @@ class ServerBackend:
     """A ``kvferry server`` behind a `ServerLink` (misses while it is down). With ``kv`` the link registers the
     engine's KV cache (the worker); without, it only looks up (a scheduler in another process)."""
 
-    def __init__(self, link: ServerLink, key_space: KeySpace, kv: EngineKV | None = None) -> None:
+    def __init__(
+        self, link: ServerLink, key_space: KeySpace, kv: EngineKV | None = None, *, block_size: int | None = None
+    ) -> None:
+        """``block_size``: the scheduler's, in which a tail hit counts (None: ``kv``'s)."""
         self.link = link
         self.key_space = key_space
         self._kv = kv
+        self._block_size = block_size if block_size is not None or kv is None else kv.block_size * kv.split
         self._namespaces: dict[int, dict[str, Any]] = {}
 
     @property
@@ -190,7 +201,9 @@ class ServerBackend:
         try:
             generation = self.link.generation
             found = self.link.wait(
-                lambda client, _: client.lookup_async(tokens, namespace=self._namespace(), lock=True),
+                lambda client, _: client.lookup_async(
+                    tokens, namespace=self._namespace(), lock=True, block_size=self._block_size
+                ),
                 self.link.timeout_s,
             )
         except ServerDown:
@@ -229,7 +242,9 @@ class ServerBackend:
         # forward pass that wrote the blocks, and the server's copy waits for it on the GPU.
         ids = self._kernel_block_ids(block_ids)
         return self.link.submit(
-            lambda client, reg: client.store_async(_registered(reg), tokens, ids, skip_prefix_tokens=skip_prefix_tokens)
+            lambda client, reg: client.store_async(
+                _registered(reg), tokens, ids, skip_prefix_tokens=skip_prefix_tokens, tail=True
+            )
         )
 
     def _kernel_block_ids(self, block_ids: list[int]) -> list[int] | Any:

@@ -233,7 +233,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
             if received.group_key_spaces is not None:  # a hybrid model: its groups' lookups share the session
                 self._lookup_backend = hybrid_worker.lookups_from_handshake(link, received.group_key_spaces)
             else:
-                self._lookup_backend = ServerBackend(link, KeySpace(**received.key_space))
+                self._lookup_backend = ServerBackend(link, KeySpace(**received.key_space), block_size=self._block_size)
             try:
                 link.connect(check_chunk_size=self._check_chunk_size)
             except ValueError as exc:
@@ -267,6 +267,8 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         report = connector_output.kv_connector_worker_meta
+        if self._scheduler is not None and connector_output.finished_sending:
+            self._scheduler.stores_done(connector_output.finished_sending)
         if self._scheduler is not None and isinstance(report, KvferryWorkerMeta):
             self._scheduler.loads_done(report.loaded.elements(), report.failed)
 

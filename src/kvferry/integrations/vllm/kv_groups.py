@@ -128,7 +128,10 @@ class GroupedLookups:
         if len(hits) < len(self.backends) or not hits:
             self.free_lock(tuple(h.lock for h in hits))
             return Hit(0)
-        return Hit(min(h.tokens for h in hits), tuple(h.lock for h in hits))
+        # Whole chunks only: a group's block-granular tail (a finished request's last partial chunk) is stored by
+        # that group alone, and the windowed groups' loads are planned chunk by chunk.
+        chunk = self.chunk_size or 1
+        return Hit(min(h.tokens for h in hits) // chunk * chunk, tuple(h.lock for h in hits))
 
     def free_lock(self, lock: Any) -> None:
         if lock is None:

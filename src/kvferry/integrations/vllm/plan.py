@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 class LoadSpec:
     """Copy the cached KV of ``tokens`` into ``block_ids``, except the first ``skip_tokens`` tokens.
 
-    ``tokens`` is a chunk-aligned prefix of the prompt that the cache reported as a hit; ``block_ids`` holds one
+    ``tokens`` is a block-aligned prefix of the prompt that the cache reported as a hit; ``block_ids`` holds one
     engine block per ``block_size`` tokens of it. ``skip_tokens`` (a multiple of the block size) is what vLLM
     already holds in its own prefix cache: those blocks may be shared with running requests, so they are
     never written. ``in_background``: the request waits for this load (vLLM's async-load path) while the step
@@ -31,8 +31,9 @@ class LoadSpec:
 
 @dataclass(frozen=True)
 class StoreSpec:
-    """Copy the KV of ``tokens`` (a chunk-aligned prompt prefix, all computed) out of ``block_ids`` into the
-    cache, except the first ``skip_tokens`` tokens, which the cache already holds (``group``: as in `LoadSpec`)."""
+    """Copy the KV of ``tokens`` (a prefix of what the request computed: whole chunks of its prompt, or at its
+    finish whole blocks, the last partial chunk a tail object) out of ``block_ids`` into the cache, except the
+    first ``skip_tokens`` tokens, which the cache already holds (``group``: as in `LoadSpec`)."""
 
     req_id: str
     tokens: list[int]

@@ -12,9 +12,14 @@ Invariants:
 - A load never covers vLLM's own prefix hit: ``skip_tokens`` is the block-aligned count vLLM reported as
   computed, and those blocks may be shared with other running requests.
 - A request whose load failed is not offered kvferry's hit again (vLLM recomputes it).
-- Only whole chunks are stored, each once per request: the prompt's after the step that computes their last token
-  (the worker stores after the forward pass), and when the request finishes, the whole chunks of everything it
-  computed (its generated tokens too: a chat's next turn repeats them), in the step after it finished.
+- Whole chunks of the prompt are stored once per request, after the step that computes their last token (the
+  worker stores after the forward pass). When the request finishes, everything it computed (its generated tokens
+  too: a chat's next turn repeats them) is stored in the step after, in whole blocks: full chunks, and the blocks
+  after the last one as a tail object (`kvferry.cache.tails`), which the next turn's lookup hits.
+- A hit is block-aligned: full chunks, then a stored tail.
+- A lookup of a prompt that goes on from a finished request's tokens whose store is still in flight waits for it
+  (answers "not known yet"; at most ``refresh_s``): a chat's or an agent's next turn, sent the moment the last one
+  finished, hits all of it. vLLM runs the step that issues the store meanwhile.
 - A request whose KV token ids alone do not determine is neither looked up nor stored.
 - A request that had any store planned since it last started is reported to vLLM as "saving asynchronously"
   when it finishes, so vLLM keeps its blocks until the worker reports the stores done. A preempted request's
@@ -80,7 +85,7 @@ class _Request:
     """What this side knows of one request, from its first lookup until vLLM finished it (and its load ran)."""
 
     prompt: list[int] = field(default_factory=list)
-    hit: int = 0  # the cache's hit at the last lookup (chunk-aligned)
+    hit: int = 0  # the cache's hit at the last lookup (block-aligned)
     skip: int = 0  # vLLM's own computed tokens at the last lookup
     lock: Any = None
     looked_up_at: float | None = None
@@ -123,6 +128,8 @@ class SchedulerSide:
         self._ranks = ranks
         self._requests: dict[str, _Request] = {}
         self._finishing: list[StoreSpec] = []  # stores of finished requests, for the next step's plan
+        # Finished requests' stores not reported done yet: their tokens, and until when a lookup waits for them
+        self._saving: dict[str, tuple[list[int], float]] = {}
         self.counters = SchedulerCounters()
 
     def num_new_matched_tokens(
@@ -140,15 +147,17 @@ class SchedulerSide:
         if not cacheable:
             req.uncacheable = True
             return 0, False
-        if req.load_failed or len(prompt) < self.chunk_size:
+        if req.load_failed or len(prompt) < self.block_size:
             return 0, False
         stale = req.looked_up_at is not None and self._clock() - req.looked_up_at > self._refresh_s
         if req.looked_up_at is None or stale:
+            if self._saving and self._extends_a_store_in_flight(prompt):
+                return None, False
             self._release(req)
             found = self._lookup(list(prompt))
             if found is None:
                 return None, False
-            req.hit = min(found.tokens, len(prompt)) // self.chunk_size * self.chunk_size
+            req.hit = min(found.tokens, len(prompt)) // self.block_size * self.block_size
             req.lock = found.lock
             if req.hit == 0:
                 self._release(req)  # nothing to pin
@@ -240,8 +249,8 @@ class SchedulerSide:
     ) -> bool:
         """vLLM finished (or aborted) the request, which had computed the KV of the tokens ``computed`` (its prompt
         and what it generated but the last token) into ``block_ids`` (None: the block table kept here). Plans the
-        store of their whole chunks not stored yet. True when stores were planned for the request: vLLM must keep
-        its blocks until the worker reports them done."""
+        store of their whole blocks not stored yet (full chunks, then a tail). True when stores were planned for
+        the request: vLLM must keep its blocks until the worker reports them done."""
         req = self._requests.get(req_id)
         if req is None:
             return False
@@ -250,13 +259,19 @@ class SchedulerSide:
             req.finished = True
             return False
         del self._requests[req_id]
-        end = len(computed) // self.chunk_size * self.chunk_size
+        end = len(computed) // self.block_size * self.block_size
         table = list(block_ids) if block_ids is not None else req.block_ids
         needed = end // self.block_size
         if req.running and not req.uncacheable and end > req.stored_upto and len(table) >= needed:
             self._finishing.append(StoreSpec(req_id, list(computed[:end]), table[:needed], req.stored_upto))
+            self._saving[req_id] = (list(computed[:end]), self._clock() + self._refresh_s)
             req.stores_planned = True
         return req.stores_planned
+
+    def stores_done(self, req_ids: Iterable[str]) -> None:
+        """The worker finished the stores of these (finished) requests: lookups need not wait for them."""
+        for req_id in req_ids:
+            self._saving.pop(req_id, None)
 
     def close(self) -> None:
         """Free every lock still held (the engine is shutting down)."""
@@ -271,6 +286,19 @@ class SchedulerSide:
         return sum(req.lock is not None for req in self._requests.values())
 
     # -- helpers ---------------------------------------------------------------------------------------------
+
+    def _extends_a_store_in_flight(self, prompt: Sequence[int]) -> bool:
+        """Whether ``prompt`` shares its first block and on with the tokens of a finished request's store in
+        flight (forgetting those past their wait)."""
+        now = self._clock()
+        for req_id, (tokens, until) in list(self._saving.items()):
+            if now > until:
+                del self._saving[req_id]
+                continue
+            n = min(len(tokens), len(prompt))
+            if n >= self.block_size and tokens[0] == prompt[0] and list(prompt[:n]) == tokens[:n]:
+                return True
+        return False
 
     def _release(self, req: _Request) -> None:
         if req.lock is not None:
