@@ -32,12 +32,12 @@ def quantise_rows(values: torch.Tensor, codec: Codec, out: torch.Tensor, c0: int
     c1 = codec.width if c1 is None else c1
     x = values[..., c0:c1].float().unflatten(-1, (-1, codec.group))
     amax = x.abs().amax(-1)
-    # An IEEE division (a Python number over a tensor is a reciprocal times it in torch); an all-zero group stores
-    # zeros and scale 0.
+    # IEEE divisions, tensor by tensor (torch computes a number over a tensor as a reciprocal times it, and on CUDA a
+    # tensor over a number likewise); an all-zero group stores zeros and scale 0.
     inv = torch.where(amax > 0, torch.full_like(amax, FP8_MAX) / amax, 0.0)
     q = (x * inv.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     out[..., c0:c1].copy_(q.flatten(-2).view(torch.uint8))
-    _scales(out, codec, c0, c1).copy_(amax / FP8_MAX)
+    _scales(out, codec, c0, c1).copy_(amax / torch.full_like(amax, FP8_MAX))  # (over a number: times 1/448 on CUDA)
 
 
 def dequantise_rows(rows: torch.Tensor, codec: Codec, out: torch.Tensor, c0: int = 0, c1: int | None = None) -> None:

@@ -97,7 +97,9 @@ def _stripe_codec_kernel(
             )
             a = tl.abs(v)
             v_sub = ((a * (1.0 / SUB_STEP) + 12582912.0) - 12582912.0) * SUB_STEP  # + 1.5 * 2**23: to an integer
-            v = tl.where(a < MIN_NORMAL, tl.where(v < 0, -v_sub, v_sub), v_normal)
+            # the sign by its bit: a GPU's `-x` is `0 - x`, which makes -0.0 of a tiny negative value +0.0
+            v_sub = (v_sub.to(tl.int32, bitcast=True) | (bits & -0x80000000)).to(tl.float32, bitcast=True)
+            v = tl.where(a < MIN_NORMAL, v_sub, v_normal)
             if TO_OBJECT:
                 tl.store(d_ptr, v.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=mask)
                 tl.store(s_ptr, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), mask=t_mask)

@@ -49,7 +49,7 @@ def stripe_tiling(plan: TritonPlan, s: _StripeArgs, max_words: int, n_rows: int 
     """
     if plan.codec is not None:  # [tokens x one group of values] tiles, a scale per token (`triton_codec`)
         group = plan.codec.group
-        block_t = max(1, min(128 if n_rows is None else triton.next_power_of_2(n_rows), max_words // group))
+        block_t = max(1, min(128 if n_rows is None else triton.next_power_of_2(n_rows), 2 * max_words // group))
         return Tiling(False, block_t, group, 1)
     f0, f1, f2 = s.sizes
     width = f0 * f1 * f2
