@@ -34,7 +34,7 @@ from kvferry.cache.steps import Steps, run_steps
 from kvferry.cache.tiering import TierLink, when_all
 from kvferry.cache.writer import ChunkWriter
 from kvferry.config import KvferryConfig
-from kvferry.formats import EngineKVFormat, KVGeometry
+from kvferry.formats import EngineKVFormat, KVGeometry, with_codec
 from kvferry.memory import HostPool
 from kvferry.tiers import Tier, make_tier
 from kvferry.tiers.metrics import TierCollector
@@ -112,18 +112,23 @@ class CacheEngine:
         salt: str = "",
         block_size: int | None = None,
         geometry: KVGeometry | None = None,
+        codec: str | None = None,
     ) -> CacheNamespace:
         """The key space of ``model``'s KV cache ``paged`` (in format ``fmt``) on ``rank`` of ``world_size``.
 
         An engine that holds a slice of the model's heads (``geometry`` from ``describe(..., heads=)``) stores and
         reads its columns of objects that hold every head: their key space is the model's whatever the
         parallelism (``world_size`` and ``rank`` are not part of it), so every rank of a tensor-parallel engine,
-        and an engine of another degree, shares the same objects."""
-        geom = self._geometry(fmt, paged, block_size, geometry)
+        and an engine of another degree, shares the same objects.
+
+        ``codec`` (default: the config's ``cache.codec``) is the codec of the objects this engine stores and reads:
+        a ValueError saying why where its KV cache cannot take it."""
+        codec = self.config.cache.codec if codec is None else codec
+        geom = with_codec(self._geometry(fmt, paged, block_size, geometry), codec)
         shape = geom.object_shape(self.chunk_size)
         if geom.partial_heads:
             world_size, rank = 1, 0
-        return CacheNamespace(model, dtype_name(geom.dtype), layout_name(fmt, shape), world_size, rank, salt)
+        return CacheNamespace(model, dtype_name(geom.dtype), layout_name(fmt, shape), world_size, rank, salt, codec)
 
     def chunk_keys(self, tokens: TokenIds, *, namespace: CacheNamespace | None = None) -> list[bytes]:
         """The keys of the full chunks of ``tokens`` (what tiers see)."""
@@ -352,8 +357,11 @@ class CacheEngine:
             raise ValueError(f"geometry={geometry!r} does not describe fmt={EngineKVFormat(fmt).name}")
         else:
             geom = geometry
+        if ns is None:
+            return geom
+        geom = with_codec(geom, ns.codec)  # the same coded geometry for the same geometry
         last = self._last_match  # the pair checked last: one engine calls with the same pair every time
-        if ns is None or (last is not None and last[1] is ns and last[0]() is geom):
+        if last is not None and last[1] is ns and last[0]() is geom:
             return geom
         if self._matched.get((id(geom), ns.digest)) is not geom:
             layout = layout_name(geom.fmt, geom.object_shape(self.chunk_size))

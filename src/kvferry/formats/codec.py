@@ -63,10 +63,10 @@ def with_codec(geom: KVGeometry, name: str) -> KVGeometry:
     cannot take the codec."""
     if name not in CODECS:
         raise ValueError(f"codec={name!r} is not one of {CODECS}")
-    if name == "none":
+    if name == "none" or (geom.codec is not None and geom.codec.name == name):
         return geom
     if geom.codec is not None:
-        raise ValueError(f"this geometry's objects are in codec {geom.codec.name} already")
+        raise ValueError(f"this geometry's objects are in codec {geom.codec.name}, not {name}")
     per_geom = _coded.setdefault(geom, {})
     coded = per_geom.get(name)
     if coded is None:
