@@ -4,7 +4,8 @@ Per model and request size (16 chunks, 1 chunk): the wall time of a store and of
 median) with the fp8 codec and without it, and of a pinned memcpy of the bf16 bytes and of the bytes the codec
 moves. `vs bf16 memcpy` counts the bf16 bytes the engine holds (what the issue's 1.8x is about); `link` counts the
 bytes moved. Every codec request is first checked byte for byte against the torch backend on the GPU. Then a bf16
-8192^3 GEMM beside a loop of 16-chunk fp8 stores and retrieves, against the mean of the GEMM alone before and after.
+8192^3 GEMM beside a loop of 16-chunk stores and retrieves (fp8, then bf16), against the mean of the GEMM alone
+before and after. `--sweep` first tries the codec kernel's tile sizes and warps and keeps the fastest.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from kvferry.bench.gpu_gemm import gemm_tflops
 from kvferry.bench.timing import PinnedCopy, median_us
 from kvferry.formats import EngineKVFormat, KVGeometry, describe, with_codec
 from kvferry.formats.synthetic import MODELS, make_paged
-from kvferry.transfer import transfer, transfer_async
+from kvferry.kernels import triton_tiling
+from kvferry.transfer import forget_plans, transfer, transfer_async
 from kvferry.transfer.gpu_engine import TransferEngine
 
 F = EngineKVFormat
@@ -95,18 +97,54 @@ def transfer_rows(model: str, chunks: int, repeats: int) -> list[dict[str, objec
                     "mib_moved": round(nbytes / 2**20, 1),
                 }
             )
+    forget_plans(coded)  # a later request of new tensors at these addresses compiles anew (`sweep`)
+    forget_plans(plain)
     return rows
 
 
-def gemm_row(seconds: float) -> dict[str, object]:
-    fmt, paged, _, coded, ids = _setup("llama3-8b", 16)
+def kernel_gbps(model: str, repeats: int) -> dict[str, float]:
+    """The codec kernel alone, GPU memory to GPU memory (bf16 GB/s read or written), for 16 chunks."""
+    fmt, paged, plain, coded, ids = _setup(model, 16)
+    objs = torch.empty((16, *coded.object_shape(256)), dtype=torch.uint8, device="cuda")
+    nbytes = plain.bytes_per_token * 256 * 16
+    out = {}
+    for d in (Direction.D2H, Direction.H2D):
+
+        def call(d: Direction = d) -> None:
+            transfer(paged, objs, ids, d, fmt, geometry=coded)
+
+        call()  # compile
+        out[d.name] = round(nbytes / median_us(call, repeats) / 1e3, 1)
+    forget_plans(coded)
+    return out
+
+
+def sweep(repeats: int) -> tuple[int, int]:
+    """Codec tile sizes and warps: kernel alone and 16 llama3-8b chunks through the pipeline; returns the best."""
+    best, best_us = (triton_tiling.CODEC_TILE_VALUES, triton_tiling.CODEC_WARPS), float("inf")
+    for values, warps in ((4096, 4), (8192, 4), (8192, 8), (16384, 8), (16384, 16)):
+        triton_tiling.CODEC_TILE_VALUES, triton_tiling.CODEC_WARPS = values, warps
+        rows = [r for r in transfer_rows("llama3-8b", 16, repeats) if r["codec"] == "fp8"]
+        kernel = {m: kernel_gbps(m, repeats) for m in SHAPES}
+        total = sum(float(str(r["us"])) for r in rows)
+        print({"tile_values": values, "warps": warps, "kernel_gbps": kernel,
+               "llama16": [(r["direction"], r["vs_bf16_memcpy"], r["link"]) for r in rows]}, flush=True)  # fmt: skip
+        if total < best_us:
+            best, best_us = (values, warps), total
+    triton_tiling.CODEC_TILE_VALUES, triton_tiling.CODEC_WARPS = best
+    return best
+
+
+def gemm_row(codec: str, seconds: float) -> dict[str, object]:
+    fmt, paged, plain, coded, ids = _setup("llama3-8b", 16)
+    geom = coded if codec == "fp8" else plain
     engine = TransferEngine("cuda")
-    objs = torch.empty((16, *coded.object_shape(256)), dtype=torch.uint8, pin_memory=True)
-    nbytes = coded.bytes_per_token * 256 * 16
+    objs = torch.empty((16, *geom.object_shape(256)), dtype=geom.object_dtype, pin_memory=True)
+    nbytes = geom.bytes_per_token * 256 * 16
 
     def both() -> int:
         for d in (Direction.D2H, Direction.H2D):
-            transfer_async(paged, objs, ids, d, fmt, geometry=coded, engine=engine).wait()
+            transfer_async(paged, objs, ids, d, fmt, geometry=geom, engine=engine).wait()
         return 2 * nbytes
 
     gemm_tflops(seconds=3.0)  # warm the card up
@@ -114,20 +152,24 @@ def gemm_row(seconds: float) -> dict[str, object]:
     beside, gbps = gemm_tflops(both, seconds=seconds)
     after, _ = gemm_tflops(seconds=seconds)
     alone = statistics.mean((before, after))
-    return dict(gemm_alone_tflops=round(alone, 1), gemm_beside_tflops=round(beside, 1),
-                gemm_kept=round(beside / alone, 4), fp8_gbps_moved=round(gbps, 1))  # fmt: skip
+    return {"codec": codec, "gemm_alone_tflops": round(alone, 1), "gemm_beside_tflops": round(beside, 1),
+            "gemm_kept": round(beside / alone, 4), "gbps_moved": round(gbps, 1)}  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--gemm-seconds", type=float, default=1.0)
+    parser.add_argument("--sweep", action="store_true", help="first try codec tile sizes and warps, keep the best")
     args = parser.parse_args()
+    if args.sweep:
+        print("best codec tile values, warps:", sweep(args.repeats), flush=True)
     for model in SHAPES:
         for chunks in (16, 1):
             for row in transfer_rows(model, chunks, args.repeats):
                 print(row, flush=True)
-    print(gemm_row(args.gemm_seconds), flush=True)
+    for codec in ("fp8", "bf16"):
+        print(gemm_row(codec, args.gemm_seconds), flush=True)
 
 
 if __name__ == "__main__":

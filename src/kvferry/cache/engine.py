@@ -383,6 +383,7 @@ class CacheEngine:
         with self._res.lock:
             values: dict[str, float] = counters_dict(self.counters)
             values["objects"] = len(self._res.index)
+            values["cached_tokens"] = values["objects"] * self.chunk_size
             values["locks"] = len(self._res.leases)
             values["pinned_objects"] = self._res.leases.pinned_objects
         values["pool_capacity_bytes"] = self.pool.capacity_bytes

@@ -24,6 +24,10 @@ _ROUNDING = {
     torch.bfloat16: dict(DROP=16, MIN_NORMAL=0.0, SUB_STEP=1.0),
     torch.float16: dict(DROP=13, MIN_NORMAL=2.0**-14, SUB_STEP=2.0**-24),
 }
+# The codec kernel's tile on a GPU, in values ([tokens x one group]), and its warps per program: more bytes in flight
+# per program than a 4-warp [32 x 128] tile, which left its gather behind the link (docs/codec.md).
+CODEC_TILE_VALUES = 8192
+CODEC_WARPS = 8
 # Arguments that differ between requests (or engine caches) are never specialised: one compiled kernel is then
 # valid for every request of a launch shape, and later launches skip Triton's per-call re-specialisation.
 PER_REQUEST = ["eng_off", "ent_row", "obj_off", "obj_cap", "ids", "entry0", "n_entries", "row0", "n_rows", "chunk",
@@ -49,8 +53,9 @@ def stripe_tiling(plan: TritonPlan, s: _StripeArgs, max_words: int, n_rows: int 
     """
     if plan.codec is not None:  # [tokens x one group of values] tiles, a scale per token (`triton_codec`)
         group = plan.codec.group
-        block_t = max(1, min(128 if n_rows is None else triton.next_power_of_2(n_rows), 2 * max_words // group))
-        return Tiling(False, block_t, group, 1)
+        tokens = 256 if n_rows is None else triton.next_power_of_2(n_rows)
+        values = CODEC_TILE_VALUES if n_rows is None else 2 * max_words
+        return Tiling(False, max(1, min(tokens, values // group)), group, 1)
     f0, f1, f2 = s.sizes
     width = f0 * f1 * f2
     s0, s1, s2 = s.strides
