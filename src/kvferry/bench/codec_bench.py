@@ -122,7 +122,7 @@ def kernel_gbps(model: str, repeats: int) -> dict[str, float]:
 def sweep(repeats: int) -> tuple[int, int]:
     """Codec tile sizes and warps: kernel alone and 16 llama3-8b chunks through the pipeline; returns the best."""
     best, best_us = (triton_tiling.CODEC_TILE_VALUES, triton_tiling.CODEC_WARPS), float("inf")
-    for values, warps in ((4096, 4), (8192, 4), (8192, 8), (16384, 8), (16384, 16)):
+    for values, warps in ((4096, 4), (8192, 8), (16384, 8)):
         triton_tiling.CODEC_TILE_VALUES, triton_tiling.CODEC_WARPS = values, warps
         rows = [r for r in transfer_rows("llama3-8b", 16, repeats) if r["codec"] == "fp8"]
         kernel = {m: kernel_gbps(m, repeats) for m in SHAPES}
