@@ -101,6 +101,11 @@ class CacheEngine:
 
     # --- keys ---------------------------------------------------------------------------------------------
 
+    @property
+    def codec(self) -> str:
+        """The codec of chunk objects in key spaces that name none (the config's ``cache.codec``)."""
+        return self.config.cache.codec
+
     def namespace_for(
         self,
         model: str,
@@ -123,7 +128,7 @@ class CacheEngine:
 
         ``codec`` (default: the config's ``cache.codec``) is the codec of the objects this engine stores and reads:
         a ValueError saying why where its KV cache cannot take it."""
-        codec = self.config.cache.codec if codec is None else codec
+        codec = self.codec if codec is None else codec
         geom = with_codec(self._geometry(fmt, paged, block_size, geometry), codec)
         shape = geom.object_shape(self.chunk_size)
         if geom.partial_heads:

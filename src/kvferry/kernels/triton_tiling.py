@@ -24,10 +24,10 @@ _ROUNDING = {
     torch.bfloat16: dict(DROP=16, MIN_NORMAL=0.0, SUB_STEP=1.0),
     torch.float16: dict(DROP=13, MIN_NORMAL=2.0**-14, SUB_STEP=2.0**-24),
 }
-# The codec kernel's tile on a GPU, in values ([tokens x one group]), and its warps per program: more bytes in flight
-# per program than a 4-warp [32 x 128] tile, which left its gather behind the link (docs/codec.md).
-CODEC_TILE_VALUES = 8192
-CODEC_WARPS = 8
+# The codec kernel's tile on a GPU, in values ([tokens x one group]: 32 x 128 for llama), and its warps per program:
+# what the H200 figures in docs/codec.md ran with. `kvferry.bench.codec_bench --sweep` tries larger ones.
+CODEC_TILE_VALUES = 4096
+CODEC_WARPS = 4
 # Arguments that differ between requests (or engine caches) are never specialised: one compiled kernel is then
 # valid for every request of a launch shape, and later launches skip Triton's per-call re-specialisation.
 PER_REQUEST = ["eng_off", "ent_row", "obj_off", "obj_cap", "ids", "entry0", "n_entries", "row0", "n_rows", "chunk",
