@@ -28,9 +28,11 @@ def test_clients_choose_fp8_or_exact_objects() -> None:
             ids = list(range(2 * PER_CHUNK))
             assert client.store(fp8, tokens, ids) == 2 * REAL_CHUNK
             assert client.lookup(tokens, registration=exact).tokens == 0  # exact engines never get fp8 objects
-            ns = engine.namespace_for(REAL_NS["model"], FMT_REAL, source, salt=REAL_NS["salt"], codec="fp8")
-            scheduler = {**REAL_NS, "codec": "fp8", "kv_dtype": ns.kv_dtype, "layout": ns.layout}
-            assert client.lookup(tokens, namespace=scheduler).tokens == 2 * REAL_CHUNK  # a scheduler names the codec
+            ns = engine.namespace_for(REAL_NS["model"], FMT_REAL, source, salt=REAL_NS["salt"])  # exact objects'
+            scheduler = {**REAL_NS, "kv_dtype": ns.kv_dtype, "layout": ns.layout}  # a scheduler knows no codec:
+            assert client.lookup(tokens, namespace=scheduler).tokens == 0  # the server's default (none) applies
+            scheduler["codec"] = "fp8"
+            assert client.lookup(tokens, namespace=scheduler).tokens == 2 * REAL_CHUNK
             assert client.retrieve(reader, tokens, ids) == 2 * REAL_CHUNK
             for a, b in zip(source, target, strict=True):
                 got, want = b[:, : 2 * PER_CHUNK].float(), a[:, : 2 * PER_CHUNK].float()

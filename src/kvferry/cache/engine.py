@@ -129,11 +129,10 @@ class CacheEngine:
         ``codec`` (default: the config's ``cache.codec``) is the codec of the objects this engine stores and reads:
         a ValueError saying why where its KV cache cannot take it."""
         codec = self.codec if codec is None else codec
-        geom = with_codec(self._geometry(fmt, paged, block_size, geometry), codec)
-        shape = geom.object_shape(self.chunk_size)
+        geom = with_codec(self._geometry(fmt, paged, block_size, geometry), codec)  # refused here if it cannot be
         if geom.partial_heads:
             world_size, rank = 1, 0
-        return CacheNamespace(model, dtype_name(geom.dtype), layout_name(fmt, shape), world_size, rank, salt, codec)
+        return CacheNamespace(model, dtype_name(geom.dtype), self._layout(geom), world_size, rank, salt, codec)
 
     def chunk_keys(self, tokens: TokenIds, *, namespace: CacheNamespace | None = None) -> list[bytes]:
         """The keys of the full chunks of ``tokens`` (what tiers see)."""
@@ -369,7 +368,7 @@ class CacheEngine:
         if last is not None and last[1] is ns and last[0]() is geom:
             return geom
         if self._matched.get((id(geom), ns.digest)) is not geom:
-            layout = layout_name(geom.fmt, geom.object_shape(self.chunk_size))
+            layout = self._layout(geom)
             kv_dtype = dtype_name(geom.dtype)
             if ns.layout != layout or ns.kv_dtype != kv_dtype:
                 raise ValueError(
@@ -379,6 +378,11 @@ class CacheEngine:
             self._matched[(id(geom), ns.digest)] = geom  # an entry dies with geom, so its id is never stale
         self._last_match = (weakref.ref(geom), ns)
         return geom
+
+    def _layout(self, geom: KVGeometry) -> str:
+        """The key space's layout: the objects' kind and their shape before any codec (which the key space names
+        apart), so a process that holds no KV (a scheduler) names it from the model alone."""
+        return layout_name(geom.fmt, (geom.kv_size, geom.nl, self.chunk_size, geom.object_width))
 
     def _pool_hits(self, keys: list[bytes]) -> int:
         with self._res.lock:
