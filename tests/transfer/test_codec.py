@@ -134,3 +134,42 @@ def test_small_heads_refused_and_geometry_shared() -> None:
     geom = describe(F.NL_X_TWO_NB_BS_NH_HS, _engine(F.NL_X_TWO_NB_BS_NH_HS, torch.bfloat16, 1, 4))
     assert with_codec(geom, "fp8") is with_codec(geom, "fp8") and with_codec(geom, "none") is geom
     assert with_codec(geom, "fp8").bytes_per_token * 2 > geom.bytes_per_token > with_codec(geom, "fp8").bytes_per_token
+
+
+@pytest.mark.parametrize("fmt", [F.NL_X_TWO_NB_BS_NH_HS, F.NL_X_NB_NH_BS_CS], ids=lambda f: f.name)
+@pytest.mark.parametrize("backend", ["reference", "torch", "triton"])
+def test_a_rank_writes_its_heads_values_and_scales_only(fmt: F, backend: str) -> None:
+    """A tensor-parallel rank holding heads 1 and 2 of 4 writes the whole model's objects' bytes and scales of its
+    heads, nothing else, and reads back the same KV as an engine of every head."""
+    axis = layout_of(fmt).axes.index("NH")
+    full = make_paged(
+        fmt, ModelDims(nl=2, nh=4, hs=16), 7, 4, torch.bfloat16, generator=torch.Generator().manual_seed(1)
+    )
+    rank = [t.narrow(axis, 1, 2).clone() for t in full]
+    geom = with_codec(describe(fmt, rank, heads=(1, 4)), "fp8")
+    full_geom = with_codec(describe(fmt, full), "fp8")
+    codec, ids = geom.codec, [6, 0, 3, 4]
+    assert geom.object_shape(8) == full_geom.object_shape(8) and codec.groups == codec.width // 16
+    got = [poisoned(geom.object_shape(8), torch.uint8) for _ in range(2)]
+    want = [poisoned(geom.object_shape(8), torch.uint8) for _ in range(2)]
+    kvferry.transfer(rank, got, ids, Direction.D2H, fmt, 8, 1, backend=backend, geometry=geom)
+    kvferry.transfer(full, want, ids, Direction.D2H, fmt, 8, 1, backend="reference", geometry=full_geom)
+    groups_per_head = codec.groups // 4
+    mine = torch.zeros(codec.row_bytes, dtype=torch.bool)
+    mine[codec.width // 4 : 3 * codec.width // 4] = True  # values of heads 1 and 2
+    first_scale = codec.width + groups_per_head * 4
+    mine[first_scale : first_scale + 2 * groups_per_head * 4] = True  # and their scales
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g[:, :, :, mine][:, :, 4:], w[:, :, :, mine][:, :, 4:])
+        assert bool((g[..., ~mine] == POISON).all())  # other heads' values and scales untouched
+    assert bool((got[0][:, :, :4] == POISON).all())  # the skipped block (4 tokens) too
+    back = [t.clone() for t in rank]
+    for t in back:
+        t.zero_()
+    kvferry.transfer(back, want, ids, Direction.H2D, fmt, 8, 1, backend=backend, geometry=with_codec(
+        describe(fmt, back, heads=(1, 4)), "fp8"))  # fmt: skip
+    whole = [t.clone().zero_() for t in full]
+    kvferry.transfer(whole, want, ids, Direction.H2D, fmt, 8, 1, backend="reference",
+                     geometry=with_codec(describe(fmt, whole), "fp8"))  # fmt: skip
+    for b, w in zip(back, whole, strict=True):
+        assert torch.equal(b, w.narrow(axis, 1, 2)) and bool(b.any())

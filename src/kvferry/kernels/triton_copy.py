@@ -24,10 +24,10 @@ import triton
 import triton.language as tl
 
 from kvferry.formats import Codec, KVGeometry
-from kvferry.kernels import triton_tiling
 from kvferry.kernels.cuda_driver import driver
 from kvferry.kernels.direct_launch import active_hook, direct_launcher
-from kvferry.kernels.triton_tiling import PER_REQUEST, kernel_constants, stripe_tiling
+from kvferry.kernels.triton_codec import _stripe_codec_kernel
+from kvferry.kernels.triton_tiling import PER_REQUEST, kernel_constants, launch_warps, stripe_tiling
 
 
 @triton.jit(do_not_specialize=PER_REQUEST)
@@ -215,11 +215,7 @@ def build_plan(geom: KVGeometry) -> TritonPlan:
 
 
 def _kernel(plan: TritonPlan) -> Any:
-    if plan.codec is None:
-        return _stripe_copy_kernel
-    from kvferry.kernels.triton_codec import _stripe_codec_kernel
-
-    return _stripe_codec_kernel
+    return _stripe_copy_kernel if plan.codec is None else _stripe_codec_kernel
 
 
 @cache
@@ -372,17 +368,13 @@ def _compile(plan: TritonPlan, s: _StripeArgs, obj_ptr: int, to_objects: bool) -
         compiled = kernel.warmup(
             s.base, s.eng_off, s.ent_row, obj_row, s.w_offset, s.block_stride, s.token_stride,
             s.tile_stride, *s.strides,
-            obj, table, table, table, 0, 2, 0, 2, 2, 0, grid=(1,), num_warps=_warps(plan), **consts,
+            obj, table, table, table, 0, 2, 0, 2, 2, 0, grid=(1,), num_warps=launch_warps(plan), **consts,
         )  # fmt: skip
         names = kernel.arg_names
         names = names[: names.index("obj_shift") + 1]  # the runtime arguments, in order
         direct = direct_launcher(driver(), compiled, names, list(head), len(names) - len(head))
     launch = direct or _FastLaunch(compiled, head, tuple(consts.values()))
     return _Launcher(launch, tiling.block_t, _programs(device))
-
-
-def _warps(plan: TritonPlan) -> int:
-    return triton_tiling.CODEC_WARPS if plan.codec else 4  # read at compile time: `kvferry.bench.codec_bench` sweeps it
 
 
 def _entries(s: _StripeArgs, rows: tuple[int, int] | None) -> tuple[int, int]:

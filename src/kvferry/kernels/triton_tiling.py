@@ -73,6 +73,11 @@ def stripe_tiling(plan: TritonPlan, s: _StripeArgs, max_words: int, n_rows: int 
     return Tiling(False, block_t, block_w, 1)
 
 
+def launch_warps(plan: TritonPlan) -> int:
+    """Warps per program (read at compile time: `kvferry.bench.codec_bench --sweep` varies the codec's)."""
+    return CODEC_WARPS if plan.codec is not None else 4
+
+
 def kernel_constants(plan: TritonPlan, s: _StripeArgs, tiling: Tiling, to_objects: bool) -> dict[str, Any]:
     """The kernel's compile-time arguments for one stripe, direction and tiling."""
     if plan.codec is not None:
