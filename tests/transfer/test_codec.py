@@ -173,3 +173,18 @@ def test_a_rank_writes_its_heads_values_and_scales_only(fmt: F, backend: str) ->
                      geometry=with_codec(describe(fmt, whole), "fp8"))  # fmt: skip
     for b, w in zip(back, whole, strict=True):
         assert torch.equal(b, w.narrow(axis, 1, 2)) and bool(b.any())
+
+
+def test_forgetting_a_geometry_forgets_its_coded_plans() -> None:
+    """An engine's KV going away (`forget_plans`) takes the plans of its coded geometry with it: they hold its
+    tensors too (a server would keep a departed client's memory mapped)."""
+    from kvferry.transfer import api, forget_plans
+
+    paged = _engine(F.NL_X_TWO_NB_BS_NH_HS, torch.bfloat16, 1, 4)
+    plain = describe(F.NL_X_TWO_NB_BS_NH_HS, paged)
+    coded = with_codec(plain, "fp8")
+    objs = [torch.empty(coded.object_shape(16), dtype=torch.uint8)]
+    kvferry.transfer(paged, objs, [0, 1, 2, 3], Direction.D2H, F.NL_X_TWO_NB_BS_NH_HS, 16, geometry=coded)
+    assert api._plans._cached(coded, "torch") is not None
+    forget_plans(plain)
+    assert api._plans._cached(coded, "torch") is None

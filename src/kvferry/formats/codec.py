@@ -74,6 +74,11 @@ def with_codec(geom: KVGeometry, name: str) -> KVGeometry:
     return coded
 
 
+def coded_versions(geom: KVGeometry) -> list[KVGeometry]:
+    """The coded geometries `with_codec` made of `geom` so far (their copy plans hold `geom`'s tensors too)."""
+    return list(_coded.get(geom, {}).values())
+
+
 def _fp8(geom: KVGeometry) -> Codec:
     if geom.dtype not in _ENGINE_DTYPES:
         why = "it is fp8 already" if geom.element_size == 1 else "fp8 objects are for bf16 and fp16 caches"

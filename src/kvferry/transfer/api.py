@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from kvferry.formats import EngineKVFormat, KVGeometry
+from kvferry.formats.codec import coded_versions
 from kvferry.transfer.geometry_cache import GeometryCache
 from kvferry.transfer.request import (
     Checked,
@@ -160,7 +161,8 @@ _order = threading.local()  # `ordered_after`'s event, per thread
 def forget_plans(geometry: KVGeometry) -> None:
     """Drop the copy plans built for ``geometry``'s tensors (an engine's KV that is going away), so that nothing
     cached here keeps its memory alive."""
-    _plans.forget(geometry)
+    for geom in (geometry, *coded_versions(geometry)):
+        _plans.forget(geom)
 
 
 def prepare_gpu(geometry: KVGeometry) -> None:
