@@ -71,6 +71,11 @@ class CacheConfig(BaseModel):
         "slices; an object still missing heads then is dropped",
     )
     async_workers: int = Field(2, gt=0, description="threads serving store_async / retrieve_async")
+    codec: Literal["none", "fp8"] = Field(
+        "none",
+        description="chunk objects' codec: none keeps the engine's bytes; fp8 stores e4m3 values with a scale per "
+        "token and head (half the bytes of bf16/fp16 in the pool, over PCIe and in tiers; docs/codec.md)",
+    )
 
     @property
     def l1_size_bytes(self) -> int:

@@ -42,6 +42,7 @@ class FakeEngine:
         self.fake_calls = Counter("fake_engine_calls", "calls", registry=self.metrics_registry)
         self.stores = 0  # store calls that got past the gate
         self.tiers: list[Any] = []
+        self.codec = "none"  # the objects' default codec (`CacheEngine.codec`)
         self.tier_seconds = 0.0
         self.pool_gate = threading.Event()  # cleared: lookups wait (on the socket thread) until it is set
         self.pool_gate.set()
@@ -59,9 +60,10 @@ class FakeEngine:
         salt: str = "",
         block_size: int | None = None,
         geometry: Any = None,
+        codec: str | None = None,
     ) -> CacheNamespace:
         first = paged if isinstance(paged, torch.Tensor) else paged[0]
-        return CacheNamespace(model, str(first.dtype), f"fake:{fmt}", world_size, rank, salt)
+        return CacheNamespace(model, str(first.dtype), f"fake:{fmt}", world_size, rank, salt, codec or self.codec)
 
     def _keys(self, tokens: Any, namespace: CacheNamespace) -> list[tuple[bytes, bytes]]:
         data = bytes(tokens)

@@ -2,7 +2,8 @@
 filesystem / server.
 
 Objects are chunk-shaped bf16 tensors in host pool memory: llama3-8b ([2, 32, 256, 1024], 32 MiB) and
-qwen2.5-0.5b ([2, 24, 256, 128], 3 MiB); each pass moves about --total-mib of them (at least two objects).
+qwen2.5-0.5b ([2, 24, 256, 128], 3 MiB), or with --codec fp8 their fp8 objects (16.5 and 1.6 MiB of bytes);
+each pass moves about --total-mib of them (at least two objects).
 Disk, per mode (O_DIRECT and buffered): the tier's put / get (workers=4, header + checksum + temp file +
 rename; get verifies) against plain `os.write` / `os.readv` of the same bytes to files in the same directory,
 with O_DIRECT exactly when the tier uses it, run both one file at a time and on 4 threads; the ratio is
@@ -33,6 +34,9 @@ import xxhash
 
 from kvferry.bench.harness import BenchError, Outcome, Steps, add_json_argument, description_of, positive
 from kvferry.bench.report import new_table
+from kvferry.formats import CODECS, Codec
+from kvferry.formats.codec import codec_group
+from kvferry.formats.synthetic import MODELS
 from kvferry.memory import HostPool
 from kvferry.tiers import DiskTier, Tier, make_tier
 from kvferry.tiers.direct_io import supports_direct
@@ -67,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=",".join(OBJECTS),
         help=f"object shapes, comma-separated, of: {', '.join(OBJECTS)} (default: both)",
     )
+    parser.add_argument(
+        "--codec", choices=CODECS, default="none", help="the objects' codec (fp8: half the bytes; default: none)"
+    )
     add_json_argument(parser)
 
 
@@ -75,7 +82,10 @@ def _objects(args: argparse.Namespace) -> dict[str, tuple[int, ...]]:
     unknown = [n for n in names if n not in OBJECTS]
     if unknown or not names:
         raise BenchError(f"--objects {args.objects!r}: each must be one of {', '.join(OBJECTS)}")
-    return {n: OBJECTS[n] for n in dict.fromkeys(names)}
+    shapes: dict[str, tuple[int, ...]] = {n: OBJECTS[n] for n in dict.fromkeys(names)}
+    if getattr(args, "codec", "none") == "fp8":  # bytes: each row's values, then a float32 scale per head
+        shapes = {n: (*s[:3], Codec("fp8", s[3], codec_group(MODELS[n].hs)).row_bytes) for n, s in shapes.items()}
+    return shapes
 
 
 def check(args: argparse.Namespace) -> None:
@@ -92,21 +102,22 @@ def check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace, steps: Steps) -> Outcome:
     objects = _objects(args)
-    counts = {name: max(2, args.total_mib * MIB // _nbytes(shape)) for name, shape in objects.items()}
+    dtype = torch.uint8 if args.codec == "fp8" else torch.bfloat16
+    counts = {name: max(2, args.total_mib * MIB // _nbytes(shape, dtype)) for name, shape in objects.items()}
     root = Path(tempfile.mkdtemp(prefix="kvferry-bench-", dir=args.dir))
     process, url = (None, args.redis_url) if args.redis_url else _start_redis(root)
     modes = [True, False] if supports_direct(str(root)) else [False]
     steps.expect(len(objects) * (1 + args.reps * (len(modes) + (1 if url else 0))))
     # Room for one pass's objects, what a get brings back, and a plain read's destinations.
-    largest = max(counts[name] * _nbytes(shape) for name, shape in objects.items())
+    largest = max(counts[name] * _nbytes(shape, dtype) for name, shape in objects.items())
     pool = HostPool(-(-3 * largest // 4096) * 4096 + 64 * MIB, pin=False)
     rows: list[dict[str, Any]] = []
     checksum_gbps: dict[str, float] = {}
     try:
         for name, shape in objects.items():
-            one = _nbytes(shape)
+            one = _nbytes(shape, dtype)
             gen = torch.Generator().manual_seed(0)
-            objs = [pool.alloc(shape, torch.bfloat16) for _ in range(counts[name])]
+            objs = [pool.alloc(shape, dtype) for _ in range(counts[name])]
             for obj in objs:  # random bits, never zeros
                 obj.view(torch.uint8).view(-1).copy_(torch.randint(0, 256, (one,), dtype=torch.uint8, generator=gen))
             checksum_gbps[name] = bench_checksum(objs, args.reps)
@@ -128,29 +139,31 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
         "redis": url if args.redis_url else ("local redis-server" if url else None),
         "redis_py": redis.__version__,
         "reps": args.reps,
+        "codec": args.codec,
     }
     results = {"checksum_xxh3_1_thread_GBps": checksum_gbps, "rows": rows}
     return Outcome(config, results, _show(rows, checksum_gbps, args.reps))
 
 
-def _nbytes(shape: tuple[int, ...]) -> int:
-    return torch.Size(shape).numel() * 2  # bf16
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return torch.Size(shape).numel() * dtype.itemsize
 
 
 def _show(rows: list[dict[str, Any]], checksum_gbps: dict[str, float], reps: int) -> list[Any]:
     threads = THREADS
     table = new_table(
         f"kvferry tiers vs plain I/O of the same bytes (median of {reps})",
-        ("tier", "object", "op", "tier GB/s", "plain 1 thr", f"plain {threads} thr", "ratio"),
+        ("tier", "object", "op", "tier GB/s", "chunks/s", "plain 1 thr", f"plain {threads} thr", "ratio"),
         names=3,
     )
     for row in rows:
         plain_n = row[f"plain_{threads}_threads_GBps"]
         table.add_row(
             row["tier"],
-            f"{row['object']} ({row['object_bytes'] // MIB} MiB x {row['count']})",
+            f"{row['object']} ({row['object_bytes'] / MIB:.1f} MiB x {row['count']})",
             row["op"],
             f"{row['tier_GBps']:.2f}",
+            f"{row['tier_GBps'] * 1e9 / row['object_bytes']:.0f}",
             f"{row['plain_1_thread_GBps']:.2f}",
             "-" if plain_n is None else f"{plain_n:.2f}",
             f"{row['ratio']:.2f}",

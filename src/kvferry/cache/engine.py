@@ -35,7 +35,7 @@ from kvferry.cache.tails import find_tail, superseded
 from kvferry.cache.tiering import TierLink, when_all
 from kvferry.cache.writer import ChunkWriter
 from kvferry.config import KvferryConfig
-from kvferry.formats import EngineKVFormat, KVGeometry
+from kvferry.formats import EngineKVFormat, KVGeometry, with_codec
 from kvferry.memory import HostPool
 from kvferry.tiers import Tier, make_tier
 from kvferry.tiers.metrics import TierCollector
@@ -102,6 +102,11 @@ class CacheEngine:
 
     # --- keys ---------------------------------------------------------------------------------------------
 
+    @property
+    def codec(self) -> str:
+        """The codec of chunk objects in key spaces that name none (the config's ``cache.codec``)."""
+        return self.config.cache.codec
+
     def namespace_for(
         self,
         model: str,
@@ -113,18 +118,22 @@ class CacheEngine:
         salt: str = "",
         block_size: int | None = None,
         geometry: KVGeometry | None = None,
+        codec: str | None = None,
     ) -> CacheNamespace:
         """The key space of ``model``'s KV cache ``paged`` (in format ``fmt``) on ``rank`` of ``world_size``.
 
         An engine that holds a slice of the model's heads (``geometry`` from ``describe(..., heads=)``) stores and
         reads its columns of objects that hold every head: their key space is the model's whatever the
         parallelism (``world_size`` and ``rank`` are not part of it), so every rank of a tensor-parallel engine,
-        and an engine of another degree, shares the same objects."""
-        geom = self._geometry(fmt, paged, block_size, geometry)
-        shape = geom.object_shape(self.chunk_size)
+        and an engine of another degree, shares the same objects.
+
+        ``codec`` (default: the config's ``cache.codec``) is the codec of the objects this engine stores and reads:
+        a ValueError saying why where its KV cache cannot take it."""
+        codec = self.codec if codec is None else codec
+        geom = with_codec(self._geometry(fmt, paged, block_size, geometry), codec)  # refused here if it cannot be
         if geom.partial_heads:
             world_size, rank = 1, 0
-        return CacheNamespace(model, dtype_name(geom.dtype), layout_name(fmt, shape), world_size, rank, salt)
+        return CacheNamespace(model, dtype_name(geom.dtype), self._layout(geom), world_size, rank, salt, codec)
 
     def chunk_keys(self, tokens: TokenIds, *, namespace: CacheNamespace | None = None) -> list[bytes]:
         """The keys of the full chunks of ``tokens`` (what tiers see)."""
@@ -393,11 +402,14 @@ class CacheEngine:
             raise ValueError(f"geometry={geometry!r} does not describe fmt={EngineKVFormat(fmt).name}")
         else:
             geom = geometry
+        if ns is None:
+            return geom
+        geom = with_codec(geom, ns.codec)  # the same coded geometry for the same geometry
         last = self._last_match  # the pair checked last: one engine calls with the same pair every time
-        if ns is None or (last is not None and last[1] is ns and last[0]() is geom):
+        if last is not None and last[1] is ns and last[0]() is geom:
             return geom
         if self._matched.get((id(geom), ns.digest)) is not geom:
-            layout = layout_name(geom.fmt, geom.object_shape(self.chunk_size))
+            layout = self._layout(geom)
             kv_dtype = dtype_name(geom.dtype)
             if ns.layout != layout or ns.kv_dtype != kv_dtype:
                 raise ValueError(
@@ -408,6 +420,11 @@ class CacheEngine:
         self._last_match = (weakref.ref(geom), ns)
         return geom
 
+    def _layout(self, geom: KVGeometry) -> str:
+        """The key space's layout: the objects' kind and their shape before any codec (which the key space names
+        apart), so a process that holds no KV (a scheduler) names it from the model alone."""
+        return layout_name(geom.fmt, (geom.kv_size, geom.nl, self.chunk_size, geom.object_width))
+
     def _pool_hits(self, keys: list[bytes]) -> int:
         with self._res.lock:
             return len(self._res.readable_prefix_locked(keys)) * self.chunk_size
@@ -416,6 +433,7 @@ class CacheEngine:
         with self._res.lock:
             values: dict[str, float] = counters_dict(self.counters)
             values["objects"] = len(self._res.index)
+            values["cached_tokens"] = values["objects"] * self.chunk_size
             values["locks"] = len(self._res.leases)
             values["pinned_objects"] = self._res.leases.pinned_objects
         values["pool_capacity_bytes"] = self.pool.capacity_bytes

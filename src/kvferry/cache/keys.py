@@ -64,6 +64,7 @@ class CacheNamespace:
     world_size: int = 1
     rank: int = 0
     salt: str = ""
+    codec: str = "none"  # chunk objects' codec (`kvferry.formats.CODECS`): each codec is its own key space
     digest: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -77,10 +78,10 @@ class CacheNamespace:
             raise ValueError(f"CacheNamespace.world_size={self.world_size!r} must be an int >= 1")
         if not _is_int(self.rank) or not 0 <= self.rank < self.world_size:
             raise ValueError(f"CacheNamespace.rank={self.rank!r} must be an int in [0, {self.world_size})")
-        canonical = json.dumps(
-            [_KEY_SCHEMA, self.model, self.kv_dtype, self.layout, self.world_size, self.rank, self.salt],
-            separators=(",", ":"),
-        ).encode()
+        fields = [_KEY_SCHEMA, self.model, self.kv_dtype, self.layout, self.world_size, self.rank, self.salt]
+        if self.codec != "none":  # exact objects keep the keys they always had
+            fields.append(self.codec)
+        canonical = json.dumps(fields, separators=(",", ":")).encode()
         object.__setattr__(self, "digest", hashlib.sha256(canonical).digest())
 
 

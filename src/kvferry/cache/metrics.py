@@ -75,6 +75,7 @@ GAUGES = {
     "pool_used_bytes": "host pool bytes in use",
     "pool_free_bytes": "host pool bytes free",
     "objects": "chunk objects in the host pool index (any state)",
+    "cached_tokens": "tokens those objects hold (objects x chunk size): twice as many per pool byte with codec fp8",
     "locks": "active lookup locks",
     "pinned_objects": "objects held by lookup locks",
     "store_gbps": "mean store copy throughput so far, GB/s",

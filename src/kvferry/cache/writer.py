@@ -176,7 +176,7 @@ class ChunkWriter:
         otherwise copy it for nothing every time."""
         n = n_full - first
         shape = geom.object_shape(self._chunk_size)
-        addresses = self._pool.try_reserve_many(shape, geom.dtype, n)  # the views are carved after the enqueue
+        addresses = self._pool.try_reserve_many(shape, geom.object_dtype, n)  # the views are carved after the enqueue
         if len(addresses) < n:
             self._free_addresses(addresses)
             return None
@@ -189,7 +189,7 @@ class ChunkWriter:
             self._free_addresses(addresses)
             raise
         try:
-            objects = self._pool.views(addresses, shape, geom.dtype)
+            objects = self._pool.views(addresses, shape, geom.object_dtype)
             parent, keys = self._hasher.keys_after(tokens, ns, first)  # validates tokens
             nbytes = geom.bytes_per_token * self._chunk_size
             new, spare, others = self._res.index_written(keys, parent, objects, nbytes)
@@ -211,7 +211,7 @@ class ChunkWriter:
         nbytes = geom.bytes_per_token * self._chunk_size
         shape = geom.object_shape(self._chunk_size)
         heads = head_masks(geom)
-        new, others = self._res.reserve(keys, parent, shape, geom.dtype, nbytes, heads) if keys else ([], [])
+        new, others = self._res.reserve(keys, parent, shape, geom.object_dtype, nbytes, heads) if keys else ([], [])
         entries = [entry for _, entry in new]
         in_flight_elsewhere = [(first + i, entry) for i, entry in others] if others else others
         if not entries:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from kvferry.formats.codec import Codec
 from kvferry.formats.kinds import EngineKVFormat
 from kvferry.formats.layouts import Layout, layout_of, tail_factor
 
@@ -68,9 +69,16 @@ class KVGeometry:
     stripes: tuple[Stripe, ...]
     first_head: int = 0
     total_heads: int = 0  # 0: nh
+    codec: Codec | None = None  # objects compressed (`kvferry.formats.codec.with_codec`); None: the engine's bytes
 
     def object_shape(self, chunk_size: int) -> tuple[int, int, int, int]:
-        return (self.kv_size, self.nl, chunk_size, self.object_width)
+        """`[kv_size, NL, chunk, W]` of `object_dtype`; a compressed row is `codec.row_bytes` bytes."""
+        return (self.kv_size, self.nl, chunk_size, self.codec.row_bytes if self.codec else self.object_width)
+
+    @property
+    def object_dtype(self) -> torch.dtype:
+        """The dtype of chunk objects: the engine's, or bytes for a compressed object."""
+        return torch.uint8 if self.codec else self.dtype
 
     @property
     def object_width(self) -> int:
@@ -84,6 +92,8 @@ class KVGeometry:
     @property
     def bytes_per_token(self) -> int:
         """Bytes of one token in a chunk object (every head)."""
+        if self.codec:
+            return self.kv_size * self.nl * self.codec.row_bytes
         return self.kv_size * self.nl * self.object_width * self.element_size
 
 

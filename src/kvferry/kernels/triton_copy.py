@@ -24,17 +24,13 @@ import triton
 import triton.language as tl
 
 from kvferry.cuda.driver import driver
-from kvferry.formats import KVGeometry
+from kvferry.formats import Codec, KVGeometry
 from kvferry.kernels.direct_launch import active_hook, direct_launcher
-from kvferry.kernels.triton_tiling import kernel_constants, stripe_tiling
-
-# Arguments that differ between requests (or engine caches) are never specialised: one compiled kernel is then
-# valid for every request of a launch shape, and later launches skip Triton's per-call re-specialisation.
-_PER_REQUEST = ["eng_off", "ent_row", "obj_off", "obj_cap", "ids", "entry0", "n_entries", "row0", "n_rows", "chunk",
-                "obj_shift"]  # fmt: skip
+from kvferry.kernels.triton_codec import _stripe_codec_kernel
+from kvferry.kernels.triton_tiling import PER_REQUEST, kernel_constants, launch_warps, stripe_tiling
 
 
-@triton.jit(do_not_specialize=_PER_REQUEST)
+@triton.jit(do_not_specialize=PER_REQUEST)
 def _stripe_copy_kernel(
     # per stripe (fixed for the life of the engine's KV cache)
     eng,  # any engine tensor: the base that entry offsets are relative to
@@ -148,6 +144,7 @@ class TritonPlan:
     bytes_per_token: int
     word: int
     stripes: tuple[_StripeArgs, ...]
+    codec: Codec | None = None  # objects compressed: the codec kernel (`triton_codec`), engine side in elements
     compiled: dict[tuple, Any] = field(default_factory=dict)  # launch shape -> compiled kernel
     graphs: dict[tuple, Any] = field(default_factory=dict)  # (lane, request shape) -> its captured CUDA graph
 
@@ -172,7 +169,7 @@ def _word_size(geom: KVGeometry) -> int:
 
 
 def build_plan(geom: KVGeometry) -> TritonPlan:
-    word = _word_size(geom)
+    word = geom.element_size if geom.codec else _word_size(geom)  # the codec kernel reads values, not words
     es = geom.element_size
     base = geom.stripes[0].tensors[0]
     args = []
@@ -207,20 +204,25 @@ def build_plan(geom: KVGeometry) -> TritonPlan:
     # The plan holds no reference to the geometry: plans are cached per geometry, weakly.
     return TritonPlan(
         bs=geom.bs,
-        width=geom.object_width,
+        width=geom.codec.row_bytes if geom.codec else geom.object_width,
         partial_rows=geom.partial_heads,
-        element_size=geom.element_size,
+        element_size=1 if geom.codec else geom.element_size,  # a compressed object is bytes
         bytes_per_token=geom.bytes_per_token,
-        word=word,
+        word=1 if geom.codec else word,  # the object side's unit
         stripes=tuple(args),
+        codec=geom.codec,
     )
 
 
+def _kernel(plan: TritonPlan) -> Any:
+    return _stripe_copy_kernel if plan.codec is None else _stripe_codec_kernel
+
+
 @cache
-def _interpreted() -> Any:  # an InterpretedFunction: triton ships no types
+def _interpreted(kernel: Any) -> Any:  # an InterpretedFunction: triton ships no types
     from triton.runtime.interpreter import InterpretedFunction
 
-    return InterpretedFunction(_stripe_copy_kernel.fn)
+    return InterpretedFunction(kernel.fn)
 
 
 def object_table(objects: list[torch.Tensor], word: int) -> torch.Tensor:
@@ -264,7 +266,7 @@ def launch(
             continue
         tiling = stripe_tiling(plan, s, 65536, n_rows)  # the interpreter pays ~2 ms per program: few, large tiles
         grid = ((e1 - e0) * triton.cdiv(n_rows, tiling.block_t),)
-        _interpreted()[grid](
+        _interpreted(_kernel(plan))[grid](
             s.base, s.eng_off, s.ent_row, obj_row, s.w_offset, s.block_stride, s.token_stride,
             s.tile_stride, *s.strides,
             obj_base, table[0], table[1], block_ids, e0, e1 - e0, row0, n_rows, chunk_size, obj_shift,
@@ -325,7 +327,7 @@ class _FastLaunch:
     """A compiled kernel, its stripe's arguments and constexpr tail; calls Triton's launcher as its JIT path does.
 
     Triton's JIT path re-binds and re-specialises ~25 arguments on every call (~30 us on a slow host), most of a
-    small request's budget. The per-request arguments are never specialised (`_PER_REQUEST`), so one compiled
+    small request's budget. The per-request arguments are never specialised (`PER_REQUEST`), so one compiled
     kernel serves every request of its key. (`direct_launch` goes further where the kernel's ABI allows.)
     """
 
@@ -361,13 +363,14 @@ def _compile(plan: TritonPlan, s: _StripeArgs, obj_ptr: int, to_objects: bool) -
     obj_row = plan.obj_row
     head = (s.base.data_ptr(), s.eng_off.data_ptr(), s.ent_row.data_ptr(), obj_row, s.w_offset, s.block_stride,
             s.token_stride, s.tile_stride, *s.strides)  # fmt: skip
+    kernel = _kernel(plan)
     with torch.cuda.device(device):
-        compiled = _stripe_copy_kernel.warmup(
+        compiled = kernel.warmup(
             s.base, s.eng_off, s.ent_row, obj_row, s.w_offset, s.block_stride, s.token_stride,
             s.tile_stride, *s.strides,
-            obj, table, table, table, 0, 2, 0, 2, 2, 0, grid=(1,), **consts,
+            obj, table, table, table, 0, 2, 0, 2, 2, 0, grid=(1,), num_warps=launch_warps(plan), **consts,
         )  # fmt: skip
-        names = _stripe_copy_kernel.arg_names
+        names = kernel.arg_names
         names = names[: names.index("obj_shift") + 1]  # the runtime arguments, in order
         direct = direct_launcher(driver(), compiled, names, list(head), len(names) - len(head))
     launch = direct or _FastLaunch(compiled, head, tuple(consts.values()))

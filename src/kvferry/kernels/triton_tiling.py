@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
 import triton
 import triton.language as tl
 
@@ -16,6 +17,21 @@ if TYPE_CHECKING:
     from kvferry.kernels.triton_copy import TritonPlan, _StripeArgs
 
 _WORD_DTYPES = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
+# How the codec kernel rounds float32 to the float it stores: mantissa bits dropped, the smallest normal, the spacing
+# of subnormals (bf16 has float32's exponent: its subnormals are float32's, rounded the same way).
+_ROUNDING = {
+    torch.float8_e4m3fn: dict(DROP=20, MIN_NORMAL=2.0**-6, SUB_STEP=2.0**-9),
+    torch.bfloat16: dict(DROP=16, MIN_NORMAL=0.0, SUB_STEP=1.0),
+    torch.float16: dict(DROP=13, MIN_NORMAL=2.0**-14, SUB_STEP=2.0**-24),
+}
+# The codec kernel's tile on a GPU, in values ([tokens x one group]: 32 x 128 for llama), and its warps per program:
+# what the H200 figures in docs/codec.md ran with. `kvferry.bench.codec_bench --sweep` tries larger ones.
+CODEC_TILE_VALUES = 4096
+CODEC_WARPS = 4
+# Arguments that differ between requests (or engine caches) are never specialised: one compiled kernel is then
+# valid for every request of a launch shape, and later launches skip Triton's per-call re-specialisation.
+PER_REQUEST = ["eng_off", "ent_row", "obj_off", "obj_cap", "ids", "entry0", "n_entries", "row0", "n_rows", "chunk",
+               "obj_shift"]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -35,6 +51,11 @@ def stripe_tiling(plan: TritonPlan, s: _StripeArgs, max_words: int, n_rows: int 
     those stripes copy runs as flat vectors. BLOCK_T then divides BS (and so the chunk): a tile never crosses a
     block or an object.
     """
+    if plan.codec is not None:  # [tokens x one group of values] tiles, a scale per token (`triton_codec`)
+        group = plan.codec.group
+        tokens = 256 if n_rows is None else triton.next_power_of_2(n_rows)
+        values = CODEC_TILE_VALUES if n_rows is None else 2 * max_words
+        return Tiling(False, max(1, min(tokens, values // group)), group, 1)
     f0, f1, f2 = s.sizes
     width = f0 * f1 * f2
     s0, s1, s2 = s.strides
@@ -52,8 +73,19 @@ def stripe_tiling(plan: TritonPlan, s: _StripeArgs, max_words: int, n_rows: int 
     return Tiling(False, block_t, block_w, 1)
 
 
+def launch_warps(plan: TritonPlan) -> int:
+    """Warps per program (read at compile time: `kvferry.bench.codec_bench --sweep` varies the codec's)."""
+    return CODEC_WARPS if plan.codec is not None else 4
+
+
 def kernel_constants(plan: TritonPlan, s: _StripeArgs, tiling: Tiling, to_objects: bool) -> dict[str, Any]:
     """The kernel's compile-time arguments for one stripe, direction and tiling."""
+    if plan.codec is not None:
+        return dict(
+            BS=plan.bs, TILE=s.token_tile, F0=s.sizes[0], F1=s.sizes[1], F2=s.sizes[2], BLOCK_T=tiling.block_t,
+            G=plan.codec.group, DATA=plan.codec.width, TO_OBJECT=to_objects,
+            **_ROUNDING[torch.float8_e4m3fn if to_objects else s.base.dtype],
+        )  # fmt: skip
     return dict(
         BS=plan.bs, TILE=s.token_tile, F0=s.sizes[0], F1=s.sizes[1], F2=s.sizes[2], WORD=_WORD_DTYPES[plan.word],
         BLOCK_T=tiling.block_t, BLOCK_W=tiling.block_w, TO_OBJECT=to_objects, FLAT=tiling.flat,

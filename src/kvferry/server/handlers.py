@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvferry.cache import CacheEngine, CacheNamespace
-from kvferry.formats import EngineKVFormat, describe
+from kvferry.formats import EngineKVFormat, describe, with_codec
 from kvferry.protocol.messages import ErrorCode, Op, ProtocolError, unpack_ids
 from kvferry.server.client_events import open_client_events
 from kvferry.server.done_signal import DoneFlags
@@ -121,8 +121,6 @@ class RequestHandlers:
             geometry = describe(
                 fmt, kv.paged, args.block_size, heads=(args.heads[0], args.heads[1]) if args.heads else None
             )
-            if kv.device.type == "cuda":
-                prepare_gpu(geometry)  # its kernels compiled now: no transfer of the registration pays for it
             namespace = self._engine.namespace_for(
                 deployment.model,
                 fmt,
@@ -132,7 +130,10 @@ class RequestHandlers:
                 salt=deployment.salt,
                 block_size=args.block_size,
                 geometry=geometry,
+                codec=deployment.codec,
             )
+            if kv.device.type == "cuda":  # its kernels compiled now: no transfer of the registration pays for it
+                prepare_gpu(with_codec(geometry, namespace.codec))
         except BaseException:
             if done_flags is not None:
                 done_flags.close()
@@ -209,7 +210,9 @@ class RequestHandlers:
             namespace = self._key_spaces.get(fields)
             if namespace is None:
                 try:
-                    namespace = CacheNamespace(**explicit.model_dump())
+                    fields_given = explicit.model_dump()
+                    fields_given["codec"] = explicit.codec or self._engine.codec
+                    namespace = CacheNamespace(**fields_given)
                 except ValueError as exc:
                     raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"'namespace': {exc}") from None
                 if len(self._key_spaces) >= _KEY_SPACES_KEPT:

@@ -65,6 +65,7 @@ class Deployment(_Args):
     world_size: Annotated[int, Field(ge=1)] = 1
     rank: NonNegative = 0
     salt: str = ""
+    codec: Literal["none", "fp8"] | None = None  # the chunk objects' codec; None: the server's `cache.codec`
 
 
 class Namespace(Deployment):

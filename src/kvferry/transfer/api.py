@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from kvferry.formats import EngineKVFormat, KVGeometry
+from kvferry.formats.codec import coded_versions
 from kvferry.transfer.geometry_cache import GeometryCache
 from kvferry.transfer.request import (
     Checked,
@@ -70,15 +71,14 @@ def transfer(
         return
     assert isinstance(checked.ids, np.ndarray)  # `check` keeps no list (that is `keep_list`)
     ids = torch.from_numpy(checked.ids)
-    if chosen == "reference":
-        from kvferry.kernels.reference import copy_reference
+    if chosen in ("reference", "torch"):
+        copy = _exact_copy(chosen, geom, paged)
+        if geom.codec is None:
+            copy(object_list(objs), ids.to(geom.device), to_objects, chunk_size, skip_prefix_blocks)
+        else:
+            from kvferry.kernels.codec import copy_coded
 
-        copy_reference(geom, paged, object_list(objs), checked.ids.tolist(), to_objects, chunk_size, skip_prefix_blocks)
-    elif chosen == "torch":
-        from kvferry.kernels.torch_copy import copy_torch
-
-        copy_torch(_plans.torch(geom), object_list(objs), ids.to(geom.device), to_objects, chunk_size,
-                   skip_prefix_blocks)  # fmt: skip
+            copy_coded(copy, geom, object_list(objs), ids.to(geom.device), to_objects, chunk_size, skip_prefix_blocks)
     else:
         from kvferry.kernels.triton_copy import copy_triton
 
@@ -86,6 +86,19 @@ def transfer(
                     skip_prefix_blocks)  # fmt: skip
         if geom.device.type == "cuda":
             torch.cuda.current_stream(geom.device).synchronize()
+
+
+def _exact_copy(backend: str, geom: KVGeometry, paged: Any) -> Any:
+    """The reference or torch backend's exact copy as `copy(objects, block ids, to_objects, chunk, skip)`."""
+    if backend == "reference":
+        from kvferry.kernels.reference import copy_reference
+
+        return lambda objs, ids, to_objects, chunk, skip: copy_reference(
+            geom, paged, objs, ids.tolist(), to_objects, chunk, skip
+        )
+    from kvferry.kernels.torch_copy import copy_torch
+
+    return functools.partial(copy_torch, _plans.torch(geom))
 
 
 def geometry_of(fmt: EngineKVFormat | int, paged: Any, block_size: int | None = None) -> KVGeometry:
@@ -148,7 +161,8 @@ _order = threading.local()  # `ordered_after`'s event, per thread
 def forget_plans(geometry: KVGeometry) -> None:
     """Drop the copy plans built for ``geometry``'s tensors (an engine's KV that is going away), so that nothing
     cached here keeps its memory alive."""
-    _plans.forget(geometry)
+    for geom in (geometry, *coded_versions(geometry)):
+        _plans.forget(geom)
 
 
 def prepare_gpu(geometry: KVGeometry) -> None:
@@ -319,7 +333,7 @@ class _PlanCache:
     def _layout_key(geom: KVGeometry) -> tuple[Any, ...]:
         tensors = {id(t): t for s in geom.stripes for t in s.tensors}.values()
         views = tuple((t.data_ptr(), tuple(t.shape), t.stride()) for t in tensors)
-        return (geom.fmt, geom.bs, geom.dtype, geom.first_head, geom.total_heads, views)
+        return (geom.fmt, geom.bs, geom.dtype, geom.first_head, geom.total_heads, geom.codec, views)
 
     def _build_triton(self, geom: KVGeometry) -> Any:
         from kvferry.kernels.triton_copy import build_plan

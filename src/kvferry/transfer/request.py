@@ -91,15 +91,17 @@ def check(
         raise ValueError(f"chunk_size={chunk_size} must be a positive multiple of the block size {bs}")
     want = geom.object_shape(chunk_size)
     if isinstance(objects, torch.Tensor):
-        ptrs, caps, on_host = _check_run(objects, want, geom.dtype)
+        ptrs, caps, on_host = _check_run(objects, want, geom.object_dtype)
         n_blocks = len(caps) * (chunk_size // bs)
         first, end = ptrs[0], ptrs[0] + objects.nbytes
     else:
-        ptrs, caps, on_host = _check_list(objects, want, geom.dtype, chunk_size, bs)
+        ptrs, caps, on_host = _check_list(objects, want, geom.object_dtype, chunk_size, bs)
         n_blocks = sum(caps) // bs
         first = min(ptrs)
         top = max(ptrs)
         end = top + objects[ptrs.index(top)].nbytes
+    if geom.codec is not None and any(p % 4 for p in ptrs):
+        raise ValueError("compressed chunk objects must be 4-byte aligned (their float32 scales)")
     in_pinned_slab = on_host and is_known_pinned(first, end)  # one range lookup for all of them
     ids = _checked_ids(geom, block_ids, n_blocks, len(caps), direction, skip_prefix_blocks, keep_list)
     return Checked(ids, ptrs, caps, want[0] * want[1], on_host, isinstance(objects, torch.Tensor), in_pinned_slab)
@@ -121,7 +123,7 @@ def check_pool_objects(
     bs = geom.bs
     if not isinstance(chunk_size, int) or chunk_size <= 0 or chunk_size % bs:
         raise ValueError(f"chunk_size={chunk_size} must be a positive multiple of the block size {bs}")
-    want, dtype = geom.object_shape(chunk_size), geom.dtype
+    want, dtype = geom.object_shape(chunk_size), geom.object_dtype
     ptrs = []
     for i, obj in enumerate(objects):
         if obj.shape != want or obj.dtype != dtype:
@@ -247,7 +249,7 @@ def _explain(
         hint = " (only the last object may be partial, a multiple of BS tokens)" if i < last else ""
         raise ValueError(f"objects[{i}] has shape {tuple(shape)}, expected {want}{hint}")
     if obj.dtype != dtype:
-        raise TypeError(f"objects[{i}] has dtype {obj.dtype}; the engine's KV is {dtype}")
+        raise TypeError(f"objects[{i}] has dtype {obj.dtype}; this engine's chunk objects are {dtype}")
     if not obj.is_contiguous():
         raise ValueError(f"objects[{i}] must be contiguous")
 
@@ -262,7 +264,7 @@ def _check_run(
             f"got shape {tuple(objects.shape)}"
         )
     if objects.dtype != dtype:
-        raise TypeError(f"objects has dtype {objects.dtype}; the engine's KV is {dtype}")
+        raise TypeError(f"objects has dtype {objects.dtype}; this engine's chunk objects are {dtype}")
     if not objects.is_contiguous():
         raise ValueError("objects given as one tensor must be contiguous")
     size = objects.stride(0) * objects.element_size()

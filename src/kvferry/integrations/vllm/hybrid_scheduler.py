@@ -18,7 +18,7 @@ A windowed group (sliding window, chunked local) differs in two ways:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,6 +99,9 @@ class GroupedSchedulerSide:
 
     def loads_done(self, req_ids: Any, failed: Any = ()) -> None:
         self.side.loads_done(req_ids, failed)
+
+    def stores_done(self, req_ids: Iterable[str]) -> None:
+        self.side.stores_done(req_ids)
 
     def request_finished(self, req_id: str, computed: Sequence[int], block_ids: Tables) -> bool:
         self._tables.pop(req_id, None)
