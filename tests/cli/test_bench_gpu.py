@@ -1,5 +1,5 @@
-"""`kvferry bench gpu-transfer` and `kvferry bench cache-gpu`: a clear refusal without CUDA; on a GPU, end to end in
-small configurations."""
+"""`kvferry bench gpu-transfer`, `cache-gpu` and `vllm-gpu --steps`: a clear refusal without CUDA; on a GPU, end to
+end in small configurations."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvferry.bench.gpu_transfer_bench import planned_steps
+from kvferry.bench.vllm_gpu_steps import STEPS, summary
 from kvferry.cli.main import main
 from tests.cli.benchkit import run_bench
 
@@ -56,6 +57,26 @@ def test_cache_gpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     ]
     assert all(r["ratio"] > 0 for r in rows)
     assert doc["results"]["breakdown"]["alternated_with_memcpy"]["ratio"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_vllm_gpu_steps(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    args = ("--repeats", "1", "--no-server", "--no-gemm", "--steps")
+    doc, progress = run_bench(monkeypatch, tmp_path, "vllm-gpu", *args)
+    assert progress.done[-1] == "embedded: model steps with and without stores"
+    stall = doc["results"]["steps"]["embedded"]
+    assert stall["steps"] == STEPS and stall["store_mib"] > 0
+    assert stall["step_ms"] > 0 and stall["step_with_stores_ms"] > 0 and stall["step_ratio"] > 0
+    assert 0 < stall["start_stores_cpu_us"] <= stall["start_stores_cpu_max_us"]
+
+
+def test_step_summary_medians_and_ratio() -> None:
+    s = summary([0.012, 0.011, 0.013], [0.010, 0.009, 0.011], [40e-6, 20e-6, 30e-6], 512 << 20)
+    assert s["steps"] == 3 and s["store_mib"] == 512
+    assert (s["step_ms"], s["step_with_stores_ms"]) == pytest.approx((10.0, 12.0))
+    assert s["step_ratio"] == pytest.approx(1.2)
+    assert (s["start_stores_cpu_us"], s["start_stores_cpu_max_us"]) == pytest.approx((30.0, 40.0))
 
 
 class _FakeSetup:

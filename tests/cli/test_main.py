@@ -60,7 +60,7 @@ FLAGS = {
     "server-engines": ("--engines", "--rounds", "--think-ms", "--model", "--device", "--pool-gb", "--ipc"),
     "gpu-transfer": ("--reps", "--sections"),
     "cache-gpu": (),
-    "vllm-gpu": ("--repeats", "--no-server", "--no-gemm"),
+    "vllm-gpu": ("--repeats", "--no-server", "--no-gemm", "--steps"),
     "vllm-ttft": (
         "--prompt-tokens",
         "--prompts",

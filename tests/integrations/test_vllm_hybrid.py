@@ -64,7 +64,9 @@ def _step(new: list[Any] = (), cached: list[tuple[str, Any, int]] = (), schedule
 
 
 def _side(hit: int = 0) -> GroupedSchedulerSide:
-    side = SchedulerSide(lambda tokens: Hit(hit, "lock"), lambda lock: None, block_size=BS, chunk_size=CHUNK)
+    side = SchedulerSide(
+        lambda tokens: Hit(hit, "lock"), lambda lock: None, block_size=BS, chunk_size=CHUNK, tails=False
+    )
     return GroupedSchedulerSide(side, [SLIDING, FULL])
 
 
@@ -171,8 +173,14 @@ def test_a_windowed_chunk_evicted_or_never_written_is_a_shorter_hit(hybrid) -> N
 
 
 def test_a_background_load_is_planned_per_group_and_reported_once_every_group_ran() -> None:
-    side = SchedulerSide(lambda tokens: Hit(128, "lock"), lambda lock: None, block_size=BS, chunk_size=CHUNK,
-                         in_background=True)  # fmt: skip
+    side = SchedulerSide(
+        lambda tokens: Hit(128, "lock"),
+        lambda lock: None,
+        block_size=BS,
+        chunk_size=CHUNK,
+        tails=False,
+        in_background=True,
+    )
     grouped = GroupedSchedulerSide(side, [SLIDING, FULL])
     prompt = list(range(200))
     assert grouped.num_new_matched_tokens("r", prompt, 200, 0) == (128, True)
@@ -192,3 +200,9 @@ def test_a_background_load_is_planned_per_group_and_reported_once_every_group_ra
     assert worker.finished_loading() == {"r"}
     assert worker.take_load_report() == ({"r"}, set()) and worker.take_load_errors() == set()
     assert worker.counters.tokens_loaded == 128  # the full group's tokens, once
+
+
+def test_a_hybrid_scheduler_refuses_a_side_that_stores_tails() -> None:
+    side = SchedulerSide(lambda tokens: Hit(0), lambda lock: None, block_size=BS, chunk_size=CHUNK)
+    with pytest.raises(ValueError, match="whole chunks only"):
+        GroupedSchedulerSide(side, [SLIDING, FULL])

@@ -7,7 +7,8 @@ IPC) stores a 16-chunk prefix from vLLM's blocks (a fresh prefix each time: ever
 other blocks, as vLLM's model runner calls the worker side (a store after the forward pass, a foreground load before
 it), timed from the call to the bytes in place, alternately with a pinned memcpy of the same bytes (medians). The
 first load is checked byte for byte against the blocks it was stored from. Then a GEMM standing in for the model
-runs while stores and loads of the same size loop beside it.
+runs while stores and loads of the same size loop beside it. With --steps, a stand-in model step is timed with and
+without the store started after it (`kvferry.bench.vllm_gpu_steps`), in each mode.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from kvferry.bench.harness import Outcome, Steps, add_json_argument, description
 from kvferry.bench.report import new_table
 from kvferry.bench.server_bench import ServerProcess
 from kvferry.bench.timing import PinnedCopy
+from kvferry.bench.vllm_gpu_steps import describe_steps, step_stall
 from kvferry.bench.vllm_views import BENCH_CASES, Case, case_of, load_fixtures, replay
 from kvferry.integrations.vllm.backends import make_worker_backend
 from kvferry.integrations.vllm.kv_layout import EngineKV, recognise
@@ -38,6 +40,7 @@ EXAMPLES = """\
 examples:
   kvferry bench vllm-gpu                                  # on a machine with CUDA
   kvferry bench vllm-gpu --repeats 15 --json bench-out/vllm_gpu.json
+  kvferry bench vllm-gpu --steps                          # also: do stores hold up a model step?
 """
 
 
@@ -45,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=9, help="timed store/load pairs per case and mode (medians)")
     parser.add_argument("--no-server", action="store_true", help="embedded mode only")
     parser.add_argument("--no-gemm", action="store_true", help="skip the GEMM beside the transfers")
+    parser.add_argument(
+        "--steps", action="store_true", help="also time a stand-in model step with and without a store after it"
+    )
     add_json_argument(parser)
 
 
@@ -65,15 +71,15 @@ class Bench:
         self.nbytes = sum(layer[0].numel() * layer.element_size() for layer in self.kv.layers) * per * self.kv.split
         self.copy = PinnedCopy(self.nbytes)
         self._prefixes = itertools.count()
-        self.tokens = self._prefix()
+        self.tokens = self.next_prefix()
 
-    def _prefix(self) -> list[int]:
+    def next_prefix(self) -> list[int]:
         first = next(self._prefixes)
         return [first, *range(1, CHUNK * CHUNKS)]
 
     def store(self) -> float:
         """A new prefix stored from vLLM's blocks after the step's forward pass: seconds to done."""
-        self.tokens = self._prefix()
+        self.tokens = self.next_prefix()
         started = time.perf_counter()
         self.worker.start_stores(StepPlan(stores=[StoreSpec("s", self.tokens, self.src, 0)]))
         self.worker.preempted(["s"])  # waits for the store
@@ -150,9 +156,10 @@ def gemm_beside(bench: Bench) -> dict[str, float]:
 def run(args: argparse.Namespace, steps: Steps) -> Outcome:
     fixtures = {case_of(f): f for f in load_fixtures()}
     modes = ["embedded"] if args.no_server else ["embedded", "server"]
-    steps.expect(len(BENCH_CASES) * len(modes) + (0 if args.no_gemm else 1))
+    steps.expect(len(BENCH_CASES) * len(modes) + (0 if args.no_gemm else 1) + (len(modes) if args.steps else 0))
     rows: list[dict[str, Any]] = []
     gemm: dict[str, Any] | None = None
+    stalls: dict[str, Any] = {}
     for mode in modes:
         server = ServerProcess(POOL_GB, chunk_size=CHUNK) if mode == "server" else None
         try:
@@ -165,13 +172,17 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
                     if mode == "embedded" and case is BENCH_CASES[0] and not args.no_gemm:
                         gemm = gemm_beside(bench)
                         steps.done("the GEMM beside stores and loads")
+                    if case is BENCH_CASES[0] and args.steps:
+                        stalls[mode] = step_stall(bench, args.repeats)
+                        steps.done(f"{mode}: model steps with and without stores")
                 finally:
                     bench.close()
         finally:
             if server is not None:
                 server.stop()
     config = {"chunk_tokens": CHUNK, "chunks": CHUNKS, "repeats": args.repeats, "pool_gb": POOL_GB}
-    return Outcome(config, {"rows": rows, "gemm": gemm}, _show(rows, gemm), device="cuda")
+    shown = [*_show(rows, gemm), *(describe_steps(mode, s) for mode, s in stalls.items())]
+    return Outcome(config, {"rows": rows, "gemm": gemm, "steps": stalls}, shown, device="cuda")
 
 
 def _settings(mode: str, endpoint: str | None) -> ConnectorSettings:

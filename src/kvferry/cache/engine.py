@@ -36,6 +36,7 @@ from kvferry.cache.tiering import TierLink, when_all
 from kvferry.cache.writer import ChunkWriter
 from kvferry.config import KvferryConfig
 from kvferry.formats import EngineKVFormat, KVGeometry, with_codec
+from kvferry.kernels.cpu_threads import torch_on_one_thread
 from kvferry.memory import HostPool
 from kvferry.tiers import Tier, make_tier
 from kvferry.tiers.metrics import TierCollector
@@ -90,7 +91,8 @@ class CacheEngine:
             self._res, self._hasher, cfg.chunk_size, self._checksum, self._tiers, cfg.in_flight_wait_s
         )
         self._reader = ChunkReader(self._res, self._hasher, cfg.chunk_size, self._checksum, self.counters)
-        self._executor = ThreadPoolExecutor(cfg.async_workers, thread_name_prefix=f"kvferry-{name}")
+        # Its threads run torch on one thread each: a parallel op there would slow the engine's own (`cpu_threads`).
+        self._executor = ThreadPoolExecutor(cfg.async_workers, f"kvferry-{name}", initializer=torch_on_one_thread)
         # The cache's counters and its tiers' (`kvferry_tier_*`, labelled by tier): one registry to export.
         self.metrics_registry = make_registry(name, self._metric_values)
         self.metrics_registry.register(TierCollector(lambda: [tier.metrics for tier in self.tiers]))

@@ -6,14 +6,24 @@ retrieve is numpy's `rows[index] = values` on Python threads (numpy releases the
 server): libgomp's threads spin for milliseconds after every parallel op (its default wait policy), and on the
 CPU machine a retrieve's scatter right after a store took 12-14 ms instead of 7-8 while one spun on the other core.
 Such a process runs every copy, both directions, on kvferry's threads, which sleep when idle.
+
+In an engine's process, kvferry's own threads (the cache engine's, the copy pool's) run torch on one thread each
+(`torch_on_one_thread`) and copy over threads of their own, as the server does. A torch op parallel on such a
+thread would start an OpenMP team of its own; libgomp then counts more threads than CPUs and, for as long as those
+threads live, cuts the spin of every team, the engine's too, to ~100 iterations: the engine's OpenMP threads then
+sleep on a futex between its parallel ops and wait to be woken at the next (vLLM's CPU worker: ~1,200 such sleeps in
+a 16-prompt batch instead of ~50; a loop of small torch ops: 24,000 instead of 50 once another thread had run one
+`index_select`), and on a busy machine each wake-up waits for the core.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import functools
 import itertools
 import os
+import threading
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
@@ -22,6 +32,7 @@ import torch
 
 _MIN_PART_BYTES = 1 << 20  # below this, a copy is not worth splitting across threads
 _own_threads: int | None = None
+_this_thread = threading.local()  # copy_threads: set on a thread that `torch_on_one_thread` made single-threaded
 
 
 class CopyJob(Protocol):
@@ -92,9 +103,34 @@ def usable_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def torch_on_one_thread() -> None:
+    """Make torch's ops on the calling thread (one of kvferry's) run on it alone, and its CPU copies spread over
+    kvferry's threads, as many as torch's ops use elsewhere: the initializer of kvferry's threads. Where the OpenMP
+    runtime is not reachable (no `omp_set_num_threads` in the process) the thread stays as it was."""
+    threads = torch.get_num_threads()  # this thread's first torch call: the process's count
+    if threads > 1 and _omp_set_num_threads(1) and torch.get_num_threads() == 1:
+        _this_thread.copy_threads = threads
+
+
+def _omp_set_num_threads(threads: int) -> bool:
+    """OpenMP's `omp_set_num_threads` (this thread's team size) in the runtime loaded with torch; False without it."""
+    try:
+        set_num_threads = ctypes.CDLL(None).omp_set_num_threads
+    except (AttributeError, OSError, TypeError):
+        return False
+    set_num_threads(threads)
+    return True
+
+
+def copy_threads() -> int | None:
+    """Threads a CPU copy on this thread spreads over on kvferry's threads (`use_own_threads`, or a thread made
+    single-threaded by `torch_on_one_thread`); None: torch's ops spread it over torch's threads."""
+    return _own_threads if _own_threads is not None else getattr(_this_thread, "copy_threads", None)
+
+
 def on_own_threads() -> bool:
-    """Whether this process runs every CPU copy on kvferry's threads (`use_own_threads`)."""
-    return _own_threads is not None
+    """Whether CPU copies on this thread run on kvferry's threads (`copy_threads`), torch's ops on one thread."""
+    return copy_threads() is not None
 
 
 def run(jobs: Sequence[CopyJob]) -> None:
@@ -107,7 +143,7 @@ def run(jobs: Sequence[CopyJob]) -> None:
     from 0.44-0.48 to 0.68-0.72 of memcpy. The caller takes jobs too, instead of waiting for the pool: one
     hand-over less (a 3 MiB gather on two threads 0.25-0.31 ms against 0.32-0.45, CPU machine).
     """
-    threads = _own_threads if _own_threads is not None else torch.get_num_threads()
+    threads = copy_threads() or torch.get_num_threads()
     workers = min(threads, max(1, sum(job.nbytes for job in jobs) // _MIN_PART_BYTES))
     if len(jobs) < workers:
         jobs = [span for job in jobs for span in job.split(-(-workers // len(jobs)))]
@@ -128,7 +164,7 @@ def run(jobs: Sequence[CopyJob]) -> None:
 @functools.cache
 def pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
     """`workers` copy threads beside the caller's (made once per count)."""
-    return concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvferry-copy")
+    return concurrent.futures.ThreadPoolExecutor(workers, "kvferry-copy", initializer=torch_on_one_thread)
 
 
 # A forked child inherits the executors but not their threads: it must make its own.

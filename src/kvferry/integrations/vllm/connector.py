@@ -417,6 +417,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
             in_background=self._settings.async_load,
             refresh_s=self._settings.lock_refresh_s,
             ranks=self._tp_size,
+            tails=not self._groups,
         )
         self._scheduler = GroupedSchedulerSide(side, self._groups) if self._groups else side
         return self._scheduler

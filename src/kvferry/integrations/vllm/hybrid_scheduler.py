@@ -59,6 +59,9 @@ class GroupedSchedulerSide:
     """`SchedulerSide`'s interface for a model of several KV cache groups (``groups``, in vLLM's order)."""
 
     def __init__(self, side: SchedulerSide, groups: Sequence[KVGroup]) -> None:
+        if side.tails:
+            # A hit is whole chunks that every group holds (`GroupedLookups`): one group's tail is never loaded.
+            raise ValueError("a hybrid model's SchedulerSide stores whole chunks only (tails=False)")
         self.side = side
         self.groups = list(groups)
         self.counters = side.counters

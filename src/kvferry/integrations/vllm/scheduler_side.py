@@ -114,8 +114,10 @@ class SchedulerSide:
         refresh_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
         ranks: int = 1,
+        tails: bool = True,
     ) -> None:
-        """``ranks``: the engine's tensor-parallel workers; each loads its slice and reports it."""
+        """``ranks``: the engine's tensor-parallel workers; each loads its slice and reports it. ``tails``: a
+        finished request also stores its last partial chunk in whole blocks (False: whole chunks only)."""
         if block_size <= 0 or chunk_size <= 0 or chunk_size % block_size:
             raise ValueError(f"chunk_size={chunk_size} must be a positive multiple of vLLM's block_size={block_size}")
         self._lookup = lookup
@@ -126,6 +128,7 @@ class SchedulerSide:
         self._refresh_s = refresh_s
         self._clock = clock
         self._ranks = ranks
+        self.tails = tails
         self._requests: dict[str, _Request] = {}
         self._finishing: list[StoreSpec] = []  # stores of finished requests, for the next step's plan
         # Finished requests' stores not reported done yet: their tokens, and until when a lookup waits for them
@@ -259,7 +262,8 @@ class SchedulerSide:
             req.finished = True
             return False
         del self._requests[req_id]
-        end = len(computed) // self.block_size * self.block_size
+        unit = self.block_size if self.tails else self.chunk_size
+        end = len(computed) // unit * unit
         table = list(block_ids) if block_ids is not None else req.block_ids
         needed = end // self.block_size
         if req.running and not req.uncacheable and end > req.stored_upto and len(table) >= needed:
