@@ -7,9 +7,9 @@ import torch
 
 from kvferry.cache import CacheEngine
 from kvferry.client import KvferryClient, ServerError
-from kvferry.config import KvferryConfig
+from kvferry.config import KvferryConfig, ServerConfig
 from kvferry.memory import HostPool
-from kvferry.server import KvferryServer, ServerConfig
+from kvferry.server import KvferryServer
 from tests.server.serverkit import FMT_REAL, PER_CHUNK, REAL_CHUNK, REAL_NS, real_kv
 
 
