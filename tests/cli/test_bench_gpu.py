@@ -64,7 +64,7 @@ def test_cache_gpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 def test_vllm_gpu_steps(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     args = ("--repeats", "1", "--no-server", "--no-gemm", "--steps")
     doc, progress = run_bench(monkeypatch, tmp_path, "vllm-gpu", *args)
-    assert progress.done[-1] == "embedded: model steps with and without stores"
+    assert "embedded: model steps with and without stores" in progress.done  # after the transfer cases
     stall = doc["results"]["steps"]["embedded"]
     assert stall["steps"] == STEPS and stall["store_mib"] > 0
     assert stall["step_ms"] > 0 and stall["step_with_stores_ms"] > 0 and stall["step_ratio"] > 0

@@ -6,7 +6,8 @@ What each check does: `kvferry config`, `formats` and `--help` run; a `kvferry s
 configuration (it would then serve); a benchmark parses its flags and passes its own checks (its runs, at small
 sizes: tests/cli/test_bench_*.py), which on a machine without CUDA may only refuse it for that; the vLLM commands
 go through vLLM's own argument parser and the connector they name loads with its extra config; the example script
-runs; install commands name extras pyproject.toml has; CI scripts and test paths exist.
+runs; a benchmark module (`python -m kvferry.bench.X`) shows its help with the flags given; install commands name
+extras pyproject.toml has; CI scripts, test driver scripts and test paths exist.
 """
 
 from __future__ import annotations
@@ -187,8 +188,21 @@ def test_the_command_runs_as_written(
         _check_test_paths(command, words)
     elif words[:3] == ["python3", "-m", "pytest"]:
         _check_test_paths(command, words)
+    elif words[0] in ("python", "python3") and words[1] == "-m" and words[2].startswith("kvferry.bench."):
+        _check_bench_module(words[2], words[3:])
+    elif words[0] in ("python", "python3") and words[1].startswith("tests/"):  # a test's driver script
+        _check_test_paths(command, words)
     else:
         pytest.fail(f"{page}: `{command}` is a kind of command this test does not know: add a check for it")
+
+
+def _check_bench_module(module: str, args: list[str]) -> None:
+    """A benchmark run as a module (`python -m kvferry.bench.X`): it starts, and knows every flag the text gives it
+    (`[--flag]`: an optional one)."""
+    shown = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    for flag in (a.strip("[]") for a in args if a.strip("[]").startswith("--")):
+        assert flag in shown.stdout, f"{module} has no {flag}"
 
 
 def _check_test_paths(command: str, words: list[str]) -> None:

@@ -73,6 +73,16 @@ FLAGS = {
     ),
     "vllm-async-load": ("--prefix-tokens", "--running", "--layers", "--kv-heads"),
     "vllm-batch": ("--prompt-tokens", "--prompts", "--rounds", "--modes"),
+    "vllm-chat": (
+        "--conversations",
+        "--turns",
+        "--first-tokens",
+        "--new-tokens",
+        "--generated",
+        "--layers",
+        "--hidden",
+        "--chunk-size",
+    ),
 }
 
 

@@ -279,7 +279,7 @@ class ChunkWriter:
         key = prefix.tail_key(n, length)
         shape = geom.object_shape(length)
         nbytes = geom.bytes_per_token * length
-        new, _ = self._res.reserve([key], parent, shape, geom.dtype, nbytes, head_masks(geom), tail=length)
+        new, _ = self._res.reserve([key], parent, shape, geom.object_dtype, nbytes, head_masks(geom), tail=length)
         if not new:  # present, in flight for another store, or no room
             return None, 0.0
         entry = new[0][1]

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 import torch
 
-from kvferry.cuda.driver import CudaError, driver
+from kvferry.cuda.driver import CudaError, driver, primary_context
 from kvferry.kernels import triton_copy
 from kvferry.transfer.graphed import ObjectGraph, tables_bytes
 from kvferry.transfer.handle import Completion, TransferHandle
@@ -98,11 +98,14 @@ class TransferEngine:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.config = config or EngineConfig()
         self._driver = driver()
-        with torch.cuda.device(self.device):
+        # The primary context, made current first: a thread that never made a CUDA runtime call has none current
+        # even with the device selected (a cache's worker thread or a server's may be the first to transfer), and
+        # the lanes' events are made by driver calls.
+        self._context = primary_context(self.device)
+        with torch.cuda.device(self.device), self._driver.current(self._context):
             lane = (self._driver, self.device, self.config.slots, self.config.slot_bytes, self.config.kernel_priority)
             self._store = Lane(*lane)
             self._retrieve = Lane(*lane)
-            self._context = self._driver.current_context()  # the primary context, which torch made current
         self._schedules: dict[tuple[object, ...], Schedule] = {}  # staged request shapes seen (a small cache)
         self._batch = self.config.batch_dma and self._driver.has_batch
         self._graphs_failed = not self.config.graph_max_bytes
