@@ -4,8 +4,9 @@ OpenMP team of its own, and libgomp then cuts the spin of every team, the engine
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -14,21 +15,33 @@ import torch
 from kvferry.cache import CacheEngine
 from kvferry.config import KvferryConfig
 from kvferry.formats.kinds import EngineKVFormat as F
-from kvferry.kernels import cpu_threads
 from kvferry.memory import HostPool
 from tests.cache.cachekit import BS, CHUNK, assert_blocks_equal, make_paged
 
 needs_threads = pytest.mark.skipif(torch.get_num_threads() < 2, reason="torch runs one thread here: nothing to limit")
 
 
+_ONE_THREAD = """
+from concurrent.futures import ThreadPoolExecutor
+import torch
+from kvferry.kernels import cpu_threads
+with ThreadPoolExecutor(1) as plain:
+    count = plain.submit(torch.get_num_threads).result()
+with ThreadPoolExecutor(1, initializer=cpu_threads.torch_on_one_thread) as pool:
+    inside = pool.submit(lambda: (torch.get_num_threads(), cpu_threads.copy_threads())).result()
+print(count, *inside, cpu_threads.copy_threads(), cpu_threads.on_own_threads())
+"""
+
+
 @needs_threads
 def test_a_thread_made_single_threaded_copies_over_the_process_count() -> None:
-    with ThreadPoolExecutor(1) as plain:  # a new thread's count (another test may have set this thread's)
-        process_count = plain.submit(torch.get_num_threads).result()
-    with ThreadPoolExecutor(1, initializer=cpu_threads.torch_on_one_thread) as pool:
-        inside = pool.submit(lambda: (torch.get_num_threads(), cpu_threads.copy_threads())).result()
-    assert inside == (1, process_count)
-    assert cpu_threads.copy_threads() is None and not cpu_threads.on_own_threads()  # this thread: as it was
+    # In a fresh process: other tests here set this process's torch threads and kvferry's own copy threads.
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    done = subprocess.run([sys.executable, "-c", _ONE_THREAD], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    count, inside, copies, main_copies, main_own = done.stdout.split()
+    assert (count, inside, copies) == ("2", "1", "2")  # one thread of its own, copies over the process's count
+    assert (main_copies, main_own) == ("None", "False")  # the calling thread: as it was
 
 
 def _native_threads() -> set[int]:
