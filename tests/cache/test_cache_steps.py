@@ -71,6 +71,21 @@ def test_a_miss_and_a_store_of_present_chunks_end_without_a_copy() -> None:
         assert first == Enqueued(None, 0, True)  # present: nothing new to copy
 
 
+def test_a_store_with_a_tail_is_not_final_at_its_chunks_copy() -> None:
+    """The tail object is written after the chunks' copy, so their count is not the store's result: a server that
+    answered with it (a done flag's early answer) would report the tail's tokens as not stored."""
+    src = make_paged(FMT, NB, seed=5)
+    tokens, ids = _tokens(3, 5)[: 2 * CHUNK + BS + 1], list(range(2 * CHUNK // BS + 1))
+    with _engine() as engine:
+        ns = engine.namespace_for("m", FMT, src)
+        steps = engine.store_steps(tokens, src, ids, FMT, namespace=ns, tail=True)
+        assert first_step(steps) == Enqueued(None, 2 * CHUNK, False)
+        assert finish_steps(steps) == 2 * CHUNK + BS
+        again = engine.store_steps(tokens, src, ids, FMT, namespace=ns, tail=True)
+        assert first_step(again) == Enqueued(None, 0, False)  # the tail's own check comes after
+        assert finish_steps(again) == 0
+
+
 def test_steps_that_yield_twice_are_refused() -> None:
     def twice():  # type: ignore[no-untyped-def]
         yield Enqueued(None, 0, True)

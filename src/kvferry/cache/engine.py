@@ -276,9 +276,12 @@ class CacheEngine:
         # Whether or not a chunk turns out to need a copy, every block a copy could read is checked now.
         needed = n_full * per_chunk + tail_len // geom.bs
         block_ids = check_block_ids(block_ids, first * per_chunk, needed, geom.nb, geom.bs, distinct=False)
-        entries, seconds = yield from self._writer.write_steps(tokens, ns, paged, geom, block_ids, first, valid_until)
+        with_tail = bool(tail_len) and n_full * self.chunk_size + tail_len > skip
+        entries, seconds = yield from self._writer.write_steps(
+            tokens, ns, paged, geom, block_ids, first, valid_until, more_after=with_tail
+        )
         stored_tail = None
-        if tail_len and n_full * self.chunk_size + tail_len > skip:
+        if with_tail:
             stored_tail, more = self._writer.write_tail(tokens, ns, paged, geom, block_ids, tail_len, valid_until)
             seconds += more
         if self._res.index.has_tails:  # tails the chunks and tail just stored supersede go first

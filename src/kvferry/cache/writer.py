@@ -112,12 +112,13 @@ class ChunkWriter:
         block_ids: BlockIds,
         first: int,
         valid_until: float | None = None,
+        more_after: bool = False,
     ) -> Steps[tuple[list[Entry], float]]:
         """Store the full chunks of ``tokens`` from chunk ``first`` on that are not present; returns the new
         (now readable) entries and the seconds their copy took. ``block_ids`` was checked to cover them. A copy
         that ends after ``valid_until`` (time.time()) is dropped: see ``CacheEngine.store``. Yields once, when the
         copy is enqueued (`kvferry.cache.steps`); its count is final unless chunks in flight for a concurrent
-        store of the same prefix must be waited for."""
+        store of the same prefix must be waited for, or ``more_after`` (the caller writes a tail after them)."""
         n_full = self._hasher.num_chunks(tokens)
         write = None
         if first < n_full and copies_in_background(geom, self._pool) and not geom.partial_heads:
@@ -130,7 +131,7 @@ class ChunkWriter:
         stored: list[Entry] = []
         seconds = 0.0
         try:
-            yield Enqueued(write.in_flight, len(write.entries) * self._chunk_size, not write.others)
+            yield Enqueued(write.in_flight, len(write.entries) * self._chunk_size, not (write.others or more_after))
         finally:  # also when the steps are closed early: the copy is waited for and its chunks settled
             if write.entries or write.spare:
                 stored, seconds = self._finish(write, valid_until)
