@@ -3,10 +3,11 @@ tiny random-weight Gemma 3 (two sliding-window layers over 128 tokens, two full-
 
 Engines run in processes of their own (vllm_hybrid_driver.py): a reference without kvferry; one with the cache
 embedded; through a kvferry server, one in vLLM's multiprocess layout and one with two tensor-parallel ranks; a
-state-space hybrid (Qwen3-Next's gated delta-net), which kvferry does not move yet but must let run. Each runs a
-1000-token prompt (a miss), again (a hit of its 768 tokens of whole chunks, six windows long), and another prompt
-sharing those 768 tokens.
-vLLM's own prefix cache is off, so every reused token comes from kvferry; greedy tokens must equal the reference.
+state-space hybrid (Qwen3-Next's gated delta-net, its linear-attention state moved as objects of its own). Each
+runs a 1000-token prompt (a miss), again (a hit of its 768 tokens of whole chunks, six windows long), and another
+prompt sharing those 768 tokens. vLLM's own prefix cache is off (the state-space hybrid's is on, as its state
+needs, and emptied before the hit), so every reused token comes from kvferry; greedy tokens must equal the
+reference.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ pytestmark = [
 
 HERE = Path(__file__).resolve().parent
 HIT, WINDOW, LAYERS = 768, 128, 4
+GDN_CHUNK = 384  # the state-space hybrid's block size under vLLM's prefix caching (the driver's GDN_CHUNK)
 DRIVER_TIMEOUT_S = 400
 
 
@@ -105,15 +107,26 @@ def test_server_mode_with_the_scheduler_apart_from_the_kv(
     assert report["output"].count("hybrid model: group=0:sliding_window:128") == ranks
 
 
-def test_a_state_space_hybrid_runs_with_kvferry_configured(tmp: Path) -> None:
-    """Its linear-attention layers' state (vLLM's MambaSpec group) is not moved yet: the connector says so and
-    stays off, and vLLM runs the model with its hybrid manager (which such models need) as without kvferry."""
-    report = run_driver("gdn", tmp)
+def test_a_state_space_hybrid_hits_with_its_linear_attention_state(tmp: Path) -> None:
+    """Qwen3-Next's gated delta-net layers keep a state (vLLM's MambaSpec group, "align" mode under its prefix
+    caching): the hit loads the full layers' chunks and the state at the hit's end, and greedy tokens are those of a
+    run without kvferry; the same hit with the state zeroed instead gives other tokens (so the check can fail)."""
     reference = run_driver("gdn-reference", tmp)
-    assert [g["kind"] for g in report["groups"]] == ["MambaSpec", "FullAttentionSpec"]
-    assert [run["tokens"] for run in report["runs"]] == [run["tokens"] for run in reference["runs"]]
-    assert [run["cached"] for run in report["runs"]] == [[0], [0]]
-    assert "kvferry connector disabled (every lookup is a miss): vLLM's KV cache group 0" in report["output"]
+    report = run_driver("gdn", tmp)
+    lost = run_driver("gdn-lost", tmp)
+    assert [(g["kind"], g["mamba_cache_mode"]) for g in report["groups"]] == [("MambaSpec", "align"),
+                                                                            ("FullAttentionSpec", None)]  # fmt: skip
+    assert report["groups"][0]["block_size"] == GDN_CHUNK  # a chunk holds one state
+    assert "hybrid model: group=0:mamba (2 layers" in report["output"]
+    assert report["prefix_cache_reset"]  # the second run's hit can only be kvferry's
+    main = reference["runs"][0]["tokens"]
+    assert [run["tokens"] for run in report["runs"]] == [main, main]
+    assert [run["cached"] for run in report["runs"]] == [[0], [2 * GDN_CHUNK]]  # vLLM's counter: kvferry's hit
+    assert report["scheduler_counters"]["hit_tokens_taken"] == 2 * GDN_CHUNK  # kvferry's counters agree
+    assert report["worker_counters"]["tokens_loaded"] == 2 * GDN_CHUNK
+    assert report["worker_counters"]["load_failures"] == report["worker_counters"]["store_failures"] == 0
+    assert report["requests_held"] == report["tracked"] == report["scheduler_locks"] == 0  # nothing leaked
+    assert lost["runs"][1]["cached"] == [2 * GDN_CHUNK] and lost["runs"][1]["tokens"] != main
 
 
 def test_hma_holds_more_tokens_than_every_layer_holding_the_whole_context(tmp: Path) -> None:

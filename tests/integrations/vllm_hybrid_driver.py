@@ -9,8 +9,11 @@ PHASE
   embedded    kvferry's cache in this process: the main prompt (a miss), again (a hit), the other prompt (a hit of
               the shared prefix, well past the window), each after the other.
   server      the same through a kvferry server at --server-url.
-  gdn, gdn-reference
-              the state-space hybrid with kvferry embedded, and without: the main prompt twice.
+  gdn, gdn-reference, gdn-lost
+              the state-space hybrid with vLLM's prefix caching on (Mamba "align" mode): without kvferry the main
+              prompt once; with kvferry embedded the main prompt (a miss, stored), vLLM's prefix cache emptied, the
+              main prompt again (kvferry's hit: attention chunks and the linear-attention state at its end);
+              ``gdn-lost`` as ``gdn`` with every state load writing zeros instead (what the test tells apart).
   capacity    vLLM's KV capacity in tokens with the connector on, with vLLM's hybrid KV cache manager and without
               (``disable_hybrid_kv_cache_manager``): every layer then holds every token.
 
@@ -37,6 +40,7 @@ WINDOW = 128
 PROMPT_TOKENS = 1000  # the hit: its 3 full chunks (768 tokens), six windows long
 SHARED_TOKENS = 768  # the other prompt shares this prefix with the main one
 VOCAB = 1024
+GDN_CHUNK = 384  # the state-space hybrid's block size under vLLM's prefix caching: a chunk holds one state
 
 
 def prompts() -> dict[str, list[int]]:
@@ -79,8 +83,8 @@ def write_gdn_model(path: str) -> None:
         intermediate_size=512,
         num_hidden_layers=4,
         num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
+        num_key_value_heads=4,  # vLLM pads the state's page to whole attention blocks: 384 tokens (GDN_CHUNK)
+        head_dim=128,
         linear_key_head_dim=128,  # vLLM's CPU kernel takes no smaller head
         linear_value_head_dim=128,
         linear_num_key_heads=4,
@@ -95,7 +99,28 @@ def write_gdn_model(path: str) -> None:
         pad_token_id=0,
     )
     torch.manual_seed(0)
-    Qwen3NextForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    model = Qwen3NextForCausalLM(config)
+    with torch.no_grad():  # the linear-attention layers' output weighs in: a wrong state changes the greedy tokens
+        for name, weight in model.named_parameters():
+            if "linear_attn.out_proj" in name:
+                weight.mul_(100)
+    model.to(torch.bfloat16).save_pretrained(path)
+
+
+def lose_state_loads() -> None:
+    """Make every Mamba state load write zeros into its block and report success (``gdn-lost``)."""
+    from concurrent.futures import Future
+
+    from kvferry.integrations.vllm.state_groups import StateBackend
+
+    def zeros(self: Any, tokens: list[int], block_ids: list[int], skip: int) -> Future[int]:
+        for layer in self.backend.kv.layers:
+            layer[block_ids[-1]] = 0
+        done: Future[int] = Future()
+        done.set_result(len(tokens))
+        return done
+
+    StateBackend.retrieve_async = zeros  # type: ignore[method-assign]
 
 
 def make_llm(model: str, extra: dict[str, Any] | None, **options: Any) -> Any:
@@ -113,11 +138,11 @@ def make_llm(model: str, extra: dict[str, Any] | None, **options: Any) -> Any:
         model=model,
         skip_tokenizer_init=True,
         dtype="bfloat16",
-        enable_prefix_caching=False,  # every reused token comes from kvferry
         enforce_eager=True,
         seed=0,
         kv_transfer_config=kv_transfer,
-        **{"max_model_len": 2048, **options},
+        # vLLM's own prefix cache off: every reused token comes from kvferry
+        **{"max_model_len": 2048, "enable_prefix_caching": False, **options},
     )
 
 
@@ -128,6 +153,8 @@ def kv_groups(llm: Any) -> list[dict[str, Any]]:
             "kind": type(g.kv_cache_spec).__name__,
             "layers": list(g.layer_names),
             "window": getattr(g.kv_cache_spec, "sliding_window", None),
+            "block_size": g.kv_cache_spec.block_size,
+            "mamba_cache_mode": getattr(g.kv_cache_spec, "mamba_cache_mode", None),
         }
         for g in config.kv_cache_groups
     ]
@@ -157,6 +184,23 @@ def count_copied_bytes(moved: dict[str, int]) -> None:
             return future
 
         setattr(EmbeddedBackend, name, counted)
+
+
+def run_gdn(model: str, phase: str) -> dict[str, Any]:
+    """The state-space hybrid's phases (see the module's docstring), vLLM's prefix caching on."""
+    main_prompt = prompts()["main"]
+    if phase == "gdn-lost":
+        lose_state_loads()
+    extra = {"mode": "embedded", "config": {"cache": {"chunk_size": GDN_CHUNK, "l1_size_gb": 0.25}}}
+    llm = make_llm(model, None if phase == "gdn-reference" else extra, enable_prefix_caching=True)
+    report: dict[str, Any] = {"groups": kv_groups(llm), "runs": [generate(llm, [main_prompt])]}
+    if phase != "gdn-reference":
+        generate(llm, [list(range(16))])  # a step after the first run's stores: vLLM then frees its blocks
+        report["prefix_cache_reset"] = llm.reset_prefix_cache()
+        report["runs"].append(generate(llm, [main_prompt]))
+        report.update(connector_state(llm))
+    llm.llm_engine.engine_core.shutdown()
+    return report
 
 
 def main() -> None:
@@ -189,10 +233,7 @@ def main() -> None:
         write_report(out, report)
         os._exit(0)
     if phase.startswith("gdn"):
-        llm = make_llm(model + "-gdn", None if phase == "gdn-reference" else embedded)
-        report["groups"] = kv_groups(llm)
-        report["runs"] = [generate(llm, [prompts()["main"]]) for _ in range(2)]
-        llm.llm_engine.engine_core.shutdown()
+        report.update(run_gdn(model + "-gdn", phase))
         write_report(out, report)
         os._exit(0)
     extra = {

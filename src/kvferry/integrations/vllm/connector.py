@@ -7,9 +7,10 @@ that pinned their hits); once, at start-up, the worker tells the scheduler the c
 handshake metadata), which a scheduler in another process needs for its lookups. This module only translates
 between vLLM's objects and those halves.
 
-Hybrid models (vLLM's hybrid KV cache manager: sliding-window, chunked-local and full attention groups): the
-connector supports it (`SupportsHMA`); each group's layers are KV of their own (`kv_groups`) and the scheduler
-half plans each group's share of a load or store (`hybrid_scheduler`).
+Hybrid models (vLLM's hybrid KV cache manager: sliding-window, chunked-local and full attention groups, and Mamba
+groups under vLLM's prefix caching): the connector supports it (`SupportsHMA`); each group's layers are KV of
+their own (`kv_groups`; a Mamba group's states: `state_groups`) and the scheduler half plans each group's share of
+a load or store (`hybrid_scheduler`).
 
 Tensor parallelism (server mode): every rank's worker registers its slice of the KV heads with the server, whose
 objects hold every head; the scheduler's one lookup answers for all ranks (an object is a hit once every head is
@@ -44,6 +45,7 @@ from kvferry.integrations.vllm.plan import StepPlan
 from kvferry.integrations.vllm.scheduler_side import SchedulerSide
 from kvferry.integrations.vllm.server_link import ServerLink
 from kvferry.integrations.vllm.settings import ConnectorSettings
+from kvferry.integrations.vllm.state_groups import state_kv
 from kvferry.integrations.vllm.vllm_stats import KvferryPromMetrics, KvferryStats
 from kvferry.integrations.vllm.worker_side import WorkerSide
 
@@ -94,6 +96,11 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         self._groups_refused: str | None = None
         try:
             self._groups = hybrid_groups(kv_cache_config)
+            if any(group.holds_state for group in self._groups) and self._settings.mode == "server":
+                raise UnsupportedGroups(
+                    "kvferry keeps a Mamba group's states in embedded mode only (a state object's rows depend on "
+                    "the chunk size, which a server tells only once connected)"
+                )
         except UnsupportedGroups as exc:
             self._groups_refused = str(exc)
             if role == KVConnectorRole.WORKER:
@@ -325,6 +332,8 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         """The CPU attention ISA of vLLM's CPU backend (it packs K and V inside each page its own way); None for
         every other backend, whose per-layer views are read from their strides."""
         layers = self._vllm_config.compilation_config.static_forward_context
+        states = {name for group in self._groups if group.holds_state for name in group.layer_names}
+        kv_caches = {name: kv for name, kv in kv_caches.items() if name not in states}  # attention layers'
         isas = {getattr(layers.get(name), "isa", None) for name in kv_caches}
         if len(isas) != 1:
             raise UnsupportedKVLayout(f"attention layers use different CPU ISAs {sorted(map(str, isas))}")
@@ -369,7 +378,12 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _register_groups(self, kv_caches: dict[str, torch.Tensor], isa: str | None) -> None:
         """A hybrid model's KV: each group's layers registered as KV of their own (`hybrid_worker`)."""
-        kvs = [self._recognise({n: kv_caches[n] for n in g.layer_names}, isa, g.block_size) for g in self._groups]
+        kvs = [
+            state_kv([kv_caches[n] for n in g.layer_names], g.layer_names, g.page_bytes, self._chunk_size())
+            if g.holds_state
+            else self._recognise({n: kv_caches[n] for n in g.layer_names}, isa, g.block_size)
+            for g in self._groups
+        ]
         model = self._settings.model_id or _served_model_name(self._vllm_config)
         name, hook = f"vllm-{self._engine_id[:8]}", self._settings.load_after_load_hook()
         hybrid = hybrid_worker.start_hybrid_worker(
@@ -383,6 +397,10 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
     def _key_space(self, kv: EngineKV) -> KeySpace:
         model = self._settings.model_id or _served_model_name(self._vllm_config)
         return KeySpace.of(kv, model=model, salt=self._settings.salt)
+
+    def _chunk_size(self) -> int:
+        """Embedded mode's chunk size (its cache's config)."""
+        return self._settings.kvferry_config().cache.chunk_size
 
     def _check_chunk_size(self, chunk_size: int) -> None:
         for block_size in sorted({group.block_size for group in self._groups} or {self._block_size}):

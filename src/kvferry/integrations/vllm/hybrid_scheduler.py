@@ -1,8 +1,9 @@
 """The scheduler half for a hybrid model: one `SchedulerSide` decides, every group gets its share of the plan.
 
 `SchedulerSide` looks up (through `GroupedLookups`: the prefix every group holds), locks, and plans loads and
-stores over one block table, the first group's. This wrapper keeps every group's block table as vLLM hands
-them out and turns each planned load or store into one per group, over that group's blocks (`LoadSpec.group`).
+stores over one block table, the lead group's (a full-attention group where there is one). This wrapper keeps
+every group's block table as vLLM hands them out and turns each planned load or store into one per group, over
+that group's blocks (`LoadSpec.group`).
 
 A windowed group (sliding window, chunked local) differs in two ways:
 - a load writes only the group's blocks vLLM allocated, those inside the window at the hit's end (vLLM puts its
@@ -13,6 +14,11 @@ A windowed group (sliding window, chunked local) differs in two ways:
   later lookup then stops before it (a shorter hit), never loads another request's bytes. The worker waits for
   a windowed group's stores before the next step's forward pass (`WorkerSide.settle_windowed_stores`), since
   vLLM may give those blocks to another request then.
+
+A Mamba group (`state_groups`) stores the states vLLM hands over in the step's scheduler output
+(``kv_connector_block_state.boundary_state_offloads``: request, group, block, boundary), those at chunk
+boundaries within the prompt, each from the exact block vLLM named (never its null block), and settled before the
+next forward pass as a windowed group's are; a load writes the one block vLLM allocated for the hit's state.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvferry.integrations.vllm.kv_groups import KVGroup, first_unfreed_token
+from kvferry.integrations.vllm.kv_groups import NULL_BLOCK, KVGroup, first_unfreed_token
 from kvferry.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
 from kvferry.integrations.vllm.scheduler_side import SchedulerSide, SchedulerStep
 
@@ -30,8 +36,8 @@ Tables = tuple[list[int], ...]
 
 
 @dataclass(frozen=True)
-class _FirstGroupNew:
-    """A new request of the step as `SchedulerSide` reads it: the first group's block ids only."""
+class _LeadGroupNew:
+    """A new request of the step as `SchedulerSide` reads it: the lead group's block ids only."""
 
     req_id: str
     prompt_token_ids: list[int] | None
@@ -40,7 +46,7 @@ class _FirstGroupNew:
 
 
 @dataclass(frozen=True)
-class _FirstGroupCached:
+class _LeadGroupCached:
     req_ids: list[str]
     resumed_req_ids: set[str]
     new_block_ids: list[tuple[list[int], ...] | None]
@@ -48,9 +54,9 @@ class _FirstGroupCached:
 
 
 @dataclass(frozen=True)
-class _FirstGroupStep:
-    scheduled_new_reqs: list[_FirstGroupNew]
-    scheduled_cached_reqs: _FirstGroupCached
+class _LeadGroupStep:
+    scheduled_new_reqs: list[_LeadGroupNew]
+    scheduled_cached_reqs: _LeadGroupCached
     num_scheduled_tokens: Mapping[str, int]
     preempted_req_ids: set[str] | None
 
@@ -64,6 +70,8 @@ class GroupedSchedulerSide:
             raise ValueError("a hybrid model's SchedulerSide stores whole chunks only (tails=False)")
         self.side = side
         self.groups = list(groups)
+        attention = [g.index for g in self.groups if not g.windowed and not g.holds_state]
+        self.lead = attention[0] if attention else 0  # the group whose table `SchedulerSide` plans over
         self.counters = side.counters
         self._tables: dict[str, Tables] = {}  # running requests' block tables, one list per group
         self._pending: dict[str, Tables] = {}  # an accepted background load's blocks, until planned
@@ -75,7 +83,7 @@ class GroupedSchedulerSide:
         return self.side.num_new_matched_tokens(req_id, prompt, num_tokens, num_computed_tokens, cacheable=cacheable)
 
     def after_alloc(self, req_id: str, prompt: Sequence[int], block_ids: Tables, num_external: int) -> None:
-        self.side.after_alloc(req_id, prompt, block_ids[0] if num_external > 0 else [], num_external)
+        self.side.after_alloc(req_id, prompt, block_ids[self.lead] if num_external > 0 else [], num_external)
         if num_external > 0 and self.side.in_background:
             self._pending[req_id] = tuple(list(ids) for ids in block_ids)
 
@@ -83,7 +91,7 @@ class GroupedSchedulerSide:
         computed = self._update_tables(step)
         pending, self._pending = self._pending, {}
         finished, self._finished = self._finished, {}
-        plan = self.side.build_plan(_first_group(step))
+        plan = self.side.build_plan(_lead_group(step, self.lead))
         grouped = StepPlan(preempted=plan.preempted)
         for load in plan.loads:
             tables = pending.get(load.req_id) or self._tables.get(load.req_id)
@@ -94,8 +102,11 @@ class GroupedSchedulerSide:
             if tables is not None:
                 num_computed = computed.get(store.req_id)
                 grouped.stores += [
-                    self._store(store, group, tables[group.index], num_computed) for group in self.groups
+                    self._store(store, group, tables[group.index], num_computed)
+                    for group in self.groups
+                    if not group.holds_state
                 ]
+        grouped.stores += self._state_stores(step)
         for req_id in plan.preempted:
             self._tables.pop(req_id, None)
         return grouped
@@ -109,7 +120,7 @@ class GroupedSchedulerSide:
     def request_finished(self, req_id: str, computed: Sequence[int], block_ids: Tables) -> bool:
         self._tables.pop(req_id, None)
         self._pending.pop(req_id, None)
-        saving = self.side.request_finished(req_id, computed, block_ids[0])
+        saving = self.side.request_finished(req_id, computed, block_ids[self.lead])
         if saving:
             self._finished[req_id] = tuple(list(ids) for ids in block_ids)
         return saving
@@ -143,11 +154,27 @@ class GroupedSchedulerSide:
             computed[req_id] = cached.num_computed_tokens[i]
         return computed
 
+    def _state_stores(self, step: SchedulerStep) -> list[StoreSpec]:
+        """The stores of the Mamba states vLLM handed over this step: those at chunk boundaries of a running
+        request's prompt, each from its own block (vLLM's null block never)."""
+        state = getattr(step, "kv_connector_block_state", None)
+        offers: dict[str, list[tuple[int, int, int]]] = getattr(state, "boundary_state_offloads", None) or {}
+        stores = []
+        for req_id, entries in offers.items():
+            for group_id, block_id, boundary in entries:
+                if 0 <= group_id < len(self.groups) and self.groups[group_id].holds_state and block_id != NULL_BLOCK:
+                    tokens = self.side.plan_state_store(req_id, boundary)
+                    if tokens is not None:
+                        stores.append(StoreSpec(req_id, tokens, [block_id], 0, group=group_id))
+        return stores
+
     def _load(self, load: LoadSpec, group: KVGroup, table: list[int]) -> LoadSpec:
         end = len(load.tokens)
         ids = table[: -(-end // group.block_size)]
         skip = load.skip_tokens
-        if group.windowed:  # vLLM allocated only the window's blocks: load from the first it holds
+        if group.holds_state:  # the one block vLLM allocated for the state at the hit's end
+            skip = max(skip, end - group.block_size)
+        elif group.windowed:  # vLLM allocated only the window's blocks: load from the first it holds
             skip = min(end, first_unfreed_token(group, ids, skip, end) // group.block_size * group.block_size)
         return dataclasses.replace(load, block_ids=ids, skip_tokens=skip, group=group.index)
 
@@ -164,18 +191,18 @@ class GroupedSchedulerSide:
         return dataclasses.replace(store, block_ids=ids, skip_tokens=skip, group=group.index)
 
 
-def _first_group(step: SchedulerStep) -> _FirstGroupStep:
-    """``step`` as `SchedulerSide` reads it: the first group's block ids (it plans over that group's table)."""
+def _lead_group(step: SchedulerStep, lead: int) -> _LeadGroupStep:
+    """``step`` as `SchedulerSide` reads it: the ``lead`` group's block ids (it plans over that group's table)."""
     cached = step.scheduled_cached_reqs
-    return _FirstGroupStep(
+    return _LeadGroupStep(
         [
-            _FirstGroupNew(new.req_id, new.prompt_token_ids, (list(new.block_ids[0]),), new.num_computed_tokens)
+            _LeadGroupNew(new.req_id, new.prompt_token_ids, (list(new.block_ids[lead]),), new.num_computed_tokens)
             for new in step.scheduled_new_reqs
         ],
-        _FirstGroupCached(
+        _LeadGroupCached(
             list(cached.req_ids),
             set(cached.resumed_req_ids),
-            [None if ids is None else (list(ids[0]),) for ids in cached.new_block_ids],
+            [None if ids is None else (list(ids[lead]),) for ids in cached.new_block_ids],
             list(cached.num_computed_tokens),
         ),
         step.num_scheduled_tokens,

@@ -3,7 +3,8 @@
 Each group's layers are KV of their own (recognised apart: a group's layers share a format and shape), in a key
 space named by the group (`KVGroup.tag`). In embedded mode the groups share one cache engine; in server mode
 each group registers its KV in a session of its own, while a scheduler half in another process looks every group
-up through one session (`lookups_from_handshake`).
+up through one session (`lookups_from_handshake`). A Mamba group's backend is a `StateBackend` over its state
+views (`state_groups.state_kv`); its stores end before the next forward pass, as a windowed group's do.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvferry.integrations.vllm.backends import EmbeddedBackend, KeySpace, ServerBackend, make_worker_backend
-from kvferry.integrations.vllm.kv_groups import GroupedLookups, KVGroup
+from kvferry.integrations.vllm.backends import Backend, EmbeddedBackend, KeySpace, ServerBackend, make_worker_backend
+from kvferry.integrations.vllm.kv_groups import GroupedLookups, KVGroup, UnsupportedGroups
 from kvferry.integrations.vllm.kv_layout import EngineKV
 from kvferry.integrations.vllm.server_link import ServerLink
 from kvferry.integrations.vllm.settings import ConnectorSettings
+from kvferry.integrations.vllm.state_groups import StateBackend
 from kvferry.integrations.vllm.worker_side import WorkerSide
 
 
@@ -40,6 +42,11 @@ def start_hybrid_worker(
     made: list[EmbeddedBackend | ServerBackend] = []
     try:
         for kv, group in zip(kvs, groups, strict=True):
+            if group.holds_state and settings.mode == "server":
+                raise UnsupportedGroups(
+                    f"{group.tag}: kvferry keeps Mamba states in embedded mode only (a state object's rows depend "
+                    "on the chunk size, which a server tells only once connected)"
+                )
             engine = made[0].engine if made and isinstance(made[0], EmbeddedBackend) else None
             made.append(
                 make_worker_backend(
@@ -57,19 +64,21 @@ def start_hybrid_worker(
             backend.close()
         raise
     key_spaces = [group_key_space(settings, kv, group, model).fields() for kv, group in zip(kvs, groups, strict=True)]
-    full = [i for i, group in enumerate(groups) if not group.windowed]
+    full = [i for i, group in enumerate(groups) if not group.windowed and not group.holds_state]
     counted = full[0] if full else 0  # counters count the tokens of a group that holds every token
     hook = after_load_hook
+    states = [i for i, group in enumerate(groups) if group.holds_state]
+    backends: list[Backend] = [StateBackend(b) if i in states else b for i, b in enumerate(made)]
     worker = WorkerSide(
-        made,
+        backends,
         block_size=[group.block_size for group in groups],
         after_load=None
         if hook is None
         else lambda ids: hook(kvs[counted].layers, list(kvs[counted].kernel_block_ids(ids))),
         counted_group=counted,
-        windowed_groups=[i for i, group in enumerate(groups) if group.windowed],
+        windowed_groups=[i for i, group in enumerate(groups) if group.windowed or group.holds_state],
     )
-    return HybridWorker(GroupedLookups(made), key_spaces, worker)
+    return HybridWorker(GroupedLookups(backends, states), key_spaces, worker)
 
 
 def group_key_space(settings: ConnectorSettings, kv: EngineKV, group: KVGroup, model: str) -> KeySpace:

@@ -7,22 +7,25 @@ object shape and key space, keyed by the group's index, kind and window (`KVGrou
 never share a key. A prefix hit is the longest chunk-aligned prefix every group holds (`GroupedLookups`); a
 windowed group then loads only what lies in the window at the hit's end (vLLM allocates nothing before it).
 
-Mamba / linear-attention groups (``MambaSpec``) keep one state per request rather than KV per token: they are
-refused (`UnsupportedGroups`), so the connector stays off for such models and vLLM runs without it.
+Mamba / linear-attention groups (``MambaSpec``) keep a state per request rather than KV per token: under vLLM's
+``mamba_cache_mode "align"`` (its prefix caching) kvferry stores the state at each chunk boundary vLLM hands over
+as an object of its own (`state_groups`), and a hit then also needs every such group's state exactly at its end.
+Without "align" vLLM keeps no state at a boundary: such groups are refused (`UnsupportedGroups`), and the
+connector stays off for the model.
 
 Nothing here imports vLLM: groups are read by attribute, so the logic runs in tests without it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvferry.integrations.vllm.backends import Backend, Hit
 from kvferry.integrations.vllm.page_views import UnsupportedKVLayout
 
-Kind = Literal["full", "sliding_window", "chunked_local"]
+Kind = Literal["full", "sliding_window", "chunked_local", "mamba"]
 NULL_BLOCK = 0  # vLLM's null block (block_pool.null_block, the pool's first block): a freed windowed position
 
 
@@ -33,7 +36,8 @@ class UnsupportedGroups(UnsupportedKVLayout):
 @dataclass(frozen=True)
 class KVGroup:
     """One of vLLM's KV cache groups: its layers, block size and kind; ``window`` in tokens for windowed kinds
-    (the sliding window, or the local-attention chunk), with ``retained`` extra trailing tokens vLLM keeps."""
+    (the sliding window, or the local-attention chunk), with ``retained`` extra trailing tokens vLLM keeps;
+    ``page_bytes``: a Mamba group's page per layer and block (its state plus padding)."""
 
     index: int
     kind: Kind
@@ -41,6 +45,7 @@ class KVGroup:
     layer_names: tuple[str, ...]
     window: int = 0
     retained: int = 0
+    page_bytes: int = 0
 
     @property
     def tag(self) -> str:
@@ -49,7 +54,13 @@ class KVGroup:
 
     @property
     def windowed(self) -> bool:
-        return self.kind != "full"
+        """A sliding-window or chunked-local group: vLLM frees its blocks before the window."""
+        return self.kind == "sliding_window" or self.kind == "chunked_local"
+
+    @property
+    def holds_state(self) -> bool:
+        """A Mamba / linear-attention group: a block holds the state after the tokens up to its end."""
+        return self.kind == "mamba"
 
     def skipped_tokens(self, num_computed: int) -> int:
         """Leading tokens whose blocks vLLM frees once ``num_computed`` tokens are computed (0 for full
@@ -77,10 +88,14 @@ def groups_of(kv_cache_config: Any) -> list[KVGroup]:
             groups.append(KVGroup(index, "sliding_window", spec.block_size, names, spec.sliding_window, retained))
         elif kind_name == "ChunkedLocalAttentionSpec":
             groups.append(KVGroup(index, "chunked_local", spec.block_size, names, spec.attention_chunk_size))
+        elif kind_name == "MambaSpec" and getattr(spec, "mamba_cache_mode", "none") == "align":
+            groups.append(KVGroup(index, "mamba", spec.block_size, names, page_bytes=spec.page_size_bytes))
         else:
+            listed = f"{', '.join(names[:2])}{', ...' if len(names) > 2 else ''}"
+            mamba = " with mamba_cache_mode 'align' (turn vLLM's prefix caching on)" if kind_name == "MambaSpec" else ""
             raise UnsupportedGroups(
-                f"vLLM's KV cache group {index} ({', '.join(names[:2])}{', ...' if len(names) > 2 else ''}) is "
-                f"{kind_name}: kvferry moves full, sliding-window and chunked-local attention groups only"
+                f"vLLM's KV cache group {index} ({listed}) is {kind_name}: kvferry moves full, sliding-window and "
+                f"chunked-local attention groups and Mamba groups{mamba}"
             )
     return groups
 
@@ -88,7 +103,7 @@ def groups_of(kv_cache_config: Any) -> list[KVGroup]:
 def hybrid_groups(kv_cache_config: Any) -> list[KVGroup]:
     """The groups when the model needs the hybrid path (several groups, or a windowed one); else none."""
     groups = groups_of(kv_cache_config)
-    return groups if len(groups) > 1 or groups[0].windowed else []
+    return groups if len(groups) > 1 or groups[0].kind != "full" else []
 
 
 def first_unfreed_token(group: KVGroup, block_ids: Sequence[int], start: int, end: int) -> int:
@@ -105,10 +120,16 @@ def first_unfreed_token(group: KVGroup, block_ids: Sequence[int], start: int, en
 class GroupedLookups:
     """The lookups of a hybrid model's groups as one: a hit is the longest prefix every group's backend holds (its
     lock the tuple of the groups' locks). Each group's lookup is of the whole prefix from token 0, so a windowed
-    group whose chunk is missing (evicted, never written) shortens the hit, never lets a load read the wrong one."""
+    group whose chunk is missing (evicted, never written) shortens the hit, never lets a load read the wrong one.
 
-    def __init__(self, backends: Sequence[Backend]) -> None:
+    The backends of ``state_groups`` (Mamba groups: `state_groups.StateBackend`) hold a state per boundary, which a
+    hit needs exactly at its end: the hit is the longest boundary within the attention groups' hit at which every
+    such group holds its state. It also ends before the prompt's last token: vLLM computes at least that one, on
+    top of the state the hit loads."""
+
+    def __init__(self, backends: Sequence[Backend], state_groups: Iterable[int] = ()) -> None:
         self.backends = list(backends)
+        self.state_groups = frozenset(state_groups)
 
     @property
     def chunk_size(self) -> int | None:
@@ -116,22 +137,50 @@ class GroupedLookups:
         return sizes.pop() if len(sizes) == 1 else None
 
     def lookup(self, tokens: list[int]) -> Hit | None:
-        hits: list[Hit] = []
-        for backend in self.backends:
+        if self.state_groups:
+            tokens = tokens[:-1]
+        locks: list[Any] = [None] * len(self.backends)
+        end = len(tokens)
+        for i, backend in enumerate(self.backends):
+            if i in self.state_groups:
+                continue
             hit = backend.lookup(tokens)
             if hit is None:  # a lower tier is still bringing chunks up: ask again later
-                self.free_lock(tuple(h.lock for h in hits))
+                self.free_lock(locks)
                 return None
-            hits.append(hit)
-            if hit.tokens == 0:
+            locks[i] = hit.lock
+            end = min(end, hit.tokens)
+            if end == 0:
                 break  # a miss in one group is a miss for all: the others need not be asked
-        if len(hits) < len(self.backends) or not hits:
-            self.free_lock(tuple(h.lock for h in hits))
-            return Hit(0)
         # Whole chunks only: a group's block-granular tail (a finished request's last partial chunk) is stored by
         # that group alone, and the windowed groups' loads are planned chunk by chunk.
         chunk = self.chunk_size or 1
-        return Hit(min(h.tokens for h in hits) // chunk * chunk, tuple(h.lock for h in hits))
+        reach: int | None = end // chunk * chunk
+        if reach and self.state_groups:
+            reach = self._states_at(tokens, reach, chunk, locks)
+        if not reach:
+            self.free_lock(locks)
+            return None if reach is None else Hit(0)
+        return Hit(reach, tuple(locks))
+
+    def _states_at(self, tokens: list[int], end: int, chunk: int, locks: list[Any]) -> int | None:
+        """The longest boundary up to ``end`` at which every state group holds its state (their locks put in
+        ``locks``); 0: none; None: one is still coming up from a lower tier."""
+        for boundary in range(end, 0, -chunk):
+            found: dict[int, Any] = {}
+            for i in sorted(self.state_groups):
+                hit = self.backends[i].lookup(tokens[:boundary])
+                if hit is None or hit.tokens != boundary:
+                    self.free_lock([found.get(j) for j in range(len(self.backends))])
+                    if hit is None:
+                        return None
+                    break
+                found[i] = hit.lock
+            else:
+                for i, lock in found.items():
+                    locks[i] = lock
+                return boundary
+        return 0
 
     def free_lock(self, lock: Any) -> None:
         if lock is None:

@@ -272,6 +272,18 @@ class SchedulerSide:
             req.stores_planned = True
         return req.stores_planned
 
+    def plan_state_store(self, req_id: str, boundary: int) -> list[int] | None:
+        """The prompt tokens up to ``boundary`` when a state computed there (a Mamba group's) is to be stored: the
+        request runs, is cacheable and ``boundary`` is a chunk boundary within its prompt; else None. vLLM then
+        keeps the request's blocks at its finish until the worker reports its stores done."""
+        req = self._requests.get(req_id)
+        if req is None or not req.running or req.uncacheable or boundary <= 0 or boundary % self.chunk_size:
+            return None
+        if boundary > len(req.prompt):
+            return None
+        req.stores_planned = True
+        return req.prompt[:boundary]
+
     def stores_done(self, req_ids: Iterable[str]) -> None:
         """The worker finished the stores of these (finished) requests: lookups need not wait for them."""
         for req_id in req_ids:

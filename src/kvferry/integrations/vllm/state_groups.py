@@ -1,0 +1,143 @@
+"""Mamba / linear-attention state (vLLM's ``MambaSpec`` groups) as kvferry objects.
+
+Such a group keeps no KV per token: each block of its table holds the layers' recurrent state (conv and ssm or
+temporal state, dtypes of their own) after the tokens up to the block's end. Under vLLM's ``mamba_cache_mode
+"align"`` (what its prefix caching of hybrids turns on) block ``i`` of a request's table holds the state after
+``(i + 1) * block_size`` tokens where it is not vLLM's null block; vLLM hands a connector each state it commits,
+with its exact block and boundary, in the step that computes it (``boundary_state_offloads``), and on a hit of
+``H`` tokens allocates one block for the state, at index ``H // block_size - 1``.
+
+kvferry stores the state at a chunk boundary as one object of its own, a byte copy per layer of the state region
+of the block's page (vLLM's view of a layer is ``[blocks, 1, 1, state bytes]`` of int8, in a page of
+``page_size_padded`` bytes it shares with attention layers' pages). The copy path moves chunks of ``chunk_size``
+token rows, so the state region is read as ``chunk_size`` rows of `row_bytes` bytes (rounded up to whole rows:
+at most a few bytes of the page's padding ride along) in format ``NL_X_NB_NH_BS_CS`` with one block per chunk.
+
+Keys: the object of the state after ``tokens`` is the chunk whose tokens are `state_key_tokens(tokens)`, a digest
+of the whole prefix stretched to one chunk, in the group's key space (its tag names the kind ``mamba``). So
+lookups, locks, eviction, tiers and a server handle a state as any chunk, and a state is found only at exactly
+the boundary it was stored for: a hit needs the state at its end, never one before it (`StateBackend`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import blake3
+import numpy as np
+import torch
+
+from kvferry.cache.keys import token_view
+from kvferry.formats import EngineKVFormat
+from kvferry.integrations.vllm.backends import Backend, Hit
+from kvferry.integrations.vllm.kv_layout import EngineKV
+from kvferry.integrations.vllm.page_views import UnsupportedKVLayout
+
+ROW_ALIGN = 16  # bytes: a row is a whole number of these where the page has room (wide, aligned copies)
+_KEY_CONTEXT = b"kvferry mamba state key v1"
+
+
+def row_bytes(state_bytes: int, page_bytes: int, chunk_size: int) -> int:
+    """Bytes per token row of a state object: ``chunk_size`` rows cover the ``state_bytes`` state region and stay
+    within the layer's ``page_bytes`` page; UnsupportedKVLayout when no row width does."""
+    for align in (ROW_ALIGN, 2):  # the format's rows are an even number of elements
+        width = -(-state_bytes // (chunk_size * align)) * align
+        if chunk_size * width <= page_bytes:
+            return width
+    raise UnsupportedKVLayout(
+        f"a Mamba state of {state_bytes} bytes does not fit {chunk_size} whole rows in its {page_bytes}-byte page: "
+        "use a chunk size that divides the state's bytes"
+    )
+
+
+def state_kv(layers: Sequence[torch.Tensor], names: Sequence[str], page_bytes: int, chunk_size: int) -> EngineKV:
+    """The state views of a Mamba group's layers (vLLM's ``[blocks, 1, 1, state bytes]`` int8 views, in layer
+    order) as KV kvferry moves: per layer ``[blocks, 1, chunk_size, row bytes]`` uint8 over the same pages."""
+    first = layers[0]
+    for name, view in zip(names, layers, strict=True):
+        if view.dim() != 4 or tuple(view.shape[1:3]) != (1, 1) or view.shape != first.shape:
+            raise UnsupportedKVLayout(
+                f"the Mamba state view of {name!r} is {tuple(view.shape)}; expected vLLM's [blocks, 1, 1, bytes] "
+                f"like {tuple(first.shape)} in every layer of the group"
+            )
+        if view.element_size() != 1 or view.stride(3) != 1 or view.stride(0) < page_bytes:
+            raise UnsupportedKVLayout(
+                f"the Mamba state view of {name!r} is {view.dtype} with strides {view.stride()}: not byte pages of "
+                f"{page_bytes} bytes"
+            )
+    state_bytes = int(first.shape[3])
+    width = row_bytes(state_bytes, page_bytes, chunk_size)
+    shape = (int(first.shape[0]), 1, chunk_size, width)
+    rows = [torch.as_strided(v.view(torch.uint8), shape, (v.stride(0), chunk_size * width, width, 1)) for v in layers]
+    return EngineKV(EngineKVFormat.NL_X_NB_NH_BS_CS, rows, rows, list(names), chunk_size, "uint8")
+
+
+def state_key_tokens(tokens: Sequence[int], chunk_size: int) -> list[int]:
+    """The token ids that key the state after ``tokens``: one chunk, a digest of the whole prefix (blake3 read out
+    to ``chunk_size`` 32-bit ids). Two prefixes share it only if they are equal."""
+    digest = blake3.blake3(token_view(tokens), derive_key_context=_KEY_CONTEXT.decode()).digest(4 * chunk_size)
+    return np.frombuffer(digest, dtype="<u4").tolist()
+
+
+class StateBackend:
+    """A Mamba group's backend: the state after a prefix, as one object (see the module's docstring).
+
+    ``lookup(tokens)`` hits only the state after exactly ``tokens`` (``Hit(len(tokens))``); ``store_async`` and
+    ``retrieve_async`` move the state after ``tokens`` out of / into the last of ``block_ids``, the block vLLM
+    handed over (store) or allocated (load) for that boundary, never its null block."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    @property
+    def chunk_size(self) -> int | None:
+        return self.backend.chunk_size
+
+    def lookup(self, tokens: list[int]) -> Hit | None:
+        chunk = self.chunk_size
+        if chunk is None or not tokens or len(tokens) % chunk:
+            return Hit(0)
+        found = self.backend.lookup(state_key_tokens(tokens, chunk))
+        if found is None or found.tokens == chunk:
+            return found if found is None else Hit(len(tokens), found.lock)
+        self.backend.free_lock(found.lock)
+        return Hit(0)
+
+    def free_lock(self, lock: Any) -> None:
+        self.backend.free_lock(lock)
+
+    def store_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
+        """Resolves to ``chunk_size`` once stored, 0 when it was present already (or found no room)."""
+        chunk = self._boundary_chunk(tokens, block_ids)
+        return self.backend.store_async(state_key_tokens(tokens, chunk), block_ids[-1:], 0)
+
+    def retrieve_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
+        """Resolves to ``len(tokens)`` once the state is in place, else to ``skip_prefix_tokens`` (a miss)."""
+        chunk = self._boundary_chunk(tokens, block_ids)
+        loaded = self.backend.retrieve_async(state_key_tokens(tokens, chunk), block_ids[-1:], 0)
+        out: Future[int] = Future()
+
+        def settle(done: Future[int]) -> None:
+            exc = done.exception()
+            if exc is not None:
+                out.set_exception(exc)
+            else:
+                out.set_result(len(tokens) if done.result() == chunk else skip_prefix_tokens)
+
+        loaded.add_done_callback(settle)
+        return out
+
+    def close(self) -> None:
+        self.backend.close()
+
+    def _boundary_chunk(self, tokens: list[int], block_ids: list[int]) -> int:
+        chunk = self.chunk_size
+        if chunk is None:
+            raise RuntimeError("the cache's chunk size is not known yet")
+        if not tokens or len(tokens) % chunk:
+            raise ValueError(f"a Mamba state is kept at chunk boundaries: {len(tokens)} tokens is not one")
+        if not block_ids or block_ids[-1] == 0:
+            raise ValueError("a Mamba state moves in and out of a real block, never vLLM's null block 0")
+        return chunk
