@@ -79,6 +79,39 @@ def test_prefix_semantics_a_diverging_token_in_chunk_k_hits_k_chunks() -> None:
         assert engine.lookup(tokens[: 3 * CHUNK + 1]) == 3 * CHUNK
 
 
+def test_a_lookup_from_a_chunk_on_needs_only_the_chunks_from_there() -> None:
+    fmt = F.NL_X_TWO_NB_BS_NH_HS
+    src = make_paged(fmt, NB)
+    tokens = _tokens(6 * CHUNK)
+    with _engine(paged=src) as engine:
+        engine.store(tokens, src, _blocks(12, 0), fmt)
+        with engine._res.lock:  # chunk 1 goes: a lookup from chunk 0 stops there, one from chunk 2 does not
+            engine._res.detach_locked(engine._res.index.get(engine.chunk_keys(tokens)[1]))
+        assert engine.lookup_status(tokens).hit_tokens == CHUNK
+        found = engine.lookup_status(tokens, lock=True, first_chunk=2)
+        assert found.hit_tokens == 6 * CHUNK and found.lock_id is not None
+        engine.free_lookup_locks(found.lock_id)
+        assert engine.lookup_status(tokens, first_chunk=1).hit_tokens == CHUNK  # its first chunk is missing
+        assert engine.lookup_status(tokens, first_chunk=9).hit_tokens == 6 * CHUNK  # past the prompt: nothing asked
+
+
+def test_demoted_chunks_are_evicted_first_and_a_read_moves_them_back() -> None:
+    fmt = F.NL_X_TWO_NB_BS_NH_HS
+    src = make_paged(fmt, NB)
+    first, second = _tokens(4 * CHUNK, seed=1), _tokens(4 * CHUNK, seed=2)
+    with _engine(objects=8, paged=src, eviction_batch=1, watermark=1.0) as engine:  # room for 8 chunks
+        engine.store(first, src, _blocks(8, 0), fmt)
+        engine.store(second, src, _blocks(8, 1), fmt)  # the least recent now: the first prompt's chunks
+        engine.demote(second, range(2, 4))
+        engine.demote(first, range(0, 0))  # nothing
+        engine.store(_tokens(2 * CHUNK, seed=3), src, _blocks(4, 2), fmt)  # room for 2 more: the demoted go
+        assert engine.lookup(first) == 4 * CHUNK and engine.lookup(second) == 2 * CHUNK
+        engine.demote(first, range(4))
+        engine.retrieve(first[: 2 * CHUNK], make_paged(fmt, NB), _blocks(4, 3), fmt)  # read: back at the end
+        engine.store(_tokens(2 * CHUNK, seed=4), src, _blocks(4, 4), fmt)
+        assert engine.lookup(first) == 2 * CHUNK
+
+
 def test_store_copies_only_missing_chunks() -> None:
     fmt = F.NL_X_TWO_NB_BS_NH_HS
     src, dst = make_paged(fmt, NB, seed=1), make_paged(fmt, NB, seed=2)

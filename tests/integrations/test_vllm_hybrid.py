@@ -20,6 +20,7 @@ from kvferry.integrations.vllm.kv_groups import GroupedLookups, KVGroup, Unsuppo
 from kvferry.integrations.vllm.kv_layout import recognise
 from kvferry.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
 from kvferry.integrations.vllm.scheduler_side import SchedulerSide
+from kvferry.integrations.vllm.window_groups import WindowedBackend
 from kvferry.integrations.vllm.worker_side import WorkerSide
 
 BS, CHUNK, WINDOW, NB = 16, 64, 32, 64
@@ -113,8 +114,9 @@ def hybrid() -> Iterator[tuple[GroupedLookups, WorkerSide, list[list[torch.Tenso
         ns = engine.namespace_for("tiny", kv.fmt, kv.layers, block_size=BS, salt=group.tag)
         made.append(EmbeddedBackend(engine, kv, ns))
         layers.append(kv.layers)
-    worker = WorkerSide(made, block_size=[BS, BS], counted_group=1, windowed_groups=[0])
-    yield GroupedLookups(made), worker, layers
+    backends = [WindowedBackend(made[0], SLIDING), made[1]]
+    worker = WorkerSide(backends, block_size=[BS, BS], counted_group=1, windowed_groups=[0])
+    yield GroupedLookups(backends, [SLIDING, FULL]), worker, layers
     worker.close()
     engine.close()
 
@@ -150,26 +152,56 @@ def test_a_hybrid_hit_loads_each_groups_own_bytes(hybrid) -> None:
             assert torch.equal(layer[untouched], old[untouched])  # nothing before the window is written
 
 
+def _sliding(lookups: GroupedLookups) -> EmbeddedBackend:
+    sliding = lookups.backends[0]
+    assert isinstance(sliding, WindowedBackend) and isinstance(sliding.backend, EmbeddedBackend)
+    return sliding.backend
+
+
 def test_a_windowed_chunk_evicted_or_never_written_is_a_shorter_hit(hybrid) -> None:
     lookups, worker, _ = hybrid
     rng = random.Random(2)
     tokens = [rng.randrange(32_000) for _ in range(4 * CHUNK)]
     _store(worker, tokens, list(range(1, 17)))
-    sliding = lookups.backends[0]
-    assert isinstance(sliding, EmbeddedBackend)
+    sliding = _sliding(lookups)
     engine = sliding.engine
-    with engine._res.lock:  # the windowed group's chunk 2 goes (eviction); the full group keeps all four
-        entry = engine._res.index.get(engine.chunk_keys(tokens, namespace=sliding.namespace)[2])
-        assert entry is not None
-        engine._res.detach_locked(entry)
-    hit = lookups.lookup(tokens)
-    assert hit is not None and hit.tokens == 2 * CHUNK
-    lookups.free_lock(hit.lock)
-    assert engine.stats()["locks"] == 0
+
+    def evict(chunk: int) -> None:  # the windowed group's chunk goes (eviction); the full group keeps all four
+        with engine._res.lock:
+            entry = engine._res.index.get(engine.chunk_keys(tokens, namespace=sliding.namespace)[chunk])
+            assert entry is not None
+            engine._res.detach_locked(entry)
+
+    def hit_of(prompt: list[int]) -> int:
+        hit = lookups.lookup(prompt)
+        assert hit is not None
+        lookups.free_lock(hit.lock)
+        assert engine.stats()["locks"] == 0
+        return hit.tokens
+
+    evict(2)
+    assert hit_of(tokens) == 4 * CHUNK  # a 4-chunk hit loads the 32-token window in chunk 3 only
+    evict(3)
+    assert hit_of(tokens) == 2 * CHUNK  # the window at 3 chunks needs chunk 2, the one at 2 chunks chunk 1
     other = [rng.randrange(32_000) for _ in range(4 * CHUNK)]
     _store(worker, other, list(range(20, 36)), sliding_skip=4 * CHUNK)  # the windowed group wrote nothing
-    assert lookups.lookup(other) == Hit(0)
-    assert engine.stats()["locks"] == 0
+    assert hit_of(other) == 0
+
+
+def test_a_store_demotes_the_windowed_chunks_its_boundary_supersedes(hybrid) -> None:
+    lookups, worker, _ = hybrid
+    tokens = [random.Random(3).randrange(32_000) for _ in range(4 * CHUNK)]
+    _store(worker, tokens[: 2 * CHUNK], list(range(1, 9)))
+    _store(worker, tokens, list(range(1, 17)), sliding_skip=2 * CHUNK)  # the request's next step
+    sliding = _sliding(lookups)
+    res = sliding.engine._res
+    keys = sliding.engine.chunk_keys(tokens, namespace=sliding.namespace)
+    with res.lock:  # first in the eviction order: the windowed chunks before the window at 4 chunks (0, 1, 2)
+        first = res.policy.evict(3, lambda key: True)
+    assert set(first) == set(keys[:3])
+    hit = lookups.lookup(tokens[: 2 * CHUNK])  # demoted, not dropped: a shorter prompt still hits them
+    assert hit is not None and hit.tokens == 2 * CHUNK
+    lookups.free_lock(hit.lock)
 
 
 def test_a_background_load_is_planned_per_group_and_reported_once_every_group_ran() -> None:
@@ -206,3 +238,16 @@ def test_a_hybrid_scheduler_refuses_a_side_that_stores_tails() -> None:
     side = SchedulerSide(lambda tokens: Hit(0), lambda lock: None, block_size=BS, chunk_size=CHUNK)
     with pytest.raises(ValueError, match="whole chunks only"):
         GroupedSchedulerSide(side, [SLIDING, FULL])
+
+
+def test_demoting_superseded_window_chunks_keeps_more_hits_in_a_small_pool() -> None:
+    """`kvferry.bench.hybrid_eviction` on a small traffic: round-robin conversations in a pool of 70% of what they
+    store hit every earlier turn with the demotion, and lose some without it."""
+    from kvferry.bench.hybrid_eviction import OBJECT_BYTES, Traffic, run_traffic
+
+    traffic = Traffic(conversations=8, turns=4, turn_chunks=2, window=64)
+    pool = int(traffic.stored_objects * 0.7) * OBJECT_BYTES
+    plain, asked = run_traffic(traffic, pool, demote=False)
+    demoted, _ = run_traffic(traffic, pool, demote=True)
+    most = sum(2 * (t - 1) * CHUNK for t in range(2, 5)) * traffic.conversations  # all but each turn's new chunks
+    assert demoted == most and plain < most and asked == sum(2 * t * CHUNK for t in range(2, 5)) * 8

@@ -205,6 +205,21 @@ def test_a_state_evicted_or_never_written_is_a_shorter_hit_or_a_miss(hybrid: Hyb
     assert hit_of(other) == 0
 
 
+def test_a_state_is_demoted_once_the_next_boundary_s_state_is_stored(hybrid: HybridWorker) -> None:
+    tokens = [random.Random(6).randrange(32_000) for _ in range(3 * CHUNK + 1)]
+    _store(hybrid, tokens[: 3 * CHUNK], [1, 2, 3], {CHUNK: 5})
+    _store(hybrid, tokens[: 3 * CHUNK], [1, 2, 3], {2 * CHUNK: 6})  # a later step of the request
+    states = hybrid.lookups.backends[0]
+    assert isinstance(states, StateBackend) and isinstance(states.backend, EmbeddedBackend)
+    engine, namespace = states.backend.engine, states.backend.namespace
+    with engine._res.lock:  # first in the eviction order: the state at 1 chunk, superseded by the one at 2
+        first = engine._res.policy.evict(1, lambda key: True)
+    assert first == engine.chunk_keys(state_key_tokens(tokens[:CHUNK], CHUNK), namespace=namespace)
+    hit = hybrid.lookups.lookup(tokens[: CHUNK + 1])  # demoted, not dropped: the shorter prompt still hits it
+    assert hit is not None and hit.tokens == CHUNK
+    hybrid.lookups.free_lock(hit.lock)
+
+
 def _step(new: list[Any] = (), offers: dict[str, list[tuple[int, int, int]]] | None = None, **scheduled: int):
     return SimpleNamespace(
         scheduled_new_reqs=list(new),
@@ -263,7 +278,7 @@ def test_a_hybrid_with_a_state_group_looks_up_the_state_at_the_hit_s_end_only() 
     full = SimpleNamespace(chunk_size=CHUNK, lookup=lambda t: Hit(4 * CHUNK, "f"), free_lock=freed.append)
     from kvferry.integrations.vllm.kv_groups import GroupedLookups
 
-    lookups = GroupedLookups([States(), full], state_groups=[0])
+    lookups = GroupedLookups([States(), full], GROUPS)
     assert lookups.lookup(list(range(4 * CHUNK + 1))) == Hit(3 * CHUNK, ("s192", "f"))
     assert asked == [4 * CHUNK, 3 * CHUNK] and freed == []  # the longest boundary first; a state miss holds nothing
     held.clear()

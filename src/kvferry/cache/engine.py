@@ -157,11 +157,14 @@ class CacheEngine:
         namespace: CacheNamespace | None = None,
         lock: bool = False,
         block_size: int | None = None,
+        first_chunk: int = 0,
     ) -> LookupResult:
         """Like ``lookup``, and reports the tokens in flight from tiers; ``lock=True`` locks the hit chunks
         against eviction until ``retrieve(lock_id=...)`` / ``free_lookup_locks`` / the lock timeout.
-        ``block_size``: see ``lookup_pool``."""
-        found, below = self.lookup_pool(tokens, namespace=namespace, lock=lock, block_size=block_size)
+        ``block_size``, ``first_chunk``: see ``lookup_pool``."""
+        found, below = self.lookup_pool(
+            tokens, namespace=namespace, lock=lock, block_size=block_size, first_chunk=first_chunk
+        )
         return found if below is None else below()
 
     def lookup_pool(
@@ -171,24 +174,30 @@ class CacheEngine:
         namespace: CacheNamespace | None = None,
         lock: bool = False,
         block_size: int | None = None,
+        first_chunk: int = 0,
     ) -> tuple[LookupResult, Callable[[], LookupResult] | None]:
         """``lookup_status`` in two halves: the pool's answer now, without touching a tier, and -- when tiers may
         hold the chunks after the pool's hits -- a function that asks them (it waits for the tiers' I/O, so a
         caller that must stay responsive runs it on another thread) and returns the whole answer. Tails
         (`kvferry.cache.tails`) count in whole ``block_size``-token blocks (None: any stored tail), the pool's
-        only: while a tier holds chunks after the hit, the answer reports them pending."""
+        only: while a tier holds chunks after the hit, the answer reports them pending.
+
+        ``first_chunk``: the caller needs the chunks from this one on only (a sliding-window layer's lookup needs
+        the window before the hit's end); the hit then counts from token 0 as if the chunks before it were held,
+        and is ``first_chunk`` chunks where that chunk is missing."""
         prefix = self._hasher.prefix(tokens, self._ns(namespace))
         index = self._res.index
         removals = index.removals  # read before the index: see CacheIndex
-        run = readable_run(index.get, prefix)  # a few keys and parent links, not every chunk's key
+        first = min(max(first_chunk, 0), prefix.n)
+        run = readable_run(index.get, prefix, first)  # a few keys and parent links, not every chunk's key
         if index.has_tails:  # the longest stored tail after the run (see kvferry.cache.tails)
-            tail = find_tail(index, prefix, len(run), len(tokens), block_size or 1)
+            tail = find_tail(index, prefix, first + len(run), len(tokens), block_size or 1)
             run = run if tail is None else [*run, tail]
         with self._res.lock:
             self._res.expire_locks_locked()
             hits = self._res.still_readable_locked(run, removals)
             lock_id = self._res.lock_entries_locked(hits) if lock and hits else None
-            n_hits = len(hits) - (1 if hits and hits[-1].tail else 0)  # full chunks
+            n_hits = first + len(hits) - (1 if hits and hits[-1].tail else 0)  # full chunks
             hit_tokens = n_hits * self.chunk_size + (hits[-1].tail if hits else 0)
             self.counters.lookups += 1
             self.counters.hit_tokens += hit_tokens
@@ -219,6 +228,13 @@ class CacheEngine:
                 hits = len(self._res.readable_prefix_locked(keys))
             _, waits = self._tiers.fall_through(keys[hits:], keys[hits - 1] if hits else None)
         return when_all(waits, lambda: self._pool_hits(keys))
+
+    def demote(self, tokens: TokenIds, chunks: range, *, namespace: CacheNamespace | None = None) -> None:
+        """Move the objects of chunks ``chunks`` of ``tokens``'s prefix to the front of the eviction order: worth
+        less than the rest (only a lookup of a shorter prefix still needs them), so evicted first, not dropped."""
+        if chunks:
+            prefix = self._hasher.prefix(tokens, self._ns(namespace))
+            self._res.demote([prefix.key(m) for m in chunks if m < prefix.n])
 
     def free_lookup_locks(self, lock_id: int) -> bool:
         """End a lookup lock without retrieving; False if it already ended (retrieved, freed or timed out)."""

@@ -93,6 +93,11 @@ class Lookups(Protocol):
 
 
 class Backend(Lookups, Protocol):
+    def lookup(self, tokens: list[int], first_chunk: int = 0) -> Hit | None:
+        """As `Lookups.lookup`; ``first_chunk``: the caller needs the chunks from this one on only (a backend may
+        still ask for every chunk from token 0)."""
+        ...
+
     def retrieve_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
         """Load the cached prefix of ``tokens``; resolves to how many leading tokens the blocks then hold (the
         skipped prefix included)."""
@@ -100,6 +105,10 @@ class Backend(Lookups, Protocol):
 
     def store_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
         """Store the KV of ``tokens``: full chunks, and the tokens after them (whole blocks) as a tail object."""
+        ...
+
+    def demote(self, tokens: list[int], chunks: range) -> None:
+        """Chunks ``chunks`` of ``tokens``'s prefix go first when the cache evicts (see `CacheEngine.demote`)."""
         ...
 
 
@@ -124,10 +133,14 @@ class EmbeddedBackend:
         self.scheduler_block_size = kv.block_size * kv.split  # a tail hit counts in these blocks
         self._on_gpu = self.geometry.device.type == "cuda"
 
-    def lookup(self, tokens: list[int]) -> Hit | None:
+    def lookup(self, tokens: list[int], first_chunk: int = 0) -> Hit | None:
         try:
             status = self.engine.lookup_status(
-                tokens, namespace=self.namespace, lock=True, block_size=self.scheduler_block_size
+                tokens,
+                namespace=self.namespace,
+                lock=True,
+                block_size=self.scheduler_block_size,
+                first_chunk=first_chunk,
             )
         except Exception:
             log.exception("kvferry: lookup failed (counted as a miss)")
@@ -140,6 +153,9 @@ class EmbeddedBackend:
 
     def free_lock(self, lock: Any) -> None:
         self.engine.free_lookup_locks(lock)
+
+    def demote(self, tokens: list[int], chunks: range) -> None:
+        self.engine.demote(tokens, chunks, namespace=self.namespace)
 
     def retrieve_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
         written = self.engine.retrieve_async(
@@ -197,7 +213,8 @@ class ServerBackend:
     def chunk_size(self) -> int | None:
         return None if self.link.incompatible else self.link.chunk_size
 
-    def lookup(self, tokens: list[int]) -> Hit | None:
+    def lookup(self, tokens: list[int], first_chunk: int = 0) -> Hit | None:
+        """Asks for every chunk from token 0 whatever ``first_chunk`` (the server's lookups have no start)."""
         try:
             generation = self.link.generation
             found = self.link.wait(
@@ -246,6 +263,9 @@ class ServerBackend:
                 _registered(reg), tokens, ids, skip_prefix_tokens=skip_prefix_tokens, tail=True
             )
         )
+
+    def demote(self, tokens: list[int], chunks: range) -> None:
+        """Nothing: the server's protocol has no demotion (its lookups need every chunk from token 0 anyway)."""
 
     def _kernel_block_ids(self, block_ids: list[int]) -> list[int] | Any:
         return block_ids if self._kv is None else self._kv.kernel_block_ids(block_ids)

@@ -19,6 +19,7 @@ from kvferry.integrations.vllm.kv_layout import EngineKV
 from kvferry.integrations.vllm.server_link import ServerLink
 from kvferry.integrations.vllm.settings import ConnectorSettings
 from kvferry.integrations.vllm.state_groups import StateBackend
+from kvferry.integrations.vllm.window_groups import WindowedBackend
 from kvferry.integrations.vllm.worker_side import WorkerSide
 
 
@@ -37,8 +38,11 @@ def start_hybrid_worker(
     model: str,
     name: str,
     after_load_hook: Callable[..., None] | None = None,
+    demote_superseded: bool = True,
 ) -> HybridWorker:
-    """The backends and worker half of a model whose group ``groups[i]`` holds the KV ``kvs[i]``."""
+    """The backends and worker half of a model whose group ``groups[i]`` holds the KV ``kvs[i]``.
+    ``demote_superseded``: chunks and states a newer boundary supersedes go first when the cache evicts
+    (`window_groups`; False: the plain eviction order, for comparison)."""
     made: list[EmbeddedBackend | ServerBackend] = []
     try:
         for kv, group in zip(kvs, groups, strict=True):
@@ -67,8 +71,7 @@ def start_hybrid_worker(
     full = [i for i, group in enumerate(groups) if not group.windowed and not group.holds_state]
     counted = full[0] if full else 0  # counters count the tokens of a group that holds every token
     hook = after_load_hook
-    states = [i for i, group in enumerate(groups) if group.holds_state]
-    backends: list[Backend] = [StateBackend(b) if i in states else b for i, b in enumerate(made)]
+    backends = [_group_backend(backend, group, demote_superseded) for backend, group in zip(made, groups, strict=True)]
     worker = WorkerSide(
         backends,
         block_size=[group.block_size for group in groups],
@@ -78,7 +81,15 @@ def start_hybrid_worker(
         counted_group=counted,
         windowed_groups=[i for i, group in enumerate(groups) if group.windowed or group.holds_state],
     )
-    return HybridWorker(GroupedLookups(backends, states), key_spaces, worker)
+    return HybridWorker(GroupedLookups(backends, groups), key_spaces, worker)
+
+
+def _group_backend(backend: Backend, group: KVGroup, demote_superseded: bool) -> Backend:
+    if group.holds_state:
+        return StateBackend(backend, demote_superseded=demote_superseded)
+    if group.windowed:
+        return WindowedBackend(backend, group, demote_superseded=demote_superseded)
+    return backend
 
 
 def group_key_space(settings: ConnectorSettings, kv: EngineKV, group: KVGroup, model: str) -> KeySpace:

@@ -18,7 +18,7 @@ Nothing here imports vLLM: groups are read by attribute, so the logic runs in te
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -61,6 +61,12 @@ class KVGroup:
     def holds_state(self) -> bool:
         """A Mamba / linear-attention group: a block holds the state after the tokens up to its end."""
         return self.kind == "mamba"
+
+    def first_loaded_chunk(self, end: int, chunk: int) -> int:
+        """The first ``chunk``-token chunk a hit of ``end`` tokens loads for this group (0 for full attention): the
+        one holding the first token whose block vLLM allocates, for a hit vLLM may also take one token short (it
+        computes the prompt's last token)."""
+        return self.skipped_tokens(max(end - 1, 0)) // chunk
 
     def skipped_tokens(self, num_computed: int) -> int:
         """Leading tokens whose blocks vLLM frees once ``num_computed`` tokens are computed (0 for full
@@ -119,17 +125,20 @@ def first_unfreed_token(group: KVGroup, block_ids: Sequence[int], start: int, en
 
 class GroupedLookups:
     """The lookups of a hybrid model's groups as one: a hit is the longest prefix every group's backend holds (its
-    lock the tuple of the groups' locks). Each group's lookup is of the whole prefix from token 0, so a windowed
-    group whose chunk is missing (evicted, never written) shortens the hit, never lets a load read the wrong one.
+    lock the tuple of the groups' locks), whole chunks. A group whose chunk is missing (evicted, never written)
+    shortens the hit, never lets a load read the wrong one.
 
-    The backends of ``state_groups`` (Mamba groups: `state_groups.StateBackend`) hold a state per boundary, which a
-    hit needs exactly at its end: the hit is the longest boundary within the attention groups' hit at which every
-    such group holds its state. It also ends before the prompt's last token: vLLM computes at least that one, on
-    top of the state the hit loads."""
+    With ``groups`` (the groups of ``backends``, in order): a windowed group is asked for the chunks a hit loads
+    for it only, those of the window before the hit's end (`KVGroup.first_loaded_chunk`); a Mamba group
+    (`state_groups.StateBackend`) holds a state per boundary, which a hit needs exactly at its end. The hit is then
+    the longest boundary within the attention groups' hit at which every windowed group holds its window and every
+    Mamba group its state; with a Mamba group it also ends before the prompt's last token (vLLM computes at least
+    that one, on top of the state the hit loads). Without ``groups`` every group is asked from token 0."""
 
-    def __init__(self, backends: Sequence[Backend], state_groups: Iterable[int] = ()) -> None:
+    def __init__(self, backends: Sequence[Backend], groups: Sequence[KVGroup] = ()) -> None:
         self.backends = list(backends)
-        self.state_groups = frozenset(state_groups)
+        self.state_groups = frozenset(group.index for group in groups if group.holds_state)
+        self.windowed = {group.index: group for group in groups if group.windowed}
 
     @property
     def chunk_size(self) -> int | None:
@@ -142,7 +151,7 @@ class GroupedLookups:
         locks: list[Any] = [None] * len(self.backends)
         end = len(tokens)
         for i, backend in enumerate(self.backends):
-            if i in self.state_groups:
+            if i in self.state_groups or i in self.windowed:
                 continue
             hit = backend.lookup(tokens)
             if hit is None:  # a lower tier is still bringing chunks up: ask again later
@@ -156,12 +165,37 @@ class GroupedLookups:
         # that group alone, and the windowed groups' loads are planned chunk by chunk.
         chunk = self.chunk_size or 1
         reach: int | None = end // chunk * chunk
-        if reach and self.state_groups:
-            reach = self._states_at(tokens, reach, chunk, locks)
+        states_at: int | None = 0  # the boundary the state groups were last found to hold their states at
+        while reach:  # each group may shorten it, which moves the windows: until every group holds the same end
+            settled = reach
+            for i, group in self.windowed.items():
+                reach = self._window_reach(i, group, tokens, reach, chunk, locks)
+                if not reach:
+                    break
+            if reach and self.state_groups and reach != states_at:
+                reach = states_at = self._states_at(tokens, reach, chunk, locks)
+            if reach == settled:
+                break
         if not reach:
             self.free_lock(locks)
             return None if reach is None else Hit(0)
         return Hit(reach, tuple(locks))
+
+    def _window_reach(
+        self, i: int, group: KVGroup, tokens: list[int], end: int, chunk: int, locks: list[Any]
+    ) -> int | None:
+        """The longest boundary up to ``end`` at which windowed group ``i`` holds the chunks a hit loads for it
+        (its lock put in ``locks``); 0: none; None: one is still coming up from a lower tier."""
+        while end > 0:
+            hit = self.backends[i].lookup(tokens[:end], group.first_loaded_chunk(end, chunk))
+            if hit is None:
+                return None
+            self._hold(locks, i, hit.lock)
+            reach = hit.tokens // chunk * chunk
+            if reach >= end:
+                return end
+            end = reach
+        return 0
 
     def _states_at(self, tokens: list[int], end: int, chunk: int, locks: list[Any]) -> int | None:
         """The longest boundary up to ``end`` at which every state group holds its state (their locks put in
@@ -178,9 +212,15 @@ class GroupedLookups:
                 found[i] = hit.lock
             else:
                 for i, lock in found.items():
-                    locks[i] = lock
+                    self._hold(locks, i, lock)
                 return boundary
         return 0
+
+    def _hold(self, locks: list[Any], i: int, lock: Any) -> None:
+        """Group ``i``'s lock is now ``lock`` (the one it held before is freed)."""
+        if locks[i] is not None:
+            self.backends[i].free_lock(locks[i])
+        locks[i] = lock
 
     def free_lock(self, lock: Any) -> None:
         if lock is None:

@@ -88,14 +88,15 @@ class StateBackend:
     ``retrieve_async`` move the state after ``tokens`` out of / into the last of ``block_ids``, the block vLLM
     handed over (store) or allocated (load) for that boundary, never its null block."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, *, demote_superseded: bool = True) -> None:
         self.backend = backend
+        self.demote_superseded = demote_superseded
 
     @property
     def chunk_size(self) -> int | None:
         return self.backend.chunk_size
 
-    def lookup(self, tokens: list[int]) -> Hit | None:
+    def lookup(self, tokens: list[int], first_chunk: int = 0) -> Hit | None:
         chunk = self.chunk_size
         if chunk is None or not tokens or len(tokens) % chunk:
             return Hit(0)
@@ -109,9 +110,18 @@ class StateBackend:
         self.backend.free_lock(lock)
 
     def store_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
-        """Resolves to ``chunk_size`` once stored, 0 when it was present already (or found no room)."""
+        """Resolves to ``chunk_size`` once stored, 0 when it was present already (or found no room). The state at
+        the boundary before (the same prefix's) is then superseded: only a lookup ending exactly there needs it,
+        so it goes first when the cache evicts (``demote``), not at once."""
         chunk = self._boundary_chunk(tokens, block_ids)
-        return self.backend.store_async(state_key_tokens(tokens, chunk), block_ids[-1:], 0)
+        stored = self.backend.store_async(state_key_tokens(tokens, chunk), block_ids[-1:], 0)
+        if self.demote_superseded and len(tokens) > chunk:
+            earlier = state_key_tokens(tokens[: len(tokens) - chunk], chunk)
+            stored.add_done_callback(lambda _: self.backend.demote(earlier, range(1)))
+        return stored
+
+    def demote(self, tokens: list[int], chunks: range) -> None:
+        """Nothing: a state is demoted by the store of the next boundary's (`store_async`)."""
 
     def retrieve_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
         """Resolves to ``len(tokens)`` once the state is in place, else to ``skip_prefix_tokens`` (a miss)."""
