@@ -101,9 +101,12 @@ class StateBackend:
         if chunk is None or not tokens or len(tokens) % chunk:
             return Hit(0)
         found = self.backend.lookup(state_key_tokens(tokens, chunk))
-        if found is None or found.tokens == chunk:
-            return found if found is None else Hit(len(tokens), found.lock)
-        self.backend.free_lock(found.lock)
+        if found is None:  # coming up from a lower tier
+            return None
+        if found.tokens == chunk:
+            return Hit(len(tokens), found.lock)
+        if found.lock is not None:
+            self.backend.free_lock(found.lock)
         return Hit(0)
 
     def free_lock(self, lock: Any) -> None:
