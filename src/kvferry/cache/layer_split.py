@@ -55,9 +55,14 @@ class LayerSplitKV:
             sub = paged if len(self.split.parts) == 1 else select_layers(self.fmt, paged, part.layers)
             geometry = describe(self.fmt, sub, block_size)
             namespace = cache.namespace_for(
-                model, self.fmt, sub, salt=self.split.salt(salt), block_size=block_size, geometry=geometry,
+                model,
+                self.fmt,
+                sub,
+                salt=self.split.salt(salt),
+                block_size=block_size,
+                geometry=geometry,
                 codec=part.codec,
-            )  # fmt: skip
+            )
             parts.append(KVPart(part, sub, geometry, namespace))
         self.parts = tuple(parts)
 

@@ -105,10 +105,13 @@ def first_unfreed_token(group: KVGroup, block_ids: Sequence[int], start: int, en
 class GroupedLookups:
     """The lookups of a hybrid model's groups as one: a hit is the longest prefix every group's backend holds (its
     lock the tuple of the groups' locks). Each group's lookup is of the whole prefix from token 0, so a windowed
-    group whose chunk is missing (evicted, never written) shortens the hit, never lets a load read the wrong one."""
+    group whose chunk is missing (evicted, never written) shortens the hit, never lets a load read the wrong one.
+    ``whole_chunks=False``: a hit may end in a tail, for backends over one block table (a model's layer parts,
+    `layer_parts`), whose every store writes the same tail to each."""
 
-    def __init__(self, backends: Sequence[Backend]) -> None:
+    def __init__(self, backends: Sequence[Backend], *, whole_chunks: bool = True) -> None:
         self.backends = list(backends)
+        self.whole_chunks = whole_chunks
 
     @property
     def chunk_size(self) -> int | None:
@@ -130,7 +133,7 @@ class GroupedLookups:
             return Hit(0)
         # Whole chunks only: a group's block-granular tail (a finished request's last partial chunk) is stored by
         # that group alone, and the windowed groups' loads are planned chunk by chunk.
-        chunk = self.chunk_size or 1
+        chunk = (self.chunk_size or 1) if self.whole_chunks else 1
         return Hit(min(h.tokens for h in hits) // chunk * chunk, tuple(h.lock for h in hits))
 
     def free_lock(self, lock: Any) -> None:
