@@ -29,7 +29,8 @@ SRC, DST = [3, 9, 1, 14, 7, 12, 11, 5, 0], [2, 0, 8, 13, 10, 4, 15, 6, 1]
 
 def _kv(seed: int, dtype: torch.dtype = torch.bfloat16) -> EngineKV:
     buf = torch.randn(NL, NB, 2, BS, 128, generator=torch.Generator().manual_seed(seed)).to(dtype)
-    return recognise({f"model.layers.{i}.attn": buf[i] for i in range(NL)}, isa="vec", kv_cache_dtype="auto")
+    cache_dtype = "fp8" if dtype == torch.uint8 else "auto"  # vLLM's fp8 caches are uint8 tensors
+    return recognise({f"model.layers.{i}.attn": buf[i] for i in range(NL)}, isa="vec", kv_cache_dtype=cache_dtype)
 
 
 def _embedded(**settings: Any) -> ConnectorSettings:
@@ -122,7 +123,9 @@ def test_server_mode_exact_layers_and_a_scheduler_in_another_process(server: Kvf
             link.close()
 
 
-@pytest.mark.parametrize(("dtype", "why"), [(torch.float32, "bf16 and fp16"), (torch.float16, None)])
+@pytest.mark.parametrize(
+    ("dtype", "why"), [(torch.float32, "bf16 and fp16"), (torch.uint8, "fp8 already"), (torch.float16, None)]
+)
 @pytest.mark.parametrize("mode", ["embedded", "server"])
 def test_a_codec_the_kv_cannot_take_refuses_to_start(dtype: torch.dtype, why: str | None, mode: str) -> None:
     settings = (
