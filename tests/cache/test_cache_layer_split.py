@@ -19,28 +19,35 @@ DIMS = ModelDims(nl=5, nh=2, hs=64)
 BOUND = 2**-4 + 2**-8  # of a group's largest magnitude (docs/codec.md)
 
 
-def _paged(fmt: F, seed: int) -> object:
-    return make_paged(fmt, DIMS, NB, BS, torch.bfloat16, generator=torch.Generator().manual_seed(seed))
+def _paged(fmt: F, seed: int, device: str = "cpu") -> object:
+    paged = make_paged(fmt, DIMS, NB, BS, torch.bfloat16, generator=torch.Generator().manual_seed(seed))
+    return paged.to(device) if isinstance(paged, torch.Tensor) else [t.to(device) for t in paged]
 
 
-def _cache(**cache: object) -> CacheEngine:
+def _cache(device: str = "cpu", **cache: object) -> CacheEngine:
     config = KvferryConfig.load(env={}, overrides={"cache": {"chunk_size": CHUNK, **cache}})
-    return CacheEngine(config, pool=HostPool(8 << 20, pin=False))
+    return CacheEngine(config, pool=HostPool(8 << 20, pin=device == "cuda"))  # a GPU engine's objects: pinned
 
 
 def _rows(fmt: F, paged: object, layer: int, ids: list[int]) -> torch.Tensor:
     """Layer ``layer``'s KV in blocks ``ids``: a row of head vectors (groups of HS values) per block."""
     if fmt == F.NB_NL_TWO_BS_NH_HS:
-        return paged[ids, layer].reshape(len(ids), -1)  # type: ignore[index]
-    return paged[layer][:, ids].transpose(0, 1).reshape(len(ids), -1)  # type: ignore[index]
+        return paged[ids, layer].reshape(len(ids), -1).cpu()  # type: ignore[index]
+    return paged[layer][:, ids].transpose(0, 1).reshape(len(ids), -1).cpu()  # type: ignore[index]
 
 
+ON_GPU = pytest.param(
+    "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", ON_GPU])  # the torch backend; the Triton kernels
 @pytest.mark.parametrize("fmt", [F.NL_X_TWO_NB_BS_NH_HS, F.NB_NL_TWO_BS_NH_HS])  # a layer list; layers in a tensor
-def test_exact_layers_round_trip_bit_exact_and_the_others_within_the_bound(fmt: F) -> None:
-    src, dst = _paged(fmt, 1), _paged(fmt, 2)
+def test_exact_layers_round_trip_bit_exact_and_the_others_within_the_bound(fmt: F, device: str) -> None:
+    src, dst = _paged(fmt, 1, device), _paged(fmt, 2, device)
     tokens = np.random.default_rng(0).integers(0, 32_000, size=3 * CHUNK + 5).tolist()
     src_ids, dst_ids = [3, 9, 1, 14, 7, 20], [2, 17, 8, 23, 12, 4]
-    with _cache(codec="fp8", exact_layers=[0, -1]) as cache:
+    with _cache(device, codec="fp8", exact_layers=[0, -1]) as cache:
         kv = LayerSplitKV(cache, "m", fmt, src)
         assert [(p.part.layers, p.namespace.codec) for p in kv.parts] == [((0, 4), "none"), ((1, 2, 3), "fp8")]
         assert kv.store(tokens, src_ids) == 3 * CHUNK
