@@ -76,6 +76,23 @@ class CacheConfig(BaseModel):
         description="chunk objects' codec: none keeps the engine's bytes; fp8 stores e4m3 values with a scale per "
         "token and head (half the bytes of bf16/fp16 in the pool, over PCIe and in tiers; docs/codec.md)",
     )
+    exact_layers: list[int] = Field(
+        default_factory=list,
+        description="with a codec: positions of attention layers (negative from the last, e.g. [0, -1]) whose "
+        "objects keep the engine's exact bytes, as vLLM's --kv-cache-dtype-skip-layers (docs/codec.md)",
+    )
+
+    @field_validator("exact_layers", mode="before")
+    @classmethod
+    def _layer_list(cls, value: Any) -> Any:
+        """KVFERRY_CACHE__EXACT_LAYERS as `0,-1` or `[0, -1]`."""
+        if isinstance(value, str):
+            text = value.strip().removeprefix("[").removesuffix("]")
+            try:
+                return [int(part) for part in text.split(",") if part.strip()]
+            except ValueError:
+                raise ValueError(f"exact_layers={value!r} is not a list of layer positions such as 0,-1") from None
+        return value
 
     @property
     def l1_size_bytes(self) -> int:

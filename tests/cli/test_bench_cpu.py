@@ -1,4 +1,5 @@
-"""`kvferry bench cache | pool | tiers | server` end to end in tiny configurations, and their option checks."""
+"""`kvferry bench cache | pool | tiers | server | codec-accuracy` end to end in tiny configurations, and their option
+checks."""
 
 from __future__ import annotations
 
@@ -129,3 +130,17 @@ def test_bad_options_exit_2_naming_them(args: list[str], named: str, capsys: pyt
     assert main(["bench", *args]) == 2
     err = capsys.readouterr().err
     assert f"kvferry bench {args[0]}: error:" in err and named in err
+
+
+def test_codec_accuracy(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    doc, progress = run_bench(monkeypatch, tmp_path, "codec-accuracy")
+    token, chunk = doc["results"]["rows"]
+    assert progress.done == [token["scales"], chunk["scales"]] and token["scales"].startswith("per token and head")
+    for what in ("k", "v", "attention"):  # finer scales: smaller errors, each a few percent at most
+        assert 0 < token[what] < chunk[what] < 0.1
+    assert "attention output" in capsys.readouterr().out
+
+
+def test_codec_greedy_refuses_layers_the_model_lacks(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "codec-greedy", "--layers", "2", "--exact-layers", "0,2"]) == 2
+    assert "--exact-layers [2] are not layers of a 2-layer model" in capsys.readouterr().err

@@ -1,5 +1,5 @@
-"""`kvferry bench gpu-transfer`, `cache-gpu` and `vllm-gpu --steps`: a clear refusal without CUDA; on a GPU, end to
-end in small configurations."""
+"""`kvferry bench gpu-transfer`, `cache-gpu`, `codec` and `vllm-gpu --steps`: a clear refusal without CUDA; on a GPU,
+end to end in small configurations."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from tests.cli.benchkit import run_bench
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no CUDA device")
-@pytest.mark.parametrize("args", [["gpu-transfer"], ["cache-gpu"], ["server", "--device", "cuda"]])
+@pytest.mark.parametrize("args", [["gpu-transfer"], ["cache-gpu"], ["codec"], ["server", "--device", "cuda"]])
 def test_without_cuda_exit_2_saying_so(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", *args]) == 2
     err = capsys.readouterr().err
@@ -145,3 +145,19 @@ def test_gpu_transfer_control_flow_with_the_gpu_faked(
     assert doc["machine"]["device"] == "no GPU (faked)"
     out = capsys.readouterr().out
     assert "serial gather+DMA (1 slot)" in out and "GEMM TFLOP/s" in out and "GPU waited us" in out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_codec(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    args = ("--chunks", "1", "--repeats", "2", "--gemm-seconds", "0.2")
+    doc, progress = run_bench(monkeypatch, tmp_path, "codec", *args)
+    assert progress.done == ["llama3-8b: 1 chunks", "deepseek-v3-mla: 1 chunks", *(f"GEMM beside {c} transfers"
+                             for c in ("fp8", "bf16"))]  # fmt: skip
+    rows = doc["results"]["rows"]
+    assert [(r["model"], r["codec"], r["direction"]) for r in rows] == [
+        (m, c, d) for m in ("llama3-8b", "deepseek-v3-mla") for c in ("bf16", "fp8") for d in ("D2H", "H2D")
+    ]
+    assert all(r["us"] > 0 and r["link"] > 0 for r in rows)
+    assert [r["objects_vs_torch"] for r in rows if r["objects_vs_torch"] is not None] == ["equal", "equal"]
+    assert all(0 < g["gemm_kept"] < 1.5 for g in doc["results"]["gemm"])

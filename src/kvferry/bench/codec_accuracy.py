@@ -1,4 +1,4 @@
-"""`python -m kvferry.bench.codec_accuracy`: the fp8 codec's error on KV with realistic outliers, per scale granularity.
+"""`kvferry bench codec-accuracy`: the fp8 codec's error on KV with realistic outliers, per scale granularity.
 
 KV of one llama3-8b-shaped layer chunk (8 KV heads x 128, 256 tokens): Student-t values (3 degrees of freedom: heavy
 tails) times per-channel magnitudes, with a few channels 20x larger (as real K caches have). Relative error
@@ -8,11 +8,32 @@ them against the same attention on the bf16 KV; per token and head (the codec's 
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
+from kvferry.bench.harness import Outcome, Steps, add_json_argument, description_of
+from kvferry.bench.report import new_table
 from kvferry.formats.codec import FP8_MAX
 
 HEADS, HS, TOKENS, QUERY_HEADS = 8, 128, 256, 32
+GRANULARITIES = {"per token and head (the codec)": (2,), "per head and chunk": (0, 2)}  # the dims one scale spans
+
+DESCRIPTION = description_of(__doc__)
+EXAMPLES = """\
+examples:
+  kvferry bench codec-accuracy
+  kvferry bench codec-accuracy --seed 1 --json bench-out/codec_accuracy.json
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--seed", type=int, default=0, help="of the random KV and queries (default: 0)")
+    add_json_argument(parser)
+
+
+def check(args: argparse.Namespace) -> None:
+    return  # any seed runs, on any machine
 
 
 def outlier_kv(gen: torch.Generator) -> torch.Tensor:
@@ -41,18 +62,24 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def main() -> None:
-    gen = torch.Generator().manual_seed(0)
-    torch.manual_seed(0)
+def run(args: argparse.Namespace, steps: Steps) -> Outcome:
+    steps.expect(len(GRANULARITIES))
+    gen = torch.Generator().manual_seed(args.seed)
+    torch.manual_seed(args.seed)  # StudentT samples from torch's default generator
     k, v = outlier_kv(gen), outlier_kv(gen)
     q = torch.randn(TOKENS, QUERY_HEADS, HS, generator=gen) * (k.float().std() ** -0.5)
     exact = attention(q, k, v)
-    for name, dims in (("per token and head (the codec)", (2,)), ("per head and chunk", (0, 2))):
+    rows = []
+    for name, dims in GRANULARITIES.items():
         k8, v8 = fp8_round_trip(k, dims), fp8_round_trip(v, dims)
-        print(
-            f"{name}: K {rel(k8, k):.4f}  V {rel(v8, v):.4f}  attention output {rel(attention(q, k8, v8), exact):.4f}"
-        )
-
-
-if __name__ == "__main__":
-    main()
+        rows.append({"scales": name, "k": rel(k8, k), "v": rel(v8, v), "attention": rel(attention(q, k8, v8), exact)})
+        steps.done(name)
+    table = new_table(
+        f"relative error of fp8 KV against bf16 ({HEADS} KV heads x {HS}, {TOKENS} tokens, Student-t with outlier "
+        "channels)",
+        ("scale granularity", "K", "V", "attention output"),
+    )
+    for r in rows:
+        table.add_row(str(r["scales"]), f"{r['k']:.4f}", f"{r['v']:.4f}", f"{r['attention']:.4f}")
+    config = {"seed": args.seed, "kv_heads": HEADS, "head_size": HS, "tokens": TOKENS, "query_heads": QUERY_HEADS}
+    return Outcome(config, {"rows": rows}, [table])

@@ -1,11 +1,12 @@
-"""`python -m kvferry.bench.codec_bench`: the fp8 object codec on a GPU against the bf16 path and the link.
+"""`kvferry bench codec`: the fp8 object codec on a GPU against the bf16 path and the link.
 
-Per model and request size (16 chunks, 1 chunk): the wall time of a store and of a retrieve (call to completion,
+Per model and request size (--chunks, default 16 and 1): the wall time of a store and of a retrieve (call to completion,
 median) with the fp8 codec and without it, and of a pinned memcpy of the bf16 bytes and of the bytes the codec
 moves. `vs bf16 memcpy` counts the bf16 bytes the engine holds (what the issue's 1.8x is about); `link` counts the
 bytes moved. Every codec request is first checked byte for byte against the torch backend on the GPU. Then a bf16
 8192^3 GEMM beside a loop of 16-chunk stores and retrieves (fp8, then bf16), against the mean of the GEMM alone
-before and after. `--sweep` first tries the codec kernel's tile sizes and warps and keeps the fastest.
+before and after (--no-gemm: none). --sweep first tries the codec kernel's tile sizes and warps and keeps the
+fastest.
 """
 
 from __future__ import annotations
@@ -14,9 +15,21 @@ import argparse
 import statistics
 
 import torch
+from rich.console import RenderableType
 
 from kvferry import Direction
 from kvferry.bench.gpu_gemm import gemm_tflops
+from kvferry.bench.harness import (
+    BenchError,
+    Outcome,
+    Steps,
+    add_json_argument,
+    description_of,
+    int_list,
+    positive,
+    require_cuda,
+)
+from kvferry.bench.report import cell, new_table
 from kvferry.bench.timing import PinnedCopy, median_us
 from kvferry.formats import EngineKVFormat, KVGeometry, describe, with_codec
 from kvferry.formats.synthetic import MODELS, make_paged
@@ -26,6 +39,41 @@ from kvferry.transfer.gpu_engine import TransferEngine
 
 F = EngineKVFormat
 SHAPES = {"llama3-8b": (F.NL_X_TWO_NB_BS_NH_HS, 16), "deepseek-v3-mla": (F.NL_X_NB_BS_HS, 64)}
+SWEEP = ((4096, 4), (8192, 8), (16384, 8))  # codec tile values, warps
+
+DESCRIPTION = description_of(__doc__)
+EXAMPLES = """\
+examples:
+  kvferry bench codec                                     # on a machine with CUDA
+  kvferry bench codec --sweep --json bench-out/codec.json
+  kvferry bench codec --chunks 1 --models llama3-8b --no-gemm
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--repeats", type=int, default=20, help="timed calls per case; medians (default: 20)")
+    parser.add_argument(
+        "--chunks", type=int_list, default=[16, 1], help="request sizes in 256-token chunks (default: 16,1)"
+    )
+    parser.add_argument(
+        "--models", default=",".join(SHAPES), help=f"models, comma-separated, of: {', '.join(SHAPES)} (default: both)"
+    )
+    parser.add_argument("--gemm-seconds", type=float, default=1.0, help="per GEMM measurement (default: 1.0)")
+    parser.add_argument("--no-gemm", action="store_true", help="skip the GEMM beside the transfers")
+    parser.add_argument("--sweep", action="store_true", help="first try codec tile sizes and warps, keep the best")
+    add_json_argument(parser)
+
+
+def check(args: argparse.Namespace) -> None:
+    positive(args, "repeats")
+    unknown = sorted(set(args.models.split(",")) - set(SHAPES))
+    if unknown:
+        raise BenchError(f"--models: unknown {', '.join(unknown)}; known: {', '.join(SHAPES)}")
+    if not args.chunks or min(args.chunks) < 1:
+        raise BenchError(f"--chunks must be whole numbers of at least 1, got {args.chunks}")
+    if args.gemm_seconds <= 0:
+        raise BenchError(f"--gemm-seconds must be above 0, got {args.gemm_seconds}")
+    require_cuda("this benchmark")
 
 
 def _setup(model: str, chunks: int) -> tuple:
@@ -75,10 +123,7 @@ def transfer_rows(model: str, chunks: int, repeats: int) -> list[dict[str, objec
 
             for _ in range(3):
                 call()
-            if name == "fp8" and d is Direction.D2H:
-                print(
-                    model, chunks, "fp8 objects vs the torch backend on the GPU:", _check(fmt, paged, geom, objs, ids)
-                )
+            checked = _check(fmt, paged, geom, objs, ids) if name == "fp8" and d is Direction.D2H else None
             us = median_us(call, repeats)
             to_host = d is Direction.D2H
             moved = copy_fp8 if name == "fp8" else copy_bf16
@@ -95,6 +140,7 @@ def transfer_rows(model: str, chunks: int, repeats: int) -> list[dict[str, objec
                     "vs_bf16_memcpy": round(memcpy_bf16 / us, 3),
                     "link": round(memcpy_moved / us, 3),
                     "mib_moved": round(nbytes / 2**20, 1),
+                    "objects_vs_torch": checked,  # a store's fp8 objects against the torch backend's
                 }
             )
     forget_plans(coded)  # a later request of new tensors at these addresses compiles anew (`sweep`)
@@ -119,20 +165,23 @@ def kernel_gbps(model: str, repeats: int) -> dict[str, float]:
     return out
 
 
-def sweep(repeats: int) -> tuple[int, int]:
-    """Codec tile sizes and warps: kernel alone and 16 llama3-8b chunks through the pipeline; returns the best."""
-    best, best_us = (triton_tiling.CODEC_TILE_VALUES, triton_tiling.CODEC_WARPS), float("inf")
-    for values, warps in ((4096, 4), (8192, 8), (16384, 8)):
+def sweep(repeats: int, steps: Steps) -> list[dict[str, object]]:
+    """Codec tile sizes and warps: kernel alone and 16 llama3-8b chunks through the pipeline; keeps the fastest
+    (for the rest of the run) and returns each one's figures."""
+    tried, best_us = [], float("inf")
+    best = (triton_tiling.CODEC_TILE_VALUES, triton_tiling.CODEC_WARPS)
+    for values, warps in SWEEP:
         triton_tiling.CODEC_TILE_VALUES, triton_tiling.CODEC_WARPS = values, warps
         rows = [r for r in transfer_rows("llama3-8b", 16, repeats) if r["codec"] == "fp8"]
-        kernel = {m: kernel_gbps(m, repeats) for m in SHAPES}
         total = sum(float(str(r["us"])) for r in rows)
-        print({"tile_values": values, "warps": warps, "kernel_gbps": kernel,
-               "llama16": [(r["direction"], r["vs_bf16_memcpy"], r["link"]) for r in rows]}, flush=True)  # fmt: skip
+        kernel = {m: kernel_gbps(m, repeats) for m in SHAPES}
+        pipeline = {str(r["direction"]): (r["vs_bf16_memcpy"], r["link"]) for r in rows}
+        tried.append({"tile_values": values, "warps": warps, "kernel_gbps": kernel, "llama3-8b_16": pipeline})
         if total < best_us:
             best, best_us = (values, warps), total
+        steps.done(f"sweep: {values} values, {warps} warps")
     triton_tiling.CODEC_TILE_VALUES, triton_tiling.CODEC_WARPS = best
-    return best
+    return tried
 
 
 def gemm_row(codec: str, seconds: float) -> dict[str, object]:
@@ -156,21 +205,43 @@ def gemm_row(codec: str, seconds: float) -> dict[str, object]:
             "gemm_kept": round(beside / alone, 4), "gbps_moved": round(gbps, 1)}  # fmt: skip
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--gemm-seconds", type=float, default=1.0)
-    parser.add_argument("--sweep", action="store_true", help="first try codec tile sizes and warps, keep the best")
-    args = parser.parse_args()
-    if args.sweep:
-        print("best codec tile values, warps:", sweep(args.repeats), flush=True)
-    for model in SHAPES:
-        for chunks in (16, 1):
-            for row in transfer_rows(model, chunks, args.repeats):
-                print(row, flush=True)
-    for codec in ("fp8", "bf16"):
-        print(gemm_row(codec, args.gemm_seconds), flush=True)
+def run(args: argparse.Namespace, steps: Steps) -> Outcome:
+    models = args.models.split(",")
+    gemms = () if args.no_gemm else ("fp8", "bf16")
+    steps.expect((len(SWEEP) if args.sweep else 0) + len(models) * len(args.chunks) + len(gemms))
+    tried = sweep(args.repeats, steps) if args.sweep else []
+    rows = []
+    for model in models:
+        for chunks in args.chunks:
+            rows += transfer_rows(model, chunks, args.repeats)
+            steps.done(f"{model}: {chunks} chunks")
+    gemm = []
+    for codec in gemms:
+        gemm.append(gemm_row(codec, args.gemm_seconds))
+        steps.done(f"GEMM beside {codec} transfers")
+    tiling = {"tile_values": triton_tiling.CODEC_TILE_VALUES, "warps": triton_tiling.CODEC_WARPS}
+    config = {"models": models, "chunks": args.chunks, "repeats": args.repeats, "codec_tiling": tiling}
+    results = {"rows": rows, "gemm": gemm, "sweep": tried}
+    return Outcome(config, results, _show(rows, gemm, tried, tiling), device="cuda")
 
 
-if __name__ == "__main__":
-    main()
+def _show(rows: list[dict], gemm: list[dict], tried: list[dict], tiling: dict) -> list[RenderableType]:
+    table = new_table(
+        f"fp8 objects against bf16 and a same-run pinned memcpy (medians; codec tiles of {tiling['tile_values']} "
+        f"values, {tiling['warps']} warps)",
+        ("model", "chunks", "objects", "op", "MiB moved", "us", "x bf16 memcpy", "x link"),
+        names=4,
+    )
+    for r in rows:
+        op = "store" if r["direction"] == "D2H" else "retrieve"
+        table.add_row(str(r["model"]), str(r["chunks"]), str(r["codec"]), op, cell(r["mib_moved"]), cell(r["us"]),
+                      cell(r["vs_bf16_memcpy"], ".2f"), cell(r["link"], ".2f"))  # fmt: skip
+    show: list[RenderableType] = [*(f"sweep: {t}" for t in tried), table]
+    show += [f"{r['model']}, {r['chunks']} chunks: fp8 objects vs the torch backend on the GPU: {r['objects_vs_torch']}"
+             for r in rows if r["objects_vs_torch"] is not None]  # fmt: skip
+    if gemm:
+        beside = new_table("a bf16 8192^3 GEMM beside 16-chunk stores and retrieves", ("objects", "GEMM kept", "GB/s"))
+        for g in gemm:
+            beside.add_row(str(g["codec"]), cell(g["gemm_kept"], ".3f"), cell(g["gbps_moved"]))
+        show.append(beside)
+    return show

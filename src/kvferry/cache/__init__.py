@@ -2,6 +2,7 @@
 
 from kvferry.cache.engine import CacheEngine, LookupResult
 from kvferry.cache.keys import CacheNamespace, ChunkHasher, token_bytes
+from kvferry.cache.layer_split import LayerSplitKV
 from kvferry.cache.policies import POLICIES, EvictionPolicy, make_policy
 
 __all__ = [
@@ -10,6 +11,7 @@ __all__ = [
     "CacheNamespace",
     "ChunkHasher",
     "EvictionPolicy",
+    "LayerSplitKV",
     "LookupResult",
     "make_policy",
     "token_bytes",

@@ -34,10 +34,13 @@ BENCHMARKS = (
     Benchmark("gpu-transfer", "gpu_transfer_bench", "the GPU data path section by section", "GPU"),
     Benchmark("cache-gpu", "cache_gpu_bench", "one chunk through CacheEngine on a GPU engine", "GPU"),
     Benchmark("vllm-gpu", "vllm_gpu_bench", "the vLLM connector on a GPU, in the views vLLM builds", "GPU"),
+    Benchmark("codec", "codec_bench", "fp8 objects' store and retrieve against bf16 and the link", "GPU"),
+    Benchmark("codec-accuracy", "codec_accuracy", "fp8 objects' error on heavy-tailed KV, per scale layout", "CPU"),
     Benchmark("vllm-ttft", "vllm_ttft_bench", "vLLM time to first token with and without a kvferry hit", "CPU, vLLM"),
     Benchmark("vllm-async-load", "vllm_async_load_bench", "vLLM step time while a prefix loads", "CPU, vLLM"),
     Benchmark("vllm-batch", "vllm_batch_bench", "what stores cost a busy vLLM, nothing to hit", "CPU, vLLM"),
     Benchmark("vllm-chat", "vllm_chat_bench", "multi-turn conversations' TTFT with and without kvferry", "CPU, vLLM"),
+    Benchmark("codec-greedy", "codec_greedy", "greedy tokens with fp8 prefixes loaded against computed", "CPU, vLLM"),
 )
 
 BENCH_EXAMPLES = """\

@@ -25,7 +25,7 @@ _ROUNDING = {
     torch.float16: dict(DROP=13, MIN_NORMAL=2.0**-14, SUB_STEP=2.0**-24),
 }
 # The codec kernel's tile on a GPU, in values ([tokens x one group]: 32 x 128 for llama), and its warps per program:
-# what the H200 figures in docs/codec.md ran with. `kvferry.bench.codec_bench --sweep` tries larger ones.
+# what the H200 figures in docs/codec.md ran with. `kvferry bench codec --sweep` tries larger ones.
 CODEC_TILE_VALUES = 4096
 CODEC_WARPS = 4
 # Arguments that differ between requests (or engine caches) are never specialised: one compiled kernel is then
@@ -74,7 +74,7 @@ def stripe_tiling(plan: TritonPlan, s: _StripeArgs, max_words: int, n_rows: int 
 
 
 def launch_warps(plan: TritonPlan) -> int:
-    """Warps per program (read at compile time: `kvferry.bench.codec_bench --sweep` varies the codec's)."""
+    """Warps per program (read at compile time: `kvferry bench codec --sweep` varies the codec's)."""
     return CODEC_WARPS if plan.codec is not None else 4
 
 

@@ -24,7 +24,7 @@ import torch
 from kvferry.cache import CacheEngine, CacheNamespace
 from kvferry.cache.request import dtype_name, layout_name
 from kvferry.config import TransferConfig
-from kvferry.formats import EngineKVFormat, describe
+from kvferry.formats import EngineKVFormat, describe, with_codec
 from kvferry.integrations.vllm.kv_layout import EngineKV
 from kvferry.integrations.vllm.server_link import ServerDown, ServerLink
 from kvferry.integrations.vllm.settings import ConnectorSettings
@@ -45,20 +45,22 @@ class KeySpace:
     kv_size: int
     num_layers: int
     width: int
+    codec: str | None = None  # the objects' codec; None: the server's `cache.codec`
 
     @classmethod
-    def of(cls, kv: EngineKV, *, model: str, salt: str) -> KeySpace:
+    def of(cls, kv: EngineKV, *, model: str, salt: str, codec: str | None = None) -> KeySpace:
         geometry = describe(kv.fmt, kv.paged, kv.block_size, heads=kv.heads)
         kv_size, num_layers, _, width = geometry.object_shape(1)  # every head's width, on any rank
         dtype = dtype_name(geometry.dtype)
         if kv.kv_dtype != dtype:  # fp8 caches of either encoding are uint8 tensors: the encoding splits the keys
             salt = f"{salt}|kv_cache_dtype={kv.kv_dtype}"
-        return cls(model, salt, kv.fmt.name, dtype, kv_size, num_layers, width)
+        return cls(model, salt, kv.fmt.name, dtype, kv_size, num_layers, width, codec)
 
     def namespace(self, chunk_size: int) -> CacheNamespace:
+        """The key space (codec ``none`` where the server's applies: see `ServerBackend`, which leaves it out)."""
         shape = (self.kv_size, self.num_layers, chunk_size, self.width)
         layout = layout_name(EngineKVFormat[self.fmt], shape)
-        return CacheNamespace(self.model, self.kv_dtype, layout, salt=self.salt)
+        return CacheNamespace(self.model, self.kv_dtype, layout, salt=self.salt, codec=self.codec or "none")
 
     def fields(self) -> dict[str, Any]:
         """The fields by name, plain values: `KeySpace(**fields)` is this key space again."""
@@ -279,7 +281,10 @@ class ServerBackend:
         if chunk_size not in self._namespaces:
             namespace = self.key_space.namespace(chunk_size)
             names = ("model", "kv_dtype", "layout", "world_size", "rank", "salt")
-            self._namespaces[chunk_size] = {name: getattr(namespace, name) for name in names}
+            fields = {name: getattr(namespace, name) for name in names}
+            if self.key_space.codec is not None:  # else the server's cache.codec, as for the registration
+                fields["codec"] = self.key_space.codec
+            self._namespaces[chunk_size] = fields
         return self._namespaces[chunk_size]
 
 
@@ -293,14 +298,23 @@ def make_worker_backend(
     on_chunk_size: Callable[[int], None] | None = None,
     group_tag: str = "",
     engine: CacheEngine | None = None,
+    codec: str | None = None,
+    split_tag: str = "",
 ) -> EmbeddedBackend | ServerBackend:
     """The backend of a worker that registered ``kv``: a cache engine in this process (embedded mode), or a session
     with the server that registers ``kv`` there (server mode; a chunk size that is not whole ``block_size``-token
     blocks of the scheduler refuses to start). What the connector makes in ``register_kv_caches``, without vLLM.
 
     A hybrid model's KV cache groups each make one, ``group_tag`` (`KVGroup.tag`) in their key space; in embedded
-    mode they share one cache ``engine`` (the first group's backend's)."""
-    key_space = KeySpace.of(kv, model=model, salt=f"{settings.salt}|{group_tag}" if group_tag else settings.salt)
+    mode they share one cache ``engine`` (the first group's backend's). ``codec``: the objects' (None: embedded
+    mode's config, server mode the server's); one the KV cannot take refuses to start, saying why. A part of a
+    layer split (`layer_parts`) gives its codec and the split's tag."""
+    salt = settings.salt
+    for tag in (group_tag, split_tag):  # the deployment's salt, then the tags of the KV's group and layer part
+        salt = f"{salt}|{tag}" if tag else salt
+    if codec is not None:  # refused here, before any server is asked, with the reason
+        with_codec(describe(kv.fmt, kv.paged, kv.block_size, heads=kv.heads), codec)
+    key_space = KeySpace.of(kv, model=model, salt=salt, codec=codec)
 
     def check_chunk_size(chunk_size: int) -> None:
         settings.check_chunk_size(chunk_size, block_size)
@@ -309,6 +323,8 @@ def make_worker_backend(
 
     if settings.mode == "server":
         deployment = {"model": key_space.model, "salt": key_space.salt}
+        if codec is not None:
+            deployment["codec"] = codec
         link = ServerLink(
             settings.server_url,
             timeout_s=settings.timeout_s,
@@ -331,7 +347,14 @@ def make_worker_backend(
     else:
         check_chunk_size(engine.chunk_size)
     namespace = engine.namespace_for(
-        key_space.model, kv.fmt, kv.paged, world_size=1, rank=0, salt=key_space.salt, block_size=kv.block_size
+        key_space.model,
+        kv.fmt,
+        kv.paged,
+        world_size=1,
+        rank=0,
+        salt=key_space.salt,
+        block_size=kv.block_size,
+        codec=codec,
     )
     return EmbeddedBackend(engine, kv, namespace, key_space)
 

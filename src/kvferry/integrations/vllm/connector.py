@@ -33,13 +33,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvferry.integrations.vllm import backends, hybrid_worker
-from kvferry.integrations.vllm.backends import KeySpace, ServerBackend
+from kvferry.integrations.vllm import backends, hybrid_worker, layer_parts
+from kvferry.integrations.vllm.backends import ServerBackend
 from kvferry.integrations.vllm.connector_metadata import KvferryConnectorMetadata, KvferryHandshake, KvferryWorkerMeta
 from kvferry.integrations.vllm.counters import SchedulerCounters, WorkerCounters
 from kvferry.integrations.vllm.hybrid_scheduler import GroupedSchedulerSide
 from kvferry.integrations.vllm.kv_groups import GroupedLookups, KVGroup, UnsupportedGroups, hybrid_groups
-from kvferry.integrations.vllm.kv_layout import EngineKV, UnsupportedKVLayout, recognise, tensor_parallel_rank
+from kvferry.integrations.vllm.kv_layout import (
+    EngineKV,
+    UnsupportedKVLayout,
+    in_layer_order,
+    recognise,
+    tensor_parallel_rank,
+)
 from kvferry.integrations.vllm.logs import show_in_vllm_log
 from kvferry.integrations.vllm.plan import StepPlan
 from kvferry.integrations.vllm.scheduler_side import SchedulerSide
@@ -137,15 +143,17 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         except UnsupportedKVLayout as exc:
             log.error("kvferry connector disabled (every lookup is a miss): %s", exc)
             return
-        backend = backends.make_worker_backend(
+        exact = layer_parts.exact_positions(kv, kv.layer_names, self._settings.objects_exact_layers())
+        backend = layer_parts.make_backend(
             self._settings,
             kv,
+            exact_layers=exact,
             model=self._settings.model_id or _served_model_name(self._vllm_config),
             block_size=self._block_size,
             name=f"vllm-{self._engine_id[:8]}",
         )
         backends.publish(self._engine_id, backend)
-        self._handshake = KvferryHandshake(self._key_space(kv).fields())
+        self._handshake = KvferryHandshake(layer_parts.key_space_fields(backend))
         hook = self._settings.load_after_load_hook()
         self._worker = WorkerSide(
             backend,
@@ -155,7 +163,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         chunk = backend.chunk_size
         log.info(
             "kvferry connector active: %s mode%s, %s KV on %s, vLLM order %s (%s) as %s, %d layers of %s %s, "
-            "block size %d%s, chunk size %s, %s loads",
+            "block size %d%s, chunk size %s, %s loads, objects in codec %s%s",
             self._settings.mode,
             f" ({self._settings.server_url})" if self._settings.mode == "server" else "",
             kv.kv_dtype,
@@ -170,6 +178,8 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
             f" ({kv.split} kernel blocks of {kv.block_size})" if kv.split > 1 else "",
             chunk if chunk is not None else "the server's (not reached yet)",
             "background" if self._settings.async_load else "foreground",
+            self._settings.objects_codec() or "of the server",
+            f" (layers {exact} exact)" if isinstance(backend, layer_parts.LayerSplitBackend) else "",
         )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
@@ -240,7 +250,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
             if received.group_key_spaces is not None:  # a hybrid model: its groups' lookups share the session
                 self._lookup_backend = hybrid_worker.lookups_from_handshake(link, received.group_key_spaces)
             else:
-                self._lookup_backend = ServerBackend(link, KeySpace(**received.key_space), block_size=self._block_size)
+                self._lookup_backend = layer_parts.lookups_from_fields(link, received.key_space, self._block_size)
             try:
                 link.connect(check_chunk_size=self._check_chunk_size)
             except ValueError as exc:
@@ -387,16 +397,13 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         model = self._settings.model_id or _served_model_name(self._vllm_config)
         name, hook = f"vllm-{self._engine_id[:8]}", self._settings.load_after_load_hook()
         hybrid = hybrid_worker.start_hybrid_worker(
-            self._settings, kvs, self._groups, model=model, name=name, after_load_hook=hook
-        )
+            self._settings, kvs, self._groups, model=model, name=name, after_load_hook=hook,
+            model_layers=in_layer_order(list(kv_caches)),
+        )  # fmt: skip
         backends.publish(self._engine_id, hybrid.lookups)
         self._handshake = KvferryHandshake(hybrid.key_spaces[0], hybrid.key_spaces)
         self._worker = hybrid.worker
         log.info("%s", hybrid_worker.describe(self._settings, kvs, self._groups, hybrid.lookups.chunk_size))
-
-    def _key_space(self, kv: EngineKV) -> KeySpace:
-        model = self._settings.model_id or _served_model_name(self._vllm_config)
-        return KeySpace.of(kv, model=model, salt=self._settings.salt)
 
     def _chunk_size(self) -> int:
         """Embedded mode's chunk size (its cache's config)."""

@@ -4,7 +4,7 @@ loads back to the scheduler, and the key space once KV is registered (vLLM's met
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
@@ -13,6 +13,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvferry.integrations.vllm.plan import StepPlan
+
+if TYPE_CHECKING:
+    from kvferry.integrations.vllm.layer_parts import KeySpaceFields
 
 
 class KvferryConnectorMetadata(KVConnectorMetadata):
@@ -38,6 +41,6 @@ class KvferryWorkerMeta(KVConnectorWorkerMetadata):
 class KvferryHandshake(KVConnectorHandshakeMetadata):
     """What the worker half tells the scheduler half once KV is registered: the cache key space (plain fields)."""
 
-    def __init__(self, key_space: dict[str, Any], group_key_spaces: list[dict[str, Any]] | None = None) -> None:
-        self.key_space = key_space
+    def __init__(self, key_space: KeySpaceFields, group_key_spaces: list[KeySpaceFields] | None = None) -> None:
+        self.key_space = key_space  # one key space's fields, or a layer split's parts' (`layer_parts`)
         self.group_key_spaces = group_key_spaces  # a hybrid model's: one per KV cache group

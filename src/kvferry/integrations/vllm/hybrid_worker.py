@@ -11,11 +11,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from kvferry.integrations.vllm.backends import Backend, EmbeddedBackend, KeySpace, ServerBackend, make_worker_backend
+from kvferry.integrations.vllm.backends import Backend, EmbeddedBackend, ServerBackend, make_worker_backend
 from kvferry.integrations.vllm.kv_groups import GroupedLookups, KVGroup, UnsupportedGroups
 from kvferry.integrations.vllm.kv_layout import EngineKV
+from kvferry.integrations.vllm.layer_parts import (
+    KeySpaceFields,
+    LayerSplitBackend,
+    engine_of,
+    exact_positions,
+    key_space_fields,
+    lookups_from_fields,
+    make_backend,
+)
 from kvferry.integrations.vllm.server_link import ServerLink
 from kvferry.integrations.vllm.settings import ConnectorSettings
 from kvferry.integrations.vllm.state_groups import StateBackend
@@ -26,7 +34,7 @@ from kvferry.integrations.vllm.worker_side import WorkerSide
 @dataclass(frozen=True)
 class HybridWorker:
     lookups: GroupedLookups  # what the scheduler half in this process looks up through
-    key_spaces: list[dict[str, Any]]  # each group's, for a scheduler half in another process
+    key_spaces: list[KeySpaceFields]  # each group's, for a scheduler half in another process
     worker: WorkerSide
 
 
@@ -38,24 +46,43 @@ def start_hybrid_worker(
     model: str,
     name: str,
     after_load_hook: Callable[..., None] | None = None,
+    model_layers: Sequence[str] = (),
     demote_superseded: bool = True,
 ) -> HybridWorker:
-    """The backends and worker half of a model whose group ``groups[i]`` holds the KV ``kvs[i]``.
+    """The backends and worker half of a model whose group ``groups[i]`` holds the KV ``kvs[i]``; ``model_layers``:
+    the model's attention layers in order, which the settings' exact layers count (`layer_parts`).
     ``demote_superseded``: chunks and states a newer boundary supersedes go first when the cache evicts
     (`window_groups`; False: the plain eviction order, for comparison)."""
-    made: list[EmbeddedBackend | ServerBackend] = []
+    exact = settings.objects_exact_layers()
+    made: list[EmbeddedBackend | ServerBackend | LayerSplitBackend] = []
     try:
         for kv, group in zip(kvs, groups, strict=True):
-            if group.holds_state and settings.mode == "server":
-                raise UnsupportedGroups(
-                    f"{group.tag}: kvferry keeps Mamba states in embedded mode only (a state object's rows depend "
-                    "on the chunk size, which a server tells only once connected)"
+            engine = engine_of(made[0]) if made else None
+            if group.holds_state:
+                if settings.mode == "server":
+                    raise UnsupportedGroups(
+                        f"{group.tag}: kvferry keeps Mamba states in embedded mode only (a state object's rows "
+                        "depend on the chunk size, which a server tells only once connected)"
+                    )
+                # A state is opaque bytes, not KV per token: kept exact whatever the codec.
+                made.append(
+                    make_worker_backend(
+                        settings,
+                        kv,
+                        model=model,
+                        block_size=group.block_size,
+                        name=name,
+                        group_tag=group.tag,
+                        engine=engine,
+                        codec="none",
+                    )
                 )
-            engine = made[0].engine if made and isinstance(made[0], EmbeddedBackend) else None
+                continue
             made.append(
-                make_worker_backend(
+                make_backend(
                     settings,
                     kv,
+                    exact_layers=exact_positions(kv, model_layers, exact) if exact else [],
                     model=model,
                     block_size=group.block_size,
                     name=name,
@@ -67,7 +94,7 @@ def start_hybrid_worker(
         for backend in made:
             backend.close()
         raise
-    key_spaces = [group_key_space(settings, kv, group, model).fields() for kv, group in zip(kvs, groups, strict=True)]
+    key_spaces = [key_space_fields(backend) for backend in made]
     full = [i for i, group in enumerate(groups) if not group.windowed and not group.holds_state]
     counted = full[0] if full else 0  # counters count the tokens of a group that holds every token
     hook = after_load_hook
@@ -92,13 +119,9 @@ def _group_backend(backend: Backend, group: KVGroup, demote_superseded: bool) ->
     return backend
 
 
-def group_key_space(settings: ConnectorSettings, kv: EngineKV, group: KVGroup, model: str) -> KeySpace:
-    return KeySpace.of(kv, model=model, salt=f"{settings.salt}|{group.tag}")
-
-
-def lookups_from_handshake(link: ServerLink, key_spaces: Sequence[dict[str, Any]]) -> GroupedLookups:
+def lookups_from_handshake(link: ServerLink, key_spaces: Sequence[KeySpaceFields]) -> GroupedLookups:
     """A scheduler half's lookups, through ``link``, for the groups whose key spaces a worker reported."""
-    return GroupedLookups([ServerBackend(link, KeySpace(**fields)) for fields in key_spaces])
+    return GroupedLookups([lookups_from_fields(link, fields) for fields in key_spaces])
 
 
 def describe(settings: ConnectorSettings, kvs: Sequence[EngineKV], groups: Sequence[KVGroup], chunk: int | None) -> str:

@@ -133,10 +133,15 @@ class GroupedLookups:
     (`state_groups.StateBackend`) holds a state per boundary, which a hit needs exactly at its end. The hit is then
     the longest boundary within the attention groups' hit at which every windowed group holds its window and every
     Mamba group its state; with a Mamba group it also ends before the prompt's last token (vLLM computes at least
-    that one, on top of the state the hit loads). Without ``groups`` every group is asked from token 0."""
+    that one, on top of the state the hit loads). Without ``groups`` every group is asked from token 0.
+    ``whole_chunks=False``: a hit may end in a tail, for backends over one block table (a model's layer parts,
+    `layer_parts`), whose every store writes the same tail to each."""
 
-    def __init__(self, backends: Sequence[Backend], groups: Sequence[KVGroup] = ()) -> None:
+    def __init__(
+        self, backends: Sequence[Backend], groups: Sequence[KVGroup] = (), *, whole_chunks: bool = True
+    ) -> None:
         self.backends = list(backends)
+        self.whole_chunks = whole_chunks
         self.state_groups = frozenset(group.index for group in groups if group.holds_state)
         self.windowed = {group.index: group for group in groups if group.windowed}
 
@@ -145,7 +150,9 @@ class GroupedLookups:
         sizes = {backend.chunk_size for backend in self.backends}
         return sizes.pop() if len(sizes) == 1 else None
 
-    def lookup(self, tokens: list[int]) -> Hit | None:
+    def lookup(self, tokens: list[int], first_chunk: int = 0) -> Hit | None:
+        """``first_chunk``: passed on to the groups asked from token 0 (a windowed group over layer parts asks its
+        parts for its window only)."""
         if self.state_groups:
             tokens = tokens[:-1]
         locks: list[Any] = [None] * len(self.backends)
@@ -153,7 +160,7 @@ class GroupedLookups:
         for i, backend in enumerate(self.backends):
             if i in self.state_groups or i in self.windowed:
                 continue
-            hit = backend.lookup(tokens)
+            hit = backend.lookup(tokens, first_chunk)
             if hit is None:  # a lower tier is still bringing chunks up: ask again later
                 self.free_lock(locks)
                 return None
@@ -163,7 +170,7 @@ class GroupedLookups:
                 break  # a miss in one group is a miss for all: the others need not be asked
         # Whole chunks only: a group's block-granular tail (a finished request's last partial chunk) is stored by
         # that group alone, and the windowed groups' loads are planned chunk by chunk.
-        chunk = self.chunk_size or 1
+        chunk = (self.chunk_size or 1) if self.whole_chunks else 1
         reach: int | None = end // chunk * chunk
         states_at: int | None = 0  # the boundary the state groups were last found to hold their states at
         while reach:  # each group may shorten it, which moves the windows: until every group holds the same end

@@ -88,7 +88,7 @@ def recognise(
     """
     if not kv_caches:
         raise UnsupportedKVLayout("kv_caches is empty: the model has no attention layer with a KV cache")
-    names = _in_layer_order(list(kv_caches))
+    names = in_layer_order(list(kv_caches))
     layers = [kv_caches[n] for n in names]
     first = layers[0]
     if not all(isinstance(t, torch.Tensor) for t in layers):
@@ -178,7 +178,7 @@ def rank_heads(local: int, model: int | None, rank: int, size: int) -> tuple[int
     )
 
 
-def _in_layer_order(names: list[str]) -> list[str]:
+def in_layer_order(names: list[str]) -> list[str]:
     """Sort by the layer index in each name ("model.layers.7.self_attn.attn" -> 7) when every name has one."""
     indices = {}
     for name in names:

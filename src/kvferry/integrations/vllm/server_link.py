@@ -78,7 +78,8 @@ class ServerLink:
 
     def connect(self, *, check_chunk_size: Callable[[int], None] | None = None) -> bool:
         """One attempt now (bounded by ``timeout_s``); on failure, one WARNING and background retries. A chunk
-        size that ``check_chunk_size`` refuses raises here (a setting to fix, not an outage)."""
+        size that ``check_chunk_size`` refuses, or a registration the server refuses as a bad argument, raises a
+        ValueError here (a setting to fix, not an outage)."""
         self._check_chunk_size = check_chunk_size
         try:
             self._attempt(at_start=True)
@@ -125,7 +126,17 @@ class ServerLink:
             if self._registration is not None:
                 with contextlib.suppress(ServerError):  # a server that never went away still holds the old one
                     client.unregister_kv_cache(self._registration)
-            registration = self._register(client)
+            try:
+                registration = self._register(client)
+            except ServerError as exc:
+                if exc.code != "BAD_ARGUMENT":
+                    raise
+                # The server refuses this engine's KV (a codec its dtype cannot take, a format it does not fit):
+                # a setting to fix, not an outage, so it is never retried.
+                self.incompatible = f"the kvferry server at {self.url} refused this engine's KV cache: {exc.message}"
+                if at_start:
+                    raise ValueError(self.incompatible) from None
+                raise ServerDown(self.incompatible) from None
         with self._lock:
             self._registration = registration
             self.generation += 1

@@ -12,7 +12,7 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvferry.config import KvferryConfig
 
@@ -53,6 +53,18 @@ class ConnectorSettings(BaseModel):
         description="embedded mode: kvferry settings over the file and KVFERRY_* variables, e.g. "
         '{"cache": {"l1_size_gb": 8}, "tiers": ["disk:/var/cache/kvferry?size=100GB"]}',
     )
+    codec: Literal["none", "fp8"] | None = Field(
+        None,
+        description="this engine's chunk objects' codec (docs/codec.md); default: embedded mode the config's "
+        "cache.codec, server mode the server's. A codec the engine's KV cannot take (fp32, fp8 caches) refuses to "
+        "start, saying why",
+    )
+    exact_layers: list[int] | None = Field(
+        None,
+        description="attention layers (positions, negative from the last: [0, -1]) whose objects keep the exact "
+        "bytes beside the codec; default: embedded mode the config's cache.exact_layers, server mode none (server "
+        "mode needs the codec set here too)",
+    )
     model_id: str | None = Field(None, description="the model's name in cache keys (default: vLLM's served model name)")
     salt: str = Field("", description="separates deployments that must not share KV")
     after_load_hook: str | None = Field(
@@ -69,6 +81,28 @@ class ConnectorSettings(BaseModel):
         except ValidationError as exc:
             problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'extra config'}: {e['msg']}" for e in exc.errors())
             raise ValueError(f"kv_connector_extra_config for KvferryConnector: {problems}") from None
+
+    @model_validator(mode="after")
+    def _exact_layers_with_a_codec(self) -> ConnectorSettings:
+        if self.mode == "server" and self.exact_layers and self.codec is None:
+            raise ValueError(
+                'exact_layers in server mode needs this engine\'s codec (e.g. "codec": "fp8"): the server\'s '
+                "default codec is not known when the layers are split"
+            )
+        return self
+
+    def objects_codec(self) -> str | None:
+        """The codec this engine's objects are in: the setting, else embedded mode's config (None in server mode:
+        the server's ``cache.codec``)."""
+        if self.codec is not None or self.mode == "server":
+            return self.codec
+        return self.kvferry_config().cache.codec
+
+    def objects_exact_layers(self) -> list[int]:
+        """The layers kept exact beside the codec: the setting, else embedded mode's config."""
+        if self.exact_layers is not None or self.mode == "server":
+            return list(self.exact_layers or ())
+        return list(self.kvferry_config().cache.exact_layers)
 
     def check_chunk_size(self, chunk_size: int, block_size: int) -> None:
         """ValueError naming both settings unless kvferry's chunks are whole vLLM blocks."""

@@ -1,0 +1,170 @@
+"""Layers kept exact beside a codec, in the connector: each layer part of a model's KV is a backend of its own.
+
+A split (`kvferry.formats.layer_split`) cuts the engine's KV into parts, each registered as KV of its own as a
+hybrid model's groups are: its own key space (the split's tag, its codec), in embedded mode in the one cache engine,
+in server mode a registration (and a session) of its own. The parts share vLLM's block table, so
+`LayerSplitBackend` is one backend to the scheduler and worker halves: a hit is the longest prefix every part holds
+(a tail included: every store writes the same tail to each part), a load or store goes to every part and counts the
+tokens every part moved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+from kvferry.cache import CacheEngine
+from kvferry.formats import layer_split, select_layers
+from kvferry.integrations.vllm.backends import Backend, EmbeddedBackend, KeySpace, ServerBackend, make_worker_backend
+from kvferry.integrations.vllm.kv_groups import GroupedLookups
+from kvferry.integrations.vllm.kv_layout import EngineKV
+from kvferry.integrations.vllm.server_link import ServerLink
+from kvferry.integrations.vllm.settings import ConnectorSettings
+
+# What a worker tells a scheduler half in another process: one key space's fields, or a split's, one per part.
+KeySpaceFields = dict[str, Any] | list[dict[str, Any]]
+
+
+class LayerSplitBackend(GroupedLookups):
+    """The backends of a model's layer parts (over one block table) as one backend."""
+
+    def __init__(self, parts: Sequence[Backend]) -> None:
+        super().__init__(parts, whole_chunks=False)
+
+    def retrieve_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
+        return _fewest([part.retrieve_async(tokens, block_ids, skip_prefix_tokens) for part in self.backends])
+
+    def store_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
+        return _fewest([part.store_async(tokens, block_ids, skip_prefix_tokens) for part in self.backends])
+
+    def demote(self, tokens: list[int], chunks: range) -> None:
+        for part in self.backends:
+            part.demote(tokens, chunks)
+
+
+def make_backend(
+    settings: ConnectorSettings,
+    kv: EngineKV,
+    *,
+    exact_layers: Sequence[int],
+    model: str,
+    block_size: int,
+    name: str,
+    on_chunk_size: Callable[[int], None] | None = None,
+    group_tag: str = "",
+    engine: CacheEngine | None = None,
+) -> EmbeddedBackend | ServerBackend | LayerSplitBackend:
+    """`make_worker_backend`'s backend for ``kv``, whose layers at positions ``exact_layers`` keep their exact bytes
+    beside the settings' codec: one backend per part of the split, or the one backend when nothing is split."""
+    codec = settings.objects_codec()
+    if not exact_layers:
+        return make_worker_backend(
+            settings,
+            kv,
+            model=model,
+            block_size=block_size,
+            name=name,
+            on_chunk_size=on_chunk_size,
+            group_tag=group_tag,
+            engine=engine,
+            codec=codec,
+        )
+    assert codec is not None  # server mode's exact layers come with a codec (`ConnectorSettings`), embedded's config
+    split = layer_split(len(kv.layers), codec, exact_layers)
+    made: list[EmbeddedBackend | ServerBackend] = []
+    try:
+        for part in split.parts:
+            shared = made[0].engine if made and isinstance(made[0], EmbeddedBackend) else engine
+            made.append(
+                make_worker_backend(
+                    settings,
+                    part_kv(kv, part.layers) if len(split.parts) > 1 else kv,
+                    model=model,
+                    block_size=block_size,
+                    name=name,
+                    on_chunk_size=on_chunk_size,
+                    group_tag=group_tag,
+                    engine=shared,
+                    codec=part.codec,
+                    split_tag=split.tag,
+                )
+            )
+    except BaseException:
+        for backend in made:
+            backend.close()
+        raise
+    return made[0] if len(made) == 1 else LayerSplitBackend(made)
+
+
+def engine_of(backend: Any) -> CacheEngine | None:
+    """The cache engine of an embedded backend (of its first part, for a split); None in server mode."""
+    first = backend.backends[0] if isinstance(backend, LayerSplitBackend) else backend
+    return first.engine if isinstance(first, EmbeddedBackend) else None
+
+
+def part_kv(kv: EngineKV, layers: Sequence[int]) -> EngineKV:
+    """``kv`` restricted to the layers at ``layers`` (views of the same tensors)."""
+    return dataclasses.replace(
+        kv,
+        paged=select_layers(kv.fmt, kv.paged, layers),
+        layers=[kv.layers[i] for i in layers],
+        layer_names=[kv.layer_names[i] for i in layers],
+    )
+
+
+def exact_positions(kv: EngineKV, model_layers: Sequence[str], exact_layers: Sequence[int]) -> list[int]:
+    """Positions in ``kv`` of the model's layers ``exact_layers`` (positions in ``model_layers``, every attention
+    layer of the model in order; negative from the last). ValueError for one the model does not have."""
+    n = len(model_layers)
+    bad = [i for i in exact_layers if not -n <= i < n]
+    if bad:
+        raise ValueError(f"KvferryConnector: exact_layers {bad} are not attention layers of the model (0..{n - 1})")
+    names = {model_layers[i] for i in exact_layers}
+    return [i for i, layer_name in enumerate(kv.layer_names) if layer_name in names]
+
+
+def key_space_fields(backend: Backend | LayerSplitBackend) -> KeySpaceFields:
+    """What a scheduler half in another process looks ``backend``'s KV up with (`lookups_from_fields`)."""
+    if isinstance(backend, LayerSplitBackend):
+        return [_fields(part) for part in backend.backends]
+    return _fields(backend)
+
+
+def lookups_from_fields(
+    link: ServerLink, fields: KeySpaceFields, block_size: int | None = None
+) -> ServerBackend | LayerSplitBackend:
+    """A scheduler half's lookups through ``link`` in the key space(s) a worker reported."""
+    if isinstance(fields, list):
+        return LayerSplitBackend([ServerBackend(link, KeySpace(**part), block_size=block_size) for part in fields])
+    return ServerBackend(link, KeySpace(**fields), block_size=block_size)
+
+
+def _fields(backend: Any) -> dict[str, Any]:
+    key_space = backend.key_space
+    assert isinstance(key_space, KeySpace), "a worker's backend knows its key space"
+    return key_space.fields()
+
+
+def _fewest(futures: list[Future[int]]) -> Future[int]:
+    """A future of the fewest tokens of ``futures`` once all are done; the first failure fails it."""
+    out: Future[int] = Future()
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_: Future[int]) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            out.set_exception(errors[0])
+        else:
+            out.set_result(min(f.result() for f in futures))
+
+    for future in futures:
+        future.add_done_callback(one_done)
+    return out
