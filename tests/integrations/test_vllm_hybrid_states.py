@@ -275,7 +275,9 @@ def test_a_hybrid_with_a_state_group_looks_up_the_state_at_the_hit_s_end_only() 
             freed.append(lock)
 
     freed: list[Any] = []
-    full = SimpleNamespace(chunk_size=CHUNK, lookup=lambda t: Hit(4 * CHUNK, "f"), free_lock=freed.append)
+    full = SimpleNamespace(
+        chunk_size=CHUNK, lookup=lambda t, first_chunk=0: Hit(4 * CHUNK, "f"), free_lock=freed.append
+    )
     from kvferry.integrations.vllm.kv_groups import GroupedLookups
 
     lookups = GroupedLookups([States(), full], GROUPS)
