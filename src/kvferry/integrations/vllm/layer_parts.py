@@ -59,37 +59,30 @@ def make_backend(
 ) -> EmbeddedBackend | ServerBackend | LayerSplitBackend:
     """`make_worker_backend`'s backend for ``kv``, whose layers at positions ``exact_layers`` keep their exact bytes
     beside the settings' codec: one backend per part of the split, or the one backend when nothing is split."""
-    codec = settings.objects_codec()
-    if not exact_layers:
-        return make_worker_backend(
-            settings,
-            kv,
-            model=model,
-            block_size=block_size,
-            name=name,
-            on_chunk_size=on_chunk_size,
-            group_tag=group_tag,
-            engine=engine,
-            codec=codec,
-        )
-    assert codec is not None  # server mode's exact layers come with a codec (`ConnectorSettings`), embedded's config
-    split = layer_split(len(kv.layers), codec, exact_layers)
+    codec = settings.objects_codec()  # None in server mode: the server's cache.codec
+    parts: list[tuple[EngineKV, str | None]] = [(kv, codec)]
+    tag = ""
+    if exact_layers:
+        assert codec is not None  # server mode's exact layers come with a codec (`ConnectorSettings`)
+        split = layer_split(len(kv.layers), codec, exact_layers)
+        parts = [(part_kv(kv, p.layers) if len(split.parts) > 1 else kv, p.codec) for p in split.parts]
+        tag = split.tag
     made: list[EmbeddedBackend | ServerBackend] = []
     try:
-        for part in split.parts:
+        for part, part_codec in parts:
             shared = made[0].engine if made and isinstance(made[0], EmbeddedBackend) else engine
             made.append(
                 make_worker_backend(
                     settings,
-                    part_kv(kv, part.layers) if len(split.parts) > 1 else kv,
+                    part,
                     model=model,
                     block_size=block_size,
                     name=name,
                     on_chunk_size=on_chunk_size,
                     group_tag=group_tag,
                     engine=shared,
-                    codec=part.codec,
-                    split_tag=split.tag,
+                    codec=part_codec,
+                    split_tag=tag,
                 )
             )
     except BaseException:
