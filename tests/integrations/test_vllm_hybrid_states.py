@@ -6,7 +6,6 @@ where there is one. Then what the scheduler half plans for such a group, and wha
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -25,24 +24,21 @@ from kvferry.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
 from kvferry.integrations.vllm.scheduler_side import SchedulerSide
 from kvferry.integrations.vllm.settings import ConnectorSettings
 from kvferry.integrations.vllm.state_groups import StateBackend, row_bytes, state_key_tokens, state_kv
-from tests.integrations.vllm_hybrid_views import MAMBA_CASES, MAMBA_FIXTURES
+from tests.integrations.vllm_hybrid_views import (
+    MAMBA_CASES,
+    MAMBA_FIXTURES,
+    REPLAY_DEVICES,
+    assert_recorded_as_vllm_builds,
+    build_mamba,
+    recorded,
+)
 
-FIXTURES = json.loads(MAMBA_FIXTURES.read_text())
+FIXTURES = recorded(MAMBA_FIXTURES)
 CHUNK = 64  # the fixtures' block size: one block per chunk
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
-    ),
-]
 
 
 def test_fixtures_are_what_vllm_builds() -> None:
-    pytest.importorskip("vllm")
-    from tests.integrations.vllm_hybrid_views import build_mamba
-
-    assert json.loads(json.dumps([build_mamba(case) for case in MAMBA_CASES])) == FIXTURES
+    assert_recorded_as_vllm_builds(FIXTURES, build_mamba, MAMBA_CASES)
 
 
 def test_mamba_groups_are_read_off_vllms_specs_only_in_align_mode() -> None:
@@ -106,7 +102,7 @@ def _store(worker: HybridWorker, tokens: list[int], full_blocks: list[int], stat
     worker.worker.preempted(["a"])
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", REPLAY_DEVICES)
 @pytest.mark.parametrize("fixture", FIXTURES, ids=lambda f: case_of(f).layout)
 def test_a_state_moves_from_the_block_vllm_handed_over_into_the_one_it_allocated(
     fixture: dict[str, Any], device: str
