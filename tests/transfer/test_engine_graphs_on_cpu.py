@@ -25,7 +25,7 @@ from kvferry.formats.synthetic import random_fill
 from kvferry.kernels import triton_copy
 from kvferry.memory import HostPool
 from kvferry.transfer import gpu_engine
-from kvferry.transfer.graphed import pieces_for, range_cuts, tables_bytes
+from kvferry.transfer.graphed import pieces_for, tables_bytes
 from tests.conftest import engine_bytes
 from tests.transfer.cpu_engine import CopyingDriver, World, completion_init, engine_on
 from tests.transfer.test_backends import _engine
@@ -50,7 +50,7 @@ def graph_engine(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-de
         class StandInGraph:
             def __init__(self, drv: Any, context: int, plan: triton_copy.TritonPlan, n_ids: int, cap: int,
                          rows: int, chunk_size: int, to_objects: bool, programs: int | None, stream: int, slot: int,
-                         host: int, lead_bytes: int | None = None) -> None:  # fmt: skip
+                         host: int) -> None:  # fmt: skip
                 if refuse:
                     raise CudaError("cuStreamBeginCapture_v2 failed: CUDA_ERROR_NOT_SUPPORTED (801)")
                 self.plan, self.n_ids, self.cap, self.chunk, self.to_objects = plan, n_ids, cap, chunk_size, to_objects
@@ -173,9 +173,3 @@ def test_row_ranges_per_object() -> None:
     assert [pieces_for(32 * mib, 64, True), pieces_for(32 * mib, 64, False)] == [2, 2]
     assert pieces_for(32 * mib, 1, True) == 1  # never more ranges than rows
     assert [tables_bytes(16), tables_bytes(30), tables_bytes(31)] == [256, 256, 512]
-    # a codec object (16.5 MiB, 64 rows): the range whose kernel is on the critical path is ~4 MiB
-    assert range_cuts(33 * mib // 2, 64, True) == [0, 32, 64]
-    assert range_cuts(33 * mib // 2, 64, True, 4 * mib) == [0, 15, 64]
-    assert range_cuts(33 * mib // 2, 64, False, 4 * mib) == [0, 49, 64]
-    assert range_cuts(3 * mib, 48, False, 1 * mib) == [0, 48]  # one range: nothing to cut
-    assert range_cuts(3 * mib, 2, True, 1) == [0, 1, 2]  # at least a row

@@ -213,7 +213,6 @@ class TransferEngine:
                 stream=lane.handles[0],
                 slot=lane.staging_ptr,
                 host=req.ptrs[0],
-                lead_bytes=self.config.coded_lead_bytes if plan.codec is not None else None,
             )
         except CudaError as e:
             log.warning("CUDA graph capture failed (%s): one-object requests take the staged path", e)

@@ -37,17 +37,6 @@ def pieces_for(nbytes: int, rows: int, to_objects: bool) -> int:
     return min(rows, 1 if nbytes <= 8 * MiB and not to_objects else 2)
 
 
-def range_cuts(nbytes: int, rows: int, to_objects: bool, lead_bytes: int | None = None) -> list[int]:
-    """The row ranges' bounds: `pieces_for` equal ranges, or with `lead_bytes` the range whose kernel is on the
-    critical path (a store's first, a retrieve's last) cut to about that size."""
-    pieces = pieces_for(nbytes, rows, to_objects)
-    cuts = [rows * i // pieces for i in range(pieces + 1)]
-    if lead_bytes is not None and pieces == 2:
-        lead = min(rows // 2, max(1, lead_bytes // (nbytes // rows)))
-        cuts[1] = lead if to_objects else rows - lead
-    return cuts
-
-
 def tables_bytes(n_ids: int) -> int:
     """Device bytes of a graph's tables (block ids, the object's offset and capacity), 256-byte aligned."""
     return -(-(n_ids + 2) * 8 // 256) * 256
@@ -71,15 +60,12 @@ class ObjectGraph:
         stream: int,
         slot: int,
         host: int,
-        lead_bytes: int | None = None,
     ) -> None:
         """Capture the transfer with the object at `host` (a pinned object of the first request; nothing moves
         during a capture). `stream`: where every launch of it goes; `slot`: the device memory it stages in, the
         staging slot whose work runs on `stream` (`tables_bytes(n_ids)` + the object's bytes; stream order keeps
         the slot's other users apart). No device memory is allocated: that would synchronise the device, and the
-        caller's stream may be queued behind the model for a long time. `lead_bytes`: a store's first range (a
-        retrieve's last), the one whose kernel is on the critical path, cut to about this size (a slow kernel's:
-        the codec's, `EngineConfig.coded_lead_bytes`)."""
+        caller's stream may be queued behind the model for a long time."""
         self._driver = drv
         self.stream = stream
         self.n_ids = n_ids
@@ -92,8 +78,8 @@ class ObjectGraph:
         self._tables_ptr = tables = slot
         staging = slot + tables_bytes(n_ids)
         off, caps = tables + n_ids * 8, tables + (n_ids + 1) * 8
-        cuts = range_cuts(self.nbytes, rows, to_objects, lead_bytes)
-        pieces = len(cuts) - 1
+        pieces = pieces_for(self.nbytes, rows, to_objects)
+        cuts = [rows * i // pieces for i in range(pieces + 1)]
         events = [drv.event() for _ in range(pieces + 1)]
         main, other = capture_stream.cuda_stream, side.cuda_stream
         n_rows = n_ids * plan.bs
