@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvferry.transfer.schedule import cut_slices, short_lead
+from kvferry.transfer.schedule import cut_slices
 
 MiB = 1 << 20
 
@@ -55,36 +55,6 @@ def test_every_row_once_in_order_within_limits(
     assert _moved(slices, rows) == [(o, r) for o in range(first, n) for r in range(rows)]
     for sl in slices:
         assert _bytes(sl, sizes, rows) <= max(target, sizes[sl.members[0]] // rows) <= slot
-
-
-@settings(max_examples=300, deadline=None)
-@given(
-    rows=st.integers(1, 64),
-    row_kib=st.integers(1, 2048),
-    n=st.integers(1, 12),
-    target_mib=st.integers(1, 32),
-    lead_kib=st.integers(1, 8192),
-    at_end=st.booleans(),
-)
-def test_a_short_lead_still_moves_every_row_once_in_order(
-    rows: int, row_kib: int, n: int, target_mib: int, lead_kib: int, at_end: bool
-) -> None:
-    sizes = [rows * row_kib * 1024] * n
-    cut = cut_slices(sizes, 0, rows, 64 * MiB, target_mib * MiB)
-    slices = short_lead(cut, sizes, rows, lead_kib * 1024, at_end=at_end)
-    assert _moved(slices, rows) == [(o, r) for o in range(n) for r in range(rows)]
-    lead = slices[-1] if at_end else slices[0]
-    assert _bytes(lead, sizes, rows) <= max(lead_kib * 1024, row_kib * 1024)  # one row at least
-    others = cut[:-1] if at_end else cut[1:]
-    assert (slices[: len(others)] if at_end else slices[len(slices) - len(others) :]) == others  # the rest as cut
-
-
-def test_a_stores_short_lead_is_the_first_objects_first_rows() -> None:
-    cut = cut_slices([12 * MiB] * 2, 0, 48, 64 * MiB, 32 * MiB)  # one slice of both objects, 256 KiB rows
-    first = short_lead(cut, [12 * MiB] * 2, 48, 4 * MiB, at_end=False)
-    assert [(sl.members, sl.rows) for sl in first] == [([0], (0, 16)), ([0], (16, 48)), ([1], None)]
-    last = short_lead(cut, [12 * MiB] * 2, 48, 4 * MiB, at_end=True)
-    assert [(sl.members, sl.rows) for sl in last] == [([0], None), ([1], (0, 32)), ([1], (32, 48))]
 
 
 def test_one_llama_chunk_is_cut_into_row_ranges() -> None:

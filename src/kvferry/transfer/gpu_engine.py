@@ -54,10 +54,7 @@ class EngineConfig:
     slice_bytes: int | None = None  # default: a quarter of the request, 8 MiB .. half a slot
     zero_copy_below: int = 4 * MiB  # requests smaller than this run zero-copy (see docs/gpu_data_path.md)
     mode: str = "auto"  # "auto" | "staged" | "zero_copy"
-    programs: int | None = None  # programs per staged gather/scatter launch (default: two per SM, codec: eight)
-    # A compressed (codec) store's first slice and retrieve's last are cut to about this size: the codec's kernel is
-    # the slow one, and that slice's is on the critical path (`schedule.short_lead`). None: as other slices.
-    coded_lead_bytes: int | None = 4 * MiB
+    programs: int | None = None  # programs per staged gather/scatter launch (default: two per SM)
     # CUDA stream priority of the gathers/scatters (lower = higher). High: behind a queue of the model's GEMMs a
     # normal-priority gather waits for free SMs and the transfer stalls (0.4 GB/s measured); at high priority it
     # moves 36 GB/s and the GEMM keeps 99% (docs/gpu_data_path.md, "GEMM").
@@ -73,8 +70,6 @@ class EngineConfig:
             raise ValueError(f"mode={self.mode!r} must be 'auto', 'staged' or 'zero_copy'")
         if self.slots < 1 or self.slot_bytes < 1 or (self.programs is not None and self.programs < 1):
             raise ValueError(f"slots, slot_bytes and programs must be positive: {self}")
-        if self.coded_lead_bytes is not None and self.coded_lead_bytes < 1:
-            raise ValueError(f"coded_lead_bytes must be positive or None: {self}")
 
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass costs ~2 us to build, a one-chunk request's enqueue ~20
@@ -239,9 +234,8 @@ class TransferEngine:
         next slice, on the next slot's stream, overlaps it; the slice after that waits for it by stream order."""
         plan, ptrs, caps, ids, rows = req.plan, req.ptrs, req.caps, req.ids, req.rows
         to_objects, chunk_size, skip = req.to_objects, req.chunk_size, req.skip
-        lead = self.config.coded_lead_bytes if plan.codec is not None else None
         key = (tuple(caps), skip, rows, chunk_size, plan.bs, plan.bytes_per_token, plan.word, to_objects,
-               lane.next_slot, lead)  # fmt: skip
+               lane.next_slot)  # fmt: skip
         sched = self._schedules.get(key)
         if sched is None:
             if len(self._schedules) >= 256:
@@ -258,7 +252,6 @@ class TransferEngine:
                 word=plan.word,
                 ring=ring,
                 slice_bytes=self.config.slice_bytes,
-                lead_bytes=lead,
             )
             self._schedules[key] = sched
         d, handles = self._driver, lane.handles

@@ -72,11 +72,9 @@ def schedule(
     word: int,
     ring: Ring,
     slice_bytes: int | None = None,
-    lead_bytes: int | None = None,
 ) -> Schedule:
     """The schedule of a staged request of objects holding `caps` tokens (`rows` rows each), skipping `skip`
-    blocks; `slice_bytes` overrides the default slice target (see `default_target`); `lead_bytes`: a store's first
-    slice (a retrieve's last) is cut to about this size (`short_lead`)."""
+    blocks; `slice_bytes` overrides the default slice target (see `default_target`)."""
     per_object = chunk_size // bs
     sizes = [c * bytes_per_token for c in caps]
     first = skip // per_object  # objects before this one are skipped entirely
@@ -84,8 +82,6 @@ def schedule(
     head = to_objects and skip % per_object != 0
     target = slice_bytes or default_target(sum(sizes[first + head :]), ring.slot_bytes)
     slices = cut_slices(sizes, first + head, rows, ring.slot_bytes, target)
-    if lead_bytes is not None and slices:
-        slices = short_lead(slices, sizes, rows, lead_bytes, at_end=not to_objects)
     offsets = [0] * len(caps)  # word offsets in staging of whole-object slices (split ones use a shift)
     steps = []
     for n, sl in enumerate(slices):
@@ -150,30 +146,6 @@ def cut_slices(sizes: list[int], first: int, rows: int, slot_bytes: int, target:
             slices.append(Slice([o]))
             size = sizes[o]
     return slices
-
-
-def short_lead(slices: list[Slice], sizes: list[int], rows: int, lead: int, *, at_end: bool) -> list[Slice]:
-    """`slices` with the first (``at_end``: the last) cut to about `lead` bytes of its end object's rows.
-
-    Only a store's first gather and a retrieve's last scatter are on the critical path (every other one overlaps a
-    DMA). For a slow kernel, the fp8 codec's (~460 GB/s of bf16 on the H200, a third of a plain gather's speed),
-    the first 16 MiB slice held the first DMA back by 73 us: ~1.5% of 16 llama chunks."""
-    i = len(slices) - 1 if at_end else 0
-    sl = slices[i]
-    o = sl.members[-1] if at_end else sl.members[0]
-    rest = sl.members[:-1] if at_end else sl.members[1:]
-    r0, r1 = sl.rows or (0, rows)
-    cut = max(1, lead // max(1, sizes[o] // rows))  # rows in the short slice
-    rest_slice = [Slice(rest)] if rest else []
-    if r1 - r0 > cut and at_end:  # the end object's last rows: the short slice
-        parts = [*rest_slice, Slice([o], (r0, r1 - cut)), Slice([o], (r1 - cut, r1))]
-    elif r1 - r0 > cut:  # its first rows
-        parts = [Slice([o], (r0, r0 + cut)), Slice([o], (r0 + cut, r1)), *rest_slice]
-    elif rest:  # a small object: it alone
-        parts = [*rest_slice, Slice([o])] if at_end else [Slice([o]), *rest_slice]
-    else:
-        return slices
-    return [*slices[:i], *parts, *slices[i + 1 :]]
 
 
 def dma_runs(
