@@ -44,6 +44,7 @@ def _stripe_codec_kernel(
     F1: tl.constexpr,
     F2: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    ENG_ALIGN: tl.constexpr,  # elements every engine token row's offset is a multiple of
     G: tl.constexpr,  # values per scale
     GS: tl.constexpr,  # groups per step: a tile is [BLOCK_T tokens x GS groups x G values], its scales one vector
     DATA: tl.constexpr,  # fp8 bytes of an object row; its scales follow
@@ -72,6 +73,9 @@ def _stripe_codec_kernel(
             e_tok = e_base + block * block_stride + (g % BS) * token_stride
         else:
             e_tok = e_base + block * block_stride + (g % BS) // TILE * tile_stride + (g % TILE) * token_stride
+        # what the plan knows of every offset and stride (loaded from tables, Triton cannot see it): the engine's
+        # values move as vectors of up to 16 bytes rather than one by one
+        e_tok = tl.multiple_of(e_tok, ENG_ALIGN)
         mask = t_mask[:, None]
         for k in tl.static_range(0, WIDTH // G, GS):
             w = k * G + tl.arange(0, GS * G)

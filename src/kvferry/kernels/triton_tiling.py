@@ -87,7 +87,8 @@ def kernel_constants(plan: TritonPlan, s: _StripeArgs, tiling: Tiling, to_object
     if plan.codec is not None:
         return dict(
             BS=plan.bs, TILE=s.token_tile, F0=s.sizes[0], F1=s.sizes[1], F2=s.sizes[2], BLOCK_T=tiling.block_t,
-            G=plan.codec.group, GS=tiling.block_w // plan.codec.group, DATA=plan.codec.width, TO_OBJECT=to_objects,
+            ENG_ALIGN=s.align, G=plan.codec.group, GS=tiling.block_w // plan.codec.group, DATA=plan.codec.width,
+            TO_OBJECT=to_objects,
             HAND_ROUND=s.base.device.type == "cpu" or os.environ.get("TRITON_INTERPRET") == "1",
             **_ROUNDING[torch.float8_e4m3fn if to_objects else s.base.dtype],
         )  # fmt: skip
