@@ -22,7 +22,7 @@ from kvferry import Direction
 from kvferry.cuda.driver import CudaError
 from kvferry.formats import EngineKVFormat, describe
 from kvferry.formats.synthetic import random_fill
-from kvferry.kernels import triton_copy
+from kvferry.kernels import triton_copy, triton_plan
 from kvferry.memory import HostPool
 from kvferry.transfer import gpu_engine
 from kvferry.transfer.graphed import pieces_for, tables_bytes
@@ -48,7 +48,7 @@ def graph_engine(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-de
         made: list[StandInGraph] = []
 
         class StandInGraph:
-            def __init__(self, drv: Any, context: int, plan: triton_copy.TritonPlan, n_ids: int, cap: int,
+            def __init__(self, drv: Any, context: int, plan: triton_plan.TritonPlan, n_ids: int, cap: int,
                          rows: int, chunk_size: int, to_objects: bool, programs: int | None, stream: int, slot: int,
                          host: int) -> None:  # fmt: skip
                 if refuse:
@@ -75,11 +75,11 @@ def graph_engine(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-de
 def _setup(seed: int = 3):  # type: ignore[no-untyped-def]
     paged = _engine(FMT, torch.bfloat16, seed, False)
     geom = describe(FMT, paged, block_size=BS)
-    return paged, geom, triton_copy.build_plan(geom), HostPool(1 << 20, alignment=256, pin=False)
+    return paged, geom, triton_plan.build_plan(geom), HostPool(1 << 20, alignment=256, pin=False)
 
 
-def plan_of(paged: Any) -> triton_copy.TritonPlan:
-    return triton_copy.build_plan(describe(FMT, paged, block_size=BS))
+def plan_of(paged: Any) -> triton_plan.TritonPlan:
+    return triton_plan.build_plan(describe(FMT, paged, block_size=BS))
 
 
 def _store_checked(engine: gpu_engine.TransferEngine, plan, paged, objs, ids, skip: int = 0) -> None:  # type: ignore[no-untyped-def]

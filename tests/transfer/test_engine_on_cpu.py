@@ -19,7 +19,7 @@ from kvferry import Direction
 from kvferry.cuda.pinned import register_pinned
 from kvferry.formats import EngineKVFormat, describe
 from kvferry.formats.synthetic import random_fill
-from kvferry.kernels import triton_copy
+from kvferry.kernels import triton_copy, triton_plan
 from kvferry.memory import HostPool
 from kvferry.transfer import gpu_engine
 from kvferry.transfer.lane import Lane
@@ -73,7 +73,7 @@ def test_submit_equals_the_reference(cpu_engine, fmt: F, skip: int, spread: bool
     chunk, bs = 16, 4
     paged = _engine(fmt, torch.bfloat16, 3, False)
     geom = describe(fmt, paged, block_size=bs)
-    plan = triton_copy.build_plan(geom)
+    plan = triton_plan.build_plan(geom)
     shape = geom.object_shape(chunk)
     pool = HostPool(1 << 20, alignment=256, pin=False)
     row_bytes = chunk * geom.width * geom.element_size  # one object row: the smallest slice
@@ -99,7 +99,7 @@ def test_submit_equals_the_reference(cpu_engine, fmt: F, skip: int, spread: bool
         for o in objs:
             random_fill(o)
         got, expected = (_engine(fmt, torch.bfloat16, 7 + turn, False) for _ in range(2))
-        got_plan = triton_copy.build_plan(describe(fmt, got, block_size=bs))
+        got_plan = triton_plan.build_plan(describe(fmt, got, block_size=bs))
         engine.submit(got_plan, objs, ids, False, chunk, skip).wait()
         kvferry.transfer(expected, objs, ids, Direction.H2D, fmt, chunk, skip, backend="reference", block_size=bs)
         assert all(torch.equal(a, b) for a, b in zip(engine_bytes(got), engine_bytes(expected), strict=True))
@@ -131,7 +131,7 @@ def test_adjacent_objects_move_in_one_dma(cpu_engine, given: str) -> None:  # ty
         assert [o.data_ptr() - objs[0].data_ptr() for o in objs] == [0, objs[0].nbytes, 2 * objs[0].nbytes]
     ids = torch.randperm(12)
     request = check(geom, objs, ids, Direction.D2H, chunk, 0)
-    engine.submit(triton_copy.build_plan(geom), objs, request, True, chunk, 0).wait()
+    engine.submit(triton_plan.build_plan(geom), objs, request, True, chunk, 0).wait()
     want = [torch.empty(shape, dtype=geom.dtype) for _ in range(3)]
     kvferry.transfer(paged, want, ids, Direction.D2H, fmt, chunk, backend="reference", block_size=bs)
     assert all(torch.equal(a, b) for a, b in zip(objs, want, strict=True))
@@ -156,7 +156,7 @@ def _small_slices(cpu_engine, monkeypatch):  # type: ignore[no-untyped-def]
     engine, world = cpu_engine(pool, 2 * geom.bytes_per_token * chunk)  # a slice is one object (half a slot)
     _logged_launches(monkeypatch, engine._driver, world)
     objs = pool.try_alloc_many(geom.object_shape(chunk), geom.dtype, 6)
-    return engine, (triton_copy.build_plan(geom), paged), objs, torch.randperm(24), chunk, world
+    return engine, (triton_plan.build_plan(geom), paged), objs, torch.randperm(24), chunk, world
 
 
 @pytest.mark.parametrize("to_objects", [True, False])
@@ -266,7 +266,7 @@ def test_zero_copy_kernels_read_the_pinned_metadata_slot(cpu_engine, monkeypatch
         world.launch_raw(plan, stream, obj_ptr, off_ptr, cap_ptr, ids_ptr, *args, **kwargs)
 
     monkeypatch.setattr(triton_copy, "launch_raw", logged)
-    plan = triton_copy.build_plan(geom)
+    plan = triton_plan.build_plan(geom)
     objs = pool.try_alloc_many(geom.object_shape(chunk), geom.dtype, 3)
     host_ring = range(world.meta_host.data_ptr(), world.meta_host.data_ptr() + world.meta_host.nbytes)
     drv.requests_finish = False  # in flight: its slot stays taken
@@ -302,7 +302,7 @@ def test_a_metadata_slot_is_reused_once_its_request_finished(cpu_engine, monkeyp
     monkeypatch.setattr(triton_copy, "launch_raw", logged)
     monkeypatch.setattr(drv, "query", query)
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)  # the one-off buffer, on a machine with no GPU
-    plan = triton_copy.build_plan(geom)
+    plan = triton_plan.build_plan(geom)
     objs = pool.try_alloc_many(geom.object_shape(chunk), geom.dtype, 3)
     host_ring = range(world.meta_host.data_ptr(), world.meta_host.data_ptr() + world.meta_host.nbytes)
 
@@ -335,7 +335,7 @@ def test_a_dropped_engine_frees_its_lanes_without_the_collector(cpu_engine) -> N
     engine, _ = cpu_engine(pool, 1 << 16)
     engine._driver.requests_finish = False  # the request stays in flight
     objs = pool.try_alloc_many(geom.object_shape(chunk), geom.dtype, 3)
-    handle = engine.submit(triton_copy.build_plan(geom), objs, torch.randperm(12), True, chunk, 0)
+    handle = engine.submit(triton_plan.build_plan(geom), objs, torch.randperm(12), True, chunk, 0)
     lanes = [weakref.ref(engine._store), weakref.ref(engine._retrieve)]
     gc.disable()
     try:
@@ -353,7 +353,7 @@ def test_objects_as_one_tensor_through_the_engine(cpu_engine, mode: str) -> None
     fmt, chunk, bs, skip = F.NL_X_TWO_NB_BS_NH_HS, 16, 4, 3
     paged = _engine(fmt, torch.bfloat16, 3, False, nb=12)
     geom = describe(fmt, paged, block_size=bs)
-    plan = triton_copy.build_plan(geom)
+    plan = triton_plan.build_plan(geom)
     pool = HostPool(1 << 20, alignment=256, pin=False)
     row_bytes = chunk * geom.width * geom.element_size
     slot_bytes = 2 * row_bytes if mode == "row-slices" else 1 << 16
@@ -368,7 +368,7 @@ def test_objects_as_one_tensor_through_the_engine(cpu_engine, mode: str) -> None
 
     random_fill(run)
     got, expected = (_engine(fmt, torch.bfloat16, 7, False, nb=12) for _ in range(2))
-    got_plan = triton_copy.build_plan(describe(fmt, got, block_size=bs))
+    got_plan = triton_plan.build_plan(describe(fmt, got, block_size=bs))
     engine.submit(got_plan, run, check(geom, run, ids, Direction.H2D, chunk, skip), False, chunk, skip).wait()
     kvferry.transfer(expected, run, ids, Direction.H2D, fmt, chunk, skip, backend="reference", block_size=bs)
     assert all(torch.equal(a, b) for a, b in zip(engine_bytes(got), engine_bytes(expected), strict=True))
@@ -382,7 +382,7 @@ def test_objects_by_address_with_a_list_of_ids(cpu_engine, mode: str, skip: int)
     fmt, chunk, bs = F.NL_X_TWO_NB_BS_NH_HS, 16, 4
     paged = _engine(fmt, torch.bfloat16, 3, False, nb=12)
     geom = describe(fmt, paged, block_size=bs)
-    plan = triton_copy.build_plan(geom)
+    plan = triton_plan.build_plan(geom)
     pool = HostPool(1 << 20, alignment=256, pin=False)
     row_bytes = chunk * geom.width * geom.element_size
     engine, _ = cpu_engine(pool, 2 * row_bytes if mode == "row-slices" else 1 << 16,
@@ -403,7 +403,7 @@ def test_objects_by_address_with_a_list_of_ids(cpu_engine, mode: str, skip: int)
     for o in objs:
         random_fill(o)
     got, expected = (_engine(fmt, torch.bfloat16, 7, False, nb=12) for _ in range(2))
-    got_plan = triton_copy.build_plan(describe(fmt, got, block_size=bs))
+    got_plan = triton_plan.build_plan(describe(fmt, got, block_size=bs))
     checked = check_pool_addresses(geom, addresses, ids, Direction.H2D, chunk, skip)
     engine.submit(got_plan, addresses, checked, False, chunk, skip).wait()
     kvferry.transfer(expected, objs, ids, Direction.H2D, fmt, chunk, skip, backend="reference", block_size=bs)

@@ -13,7 +13,7 @@ import torch
 import kvferry
 from kvferry import Direction
 from kvferry.formats import EngineKVFormat, describe
-from kvferry.kernels import triton_copy
+from kvferry.kernels import triton_copy, triton_plan
 from tests.conftest import engine_bytes, poisoned, tile_scale
 from tests.transfer.test_backends import _engine
 
@@ -26,7 +26,7 @@ def test_two_row_slices_equal_the_whole_object(fmt: F) -> None:
     chunk, bs = 8 * scale, 4 * scale
     paged = _engine(fmt, torch.bfloat16, 5, False, bs)
     geom = describe(fmt, paged, block_size=bs)
-    plan = triton_copy.build_plan(geom)
+    plan = triton_plan.build_plan(geom)
     shape = geom.object_shape(chunk)
     n_rows = shape[0] * shape[1]
     split = n_rows // 2 + 1 if n_rows > 2 else 1
@@ -49,7 +49,7 @@ def test_two_row_slices_equal_the_whole_object(fmt: F) -> None:
     kvferry.transfer(want, [whole], ids, Direction.H2D, fmt, chunk, backend="reference", block_size=bs)
     got = _engine(fmt, torch.bfloat16, 9, False, bs)
     got_geom = describe(fmt, got, block_size=bs)
-    got_plan = triton_copy.build_plan(got_geom)
+    got_plan = triton_plan.build_plan(got_geom)
     for r0, r1 in ((0, split), (split, n_rows)):
         staging = source[r0:r1].clone()
         triton_copy.launch(got_plan, staging, table, ids, False, chunk, 0, chunk, rows=(r0, r1),
@@ -64,6 +64,6 @@ def test_a_row_range_outside_a_stripe_copies_nothing() -> None:
     staging = poisoned((1, 8, geom.width), geom.dtype)
     before = staging.clone()
     table = torch.tensor([[0], [8]])
-    triton_copy.launch(triton_copy.build_plan(geom), staging, table, torch.tensor([1, 2]), True, 8, 0, 8,
+    triton_copy.launch(triton_plan.build_plan(geom), staging, table, torch.tensor([1, 2]), True, 8, 0, 8,
                        rows=(100, 101))  # fmt: skip
     assert torch.equal(staging.view(torch.uint8), before.view(torch.uint8))

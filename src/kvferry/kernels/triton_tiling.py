@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 if TYPE_CHECKING:
-    from kvferry.kernels.triton_copy import TritonPlan, _StripeArgs
+    from kvferry.kernels.triton_plan import TritonPlan, _StripeArgs
 
 _WORD_DTYPES = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
 # How the codec kernel rounds float32 to the float it stores: mantissa bits dropped, the smallest normal, the spacing

@@ -336,7 +336,7 @@ class _PlanCache:
         return (geom.fmt, geom.bs, geom.dtype, geom.first_head, geom.total_heads, geom.codec, views)
 
     def _build_triton(self, geom: KVGeometry) -> Any:
-        from kvferry.kernels.triton_copy import build_plan
+        from kvferry.kernels.triton_plan import build_plan
 
         if geom.device.type != "cuda":
             return build_plan(geom)

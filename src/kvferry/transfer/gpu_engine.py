@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from kvferry.cuda.driver import CudaError, driver, primary_context
-from kvferry.kernels import triton_copy
+from kvferry.kernels import triton_copy, triton_plan
 from kvferry.transfer.graphed import ObjectGraph, tables_bytes
 from kvferry.transfer.handle import Completion, TransferHandle
 from kvferry.transfer.lane import Lane
@@ -77,7 +77,7 @@ class _Request:
     """One validated request as the engine moves it: the plan, and the host side read off `Checked` (or off the
     objects themselves). Built once per request and only read after."""
 
-    plan: triton_copy.TritonPlan
+    plan: triton_plan.TritonPlan
     objects: list[torch.Tensor] | torch.Tensor | list[int]  # kept alive until the request has run
     ids: np.ndarray | list[int]  # block ids; a short pool request's stay a list (`check_pool_addresses`)
     ptrs: list[int]  # each object's host address
@@ -112,7 +112,7 @@ class TransferEngine:
 
     def submit(
         self,
-        plan: triton_copy.TritonPlan,
+        plan: triton_plan.TritonPlan,
         objects: list[torch.Tensor] | torch.Tensor | list[int],
         request: Checked | torch.Tensor,
         to_objects: bool,

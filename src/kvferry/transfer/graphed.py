@@ -24,7 +24,7 @@ import torch
 
 from kvferry.cuda.driver import CudaError, Driver
 from kvferry.cuda.graphs import CapturedGraph, HostCopy
-from kvferry.kernels import triton_copy
+from kvferry.kernels import triton_copy, triton_plan
 from kvferry.transfer.schedule import MiB
 
 
@@ -49,7 +49,7 @@ class ObjectGraph:
         self,
         drv: Driver,
         context: int,
-        plan: triton_copy.TritonPlan,
+        plan: triton_plan.TritonPlan,
         *,
         n_ids: int,
         cap: int,
