@@ -30,7 +30,7 @@ from kvferry.integrations.vllm.worker_backend import StateViews
 from kvferry.memory import HostPool
 from kvferry.server import KvferryServer
 from tests.integrations.vllm_hybrid_views import MAMBA_FIXTURES
-from tests.server.serverkit import wait_for
+from tests.server.serverkit import ServerProcess, wait_for
 
 FIXTURE = json.loads(MAMBA_FIXTURES.read_text())[0]
 CHUNK = 64  # the fixtures' block size: one block per chunk
@@ -144,6 +144,26 @@ def test_a_windowed_group_is_looked_up_from_its_window_and_demoted_on_the_server
         hybrid.lookups.close()
 
 
+def _state_round_trip(hybrid: HybridWorker, apart: GroupedLookups, views: dict[str, torch.Tensor]) -> list[int]:
+    """Store states at 1 and 3 chunks, find the 3-chunk hit from both halves, load it; the prompt's tokens."""
+    tokens = [random.Random(4).randrange(32_000) for _ in range(4 * CHUNK + 1)]
+    _store(hybrid, tokens[: 4 * CHUNK], [1, 2, 3, 4], {CHUNK: 5, 3 * CHUNK: 7})  # no state at 2 or 4 chunks
+    assert _hit(hybrid.lookups, tokens) == _hit(apart, tokens) == 3 * CHUNK
+    stored = _state_bytes(views, 7)
+    loads = [
+        LoadSpec("b", tokens[: 3 * CHUNK], [10, 11, 12], 0, group=1),
+        LoadSpec("b", tokens[: 3 * CHUNK], [NULL_BLOCK, NULL_BLOCK, 13], 2 * CHUNK, group=0),
+    ]
+    assert not torch.equal(_state_bytes(views, 13)[0], stored[0])  # random bytes until the load
+    hybrid.worker.start_loads(StepPlan(loads=loads))
+    wait_for(lambda: hybrid.worker.counters.tokens_loaded >= 3 * CHUNK, "the loads")
+    assert hybrid.worker.take_load_errors() == set()
+    if views[MAMBA.layer_names[0]].is_cuda:
+        torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(_state_bytes(views, 13), stored, strict=True))
+    return tokens
+
+
 def test_a_state_goes_through_the_server_and_a_scheduler_apart_finds_it(server: tuple[CacheEngine, str]) -> None:
     engine, url = server
     _, views = replay(FIXTURE, "cpu")
@@ -152,19 +172,7 @@ def test_a_state_goes_through_the_server_and_a_scheduler_apart_finds_it(server: 
     try:
         assert apart.backends[0].chunk_size is None  # not connected yet: the chunk size comes from the server
         apart.backends[0].backend.link.connect()  # type: ignore[attr-defined]
-        tokens = [random.Random(4).randrange(32_000) for _ in range(4 * CHUNK + 1)]
-        _store(hybrid, tokens[: 4 * CHUNK], [1, 2, 3, 4], {CHUNK: 5, 3 * CHUNK: 7})  # no state at 2 or 4 chunks
-        assert _hit(hybrid.lookups, tokens) == _hit(apart, tokens) == 3 * CHUNK
-        stored = _state_bytes(views, 7)
-        loads = [
-            LoadSpec("b", tokens[: 3 * CHUNK], [10, 11, 12], 0, group=1),
-            LoadSpec("b", tokens[: 3 * CHUNK], [NULL_BLOCK, NULL_BLOCK, 13], 2 * CHUNK, group=0),
-        ]
-        assert not torch.equal(_state_bytes(views, 13)[0], stored[0])  # random bytes until the load
-        hybrid.worker.start_loads(StepPlan(loads=loads))
-        wait_for(lambda: hybrid.worker.counters.tokens_loaded >= 3 * CHUNK, "the loads")
-        assert hybrid.worker.take_load_errors() == set()
-        assert all(torch.equal(a, b) for a, b in zip(_state_bytes(views, 13), stored, strict=True))
+        tokens = _state_round_trip(hybrid, apart, views)
         # A state the server evicted: the hit ends at the boundary before it, or misses
         _evict(engine, _state_key(engine, hybrid, tokens[: 3 * CHUNK]))
         assert _hit(hybrid.lookups, tokens) == _hit(apart, tokens) == CHUNK
@@ -175,6 +183,23 @@ def test_a_state_goes_through_the_server_and_a_scheduler_apart_finds_it(server: 
         apart.close()
         hybrid.worker.close()
         hybrid.lookups.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_state_on_a_gpu_goes_through_a_server_by_cuda_ipc() -> None:
+    process = ServerProcess("--chunk-size", str(CHUNK), "--l1-size-gb", "0.25")
+    _, views = replay(FIXTURE, "cuda")
+    hybrid = _worker(process.endpoint, views)
+    apart = lookups_from_handshake(ServerLink(process.endpoint, timeout_s=10), hybrid.key_spaces, [MAMBA, FULL])
+    try:
+        apart.backends[0].backend.link.connect()  # type: ignore[attr-defined]
+        _state_round_trip(hybrid, apart, views)
+    finally:
+        apart.close()
+        hybrid.worker.close()
+        hybrid.lookups.close()
+        assert process.stop() == 0
 
 
 def test_the_server_demotes_a_state_once_the_next_boundary_s_is_stored(server: tuple[CacheEngine, str]) -> None:

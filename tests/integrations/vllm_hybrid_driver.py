@@ -9,11 +9,12 @@ PHASE
   embedded    kvferry's cache in this process: the main prompt (a miss), again (a hit), the other prompt (a hit of
               the shared prefix, well past the window), each after the other.
   server      the same through a kvferry server at --server-url.
-  gdn, gdn-reference, gdn-lost
+  gdn, gdn-reference, gdn-lost, gdn-server
               the state-space hybrid with vLLM's prefix caching on (Mamba "align" mode): without kvferry the main
               prompt once; with kvferry embedded the main prompt (a miss, stored), vLLM's prefix cache emptied, the
               main prompt again (kvferry's hit: attention chunks and the linear-attention state at its end);
-              ``gdn-lost`` as ``gdn`` with every state load writing zeros instead (what the test tells apart).
+              ``gdn-lost`` as ``gdn`` with every state load writing zeros instead (what the test tells apart);
+              ``gdn-server`` as ``gdn`` through a kvferry server at --server-url.
   capacity    vLLM's KV capacity in tokens with the connector on, with vLLM's hybrid KV cache manager and without
               (``disable_hybrid_kv_cache_manager``): every layer then holds every token.
 
@@ -186,19 +187,24 @@ def count_copied_bytes(moved: dict[str, int]) -> None:
         setattr(EmbeddedBackend, name, counted)
 
 
-def run_gdn(model: str, phase: str) -> dict[str, Any]:
+def run_gdn(model: str, phase: str, server_url: str | None, in_process: bool) -> dict[str, Any]:
     """The state-space hybrid's phases (see the module's docstring), vLLM's prefix caching on."""
     main_prompt = prompts()["main"]
     if phase == "gdn-lost":
         lose_state_loads()
-    extra = {"mode": "embedded", "config": {"cache": {"chunk_size": GDN_CHUNK, "l1_size_gb": 0.25}}}
+    extra: dict[str, Any] = {"mode": "embedded", "config": {"cache": {"chunk_size": GDN_CHUNK, "l1_size_gb": 0.25}}}
+    if phase == "gdn-server":
+        extra = {"mode": "server", "server_url": server_url}
     llm = make_llm(model, None if phase == "gdn-reference" else extra, enable_prefix_caching=True)
-    report: dict[str, Any] = {"groups": kv_groups(llm), "runs": [generate(llm, [main_prompt])]}
+    report: dict[str, Any] = {"runs": [generate(llm, [main_prompt])]}
+    if in_process:
+        report["groups"] = kv_groups(llm)
     if phase != "gdn-reference":
         generate(llm, [list(range(16))])  # a step after the first run's stores: vLLM then frees its blocks
         report["prefix_cache_reset"] = llm.reset_prefix_cache()
         report["runs"].append(generate(llm, [main_prompt]))
-        report.update(connector_state(llm))
+        if in_process:
+            report.update(connector_state(llm))
     llm.llm_engine.engine_core.shutdown()
     return report
 
@@ -233,7 +239,8 @@ def main() -> None:
         write_report(out, report)
         os._exit(0)
     if phase.startswith("gdn"):
-        report.update(run_gdn(model + "-gdn", phase))
+        url = sys.argv[sys.argv.index("--server-url") + 1] if "--server-url" in sys.argv else None
+        report.update(run_gdn(model + "-gdn", phase, url, in_process=not multiprocessing))
         write_report(out, report)
         os._exit(0)
     extra = {

@@ -20,7 +20,9 @@ log = logging.getLogger(__name__)
 
 class ServerBackend:
     """A ``kvferry server`` behind a `ServerLink` (misses while it is down). With ``kv`` the link registers the
-    engine's KV cache (the worker); without, it only looks up (a scheduler in another process)."""
+    engine's KV cache (the worker), whose kernel block ids the loads and stores name; without, it only looks up (a
+    scheduler in another process), or its link registers KV made once connected (a Mamba state's, whose blocks
+    are vLLM's: `worker_backend.make_state_backend`)."""
 
     def __init__(
         self, link: ServerLink, key_space: KeySpace, kv: EngineKV | None = None, *, block_size: int | None = None

@@ -141,9 +141,19 @@ def make_state_backend(
     salt = f"{settings.salt}|{group_tag}"  # as `make_worker_backend` tags a group's key space
     fmt = EngineKVFormat.NL_X_NB_NH_BS_CS  # `state_kv`'s: one [blocks, 1, chunk, row bytes] uint8 tensor a layer
     key_space = KeySpace(
-        model, salt, fmt.name, "uint8", 1, len(views.layers), 0, "none", views.state_bytes, views.page_bytes,
-        world_size, rank,
-    )  # fmt: skip
+        model=model,
+        salt=salt,
+        fmt=fmt.name,
+        kv_dtype="uint8",
+        kv_size=1,
+        num_layers=len(views.layers),
+        width=0,  # the rows' width follows the chunk size: from the state's bytes and page
+        codec="none",
+        state_bytes=views.state_bytes,
+        page_bytes=views.page_bytes,
+        world_size=world_size,
+        rank=rank,
+    )
     deployment: dict[str, str | int] = {"model": model, "salt": salt, "codec": "none"}
     deployment.update(world_size=world_size, rank=rank)
 
