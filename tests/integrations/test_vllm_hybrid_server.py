@@ -21,6 +21,7 @@ from kvferry.config import KvferryConfig, ServerConfig
 from kvferry.integrations.vllm.hybrid_worker import HybridWorker, lookups_from_handshake, start_hybrid_worker
 from kvferry.integrations.vllm.kv_groups import NULL_BLOCK, GroupedLookups, KVGroup
 from kvferry.integrations.vllm.kv_layout import recognise
+from kvferry.integrations.vllm.page_views import UnsupportedKVLayout
 from kvferry.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
 from kvferry.integrations.vllm.server_backend import ServerBackend
 from kvferry.integrations.vllm.server_link import ServerLink
@@ -256,3 +257,18 @@ def test_each_tensor_parallel_rank_keeps_its_own_shard_of_a_state(server: tuple[
         for hybrid in ranks:
             hybrid.worker.close()
             hybrid.lookups.close()
+
+
+def test_a_server_chunk_size_whose_rows_do_not_fit_a_state_s_page_refuses_to_start() -> None:
+    chunk = 512 * CHUNK  # 32768 rows of a 32768-byte page: no even row width fits
+    config = KvferryConfig.load(env={}, overrides={"cache": {"chunk_size": chunk}})
+    engine = CacheEngine(config, pool=HostPool(1 << 20, pin=False))
+    served = KvferryServer(ServerConfig(port=0, http_port=0), engine)
+    served.start()
+    try:
+        _, views = replay(FIXTURE, "cpu")
+        with pytest.raises(UnsupportedKVLayout, match=f"does not fit {chunk} whole rows"):
+            _worker(f"tcp://127.0.0.1:{served.port}", views)
+    finally:
+        served.stop()
+        engine.close()
