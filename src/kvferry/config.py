@@ -116,7 +116,9 @@ class TransferConfig(BaseModel):
         -1, description="CUDA stream priority of the gathers/scatters (lower = higher; 0 where decode latency rules)"
     )
     batch_dma: bool = Field(True, description="a slice's scattered objects as one cuMemcpyBatchAsync (CUDA 12.8+)")
-    programs: int | None = Field(None, gt=0, description="programs per gather/scatter launch (default two per SM)")
+    programs: int | None = Field(
+        None, gt=0, description="programs per gather/scatter launch (default two per SM, eight for the fp8 codec)"
+    )
     graph_max_mib: float = Field(
         64.0, ge=0, description="a request of one whole object up to this size replays a captured CUDA graph (0: off)"
     )

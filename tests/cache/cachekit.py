@@ -1,4 +1,5 @@
-"""Test helpers for the cache: random paged KV tensors in any declared layout, and per-block contents.
+"""Test helpers for the cache: random paged KV tensors in any declared layout, per-block contents, random prompts
+and block ids, and small engines over that KV.
 
 Built from ``kvferry.formats``' layout declarations only, so the checks here do not depend on the transfer
 code they test: a block's contents are everything in the engine's tensors that belongs to that block.
@@ -10,14 +11,48 @@ import ctypes
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
+from kvferry.cache import CacheEngine
+from kvferry.config import KvferryConfig
 from kvferry.formats.kinds import EngineKVFormat
 from kvferry.formats.layouts import layout_of
+from kvferry.memory import HostPool
+from kvferry.tiers import Tier
 
 # Small geometry: 2 layers, 2 kv heads of 8, 16-token blocks; chunks of 32 tokens (2 blocks).
 NL, NH, HS, BS, CHUNK = 2, 2, 8, 16, 32
 PER_CHUNK = CHUNK // BS
+NB = 64  # engine blocks of the paged KV most tests make
+OBJECT_BYTES = NL * 2 * NH * HS * CHUNK * 2  # a chunk object of fp16 KV: 4 KiB
+
+
+def random_tokens(n: int, seed: int = 0) -> list[int]:
+    """``n`` random token ids, the same for the same ``seed``."""
+    return np.random.default_rng(seed).integers(0, 32_000, size=n).tolist()
+
+
+def random_blocks(n: int, seed: int) -> list[int]:
+    """``n`` distinct ids of the ``NB`` engine blocks, in random order."""
+    return np.random.default_rng(seed).permutation(NB)[:n].tolist()
+
+
+def cache_engine(
+    objects: int = 64,
+    fmt: EngineKVFormat = EngineKVFormat.NL_X_TWO_NB_BS_NH_HS,
+    paged: Any = None,
+    block_size: int | None = None,
+    tiers: list[Tier] | None = None,
+    **cache: Any,
+) -> CacheEngine:
+    """An engine of ``CHUNK``-token chunks whose pool holds exactly ``objects`` chunk objects of fp16 ``fmt`` KV,
+    over ``tiers``, in the key space of ``paged`` (default: a random one of ``NB`` blocks); ``cache``: settings."""
+    config = KvferryConfig.load(env={}, overrides={"cache": {"chunk_size": CHUNK, **cache}})
+    engine = CacheEngine(config, pool=HostPool(objects * OBJECT_BYTES, pin=False), tiers=tiers)
+    paged = paged if paged is not None else make_paged(fmt, NB)
+    engine.namespace = engine.namespace_for("test-model", fmt, paged, block_size=block_size)
+    return engine
 
 
 def make_paged(fmt: EngineKVFormat, nb: int, *, dtype: torch.dtype = torch.float16, seed: int = 0) -> Any:

@@ -5,34 +5,29 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import pytest
 
 from kvferry.cache import CacheEngine
 from kvferry.cache.writer import ChunkWriter
-from kvferry.config import KvferryConfig
 from kvferry.formats.kinds import EngineKVFormat as F
-from kvferry.memory import HostPool
-from tests.cache.cachekit import CHUNK, PER_CHUNK, AheadCopies, assert_blocks_equal, make_paged
+from tests.cache.cachekit import (
+    CHUNK,
+    NB,
+    PER_CHUNK,
+    AheadCopies,
+    assert_blocks_equal,
+    cache_engine,
+    make_paged,
+    random_blocks,
+    random_tokens,
+)
 
-NB = 64
 FMT = F.NL_X_TWO_NB_BS_NH_HS
 
 
-def _tokens(n: int, seed: int = 0) -> list[int]:
-    return np.random.default_rng(seed).integers(0, 32_000, size=n).tolist()
-
-
-def _blocks(n: int, seed: int) -> list[int]:
-    return np.random.default_rng(seed).permutation(NB)[:n].tolist()
-
-
 def _engine(objects: int = 16, fmt: F = FMT, **cache: Any) -> tuple[CacheEngine, Any]:
-    config = KvferryConfig.load(env={}, overrides={"cache": {"chunk_size": CHUNK, **cache}})
-    engine = CacheEngine(config, pool=HostPool(objects * 4096, pin=False))
     src = make_paged(fmt, NB, seed=1)
-    engine.namespace = engine.namespace_for("ahead", fmt, src)
-    return engine, src
+    return cache_engine(objects, fmt, src, **cache), src
 
 
 @pytest.fixture
@@ -44,7 +39,8 @@ def ahead(monkeypatch: pytest.MonkeyPatch) -> AheadCopies:
 def test_round_trip_bit_exact(ahead: AheadCopies, fmt: F) -> None:
     engine, src = _engine(fmt=fmt)
     dst = make_paged(fmt, NB, seed=2)
-    tokens, ids, back = _tokens(3 * CHUNK + 5), _blocks(3 * PER_CHUNK + 1, 0), _blocks(3 * PER_CHUNK, 1)
+    tokens = random_tokens(3 * CHUNK + 5)
+    ids, back = random_blocks(3 * PER_CHUNK + 1, 0), random_blocks(3 * PER_CHUNK, 1)
     with engine:
         assert engine.store(tokens, src, ids, fmt, skip_prefix_tokens=CHUNK) == 2 * CHUNK  # chunks 1 and 2
         assert (ahead.enqueued, ahead.waited) == (1, 1)
@@ -59,13 +55,13 @@ def test_a_store_that_copied_a_present_chunk_pauses_ahead(ahead: AheadCopies, mo
     monkeypatch.setattr(ChunkWriter, "AHEAD_PAUSE", 2)
     engine, src = _engine()
     with engine:
-        engine.store(_tokens(CHUNK, 0), src, _blocks(PER_CHUNK, 0), FMT)
-        engine.store(_tokens(CHUNK, 0), src, _blocks(PER_CHUNK, 0), FMT)  # present: copied for nothing
+        engine.store(random_tokens(CHUNK, 0), src, random_blocks(PER_CHUNK, 0), FMT)
+        engine.store(random_tokens(CHUNK, 0), src, random_blocks(PER_CHUNK, 0), FMT)  # present: copied for nothing
         assert ahead.enqueued == 2
         for seed in (1, 2):  # the pause: in order (the CPU engine's own copy)
-            assert engine.store(_tokens(CHUNK, seed), src, _blocks(PER_CHUNK, seed), FMT) == CHUNK
+            assert engine.store(random_tokens(CHUNK, seed), src, random_blocks(PER_CHUNK, seed), FMT) == CHUNK
         assert ahead.enqueued == 2
-        assert engine.store(_tokens(CHUNK, 3), src, _blocks(PER_CHUNK, 3), FMT) == CHUNK
+        assert engine.store(random_tokens(CHUNK, 3), src, random_blocks(PER_CHUNK, 3), FMT) == CHUNK
         assert ahead.enqueued == 3 and engine.pool.num_allocations == 4
 
 
@@ -73,7 +69,7 @@ def test_bad_tokens_found_after_the_copy_started_leave_nothing_behind(ahead: Ahe
     engine, src = _engine()
     with engine:
         with pytest.raises((TypeError, ValueError)):
-            engine.store([1] * (CHUNK - 1) + ["x"], src, _blocks(PER_CHUNK, 0), FMT)  # type: ignore[list-item]
+            engine.store([1] * (CHUNK - 1) + ["x"], src, random_blocks(PER_CHUNK, 0), FMT)  # type: ignore[list-item]
         assert (ahead.enqueued, ahead.waited) == (1, 1)  # the copy landed before its objects went back
         assert engine.pool.num_allocations == 0 and engine.stats()["objects"] == 0
 
@@ -82,12 +78,12 @@ def test_a_refused_copy_leaves_nothing_behind(ahead: AheadCopies) -> None:
     engine, src = _engine()
     with engine:
         with pytest.raises(ValueError, match="outside the pool"):
-            engine.store(_tokens(2 * CHUNK), src, [0, 1, 2, NB], FMT)
+            engine.store(random_tokens(2 * CHUNK), src, [0, 1, 2, NB], FMT)
         assert ahead.enqueued == 0 and engine.pool.num_allocations == 0 and engine.stats()["objects"] == 0
 
 
 def test_without_room_for_every_chunk_the_store_goes_in_order(ahead: AheadCopies) -> None:
     engine, src = _engine(objects=2, watermark=1.0)
     with engine:
-        assert engine.store(_tokens(3 * CHUNK), src, _blocks(3 * PER_CHUNK, 0), FMT) == 2 * CHUNK
+        assert engine.store(random_tokens(3 * CHUNK), src, random_blocks(3 * PER_CHUNK, 0), FMT) == 2 * CHUNK
         assert ahead.enqueued == 0 and engine.stats()["skipped_chunks"] == 1

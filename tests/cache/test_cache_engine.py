@@ -11,32 +11,19 @@ import torch
 from prometheus_client import generate_latest
 
 from kvferry.cache import CacheEngine, CacheNamespace, writer
-from kvferry.config import KvferryConfig
 from kvferry.formats.kinds import EngineKVFormat as F
 from kvferry.memory import HostPool
-from tests.cache.cachekit import BS, CHUNK, assert_blocks_equal, block_contents, make_paged
-
-NB = 64
-
-
-def _tokens(n: int, seed: int = 0) -> list[int]:
-    return np.random.default_rng(seed).integers(0, 32_000, size=n).tolist()
-
-
-def _blocks(n: int, seed: int) -> list[int]:
-    return np.random.default_rng(seed).permutation(NB)[:n].tolist()
-
-
-def _engine(
-    objects: int = 64, fmt: F = F.NL_X_TWO_NB_BS_NH_HS, paged: Any = None, block_size: int | None = None, **cache: Any
-) -> CacheEngine:
-    """An engine whose pool holds exactly ``objects`` chunk objects of ``fmt`` (4 KiB each here)."""
-    config = KvferryConfig.load(env={}, overrides={"cache": {"chunk_size": CHUNK, **cache}})
-    engine = CacheEngine(config, pool=HostPool(objects * 4096, pin=False))
-    paged = paged if paged is not None else make_paged(fmt, NB)
-    engine.namespace = engine.namespace_for("test-model", fmt, paged, block_size=block_size)
-    return engine
-
+from tests.cache.cachekit import (
+    BS,
+    CHUNK,
+    NB,
+    assert_blocks_equal,
+    block_contents,
+    cache_engine,
+    make_paged,
+    random_blocks,
+    random_tokens,
+)
 
 ROUND_TRIP_FORMATS = [
     F.NL_X_TWO_NB_BS_NH_HS,
@@ -53,11 +40,11 @@ ROUND_TRIP_FORMATS = [
 @pytest.mark.parametrize("fmt", ROUND_TRIP_FORMATS, ids=lambda f: f.name)
 def test_store_lookup_retrieve_into_other_blocks_is_bit_exact(fmt: F) -> None:
     src, dst = make_paged(fmt, NB, seed=1), make_paged(fmt, NB, seed=2)
-    tokens = _tokens(5 * CHUNK + 7)
-    src_ids, dst_ids = _blocks(11, seed=3), _blocks(11, seed=4)
+    tokens = random_tokens(5 * CHUNK + 7)
+    src_ids, dst_ids = random_blocks(11, seed=3), random_blocks(11, seed=4)
     before_tail = block_contents(dst, fmt, dst_ids[10]).clone()
     block_size = BS if fmt == F.TWO_X_NL_X_NBBS_NH_HS else None
-    with _engine(fmt=fmt, paged=src, block_size=block_size) as engine:
+    with cache_engine(fmt=fmt, paged=src, block_size=block_size) as engine:
         assert engine.lookup(tokens) == 0
         assert engine.store(tokens, src, src_ids, fmt, block_size=block_size) == 5 * CHUNK
         assert engine.lookup(tokens) == 5 * CHUNK
@@ -69,9 +56,9 @@ def test_store_lookup_retrieve_into_other_blocks_is_bit_exact(fmt: F) -> None:
 def test_prefix_semantics_a_diverging_token_in_chunk_k_hits_k_chunks() -> None:
     fmt = F.NL_X_TWO_NB_BS_NH_HS
     src = make_paged(fmt, NB)
-    tokens = _tokens(6 * CHUNK)
-    with _engine(paged=src) as engine:
-        engine.store(tokens, src, _blocks(12, 0), fmt)
+    tokens = random_tokens(6 * CHUNK)
+    with cache_engine(paged=src) as engine:
+        engine.store(tokens, src, random_blocks(12, 0), fmt)
         for k in range(6):
             other = list(tokens)
             other[k * CHUNK + 5] += 1
@@ -82,9 +69,9 @@ def test_prefix_semantics_a_diverging_token_in_chunk_k_hits_k_chunks() -> None:
 def test_a_lookup_from_a_chunk_on_needs_only_the_chunks_from_there() -> None:
     fmt = F.NL_X_TWO_NB_BS_NH_HS
     src = make_paged(fmt, NB)
-    tokens = _tokens(6 * CHUNK)
-    with _engine(paged=src) as engine:
-        engine.store(tokens, src, _blocks(12, 0), fmt)
+    tokens = random_tokens(6 * CHUNK)
+    with cache_engine(paged=src) as engine:
+        engine.store(tokens, src, random_blocks(12, 0), fmt)
         with engine._res.lock:  # chunk 1 goes: a lookup from chunk 0 stops there, one from chunk 2 does not
             engine._res.detach_locked(engine._res.index.get(engine.chunk_keys(tokens)[1]))
         assert engine.lookup_status(tokens).hit_tokens == CHUNK
@@ -98,26 +85,26 @@ def test_a_lookup_from_a_chunk_on_needs_only_the_chunks_from_there() -> None:
 def test_demoted_chunks_are_evicted_first_and_a_read_moves_them_back() -> None:
     fmt = F.NL_X_TWO_NB_BS_NH_HS
     src = make_paged(fmt, NB)
-    first, second = _tokens(4 * CHUNK, seed=1), _tokens(4 * CHUNK, seed=2)
-    with _engine(objects=8, paged=src, eviction_batch=1, watermark=1.0) as engine:  # room for 8 chunks
-        engine.store(first, src, _blocks(8, 0), fmt)
-        engine.store(second, src, _blocks(8, 1), fmt)  # the least recent now: the first prompt's chunks
+    first, second = random_tokens(4 * CHUNK, seed=1), random_tokens(4 * CHUNK, seed=2)
+    with cache_engine(objects=8, paged=src, eviction_batch=1, watermark=1.0) as engine:  # room for 8 chunks
+        engine.store(first, src, random_blocks(8, 0), fmt)
+        engine.store(second, src, random_blocks(8, 1), fmt)  # the least recent now: the first prompt's chunks
         engine.demote(second, range(2, 4))
         engine.demote(first, range(0, 0))  # nothing
-        engine.store(_tokens(2 * CHUNK, seed=3), src, _blocks(4, 2), fmt)  # room for 2 more: the demoted go
+        engine.store(random_tokens(2 * CHUNK, seed=3), src, random_blocks(4, 2), fmt)  # room for 2 more: the demoted go
         assert engine.lookup(first) == 4 * CHUNK and engine.lookup(second) == 2 * CHUNK
         engine.demote(first, range(4))
-        engine.retrieve(first[: 2 * CHUNK], make_paged(fmt, NB), _blocks(4, 3), fmt)  # read: back at the end
-        engine.store(_tokens(2 * CHUNK, seed=4), src, _blocks(4, 4), fmt)
+        engine.retrieve(first[: 2 * CHUNK], make_paged(fmt, NB), random_blocks(4, 3), fmt)  # read: back at the end
+        engine.store(random_tokens(2 * CHUNK, seed=4), src, random_blocks(4, 4), fmt)
         assert engine.lookup(first) == 2 * CHUNK
 
 
 def test_store_copies_only_missing_chunks() -> None:
     fmt = F.NL_X_TWO_NB_BS_NH_HS
     src, dst = make_paged(fmt, NB, seed=1), make_paged(fmt, NB, seed=2)
-    tokens = _tokens(5 * CHUNK)
-    src_ids, dst_ids = _blocks(10, 5), _blocks(10, 6)
-    with _engine(paged=src) as engine:
+    tokens = random_tokens(5 * CHUNK)
+    src_ids, dst_ids = random_blocks(10, 5), random_blocks(10, 6)
+    with cache_engine(paged=src) as engine:
         assert engine.store(tokens[:CHUNK], src, src_ids, fmt) == CHUNK
         assert engine.store(tokens, src, src_ids, fmt) == 4 * CHUNK
         assert engine.store(tokens, src, src_ids, fmt) == 0
@@ -130,15 +117,15 @@ def test_store_copies_only_missing_chunks() -> None:
 def test_store_fills_holes_with_one_gathered_transfer() -> None:
     fmt = F.NL_X_TWO_NB_BS_NH_HS
     src, dst = make_paged(fmt, NB, seed=1), make_paged(fmt, NB, seed=2)
-    tokens = _tokens(5 * CHUNK)
-    src_ids, dst_ids = _blocks(10, 5), _blocks(10, 6)
-    with _engine(objects=5, paged=src, watermark=1.0, eviction_batch=1) as engine:
+    tokens = random_tokens(5 * CHUNK)
+    src_ids, dst_ids = random_blocks(10, 5), random_blocks(10, 6)
+    with cache_engine(objects=5, paged=src, watermark=1.0, eviction_batch=1) as engine:
         engine.store(tokens, src, src_ids, fmt)
         # Recency order after these: chunk 1, chunk 3 oldest.
         engine.retrieve(tokens[:CHUNK], dst, dst_ids, fmt)
         engine.retrieve(tokens[: 3 * CHUNK], dst, dst_ids, fmt, skip_prefix_tokens=2 * CHUNK)
         engine.retrieve(tokens, dst, dst_ids, fmt, skip_prefix_tokens=4 * CHUNK)
-        engine.store(_tokens(2 * CHUNK, 9), src, _blocks(4, 9), fmt)  # evicts chunks 1 and 3
+        engine.store(random_tokens(2 * CHUNK, 9), src, random_blocks(4, 9), fmt)  # evicts chunks 1 and 3
         assert engine.lookup(tokens) == CHUNK
         engine.clear()  # room for the refill; the index must not keep chunks 0, 2 and 4 either
         engine.store(tokens[:CHUNK], src, src_ids, fmt)
@@ -153,9 +140,9 @@ def test_store_fills_holes_with_one_gathered_transfer() -> None:
 def test_block_ids_as_tensor_and_gathered() -> None:
     fmt = F.NL_X_TWO_NB_BS_NH_HS
     src, dst = make_paged(fmt, NB, seed=1), make_paged(fmt, NB, seed=2)
-    tokens = _tokens(3 * CHUNK)
-    src_ids, dst_ids = _blocks(6, 1), _blocks(6, 2)
-    with _engine(paged=src) as engine:
+    tokens = random_tokens(3 * CHUNK)
+    src_ids, dst_ids = random_blocks(6, 1), random_blocks(6, 2)
+    with cache_engine(paged=src) as engine:
         engine.store(tokens, src, torch.tensor(src_ids), fmt, skip_prefix_tokens=CHUNK)
         engine.store(tokens[:CHUNK], src, np.array(src_ids), fmt)
         assert engine.retrieve(tokens, dst, torch.tensor(dst_ids), fmt) == 3 * CHUNK
@@ -165,11 +152,11 @@ def test_block_ids_as_tensor_and_gathered() -> None:
 def test_retrieve_skip_prefix_leaves_the_engines_blocks_alone() -> None:
     fmt = F.NL_X_TWO_NB_BS_NH_HS
     src, dst = make_paged(fmt, NB, seed=1), make_paged(fmt, NB, seed=2)
-    tokens = _tokens(4 * CHUNK)
-    src_ids, dst_ids = _blocks(8, 1), _blocks(8, 2)
+    tokens = random_tokens(4 * CHUNK)
+    src_ids, dst_ids = random_blocks(8, 1), random_blocks(8, 2)
     untouched = [block_contents(dst, fmt, b).clone() for b in dst_ids[:3]]
     skip = CHUNK + BS + 3  # one full chunk and one block of the next are the engine's own
-    with _engine(paged=src) as engine:
+    with cache_engine(paged=src) as engine:
         engine.store(tokens, src, src_ids, fmt)
         assert engine.retrieve(tokens, dst, dst_ids, fmt, skip_prefix_tokens=skip) == 4 * CHUNK - skip
         assert engine.retrieve(tokens, dst, dst_ids, fmt, skip_prefix_tokens=4 * CHUNK) == 0
@@ -181,11 +168,11 @@ def test_retrieve_skip_prefix_leaves_the_engines_blocks_alone() -> None:
 def test_retrieve_miss_and_partial_hit() -> None:
     fmt = F.NL_X_TWO_NB_BS_NH_HS
     src, dst = make_paged(fmt, NB, seed=1), make_paged(fmt, NB, seed=2)
-    tokens = _tokens(4 * CHUNK)
-    with _engine(paged=src) as engine:
-        assert engine.retrieve(tokens, dst, _blocks(8, 2), fmt) == 0
-        engine.store(tokens[: 2 * CHUNK], src, _blocks(4, 1), fmt)
-        assert engine.retrieve(tokens, dst, _blocks(8, 2), fmt) == 2 * CHUNK
+    tokens = random_tokens(4 * CHUNK)
+    with cache_engine(paged=src) as engine:
+        assert engine.retrieve(tokens, dst, random_blocks(8, 2), fmt) == 0
+        engine.store(tokens[: 2 * CHUNK], src, random_blocks(4, 1), fmt)
+        assert engine.retrieve(tokens, dst, random_blocks(8, 2), fmt) == 2 * CHUNK
         stats = engine.stats()
     assert stats["retrieves"] == 2 and stats["retrieved_chunks"] == 2
 
@@ -193,16 +180,16 @@ def test_retrieve_miss_and_partial_hit() -> None:
 def test_bad_arguments_raise_clearly_and_leak_nothing() -> None:
     fmt = F.NL_X_TWO_NB_BS_NH_HS
     src = make_paged(fmt, NB)
-    tokens = _tokens(2 * CHUNK)
-    with _engine(paged=src) as engine:
+    tokens = random_tokens(2 * CHUNK)
+    with cache_engine(paged=src) as engine:
         with pytest.raises(ValueError, match="block_ids has 3 entries"):
             engine.store(tokens, src, [1, 2, 3], fmt)
         with pytest.raises(ValueError, match="skip_prefix_tokens"):
-            engine.retrieve(tokens, src, _blocks(4, 0), fmt, skip_prefix_tokens=-1)
+            engine.retrieve(tokens, src, random_blocks(4, 0), fmt, skip_prefix_tokens=-1)
         with pytest.raises(ValueError, match="skip_prefix_tokens=65 exceeds"):
-            engine.store(tokens, src, _blocks(4, 0), fmt, skip_prefix_tokens=65)
+            engine.store(tokens, src, random_blocks(4, 0), fmt, skip_prefix_tokens=65)
         with pytest.raises(ValueError, match="namespace"):
-            engine.store(tokens, make_paged(F.NL_X_NB_BS_NH_CS, NB), _blocks(4, 0), F.NL_X_NB_BS_NH_CS)
+            engine.store(tokens, make_paged(F.NL_X_NB_BS_NH_CS, NB), random_blocks(4, 0), F.NL_X_NB_BS_NH_CS)
         with pytest.raises(ValueError, match="namespace"):
             engine.lookup(tokens, namespace="model")  # type: ignore[arg-type]
         with pytest.raises(Exception, match="block"):  # the transfer rejects a block id outside the pool
@@ -217,12 +204,12 @@ def test_bad_arguments_raise_clearly_and_leak_nothing() -> None:
 def test_namespaces_separate_models_in_one_engine() -> None:
     fmt = F.NL_X_TWO_NB_BS_NH_HS
     src = make_paged(fmt, NB)
-    tokens = _tokens(2 * CHUNK)
-    with _engine(paged=src) as engine:
+    tokens = random_tokens(2 * CHUNK)
+    with cache_engine(paged=src) as engine:
         other = CacheNamespace("other-model", engine.namespace.kv_dtype, engine.namespace.layout)
-        engine.store(tokens, src, _blocks(4, 0), fmt)
+        engine.store(tokens, src, random_blocks(4, 0), fmt)
         assert engine.lookup(tokens, namespace=other) == 0
-        engine.store(tokens, src, _blocks(4, 0), fmt, namespace=other)
+        engine.store(tokens, src, random_blocks(4, 0), fmt, namespace=other)
         assert engine.lookup(tokens, namespace=other) == 2 * CHUNK
         assert engine.stats()["objects"] == 4
 
@@ -231,13 +218,13 @@ def test_namespaces_separate_models_in_one_engine() -> None:
 def test_eviction_order_follows_the_policy(policy: str, evicted: int) -> None:
     fmt = F.NL_X_TWO_NB_BS_NH_HS
     src, dst = make_paged(fmt, NB, seed=1), make_paged(fmt, NB, seed=2)
-    prompts = [_tokens(CHUNK, seed) for seed in range(5)]
-    with _engine(objects=4, paged=src, eviction_policy=policy, watermark=1.0, eviction_batch=1) as engine:
+    prompts = [random_tokens(CHUNK, seed) for seed in range(5)]
+    with cache_engine(objects=4, paged=src, eviction_policy=policy, watermark=1.0, eviction_batch=1) as engine:
         for p in prompts[:4]:
-            engine.store(p, src, _blocks(2, 0), fmt)
+            engine.store(p, src, random_blocks(2, 0), fmt)
         for i in (0, 0, 0, 1, 2, 3):
-            engine.retrieve(prompts[i], dst, _blocks(2, 1), fmt)
-        engine.store(prompts[4], src, _blocks(2, 0), fmt)
+            engine.retrieve(prompts[i], dst, random_blocks(2, 1), fmt)
+        engine.store(prompts[4], src, random_blocks(2, 0), fmt)
         gone = [i for i, p in enumerate(prompts) if engine.lookup(p) == 0]
     # LRU drops prompt 0, the least recently used. S3-FIFO counts uses: 0 was used three times, the others
     # once, so its CLOCK pass over the main queue takes 1, the oldest key left without uses.
@@ -247,14 +234,14 @@ def test_eviction_order_follows_the_policy(policy: str, evicted: int) -> None:
 def test_watermark_evicts_a_batch() -> None:
     fmt = F.NL_X_TWO_NB_BS_NH_HS
     src = make_paged(fmt, NB)
-    with _engine(objects=10, paged=src, watermark=0.5, eviction_batch=3) as engine:
+    with cache_engine(objects=10, paged=src, watermark=0.5, eviction_batch=3) as engine:
         for seed in range(5):
-            engine.store(_tokens(CHUNK, seed), src, _blocks(2, 0), fmt)
+            engine.store(random_tokens(CHUNK, seed), src, random_blocks(2, 0), fmt)
         assert engine.stats()["evictions"] == 0
-        engine.store(_tokens(CHUNK, 5), src, _blocks(2, 0), fmt)  # would cross 50%: a batch of 3 goes
+        engine.store(random_tokens(CHUNK, 5), src, random_blocks(2, 0), fmt)  # would cross 50%: a batch of 3 goes
         stats = engine.stats()
     assert stats["evictions"] == 3 and stats["objects"] == 3
-    assert [engine.lookup(_tokens(CHUNK, s)) for s in range(6)] == [0, 0, 0, CHUNK, CHUNK, CHUNK]
+    assert [engine.lookup(random_tokens(CHUNK, s)) for s in range(6)] == [0, 0, 0, CHUNK, CHUNK, CHUNK]
 
 
 def test_a_store_evicts_while_its_copy_runs(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -262,9 +249,9 @@ def test_a_store_evicts_while_its_copy_runs(monkeypatch: pytest.MonkeyPatch) -> 
     been started (the eviction then overlaps the copy), never with its own objects as victims."""
     fmt = F.NL_X_TWO_NB_BS_NH_HS
     src = make_paged(fmt, NB)
-    with _engine(objects=10, paged=src, watermark=0.5, eviction_batch=3) as engine:
+    with cache_engine(objects=10, paged=src, watermark=0.5, eviction_batch=3) as engine:
         for seed in range(5):
-            engine.store(_tokens(CHUNK, seed), src, _blocks(2, 0), fmt)
+            engine.store(random_tokens(CHUNK, seed), src, random_blocks(2, 0), fmt)
         copy = writer.copy_chunks
         seen: list[tuple[int, int]] = []
 
@@ -273,44 +260,44 @@ def test_a_store_evicts_while_its_copy_runs(monkeypatch: pytest.MonkeyPatch) -> 
             return copy(*args)
 
         monkeypatch.setattr(writer, "copy_chunks", copy_chunks)
-        engine.store(_tokens(CHUNK, 5), src, _blocks(2, 0), fmt)
+        engine.store(random_tokens(CHUNK, 5), src, random_blocks(2, 0), fmt)
         assert seen == [(0, 6)]  # the copy starts with 6 of 10 objects held: above the 50% watermark
         assert (engine.stats()["evictions"], engine.pool.num_allocations) == (3, 3)
-        assert engine.lookup(_tokens(CHUNK, 5)) == CHUNK
+        assert engine.lookup(random_tokens(CHUNK, 5)) == CHUNK
 
 
 def test_a_locked_object_is_never_evicted_until_unlocked() -> None:
     fmt = F.NL_X_TWO_NB_BS_NH_HS
     src, dst = make_paged(fmt, NB, seed=1), make_paged(fmt, NB, seed=2)
-    precious = _tokens(2 * CHUNK, 100)
-    with _engine(objects=4, paged=src, watermark=1.0, eviction_batch=1) as engine:
-        engine.store(precious, src, _blocks(4, 0), fmt)
+    precious = random_tokens(2 * CHUNK, 100)
+    with cache_engine(objects=4, paged=src, watermark=1.0, eviction_batch=1) as engine:
+        engine.store(precious, src, random_blocks(4, 0), fmt)
         result = engine.lookup_status(precious, lock=True)
         assert result.hit_tokens == 2 * CHUNK and result.lock_id is not None
         for seed in range(10):
-            engine.store(_tokens(CHUNK, seed), src, _blocks(2, 0), fmt)
+            engine.store(random_tokens(CHUNK, seed), src, random_blocks(2, 0), fmt)
             assert engine.lookup(precious) == 2 * CHUNK
         assert engine.stats()["locks"] == 1 and engine.stats()["pinned_objects"] == 2
-        assert engine.retrieve(precious, dst, _blocks(4, 1), fmt, lock_id=result.lock_id) == 2 * CHUNK
+        assert engine.retrieve(precious, dst, random_blocks(4, 1), fmt, lock_id=result.lock_id) == 2 * CHUNK
         assert engine.stats()["locks"] == 0
         assert not engine.free_lookup_locks(result.lock_id)
-        assert engine.store(_tokens(4 * CHUNK, 50), src, _blocks(8, 0), fmt) == 4 * CHUNK  # fills the pool
+        assert engine.store(random_tokens(4 * CHUNK, 50), src, random_blocks(8, 0), fmt) == 4 * CHUNK  # fills the pool
         assert engine.lookup(precious) == 0
 
 
 def test_a_lookup_lock_times_out() -> None:
     fmt = F.NL_X_TWO_NB_BS_NH_HS
     src = make_paged(fmt, NB)
-    precious = _tokens(CHUNK, 100)
-    with _engine(objects=2, paged=src, watermark=1.0, eviction_batch=1, lock_timeout_s=0.2) as engine:
-        engine.store(precious, src, _blocks(2, 0), fmt)
+    precious = random_tokens(CHUNK, 100)
+    with cache_engine(objects=2, paged=src, watermark=1.0, eviction_batch=1, lock_timeout_s=0.2) as engine:
+        engine.store(precious, src, random_blocks(2, 0), fmt)
         lock_id = engine.lookup_status(precious, lock=True).lock_id
         assert lock_id is not None
-        engine.store(_tokens(CHUNK, 1), src, _blocks(2, 0), fmt)
-        engine.store(_tokens(CHUNK, 2), src, _blocks(2, 0), fmt)
+        engine.store(random_tokens(CHUNK, 1), src, random_blocks(2, 0), fmt)
+        engine.store(random_tokens(CHUNK, 2), src, random_blocks(2, 0), fmt)
         assert engine.lookup(precious) == CHUNK  # still locked
         time.sleep(0.3)
-        engine.store(_tokens(CHUNK, 3), src, _blocks(2, 0), fmt)
+        engine.store(random_tokens(CHUNK, 3), src, random_blocks(2, 0), fmt)
         assert engine.lookup(precious) == 0
         stats = engine.stats()
         assert stats["lock_timeouts"] == 1 and stats["locks"] == 0
@@ -320,11 +307,11 @@ def test_a_lookup_lock_times_out() -> None:
 def test_full_pool_of_locked_objects_makes_store_skip_not_raise() -> None:
     fmt = F.NL_X_TWO_NB_BS_NH_HS
     src = make_paged(fmt, NB)
-    held = _tokens(3 * CHUNK, 1)
-    with _engine(objects=3, paged=src) as engine:
-        engine.store(held, src, _blocks(6, 0), fmt)
+    held = random_tokens(3 * CHUNK, 1)
+    with cache_engine(objects=3, paged=src) as engine:
+        engine.store(held, src, random_blocks(6, 0), fmt)
         engine.lookup_status(held, lock=True)
-        assert engine.store(_tokens(2 * CHUNK, 2), src, _blocks(4, 0), fmt) == 0
+        assert engine.store(random_tokens(2 * CHUNK, 2), src, random_blocks(4, 0), fmt) == 0
         stats = engine.stats()
         assert stats["skipped_chunks"] == 2 and stats["objects"] == 3
         assert engine.lookup(held) == 3 * CHUNK
@@ -333,9 +320,9 @@ def test_full_pool_of_locked_objects_makes_store_skip_not_raise() -> None:
 def test_clear_drops_everything() -> None:
     fmt = F.NL_X_TWO_NB_BS_NH_HS
     src = make_paged(fmt, NB)
-    tokens = _tokens(3 * CHUNK)
-    with _engine(paged=src) as engine:
-        engine.store(tokens, src, _blocks(6, 0), fmt)
+    tokens = random_tokens(3 * CHUNK)
+    with cache_engine(paged=src) as engine:
+        engine.store(tokens, src, random_blocks(6, 0), fmt)
         engine.lookup_status(tokens, lock=True)
         engine.clear()
         assert engine.lookup(tokens) == 0
@@ -346,9 +333,9 @@ def test_clear_drops_everything() -> None:
 def test_async_store_and_retrieve() -> None:
     fmt = F.NL_X_TWO_NB_BS_NH_HS
     src, dst = make_paged(fmt, NB, seed=1), make_paged(fmt, NB, seed=2)
-    tokens = _tokens(4 * CHUNK)
-    src_ids, dst_ids = _blocks(8, 1), _blocks(8, 2)
-    with _engine(paged=src) as engine:
+    tokens = random_tokens(4 * CHUNK)
+    src_ids, dst_ids = random_blocks(8, 1), random_blocks(8, 2)
+    with cache_engine(paged=src) as engine:
         assert engine.store_async(tokens, src, src_ids, fmt).result(timeout=30) == 4 * CHUNK
         assert engine.retrieve_async(tokens, dst, dst_ids, fmt).result(timeout=30) == 4 * CHUNK
         failed = engine.store_async(tokens, src, [1], fmt)
@@ -360,13 +347,13 @@ def test_async_store_and_retrieve() -> None:
 def test_corrupt_object_is_a_miss_when_checksums_are_on() -> None:
     fmt = F.NL_X_TWO_NB_BS_NH_HS
     src, dst = make_paged(fmt, NB, seed=1), make_paged(fmt, NB, seed=2)
-    tokens = _tokens(3 * CHUNK)
-    with _engine(paged=src, verify_checksums=True) as engine:
-        engine.store(tokens, src, _blocks(6, 1), fmt)
+    tokens = random_tokens(3 * CHUNK)
+    with cache_engine(paged=src, verify_checksums=True) as engine:
+        engine.store(tokens, src, random_blocks(6, 1), fmt)
         second = engine._res.index.get(engine.chunk_keys(tokens)[1])
         assert second is not None and second.obj is not None
         second.obj.view(-1)[7] += 1  # a stray write into the pool
-        assert engine.retrieve(tokens, dst, _blocks(6, 2), fmt) == CHUNK
+        assert engine.retrieve(tokens, dst, random_blocks(6, 2), fmt) == CHUNK
         stats = engine.stats()
         assert stats["checksum_failures"] == 1 and stats["objects"] == 2
         assert engine.lookup(tokens) == CHUNK
@@ -375,9 +362,9 @@ def test_corrupt_object_is_a_miss_when_checksums_are_on() -> None:
 def test_metrics_per_engine_registry() -> None:
     fmt = F.NL_X_TWO_NB_BS_NH_HS
     src = make_paged(fmt, NB)
-    tokens = _tokens(2 * CHUNK + 5)
-    with _engine(paged=src) as first, _engine(paged=src) as second:
-        first.store(tokens, src, _blocks(5, 0), fmt)
+    tokens = random_tokens(2 * CHUNK + 5)
+    with cache_engine(paged=src) as first, cache_engine(paged=src) as second:
+        first.store(tokens, src, random_blocks(5, 0), fmt)
         first.lookup(tokens)
         second.lookup(tokens)
         text = generate_latest(first.metrics_registry).decode()

@@ -14,29 +14,26 @@ import torch
 from kvferry.cache import CacheEngine, writer
 from kvferry.config import KvferryConfig
 from kvferry.formats.kinds import EngineKVFormat as F
-from kvferry.memory import HostPool
-from tests.cache.cachekit import BS, CHUNK, assert_blocks_equal, make_paged
+from tests.cache.cachekit import (
+    BS,
+    CHUNK,
+    NB,
+    assert_blocks_equal,
+    cache_engine,
+    make_paged,
+    random_blocks,
+    random_tokens,
+)
 
 FMT = F.NL_X_TWO_NB_BS_NH_HS
-NB = 64
 POOL_OBJECTS = 36
-
-
-def _tokens(n: int, seed: int = 0) -> list[int]:
-    return np.random.default_rng(seed).integers(0, 32_000, size=n).tolist()
-
-
-def _blocks(n: int, seed: int) -> list[int]:
-    return np.random.default_rng(seed).permutation(NB)[:n].tolist()
 
 
 def _full_engine(src: Any, **cache: Any) -> CacheEngine:
     """An engine whose pool (36 objects of 4 KiB) is full of 36 cached one-chunk prompts."""
-    config = KvferryConfig.load(env={}, overrides={"cache": {"chunk_size": CHUNK, "watermark": 1.0, **cache}})
-    engine = CacheEngine(config, pool=HostPool(POOL_OBJECTS * 4096, pin=False))
-    engine.namespace = engine.namespace_for("test-model", FMT, src)
+    engine = cache_engine(POOL_OBJECTS, FMT, src, **{"watermark": 1.0, **cache})
     for seed in range(POOL_OBJECTS):
-        assert engine.store(_tokens(CHUNK, 1000 + seed), src, _blocks(2, seed), FMT) == CHUNK
+        assert engine.store(random_tokens(CHUNK, 1000 + seed), src, random_blocks(2, seed), FMT) == CHUNK
     stats = engine.stats()
     assert (stats["objects"], stats["evictions"], stats["pool_free_bytes"]) == (POOL_OBJECTS, 0, 0)
     return engine
@@ -45,7 +42,7 @@ def _full_engine(src: Any, **cache: Any) -> CacheEngine:
 def _untouched(engine: CacheEngine) -> None:
     stats = engine.stats()
     assert (stats["objects"], stats["evictions"], stats["pool_used_bytes"]) == (POOL_OBJECTS, 0, POOL_OBJECTS * 4096)
-    assert all(engine.lookup(_tokens(CHUNK, 1000 + seed)) == CHUNK for seed in range(POOL_OBJECTS))
+    assert all(engine.lookup(random_tokens(CHUNK, 1000 + seed)) == CHUNK for seed in range(POOL_OBJECTS))
 
 
 def test_a_store_refused_for_its_block_ids_evicts_nothing() -> None:
@@ -53,28 +50,28 @@ def test_a_store_refused_for_its_block_ids_evicts_nothing() -> None:
     with _full_engine(src) as engine:
         for seed in range(3):
             with pytest.raises(ValueError, match=rf"block_ids\[1\]={NB + 7} is outside the"):
-                engine.store(_tokens(2 * CHUNK, seed), src, [0, NB + 7, 2, 3], FMT)
+                engine.store(random_tokens(2 * CHUNK, seed), src, [0, NB + 7, 2, 3], FMT)
         with pytest.raises(ValueError, match=r"block_ids\[3\]=-1 is outside the"):
-            engine.store(_tokens(2 * CHUNK, 5), src, np.array([0, 1, 2, -1]), FMT)
+            engine.store(random_tokens(2 * CHUNK, 5), src, np.array([0, 1, 2, -1]), FMT)
         with pytest.raises(TypeError, match="block_ids must hold integers"):
-            engine.store(_tokens(2 * CHUNK, 6), src, torch.tensor([0.0, 1.0, 2.0, 3.0]), FMT)
+            engine.store(random_tokens(2 * CHUNK, 6), src, torch.tensor([0.0, 1.0, 2.0, 3.0]), FMT)
         _untouched(engine)
         assert engine.stats()["skipped_chunks"] == 0
 
 
 def test_every_request_checks_its_block_ids_whether_or_not_it_copies() -> None:
     src = make_paged(FMT, NB)
-    cached = _tokens(2 * CHUNK, 7)
+    cached = random_tokens(2 * CHUNK, 7)
     with _full_engine(src) as engine:
         engine.clear()
-        engine.store(cached, src, _blocks(4, 1), FMT)
+        engine.store(cached, src, random_blocks(4, 1), FMT)
         out_of_range = [NB, NB + 1, NB + 2, NB + 3]
         with pytest.raises(ValueError, match="is outside the"):  # cached already: nothing to copy
             engine.store(cached, src, out_of_range, FMT)
         with pytest.raises(ValueError, match="is outside the"):  # a miss: nothing to copy
-            engine.retrieve(_tokens(2 * CHUNK, 8), src, out_of_range, FMT)
+            engine.retrieve(random_tokens(2 * CHUNK, 8), src, out_of_range, FMT)
         with pytest.raises(ValueError, match="repeats a block"):
-            engine.retrieve(_tokens(2 * CHUNK, 8), src, [1, 2, 3, 1], FMT)
+            engine.retrieve(random_tokens(2 * CHUNK, 8), src, [1, 2, 3, 1], FMT)
         # Blocks before the copy's first one (a retrieve's skipped prefix) are the engine's own business.
         assert engine.retrieve(cached, src, [NB + 9, 5, 6, 7], FMT, skip_prefix_tokens=BS) == 2 * CHUNK - BS
         assert engine.stats()["retrieves"] == 1 and engine.stats()["stores"] == POOL_OBJECTS + 1  # refused: uncounted
@@ -88,9 +85,9 @@ def test_tokens_and_block_ids_of_the_wrong_kind_are_named() -> None:
         with pytest.raises(TypeError, match="tokens must be a sequence of token ids"):
             engine.retrieve(None, src, [0, 1], FMT)  # type: ignore[arg-type]
         with pytest.raises(TypeError, match=r"block_ids must be a sequence of ints.* got NoneType"):
-            engine.store(_tokens(CHUNK), src, None, FMT)  # type: ignore[arg-type]
+            engine.store(random_tokens(CHUNK), src, None, FMT)  # type: ignore[arg-type]
         with pytest.raises(TypeError, match="block_ids must be a sequence of ints"):
-            engine.store(_tokens(CHUNK), src, [0, 1.5], FMT)
+            engine.store(random_tokens(CHUNK), src, [0, 1.5], FMT)
         _untouched(engine)
 
 
@@ -100,7 +97,7 @@ def test_a_chunk_larger_than_the_whole_pool_is_skipped_without_evicting() -> Non
     huge = [torch.zeros(2, 8, BS, 2, 1024, dtype=torch.float16) for _ in range(2)]
     with _full_engine(src) as engine:
         namespace = engine.namespace_for("huge-model", FMT, huge)
-        assert engine.store(_tokens(2 * CHUNK, 9), huge, [0, 1, 2, 3], FMT, namespace=namespace) == 0
+        assert engine.store(random_tokens(2 * CHUNK, 9), huge, [0, 1, 2, 3], FMT, namespace=namespace) == 0
         assert engine.stats()["skipped_chunks"] == 2
         _untouched(engine)
 
@@ -158,7 +155,7 @@ def _concurrent_stores(engine: CacheEngine, src: Any, tokens: list[int], ids: li
 
 def test_a_store_takes_over_the_chunks_of_a_concurrent_store_that_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     src, dst = make_paged(FMT, NB, seed=1), make_paged(FMT, NB, seed=2)
-    tokens, ids = _tokens(3 * CHUNK, 3), _blocks(6, 3)
+    tokens, ids = random_tokens(3 * CHUNK, 3), random_blocks(6, 3)
     with _full_engine(src) as engine:
         engine.clear()
         held = _HeldCopy(monkeypatch, fail=True)
@@ -166,14 +163,14 @@ def test_a_store_takes_over_the_chunks_of_a_concurrent_store_that_fails(monkeypa
         assert isinstance(first, RuntimeError)
         assert second == 3 * CHUNK  # its own third chunk, and the two the first store left behind
         assert seen == engine.lookup(tokens) == 3 * CHUNK
-        assert engine.retrieve(tokens, dst, _blocks(6, 4), FMT) == 3 * CHUNK
+        assert engine.retrieve(tokens, dst, random_blocks(6, 4), FMT) == 3 * CHUNK
         assert engine.pool.used_bytes == 3 * 4096
-    assert_blocks_equal(src, ids, dst, _blocks(6, 4), FMT)
+    assert_blocks_equal(src, ids, dst, random_blocks(6, 4), FMT)
 
 
 def test_a_store_waits_for_the_chunks_a_concurrent_store_is_writing(monkeypatch: pytest.MonkeyPatch) -> None:
     src = make_paged(FMT, NB, seed=1)
-    tokens, ids = _tokens(3 * CHUNK, 5), _blocks(6, 5)
+    tokens, ids = random_tokens(3 * CHUNK, 5), random_blocks(6, 5)
     with _full_engine(src) as engine:
         engine.clear()
         held = _HeldCopy(monkeypatch, fail=False)
@@ -186,7 +183,7 @@ def test_a_store_waits_for_the_chunks_a_concurrent_store_is_writing(monkeypatch:
 def test_a_copy_that_ends_after_the_callers_deadline_is_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
     """The caller stops waiting at ``valid_until`` and may reuse its blocks: bytes copied later are suspect."""
     src = make_paged(FMT, NB)
-    tokens = _tokens(2 * CHUNK, 11)
+    tokens = random_tokens(2 * CHUNK, 11)
     with _full_engine(src) as engine:
         engine.clear()
         original = writer.copy_chunks
@@ -196,8 +193,8 @@ def test_a_copy_that_ends_after_the_callers_deadline_is_dropped(monkeypatch: pyt
             return original(*args)
 
         monkeypatch.setattr(writer, "copy_chunks", slow_copy)
-        assert engine.store(tokens, src, _blocks(4, 1), FMT, valid_until=time.time() + 0.1) == 0
+        assert engine.store(tokens, src, random_blocks(4, 1), FMT, valid_until=time.time() + 0.1) == 0
         stats = engine.stats()
         assert (stats["late_chunks"], stats["objects"], stats["pool_used_bytes"]) == (2, 0, 0)
-        assert engine.store(tokens, src, _blocks(4, 1), FMT, valid_until=time.time() + 10) == 2 * CHUNK
+        assert engine.store(tokens, src, random_blocks(4, 1), FMT, valid_until=time.time() + 10) == 2 * CHUNK
         assert engine.lookup(tokens) == 2 * CHUNK

@@ -4,7 +4,6 @@ finish their bookkeeping, so no object, reader or lock outlives them."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from kvferry.cache import CacheEngine
@@ -12,7 +11,7 @@ from kvferry.cache.steps import Enqueued, Finished, finish_steps, first_step, ru
 from kvferry.config import KvferryConfig
 from kvferry.formats.kinds import EngineKVFormat as F
 from kvferry.memory import HostPool
-from tests.cache.cachekit import BS, CHUNK, assert_blocks_equal, make_paged
+from tests.cache.cachekit import BS, CHUNK, assert_blocks_equal, make_paged, random_tokens
 
 FMT = F.NL_X_TWO_NB_BS_NH_HS
 NB = 32
@@ -23,13 +22,9 @@ def _engine() -> CacheEngine:
     return CacheEngine(config, pool=HostPool(64 * 4096, pin=False))
 
 
-def _tokens(chunks: int, seed: int) -> list[int]:
-    return np.random.default_rng(seed).integers(0, 32_000, size=chunks * CHUNK).tolist()
-
-
 def test_a_store_counts_only_once_its_steps_finish() -> None:
     src = make_paged(FMT, NB, seed=1)
-    tokens, ids = _tokens(3, 1), list(range(3 * CHUNK // BS))
+    tokens, ids = random_tokens(3 * CHUNK, 1), list(range(3 * CHUNK // BS))
     with _engine() as engine:
         ns = engine.namespace_for("m", FMT, src)
         steps = engine.store_steps(tokens, src, ids, FMT, namespace=ns)
@@ -42,7 +37,7 @@ def test_a_store_counts_only_once_its_steps_finish() -> None:
 
 def test_steps_closed_after_the_enqueue_still_settle_their_chunks() -> None:
     src, dst = make_paged(FMT, NB, seed=2), make_paged(FMT, NB, seed=3)
-    tokens, ids = _tokens(2, 2), list(range(2 * CHUNK // BS))
+    tokens, ids = random_tokens(2 * CHUNK, 2), list(range(2 * CHUNK // BS))
     with _engine() as engine:
         ns = engine.namespace_for("m", FMT, src)
         steps = engine.store_steps(tokens, src, ids, FMT, namespace=ns)
@@ -62,7 +57,7 @@ def test_steps_closed_after_the_enqueue_still_settle_their_chunks() -> None:
 
 def test_a_miss_and_a_store_of_present_chunks_end_without_a_copy() -> None:
     src = make_paged(FMT, NB, seed=4)
-    tokens, ids = _tokens(1, 4), list(range(CHUNK // BS))
+    tokens, ids = random_tokens(CHUNK, 4), list(range(CHUNK // BS))
     with _engine() as engine:
         ns = engine.namespace_for("m", FMT, src)
         assert first_step(engine.retrieve_steps(tokens, src, ids, FMT, namespace=ns)) == Finished(0)
@@ -75,7 +70,7 @@ def test_a_store_with_a_tail_is_not_final_at_its_chunks_copy() -> None:
     """The tail object is written after the chunks' copy, so their count is not the store's result: a server that
     answered with it (a done flag's early answer) would report the tail's tokens as not stored."""
     src = make_paged(FMT, NB, seed=5)
-    tokens, ids = _tokens(3, 5)[: 2 * CHUNK + BS + 1], list(range(2 * CHUNK // BS + 1))
+    tokens, ids = random_tokens(3 * CHUNK, 5)[: 2 * CHUNK + BS + 1], list(range(2 * CHUNK // BS + 1))
     with _engine() as engine:
         ns = engine.namespace_for("m", FMT, src)
         steps = engine.store_steps(tokens, src, ids, FMT, namespace=ns, tail=True)

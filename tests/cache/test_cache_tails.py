@@ -7,22 +7,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from kvferry.cache import CacheEngine
 from kvferry.config import KvferryConfig
 from kvferry.formats.kinds import EngineKVFormat as F
 from kvferry.memory import HostPool
-from tests.cache.cachekit import BS, assert_blocks_equal, make_paged
+from tests.cache.cachekit import BS, NB, assert_blocks_equal, make_paged, random_blocks, random_tokens
 
 CHUNK = 64  # 4 blocks of 16: tails of 1, 2 or 3 blocks
-NB = 64
 FMT = F.NL_X_TWO_NB_BS_NH_HS
-
-
-def _tokens(n: int, seed: int = 0) -> list[int]:
-    return np.random.default_rng(seed).integers(0, 32_000, size=n).tolist()
 
 
 def _engine(paged: Any, fmt: F = FMT, pool_bytes: int = 1 << 20, tiers: list[str] | None = None, **cache: Any) -> Any:
@@ -35,14 +29,13 @@ def _engine(paged: Any, fmt: F = FMT, pool_bytes: int = 1 << 20, tiers: list[str
 @pytest.mark.parametrize("fmt", [FMT, F.NB_NL_TWO_BS_NH_HS, F.TWO_X_NL_X_NBBS_NH_HS], ids=lambda f: f.name)
 def test_a_longer_prompt_hits_the_stored_tail_and_loads_it_bit_exact(fmt: F) -> None:
     src, dst = make_paged(fmt, NB, seed=1), make_paged(fmt, NB, seed=2)
-    turn1 = _tokens(2 * CHUNK + 45)  # 2 chunks + 45 tokens: a tail of 2 whole blocks (32 tokens)
-    src_ids = np.random.default_rng(3).permutation(NB)[:11].tolist()
-    dst_ids = np.random.default_rng(4).permutation(NB)[:11].tolist()
+    turn1 = random_tokens(2 * CHUNK + 45)  # 2 chunks + 45 tokens: a tail of 2 whole blocks (32 tokens)
+    src_ids, dst_ids = random_blocks(11, 3), random_blocks(11, 4)
     with _engine(src, fmt) as engine:
         bs = {"block_size": BS} if "NBBS" in fmt.name else {}
         assert engine.store(turn1, src, src_ids, fmt, tail=True, **bs) == 2 * CHUNK + 32
         assert engine.stats()["stored_tail_tokens"] == 32
-        turn2 = turn1[: 2 * CHUNK + 45] + _tokens(300, seed=5)  # the next turn goes on from the whole of turn 1
+        turn2 = turn1[: 2 * CHUNK + 45] + random_tokens(300, seed=5)  # the next turn goes on from the whole of turn 1
         assert engine.lookup(turn2) == 2 * CHUNK + 32
         assert engine.lookup(turn2, block_size=32) == 2 * CHUNK + 32
         assert engine.lookup(turn2, block_size=64) == 2 * CHUNK  # a tail is never cut: 32 is not whole 64s
@@ -57,21 +50,21 @@ def test_a_longer_prompt_hits_the_stored_tail_and_loads_it_bit_exact(fmt: F) -> 
 
 def test_a_tail_whose_tokens_differ_or_do_not_fit_is_never_a_hit() -> None:
     paged = make_paged(FMT, NB)
-    turn1 = _tokens(CHUNK + 60)  # 1 chunk + a 48-token tail
+    turn1 = random_tokens(CHUNK + 60)  # 1 chunk + a 48-token tail
     with _engine(paged) as engine:
         assert engine.store(turn1, paged, list(range(8)), FMT, tail=True) == CHUNK + 48
-        changed = [*turn1[: CHUNK + 47], turn1[CHUNK + 47] + 1, *_tokens(100, seed=1)]  # its last tail token
+        changed = [*turn1[: CHUNK + 47], turn1[CHUNK + 47] + 1, *random_tokens(100, seed=1)]  # its last tail token
         assert engine.lookup(changed) == CHUNK
         assert engine.lookup(turn1[: CHUNK + 47]) == CHUNK  # shorter than the tail: it does not fit
         assert engine.lookup(turn1[: CHUNK + 48]) == CHUNK + 48
-        assert engine.lookup(_tokens(CHUNK + 60, seed=9)) == 0
+        assert engine.lookup(random_tokens(CHUNK + 60, seed=9)) == 0
         # A retrieve never copies a tail it cannot use whole: the chunk only.
         assert engine.retrieve(turn1[: CHUNK + 40], paged, list(range(8, 16)), FMT) == CHUNK
 
 
 def test_a_prompt_shorter_than_a_chunk_is_a_tail_too() -> None:
     paged = make_paged(FMT, NB)
-    short = _tokens(40)
+    short = random_tokens(40)
     with _engine(paged) as engine:
         assert engine.store(short, paged, [5, 6], FMT) == 0  # tails only when asked for
         assert engine.store(short, paged, [5, 6], FMT, tail=True) == 32
@@ -82,7 +75,7 @@ def test_a_prompt_shorter_than_a_chunk_is_a_tail_too() -> None:
 
 def test_a_superseded_tail_is_evicted_first() -> None:
     paged = make_paged(FMT, NB)
-    convo = _tokens(4 * CHUNK)
+    convo = random_tokens(4 * CHUNK)
     with _engine(paged) as engine:
         policy = engine._res.policy
         engine.store(convo[: CHUNK + 16], paged, list(range(16)), FMT, tail=True)  # tail of 16
@@ -101,7 +94,7 @@ def test_tails_stay_in_the_pool_and_cost_only_their_tokens(tmp_path: Path) -> No
     paged = make_paged(FMT, NB)
     per_token = 2 * 2 * 2 * 8 * 2  # K and V, 2 layers, 2 heads of 8, fp16
     with _engine(paged, tiers=[f"disk:{tmp_path}?size=1MB"], tier_write="on_store") as engine:
-        tokens = _tokens(2 * CHUNK + 20)
+        tokens = random_tokens(2 * CHUNK + 20)
         assert engine.store(tokens, paged, list(range(10)), FMT, tail=True) == 2 * CHUNK + 16
         assert engine.pool.used_bytes == (2 * CHUNK + 16) * per_token
         deadline = time.monotonic() + 10

@@ -8,35 +8,18 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from kvferry.cache import CacheEngine
-from kvferry.config import KvferryConfig
 from kvferry.formats.kinds import EngineKVFormat as F
-from kvferry.memory import HostPool
 from kvferry.tiers import Tier, make_tier
-from tests.cache.cachekit import CHUNK, assert_blocks_equal, make_paged
+from tests.cache.cachekit import CHUNK, NB, assert_blocks_equal, cache_engine, make_paged, random_blocks, random_tokens
 
 FMT = F.NL_X_TWO_NB_BS_NH_HS
-NB = 64
-
-
-def _tokens(n: int, seed: int) -> list[int]:
-    return np.random.default_rng(seed).integers(0, 32_000, size=n).tolist()
-
-
-def _blocks(n: int, seed: int) -> list[int]:
-    return np.random.default_rng(seed).permutation(NB)[:n].tolist()
 
 
 def _engine(tiers: list[Any], objects: int, src: Any, **cache: Any) -> CacheEngine:
-    config = KvferryConfig.load(
-        env={}, overrides={"cache": {"chunk_size": CHUNK, "watermark": 1.0, "eviction_batch": 1, **cache}}
-    )
-    engine = CacheEngine(config, pool=HostPool(objects * 4096, pin=False), tiers=tiers)
-    engine.namespace = engine.namespace_for("tiered", FMT, src)
-    return engine
+    return cache_engine(objects, FMT, src, tiers=tiers, **{"watermark": 1.0, "eviction_batch": 1, **cache})
 
 
 def _wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -55,13 +38,13 @@ def disk(tmp_path: Path) -> Any:
 
 def test_evicted_objects_spill_to_the_tier_and_come_back(disk: Tier) -> None:
     src, dst = make_paged(FMT, NB, seed=1), make_paged(FMT, NB, seed=2)
-    first = _tokens(2 * CHUNK, 1)
-    src_ids, dst_ids = _blocks(4, 1), _blocks(4, 2)
+    first = random_tokens(2 * CHUNK, 1)
+    src_ids, dst_ids = random_blocks(4, 1), random_blocks(4, 2)
     # Room for 6 objects, eviction above 4: the headroom holds objects while their tier writes run.
     with _engine([disk], 6, src, watermark=0.67) as engine:
         engine.store(first, src, src_ids, FMT)
-        engine.store(_tokens(2 * CHUNK, 2), src, _blocks(4, 3), FMT)
-        assert engine.store(_tokens(2 * CHUNK, 3), src, _blocks(4, 3), FMT) == 2 * CHUNK  # `first` spills
+        engine.store(random_tokens(2 * CHUNK, 2), src, random_blocks(4, 3), FMT)
+        assert engine.store(random_tokens(2 * CHUNK, 3), src, random_blocks(4, 3), FMT) == 2 * CHUNK  # `first` spills
         _wait_for(lambda: engine.stats()["tier_writes"] == 2 and engine.stats()["objects"] == 4)
         status = engine.lookup_status(first)
         assert status.hit_tokens == 0 and status.pending_tokens == 2 * CHUNK  # in flight from the tier
@@ -74,18 +57,18 @@ def test_evicted_objects_spill_to_the_tier_and_come_back(disk: Tier) -> None:
 
 def test_a_store_waits_for_spills_when_the_pool_is_full(disk: Tier) -> None:
     src = make_paged(FMT, NB, seed=1)
-    first, second = _tokens(2 * CHUNK, 1), _tokens(2 * CHUNK, 2)
+    first, second = random_tokens(2 * CHUNK, 1), random_tokens(2 * CHUNK, 2)
     with _engine([disk], 2, src) as engine:
-        engine.store(first, src, _blocks(4, 1), FMT)
-        assert engine.store(second, src, _blocks(4, 3), FMT) == 2 * CHUNK  # waited for `first` to spill
+        engine.store(first, src, random_blocks(4, 1), FMT)
+        assert engine.store(second, src, random_blocks(4, 3), FMT) == 2 * CHUNK  # waited for `first` to spill
         assert engine.lookup(second) == 2 * CHUNK
         assert engine.stats()["tier_writes"] == 2
 
 
 def test_write_through_lets_a_second_engine_read_the_tier(disk: Tier) -> None:
     src, dst = make_paged(FMT, NB, seed=1), make_paged(FMT, NB, seed=2)
-    tokens = _tokens(3 * CHUNK, 5)
-    src_ids, dst_ids = _blocks(6, 1), _blocks(6, 2)
+    tokens = random_tokens(3 * CHUNK, 5)
+    src_ids, dst_ids = random_blocks(6, 1), random_blocks(6, 2)
     with _engine([disk], 8, src, tier_write="on_store") as writer:
         writer.store(tokens, src, src_ids, FMT)
         _wait_for(lambda: writer.stats()["tier_writes"] == 3)
@@ -127,10 +110,10 @@ class _BrokenTier(Tier):
 
 def test_a_failing_tier_gives_misses_and_drops_evicted_objects() -> None:
     src = make_paged(FMT, NB, seed=1)
-    first = _tokens(CHUNK, 1)
+    first = random_tokens(CHUNK, 1)
     with _engine([_BrokenTier()], 1, src) as engine:
-        engine.store(first, src, _blocks(2, 1), FMT)
-        engine.store(_tokens(CHUNK, 2), src, _blocks(2, 2), FMT)
+        engine.store(first, src, random_blocks(2, 1), FMT)
+        engine.store(random_tokens(CHUNK, 2), src, random_blocks(2, 2), FMT)
         _wait_for(lambda: engine.stats()["tier_write_failures"] == 1)
         assert engine.prefetch(first).result(timeout=10) == 0
         stats = engine.stats()

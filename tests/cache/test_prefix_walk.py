@@ -10,8 +10,7 @@ from hypothesis import strategies as st
 from kvferry.cache.index import READABLE, Entry, State, readable_run
 from kvferry.cache.keys import CacheNamespace, ChunkHasher
 from kvferry.formats.kinds import EngineKVFormat as F
-from tests.cache.cachekit import CHUNK, make_paged
-from tests.cache.test_cache_engine import NB, _blocks, _engine, _tokens
+from tests.cache.cachekit import CHUNK, NB, cache_engine, make_paged, random_blocks, random_tokens
 
 NS = CacheNamespace("m", "bfloat16", "L")
 
@@ -50,9 +49,9 @@ def test_readable_run_matches_a_chunk_by_chunk_scan(
 def test_lookup_and_retrieve_stop_at_a_hole_in_the_middle() -> None:
     fmt = F.NL_X_TWO_NB_BS_NH_HS
     src, dst = make_paged(fmt, NB, seed=1), make_paged(fmt, NB, seed=2)
-    tokens = _tokens(8 * CHUNK)
-    with _engine(paged=src) as engine:
-        engine.store(tokens, src, _blocks(16, 1), fmt)
+    tokens = random_tokens(8 * CHUNK)
+    with cache_engine(paged=src) as engine:
+        engine.store(tokens, src, random_blocks(16, 1), fmt)
         assert engine.lookup(tokens) == 8 * CHUNK
         keys = engine.chunk_keys(tokens)
         with engine._res.lock:
@@ -61,19 +60,19 @@ def test_lookup_and_retrieve_stop_at_a_hole_in_the_middle() -> None:
             engine._res.detach_locked(entry)
         assert engine.lookup(tokens) == 5 * CHUNK
         assert engine.lookup(np.array(tokens)) == 5 * CHUNK
-        assert engine.retrieve(tokens, dst, _blocks(16, 2), fmt, skip_prefix_tokens=6 * CHUNK) == 2 * CHUNK
-        assert engine.retrieve(tokens, dst, _blocks(16, 2), fmt, skip_prefix_tokens=2 * CHUNK) == 3 * CHUNK
+        assert engine.retrieve(tokens, dst, random_blocks(16, 2), fmt, skip_prefix_tokens=6 * CHUNK) == 2 * CHUNK
+        assert engine.retrieve(tokens, dst, random_blocks(16, 2), fmt, skip_prefix_tokens=2 * CHUNK) == 3 * CHUNK
         # Storing again fills the hole, and its entry links back into the chain.
-        assert engine.store(tokens, src, _blocks(16, 1), fmt) == CHUNK
+        assert engine.store(tokens, src, random_blocks(16, 1), fmt) == CHUNK
         assert engine.lookup(tokens) == 8 * CHUNK
 
 
 def test_entries_found_without_the_lock_are_rechecked_once_something_left_the_index() -> None:
     fmt = F.NL_X_TWO_NB_BS_NH_HS
     src = make_paged(fmt, NB, seed=1)
-    tokens = _tokens(4 * CHUNK)
-    with _engine(paged=src) as engine:
-        engine.store(tokens, src, _blocks(8, 1), fmt)
+    tokens = random_tokens(4 * CHUNK)
+    with cache_engine(paged=src) as engine:
+        engine.store(tokens, src, random_blocks(8, 1), fmt)
         res = engine._res
         removals = res.index.removals
         found = readable_run(res.index.get, engine._hasher.prefix(tokens, engine.namespace))

@@ -5,8 +5,9 @@ Engines run in processes of their own (vllm_hybrid_driver.py): a reference witho
 embedded; through a kvferry server, one in vLLM's multiprocess layout and one with two tensor-parallel ranks; a
 state-space hybrid (Qwen3-Next's gated delta-net, its linear-attention state moved as objects of its own),
 embedded and through a server. Each runs a 1000-token prompt (a miss), again (a hit of its 768 tokens of whole
-chunks, six windows long), and another prompt sharing those 768 tokens. vLLM's own prefix cache is off (the
-state-space hybrid's is on, as its state needs, and emptied before the hit), so every reused token comes from
+chunks, six windows long), and another prompt sharing those 768 tokens; the state-space hybrid also a chat's next
+turn. vLLM's own prefix cache is off
+(the state-space hybrid's is on, as its state needs, and emptied before the hit), so every reused token comes from
 kvferry; greedy tokens must equal the reference.
 """
 
@@ -71,6 +72,11 @@ def reference(tmp: Path) -> dict[str, Any]:
     return run_driver("reference", tmp)
 
 
+@pytest.fixture(scope="module")
+def gdn_reference(tmp: Path) -> dict[str, Any]:
+    return run_driver("gdn-reference", tmp)
+
+
 def _check_runs(report: dict[str, Any], reference: dict[str, Any]) -> None:
     main, other = (run["tokens"] for run in reference["runs"])
     assert [run["tokens"] for run in report["runs"]] == [main, main, other]  # as without kvferry, token for token
@@ -108,35 +114,19 @@ def test_server_mode_with_the_scheduler_apart_from_the_kv(
     assert report["output"].count("hybrid model: group=0:sliding_window:128") == ranks
 
 
-@pytest.fixture(scope="module")
-def gdn_reference(tmp: Path) -> dict[str, Any]:
-    return run_driver("gdn-reference", tmp)
-
-
-def _check_gdn_hit(report: dict[str, Any], reference: dict[str, Any]) -> None:
-    assert report["prefix_cache_reset"]  # the second run's hit can only be kvferry's
-    main = reference["runs"][0]["tokens"]
-    assert [run["tokens"] for run in report["runs"]] == [main, main]
-    assert [run["cached"] for run in report["runs"]] == [[0], [2 * GDN_CHUNK]]  # vLLM's counter: kvferry's hit
-    assert report["scheduler_counters"]["hit_tokens_taken"] == 2 * GDN_CHUNK  # kvferry's counters agree
-    assert report["worker_counters"]["tokens_loaded"] == 2 * GDN_CHUNK
-    assert report["worker_counters"]["load_failures"] == report["worker_counters"]["store_failures"] == 0
-    assert report["requests_held"] == report["tracked"] == report["scheduler_locks"] == 0  # nothing leaked
-
-
 def test_a_state_space_hybrid_hits_with_its_linear_attention_state(tmp: Path, gdn_reference: dict[str, Any]) -> None:
     """Qwen3-Next's gated delta-net layers keep a state (vLLM's MambaSpec group, "align" mode under its prefix
     caching): the hit loads the full layers' chunks and the state at the hit's end, and greedy tokens are those of a
     run without kvferry; the same hit with the state zeroed instead gives other tokens (so the check can fail)."""
-    reference = gdn_reference
     report = run_driver("gdn", tmp)
     lost = run_driver("gdn-lost", tmp)
     assert [(g["kind"], g["mamba_cache_mode"]) for g in report["groups"]] == [("MambaSpec", "align"),
                                                                             ("FullAttentionSpec", None)]  # fmt: skip
     assert report["groups"][0]["block_size"] == GDN_CHUNK  # a chunk holds one state
     assert "hybrid model: group=0:mamba (2 layers" in report["output"]
-    _check_gdn_hit(report, reference)
-    assert lost["runs"][1]["cached"] == [2 * GDN_CHUNK] and lost["runs"][1]["tokens"] != reference["runs"][0]["tokens"]
+    _check_gdn_hit(report, gdn_reference)
+    main = gdn_reference["runs"][0]["tokens"]
+    assert lost["runs"][1]["cached"] == [2 * GDN_CHUNK] and lost["runs"][1]["tokens"] != main
 
 
 def test_a_state_space_hybrid_hits_through_a_server(tmp: Path, gdn_reference: dict[str, Any]) -> None:
@@ -155,6 +145,37 @@ def test_a_state_space_hybrid_hits_through_a_server(tmp: Path, gdn_reference: di
     assert "server mode (tcp://127.0.0.1" in report["output"] and "group=0:mamba (2 layers" in report["output"]
     _check_gdn_hit(report, gdn_reference)
     assert (cache["stored_chunks"], cache["retrieved_chunks"]) == (3, 3)  # 2 attention chunks and the state at 768
+
+
+def _check_gdn_hit(report: dict[str, Any], reference: dict[str, Any]) -> None:
+    assert report["prefix_cache_reset"]  # the second run's hit can only be kvferry's
+    main = reference["runs"][0]["tokens"]
+    assert [run["tokens"] for run in report["runs"]] == [main, main]
+    assert [run["cached"] for run in report["runs"]] == [[0], [2 * GDN_CHUNK]]  # vLLM's counter: kvferry's hit
+    assert report["scheduler_counters"]["hit_tokens_taken"] == 2 * GDN_CHUNK  # kvferry's counters agree
+    assert report["worker_counters"]["tokens_loaded"] == 2 * GDN_CHUNK
+    assert report["worker_counters"]["load_failures"] == report["worker_counters"]["store_failures"] == 0
+    assert report["requests_held"] == report["tracked"] == report["scheduler_locks"] == 0  # nothing leaked
+
+
+@pytest.mark.parametrize(
+    ("retention", "hit"), [(GDN_CHUNK, 2 * GDN_CHUNK), (None, GDN_CHUNK)], ids=["dense", "default"]
+)
+def test_a_chat_s_next_turn_hits_the_state_vllm_kept_while_generating(
+    tmp: Path, gdn_reference: dict[str, Any], retention: int | None, hit: int
+) -> None:
+    """Turn 1 (700 tokens, 80 generated) crosses the boundary at 768 while generating. vLLM retaining every block's
+    state (prefix_cache_retention_interval = its block size) hands that state over, kvferry stores it and the
+    output's attention chunks at the finish: turn 2 hits 768 tokens, past turn 1's prompt. With vLLM's default
+    (0: the prompt's last boundary only) it hands over none past 384: the hit stops there."""
+    report = run_driver("gdn-chat", tmp, *(["--retention", str(retention)] if retention is not None else []))
+    assert [turn["cached"] for turn in gdn_reference["chat"]] == [[0], [0]]  # the reference computes every token
+    assert [turn["tokens"] for turn in report["chat"]] == [turn["tokens"] for turn in gdn_reference["chat"]]
+    assert report["chat"][0]["prefix_cache_reset"]  # turn 2's hit can only be kvferry's
+    assert [turn["cached"] for turn in report["chat"]] == [[0], [hit]]  # vLLM's counter (turn 1's prompt: 700)
+    assert report["scheduler_counters"]["hit_tokens_taken"] == report["worker_counters"]["tokens_loaded"] == hit
+    assert report["worker_counters"]["load_failures"] == report["worker_counters"]["store_failures"] == 0
+    assert report["requests_held"] == report["tracked"] == report["scheduler_locks"] == 0  # nothing leaked
 
 
 def test_hma_holds_more_tokens_than_every_layer_holding_the_whole_context(tmp: Path) -> None:

@@ -5,7 +5,6 @@ test checks against vLLM: on CPU tensors here, and on a CUDA device where there 
 
 from __future__ import annotations
 
-import json
 import random
 from typing import Any
 
@@ -18,27 +17,24 @@ from kvferry.integrations.vllm.kv_groups import KVGroup
 from kvferry.integrations.vllm.kv_layout import recognise
 from kvferry.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
 from kvferry.integrations.vllm.settings import ConnectorSettings
-from tests.integrations.vllm_hybrid_views import CASES, HYBRID_FIXTURES
+from tests.integrations.vllm_hybrid_views import (
+    CASES,
+    HYBRID_FIXTURES,
+    REPLAY_DEVICES,
+    assert_recorded_as_vllm_builds,
+    build,
+    recorded,
+)
 
-FIXTURES = json.loads(HYBRID_FIXTURES.read_text())
+FIXTURES = recorded(HYBRID_FIXTURES)
 CHUNK = 64
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
-    ),
-]
 
 
 def test_fixtures_are_what_vllm_builds() -> None:
-    pytest.importorskip("vllm")
-    from tests.integrations.vllm_hybrid_views import build
-
-    assert json.loads(json.dumps([build(case) for case in CASES])) == FIXTURES
+    assert_recorded_as_vllm_builds(FIXTURES, build, CASES)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", REPLAY_DEVICES)
 @pytest.mark.parametrize("fixture", FIXTURES, ids=lambda f: case_of(f).layout)
 def test_each_group_moves_its_own_blocks_and_nothing_else(fixture: dict[str, Any], device: str) -> None:
     case = case_of(fixture)

@@ -6,7 +6,6 @@ where there is one. Then what the scheduler half plans for such a group, and wha
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -25,24 +24,21 @@ from kvferry.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
 from kvferry.integrations.vllm.scheduler_side import SchedulerSide
 from kvferry.integrations.vllm.settings import ConnectorSettings
 from kvferry.integrations.vllm.state_groups import StateBackend, row_bytes, state_key_tokens, state_kv
-from tests.integrations.vllm_hybrid_views import MAMBA_CASES, MAMBA_FIXTURES
+from tests.integrations.vllm_hybrid_views import (
+    MAMBA_CASES,
+    MAMBA_FIXTURES,
+    REPLAY_DEVICES,
+    assert_recorded_as_vllm_builds,
+    build_mamba,
+    recorded,
+)
 
-FIXTURES = json.loads(MAMBA_FIXTURES.read_text())
+FIXTURES = recorded(MAMBA_FIXTURES)
 CHUNK = 64  # the fixtures' block size: one block per chunk
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
-    ),
-]
 
 
 def test_fixtures_are_what_vllm_builds() -> None:
-    pytest.importorskip("vllm")
-    from tests.integrations.vllm_hybrid_views import build_mamba
-
-    assert json.loads(json.dumps([build_mamba(case) for case in MAMBA_CASES])) == FIXTURES
+    assert_recorded_as_vllm_builds(FIXTURES, build_mamba, MAMBA_CASES)
 
 
 def test_mamba_groups_are_read_off_vllms_specs_only_in_align_mode() -> None:
@@ -106,7 +102,7 @@ def _store(worker: HybridWorker, tokens: list[int], full_blocks: list[int], stat
     worker.worker.preempted(["a"])
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", REPLAY_DEVICES)
 @pytest.mark.parametrize("fixture", FIXTURES, ids=lambda f: case_of(f).layout)
 def test_a_state_moves_from_the_block_vllm_handed_over_into_the_one_it_allocated(
     fixture: dict[str, Any], device: str
@@ -257,6 +253,39 @@ def test_the_scheduler_stores_the_states_vllm_hands_over_and_loads_the_one_block
     assert stores == [(1, 4 * CHUNK, [11, 12, 13, 14], 2 * CHUNK), (0, 3 * CHUNK, [22], 0)]
     grouped.loads_done(["r"])
     assert grouped.request_finished("r", prompt[:-1], tables)  # vLLM keeps its blocks until the stores end
+
+
+def test_a_state_vllm_computed_while_generating_is_stored_under_the_tokens_it_follows() -> None:
+    """vLLM hands over a state past the prompt in the step that computes it; its key is the request's tokens then
+    (vLLM's live ``all_token_ids``), and the finish stores the attention chunks up to there (a chat's next turn)."""
+    side = SchedulerSide(lambda t: Hit(0), lambda lock: None, block_size=CHUNK, chunk_size=CHUNK, tails=False)
+    grouped = GroupedSchedulerSide(side, GROUPS)
+    prompt = list(range(1000, 1000 + 2 * CHUNK + 10))
+    tokens = list(prompt)  # vLLM's Request._all_token_ids: it appends each generated token
+    tables = ([NULL_BLOCK, NULL_BLOCK, 31], [11, 12, 13])
+    for req_id, live in (("r", tokens), ("no-tokens", [])):
+        assert grouped.num_new_matched_tokens(req_id, prompt, len(prompt), 0) == (0, False)
+        grouped.after_alloc(req_id, prompt, tables, 0, live)
+    new = [SimpleNamespace(req_id=r, prompt_token_ids=prompt, block_ids=tables, num_computed_tokens=0)
+           for r in ("r", "no-tokens")]  # fmt: skip
+    grouped.build_plan(_step(new, **{"r": len(prompt), "no-tokens": len(prompt)}))
+    offers = {"r": [(0, 31, 3 * CHUNK)], "no-tokens": [(0, 31, 3 * CHUNK)]}
+    decode = _step(offers=offers, r=1)
+    decode.scheduled_cached_reqs = SimpleNamespace(
+        req_ids=["r", "no-tokens"],
+        resumed_req_ids=set(),
+        new_block_ids=[None, None],
+        num_computed_tokens=[3 * CHUNK - 1] * 2,
+    )
+    assert grouped.build_plan(decode).stores == []  # vLLM has not appended the tokens up to the boundary yet
+    tokens += [7] * (3 * CHUNK - len(prompt))  # what the request generated up to the boundary
+    (store,) = grouped.build_plan(decode).stores  # only the request whose tokens are known
+    assert (store.req_id, store.tokens, store.block_ids, store.skip_tokens, store.group) == (
+        "r", tokens[: 3 * CHUNK], [31], 0, 0)  # fmt: skip
+    tokens += [8] * 5
+    assert grouped.request_finished("r", tokens[:-1], tables)
+    (finish,) = grouped.build_plan(_step()).stores  # the attention chunks up to the boundary too
+    assert (finish.group, finish.tokens, finish.block_ids) == (1, tokens[: 3 * CHUNK], [11, 12, 13])
 
 
 def test_a_hybrid_with_a_state_group_looks_up_the_state_at_the_hit_s_end_only() -> None:

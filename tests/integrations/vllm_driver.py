@@ -80,11 +80,11 @@ def make_llm(model: str, extra: dict[str, Any] | None, dtype: str, tp: int = 1) 
     )
 
 
-def generate(llm: Any, prompts: list[list[int]]) -> dict[str, Any]:
+def generate(llm: Any, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     started = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     return {

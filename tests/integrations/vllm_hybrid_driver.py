@@ -11,10 +11,13 @@ PHASE
   server      the same through a kvferry server at --server-url.
   gdn, gdn-reference, gdn-lost, gdn-server
               the state-space hybrid with vLLM's prefix caching on (Mamba "align" mode): without kvferry the main
-              prompt once; with kvferry embedded the main prompt (a miss, stored), vLLM's prefix cache emptied, the
-              main prompt again (kvferry's hit: attention chunks and the linear-attention state at its end);
-              ``gdn-lost`` as ``gdn`` with every state load writing zeros instead (what the test tells apart);
-              ``gdn-server`` as ``gdn`` through a kvferry server at --server-url.
+              prompt once, then a chat's two turns; with kvferry embedded the main prompt (a miss, stored), vLLM's
+              prefix cache emptied, the main prompt again (kvferry's hit: attention chunks and the linear-attention
+              state at its end); ``gdn-lost`` as ``gdn`` with every state load writing zeros instead (what the test
+              tells apart); ``gdn-server`` as ``gdn`` through a kvferry server at --server-url.
+  gdn-chat    the state-space hybrid, kvferry embedded: a chat's turn 1 (CHAT_PROMPT tokens, CHAT_OUTPUT generated:
+              past a chunk boundary), vLLM's prefix cache emptied, turn 2 (turn 1's prompt and output, then more);
+              ``--retention N``: vLLM's prefix_cache_retention_interval (which Mamba states it keeps and hands over).
   capacity    vLLM's KV capacity in tokens with the connector on, with vLLM's hybrid KV cache manager and without
               (``disable_hybrid_kv_cache_manager``): every layer then holds every token.
 
@@ -42,6 +45,7 @@ PROMPT_TOKENS = 1000  # the hit: its 3 full chunks (768 tokens), six windows lon
 SHARED_TOKENS = 768  # the other prompt shares this prefix with the main one
 VOCAB = 1024
 GDN_CHUNK = 384  # the state-space hybrid's block size under vLLM's prefix caching: a chunk holds one state
+CHAT_PROMPT, CHAT_OUTPUT = 700, 80  # turn 1 ends at 780 tokens: its output crosses the boundary at 768
 
 
 def prompts() -> dict[str, list[int]]:
@@ -187,7 +191,19 @@ def count_copied_bytes(moved: dict[str, int]) -> None:
         setattr(EmbeddedBackend, name, counted)
 
 
-def run_gdn(model: str, phase: str, server_url: str | None, in_process: bool) -> dict[str, Any]:
+def chat(llm: Any) -> list[dict[str, Any]]:
+    """A chat's two turns: turn 2's prompt is turn 1's prompt and output, then new tokens. Between the turns, a
+    short request (a step after turn 1's stores) and vLLM's prefix cache emptied (a hit can only be kvferry's)."""
+    rng = random.Random(11)
+    prompt = [rng.randrange(3, VOCAB) for _ in range(CHAT_PROMPT)]
+    first = generate(llm, [prompt], max_tokens=CHAT_OUTPUT)
+    generate(llm, [list(range(16))])
+    first["prefix_cache_reset"] = llm.reset_prefix_cache()
+    second = generate(llm, [prompt + first["tokens"][0] + [rng.randrange(3, VOCAB) for _ in range(20)]])
+    return [first, second]
+
+
+def run_gdn(model: str, phase: str, retention: int | None, server_url: str | None) -> dict[str, Any]:
     """The state-space hybrid's phases (see the module's docstring), vLLM's prefix caching on."""
     main_prompt = prompts()["main"]
     if phase == "gdn-lost":
@@ -195,16 +211,21 @@ def run_gdn(model: str, phase: str, server_url: str | None, in_process: bool) ->
     extra: dict[str, Any] = {"mode": "embedded", "config": {"cache": {"chunk_size": GDN_CHUNK, "l1_size_gb": 0.25}}}
     if phase == "gdn-server":
         extra = {"mode": "server", "server_url": server_url}
-    llm = make_llm(model, None if phase == "gdn-reference" else extra, enable_prefix_caching=True)
-    report: dict[str, Any] = {"runs": [generate(llm, [main_prompt])]}
-    if in_process:
-        report["groups"] = kv_groups(llm)
-    if phase != "gdn-reference":
+    kept = {} if retention is None else {"prefix_cache_retention_interval": retention}
+    llm = make_llm(model, None if phase == "gdn-reference" else extra, enable_prefix_caching=True, **kept)
+    report: dict[str, Any] = {"groups": kv_groups(llm)}
+    if phase == "gdn-reference":
+        report["runs"] = [generate(llm, [main_prompt])]
+        report["chat"] = chat(llm)
+    elif phase == "gdn-chat":
+        report["chat"] = chat(llm)
+    else:
+        report["runs"] = [generate(llm, [main_prompt])]
         generate(llm, [list(range(16))])  # a step after the first run's stores: vLLM then frees its blocks
         report["prefix_cache_reset"] = llm.reset_prefix_cache()
         report["runs"].append(generate(llm, [main_prompt]))
-        if in_process:
-            report.update(connector_state(llm))
+    if phase != "gdn-reference":
+        report.update(connector_state(llm))
     llm.llm_engine.engine_core.shutdown()
     return report
 
@@ -239,8 +260,9 @@ def main() -> None:
         write_report(out, report)
         os._exit(0)
     if phase.startswith("gdn"):
+        retention = int(sys.argv[sys.argv.index("--retention") + 1]) if "--retention" in sys.argv else None
         url = sys.argv[sys.argv.index("--server-url") + 1] if "--server-url" in sys.argv else None
-        report.update(run_gdn(model + "-gdn", phase, url, in_process=not multiprocessing))
+        report.update(run_gdn(model + "-gdn", phase, retention, url))
         write_report(out, report)
         os._exit(0)
     extra = {

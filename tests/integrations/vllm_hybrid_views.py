@@ -4,16 +4,18 @@ vLLM's tensors; and a state-space hybrid: a Mamba group (layers 0, 2: a conv and
 pages padded to the attention layers' under vLLM's prefix caching, ``mamba_cache_mode "align"``) and a
 full-attention one (1, 3). Recorded like `kvferry.bench.vllm_views` (plus each group's kind, window, page and
 layers) so that a GPU machine without vLLM replays them: ``python tests/integrations/vllm_hybrid_views.py``
-rewrites the fixtures.
+rewrites the fixtures. The replay tests share their devices and their check of the fixtures against vLLM here.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
 
 from kvferry.bench.vllm_views import ALL_LAYOUTS, Case, record
@@ -27,6 +29,28 @@ MAMBA_CASES = [Case("FLASH_ATTN", layout, block_size=64, num_blocks=24) for layo
 # (heads, head size, state size) in fp32; 4672 bytes, not a whole number of 64-byte rows.
 MAMBA_SHAPES = ((3, 96), (4, 16, 16))
 MAMBA_DTYPES = (torch.bfloat16, torch.float32)
+# Where the fixtures are replayed: CPU tensors, and a CUDA device where there is one.
+REPLAY_DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
+    ),
+]
+
+
+def recorded(fixtures: Path) -> list[dict[str, Any]]:
+    """The cases recorded in ``fixtures`` (`HYBRID_FIXTURES` or `MAMBA_FIXTURES`)."""
+    cases: list[dict[str, Any]] = json.loads(fixtures.read_text())
+    return cases
+
+
+def assert_recorded_as_vllm_builds(
+    fixtures: list[dict[str, Any]], build_case: Callable[[Case], dict[str, Any]], cases: list[Case]
+) -> None:
+    """``fixtures`` are what ``build_case`` makes of ``cases`` with the vLLM installed (skips without vLLM)."""
+    pytest.importorskip("vllm")
+    assert json.loads(json.dumps([build_case(case) for case in cases])) == fixtures
 
 
 def build(case: Case) -> dict[str, Any]:

@@ -5,8 +5,8 @@ median) with the fp8 codec and without it, and of a pinned memcpy of the bf16 by
 moves. `vs bf16 memcpy` counts the bf16 bytes the engine holds (what the issue's 1.8x is about); `link` counts the
 bytes moved. Every codec request is first checked byte for byte against the torch backend on the GPU. Then a bf16
 8192^3 GEMM beside a loop of 16-chunk stores and retrieves (fp8, then bf16), against the mean of the GEMM alone
-before and after (--no-gemm: none). --sweep first tries the codec kernel's tile sizes and warps and keeps the
-fastest.
+before and after (--no-gemm: none). --sweep first tries the codec kernel's tile sizes, groups per step and warps
+and keeps the fastest.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from kvferry.transfer.gpu_engine import TransferEngine
 
 F = EngineKVFormat
 SHAPES = {"llama3-8b": (F.NL_X_TWO_NB_BS_NH_HS, 16), "deepseek-v3-mla": (F.NL_X_NB_BS_HS, 64)}
-SWEEP = ((4096, 4), (8192, 8), (16384, 8))  # codec tile values, warps
+SWEEP = ((4096, 8, 4), (4096, 1, 4), (2048, 8, 4), (8192, 8, 8))  # codec tile values, groups per step, warps
 
 DESCRIPTION = description_of(__doc__)
 EXAMPLES = """\
@@ -60,7 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--gemm-seconds", type=float, default=1.0, help="per GEMM measurement (default: 1.0)")
     parser.add_argument("--no-gemm", action="store_true", help="skip the GEMM beside the transfers")
-    parser.add_argument("--sweep", action="store_true", help="first try codec tile sizes and warps, keep the best")
+    parser.add_argument(
+        "--sweep", action="store_true", help="first try codec tile sizes, groups per step and warps; keep the best"
+    )
     add_json_argument(parser)
 
 
@@ -166,21 +168,24 @@ def kernel_gbps(model: str, repeats: int) -> dict[str, float]:
 
 
 def sweep(repeats: int, steps: Steps) -> list[dict[str, object]]:
-    """Codec tile sizes and warps: kernel alone and 16 llama3-8b chunks through the pipeline; keeps the fastest
-    (for the rest of the run) and returns each one's figures."""
+    """Codec tile sizes, groups per step and warps: kernel alone and 16 llama3-8b chunks through the pipeline; keeps
+    the fastest (for the rest of the run) and returns each one's figures."""
     tried, best_us = [], float("inf")
-    best = (triton_tiling.CODEC_TILE_VALUES, triton_tiling.CODEC_WARPS)
-    for values, warps in SWEEP:
-        triton_tiling.CODEC_TILE_VALUES, triton_tiling.CODEC_WARPS = values, warps
+    best = (triton_tiling.CODEC_TILE_VALUES, triton_tiling.CODEC_GROUPS_PER_STEP, triton_tiling.CODEC_WARPS)
+    for values, groups, warps in SWEEP:
+        triton_tiling.CODEC_TILE_VALUES, triton_tiling.CODEC_GROUPS_PER_STEP = values, groups
+        triton_tiling.CODEC_WARPS = warps
         rows = [r for r in transfer_rows("llama3-8b", 16, repeats) if r["codec"] == "fp8"]
         total = sum(float(str(r["us"])) for r in rows)
         kernel = {m: kernel_gbps(m, repeats) for m in SHAPES}
         pipeline = {str(r["direction"]): (r["vs_bf16_memcpy"], r["link"]) for r in rows}
-        tried.append({"tile_values": values, "warps": warps, "kernel_gbps": kernel, "llama3-8b_16": pipeline})
+        tried.append(
+            {"tile_values": values, "groups": groups, "warps": warps, "kernel_gbps": kernel, "llama3-8b_16": pipeline}
+        )
         if total < best_us:
-            best, best_us = (values, warps), total
-        steps.done(f"sweep: {values} values, {warps} warps")
-    triton_tiling.CODEC_TILE_VALUES, triton_tiling.CODEC_WARPS = best
+            best, best_us = (values, groups, warps), total
+        steps.done(f"sweep: {values} values, {groups} groups per step, {warps} warps")
+    triton_tiling.CODEC_TILE_VALUES, triton_tiling.CODEC_GROUPS_PER_STEP, triton_tiling.CODEC_WARPS = best
     return tried
 
 
@@ -219,7 +224,11 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
     for codec in gemms:
         gemm.append(gemm_row(codec, args.gemm_seconds))
         steps.done(f"GEMM beside {codec} transfers")
-    tiling = {"tile_values": triton_tiling.CODEC_TILE_VALUES, "warps": triton_tiling.CODEC_WARPS}
+    tiling = {
+        "tile_values": triton_tiling.CODEC_TILE_VALUES,
+        "groups": triton_tiling.CODEC_GROUPS_PER_STEP,
+        "warps": triton_tiling.CODEC_WARPS,
+    }
     config = {"models": models, "chunks": args.chunks, "repeats": args.repeats, "codec_tiling": tiling}
     results = {"rows": rows, "gemm": gemm, "sweep": tried}
     return Outcome(config, results, _show(rows, gemm, tried, tiling), device="cuda")
@@ -228,7 +237,7 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
 def _show(rows: list[dict], gemm: list[dict], tried: list[dict], tiling: dict) -> list[RenderableType]:
     table = new_table(
         f"fp8 objects against bf16 and a same-run pinned memcpy (medians; codec tiles of {tiling['tile_values']} "
-        f"values, {tiling['warps']} warps)",
+        f"values, up to {tiling['groups']} groups a step, {tiling['warps']} warps)",
         ("model", "chunks", "objects", "op", "MiB moved", "us", "x bf16 memcpy", "x link"),
         names=4,
     )

@@ -3,20 +3,24 @@
 One ``store`` or ``retrieve`` is one ``kvferry.transfer`` call for all of the request's chunks (bookkeeping is
 per chunk, copying is not). Bad arguments raise ValueError/TypeError naming them, before any memory is touched;
 a full pool, a failed tier or a corrupt object is a miss or a skipped chunk, counted in ``stats()``.
+
+The engine is the API over its parts: lookups in `kvferry.cache.lookup`, stores in `writer`, retrieves in
+`reader`, the pool's contents in `residency`, tier I/O in `tiering`, each call's KV geometry in `geometry_checks`.
 """
 
 from __future__ import annotations
 
 import threading
-import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
-from kvferry.cache.index import object_checksum, readable_run
+from kvferry.cache.geometry_checks import GeometryChecks
+from kvferry.cache.index import object_checksum
 from kvferry.cache.keys import CacheNamespace, ChunkHasher, TokenIds
+from kvferry.cache.lookup import LookupResult, PrefixLookup
 from kvferry.cache.metrics import GAUGES, CacheCounters, counters_dict, gbps, make_registry
 from kvferry.cache.policies import make_policy
 from kvferry.cache.pool_sizing import host_pool
@@ -26,13 +30,12 @@ from kvferry.cache.request import (
     check_block_ids,
     check_skip,
     dtype_name,
-    layout_name,
     token_count,
 )
 from kvferry.cache.residency import Residency
 from kvferry.cache.steps import Steps, run_steps
-from kvferry.cache.tails import find_tail, superseded
-from kvferry.cache.tiering import TierLink, when_all
+from kvferry.cache.tails import superseded
+from kvferry.cache.tiering import TierLink
 from kvferry.cache.writer import ChunkWriter
 from kvferry.config import KvferryConfig
 from kvferry.formats import EngineKVFormat, KVGeometry, with_codec
@@ -40,7 +43,7 @@ from kvferry.kernels.cpu_threads import torch_on_one_thread
 from kvferry.memory import HostPool
 from kvferry.tiers import Tier, make_tier
 from kvferry.tiers.metrics import TierCollector
-from kvferry.transfer import geometry_of, ordered_after
+from kvferry.transfer import ordered_after
 
 
 def _ordered(after: torch.cuda.Event | None, call: Callable[..., int], args: tuple, kwargs: dict[str, Any]) -> int:
@@ -49,12 +52,6 @@ def _ordered(after: torch.cuda.Event | None, call: Callable[..., int], args: tup
         return call(*args, **kwargs)
     with ordered_after(after.cuda_event):
         return call(*args, **kwargs)
-
-
-class LookupResult(NamedTuple):
-    hit_tokens: int  # prefix tokens ready in the host pool (full chunks, then a tail's tokens)
-    pending_tokens: int  # further prefix tokens being promoted from a tier: ready once they land
-    lock_id: int | None  # lookup lock on the hit chunks (lock=True and a hit): retrieve(lock_id=) ends it
 
 
 class CacheEngine:
@@ -91,16 +88,14 @@ class CacheEngine:
             self._res, self._hasher, cfg.chunk_size, self._checksum, self._tiers, cfg.in_flight_wait_s
         )
         self._reader = ChunkReader(self._res, self._hasher, cfg.chunk_size, self._checksum, self.counters)
+        self._lookup = PrefixLookup(self._res, self._hasher, self._tiers)
+        self._geometries = GeometryChecks(cfg.chunk_size)
         # Its threads run torch on one thread each: a parallel op there would slow the engine's own (`cpu_threads`).
         self._executor = ThreadPoolExecutor(cfg.async_workers, f"kvferry-{name}", initializer=torch_on_one_thread)
         # The cache's counters and its tiers' (`kvferry_tier_*`, labelled by tier): one registry to export.
         self.metrics_registry = make_registry(name, self._metric_values)
         self.metrics_registry.register(TierCollector(lambda: [tier.metrics for tier in self.tiers]))
         self._closed = threading.Event()
-        # Geometries already checked against a namespace (registered engines pass the same one every call).
-        # Weak: a geometry holds the engine's tensors, which must go when their owner unregisters.
-        self._matched: weakref.WeakValueDictionary[tuple[int, bytes], KVGeometry] = weakref.WeakValueDictionary()
-        self._last_match: tuple[weakref.ref[KVGeometry], CacheNamespace] | None = None
 
     # --- keys ---------------------------------------------------------------------------------------------
 
@@ -132,10 +127,11 @@ class CacheEngine:
         ``codec`` (default: the config's ``cache.codec``) is the codec of the objects this engine stores and reads:
         a ValueError saying why where its KV cache cannot take it."""
         codec = self.codec if codec is None else codec
-        geom = with_codec(self._geometry(fmt, paged, block_size, geometry), codec)  # refused here if it cannot be
+        geom = with_codec(self._geometries.checked(fmt, paged, block_size, geometry), codec)  # refused if it cannot be
         if geom.partial_heads:
             world_size, rank = 1, 0
-        return CacheNamespace(model, dtype_name(geom.dtype), self._layout(geom), world_size, rank, salt, codec)
+        layout = self._geometries.layout(geom)
+        return CacheNamespace(model, dtype_name(geom.dtype), layout, world_size, rank, salt, codec)
 
     def chunk_keys(self, tokens: TokenIds, *, namespace: CacheNamespace | None = None) -> list[bytes]:
         """The keys of the full chunks of ``tokens`` (what tiers see)."""
@@ -185,49 +181,12 @@ class CacheEngine:
         ``first_chunk``: the caller needs the chunks from this one on only (a sliding-window layer's lookup needs
         the window before the hit's end); the hit then counts from token 0 as if the chunks before it were held,
         and is ``first_chunk`` chunks where that chunk is missing."""
-        prefix = self._hasher.prefix(tokens, self._ns(namespace))
-        index = self._res.index
-        removals = index.removals  # read before the index: see CacheIndex
-        first = min(max(first_chunk, 0), prefix.n)
-        run = readable_run(index.get, prefix, first)  # a few keys and parent links, not every chunk's key
-        if index.has_tails:  # the longest stored tail after the run (see kvferry.cache.tails)
-            tail = find_tail(index, prefix, first + len(run), len(tokens), block_size or 1)
-            run = run if tail is None else [*run, tail]
-        with self._res.lock:
-            self._res.expire_locks_locked()
-            hits = self._res.still_readable_locked(run, removals)
-            lock_id = self._res.lock_entries_locked(hits) if lock and hits else None
-            n_hits = first + len(hits) - (1 if hits and hits[-1].tail else 0)  # full chunks
-            hit_tokens = n_hits * self.chunk_size + (hits[-1].tail if hits else 0)
-            self.counters.lookups += 1
-            self.counters.hit_tokens += hit_tokens
-            self.counters.miss_tokens += len(tokens) - hit_tokens
-        found = LookupResult(hit_tokens, 0, lock_id)
-        tiers = self._tiers
-        if tiers is None or n_hits == prefix.n:
-            return found, None
-
-        def below() -> LookupResult:
-            parent = prefix.key(n_hits - 1) if n_hits else None  # only now the keys after the hits are wanted
-            pending, _ = tiers.fall_through(prefix.keys(n_hits), parent)
-            if not pending:
-                return found
-            # Chunks on their way up extend the full chunks, which the tail does not: it is left out.
-            return found._replace(hit_tokens=n_hits * self.chunk_size, pending_tokens=pending * self.chunk_size)
-
-        return found, below
+        return self._lookup.pool_then_tiers(tokens, self._ns(namespace), lock, block_size, first_chunk)
 
     def prefetch(self, tokens: TokenIds, *, namespace: CacheNamespace | None = None) -> Future[int]:
         """Start promoting the tier hits of ``tokens`` into the pool; the future gives the pool's prefix hit
         (as ``lookup`` would) once every promotion this prefix waits for has landed or missed."""
-        ns = self._ns(namespace)
-        keys = self._hasher.keys(tokens, ns)
-        waits: list[Future[None]] = []
-        if self._tiers is not None:
-            with self._res.lock:
-                hits = len(self._res.readable_prefix_locked(keys))
-            _, waits = self._tiers.fall_through(keys[hits:], keys[hits - 1] if hits else None)
-        return when_all(waits, lambda: self._pool_hits(keys))
+        return self._lookup.prefetch(tokens, self._ns(namespace))
 
     def demote(self, tokens: TokenIds, chunks: range, *, namespace: CacheNamespace | None = None) -> None:
         """Move the objects of chunks ``chunks`` of ``tokens``'s prefix to the front of the eviction order: worth
@@ -282,7 +241,7 @@ class CacheEngine:
         object (`kvferry.cache.tails`): a later lookup of a prompt that goes on from them hits them too.
         """
         ns = self._ns(namespace)
-        geom = self._geometry(fmt, paged, block_size, geometry, ns)
+        geom = self._geometries.checked(fmt, paged, block_size, geometry, ns)
         n_tokens = token_count(tokens)
         skip = check_skip(skip_prefix_tokens, n_tokens)
         first = skip // self.chunk_size
@@ -344,7 +303,7 @@ class CacheEngine:
         """
         try:
             ns = self._ns(namespace)
-            geom = self._geometry(fmt, paged, block_size, geometry, ns)
+            geom = self._geometries.checked(fmt, paged, block_size, geometry, ns)
         except BaseException:
             if lock_id is not None:
                 self._res.release_lock(lock_id)
@@ -406,49 +365,6 @@ class CacheEngine:
                 "or to CacheEngine(namespace=...)"
             )
         return ns
-
-    def _geometry(
-        self,
-        fmt: EngineKVFormat | int,
-        paged: Any,
-        block_size: int | None,
-        geometry: KVGeometry | None,
-        ns: CacheNamespace | None = None,
-    ) -> KVGeometry:
-        """``geometry``, or ``paged``'s (described now, or recognised if described before); checked against
-        ``fmt`` and against ``ns`` when given."""
-        if geometry is None:
-            geom = geometry_of(fmt, paged, block_size)
-        elif not isinstance(geometry, KVGeometry) or geometry.fmt != EngineKVFormat(fmt):
-            raise ValueError(f"geometry={geometry!r} does not describe fmt={EngineKVFormat(fmt).name}")
-        else:
-            geom = geometry
-        if ns is None:
-            return geom
-        geom = with_codec(geom, ns.codec)  # the same coded geometry for the same geometry
-        last = self._last_match  # the pair checked last: one engine calls with the same pair every time
-        if last is not None and last[1] is ns and last[0]() is geom:
-            return geom
-        if self._matched.get((id(geom), ns.digest)) is not geom:
-            layout = self._layout(geom)
-            kv_dtype = dtype_name(geom.dtype)
-            if ns.layout != layout or ns.kv_dtype != kv_dtype:
-                raise ValueError(
-                    f"namespace was made for layout {ns.layout} / {ns.kv_dtype}, but the KV cache passed gives "
-                    f"{layout} / {kv_dtype}: build the namespace with namespace_for() for this KV cache"
-                )
-            self._matched[(id(geom), ns.digest)] = geom  # an entry dies with geom, so its id is never stale
-        self._last_match = (weakref.ref(geom), ns)
-        return geom
-
-    def _layout(self, geom: KVGeometry) -> str:
-        """The key space's layout: the objects' kind and their shape before any codec (which the key space names
-        apart), so a process that holds no KV (a scheduler) names it from the model alone."""
-        return layout_name(geom.fmt, (geom.kv_size, geom.nl, self.chunk_size, geom.object_width))
-
-    def _pool_hits(self, keys: list[bytes]) -> int:
-        with self._res.lock:
-            return len(self._res.readable_prefix_locked(keys)) * self.chunk_size
 
     def _metric_values(self) -> dict[str, float]:
         with self._res.lock:

@@ -1,5 +1,9 @@
 """What is in the host pool: the index, the eviction policy, lookup locks and pool memory, under one lock.
 
+This module: lookups and their locks, readers, and a store's objects from ``reserve`` to ``commit``. Its bases
+hold the rest: room in the pool (eviction, spills, freeing) in `kvferry.cache.eviction`, tier writes and
+promotions in `kvferry.cache.residency_tiers`.
+
 Invariants (all under ``lock``):
 - the policy tracks exactly the indexed entries in state RESIDENT;
 - an entry with readers, pins, or a state other than RESIDENT is never evicted;
@@ -11,11 +15,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 
-from kvferry.cache.index import RESIDENT, SPILLING, WRITING, CacheIndex, Entry, State
+from kvferry.cache.index import RESIDENT, SPILLING, WRITING, Entry, State
 from kvferry.cache.locks import LeaseTable
 from kvferry.cache.metrics import CacheCounters
 from kvferry.cache.policies import EvictionPolicy
@@ -27,26 +31,9 @@ from kvferry.memory import HostPool
 class Residency(TierTraffic):
     """The host pool's contents. Every public method takes ``lock`` itself unless its name ends in ``_locked``."""
 
-    def __init__(
-        self,
-        pool: HostPool,
-        policy: EvictionPolicy,
-        config: CacheConfig,
-        counters: CacheCounters,
-    ) -> None:
-        self.lock = threading.Lock()
-        self.pool = pool
-        self.policy = policy
-        self.index = CacheIndex()
+    def __init__(self, pool: HostPool, policy: EvictionPolicy, config: CacheConfig, counters: CacheCounters) -> None:
+        super().__init__(pool, policy, config, counters)
         self.leases = LeaseTable()
-        self.counters = counters
-        self._config = config
-        # Set when evicted objects go to the first tier (write-behind) rather than being dropped: submits the
-        # tier writes of entries chosen for eviction; called without the lock.
-        self.on_spill: Callable[[list[Entry]], None] | None = None
-        self._spilling_bytes = 0  # pool bytes of SPILLING entries: freed once their tier writes finish
-        self._spills_finished = 0  # count of finished spills; a store waiting for room watches it change
-        self._spill_finished = threading.Condition(self.lock)
         # Stores waiting for another store's chunks in flight (await_written); commit and abort wake them.
         self._written = threading.Condition(self.lock)
         self._written_waiters = 0
@@ -283,18 +270,6 @@ class Residency(TierTraffic):
             finally:
                 self._written_waiters -= 1
 
-    def demote(self, keys: list[bytes]) -> None:
-        """Move these (superseded tails) to the front of the eviction order."""
-        with self.lock:
-            for key in keys:
-                self.policy.demote(key)
-
-    def settle(self) -> None:
-        """Evict down to the watermark (after ``reserve``; see there)."""
-        with self.lock:
-            to_spill = self._make_room_locked(0)
-        self._spill(to_spill)
-
     def end_writes(self, entries: list[Entry]) -> list[Entry]:
         """A store's copy into ``entries`` has finished: those now whole (no other store writing into them, no
         head slice missing) are returned, still WRITING, for the caller to checksum and ``commit``."""
@@ -363,66 +338,6 @@ class Residency(TierTraffic):
 
     # --- internals (lock held) ----------------------------------------------------------------------------
 
-    def _make_room_locked(self, nbytes: int) -> list[Entry]:
-        """Evict batches until ``nbytes`` more fit under the watermark (or nothing is evictable).
-
-        Returns the entries that must be spilled to the first tier; the caller submits their writes after
-        releasing the lock. Bytes already being spilled count as free: they are on their way out.
-        """
-        self.expire_locks_locked()
-        limit = self._config.watermark * self.pool.capacity_bytes
-        excess = self.pool.used_bytes - self._spilling_bytes + nbytes - limit
-        to_spill: list[Entry] = []
-        while excess > 0:
-            victims = self.policy.evict(self._config.eviction_batch, self._evictable)
-            if not victims:
-                break
-            for key in victims:
-                entry = self.index.get(key)
-                assert entry is not None, "policy returned a key the index does not hold"
-                excess -= entry.nbytes
-                self._evict_locked(entry, to_spill)
-        return to_spill
-
-    def _alloc_locked(
-        self, shape: tuple[int, ...], dtype: torch.dtype, nbytes: int, to_spill: list[Entry]
-    ) -> torch.Tensor | None:
-        obj = self.pool.try_alloc(shape, dtype)
-        if obj is None and nbytes <= self.pool.capacity_bytes:
-            # Below the watermark but no room (fragmentation, or memory still held by spills): one more batch.
-            for key in self.policy.evict(self._config.eviction_batch, self._evictable):
-                entry = self.index.get(key)
-                assert entry is not None
-                self._evict_locked(entry, to_spill)
-            obj = self.pool.try_alloc(shape, dtype)
-        return obj
-
-    def _evictable(self, key: bytes) -> bool:
-        entry = self.index.get(key)
-        return entry is not None and entry.evictable
-
-    def _spill(self, entries: list[Entry]) -> None:
-        if entries:
-            assert self.on_spill is not None, "entries are only chosen for spilling when on_spill is set"
-            self.on_spill(entries)
-
-    def _evict_locked(self, entry: Entry, to_spill: list[Entry]) -> None:
-        if self.on_spill is not None and not entry.persisted and not entry.tail:  # tails stay in the pool
-            entry.state = State.SPILLING
-            entry.readers += 1  # the tier write reads it
-            self._spilling_bytes += entry.nbytes
-            to_spill.append(entry)
-            return
-        self.index.pop(entry.key)
-        self._free_locked(entry)
-        self.counters.evictions += 1
-        self.counters.evicted_bytes += entry.nbytes
-
     def _forget_partial_locked(self, entry: Entry) -> None:
         if self._partials.get(entry.key) is entry:  # a newer object of the same key may be assembling
             del self._partials[entry.key]
-
-    def _free_locked(self, entry: Entry) -> None:
-        if entry.obj is not None:
-            self.pool.free(entry.obj)
-            entry.obj = None

@@ -1,45 +1,21 @@
 """The host pool's side of its storage tiers: tier writes that finish, and objects promoted from a tier.
 
-Part of ``Residency`` (its lock, index, policy and pool): kept apart so each file reads as one job.
+A base of ``Residency``, over its room in the pool (`kvferry.cache.eviction`): kept apart so each file reads as
+one job.
 """
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
 
 import torch
 
-from kvferry.cache.index import CacheIndex, Entry, State
-from kvferry.cache.metrics import CacheCounters
-from kvferry.cache.policies import EvictionPolicy
-from kvferry.memory import HostPool
+from kvferry.cache.eviction import PoolEviction
+from kvferry.cache.index import Entry, State
 
 
-class TierTraffic:
+class TierTraffic(PoolEviction):
     """Methods of ``Residency`` for tier I/O; each takes the lock itself."""
-
-    lock: threading.Lock
-    pool: HostPool
-    policy: EvictionPolicy
-    index: CacheIndex
-    counters: CacheCounters
-    _spilling_bytes: int
-    _spills_finished: int
-    _spill_finished: threading.Condition
-
-    if TYPE_CHECKING:  # Residency's, called under its lock
-
-        def _make_room_locked(self, nbytes: int) -> list[Entry]: ...
-
-        def _alloc_locked(
-            self, shape: tuple[int, ...], dtype: torch.dtype, nbytes: int, to_spill: list[Entry]
-        ) -> torch.Tensor | None: ...
-
-        def _spill(self, entries: list[Entry]) -> None: ...
-
-        def _free_locked(self, entry: Entry) -> None: ...
 
     def tier_write_done(self, entry: Entry, ok: bool, spilled: bool) -> None:
         """A tier write of ``entry`` finished; a spilled (evicted) entry is freed unless it was used meanwhile."""
@@ -61,10 +37,7 @@ class TierTraffic:
                 return
             self._spilling_bytes -= entry.nbytes
             if entry.readers == 0 and entry.pins == 0:
-                self.index.pop(entry.key)
-                self._free_locked(entry)
-                self.counters.evictions += 1
-                self.counters.evicted_bytes += entry.nbytes
+                self._drop_evicted_locked(entry)
             else:  # locked or read while it was being written: keep it, it is wanted
                 entry.state = State.RESIDENT
                 self.policy.insert(entry.key)

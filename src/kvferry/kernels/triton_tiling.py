@@ -6,6 +6,7 @@ decides tile shapes for the GPU (~32 KiB tiles) and for Triton's interpreter on 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -24,9 +25,11 @@ _ROUNDING = {
     torch.bfloat16: dict(DROP=16, MIN_NORMAL=0.0, SUB_STEP=1.0),
     torch.float16: dict(DROP=13, MIN_NORMAL=2.0**-14, SUB_STEP=2.0**-24),
 }
-# The codec kernel's tile on a GPU, in values ([tokens x one group]: 32 x 128 for llama), and its warps per program:
-# what the H200 figures in docs/codec.md ran with. `kvferry bench codec --sweep` tries larger ones.
+# The codec kernel's tile on a GPU, in values ([tokens x groups x values]: 4 x 8 x 128 for llama's 8 heads), the
+# most groups one step takes (a stripe's groups, or its largest power-of-two divisor, up to this) and its warps per
+# program: what the H200 figures in docs/codec.md ran with. `kvferry bench codec --sweep` tries others.
 CODEC_TILE_VALUES = 4096
+CODEC_GROUPS_PER_STEP = 8
 CODEC_WARPS = 4
 # Arguments that differ between requests (or engine caches) are never specialised: one compiled kernel is then
 # valid for every request of a launch shape, and later launches skip Triton's per-call re-specialisation.
@@ -38,7 +41,7 @@ PER_REQUEST = ["eng_off", "ent_row", "obj_off", "obj_cap", "ids", "entry0", "n_e
 class Tiling:
     flat: bool
     block_t: int  # tokens per tile
-    block_w: int  # words per vector across a token row (row tiles)
+    block_w: int  # words per vector across a token row (row tiles; the codec: values per token and step)
     block_f: int  # words per flat vector (flat tiles)
 
 
@@ -51,11 +54,12 @@ def stripe_tiling(plan: TritonPlan, s: _StripeArgs, max_words: int, n_rows: int 
     those stripes copy runs as flat vectors. BLOCK_T then divides BS (and so the chunk): a tile never crosses a
     block or an object.
     """
-    if plan.codec is not None:  # [tokens x one group of values] tiles, a scale per token (`triton_codec`)
-        group = plan.codec.group
+    if plan.codec is not None:  # [tokens x GS groups of values] tiles, a scale per token and group (`triton_codec`)
+        groups = s.sizes[0] * s.sizes[1] * s.sizes[2] // plan.codec.group
+        step = min(groups & -groups, CODEC_GROUPS_PER_STEP) * plan.codec.group  # values per token and step
         tokens = 256 if n_rows is None else triton.next_power_of_2(n_rows)
         values = CODEC_TILE_VALUES if n_rows is None else 2 * max_words
-        return Tiling(False, max(1, min(tokens, values // group)), group, 1)
+        return Tiling(False, max(1, min(tokens, values // step)), step, 1)
     f0, f1, f2 = s.sizes
     width = f0 * f1 * f2
     s0, s1, s2 = s.strides
@@ -83,7 +87,9 @@ def kernel_constants(plan: TritonPlan, s: _StripeArgs, tiling: Tiling, to_object
     if plan.codec is not None:
         return dict(
             BS=plan.bs, TILE=s.token_tile, F0=s.sizes[0], F1=s.sizes[1], F2=s.sizes[2], BLOCK_T=tiling.block_t,
-            G=plan.codec.group, DATA=plan.codec.width, TO_OBJECT=to_objects,
+            ENG_ALIGN=s.align, G=plan.codec.group, GS=tiling.block_w // plan.codec.group, DATA=plan.codec.width,
+            TO_OBJECT=to_objects,
+            HAND_ROUND=s.base.device.type == "cpu" or os.environ.get("TRITON_INTERPRET") == "1",
             **_ROUNDING[torch.float8_e4m3fn if to_objects else s.base.dtype],
         )  # fmt: skip
     return dict(

@@ -270,7 +270,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         side = self._scheduler_side()
         if isinstance(side, GroupedSchedulerSide):
             side.after_alloc(request.request_id, request.prompt_token_ids or [], blocks.get_block_ids(),
-                             num_external_tokens)  # fmt: skip
+                             num_external_tokens, request.all_token_ids)  # fmt: skip
         elif side is not None:
             block_ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
             side.after_alloc(request.request_id, request.prompt_token_ids or [], block_ids, num_external_tokens)

@@ -17,8 +17,12 @@ A windowed group (sliding window, chunked local) differs in two ways:
 
 A Mamba group (`state_groups`) stores the states vLLM hands over in the step's scheduler output
 (``kv_connector_block_state.boundary_state_offloads``: request, group, block, boundary), those at chunk
-boundaries within the prompt, each from the exact block vLLM named (never its null block), and settled before the
-next forward pass as a windowed group's are; a load writes the one block vLLM allocated for the hit's state.
+boundaries, each from the exact block vLLM named (never its null block), and settled before the next forward
+pass as a windowed group's are; a load writes the one block vLLM allocated for the hit's state. A boundary past
+the prompt (a state vLLM computed while generating: it hands those over unless its
+``prefix_cache_retention_interval`` keeps the prompt's last boundary only, its default) is keyed by the request's
+tokens as vLLM knows them at that step (``tokens`` of `after_alloc`: vLLM's ``Request.all_token_ids``, a view
+that grows as the request generates); with the output stored at the finish, a chat's next turn hits up to there.
 """
 
 from __future__ import annotations
@@ -76,13 +80,20 @@ class GroupedSchedulerSide:
         self._tables: dict[str, Tables] = {}  # running requests' block tables, one list per group
         self._pending: dict[str, Tables] = {}  # an accepted background load's blocks, until planned
         self._finished: dict[str, Tables] = {}  # finished requests' tables, until their stores are planned
+        self._tokens: dict[str, Sequence[int]] = {}  # running requests' tokens, a view vLLM extends as they generate
 
     def num_new_matched_tokens(
         self, req_id: str, prompt: Sequence[int], num_tokens: int, num_computed_tokens: int, *, cacheable: bool = True
     ) -> tuple[int | None, bool]:
         return self.side.num_new_matched_tokens(req_id, prompt, num_tokens, num_computed_tokens, cacheable=cacheable)
 
-    def after_alloc(self, req_id: str, prompt: Sequence[int], block_ids: Tables, num_external: int) -> None:
+    def after_alloc(
+        self, req_id: str, prompt: Sequence[int], block_ids: Tables, num_external: int, tokens: Sequence[int] = ()
+    ) -> None:
+        """``tokens``: the request's tokens, a view vLLM extends as it generates (keys the states it computes past
+        the prompt); see `SchedulerSide.after_alloc` for the rest."""
+        if prompt and tokens:
+            self._tokens[req_id] = tokens
         self.side.after_alloc(req_id, prompt, block_ids[self.lead] if num_external > 0 else [], num_external)
         if num_external > 0 and self.side.in_background:
             self._pending[req_id] = tuple(list(ids) for ids in block_ids)
@@ -120,6 +131,7 @@ class GroupedSchedulerSide:
     def request_finished(self, req_id: str, computed: Sequence[int], block_ids: Tables) -> bool:
         self._tables.pop(req_id, None)
         self._pending.pop(req_id, None)
+        self._tokens.pop(req_id, None)
         saving = self.side.request_finished(req_id, computed, block_ids[self.lead])
         if saving:
             self._finished[req_id] = tuple(list(ids) for ids in block_ids)
@@ -156,14 +168,14 @@ class GroupedSchedulerSide:
 
     def _state_stores(self, step: SchedulerStep) -> list[StoreSpec]:
         """The stores of the Mamba states vLLM handed over this step: those at chunk boundaries of a running
-        request's prompt, each from its own block (vLLM's null block never)."""
+        request's tokens, each from its own block (vLLM's null block never)."""
         state = getattr(step, "kv_connector_block_state", None)
         offers: dict[str, list[tuple[int, int, int]]] = getattr(state, "boundary_state_offloads", None) or {}
         stores = []
         for req_id, entries in offers.items():
             for group_id, block_id, boundary in entries:
                 if 0 <= group_id < len(self.groups) and self.groups[group_id].holds_state and block_id != NULL_BLOCK:
-                    tokens = self.side.plan_state_store(req_id, boundary)
+                    tokens = self.side.plan_state_store(req_id, boundary, self._tokens.get(req_id, ()))
                     if tokens is not None:
                         stores.append(StoreSpec(req_id, tokens, [block_id], 0, group=group_id))
         return stores

@@ -272,17 +272,21 @@ class SchedulerSide:
             req.stores_planned = True
         return req.stores_planned
 
-    def plan_state_store(self, req_id: str, boundary: int) -> list[int] | None:
-        """The prompt tokens up to ``boundary`` when a state computed there (a Mamba group's) is to be stored: the
-        request runs, is cacheable and ``boundary`` is a chunk boundary within its prompt; else None. vLLM then
+    def plan_state_store(self, req_id: str, boundary: int, tokens: Sequence[int] = ()) -> list[int] | None:
+        """The tokens up to ``boundary`` when a state computed there (a Mamba group's) is to be stored: the request
+        runs, is cacheable and ``boundary`` is a chunk boundary of its prompt, or of ``tokens`` (its tokens as vLLM
+        knows them now: prompt and output so far, for a state computed while generating); else None. vLLM then
         keeps the request's blocks at its finish until the worker reports its stores done."""
         req = self._requests.get(req_id)
-        if req is None or not req.running or req.uncacheable or boundary <= 0 or boundary % self.chunk_size:
+        if req is None or not req.running or req.uncacheable or not req.prompt:  # no token ids: nothing keys it
             return None
-        if boundary > len(req.prompt):
+        if boundary <= 0 or boundary % self.chunk_size:
+            return None
+        known = req.prompt if boundary <= len(req.prompt) else tokens
+        if boundary > len(known):
             return None
         req.stores_planned = True
-        return req.prompt[:boundary]
+        return list(known[:boundary])
 
     def stores_done(self, req_ids: Iterable[str]) -> None:
         """The worker finished the stores of these (finished) requests: lookups need not wait for them."""

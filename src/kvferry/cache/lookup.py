@@ -1,0 +1,81 @@
+"""How a lookup answers: the readable run of a prefix in the pool (from a first chunk on, then a stored tail),
+optionally locked against eviction, then the chunks after it that the tiers hold and start promoting."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import NamedTuple
+
+from kvferry.cache.index import readable_run
+from kvferry.cache.keys import CacheNamespace, ChunkHasher, TokenIds
+from kvferry.cache.residency import Residency
+from kvferry.cache.tails import find_tail
+from kvferry.cache.tiering import TierLink, when_all
+
+
+class LookupResult(NamedTuple):
+    hit_tokens: int  # prefix tokens ready in the host pool (full chunks, then a tail's tokens)
+    pending_tokens: int  # further prefix tokens being promoted from a tier: ready once they land
+    lock_id: int | None  # lookup lock on the hit chunks (lock=True and a hit): retrieve(lock_id=) ends it
+
+
+class PrefixLookup:
+    """Answers a lookup's prefix hit from the pool, then from the tiers. Thread-safe (state is in `Residency`)."""
+
+    def __init__(self, residency: Residency, hasher: ChunkHasher, tiers: TierLink | None) -> None:
+        self._res = residency
+        self._hasher = hasher  # and its chunk size
+        self._tiers = tiers
+
+    def pool_then_tiers(
+        self, tokens: TokenIds, ns: CacheNamespace, lock: bool, block_size: int | None, first_chunk: int
+    ) -> tuple[LookupResult, Callable[[], LookupResult] | None]:
+        """See `CacheEngine.lookup_pool`: the pool's answer, and a function that asks the tiers when they may
+        hold the chunks after its hits."""
+        prefix, chunk = self._hasher.prefix(tokens, ns), self._hasher.chunk_size
+        index = self._res.index
+        removals = index.removals  # read before the index: see CacheIndex
+        first = min(max(first_chunk, 0), prefix.n)
+        run = readable_run(index.get, prefix, first)  # a few keys and parent links, not every chunk's key
+        if index.has_tails:  # the longest stored tail after the run (see kvferry.cache.tails)
+            tail = find_tail(index, prefix, first + len(run), len(tokens), block_size or 1)
+            run = run if tail is None else [*run, tail]
+        with self._res.lock:
+            self._res.expire_locks_locked()
+            hits = self._res.still_readable_locked(run, removals)
+            lock_id = self._res.lock_entries_locked(hits) if lock and hits else None
+            n_hits = first + len(hits) - (1 if hits and hits[-1].tail else 0)  # full chunks
+            hit_tokens = n_hits * chunk + (hits[-1].tail if hits else 0)
+            counters = self._res.counters
+            counters.lookups += 1
+            counters.hit_tokens += hit_tokens
+            counters.miss_tokens += len(tokens) - hit_tokens
+        found = LookupResult(hit_tokens, 0, lock_id)
+        tiers = self._tiers
+        if tiers is None or n_hits == prefix.n:
+            return found, None
+
+        def below() -> LookupResult:
+            parent = prefix.key(n_hits - 1) if n_hits else None  # only now the keys after the hits are wanted
+            pending, _ = tiers.fall_through(prefix.keys(n_hits), parent)
+            if not pending:
+                return found
+            # Chunks on their way up extend the full chunks, which the tail does not: it is left out.
+            return found._replace(hit_tokens=n_hits * chunk, pending_tokens=pending * chunk)
+
+        return found, below
+
+    def prefetch(self, tokens: TokenIds, ns: CacheNamespace) -> Future[int]:
+        """See `CacheEngine.prefetch`."""
+        keys = self._hasher.keys(tokens, ns)
+        waits: list[Future[None]] = []
+        if self._tiers is not None:
+            with self._res.lock:
+                hits = len(self._res.readable_prefix_locked(keys))
+            _, waits = self._tiers.fall_through(keys[hits:], keys[hits - 1] if hits else None)
+        return when_all(waits, lambda: self._pool_hits(keys))
+
+    def _pool_hits(self, keys: list[bytes]) -> int:
+        with self._res.lock:
+            return len(self._res.readable_prefix_locked(keys)) * self._hasher.chunk_size
