@@ -9,10 +9,11 @@ from typing import Any
 import torch
 
 from kvferry.bench.vllm_views import Case, case_of, replay
-from kvferry.integrations.vllm.backends import EmbeddedBackend, make_worker_backend
+from kvferry.integrations.vllm.backends import EmbeddedBackend
 from kvferry.integrations.vllm.kv_layout import EngineKV, recognise
 from kvferry.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
 from kvferry.integrations.vllm.settings import ConnectorSettings
+from kvferry.integrations.vllm.worker_backend import make_worker_backend
 from kvferry.integrations.vllm.worker_side import WorkerSide
 
 

@@ -3,9 +3,10 @@ tiny random-weight Gemma 3 (two sliding-window layers over 128 tokens, two full-
 
 Engines run in processes of their own (vllm_hybrid_driver.py): a reference without kvferry; one with the cache
 embedded; through a kvferry server, one in vLLM's multiprocess layout and one with two tensor-parallel ranks; a
-state-space hybrid (Qwen3-Next's gated delta-net, its linear-attention state moved as objects of its own). Each
-runs a 1000-token prompt (a miss), again (a hit of its 768 tokens of whole chunks, six windows long), and another
-prompt sharing those 768 tokens; the state-space hybrid also a chat's next turn. vLLM's own prefix cache is off
+state-space hybrid (Qwen3-Next's gated delta-net, its linear-attention state moved as objects of its own),
+embedded and through a server. Each runs a 1000-token prompt (a miss), again (a hit of its 768 tokens of whole
+chunks, six windows long), and another prompt sharing those 768 tokens; the state-space hybrid also a chat's next
+turn. vLLM's own prefix cache is off
 (the state-space hybrid's is on, as its state needs, and emptied before the hit), so every reused token comes from
 kvferry; greedy tokens must equal the reference.
 """
@@ -23,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from kvferry.client import KvferryClient
 from tests.integrations.vllm_driver import start_server
 
 pytestmark = [
@@ -116,13 +118,36 @@ def test_a_state_space_hybrid_hits_with_its_linear_attention_state(tmp: Path, gd
     """Qwen3-Next's gated delta-net layers keep a state (vLLM's MambaSpec group, "align" mode under its prefix
     caching): the hit loads the full layers' chunks and the state at the hit's end, and greedy tokens are those of a
     run without kvferry; the same hit with the state zeroed instead gives other tokens (so the check can fail)."""
-    reference = gdn_reference
     report = run_driver("gdn", tmp)
     lost = run_driver("gdn-lost", tmp)
     assert [(g["kind"], g["mamba_cache_mode"]) for g in report["groups"]] == [("MambaSpec", "align"),
                                                                             ("FullAttentionSpec", None)]  # fmt: skip
     assert report["groups"][0]["block_size"] == GDN_CHUNK  # a chunk holds one state
     assert "hybrid model: group=0:mamba (2 layers" in report["output"]
+    _check_gdn_hit(report, gdn_reference)
+    main = gdn_reference["runs"][0]["tokens"]
+    assert lost["runs"][1]["cached"] == [2 * GDN_CHUNK] and lost["runs"][1]["tokens"] != main
+
+
+def test_a_state_space_hybrid_hits_through_a_server(tmp: Path, gdn_reference: dict[str, Any]) -> None:
+    """The same through a kvferry server: the worker registers the state group once the server told its chunk size,
+    and the server's own counters show the hit's two attention chunks and one state read back."""
+    port = free_port()
+    server = start_server(port, tmp / f"server-{port}.log", chunk_size=GDN_CHUNK)
+    url = f"tcp://127.0.0.1:{port}"
+    try:
+        report = run_driver("gdn-server", tmp, "--server-url", url)
+        with KvferryClient(url, timeout_s=10) as client:
+            cache = client.stats()["cache"]
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert "server mode (tcp://127.0.0.1" in report["output"] and "group=0:mamba (2 layers" in report["output"]
+    _check_gdn_hit(report, gdn_reference)
+    assert (cache["stored_chunks"], cache["retrieved_chunks"]) == (3, 3)  # 2 attention chunks and the state at 768
+
+
+def _check_gdn_hit(report: dict[str, Any], reference: dict[str, Any]) -> None:
     assert report["prefix_cache_reset"]  # the second run's hit can only be kvferry's
     main = reference["runs"][0]["tokens"]
     assert [run["tokens"] for run in report["runs"]] == [main, main]
@@ -131,7 +156,6 @@ def test_a_state_space_hybrid_hits_with_its_linear_attention_state(tmp: Path, gd
     assert report["worker_counters"]["tokens_loaded"] == 2 * GDN_CHUNK
     assert report["worker_counters"]["load_failures"] == report["worker_counters"]["store_failures"] == 0
     assert report["requests_held"] == report["tracked"] == report["scheduler_locks"] == 0  # nothing leaked
-    assert lost["runs"][1]["cached"] == [2 * GDN_CHUNK] and lost["runs"][1]["tokens"] != main
 
 
 @pytest.mark.parametrize(

@@ -315,16 +315,3 @@ def test_a_hybrid_with_a_state_group_looks_up_the_state_at_the_hit_s_end_only() 
     held.clear()
     assert lookups.lookup(list(range(4 * CHUNK + 1))) == Hit(0)
     assert freed == ["f"]  # no state at any boundary: the attention groups' lock goes
-
-
-def test_server_mode_refuses_a_state_group_with_the_reason() -> None:
-    fixture = FIXTURES[0]
-    _, views = replay(fixture, "cpu")
-    mamba, full = _groups(fixture)
-    kvs = [
-        state_kv([views[n] for n in mamba.layer_names], mamba.layer_names, mamba.page_bytes, CHUNK),
-        recognise({n: views[n] for n in full.layer_names}, isa=None, kv_cache_dtype="auto", block_size=CHUNK),
-    ]
-    settings = ConnectorSettings(mode="server", server_url="tcp://127.0.0.1:9")
-    with pytest.raises(UnsupportedGroups, match="embedded mode only"):
-        start_hybrid_worker(settings, kvs, [mamba, full], model="m", name="test")

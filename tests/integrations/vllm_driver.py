@@ -142,8 +142,8 @@ def connector_state(llm: Any) -> dict[str, Any]:
     return state
 
 
-def start_server(port: int, log_path: Path) -> subprocess.Popen[bytes]:
-    flags = ["--port", str(port), "--no-http", "--chunk-size", str(CHUNK_SIZE), "--l1-size-gb", "0.25"]
+def start_server(port: int, log_path: Path, chunk_size: int = CHUNK_SIZE) -> subprocess.Popen[bytes]:
+    flags = ["--port", str(port), "--no-http", "--chunk-size", str(chunk_size), "--l1-size-gb", "0.25"]
     with log_path.open("ab") as log:
         return subprocess.Popen([sys.executable, "-m", "kvferry.cli", "server", *flags], stdout=log, stderr=log)
 

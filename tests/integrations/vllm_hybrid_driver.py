@@ -9,12 +9,12 @@ PHASE
   embedded    kvferry's cache in this process: the main prompt (a miss), again (a hit), the other prompt (a hit of
               the shared prefix, well past the window), each after the other.
   server      the same through a kvferry server at --server-url.
-  gdn, gdn-reference, gdn-lost
+  gdn, gdn-reference, gdn-lost, gdn-server
               the state-space hybrid with vLLM's prefix caching on (Mamba "align" mode): without kvferry the main
               prompt once, then a chat's two turns; with kvferry embedded the main prompt (a miss, stored), vLLM's
               prefix cache emptied, the main prompt again (kvferry's hit: attention chunks and the linear-attention
               state at its end); ``gdn-lost`` as ``gdn`` with every state load writing zeros instead (what the test
-              tells apart).
+              tells apart); ``gdn-server`` as ``gdn`` through a kvferry server at --server-url.
   gdn-chat    the state-space hybrid, kvferry embedded: a chat's turn 1 (CHAT_PROMPT tokens, CHAT_OUTPUT generated:
               past a chunk boundary), vLLM's prefix cache emptied, turn 2 (turn 1's prompt and output, then more);
               ``--retention N``: vLLM's prefix_cache_retention_interval (which Mamba states it keeps and hands over).
@@ -203,12 +203,14 @@ def chat(llm: Any) -> list[dict[str, Any]]:
     return [first, second]
 
 
-def run_gdn(model: str, phase: str, retention: int | None) -> dict[str, Any]:
+def run_gdn(model: str, phase: str, retention: int | None, server_url: str | None) -> dict[str, Any]:
     """The state-space hybrid's phases (see the module's docstring), vLLM's prefix caching on."""
     main_prompt = prompts()["main"]
     if phase == "gdn-lost":
         lose_state_loads()
-    extra = {"mode": "embedded", "config": {"cache": {"chunk_size": GDN_CHUNK, "l1_size_gb": 0.25}}}
+    extra: dict[str, Any] = {"mode": "embedded", "config": {"cache": {"chunk_size": GDN_CHUNK, "l1_size_gb": 0.25}}}
+    if phase == "gdn-server":
+        extra = {"mode": "server", "server_url": server_url}
     kept = {} if retention is None else {"prefix_cache_retention_interval": retention}
     llm = make_llm(model, None if phase == "gdn-reference" else extra, enable_prefix_caching=True, **kept)
     report: dict[str, Any] = {"groups": kv_groups(llm)}
@@ -259,7 +261,8 @@ def main() -> None:
         os._exit(0)
     if phase.startswith("gdn"):
         retention = int(sys.argv[sys.argv.index("--retention") + 1]) if "--retention" in sys.argv else None
-        report.update(run_gdn(model + "-gdn", phase, retention))
+        url = sys.argv[sys.argv.index("--server-url") + 1] if "--server-url" in sys.argv else None
+        report.update(run_gdn(model + "-gdn", phase, retention, url))
         write_report(out, report)
         os._exit(0)
     extra = {

@@ -36,6 +36,20 @@ def test_request_round_trip() -> None:
     assert parsed.lock is True and unpack_ids(parsed.tokens, "tokens").tolist() == [1, 2, 3]
 
 
+def test_lookup_from_a_chunk_and_demote_round_trip() -> None:
+    tokens = pack_ids(list(range(12)), "tokens")
+    lookup = decode_request(encode_request(Op.LOOKUP, 3, {"tokens": tokens, "registration": 1, "first_chunk": 2}))
+    assert parse_args(lookup.op, lookup.args, lookup.id).first_chunk == 2
+    assert parse_args(Op.LOOKUP, {"tokens": tokens, "registration": 1}, 4).first_chunk == 0  # absent: every chunk
+    args = {"tokens": tokens, "first_chunk": 1, "num_chunks": 2, "namespace": {"model": "m", "kv_dtype": "bf16",
+                                                                               "layout": "l"}}  # fmt: skip
+    demote = decode_request(encode_request(Op.DEMOTE, 5, args))
+    assert (demote.op, demote.args) == (Op.DEMOTE, args)
+    parsed = parse_args(demote.op, demote.args, demote.id)
+    assert (parsed.first_chunk, parsed.num_chunks, parsed.registration) == (1, 2, None)
+    assert parsed.namespace.model == "m" and unpack_ids(parsed.tokens, "tokens").tolist() == list(range(12))
+
+
 def test_reply_round_trip() -> None:
     assert decode_reply(encode_result(3, {"tokens": 256})).result == {"tokens": 256}
     error = decode_reply(encode_error(None, ErrorCode.TOO_LARGE, "big"))
@@ -79,6 +93,15 @@ def test_version_error_keeps_the_request_id() -> None:
             "greater than or equal to 0",
         ),
         (Op.LOOKUP, {"tokens": [1, 2]}, "'tokens': Input should be a valid bytes"),
+        (Op.LOOKUP, {"tokens": b"", "first_chunk": -1}, "'first_chunk': Input should be greater than or equal to 0"),
+        (Op.LOOKUP, {"tokens": b"", "first_chunk": "2"}, "'first_chunk': Input should be a valid integer"),
+        (Op.LOOKUP, {"tokens": b"", "first_chunk": True}, "'first_chunk': Input should be a valid integer"),
+        (Op.LOOKUP, {"tokens": b"", "first_chunk": 1.5}, "'first_chunk': Input should be a valid integer"),
+        (Op.DEMOTE, {"tokens": b"", "registration": 1}, "'num_chunks': Field required"),
+        (Op.DEMOTE, {"tokens": b"", "num_chunks": -2}, "'num_chunks': Input should be greater than or equal to 0"),
+        (Op.DEMOTE, {"tokens": b"", "num_chunks": 1, "first_chunk": None}, "'first_chunk': Input should be a valid"),
+        (Op.DEMOTE, {"num_chunks": 1, "registration": 1}, "'tokens': Field required"),
+        (Op.DEMOTE, {"tokens": b"", "num_chunks": 1, "chunks": [0, 1]}, "'chunks': Extra inputs are not permitted"),
         (Op.REGISTER_KV_CACHE, {"format": 1, "namespace": {"model": "m"}, "storages": [], "kv": {}}, "storages"),
     ],
 )

@@ -75,18 +75,25 @@ class FakeEngine:
         return found if below is None else below()
 
     def lookup_pool(
-        self, tokens: Any, *, namespace: CacheNamespace, lock: bool = False, block_size: int | None = None
+        self,
+        tokens: Any,
+        *,
+        namespace: CacheNamespace,
+        lock: bool = False,
+        block_size: int | None = None,
+        first_chunk: int = 0,
     ) -> tuple[Found, Any]:
-        found = self._pool_lookup(tokens, namespace, lock)
+        found = self._pool_lookup(tokens, namespace, lock, first_chunk)
         if not self.tier_seconds or found.hit_tokens == len(tokens) // self.chunk_size * self.chunk_size:
             return found, None
         return found, lambda: (time.sleep(self.tier_seconds), found)[1]
 
-    def _pool_lookup(self, tokens: Any, namespace: CacheNamespace, lock: bool) -> Found:
+    def _pool_lookup(self, tokens: Any, namespace: CacheNamespace, lock: bool, first_chunk: int = 0) -> Found:
         self.pool_gate.wait()
         self.fake_calls.inc()
-        hits = 0
-        for key in self._keys(tokens, namespace):
+        keys = self._keys(tokens, namespace)
+        hits = min(first_chunk, len(keys))  # the chunks before it count as held, as CacheEngine's do
+        for key in keys[hits:]:
             if key not in self.objects:
                 break
             hits += 1

@@ -60,10 +60,10 @@ def tokens_at(base: int, chunks: int) -> list[int]:
 
 def raw_transfer(client: KvferryClient, op: Op, reg: int, tokens: list[int], ids: list[int]) -> tuple[dict, int, int]:
     """Send a transfer naming a done flag; its answer, slot and number (the caller waits for the flag)."""
-    from kvferry.client.client import _transfer_args
     from kvferry.client.done_flags import take_slot
+    from kvferry.client.request_args import transfer_args
 
-    args = _transfer_args(reg, tokens, ids, 0)
+    args = transfer_args(reg, tokens, ids, 0)
     slot = take_slot(client._gpu[reg].flags, args)
     assert slot is not None
     result = client._call(lambda: client._submit(op, reg, args))

@@ -28,10 +28,10 @@ from kvferry.bench.server_bench import ServerProcess
 from kvferry.bench.timing import PinnedCopy
 from kvferry.bench.vllm_gpu_steps import describe_steps, step_stall
 from kvferry.bench.vllm_views import BENCH_CASES, Case, case_of, load_fixtures, replay
-from kvferry.integrations.vllm.backends import make_worker_backend
 from kvferry.integrations.vllm.kv_layout import EngineKV, recognise
 from kvferry.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
 from kvferry.integrations.vllm.settings import ConnectorSettings
+from kvferry.integrations.vllm.worker_backend import make_worker_backend
 from kvferry.integrations.vllm.worker_side import WorkerSide
 
 CHUNK, CHUNKS, POOL_GB = 256, 16, 4.0

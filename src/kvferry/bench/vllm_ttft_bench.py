@@ -203,6 +203,7 @@ def measure(payload: dict[str, Any], step: Callable[[str], None]) -> dict[str, A
 
     from kvferry.integrations.vllm import backends
     from kvferry.integrations.vllm.connector import KvferryConnector
+    from kvferry.integrations.vllm.server_backend import ServerBackend
 
     lengths = payload["prompt_tokens"]
     longest = max(lengths)
@@ -242,7 +243,7 @@ def measure(payload: dict[str, Any], step: Callable[[str], None]) -> dict[str, A
     backend = backends.find(str(transfer_config.engine_id))
     if isinstance(backend, backends.EmbeddedBackend):
         stats = backend.engine.stats()
-    elif isinstance(backend, backends.ServerBackend):
+    elif isinstance(backend, ServerBackend):
         stats = backend.link.call(lambda client, _: client.stats())["cache"]  # the server's copies
     else:
         raise RuntimeError("the connector did not register the KV cache")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -36,9 +36,9 @@ from kvferry.client.errors import ServerError, ServerUnavailable
 from kvferry.client.kv_export import export_kv
 from kvferry.client.ready_events import ReadyEvents
 from kvferry.client.records import GpuRegistration, LookupResult, PrefetchStatus
+from kvferry.client.request_args import Namespace, demote_args, key_space_args, transfer_args
 from kvferry.protocol.messages import Op, pack_ids
 
-Namespace = Mapping[str, str | int]
 CLOSE_TIMEOUT_S = 5.0  # the longest close() waits by default: ending the session, then the background thread
 
 
@@ -159,10 +159,16 @@ class KvferryClient:
         namespace: Namespace | None = None,
         lock: bool = False,
         block_size: int | None = None,
+        first_chunk: int = 0,
     ) -> LookupResult:
         return self._call(
             lambda: self.lookup_async(
-                tokens, registration=registration, namespace=namespace, lock=lock, block_size=block_size
+                tokens,
+                registration=registration,
+                namespace=namespace,
+                lock=lock,
+                block_size=block_size,
+                first_chunk=first_chunk,
             )
         )
 
@@ -174,22 +180,34 @@ class KvferryClient:
         namespace: Namespace | None = None,
         lock: bool = False,
         block_size: int | None = None,
+        first_chunk: int = 0,
     ) -> Future[LookupResult]:
         """Prefix tokens cached for `tokens` in the key space of `registration` (or an explicit `namespace`:
         a `kvferry.cache.CacheNamespace`'s fields, for a process that holds no KV): full chunks, then a stored
-        tail of whole `block_size`-token blocks (any stored tail when None)."""
-        args = {"tokens": pack_ids(tokens, "tokens"), "lock": lock, **_key_space(registration, namespace)}
+        tail of whole `block_size`-token blocks (any stored tail when None). `first_chunk`: only the chunks from
+        this one on are needed (a sliding window's); the hit counts from token 0 as if those before it were held."""
+        args = {"tokens": pack_ids(tokens, "tokens"), "lock": lock, **key_space_args(registration, namespace)}
         if block_size is not None:
             args["block_size"] = block_size
+        if first_chunk:  # sent only when asked: a server that predates the field takes every other lookup
+            args["first_chunk"] = first_chunk
         return self._conn.submit(
             Op.LOOKUP, args, lambda r: LookupResult(int(r["tokens"]), int(r["pending"]), r["lock"])
         )
+
+    def demote_async(
+        self, tokens: Any, chunks: range, *, registration: int | None = None, namespace: Namespace | None = None
+    ) -> Future[int]:
+        """Chunks `chunks` of the prefix `tokens` go first when the server's cache evicts (they stay cached until
+        then); resolves to how many of them `tokens` holds in full (the chunks asked about)."""
+        args = demote_args(tokens, chunks, key_space_args(registration, namespace))
+        return self._conn.submit(Op.DEMOTE, args, lambda r: int(r["chunks"]))
 
     def store(
         self, registration: int, tokens: Any, block_ids: Any, *, skip_prefix_tokens: int = 0, tail: bool = False
     ) -> int:
         """`store_async`, waited for on this thread."""
-        args = _transfer_args(registration, tokens, block_ids, skip_prefix_tokens)
+        args = transfer_args(registration, tokens, block_ids, skip_prefix_tokens)
         if tail:
             args["tail"] = True
         return self._transfer(Op.STORE, registration, args)
@@ -204,7 +222,7 @@ class KvferryClient:
         For GPU KV the server first waits for the work queued so far on this thread's current CUDA stream,
         so the store may be issued right after the forward pass that wrote the blocks.
         """
-        args = _transfer_args(registration, tokens, block_ids, skip_prefix_tokens)
+        args = transfer_args(registration, tokens, block_ids, skip_prefix_tokens)
         if tail:
             args["tail"] = True
         return self._transfer_async(Op.STORE, registration, args)
@@ -219,7 +237,7 @@ class KvferryClient:
         lock: int | None = None,
     ) -> int:
         """`retrieve_async`, waited for on this thread."""
-        args = _transfer_args(registration, tokens, block_ids, skip_prefix_tokens)
+        args = transfer_args(registration, tokens, block_ids, skip_prefix_tokens)
         if lock is not None:
             args["lock"] = lock
         return self._transfer(Op.RETRIEVE, registration, args)
@@ -236,14 +254,14 @@ class KvferryClient:
         """Copy the cached KV of `tokens` into `block_ids`, leaving the blocks of the first
         `skip_prefix_tokens` tokens untouched; resolves to the tokens written, once the copy is complete
         (GPU included). `lock` (from `lookup(lock=True)`) is released when the copy ends."""
-        args = _transfer_args(registration, tokens, block_ids, skip_prefix_tokens)
+        args = transfer_args(registration, tokens, block_ids, skip_prefix_tokens)
         if lock is not None:
             args["lock"] = lock
         return self._transfer_async(Op.RETRIEVE, registration, args)
 
     def prefetch(self, tokens: Any, *, registration: int | None = None, namespace: Namespace | None = None) -> int:
         """Start bringing `tokens`' chunks from lower tiers into the host pool; returns a prefetch id."""
-        args = {"tokens": pack_ids(tokens, "tokens"), **_key_space(registration, namespace)}
+        args = {"tokens": pack_ids(tokens, "tokens"), **key_space_args(registration, namespace)}
         return self._call(lambda: self._conn.submit(Op.PREFETCH, args, lambda r: int(r["prefetch"])))
 
     def prefetch_status(self, prefetch: int) -> PrefetchStatus:
@@ -373,23 +391,6 @@ def _fail_later(outcome: Future[int], error: BaseException) -> None:
     timer = threading.Timer(LOST_DRAIN_S, outcome.set_exception, (error,))
     timer.daemon = True
     timer.start()
-
-
-def _transfer_args(registration: int, tokens: Any, block_ids: Any, skip_prefix_tokens: int) -> dict[str, Any]:
-    return {
-        "registration": registration,
-        "tokens": pack_ids(tokens, "tokens"),
-        "block_ids": pack_ids(block_ids, "block_ids"),
-        "skip_prefix_tokens": skip_prefix_tokens,
-    }
-
-
-def _key_space(registration: int | None, namespace: Namespace | None) -> dict[str, Any]:
-    if registration is not None and namespace is None:
-        return {"registration": registration}
-    if namespace is not None and registration is None:
-        return {"namespace": dict(namespace)}
-    raise ValueError("give exactly one of registration= and namespace=")
 
 
 def _first_tensor(paged: Any) -> torch.Tensor:

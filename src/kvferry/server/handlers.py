@@ -21,6 +21,7 @@ from kvferry.server.client_events import open_client_events
 from kvferry.server.done_signal import DoneFlags
 from kvferry.server.kv_mapping import map_kv, map_shared
 from kvferry.server.requests import (
+    DemoteArgs,
     FreeLocksArgs,
     LookupArgs,
     Namespace,
@@ -42,6 +43,7 @@ INLINE_OPS = frozenset(
         Op.PREFETCH,
         Op.PREFETCH_STATUS,
         Op.FREE_LOOKUP_LOCKS,
+        Op.DEMOTE,
         Op.END_SESSION,
         Op.STATS,
     }
@@ -88,6 +90,7 @@ class RequestHandlers:
             Op.PREFETCH: self.prefetch,
             Op.PREFETCH_STATUS: self.prefetch_status,
             Op.FREE_LOOKUP_LOCKS: self.free_lookup_locks,
+            Op.DEMOTE: self.demote,
             Op.END_SESSION: self.end_session,
             Op.CLEAR: self.clear,
             Op.STATS: self.stats,
@@ -161,7 +164,9 @@ class RequestHandlers:
         namespace = self._namespace(session, args.registration, args.namespace)
         tokens = unpack_ids(args.tokens, "tokens")
         self._sessions.settle()
-        found, below = self._engine.lookup_pool(tokens, namespace=namespace, lock=args.lock, block_size=args.block_size)
+        found, below = self._engine.lookup_pool(
+            tokens, namespace=namespace, lock=args.lock, block_size=args.block_size, first_chunk=args.first_chunk
+        )
         if found.lock_id is not None:
             self._sessions.add_lock(session, found.lock_id)
         if below is None:
@@ -191,6 +196,16 @@ class RequestHandlers:
         if not self._sessions.drop_lock(session, args.lock):
             raise ProtocolError(ErrorCode.UNKNOWN_LOCK, f"'lock'={args.lock} is not held by this session")
         return {"freed": bool(self._engine.free_lookup_locks(args.lock))}
+
+    def demote(self, session: Session, args: DemoteArgs) -> dict[str, Any]:
+        namespace = self._namespace(session, args.registration, args.namespace)
+        tokens = unpack_ids(args.tokens, "tokens")
+        # Clamped to the tokens' full chunks: a count as large as msgpack carries names no more work than those.
+        full = len(tokens) // self._engine.chunk_size
+        first = min(args.first_chunk, full)
+        chunks = range(first, min(first + args.num_chunks, full))
+        self._engine.demote(tokens, chunks, namespace=namespace)
+        return {"chunks": len(chunks)}
 
     def end_session(self, session: Session, _: NoArgs) -> dict[str, Any]:
         self._sessions.settle()  # as for unregister

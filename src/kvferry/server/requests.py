@@ -98,8 +98,22 @@ class LookupArgs(_Args):
     tokens: bytes
     lock: bool = False
     block_size: Annotated[int, Field(gt=0)] | None = None  # a stored tail counts in whole blocks of this size
+    # The caller needs the chunks from this one on only (a sliding window's): the hit counts from token 0 as if
+    # the chunks before it were held (`CacheEngine.lookup_pool`); absent: 0, every chunk
+    first_chunk: NonNegative = 0
     registration: NonNegative | None = None  # the key space of that registration
     namespace: Namespace | None = None  # or an explicit one (scheduler processes hold no KV)
+
+
+class DemoteArgs(_Args):
+    """Chunks ``first_chunk ..`` (``num_chunks`` of them, those past the tokens' full chunks ignored) of the
+    prefix ``tokens`` go first when the cache evicts (`CacheEngine.demote`)."""
+
+    tokens: bytes
+    first_chunk: NonNegative = 0
+    num_chunks: NonNegative
+    registration: NonNegative | None = None
+    namespace: Namespace | None = None
 
 
 class TransferArgs(_Args):
@@ -142,6 +156,7 @@ ARGS_BY_OP: dict[Op, type[_Args]] = {
     Op.PREFETCH: PrefetchArgs,
     Op.PREFETCH_STATUS: PrefetchStatusArgs,
     Op.FREE_LOOKUP_LOCKS: FreeLocksArgs,
+    Op.DEMOTE: DemoteArgs,
     Op.END_SESSION: NoArgs,
     Op.CLEAR: NoArgs,
     Op.STATS: NoArgs,

@@ -4,8 +4,9 @@ Both give the scheduler half ``lookup`` (which locks the hit) and ``free_lock``,
 ``retrieve_async`` / ``store_async`` on the engine's registered KV. The worker half creates the backend when vLLM
 registers its KV cache. When vLLM runs the scheduler half in the same process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
 or a GPU engine with one worker) it finds the backend in this process's registry; otherwise (vLLM's CPU backend
-runs its worker in a process of its own) the scheduler half looks up through a `ServerBackend` of its own, without
-KV, in the key space the worker reported at start-up (`KeySpace`).
+runs its worker in a process of its own) the scheduler half looks up through a `ServerBackend` of its own
+(`server_backend`), without KV, in the key space the worker reported at start-up (`KeySpace`). `worker_backend`
+makes a worker's backend in either mode.
 
 A backend never raises into vLLM: a failed lookup is a miss, a failed load or store a failed future.
 """
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
@@ -23,12 +23,9 @@ import torch
 
 from kvferry.cache import CacheEngine, CacheNamespace
 from kvferry.cache.request import dtype_name, layout_name
-from kvferry.config import TransferConfig
-from kvferry.formats import EngineKVFormat, describe, with_codec
+from kvferry.formats import EngineKVFormat, describe
 from kvferry.integrations.vllm.kv_layout import EngineKV
-from kvferry.integrations.vllm.server_link import ServerDown, ServerLink
-from kvferry.integrations.vllm.settings import ConnectorSettings
-from kvferry.transfer import configure_gpu
+from kvferry.integrations.vllm.state_rows import row_bytes
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +33,12 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class KeySpace:
     """The cache key space of an engine's KV without the chunk size, in plain fields: what the worker tells a
-    scheduler in another process, which learns the chunk size from the server."""
+    scheduler in another process, which learns the chunk size from the server.
+
+    A Mamba state's (`state_groups`) gives ``state_bytes`` and ``page_bytes`` instead of a ``width``: its rows'
+    width follows the chunk size (`state_rows.row_bytes`). A tensor-parallel rank's state is a shard of its own,
+    so its key space names ``world_size`` and ``rank`` (attention KV's objects hold every head: it names neither).
+    """
 
     model: str
     salt: str
@@ -46,6 +48,10 @@ class KeySpace:
     num_layers: int
     width: int
     codec: str | None = None  # the objects' codec; None: the server's `cache.codec`
+    state_bytes: int = 0
+    page_bytes: int = 0
+    world_size: int = 1
+    rank: int = 0
 
     @classmethod
     def of(cls, kv: EngineKV, *, model: str, salt: str, codec: str | None = None) -> KeySpace:
@@ -58,9 +64,11 @@ class KeySpace:
 
     def namespace(self, chunk_size: int) -> CacheNamespace:
         """The key space (codec ``none`` where the server's applies: see `ServerBackend`, which leaves it out)."""
-        shape = (self.kv_size, self.num_layers, chunk_size, self.width)
-        layout = layout_name(EngineKVFormat[self.fmt], shape)
-        return CacheNamespace(self.model, self.kv_dtype, layout, salt=self.salt, codec=self.codec or "none")
+        width = row_bytes(self.state_bytes, self.page_bytes, chunk_size) if self.state_bytes else self.width
+        layout = layout_name(EngineKVFormat[self.fmt], (self.kv_size, self.num_layers, chunk_size, width))
+        return CacheNamespace(
+            self.model, self.kv_dtype, layout, self.world_size, self.rank, self.salt, self.codec or "none"
+        )
 
     def fields(self) -> dict[str, Any]:
         """The fields by name, plain values: `KeySpace(**fields)` is this key space again."""
@@ -170,7 +178,7 @@ class EmbeddedBackend:
             geometry=self.geometry,
             after=self._callers_stream(),
         )
-        return _plus(written, skip_prefix_tokens)
+        return plus(written, skip_prefix_tokens)
 
     def store_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
         return self.engine.store_async(
@@ -197,175 +205,7 @@ class EmbeddedBackend:
         self.engine.close()
 
 
-class ServerBackend:
-    """A ``kvferry server`` behind a `ServerLink` (misses while it is down). With ``kv`` the link registers the
-    engine's KV cache (the worker); without, it only looks up (a scheduler in another process)."""
-
-    def __init__(
-        self, link: ServerLink, key_space: KeySpace, kv: EngineKV | None = None, *, block_size: int | None = None
-    ) -> None:
-        """``block_size``: the scheduler's, in which a tail hit counts (None: ``kv``'s)."""
-        self.link = link
-        self.key_space = key_space
-        self._kv = kv
-        self._block_size = block_size if block_size is not None or kv is None else kv.block_size * kv.split
-        self._namespaces: dict[int, dict[str, Any]] = {}
-
-    @property
-    def chunk_size(self) -> int | None:
-        return None if self.link.incompatible else self.link.chunk_size
-
-    def lookup(self, tokens: list[int], first_chunk: int = 0) -> Hit | None:
-        """Asks for every chunk from token 0 whatever ``first_chunk`` (the server's lookups have no start)."""
-        try:
-            generation = self.link.generation
-            found = self.link.wait(
-                lambda client, _: client.lookup_async(
-                    tokens, namespace=self._namespace(), lock=True, block_size=self._block_size
-                ),
-                self.link.timeout_s,
-            )
-        except ServerDown:
-            return Hit(0)
-        except Exception as exc:
-            log.warning("kvferry: lookup at %s failed (a miss): %s: %s", self.link.url, type(exc).__name__, exc)
-            return Hit(0)
-        lock = None if found.lock is None else (generation, found.lock)
-        if found.pending:
-            self.free_lock(lock)
-            return None
-        return Hit(found.tokens, lock)
-
-    def free_lock(self, lock: Any) -> None:
-        if lock is None:
-            return
-        generation, lock_id = lock
-        if generation != self.link.generation:
-            return  # taken from a server since gone (or restarted): it went with it
-        try:
-            self.link.call(lambda client, _: client.free_lookup_locks(lock_id))
-        except Exception as exc:  # an expired lock, or the server went away: nothing to free any more
-            log.debug("kvferry: freeing lookup lock %s: %s", lock_id, exc)
-
-    def retrieve_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
-        ids = self._kernel_block_ids(block_ids)
-        written = self.link.submit(
-            lambda client, reg: client.retrieve_async(
-                _registered(reg), tokens, ids, skip_prefix_tokens=skip_prefix_tokens
-            )
-        )
-        return _plus(written, skip_prefix_tokens)
-
-    def store_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
-        # Sent from vLLM's thread: the client records the STORE's ready event on vLLM's current stream, after the
-        # forward pass that wrote the blocks, and the server's copy waits for it on the GPU.
-        ids = self._kernel_block_ids(block_ids)
-        return self.link.submit(
-            lambda client, reg: client.store_async(
-                _registered(reg), tokens, ids, skip_prefix_tokens=skip_prefix_tokens, tail=True
-            )
-        )
-
-    def demote(self, tokens: list[int], chunks: range) -> None:
-        """Nothing: the server's protocol has no demotion (its lookups need every chunk from token 0 anyway)."""
-
-    def _kernel_block_ids(self, block_ids: list[int]) -> list[int] | Any:
-        return block_ids if self._kv is None else self._kv.kernel_block_ids(block_ids)
-
-    def close(self) -> None:
-        self.link.close()
-
-    def _namespace(self) -> dict[str, Any]:
-        chunk_size = self.link.chunk_size
-        assert chunk_size is not None  # the link is up, so the server told it
-        if chunk_size not in self._namespaces:
-            namespace = self.key_space.namespace(chunk_size)
-            names = ("model", "kv_dtype", "layout", "world_size", "rank", "salt")
-            fields = {name: getattr(namespace, name) for name in names}
-            if self.key_space.codec is not None:  # else the server's cache.codec, as for the registration
-                fields["codec"] = self.key_space.codec
-            self._namespaces[chunk_size] = fields
-        return self._namespaces[chunk_size]
-
-
-def make_worker_backend(
-    settings: ConnectorSettings,
-    kv: EngineKV,
-    *,
-    model: str,
-    block_size: int,
-    name: str,
-    on_chunk_size: Callable[[int], None] | None = None,
-    group_tag: str = "",
-    engine: CacheEngine | None = None,
-    codec: str | None = None,
-    split_tag: str = "",
-) -> EmbeddedBackend | ServerBackend:
-    """The backend of a worker that registered ``kv``: a cache engine in this process (embedded mode), or a session
-    with the server that registers ``kv`` there (server mode; a chunk size that is not whole ``block_size``-token
-    blocks of the scheduler refuses to start). What the connector makes in ``register_kv_caches``, without vLLM.
-
-    A hybrid model's KV cache groups each make one, ``group_tag`` (`KVGroup.tag`) in their key space; in embedded
-    mode they share one cache ``engine`` (the first group's backend's). ``codec``: the objects' (None: embedded
-    mode's config, server mode the server's); one the KV cannot take refuses to start, saying why. A part of a
-    layer split (`layer_parts`) gives its codec and the split's tag."""
-    salt = settings.salt
-    for tag in (group_tag, split_tag):  # the deployment's salt, then the tags of the KV's group and layer part
-        salt = f"{salt}|{tag}" if tag else salt
-    if codec is not None:  # refused here, before any server is asked, with the reason
-        with_codec(describe(kv.fmt, kv.paged, kv.block_size, heads=kv.heads), codec)
-    key_space = KeySpace.of(kv, model=model, salt=salt, codec=codec)
-
-    def check_chunk_size(chunk_size: int) -> None:
-        settings.check_chunk_size(chunk_size, block_size)
-        if on_chunk_size is not None:
-            on_chunk_size(chunk_size)
-
-    if settings.mode == "server":
-        deployment = {"model": key_space.model, "salt": key_space.salt}
-        if codec is not None:
-            deployment["codec"] = codec
-        link = ServerLink(
-            settings.server_url,
-            timeout_s=settings.timeout_s,
-            register=lambda client: client.register_kv_cache(
-                kv.paged, kv.fmt, block_size=kv.block_size, namespace=deployment, heads=kv.heads
-            ),
-        )
-        try:
-            link.connect(check_chunk_size=check_chunk_size)  # a bad chunk size refuses to start
-        except BaseException:
-            link.close()
-            raise
-        return ServerBackend(link, key_space, kv)
-    if engine is None:
-        config = settings.kvferry_config()
-        check_chunk_size(config.cache.chunk_size)
-        if config.transfer != TransferConfig():  # the GPU data path is process-wide: changed only when asked to
-            configure_gpu(**config.transfer.engine_settings())
-        engine = CacheEngine(config, name=name)
-    else:
-        check_chunk_size(engine.chunk_size)
-    namespace = engine.namespace_for(
-        key_space.model,
-        kv.fmt,
-        kv.paged,
-        world_size=1,
-        rank=0,
-        salt=key_space.salt,
-        block_size=kv.block_size,
-        codec=codec,
-    )
-    return EmbeddedBackend(engine, kv, namespace, key_space)
-
-
-def _registered(registration: int | None) -> int:
-    if registration is None:
-        raise RuntimeError("this connector half registered no KV cache with the kvferry server")
-    return registration
-
-
-def _plus(future: Future[int], offset: int) -> Future[int]:
+def plus(future: Future[int], offset: int) -> Future[int]:
     """``future``'s result plus ``offset``, as a future (its exception passed on)."""
     out: Future[int] = Future()
 

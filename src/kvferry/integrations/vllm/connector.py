@@ -34,7 +34,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvferry.integrations.vllm import backends, hybrid_worker, layer_parts
-from kvferry.integrations.vllm.backends import ServerBackend
 from kvferry.integrations.vllm.connector_metadata import KvferryConnectorMetadata, KvferryHandshake, KvferryWorkerMeta
 from kvferry.integrations.vllm.counters import SchedulerCounters, WorkerCounters
 from kvferry.integrations.vllm.hybrid_scheduler import GroupedSchedulerSide
@@ -49,10 +48,11 @@ from kvferry.integrations.vllm.kv_layout import (
 from kvferry.integrations.vllm.logs import show_in_vllm_log
 from kvferry.integrations.vllm.plan import StepPlan
 from kvferry.integrations.vllm.scheduler_side import SchedulerSide
+from kvferry.integrations.vllm.server_backend import ServerBackend
 from kvferry.integrations.vllm.server_link import ServerLink
 from kvferry.integrations.vllm.settings import ConnectorSettings
-from kvferry.integrations.vllm.state_groups import state_kv
 from kvferry.integrations.vllm.vllm_stats import KvferryPromMetrics, KvferryStats
+from kvferry.integrations.vllm.worker_backend import StateViews
 from kvferry.integrations.vllm.worker_side import WorkerSide
 
 if TYPE_CHECKING:
@@ -102,11 +102,6 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         self._groups_refused: str | None = None
         try:
             self._groups = hybrid_groups(kv_cache_config)
-            if any(group.holds_state for group in self._groups) and self._settings.mode == "server":
-                raise UnsupportedGroups(
-                    "kvferry keeps a Mamba group's states in embedded mode only (a state object's rows depend on "
-                    "the chunk size, which a server tells only once connected)"
-                )
         except UnsupportedGroups as exc:
             self._groups_refused = str(exc)
             if role == KVConnectorRole.WORKER:
@@ -248,7 +243,9 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
             # start-up) so the first request never waits for it.
             link = ServerLink(self._settings.server_url, timeout_s=self._settings.timeout_s)
             if received.group_key_spaces is not None:  # a hybrid model: its groups' lookups share the session
-                self._lookup_backend = hybrid_worker.lookups_from_handshake(link, received.group_key_spaces)
+                self._lookup_backend = hybrid_worker.lookups_from_handshake(
+                    link, received.group_key_spaces, self._groups
+                )
             else:
                 self._lookup_backend = layer_parts.lookups_from_fields(link, received.key_space, self._block_size)
             try:
@@ -388,8 +385,8 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _register_groups(self, kv_caches: dict[str, torch.Tensor], isa: str | None) -> None:
         """A hybrid model's KV: each group's layers registered as KV of their own (`hybrid_worker`)."""
-        kvs = [
-            state_kv([kv_caches[n] for n in g.layer_names], g.layer_names, g.page_bytes, self._chunk_size())
+        kvs = [  # a state's rows are cut by the chunk size, which a server tells once connected
+            StateViews([kv_caches[n] for n in g.layer_names], g.layer_names, g.page_bytes)
             if g.holds_state
             else self._recognise({n: kv_caches[n] for n in g.layer_names}, isa, g.block_size)
             for g in self._groups
@@ -398,16 +395,12 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         name, hook = f"vllm-{self._engine_id[:8]}", self._settings.load_after_load_hook()
         hybrid = hybrid_worker.start_hybrid_worker(
             self._settings, kvs, self._groups, model=model, name=name, after_load_hook=hook,
-            model_layers=in_layer_order(list(kv_caches)),
+            model_layers=in_layer_order(list(kv_caches)), tp=tensor_parallel_rank(self._vllm_config)[0],
         )  # fmt: skip
         backends.publish(self._engine_id, hybrid.lookups)
         self._handshake = KvferryHandshake(hybrid.key_spaces[0], hybrid.key_spaces)
         self._worker = hybrid.worker
         log.info("%s", hybrid_worker.describe(self._settings, kvs, self._groups, hybrid.lookups.chunk_size))
-
-    def _chunk_size(self) -> int:
-        """Embedded mode's chunk size (its cache's config)."""
-        return self._settings.kvferry_config().cache.chunk_size
 
     def _check_chunk_size(self, chunk_size: int) -> None:
         for block_size in sorted({group.block_size for group in self._groups} or {self._block_size}):

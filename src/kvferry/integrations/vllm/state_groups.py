@@ -34,22 +34,9 @@ from kvferry.formats import EngineKVFormat
 from kvferry.integrations.vllm.backends import Backend, Hit
 from kvferry.integrations.vllm.kv_layout import EngineKV
 from kvferry.integrations.vllm.page_views import UnsupportedKVLayout
+from kvferry.integrations.vllm.state_rows import row_bytes
 
-ROW_ALIGN = 16  # bytes: a row is a whole number of these where the page has room (wide, aligned copies)
 _KEY_CONTEXT = b"kvferry mamba state key v1"
-
-
-def row_bytes(state_bytes: int, page_bytes: int, chunk_size: int) -> int:
-    """Bytes per token row of a state object: ``chunk_size`` rows cover the ``state_bytes`` state region and stay
-    within the layer's ``page_bytes`` page; UnsupportedKVLayout when no row width does."""
-    for align in (ROW_ALIGN, 2):  # the format's rows are an even number of elements
-        width = -(-state_bytes // (chunk_size * align)) * align
-        if chunk_size * width <= page_bytes:
-            return width
-    raise UnsupportedKVLayout(
-        f"a Mamba state of {state_bytes} bytes does not fit {chunk_size} whole rows in its {page_bytes}-byte page: "
-        "use a chunk size that divides the state's bytes"
-    )
 
 
 def state_kv(layers: Sequence[torch.Tensor], names: Sequence[str], page_bytes: int, chunk_size: int) -> EngineKV:

@@ -1,0 +1,36 @@
+"""The argument maps of the client's requests (their schemas: `kvferry.server.requests`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kvferry.protocol.messages import pack_ids
+
+Namespace = Mapping[str, str | int]
+
+
+def key_space_args(registration: int | None, namespace: Namespace | None) -> dict[str, Any]:
+    """A request's key space: a registration's, or an explicit one (a process that holds no KV)."""
+    if registration is not None and namespace is None:
+        return {"registration": registration}
+    if namespace is not None and registration is None:
+        return {"namespace": dict(namespace)}
+    raise ValueError("give exactly one of registration= and namespace=")
+
+
+def transfer_args(registration: int, tokens: Any, block_ids: Any, skip_prefix_tokens: int) -> dict[str, Any]:
+    return {
+        "registration": registration,
+        "tokens": pack_ids(tokens, "tokens"),
+        "block_ids": pack_ids(block_ids, "block_ids"),
+        "skip_prefix_tokens": skip_prefix_tokens,
+    }
+
+
+def demote_args(tokens: Any, chunks: range, key_space: dict[str, Any]) -> dict[str, Any]:
+    """A DEMOTE's arguments: ``chunks`` a range of chunk indices, step 1, from 0 on."""
+    if chunks.step != 1 or chunks.start < 0:
+        raise ValueError(f"chunks={chunks!r} must be consecutive chunk indices from 0 on")
+    args = {"tokens": pack_ids(tokens, "tokens"), "first_chunk": chunks.start, "num_chunks": len(chunks)}
+    return {**args, **key_space}

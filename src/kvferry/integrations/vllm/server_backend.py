@@ -1,0 +1,127 @@
+"""A ``kvferry server`` as a connector's backend: lookups, loads and stores through a `ServerLink`'s session.
+
+Lookups name the key space explicitly (a scheduler in another process holds no KV, and a worker's lookups are
+the same requests); a windowed group's lookups ask for its window only (LOOKUP's ``first_chunk``), and chunks a
+newer boundary supersedes are demoted on the server (DEMOTE), as in embedded mode (`window_groups`).
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+from typing import Any
+
+from kvferry.integrations.vllm.backends import Hit, KeySpace, plus
+from kvferry.integrations.vllm.kv_layout import EngineKV
+from kvferry.integrations.vllm.server_link import ServerDown, ServerLink
+
+log = logging.getLogger(__name__)
+
+
+class ServerBackend:
+    """A ``kvferry server`` behind a `ServerLink` (misses while it is down). With ``kv`` the link registers the
+    engine's KV cache (the worker), whose kernel block ids the loads and stores name; without, it only looks up (a
+    scheduler in another process), or its link registers KV made once connected (a Mamba state's, whose blocks
+    are vLLM's: `worker_backend.make_state_backend`)."""
+
+    def __init__(
+        self, link: ServerLink, key_space: KeySpace, kv: EngineKV | None = None, *, block_size: int | None = None
+    ) -> None:
+        """``block_size``: the scheduler's, in which a tail hit counts (None: ``kv``'s)."""
+        self.link = link
+        self.key_space = key_space
+        self._kv = kv
+        self._block_size = block_size if block_size is not None or kv is None else kv.block_size * kv.split
+        self._namespaces: dict[int, dict[str, Any]] = {}
+
+    @property
+    def chunk_size(self) -> int | None:
+        return None if self.link.incompatible else self.link.chunk_size
+
+    def lookup(self, tokens: list[int], first_chunk: int = 0) -> Hit | None:
+        try:
+            generation = self.link.generation
+            found = self.link.wait(
+                lambda client, _: client.lookup_async(
+                    tokens, namespace=self._namespace(), lock=True, block_size=self._block_size, first_chunk=first_chunk
+                ),
+                self.link.timeout_s,
+            )
+        except ServerDown:
+            return Hit(0)
+        except Exception as exc:
+            log.warning("kvferry: lookup at %s failed (a miss): %s: %s", self.link.url, type(exc).__name__, exc)
+            return Hit(0)
+        lock = None if found.lock is None else (generation, found.lock)
+        if found.pending:
+            self.free_lock(lock)
+            return None
+        return Hit(found.tokens, lock)
+
+    def free_lock(self, lock: Any) -> None:
+        if lock is None:
+            return
+        generation, lock_id = lock
+        if generation != self.link.generation:
+            return  # taken from a server since gone (or restarted): it went with it
+        try:
+            self.link.call(lambda client, _: client.free_lookup_locks(lock_id))
+        except Exception as exc:  # an expired lock, or the server went away: nothing to free any more
+            log.debug("kvferry: freeing lookup lock %s: %s", lock_id, exc)
+
+    def retrieve_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
+        ids = self._kernel_block_ids(block_ids)
+        written = self.link.submit(
+            lambda client, reg: client.retrieve_async(
+                _registered(reg), tokens, ids, skip_prefix_tokens=skip_prefix_tokens
+            )
+        )
+        return plus(written, skip_prefix_tokens)
+
+    def store_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
+        # Sent from vLLM's thread: the client records the STORE's ready event on vLLM's current stream, after the
+        # forward pass that wrote the blocks, and the server's copy waits for it on the GPU.
+        ids = self._kernel_block_ids(block_ids)
+        return self.link.submit(
+            lambda client, reg: client.store_async(
+                _registered(reg), tokens, ids, skip_prefix_tokens=skip_prefix_tokens, tail=True
+            )
+        )
+
+    def demote(self, tokens: list[int], chunks: range) -> None:
+        """Sent without waiting (a store's callback calls it): a demotion that fails, or a server that predates
+        DEMOTE, leaves only the plain eviction order."""
+        if not chunks:
+            return
+        sent = self.link.submit(lambda client, _: client.demote_async(tokens, chunks, namespace=self._namespace()))
+        sent.add_done_callback(_log_failed_demotion)
+
+    def _kernel_block_ids(self, block_ids: list[int]) -> list[int] | Any:
+        return block_ids if self._kv is None else self._kv.kernel_block_ids(block_ids)
+
+    def close(self) -> None:
+        self.link.close()
+
+    def _namespace(self) -> dict[str, Any]:
+        chunk_size = self.link.chunk_size
+        assert chunk_size is not None  # the link is up, so the server told it
+        if chunk_size not in self._namespaces:
+            namespace = self.key_space.namespace(chunk_size)
+            names = ("model", "kv_dtype", "layout", "world_size", "rank", "salt")
+            fields = {name: getattr(namespace, name) for name in names}
+            if self.key_space.codec is not None:  # else the server's cache.codec, as for the registration
+                fields["codec"] = self.key_space.codec
+            self._namespaces[chunk_size] = fields
+        return self._namespaces[chunk_size]
+
+
+def _log_failed_demotion(sent: Future[int]) -> None:
+    exc = sent.exception()
+    if exc is not None and not isinstance(exc, ServerDown):
+        log.debug("kvferry: demoting superseded chunks failed: %s: %s", type(exc).__name__, exc)
+
+
+def _registered(registration: int | None) -> int:
+    if registration is None:
+        raise RuntimeError("this connector half registered no KV cache with the kvferry server")
+    return registration

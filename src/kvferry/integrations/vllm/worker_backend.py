@@ -1,0 +1,176 @@
+"""A worker's backend for the KV it registered: a cache engine in this process (embedded mode), or a session with a
+``kvferry server`` that registers the KV there (server mode). What the connector makes in ``register_kv_caches``.
+
+A Mamba group's states (`state_groups`) are cut into token rows by the chunk size, which a server tells only once
+connected: in server mode its link registers the states' KV on connecting, cut by the server's chunk size
+(`make_state_backend`), and its key space names the state's bytes rather than the rows' width (`KeySpace`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvferry.cache import CacheEngine
+from kvferry.client import KvferryClient
+from kvferry.config import TransferConfig
+from kvferry.formats import EngineKVFormat, describe, with_codec
+from kvferry.integrations.vllm.backends import EmbeddedBackend, KeySpace
+from kvferry.integrations.vllm.kv_layout import EngineKV
+from kvferry.integrations.vllm.server_backend import ServerBackend
+from kvferry.integrations.vllm.server_link import ServerLink
+from kvferry.integrations.vllm.settings import ConnectorSettings
+from kvferry.integrations.vllm.state_groups import state_kv
+from kvferry.transfer import configure_gpu
+
+
+def make_worker_backend(
+    settings: ConnectorSettings,
+    kv: EngineKV,
+    *,
+    model: str,
+    block_size: int,
+    name: str,
+    on_chunk_size: Callable[[int], None] | None = None,
+    group_tag: str = "",
+    engine: CacheEngine | None = None,
+    codec: str | None = None,
+    split_tag: str = "",
+) -> EmbeddedBackend | ServerBackend:
+    """The backend of a worker that registered ``kv``: a cache engine in this process (embedded mode), or a session
+    with the server that registers ``kv`` there (server mode; a chunk size that is not whole ``block_size``-token
+    blocks of the scheduler refuses to start). What the connector makes in ``register_kv_caches``, without vLLM.
+
+    A hybrid model's KV cache groups each make one, ``group_tag`` (`KVGroup.tag`) in their key space; in embedded
+    mode they share one cache ``engine`` (the first group's backend's). ``codec``: the objects' (None: embedded
+    mode's config, server mode the server's); one the KV cannot take refuses to start, saying why. A part of a
+    layer split (`layer_parts`) gives its codec and the split's tag."""
+    salt = settings.salt
+    for tag in (group_tag, split_tag):  # the deployment's salt, then the tags of the KV's group and layer part
+        salt = f"{salt}|{tag}" if tag else salt
+    if codec is not None:  # refused here, before any server is asked, with the reason
+        with_codec(describe(kv.fmt, kv.paged, kv.block_size, heads=kv.heads), codec)
+    key_space = KeySpace.of(kv, model=model, salt=salt, codec=codec)
+
+    def check_chunk_size(chunk_size: int) -> None:
+        settings.check_chunk_size(chunk_size, block_size)
+        if on_chunk_size is not None:
+            on_chunk_size(chunk_size)
+
+    if settings.mode == "server":
+        deployment = {"model": key_space.model, "salt": key_space.salt}
+        if codec is not None:
+            deployment["codec"] = codec
+        link = ServerLink(
+            settings.server_url,
+            timeout_s=settings.timeout_s,
+            register=lambda client: client.register_kv_cache(
+                kv.paged, kv.fmt, block_size=kv.block_size, namespace=deployment, heads=kv.heads
+            ),
+        )
+        try:
+            link.connect(check_chunk_size=check_chunk_size)  # a bad chunk size refuses to start
+        except BaseException:
+            link.close()
+            raise
+        return ServerBackend(link, key_space, kv)
+    if engine is None:
+        config = settings.kvferry_config()
+        check_chunk_size(config.cache.chunk_size)
+        if config.transfer != TransferConfig():  # the GPU data path is process-wide: changed only when asked to
+            configure_gpu(**config.transfer.engine_settings())
+        engine = CacheEngine(config, name=name)
+    else:
+        check_chunk_size(engine.chunk_size)
+    namespace = engine.namespace_for(
+        key_space.model,
+        kv.fmt,
+        kv.paged,
+        world_size=1,
+        rank=0,
+        salt=key_space.salt,
+        block_size=kv.block_size,
+        codec=codec,
+    )
+    return EmbeddedBackend(engine, kv, namespace, key_space)
+
+
+@dataclass(frozen=True)
+class StateViews:
+    """A Mamba group's state views as vLLM hands them over (``[blocks, 1, 1, state bytes]`` per layer, in layer
+    order), before a chunk size cuts them into token rows (`state_kv`)."""
+
+    layers: Sequence[torch.Tensor]
+    names: Sequence[str]
+    page_bytes: int
+
+    @property
+    def state_bytes(self) -> int:
+        return int(self.layers[0].shape[3])
+
+    def kv(self, chunk_size: int) -> EngineKV:
+        return state_kv(self.layers, self.names, self.page_bytes, chunk_size)
+
+
+def make_state_backend(
+    settings: ConnectorSettings,
+    views: StateViews,
+    *,
+    model: str,
+    block_size: int,
+    name: str,
+    group_tag: str,
+    engine: CacheEngine | None = None,
+    tp: tuple[int, int] = (0, 1),
+) -> EmbeddedBackend | ServerBackend:
+    """A Mamba group's backend (wrapped by `state_groups.StateBackend`); its objects are exact whatever the codec
+    (a state is opaque bytes, not KV per token). Embedded mode cuts the rows by ``engine``'s chunk size (or the
+    settings' cache's), server mode by the server's, registering the states on every (re)connection. ``tp``: this
+    worker's (rank, size) in its tensor-parallel group: each rank holds a shard of every state, an object of its
+    own in a key space that names the rank."""
+    if settings.mode != "server":
+        chunk = engine.chunk_size if engine is not None else settings.kvferry_config().cache.chunk_size
+        kv = views.kv(chunk)
+        return make_worker_backend(
+            settings, kv, model=model, block_size=block_size, name=name, group_tag=group_tag, engine=engine,
+            codec="none",
+        )  # fmt: skip
+    rank, world_size = tp
+    salt = f"{settings.salt}|{group_tag}"  # as `make_worker_backend` tags a group's key space
+    fmt = EngineKVFormat.NL_X_NB_NH_BS_CS  # `state_kv`'s: one [blocks, 1, chunk, row bytes] uint8 tensor a layer
+    key_space = KeySpace(
+        model=model,
+        salt=salt,
+        fmt=fmt.name,
+        kv_dtype="uint8",
+        kv_size=1,
+        num_layers=len(views.layers),
+        width=0,  # the rows' width follows the chunk size: from the state's bytes and page
+        codec="none",
+        state_bytes=views.state_bytes,
+        page_bytes=views.page_bytes,
+        world_size=world_size,
+        rank=rank,
+    )
+    deployment: dict[str, str | int] = {"model": model, "salt": salt, "codec": "none"}
+    deployment.update(world_size=world_size, rank=rank)
+
+    def register(client: KvferryClient) -> int:
+        chunk = link.chunk_size
+        assert chunk is not None  # the link asks the server's chunk size before it registers
+        kv = views.kv(chunk)  # views of vLLM's tensors, made again on each (re)connection
+        return client.register_kv_cache(kv.paged, kv.fmt, block_size=kv.block_size, namespace=deployment)
+
+    def check_chunk_size(chunk_size: int) -> None:
+        settings.check_chunk_size(chunk_size, block_size)
+        views.kv(chunk_size)  # rows that do not fit the state's page: a setting to fix (UnsupportedKVLayout)
+
+    link = ServerLink(settings.server_url, timeout_s=settings.timeout_s, register=register)
+    try:
+        link.connect(check_chunk_size=check_chunk_size)  # a bad chunk size refuses to start
+    except BaseException:
+        link.close()
+        raise
+    return ServerBackend(link, key_space)
