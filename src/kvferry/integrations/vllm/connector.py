@@ -51,6 +51,7 @@ from kvferry.integrations.vllm.scheduler_side import SchedulerSide
 from kvferry.integrations.vllm.server_backend import ServerBackend
 from kvferry.integrations.vllm.server_link import ServerLink
 from kvferry.integrations.vllm.settings import ConnectorSettings
+from kvferry.integrations.vllm.state_settings import restore_scheduler_block_size, warn_of_sparse_state_retention
 from kvferry.integrations.vllm.vllm_stats import KvferryPromMetrics, KvferryStats
 from kvferry.integrations.vllm.worker_backend import StateViews
 from kvferry.integrations.vllm.worker_side import WorkerSide
@@ -106,6 +107,8 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
             self._groups_refused = str(exc)
             if role == KVConnectorRole.WORKER:
                 log.error("kvferry connector disabled (every lookup is a miss): %s", exc)
+        if role == KVConnectorRole.SCHEDULER:
+            warn_of_sparse_state_retention(vllm_config.cache_config.prefix_cache_retention_interval, self._groups)
         if self._settings.mode == "embedded" and self._groups_refused is None:
             self._check_chunk_size(self._settings.kvferry_config().cache.chunk_size)
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
@@ -411,18 +414,12 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         else over a lookup-only session with the server in the key space the worker reported."""
         if self._scheduler is not None or self._groups_refused is not None:  # the worker logged why it is off
             return self._scheduler
+        restore_scheduler_block_size(self._vllm_config.cache_config, self._groups)  # before vLLM schedules one
         lookups: backends.Lookups | None = backends.find(self._engine_id) or self._lookup_backend
         if lookups is None:
-            self._warn_once(
-                "no KV cache registered with kvferry for this engine"
-                + (
-                    " (embedded mode needs vLLM's worker in the scheduler's process: on the CPU backend set "
-                    "VLLM_ENABLE_V1_MULTIPROCESSING=0, or use server mode)"
-                    if self._handshake is not None
-                    else ""
-                )
-                + "; lookups miss"
-            )
+            why = " (embedded mode needs vLLM's worker in the scheduler's process: on the CPU backend set " \
+                "VLLM_ENABLE_V1_MULTIPROCESSING=0, or use server mode)" if self._handshake else ""  # fmt: skip
+            self._warn_once(f"no KV cache registered with kvferry for this engine{why}; lookups miss")
             return None
         chunk_size = lookups.chunk_size
         if chunk_size is None:
