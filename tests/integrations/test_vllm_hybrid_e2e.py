@@ -147,6 +147,32 @@ def test_a_state_space_hybrid_hits_through_a_server(tmp: Path, gdn_reference: di
     assert (cache["stored_chunks"], cache["retrieved_chunks"]) == (3, 3)  # 2 attention chunks and the state at 768
 
 
+def test_a_state_space_hybrid_hits_through_a_server_in_vllm_s_multiprocess_layout(
+    tmp: Path, gdn_reference: dict[str, Any]
+) -> None:
+    """vLLM's default layout (its engine core and worker in processes of their own): there vLLM's CPU platform puts
+    the scheduler's block size back to 128 after start, so its prefill chunks would end between Mamba boundaries and
+    it would hand over no state (`state_settings`); kvferry puts the Mamba block size back, and the hit is the
+    in-process one: vLLM's counter, the server's, greedy tokens. Its default retention interval gets a warning."""
+    port = free_port()
+    server = start_server(port, tmp / f"server-{port}.log", chunk_size=GDN_CHUNK)
+    url = f"tcp://127.0.0.1:{port}"
+    try:
+        report = run_driver("gdn-server", tmp, "--server-url", url, "--multiprocessing")
+        with KvferryClient(url, timeout_s=10) as client:
+            cache = client.stats()["cache"]
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert f"scheduler block size was 128, not the Mamba block size {GDN_CHUNK}" in report["output"]
+    assert "prefix_cache_retention_interval is 0 (its default)" in report["output"]
+    assert report["prefix_cache_reset"]  # the second run's hit can only be kvferry's
+    main = gdn_reference["runs"][0]["tokens"]
+    assert [run["tokens"] for run in report["runs"]] == [main, main]
+    assert [run["cached"] for run in report["runs"]] == [[0], [2 * GDN_CHUNK]]  # vLLM's counter: kvferry's hit
+    assert (cache["stored_chunks"], cache["retrieved_chunks"]) == (3, 3)  # 2 attention chunks and the state at 768
+
+
 def _check_gdn_hit(report: dict[str, Any], reference: dict[str, Any]) -> None:
     assert report["prefix_cache_reset"]  # the second run's hit can only be kvferry's
     main = reference["runs"][0]["tokens"]
