@@ -4,10 +4,10 @@ tiny random-weight Gemma 3 (two sliding-window layers over 128 tokens, two full-
 Engines run in processes of their own (vllm_hybrid_driver.py): a reference without kvferry; one with the cache
 embedded; through a kvferry server, one in vLLM's multiprocess layout and one with two tensor-parallel ranks; a
 state-space hybrid (Qwen3-Next's gated delta-net, its linear-attention state moved as objects of its own),
-embedded and through a server. Each runs a 1000-token prompt (a miss), again (a hit of its 768 tokens of whole
-chunks, six windows long), and another prompt sharing those 768 tokens; the state-space hybrid also a chat's next
-turn. vLLM's own prefix cache is off
-(the state-space hybrid's is on, as its state needs, and emptied before the hit), so every reused token comes from
+embedded and through a server (in the engine's process and in vLLM's multiprocess layout). Each runs a 1000-token
+prompt (a miss), again (a hit of its 768 tokens of whole chunks, six windows long), and another prompt sharing
+those 768 tokens; the state-space hybrid also a chat's next turn. vLLM's own prefix cache is off (the state-space
+hybrid's is on, as its state needs, and emptied before the hit), so every reused token comes from
 kvferry; greedy tokens must equal the reference.
 """
 
@@ -198,6 +198,7 @@ def test_a_chat_s_next_turn_hits_the_state_vllm_kept_while_generating(
     assert [turn["cached"] for turn in gdn_reference["chat"]] == [[0], [0]]  # the reference computes every token
     assert [turn["tokens"] for turn in report["chat"]] == [turn["tokens"] for turn in gdn_reference["chat"]]
     assert report["chat"][0]["prefix_cache_reset"]  # turn 2's hit can only be kvferry's
+    assert ("prefix_cache_retention_interval is 0" in report["output"]) == (retention is None)  # the start warning
     assert [turn["cached"] for turn in report["chat"]] == [[0], [hit]]  # vLLM's counter (turn 1's prompt: 700)
     assert report["scheduler_counters"]["hit_tokens_taken"] == report["worker_counters"]["tokens_loaded"] == hit
     assert report["worker_counters"]["load_failures"] == report["worker_counters"]["store_failures"] == 0
