@@ -38,13 +38,7 @@ from kvferry.integrations.vllm.connector_metadata import KvferryConnectorMetadat
 from kvferry.integrations.vllm.counters import SchedulerCounters, WorkerCounters
 from kvferry.integrations.vllm.hybrid_scheduler import GroupedSchedulerSide
 from kvferry.integrations.vllm.kv_groups import GroupedLookups, KVGroup, UnsupportedGroups, hybrid_groups
-from kvferry.integrations.vllm.kv_layout import (
-    EngineKV,
-    UnsupportedKVLayout,
-    in_layer_order,
-    recognise,
-    tensor_parallel_rank,
-)
+from kvferry.integrations.vllm.kv_layout import UnsupportedKVLayout, in_layer_order, tensor_parallel_rank
 from kvferry.integrations.vllm.logs import show_in_vllm_log
 from kvferry.integrations.vllm.plan import StepPlan
 from kvferry.integrations.vllm.scheduler_side import SchedulerSide
@@ -52,6 +46,7 @@ from kvferry.integrations.vllm.server_backend import ServerBackend
 from kvferry.integrations.vllm.server_link import ServerLink
 from kvferry.integrations.vllm.settings import ConnectorSettings
 from kvferry.integrations.vllm.state_settings import restore_scheduler_block_size, warn_of_sparse_state_retention
+from kvferry.integrations.vllm.vllm_kv import attention_isa, backend_names, recognise_vllm_kv, served_model_name
 from kvferry.integrations.vllm.vllm_stats import KvferryPromMetrics, KvferryStats
 from kvferry.integrations.vllm.worker_backend import StateViews
 from kvferry.integrations.vllm.worker_side import WorkerSide
@@ -133,11 +128,12 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         if self._groups_refused is not None:
             return
         try:
-            isa = self._isa(kv_caches)
+            states = {name for group in self._groups if group.holds_state for name in group.layer_names}
+            isa = attention_isa(self._vllm_config, {n: kv for n, kv in kv_caches.items() if n not in states})
             if self._groups:  # a hybrid model: each group's layers apart (their shapes and places may differ)
                 self._register_groups(kv_caches, isa)
                 return
-            kv = self._recognise(kv_caches, isa)
+            kv = recognise_vllm_kv(self._vllm_config, kv_caches, isa, self._block_size)
         except UnsupportedKVLayout as exc:
             log.error("kvferry connector disabled (every lookup is a miss): %s", exc)
             return
@@ -146,7 +142,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
             self._settings,
             kv,
             exact_layers=exact,
-            model=self._settings.model_id or _served_model_name(self._vllm_config),
+            model=self._settings.model_id or served_model_name(self._vllm_config),
             block_size=self._block_size,
             name=f"vllm-{self._engine_id[:8]}",
         )
@@ -167,7 +163,9 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
             kv.kv_dtype,
             kv.layers[0].device,
             kv.order,
-            ", ".join([*sorted(self._backend_names(kv_caches)), *([f"CPU attention ISA {isa}"] if isa else [])]),
+            ", ".join(
+                [*sorted(backend_names(self._vllm_config, kv_caches)), *([f"CPU attention ISA {isa}"] if isa else [])]
+            ),
             kv.fmt.name,
             len(kv.layers),
             tuple(kv.layers[0].shape),
@@ -338,63 +336,15 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         assert isinstance(metadata, KvferryConnectorMetadata), type(metadata)
         return metadata.plan
 
-    def _isa(self, kv_caches: dict[str, torch.Tensor]) -> str | None:
-        """The CPU attention ISA of vLLM's CPU backend (it packs K and V inside each page its own way); None for
-        every other backend, whose per-layer views are read from their strides."""
-        layers = self._vllm_config.compilation_config.static_forward_context
-        states = {name for group in self._groups if group.holds_state for name in group.layer_names}
-        kv_caches = {name: kv for name, kv in kv_caches.items() if name not in states}  # attention layers'
-        isas = {getattr(layers.get(name), "isa", None) for name in kv_caches}
-        if len(isas) != 1:
-            raise UnsupportedKVLayout(f"attention layers use different CPU ISAs {sorted(map(str, isas))}")
-        isa = isas.pop()
-        if isa is None and "CPU_ATTN" in self._backend_names(kv_caches):
-            raise UnsupportedKVLayout("vLLM's CPU attention layers name no ISA: their pages' packing is unknown")
-        return isa
-
-    def _backend_names(self, kv_caches: dict[str, torch.Tensor]) -> set[str]:
-        """The attention backends of the layers holding ``kv_caches`` (for messages, and to tell CPU_ATTN apart)."""
-        layers = self._vllm_config.compilation_config.static_forward_context
-        names = set()
-        for name in kv_caches:
-            backend = getattr(layers.get(name), "attn_backend", None)
-            names.add(
-                backend.get_name()
-                if backend is not None and hasattr(backend, "get_name")
-                else type(layers.get(name)).__name__
-            )
-        return names
-
-    def _recognise(
-        self, kv_caches: dict[str, torch.Tensor], isa: str | None, block_size: int | None = None
-    ) -> EngineKV:
-        mla = bool(getattr(self._vllm_config.model_config, "use_mla", False))
-        if mla and _on_cpu():
-            raise UnsupportedKVLayout(
-                "vLLM's CPU MLA attention cannot compute a prompt's rest over a prefix it did not compute itself "
-                "(vLLM turns prefix caching and chunked prefill off for MLA on a CPU); a loaded prefix would give "
-                "other tokens"
-            )
-        tp, model_kv_heads = tensor_parallel_rank(self._vllm_config)
-        return recognise(
-            kv_caches,
-            isa=isa,
-            kv_cache_dtype=str(self._vllm_config.cache_config.cache_dtype),
-            tp=tp,
-            model_kv_heads=model_kv_heads,
-            mla=mla,
-            block_size=block_size or self._block_size,
-        )
-
     def _register_groups(self, kv_caches: dict[str, torch.Tensor], isa: str | None) -> None:
         """A hybrid model's KV: each group's layers registered as KV of their own (`hybrid_worker`)."""
         kvs = [  # a state's rows are cut by the chunk size, which a server tells once connected
             StateViews([kv_caches[n] for n in g.layer_names], g.layer_names, g.page_bytes)
             if g.holds_state
-            else self._recognise({n: kv_caches[n] for n in g.layer_names}, isa, g.block_size)
+            else recognise_vllm_kv(self._vllm_config, {n: kv_caches[n] for n in g.layer_names}, isa, g.block_size)
             for g in self._groups
         ]
-        model = self._settings.model_id or _served_model_name(self._vllm_config)
+        model = self._settings.model_id or served_model_name(self._vllm_config)
         name, hook = f"vllm-{self._engine_id[:8]}", self._settings.load_after_load_hook()
         hybrid = hybrid_worker.start_hybrid_worker(
             self._settings, kvs, self._groups, model=model, name=name, after_load_hook=hook,
@@ -441,16 +391,3 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         if not self._scheduler_warned:
             log.error("kvferry: %s", message)
             self._scheduler_warned = True
-
-
-def _on_cpu() -> bool:
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cpu()
-
-
-def _served_model_name(vllm_config: VllmConfig) -> str:
-    name = vllm_config.model_config.served_model_name
-    if isinstance(name, list | tuple):
-        name = name[0] if name else None
-    return str(name or vllm_config.model_config.model)
