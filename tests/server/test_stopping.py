@@ -26,7 +26,9 @@ def test_a_server_stop_gives_up_on_a_tier_lookup_that_never_ends() -> None:
     engine = FakeEngine()
     release = threading.Event()
 
-    def frozen_tier(tokens: Any, *, namespace: Any, lock: bool = False, block_size: Any = None) -> tuple[Found, Any]:
+    def frozen_tier(
+        tokens: Any, *, namespace: Any, lock: bool = False, block_size: Any = None, first_chunk: int = 0
+    ) -> tuple[Found, Any]:
         missed = Found(0, 0, None)
         return missed, lambda: (release.wait(60), missed)[1]  # a tier that stopped answering
 
