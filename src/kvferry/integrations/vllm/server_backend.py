@@ -78,6 +78,9 @@ class ServerBackend:
         )
         return plus(written, skip_prefix_tokens)
 
+    def retrieve(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> int:
+        return self.retrieve_async(tokens, block_ids, skip_prefix_tokens).result()
+
     def store_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
         # Sent from vLLM's thread: the client records the STORE's ready event on vLLM's current stream, after the
         # forward pass that wrote the blocks, and the server's copy waits for it on the GPU.
