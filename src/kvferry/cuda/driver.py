@@ -132,6 +132,12 @@ class Driver:
         self._batch(addresses(*dsts), addresses(*srcs), (ctypes.c_size_t * n)(*sizes), n,
                     ctypes.byref(self._batch_attrs), ctypes.byref(self._batch_first), stream)  # fmt: skip
 
+    def copy_batch_at(self, dsts: int, srcs: int, sizes: int, count: int, stream: int) -> None:
+        """`copy_batch` with the arrays built ahead: the addresses of ``count`` destination and source addresses
+        (uint64) and sizes (size_t), e.g. numpy arrays' ``ctypes.data``, which must outlive the call."""
+        self._batch(dsts, srcs, sizes, count, ctypes.byref(self._batch_attrs), ctypes.byref(self._batch_first),
+                    stream)  # fmt: skip
+
     def event(self) -> int:
         """A new timing-free event; the caller destroys it (`destroy`)."""
         handle = ctypes.c_void_p()
