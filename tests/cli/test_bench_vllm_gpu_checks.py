@@ -7,6 +7,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from functools import partial
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -21,6 +24,7 @@ from kvferry.bench.vllm_gpu_bench import measure
 from kvferry.bench.vllm_page_dma import pages
 from kvferry.bench.vllm_views import BENCH_CASES, case_of, load_fixtures, replay
 from kvferry.integrations.vllm.worker_side import WorkerSide
+from tests.cli.benchkit import run_bench
 from tests.integrations.page_view_roundtrip import embedded_settings, recognised
 
 MS = 1e-3
@@ -286,3 +290,28 @@ def test_vllm_page_dma_refuses_blocks_that_are_not_pages() -> None:
     kv = recognised(case_of(fixture), replay(fixture, "cpu")[1])
     with pytest.raises(BenchError, match="neither a dense page per layer nor every layer's together"):
         pages(kv, [1, 2])
+
+
+def test_vllm_gpu_control_flow_with_the_gpu_faked(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The whole run on small cases on the CPU (no memcpy, a driver without batched copies): its rows, JSON and
+    table; the measurements themselves run only on a GPU (tests/cli/test_bench_gpu.py)."""
+    from kvferry.bench import vllm_gpu_bench
+
+    small = [case_of(SMALL[name]) for name in BENCH_LAYOUTS[:3]]
+    monkeypatch.setattr(vllm_gpu_bench, "require_cuda", lambda what: None)
+    monkeypatch.setattr(vllm_gpu_bench, "BENCH_CASES", small)
+    monkeypatch.setattr(vllm_gpu_bench, "CHUNK", 32)
+    monkeypatch.setattr(vllm_gpu_bench, "POOL_GB", 0.02)
+    monkeypatch.setattr(vllm_gpu_bench, "ConnectorPath", partial(ConnectorPath, device="cpu", chunk=32, chunks=2))
+    monkeypatch.setattr(vllm_gpu_bench, "PinnedCopy", lambda nbytes: no_memcpy)
+    monkeypatch.setattr(vllm_gpu_bench, "driver", lambda: SimpleNamespace(has_batch=False))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "no GPU (faked)")
+    doc, progress = run_bench(monkeypatch, tmp_path, "vllm-gpu", "--repeats", "1", "--no-server", "--no-gemm")
+    rows = doc["results"]["rows"]
+    assert [(r["mode"], r["case"]) for r in rows] == [("embedded", c.name) for c in small]
+    assert progress.done == [f"embedded: {c.name}" for c in small]
+    assert all(r["checked_rounds"] == 2 and r["vllm_dma_pages"] is None and r["load_us"] > 0 for r in rows)
+    out = capsys.readouterr().out
+    assert "vLLM page DMA: not run" in out and "FLASH_ATTN-BLHNC" in out

@@ -34,7 +34,7 @@ class BlockCheck:
         self._snapshot_layers = [self._on_snapshot(layer) for layer in self._layers]
         self.src = torch.as_tensor(list(src), dtype=torch.int64, device=self.device)
         self.dst = torch.as_tensor(list(dst), dtype=torch.int64, device=self.device)
-        self._random = torch.Generator(self.device)
+        self._random = torch.Generator(device=self.device)
         self._random.manual_seed(seed)
 
     def _on_snapshot(self, layer: torch.Tensor) -> torch.Tensor:
