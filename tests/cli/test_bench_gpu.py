@@ -23,11 +23,18 @@ SEPARATE_RUNS_SPREAD = 0.1  # of one request's wall time, between medians of sep
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no CUDA device")
-@pytest.mark.parametrize("args", [["gpu-transfer"], ["cache-gpu"], ["codec"], ["server", "--device", "cuda"]])
+@pytest.mark.parametrize(
+    "args", [["gpu-transfer"], ["cache-gpu"], ["codec"], ["server", "--device", "cuda"], ["vllm-gpu"]]
+)
 def test_without_cuda_exit_2_saying_so(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", *args]) == 2
     err = capsys.readouterr().err
     assert f"kvferry bench {args[0]}: error:" in err and "needs a CUDA device" in err
+
+
+def test_vllm_gpu_refuses_no_timed_rounds(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "vllm-gpu", "--repeats", "0"]) == 2
+    assert "--repeats must be at least 1, got 0" in capsys.readouterr().err
 
 
 def test_gpu_transfer_refuses_unknown_sections(capsys: pytest.CaptureFixture[str]) -> None:

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from kvferry.bench.gpu_gemm import gemm_tflops
-from kvferry.bench.harness import BenchError, Outcome, Steps, add_json_argument, description_of, require_cuda
+from kvferry.bench.harness import BenchError, Outcome, Steps, add_json_argument, description_of, positive, require_cuda
 from kvferry.bench.report import cell, new_table
 from kvferry.bench.samples import Samples
 from kvferry.bench.server_bench import ServerProcess
@@ -64,6 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check(args: argparse.Namespace) -> None:
+    positive(args, "repeats")
     require_cuda("this benchmark")
 
 
@@ -182,7 +183,7 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
 def measure_case(path: ConnectorPath, repeats: int) -> dict[str, Any]:
     """`measure` with a pinned memcpy of the path's bytes and vLLM's page DMA of the same blocks (where the driver
     has its batched copy)."""
-    dma = PageDMA(path.kv, path.src, path.dst, path.check) if driver().has_batch else None
+    dma = PageDMA(path.kv, path.src, path.dst, path.check, path.case.name) if driver().has_batch else None
     if dma is not None and dma.nbytes != path.nbytes:
         raise BenchError(f"{path.case.name}: vLLM's pages hold {dma.nbytes} bytes, the connector moves {path.nbytes}")
     copy = PinnedCopy(path.nbytes)

@@ -52,11 +52,12 @@ def _dense(block: torch.Tensor) -> bool:
 
 class PageDMA:
     """vLLM's page copies between ``src``/``dst`` and one pinned host buffer, checked with ``check`` (the connector
-    path's: the same blocks)."""
+    path's: the same blocks); ``label`` names the KV in errors."""
 
     name = "vLLM page DMA"
 
-    def __init__(self, kv: EngineKV, src: Sequence[int], dst: Sequence[int], check: BlockCheck) -> None:
+    def __init__(self, kv: EngineKV, src: Sequence[int], dst: Sequence[int], check: BlockCheck, label: str) -> None:
+        self.label = label
         self._driver = driver()
         if not self._driver.has_batch:
             raise BenchError("this CUDA driver has no cuMemcpyBatchAsync (CUDA 12.8+), vLLM's page DMA")
@@ -67,14 +68,14 @@ class PageDMA:
         self.pages = len(sizes)
         self.nbytes = int(sizes.sum())
         self.host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
-        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.uint64)
-        host_pages = np.uint64(self.host.data_ptr()) + offsets
+        host_pages = np.uint64(self.host.data_ptr()) + np.cumsum(sizes) - sizes  # the pages back to back
         # kept alive with the addresses handed to the driver on every call
         self._arrays = [np.ascontiguousarray(a, dtype=np.uint64) for a in (host_pages, src_pages, dst_pages, sizes)]
         host_at, src_at, dst_at, sizes_at = (a.ctypes.data for a in self._arrays)
         self._store = (host_at, src_at, sizes_at)
         self._load = (dst_at, host_at, sizes_at)
-        self._stream = torch.cuda.current_stream().cuda_stream
+        self._side = torch.cuda.Stream()  # of its own, as vLLM's: the driver refuses a batch on the legacy stream
+        self._stream = self._side.cuda_stream
         self.check = check
 
     def store(self) -> None:
@@ -88,7 +89,7 @@ class PageDMA:
         self._copy(*self._load)
 
     def check_load(self) -> None:
-        self.check.verify("a load by vLLM's page DMA")
+        self.check.verify(f"{self.label}: a load by vLLM's page DMA")
 
     def _copy(self, dsts: int, srcs: int, sizes: int) -> None:
         self._driver.copy_batch_at(dsts, srcs, sizes, self.pages, self._stream)

@@ -133,8 +133,9 @@ class Driver:
                     ctypes.byref(self._batch_attrs), ctypes.byref(self._batch_first), stream)  # fmt: skip
 
     def copy_batch_at(self, dsts: int, srcs: int, sizes: int, count: int, stream: int) -> None:
-        """`copy_batch` with the arrays built ahead: the addresses of ``count`` destination and source addresses
-        (uint64) and sizes (size_t), e.g. numpy arrays' ``ctypes.data``, which must outlive the call."""
+        """`copy_batch` with its arrays built ahead: where ``count`` destination and source addresses (uint64) and
+        sizes (size_t) lie, e.g. numpy arrays' ``ctypes.data`` (the driver reads them during the call), so that a
+        caller that copies the same pages again builds nothing per call."""
         self._batch(dsts, srcs, sizes, count, ctypes.byref(self._batch_attrs), ctypes.byref(self._batch_first),
                     stream)  # fmt: skip
 
