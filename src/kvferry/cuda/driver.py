@@ -135,8 +135,9 @@ class Driver:
                     ctypes.byref(self._batch_attrs), ctypes.byref(self._batch_first), stream)  # fmt: skip
 
     def copy_pages(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> None:
-        """`copy_batch` for copies already laid out as contiguous uint64 arrays (`kvferry.kernels.page_dma`): the
-        driver reads them in place, so a batch of thousands of pages costs no Python per page."""
+        """`copy_batch` for copies already laid out as contiguous uint64 arrays (`kvferry.kernels.page_dma`, or
+        built once ahead by a caller that copies the same pages again): the driver reads them in place, so a batch
+        of thousands of pages costs no Python per page."""
         n = len(sizes)
         if not (len(dsts) == len(srcs) == n) or any(a.dtype != np.uint64 or not a.flags.c_contiguous
                                                       for a in (dsts, srcs, sizes)):  # fmt: skip
