@@ -343,6 +343,13 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         return KvferryStats(data=moved) if moved else None
 
     @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.33: no. Sleep releases and maps the KV memory again; kvferry's registrations (embedded mode's copy
+        geometry, the server's IPC mappings) are of the memory registered at start, so vLLM refuses the two together
+        at start rather than let a copy reach released memory."""
+        return False
+
+    @classmethod
     def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
         """vLLM 0.34: how the workers reach the KV cache (server mode: legacy CUDA IPC; see `kv_access`)."""
         return kv_access.kv_cache_access(kv_transfer_config)
