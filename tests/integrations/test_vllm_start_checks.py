@@ -109,10 +109,3 @@ print(json.dumps(answers))
         "server": ["KVCacheAccess", "LEGACY_IPC", True],
         "embedded": ["KVCacheAccess", "IN_PROCESS", False],
     }
-
-
-def test_sleep_mode_is_declared_unsupported() -> None:
-    from kvferry.integrations.vllm.connector import KvferryConnector
-
-    assert KvferryConnector.supports_sleep_mode(_TransferConfig({"mode": "server"})) is False
-    assert KvferryConnector.supports_sleep_mode(_TransferConfig(None)) is False

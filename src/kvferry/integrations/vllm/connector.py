@@ -53,6 +53,7 @@ from kvferry.integrations.vllm.server_backend import ServerBackend
 from kvferry.integrations.vllm.server_link import ServerLink
 from kvferry.integrations.vllm.serving_guard import guard_for, serving_hook
 from kvferry.integrations.vllm.settings import ConnectorSettings
+from kvferry.integrations.vllm.sleep_mode import SleepModeHooks
 from kvferry.integrations.vllm.state_settings import restore_scheduler_block_size, warn_of_sparse_state_retention
 from kvferry.integrations.vllm.vllm_kv import attention_isa, backend_names, recognise_vllm_kv, served_model_name
 from kvferry.integrations.vllm.vllm_stats import KvferryPromMetrics, KvferryStats
@@ -72,7 +73,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
+class KvferryConnector(SleepModeHooks, KVConnectorBase_V1, SupportsHMA):
     """Loads prompt prefixes kvferry holds into vLLM's blocks and stores newly computed ones.
 
     Server mode works with tensor parallelism and in any process layout. Embedded mode needs the scheduler and
@@ -128,6 +129,8 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         self._lookup_backend: ServerBackend | GroupedLookups | None = None
         self._worker: WorkerSide | None = None
         self._stats_since: dict[str, float] = {}
+        self._kv_caches: dict[str, torch.Tensor] = {}  # as registered: registered again after vLLM's sleep
+        self._kept_engine = None  # embedded mode's cache engine while vLLM sleeps (`SleepModeHooks`)
         self._guard = guard_for(self._engine_id)  # an error while serving turns the connector off (`serving_guard`)
         self._guard.on_turn_off(self._turn_off)
 
@@ -140,6 +143,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self._groups_refused is not None:
             return
+        self._kv_caches = kv_caches
         try:
             states = {name for group in self._groups if group.holds_state for name in group.layer_names}
             isa = attention_isa(self._vllm_config, {n: kv for n, kv in kv_caches.items() if n not in states})
@@ -158,6 +162,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
             model=self._settings.model_id or served_model_name(self._vllm_config),
             block_size=self._block_size,
             name=f"vllm-{self._engine_id[:8]}",
+            engine=self._kept_engine,
         )
         backends.publish(self._engine_id, backend)
         self._handshake = KvferryHandshake(layer_parts.key_space_fields(backend))
@@ -276,7 +281,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
                 log.error("kvferry connector disabled: %s", exc)
                 link.close()
 
-    @serving_hook(off.no_tokens, when_off=off.matched_off, seen=off.saw_matched)
+    @serving_hook(off.no_tokens, when_off=off.matched_off, seen=off.saw_matched, while_asleep=off.matched_off)
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         side = self._scheduler_side()
         if side is None:
@@ -343,13 +348,6 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         return KvferryStats(data=moved) if moved else None
 
     @classmethod
-    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
-        """vLLM 0.33: no. Sleep releases and maps the KV memory again; kvferry's registrations (embedded mode's copy
-        geometry, the server's IPC mappings) are of the memory registered at start, so vLLM refuses the two together
-        at start rather than let a copy reach released memory."""
-        return False
-
-    @classmethod
     def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
         """vLLM 0.34: how the workers reach the KV cache (server mode: legacy CUDA IPC; see `kv_access`)."""
         return kv_access.kv_cache_access(kv_transfer_config)
@@ -388,6 +386,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         hybrid = hybrid_worker.start_hybrid_worker(
             self._settings, kvs, self._groups, model=model, name=name, after_load_hook=hook,
             model_layers=in_layer_order(list(kv_caches)), tp=tensor_parallel_rank(self._vllm_config)[0],
+            engine=self._kept_engine,
         )  # fmt: skip
         backends.publish(self._engine_id, hybrid.lookups)
         self._handshake = KvferryHandshake(hybrid.key_spaces[0], hybrid.key_spaces)

@@ -37,6 +37,7 @@ class ServingGuard:
 
     def __init__(self) -> None:
         self.off = False
+        self.asleep = False  # vLLM's sleep mode: between unregister_kv_caches and restore_kv_caches (`sleep_mode`)
         self.ledger = OffLedger()  # kept by the scheduler's connector
         self._lock = threading.Lock()
         self._turn_offs: list[Callable[[], None]] = []
@@ -82,19 +83,26 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def serving_hook(
-    fallback: Callable[..., Any], *, when_off: Callable[..., Any] | None = None, seen: Callable[..., None] | None = None
+    fallback: Callable[..., Any],
+    *,
+    when_off: Callable[..., Any] | None = None,
+    seen: Callable[..., None] | None = None,
+    while_asleep: Callable[..., Any] | None = None,
 ) -> Callable[[F], F]:
     """Wrap a connector hook (the connector's ``_guard`` a `ServingGuard`): an exception trips the guard and is
     answered like a call while off.
 
     While off, ``when_off(connector, ...)`` answers (None: the hook itself, which then runs with transfers refused);
     an error there gets ``fallback(...)``. ``seen(connector, result, ...)`` records each answer given while on (what
-    `OffLedger` must keep answering)."""
+    `OffLedger` must keep answering). ``while_asleep(connector, ...)``: the answer while vLLM sleeps (None: the
+    hook's own)."""
 
     def decorate(method: F) -> F:
         @functools.wraps(method)
         def hook(self: Any, /, *args: Any, **kwargs: Any) -> Any:
             guard: ServingGuard = self._guard
+            if guard.asleep and while_asleep is not None and not guard.off:
+                return while_asleep(self, *args, **kwargs)
             if not guard.off:
                 try:
                     result = method(self, *args, **kwargs)

@@ -187,6 +187,10 @@ class WorkerSide:
         (its request is still reported done when it finishes); transfers in flight end as they would."""
         self._backends = [_Refusing()] * len(self._backends)
 
+    def adopt_backends(self, other: WorkerSide) -> None:
+        """Transfers go through ``other``'s backends (the KV registered again after vLLM's sleep) from now on."""
+        self._backends, self._after_load = other._backends, other._after_load
+
     def drain(self) -> None:
         """Wait until no load or store runs (their results stay to be reported as usual)."""
         running = [load[1] for loads in self._loading.values() for load in loads]
