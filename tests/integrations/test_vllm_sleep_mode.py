@@ -6,69 +6,32 @@ arrives bit-exact in the new memory, and nothing is written to the old. Embedded
 from __future__ import annotations
 
 import importlib.util
-import time
 import uuid
-from collections.abc import Callable, Iterator
-from types import SimpleNamespace
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+
+from tests.integrations.vllm_connectors import (
+    BLOCK,
+    BLOCKS,
+    HEAD_SIZE,
+    HEADS,
+    LAYERS,
+    connector,
+    request,
+    run_plan,
+    wait_for,
+)
 
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs the vllm extra"),
 ]
 
-LAYERS, BLOCKS, HEADS, HEAD_SIZE, BLOCK = 2, 12, 2, 64, 16
+
 CHUNK = 32  # two blocks
-
-
-def _connector(role: Any, extra: dict[str, Any], engine_id: str, isa: str | None) -> Any:
-    """The connector as vLLM makes it: its CPU backend (``isa``: the attention ISA) or a GPU backend's page views
-    (None)."""
-    from vllm.config import KVTransferConfig
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-
-    from kvferry.integrations.vllm.connector import KvferryConnector
-
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-    transfer = KVTransferConfig(
-        kv_connector="KvferryConnector", kv_role="kv_both", engine_id=engine_id, kv_connector_extra_config=extra
-    )
-    vllm_config = SimpleNamespace(
-        kv_transfer_config=transfer,
-        parallel_config=SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=1),
-        cache_config=SimpleNamespace(block_size=BLOCK, cache_dtype="auto", prefix_cache_retention_interval=None),
-        compilation_config=SimpleNamespace(static_forward_context={n: SimpleNamespace(isa=isa) for n in names}),
-        model_config=SimpleNamespace(use_mla=False, served_model_name="sleepy", model="sleepy"),
-    )
-    spec = FullAttentionSpec(BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.bfloat16)
-    kv_cache_config = KVCacheConfig(BLOCKS, [], [KVCacheGroupSpec(names, spec)])
-    return KvferryConnector(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
-
-
-def _run(worker: Any, plan: Any) -> None:
-    from kvferry.integrations.vllm.connector_metadata import KvferryConnectorMetadata
-
-    worker.bind_connector_metadata(KvferryConnectorMetadata(plan))
-    worker.start_load_kv(None)
-    worker.wait_for_save()
-    worker.clear_connector_metadata()
-
-
-def wait_for(condition: Callable[[], bool], *, what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} did not finish in {timeout_s} s"
-        time.sleep(0.01)
-
-
-def _request(tokens: list[int]) -> Any:
-    return SimpleNamespace(
-        request_id="looked-up", prompt_token_ids=tokens, num_tokens=len(tokens), mm_features=None,
-        lora_request=None, cache_salt=None,
-    )  # fmt: skip
 
 
 @pytest.fixture(params=["embedded", "server"])
@@ -101,8 +64,8 @@ def test_store_sleep_move_the_kv_wake_load_bit_exact(extra: dict[str, Any], devi
     from kvferry.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
 
     engine_id, isa = uuid.uuid4().hex, "vec" if device == "cpu" else None
-    worker = _connector(KVConnectorRole.WORKER, extra, engine_id, isa)
-    scheduler = _connector(KVConnectorRole.SCHEDULER, extra, engine_id, isa)
+    worker = connector(KVConnectorRole.WORKER, extra, engine_id, isa)
+    scheduler = connector(KVConnectorRole.SCHEDULER, extra, engine_id, isa)
     gen = torch.Generator().manual_seed(11)
     shape = (LAYERS, BLOCKS, HEADS, BLOCK, 2 * HEAD_SIZE)  # one buffer, a [B, H, N, C] view per layer (LBHNC)
     buffer = torch.randn(shape, generator=gen).bfloat16().to(device)
@@ -112,12 +75,12 @@ def test_store_sleep_move_the_kv_wake_load_bit_exact(extra: dict[str, Any], devi
     try:
         worker.register_kv_caches(kv)
         expected = [t[stored_blocks].clone() for t in kv.values()]
-        _run(worker, StepPlan(stores=[StoreSpec("stored", tokens, stored_blocks, 0)]))
+        run_plan(worker, StepPlan(stores=[StoreSpec("stored", tokens, stored_blocks, 0)]))
         wait_for(lambda: worker.get_finished({"stored"})[0] == {"stored"}, what="the store")  # vLLM finished it
-        assert scheduler.get_num_new_matched_tokens(_request([*tokens, 5]), 0) == (2 * CHUNK, True)
+        assert scheduler.get_num_new_matched_tokens(request([*tokens, 5]), 0) == (2 * CHUNK, True)
 
         worker.unregister_kv_caches()
-        assert scheduler.get_num_new_matched_tokens(_request([*tokens, 6]), 0) == (0, False)  # asleep: a miss
+        assert scheduler.get_num_new_matched_tokens(request([*tokens, 6]), 0) == (0, False)  # asleep: a miss
         old = buffer.untyped_storage()
         moved = torch.full(shape, float("nan"), dtype=buffer.dtype, device=device)
         for t in kv.values():  # vLLM's tensors now in new memory (at other addresses), holding other bytes
@@ -127,7 +90,7 @@ def test_store_sleep_move_the_kv_wake_load_bit_exact(extra: dict[str, Any], devi
 
         worker.restore_kv_caches()
         loaded_blocks = [10, 2, 5, 0]
-        _run(worker, StepPlan(loads=[LoadSpec("loaded", tokens, loaded_blocks, 0)]))
+        run_plan(worker, StepPlan(loads=[LoadSpec("loaded", tokens, loaded_blocks, 0)]))
         assert worker.get_block_ids_with_load_errors() == set()
         for t, want in zip(kv.values(), expected, strict=True):
             assert torch.equal(t[loaded_blocks].view(torch.int16), want.view(torch.int16))  # bit-exact
@@ -136,7 +99,7 @@ def test_store_sleep_move_the_kv_wake_load_bit_exact(extra: dict[str, Any], devi
         if device == "cuda":
             torch.cuda.synchronize()
         assert bytes(old.cpu()) == old_bytes  # nothing reached the old memory
-        assert scheduler.get_num_new_matched_tokens(_request([*tokens, 7]), 0) == (2 * CHUNK, True)
+        assert scheduler.get_num_new_matched_tokens(request([*tokens, 7]), 0) == (2 * CHUNK, True)
     finally:
         scheduler.shutdown()
         worker.shutdown()
