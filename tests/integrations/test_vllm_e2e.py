@@ -213,6 +213,21 @@ def test_the_connector_says_it_is_active_in_vllms_output(embedded: dict[str, Any
     assert lines[0].startswith("(") or "INFO" in lines[0]  # vLLM's own format: the line went through its handler
 
 
+def test_an_error_while_serving_turns_the_connector_off_and_vllm_serves_on(
+    workdir: Path, model_dir: Path, reference: dict[str, Any]
+) -> None:
+    report = run_driver("guard", workdir, model_dir, "--tier-dir", str(workdir / "guard-tier"))
+    expected = reference["runs"][0]["tokens"][0]
+    miss, tripped, after = report["runs"]
+    assert [tokens_of(run) for run in report["runs"]] == [expected] * 3  # each as without kvferry
+    assert cached_of(miss) == 0 and cached_of(after) == 0  # the tripped run recomputed its hit; then misses
+    assert tripped["finish"] == after["finish"] == ["length"]
+    errors = [line for line in report["output"].splitlines() if "kvferry connector turned off" in line]
+    assert len(errors) == 1 and "KvferryConnector.build_connector_meta" in errors[0], report["output"][-3000:]
+    assert "injected_drift" in report["output"] and "Traceback" in report["output"]
+    assert report["requests_held"] == 0  # every block freed
+
+
 def _amx() -> bool:
     return bool(torch.cpu._is_amx_tile_supported())
 

@@ -38,7 +38,21 @@ pytestmark = [
 
 HERE = Path(__file__).resolve().parent
 HIT, WINDOW, LAYERS = 768, 128, 4
-GDN_CHUNK = 384  # the state-space hybrid's block size under vLLM's prefix caching (the driver's GDN_CHUNK)
+GDN_PROMPT = 1000  # the driver's main prompt's tokens
+
+
+def gdn_block(reference: dict[str, Any]) -> int:
+    """The state-space hybrid's block size under vLLM's prefix caching: vLLM picks it from its page sizes, which
+    depend on the machine (384 on one CPU, 256 on another); embedded mode's chunk follows it (one chunk a block)."""
+    return int(reference["groups"][0]["block_size"])
+
+
+def gdn_hit(reference: dict[str, Any]) -> int:
+    """The main prompt's hit: its last block boundary, where vLLM keeps the state."""
+    block = gdn_block(reference)
+    return (GDN_PROMPT - 1) // block * block
+
+
 DRIVER_TIMEOUT_S = 400
 
 
@@ -122,18 +136,18 @@ def test_a_state_space_hybrid_hits_with_its_linear_attention_state(tmp: Path, gd
     lost = run_driver("gdn-lost", tmp)
     assert [(g["kind"], g["mamba_cache_mode"]) for g in report["groups"]] == [("MambaSpec", "align"),
                                                                             ("FullAttentionSpec", None)]  # fmt: skip
-    assert report["groups"][0]["block_size"] == GDN_CHUNK  # a chunk holds one state
+    assert report["groups"][0]["block_size"] == gdn_block(gdn_reference)  # a chunk holds one state
     assert "hybrid model: group=0:mamba (2 layers" in report["output"]
     _check_gdn_hit(report, gdn_reference)
     main = gdn_reference["runs"][0]["tokens"]
-    assert lost["runs"][1]["cached"] == [2 * GDN_CHUNK] and lost["runs"][1]["tokens"] != main
+    assert lost["runs"][1]["cached"] == [gdn_hit(gdn_reference)] and lost["runs"][1]["tokens"] != main
 
 
 def test_a_state_space_hybrid_hits_through_a_server(tmp: Path, gdn_reference: dict[str, Any]) -> None:
     """The same through a kvferry server: the worker registers the state group once the server told its chunk size,
     and the server's own counters show the hit's two attention chunks and one state read back."""
     port = free_port()
-    server = start_server(port, tmp / f"server-{port}.log", chunk_size=GDN_CHUNK)
+    server = start_server(port, tmp / f"server-{port}.log", chunk_size=gdn_block(gdn_reference))
     url = f"tcp://127.0.0.1:{port}"
     try:
         report = run_driver("gdn-server", tmp, "--server-url", url)
@@ -144,7 +158,8 @@ def test_a_state_space_hybrid_hits_through_a_server(tmp: Path, gdn_reference: di
         server.wait(timeout=30)
     assert "server mode (tcp://127.0.0.1" in report["output"] and "group=0:mamba (2 layers" in report["output"]
     _check_gdn_hit(report, gdn_reference)
-    assert (cache["stored_chunks"], cache["retrieved_chunks"]) == (3, 3)  # 2 attention chunks and the state at 768
+    chunks = gdn_hit(gdn_reference) // gdn_block(gdn_reference) + 1  # the attention chunks and the state at the hit
+    assert (cache["stored_chunks"], cache["retrieved_chunks"]) == (chunks, chunks)
 
 
 def test_a_state_space_hybrid_hits_through_a_server_in_vllm_s_multiprocess_layout(
@@ -155,7 +170,7 @@ def test_a_state_space_hybrid_hits_through_a_server_in_vllm_s_multiprocess_layou
     it would hand over no state (`state_settings`); kvferry puts the Mamba block size back, and the hit is the
     in-process one: vLLM's counter, the server's, greedy tokens. Its default retention interval gets a warning."""
     port = free_port()
-    server = start_server(port, tmp / f"server-{port}.log", chunk_size=GDN_CHUNK)
+    server = start_server(port, tmp / f"server-{port}.log", chunk_size=gdn_block(gdn_reference))
     url = f"tcp://127.0.0.1:{port}"
     try:
         report = run_driver("gdn-server", tmp, "--server-url", url, "--multiprocessing")
@@ -164,36 +179,40 @@ def test_a_state_space_hybrid_hits_through_a_server_in_vllm_s_multiprocess_layou
     finally:
         server.terminate()
         server.wait(timeout=30)
-    assert f"scheduler block size was 128, not the Mamba block size {GDN_CHUNK}" in report["output"]
+    assert f"scheduler block size was 128, not the Mamba block size {gdn_block(gdn_reference)}" in report["output"]
     assert "prefix_cache_retention_interval is 0 (its default)" in report["output"]
     assert report["prefix_cache_reset"]  # the second run's hit can only be kvferry's
     main = gdn_reference["runs"][0]["tokens"]
     assert [run["tokens"] for run in report["runs"]] == [main, main]
-    assert [run["cached"] for run in report["runs"]] == [[0], [2 * GDN_CHUNK]]  # vLLM's counter: kvferry's hit
-    assert (cache["stored_chunks"], cache["retrieved_chunks"]) == (3, 3)  # 2 attention chunks and the state at 768
+    assert [run["cached"] for run in report["runs"]] == [[0], [gdn_hit(gdn_reference)]]  # vLLM's: kvferry's hit
+    chunks = gdn_hit(gdn_reference) // gdn_block(gdn_reference) + 1  # the attention chunks and the state at the hit
+    assert (cache["stored_chunks"], cache["retrieved_chunks"]) == (chunks, chunks)
 
 
 def _check_gdn_hit(report: dict[str, Any], reference: dict[str, Any]) -> None:
     assert report["prefix_cache_reset"]  # the second run's hit can only be kvferry's
     main = reference["runs"][0]["tokens"]
     assert [run["tokens"] for run in report["runs"]] == [main, main]
-    assert [run["cached"] for run in report["runs"]] == [[0], [2 * GDN_CHUNK]]  # vLLM's counter: kvferry's hit
-    assert report["scheduler_counters"]["hit_tokens_taken"] == 2 * GDN_CHUNK  # kvferry's counters agree
-    assert report["worker_counters"]["tokens_loaded"] == 2 * GDN_CHUNK
+    hit = gdn_hit(reference)
+    assert [run["cached"] for run in report["runs"]] == [[0], [hit]]  # vLLM's counter: kvferry's hit
+    assert report["scheduler_counters"]["hit_tokens_taken"] == hit  # kvferry's counters agree
+    assert report["worker_counters"]["tokens_loaded"] == hit
     assert report["worker_counters"]["load_failures"] == report["worker_counters"]["store_failures"] == 0
     assert report["requests_held"] == report["tracked"] == report["scheduler_locks"] == 0  # nothing leaked
 
 
-@pytest.mark.parametrize(
-    ("retention", "hit"), [(GDN_CHUNK, 2 * GDN_CHUNK), (None, GDN_CHUNK)], ids=["dense", "default"]
-)
+@pytest.mark.parametrize("dense", [True, False], ids=["dense", "default"])
 def test_a_chat_s_next_turn_hits_the_state_vllm_kept_while_generating(
-    tmp: Path, gdn_reference: dict[str, Any], retention: int | None, hit: int
+    tmp: Path, gdn_reference: dict[str, Any], dense: bool
 ) -> None:
     """Turn 1 (700 tokens, 80 generated) crosses the boundary at 768 while generating. vLLM retaining every block's
     state (prefix_cache_retention_interval = its block size) hands that state over, kvferry stores it and the
     output's attention chunks at the finish: turn 2 hits 768 tokens, past turn 1's prompt. With vLLM's default
     (0: the prompt's last boundary only) it hands over none past 384: the hit stops there."""
+    block = gdn_block(gdn_reference)
+    retention = block if dense else None
+    # Dense: the boundary turn 1 crossed while generating (700 + 80 tokens); default: turn 1's prompt's last one.
+    hit = (700 + 80) // block * block if dense else 700 // block * block
     report = run_driver("gdn-chat", tmp, *(["--retention", str(retention)] if retention is not None else []))
     assert [turn["cached"] for turn in gdn_reference["chat"]] == [[0], [0]]  # the reference computes every token
     assert [turn["tokens"] for turn in report["chat"]] == [turn["tokens"] for turn in gdn_reference["chat"]]

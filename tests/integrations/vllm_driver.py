@@ -14,6 +14,9 @@ PHASE
   resilience  server mode with no server at start: misses; then the driver starts a server, waits for the
               connector to reconnect, stores, hits; then kills the server (SIGKILL) and goes on (misses).
   hold        server mode: the main prompt once, then writes --out and waits to be killed by the test.
+  guard       embedded: the main prompt as a miss; then, the scheduler half's plans raising (an API drift while
+              serving), the main prompt again (its hit was answered before the plan raised: the connector turns
+              off and vLLM recomputes it), and once more (a miss).
   chat        embedded (or server mode with --server-url): a conversation, each turn the previous turn's prompt,
               its output and the next segment of the prompts file's "chat" list.
 
@@ -211,7 +214,7 @@ def write_report(out: Path, report: dict[str, Any]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    phases = ["reference", "embedded", "isa", "pool", "bad-chunk", "server", "resilience", "hold", "chat"]
+    phases = ["reference", "embedded", "isa", "pool", "bad-chunk", "server", "resilience", "hold", "chat", "guard"]
     parser.add_argument("phase", choices=phases)
     parser.add_argument("--model", required=True)
     parser.add_argument("--prompts", required=True)
@@ -264,6 +267,16 @@ def main() -> None:
         os._exit(0)
     if args.phase == "resilience":
         llm = resilience(llm_factory, main_prompt, report, out.parent)
+    elif args.phase == "guard":
+        llm = llm_factory({**embedded, "after_load_hook": None})
+        report["runs"] = [generate(llm, [main_prompt])]
+        side = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
+
+        def drifted(*args: Any, **kwargs: Any) -> Any:
+            raise AttributeError("'SchedulerOutput' object has no attribute 'injected_drift'")
+
+        side.build_plan = drifted
+        report["runs"] += [generate(llm, [main_prompt]) for _ in range(2)]
     else:
         extra = {
             "reference": None,
@@ -308,11 +321,15 @@ def main() -> None:
         report["corrupt_calls"] = vllm_hooks.CORRUPT["calls"]
         with vllm_hooks.failing_loads(llm):
             report["runs"].append(generate(llm, [main_prompt]))
+    if args.phase == "guard":  # the requests vLLM still holds after one more step (none: no blocks leaked)
+        generate(llm, [list(range(16))])
+        report["requests_held"] = len(llm.llm_engine.engine_core.engine_core.scheduler.requests)
     if args.phase == "hold":
         write_report(out, report)
         while True:  # the test ends this process with a signal
             time.sleep(1)
-    if not args.multiprocessing and args.tp == 1 and args.phase != "reference":  # the worker is in this process
+    in_process = not args.multiprocessing and args.tp == 1  # the worker is in this process
+    if in_process and args.phase not in ("reference", "guard"):
         report.update(connector_state(llm))
     # Shut the engine down (the connector waits for its loads and stores and flushes its tiers), then exit
     # without running interpreter teardown, which vLLM's background threads can stall.

@@ -45,7 +45,6 @@ WINDOW = 128
 PROMPT_TOKENS = 1000  # the hit: its 3 full chunks (768 tokens), six windows long
 SHARED_TOKENS = 768  # the other prompt shares this prefix with the main one
 VOCAB = 1024
-GDN_CHUNK = 384  # the state-space hybrid's block size under vLLM's prefix caching: a chunk holds one state
 CHAT_PROMPT, CHAT_OUTPUT = 700, 80  # turn 1 ends at 780 tokens: its output crosses the boundary at 768
 
 
@@ -89,7 +88,7 @@ def write_gdn_model(path: str) -> None:
         intermediate_size=512,
         num_hidden_layers=4,
         num_attention_heads=4,
-        num_key_value_heads=4,  # vLLM pads the state's page to whole attention blocks: 384 tokens (GDN_CHUNK)
+        num_key_value_heads=4,  # vLLM pads the state's page to whole attention blocks (384 tokens, 256 on some CPUs)
         head_dim=128,
         linear_key_head_dim=128,  # vLLM's CPU kernel takes no smaller head
         linear_value_head_dim=128,
@@ -209,7 +208,8 @@ def run_gdn(model: str, phase: str, retention: int | None, server_url: str | Non
     main_prompt = prompts()["main"]
     if phase == "gdn-lost":
         lose_state_loads()
-    extra: dict[str, Any] = {"mode": "embedded", "config": {"cache": {"chunk_size": GDN_CHUNK, "l1_size_gb": 0.25}}}
+    # No chunk size: it follows vLLM's block size, which vLLM picks for the machine (`chunk_choice`).
+    extra: dict[str, Any] = {"mode": "embedded", "config": {"cache": {"l1_size_gb": 0.25}}}
     if phase == "gdn-server":
         extra = {"mode": "server", "server_url": server_url}
     kept = {} if retention is None else {"prefix_cache_retention_interval": retention}

@@ -33,18 +33,27 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvferry.integrations.vllm import backends, hybrid_worker, layer_parts
+from kvferry.integrations.vllm import backends, hybrid_worker, kv_access, layer_parts
+from kvferry.integrations.vllm import off_answers as off
+from kvferry.integrations.vllm.chunk_choice import follow_block_size
 from kvferry.integrations.vllm.connector_metadata import KvferryConnectorMetadata, KvferryHandshake, KvferryWorkerMeta
 from kvferry.integrations.vllm.counters import SchedulerCounters, WorkerCounters
 from kvferry.integrations.vllm.hybrid_scheduler import GroupedSchedulerSide
 from kvferry.integrations.vllm.kv_groups import GroupedLookups, KVGroup, UnsupportedGroups, hybrid_groups
-from kvferry.integrations.vllm.kv_layout import UnsupportedKVLayout, in_layer_order, tensor_parallel_rank
+from kvferry.integrations.vllm.kv_layout import (
+    UnsupportedKVLayout,
+    in_layer_order,
+    refused_cache_dtype,
+    tensor_parallel_rank,
+)
 from kvferry.integrations.vllm.logs import show_in_vllm_log
 from kvferry.integrations.vllm.plan import StepPlan
 from kvferry.integrations.vllm.scheduler_side import SchedulerSide
 from kvferry.integrations.vllm.server_backend import ServerBackend
 from kvferry.integrations.vllm.server_link import ServerLink
+from kvferry.integrations.vllm.serving_guard import guard_for, serving_hook
 from kvferry.integrations.vllm.settings import ConnectorSettings
+from kvferry.integrations.vllm.sleep_mode import SleepModeHooks
 from kvferry.integrations.vllm.state_settings import restore_scheduler_block_size, warn_of_sparse_state_retention
 from kvferry.integrations.vllm.vllm_kv import attention_isa, backend_names, recognise_vllm_kv, served_model_name
 from kvferry.integrations.vllm.vllm_stats import KvferryPromMetrics, KvferryStats
@@ -64,7 +73,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
+class KvferryConnector(SleepModeHooks, KVConnectorBase_V1, SupportsHMA):
     """Loads prompt prefixes kvferry holds into vLLM's blocks and stores newly computed ones.
 
     Server mode works with tensor parallelism and in any process layout. Embedded mode needs the scheduler and
@@ -95,15 +104,18 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         self._engine_id = str(self._kv_transfer_config.engine_id)
         self._block_size = vllm_config.cache_config.block_size
         self._groups: list[KVGroup] = []  # a hybrid model's KV cache groups (empty: one full-attention group)
-        self._groups_refused: str | None = None
+        # A KV cache kvferry cannot move is refused here, once, with the reason; vLLM serves on without it.
+        self._groups_refused: str | None = refused_cache_dtype(str(vllm_config.cache_config.cache_dtype))
         try:
-            self._groups = hybrid_groups(kv_cache_config)
+            self._groups = hybrid_groups(kv_cache_config) if self._groups_refused is None else []
         except UnsupportedGroups as exc:
             self._groups_refused = str(exc)
-            if role == KVConnectorRole.WORKER:
-                log.error("kvferry connector disabled (every lookup is a miss): %s", exc)
+        if self._groups_refused is not None and role == KVConnectorRole.WORKER:
+            log.error("kvferry connector disabled (every lookup is a miss): %s", self._groups_refused)
         if role == KVConnectorRole.SCHEDULER:
             warn_of_sparse_state_retention(vllm_config.cache_config.prefix_cache_retention_interval, self._groups)
+        block_sizes = {group.block_size for group in self._groups} or {self._block_size}
+        self._settings = follow_block_size(self._settings, block_sizes, announce=role == KVConnectorRole.WORKER)
         if self._settings.mode == "embedded" and self._groups_refused is None:
             self._check_chunk_size(self._settings.kvferry_config().cache.chunk_size)
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
@@ -117,6 +129,10 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         self._lookup_backend: ServerBackend | GroupedLookups | None = None
         self._worker: WorkerSide | None = None
         self._stats_since: dict[str, float] = {}
+        self._kv_caches: dict[str, torch.Tensor] = {}  # as registered: registered again after vLLM's sleep
+        self._kept_engine = None  # embedded mode's cache engine while vLLM sleeps (`SleepModeHooks`)
+        self._guard = guard_for(self._engine_id)  # an error while serving turns the connector off (`serving_guard`)
+        self._guard.on_turn_off(self._turn_off)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -127,6 +143,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self._groups_refused is not None:
             return
+        self._kv_caches = kv_caches
         try:
             states = {name for group in self._groups if group.holds_state for name in group.layer_names}
             isa = attention_isa(self._vllm_config, {n: kv for n, kv in kv_caches.items() if n not in states})
@@ -145,6 +162,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
             model=self._settings.model_id or served_model_name(self._vllm_config),
             block_size=self._block_size,
             name=f"vllm-{self._engine_id[:8]}",
+            engine=self._kept_engine,
         )
         backends.publish(self._engine_id, backend)
         self._handshake = KvferryHandshake(layer_parts.key_space_fields(backend))
@@ -178,6 +196,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
             f" (layers {exact} exact)" if isinstance(backend, layer_parts.LayerSplitBackend) else "",
         )
 
+    @serving_hook(off.nothing)
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         # vLLM calls this before the forward pass in steps with foreground loads (which complete here, so every
         # layer's KV is in place before any attention layer reads it) and after it otherwise (background loads
@@ -185,16 +204,20 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             self._worker.start_loads(self._plan())
 
+    @serving_hook(off.nothing)
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv already loaded every layer (objects hold all layers of a chunk)
 
+    @serving_hook(off.nothing)
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # stores copy all layers at once in wait_for_save, after the last layer wrote its KV
 
+    @serving_hook(off.nothing)
     def wait_for_save(self) -> None:
         if self._worker is not None:
             self._worker.start_stores(self._plan())
 
+    @serving_hook(off.nothing)
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # vLLM calls this every step, before the forward pass: a windowed group's blocks freed since the last step
         # may be written by this one, so their stores end now.
@@ -202,14 +225,17 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.settle_windowed_stores()
             self._worker.preempted(kv_connector_metadata.plan.preempted)
 
+    @serving_hook(off.no_reports)
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:
             return None, None
         return self._worker.finished_sending(finished_req_ids) or None, self._worker.finished_loading() or None
 
+    @serving_hook(off.no_block_ids)
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
 
+    @serving_hook(off.nothing)
     def build_connector_worker_meta(self) -> KvferryWorkerMeta | None:
         if self._worker is None:
             return None
@@ -255,6 +281,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
                 log.error("kvferry connector disabled: %s", exc)
                 link.close()
 
+    @serving_hook(off.no_tokens, when_off=off.matched_off, seen=off.saw_matched, while_asleep=off.matched_off)
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         side = self._scheduler_side()
         if side is None:
@@ -267,6 +294,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
             cacheable=not (request.mm_features or request.lora_request or request.cache_salt),
         )
 
+    @serving_hook(off.nothing, when_off=off.allocated, seen=off.saw_allocated)
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         side = self._scheduler_side()
         if isinstance(side, GroupedSchedulerSide):
@@ -276,10 +304,12 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
             block_ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
             side.after_alloc(request.request_id, request.prompt_token_ids or [], block_ids, num_external_tokens)
 
+    @serving_hook(off.empty_plan, when_off=off.plan_off, seen=off.saw_plan)
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         side = self._scheduler_side()
         return KvferryConnectorMetadata(side.build_plan(scheduler_output) if side is not None else StepPlan())
 
+    @serving_hook(off.nothing, when_off=off.nothing_off)
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         report = connector_output.kv_connector_worker_meta
         if self._scheduler is not None and connector_output.finished_sending:
@@ -290,6 +320,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))
 
+    @serving_hook(off.blocks_freed, when_off=off.finished_off, seen=off.saw_finished)
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -306,6 +337,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
 
     # --- metrics ------------------------------------------------------------------------------------------
 
+    @serving_hook(off.nothing, when_off=off.nothing_off)
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         counters: WorkerCounters | SchedulerCounters | None = (
             self._worker.counters if self._worker is not None else None
@@ -314,6 +346,11 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
             counters = self._scheduler.counters
         moved = counters.take(self._stats_since) if counters is not None else {}
         return KvferryStats(data=moved) if moved else None
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        """vLLM 0.34: how the workers reach the KV cache (server mode: legacy CUDA IPC; see `kv_access`)."""
+        return kv_access.kv_cache_access(kv_transfer_config)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
@@ -349,11 +386,19 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         hybrid = hybrid_worker.start_hybrid_worker(
             self._settings, kvs, self._groups, model=model, name=name, after_load_hook=hook,
             model_layers=in_layer_order(list(kv_caches)), tp=tensor_parallel_rank(self._vllm_config)[0],
+            engine=self._kept_engine,
         )  # fmt: skip
         backends.publish(self._engine_id, hybrid.lookups)
         self._handshake = KvferryHandshake(hybrid.key_spaces[0], hybrid.key_spaces)
         self._worker = hybrid.worker
         log.info("%s", hybrid_worker.describe(self._settings, kvs, self._groups, hybrid.lookups.chunk_size))
+
+    def _turn_off(self) -> None:
+        """After an error while serving (`serving_guard`): free the lookups' locks; the worker refuses transfers."""
+        if self._scheduler is not None:
+            self._scheduler.close()
+        if self._worker is not None:
+            self._worker.refuse_transfers()
 
     def _check_chunk_size(self, chunk_size: int) -> None:
         for block_size in sorted({group.block_size for group in self._groups} or {self._block_size}):

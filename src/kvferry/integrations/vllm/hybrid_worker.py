@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvferry.cache import CacheEngine
 from kvferry.integrations.vllm.backends import Backend, EmbeddedBackend
 from kvferry.integrations.vllm.kv_groups import GroupedLookups, KVGroup
 from kvferry.integrations.vllm.kv_layout import EngineKV
@@ -53,17 +54,19 @@ def start_hybrid_worker(
     model_layers: Sequence[str] = (),
     demote_superseded: bool = True,
     tp: tuple[int, int] = (0, 1),
+    engine: CacheEngine | None = None,
 ) -> HybridWorker:
     """The backends and worker half of a model whose group ``groups[i]`` holds the KV ``kvs[i]`` (a Mamba group's:
     its `StateViews`, or an `EngineKV` of them cut already, embedded mode); ``model_layers``: the model's attention
     layers in order, which the settings' exact layers count (`layer_parts`). ``demote_superseded``: chunks and
     states a newer boundary supersedes go first when the cache evicts (`window_groups`; False: the plain eviction
-    order, for comparison). ``tp``: this worker's (rank, size) in its tensor-parallel group."""
+    order, for comparison). ``tp``: this worker's (rank, size) in its tensor-parallel group. ``engine``: embedded
+    mode's cache engine to register into (None: a new one)."""
     exact = settings.objects_exact_layers()
     made: list[EmbeddedBackend | ServerBackend | LayerSplitBackend] = []
     try:
         for kv, group in zip(kvs, groups, strict=True):
-            engine = engine_of(made[0]) if made else None
+            engine = engine_of(made[0]) if made else engine
             size, tag = group.block_size, group.tag
             if isinstance(kv, StateViews):
                 made.append(

@@ -40,6 +40,18 @@ _KV_DTYPES = {"auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+def refused_cache_dtype(cache_dtype: str) -> str | None:
+    """Why kvferry does not move a KV cache of vLLM's ``cache_dtype`` (its ``--kv-cache-dtype``); None when it does.
+    vLLM adds quantised caches (e.g. 0.33's ``octave_*``, ``turboquant_*``, ``nvfp4`` and dtypes a platform registers)
+    whose bytes per token and scales no kvferry format describes: moved as guessed bytes they would corrupt KV."""
+    if cache_dtype in _KV_DTYPES:
+        return None
+    return (
+        f"vLLM's KV cache dtype is {cache_dtype!r}; kvferry moves {sorted(_KV_DTYPES)} caches only (a layout it "
+        "does not know would be moved as guessed bytes)"
+    )
+
+
 @dataclass(frozen=True)
 class EngineKV:
     """The engine's KV as kvferry sees it: the format, what kvferry's copies take (``paged``), vLLM's per-layer

@@ -186,6 +186,21 @@ class WorkerSide:
         self._loads_done, self._loads_failed = set(), set()
         return report
 
+    def refuse_transfers(self) -> None:
+        """From now on every load fails (reported as any failed load: vLLM recomputes its tokens) and no store runs
+        (its request is still reported done when it finishes); transfers in flight end as they would."""
+        self._backends = [_Refusing()] * len(self._backends)
+
+    def adopt_backends(self, other: WorkerSide) -> None:
+        """Transfers go through ``other``'s backends (the KV registered again after vLLM's sleep) from now on."""
+        self._backends, self._after_load = other._backends, other._after_load
+
+    def drain(self) -> None:
+        """Wait until no load or store runs (their results stay to be reported as usual)."""
+        running = [load[1] for loads in self._loading.values() for load in loads]
+        running += [store[0] for stores in self._inflight.values() for store in stores]
+        wait_all(running)
+
     def close(self) -> None:
         """Wait for every load and store still running (they read or write vLLM's blocks)."""
         for loads in list(self._loading.values()):
@@ -266,6 +281,26 @@ class WorkerSide:
                 self.counters.tokens_stored += stored
                 self.counters.stores += 1
                 self.counters.store_seconds += timer.seconds
+
+
+class ConnectorOff(ServerDown):
+    """The connector is off: the transfer was not started (logged once, when it turned off)."""
+
+
+class _Refusing:
+    """A backend that starts nothing: each transfer is a future failed with `ConnectorOff`."""
+
+    def retrieve_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
+        return self._refused()
+
+    def store_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
+        return self._refused()
+
+    @staticmethod
+    def _refused() -> Future[int]:
+        refused: Future[int] = Future()
+        refused.set_exception(ConnectorOff("the kvferry connector is off"))
+        return refused
 
 
 class _Timer:

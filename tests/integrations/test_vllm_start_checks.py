@@ -1,0 +1,111 @@
+"""What the connector decides at start from vLLM's settings: the chunk size where the user set none (a multiple of
+vLLM's block size), a KV cache dtype it does not move (refused with the reason), how its workers reach the KV
+(vLLM 0.34's ``kv_cache_access``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvferry.integrations.vllm.chunk_choice import chunk_size_for, follow_block_size
+from kvferry.integrations.vllm.kv_access import kv_cache_access
+from kvferry.integrations.vllm.kv_layout import refused_cache_dtype
+from kvferry.integrations.vllm.settings import ConnectorSettings
+
+VLLM_034 = Path("/work/vllm-src/0.34.0")
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+@pytest.mark.parametrize(("block_size", "chunk"), [(256, 256), (384, 384), (16, 256), (528, 528), (96, 288)])
+def test_the_chunk_is_the_smallest_multiple_of_the_block_size_from_256_on(block_size: int, chunk: int) -> None:
+    assert chunk_size_for([block_size]) == chunk
+    user = ConnectorSettings(config={"cache": {"l1_size_gb": 0.25}})
+    settings = follow_block_size(user, [block_size], announce=False)
+    config = settings.kvferry_config()
+    assert config.cache.chunk_size == chunk and config.cache.chunk_size % block_size == 0
+    assert config.cache.l1_size_gb == 0.25  # the user's other settings kept
+    settings.check_chunk_size(config.cache.chunk_size, block_size)  # what the connector checks: no error
+
+
+def test_a_hybrid_model_s_chunk_holds_whole_blocks_of_every_group() -> None:
+    assert chunk_size_for([16, 384]) == 384 and chunk_size_for([256, 384]) == 768 and chunk_size_for([64, 96]) == 384
+
+
+def test_the_chosen_chunk_size_is_logged_at_info(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="kvferry"):
+        follow_block_size(ConnectorSettings(), [528], announce=True)
+    (record,) = [r for r in caplog.records if "chunk size 528" in r.getMessage()]
+    assert record.levelno == logging.INFO and "block size 528" in record.getMessage()
+
+
+def test_a_chunk_size_the_user_set_is_kept_and_still_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = ConnectorSettings(config={"cache": {"chunk_size": 384}})
+    kept = follow_block_size(settings, [256], announce=True)
+    assert kept.kvferry_config().cache.chunk_size == 384
+    with pytest.raises(ValueError, match="384 is not a multiple of vLLM's block size = 256"):
+        kept.check_chunk_size(384, 256)
+    monkeypatch.setenv("KVFERRY_CACHE__CHUNK_SIZE", "384")  # set through the environment: kept too
+    assert follow_block_size(ConnectorSettings(), [256], announce=False).kvferry_config().cache.chunk_size == 384
+
+
+def test_server_mode_keeps_the_server_s_chunk_size() -> None:
+    settings = ConnectorSettings(mode="server")
+    assert follow_block_size(settings, [256], announce=True) is settings
+
+
+@pytest.mark.parametrize(
+    "dtype", ["octave_k3v4", "octave_k3v3_compact", "turboquant_k8v4", "nvfp4", "int8_per_token_head", "my_custom"]
+)
+def test_kv_cache_dtypes_kvferry_does_not_move_are_refused_with_the_reason(dtype: str) -> None:
+    reason = refused_cache_dtype(dtype)
+    assert reason is not None and repr(dtype) in reason and "'fp8_e4m3'" in reason
+
+
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_kv_cache_dtypes_kvferry_moves_are_not_refused(dtype: str) -> None:
+    assert refused_cache_dtype(dtype) is None
+
+
+class _TransferConfig:
+    def __init__(self, extra: dict[str, object] | None) -> None:
+        self.kv_connector_extra_config = extra
+
+
+def test_server_mode_declares_legacy_ipc_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="kvferry"):
+        assert str(kv_cache_access(_TransferConfig({"mode": "server"}))).endswith("LEGACY_IPC")
+    assert any("extensible KV cache is off" in r.getMessage() for r in caplog.records)
+    assert str(kv_cache_access(_TransferConfig(None))).endswith("IN_PROCESS")
+    assert str(kv_cache_access(_TransferConfig({"mode": "embedded"}))).endswith("IN_PROCESS")
+    with pytest.raises(ValueError, match="mode"):
+        kv_cache_access(_TransferConfig({"mode": "elsewhere"}))
+
+
+@pytest.mark.skipif(not (VLLM_034 / "vllm").is_dir(), reason="vLLM 0.34's sources are not unpacked here")
+def test_against_vllm_0_34_s_kv_cache_access_flags() -> None:
+    """vLLM 0.34's own `KVTransferConfig` and `KVCacheAccess` (its Python sources first on the path)."""
+    script = f"""
+import json, sys
+sys.path[:0] = [{str(VLLM_034)!r}, {str(SRC)!r}]
+from vllm.config.kv_transfer import KVCacheAccess, KVTransferConfig
+from kvferry.integrations.vllm.kv_access import kv_cache_access
+answers = {{}}
+for mode in ("server", "embedded"):
+    config = KVTransferConfig(kv_connector="KvferryConnector", kv_role="kv_both",
+                              kv_connector_extra_config={{"mode": mode}})
+    access = kv_cache_access(config)
+    answers[mode] = [type(access).__name__, access.name, KVCacheAccess.LEGACY_IPC in access]
+print(json.dumps(answers))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    answers = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert answers == {
+        "server": ["KVCacheAccess", "LEGACY_IPC", True],
+        "embedded": ["KVCacheAccess", "IN_PROCESS", False],
+    }
