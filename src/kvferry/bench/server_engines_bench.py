@@ -2,7 +2,9 @@
 
 Each engine is a process of its own with its own KV and session, as vLLM workers are. Every round it makes a LOOKUP
 of a cached 16-chunk prompt, a STORE of a new one-chunk prefix and a RETRIEVE of a cached chunk, then pauses
-(--think-ms: the engine's forward pass). Engine 0 runs its rounds alone first, then every engine runs them at once
+(--think-ms: the engine's forward pass). Every store and retrieve must return its tokens, and every retrieve must
+leave the stored bytes in its blocks, poisoned before it (checked outside the timed calls: an engine that finds
+otherwise fails the run). Engine 0 runs its rounds alone first, then every engine runs them at once
 (all started together). Per op: the p50 and p99 alone, and together the median of the engines' p50s, the worst p50
 and the worst p99; `slowdown` is together over alone (the worst engine's p50, and the worst p99). Transfers of the
 engines share the host link: --think-ms sets how much of it they ask for.
@@ -25,6 +27,7 @@ import numpy as np
 from kvferry.bench.harness import BenchError, Outcome, Steps, add_json_argument, description_of, positive, require_cuda
 from kvferry.bench.report import cell, new_table
 from kvferry.bench.server_bench import CHUNK, FMT, NB, PER_CHUNK, ServerProcess
+from kvferry.bench.server_transfers import KVBlocks, check_tokens
 from kvferry.formats.synthetic import MODELS
 
 DESCRIPTION = description_of(__doc__)
@@ -143,22 +146,31 @@ def engine_main(index: int, spec: EngineSpec, ready: Any, go: Any, results: Any)
         rng = np.random.default_rng(index)
         base = (index + 1) * 10**8
         prompt = list(range(base, base + 16 * CHUNK))  # its own: the engines' prompts differ
+        blocks = KVBlocks(kv, seed=index)
+        namespace = {"model": "bench", "salt": "engines", "codec": "none"}  # objects hold the engine's bytes
         with KvferryClient(spec.endpoint, timeout_s=120) as client:
-            reg = client.register_kv_cache(kv, FMT, block_size=16, namespace={"model": "bench", "salt": "engines"})
-            client.store(reg, prompt, rng.permutation(NB)[: 16 * PER_CHUNK].tolist())
+            reg = client.register_kv_cache(kv, FMT, block_size=16, namespace=namespace)
+            prompt_ids = rng.permutation(NB)[: 16 * PER_CHUNK].tolist()
+            check_tokens("the prompt's store", client.store(reg, prompt, prompt_ids), len(prompt))
+            first_chunk = blocks.read(prompt_ids[:PER_CHUNK])  # what every retrieve brings back
             ready.wait(timeout=START_TIMEOUT_S)
             go.wait(timeout=START_TIMEOUT_S)
             for r in range(spec.rounds):
                 ids = rng.permutation(NB)[:PER_CHUNK].tolist()
                 fresh = list(range(base + (r + 100) * CHUNK * 16, base + (r + 100) * CHUNK * 16 + CHUNK))
-                for op, call in (
-                    ("lookup", lambda: client.lookup(prompt, registration=reg)),
-                    ("store_1chunk", lambda ids=ids, fresh=fresh: client.store(reg, fresh, ids)),
-                    ("retrieve_1chunk", lambda ids=ids: client.retrieve(reg, prompt[:CHUNK], ids)),
-                ):
-                    started = time.perf_counter()
-                    call()
-                    latencies[op].append(time.perf_counter() - started)
+                started = time.perf_counter()
+                client.lookup(prompt, registration=reg)
+                latencies["lookup"].append(time.perf_counter() - started)
+                started = time.perf_counter()
+                stored = client.store(reg, fresh, ids)
+                latencies["store_1chunk"].append(time.perf_counter() - started)
+                check_tokens(f"round {r}'s store", stored, CHUNK)
+                blocks.poison(ids)
+                started = time.perf_counter()
+                retrieved = client.retrieve(reg, prompt[:CHUNK], ids)
+                latencies["retrieve_1chunk"].append(time.perf_counter() - started)
+                check_tokens(f"round {r}'s retrieve", retrieved, CHUNK)
+                blocks.check(f"round {r}'s retrieve", ids, first_chunk)
                 time.sleep(spec.think_s)
         results.put({"engine": index, "latencies": latencies})
     except BaseException as exc:  # reported to the parent, which names it
