@@ -98,3 +98,50 @@ def test_kv_blocks_poison_with_random_bytes_and_check_every_byte() -> None:
     check_tokens("a retrieve", 256, 256)
     with pytest.raises(BenchError, match="returned 0 tokens, not the 256 stored"):
         check_tokens("a retrieve", 0, 256)
+
+
+@pytest.mark.parametrize("codec", ["fp8", "none"])
+def test_codec_checks_pass_the_torch_backend_and_fail_a_wrong_store_or_retrieve(codec: str) -> None:
+    """`kvferry bench codec`'s checks (GPU only: the bench itself is tested in test_bench_gpu.py) with the torch
+    backend standing for the kernel on the CPU: its own calls pass; the right blocks in the wrong order, or a call
+    that writes nothing, fail by name."""
+    from dataclasses import replace
+
+    from kvferry import Direction
+    from kvferry.bench.codec_checks import RetrieveCheck, StoreCheck
+    from kvferry.formats import EngineKVFormat, describe, with_codec
+    from kvferry.formats.synthetic import MODELS, make_paged
+    from kvferry.transfer import transfer
+
+    fmt = EngineKVFormat.NL_X_TWO_NB_BS_NH_HS
+    paged = make_paged(fmt, replace(MODELS["llama3-8b"], nl=2), 32, 16, generator=torch.Generator().manual_seed(3))
+    plain = describe(fmt, paged)
+    geom = with_codec(plain, "fp8") if codec == "fp8" else plain
+    ids = torch.randperm(32, generator=torch.Generator().manual_seed(4))[:16]  # one 256-token chunk
+    objs = torch.empty((1, *geom.object_shape(256)), dtype=geom.object_dtype)
+
+    def store(block_ids: torch.Tensor) -> None:
+        transfer(paged, objs, block_ids, Direction.D2H, fmt, geometry=geom, backend="torch")
+
+    def retrieve(block_ids: torch.Tensor) -> None:
+        transfer(paged, objs, block_ids, Direction.H2D, fmt, geometry=geom, backend="torch")
+
+    def run(check: Any, calls: list[Any]) -> None:
+        for call in calls:
+            check.setup()
+            call()
+        check.last()
+
+    run(StoreCheck("store", fmt, paged, geom, objs, ids), [lambda: store(ids)] * 2)
+    with pytest.raises(BenchError, match="store #2: its objects differ from the torch backend's: "):
+        run(StoreCheck("store", fmt, paged, geom, objs, ids), [lambda: store(ids), lambda: store(ids.flip(0))])
+    with pytest.raises(BenchError, match="store #1: its objects differ"):
+        run(StoreCheck("store", fmt, paged, geom, objs, ids), [lambda: None])
+
+    store(ids)
+    run(RetrieveCheck("retrieve", fmt, paged, geom, objs, ids), [lambda: retrieve(ids)] * 2)
+    total = sum(t.numel() * t.element_size() for t in paged)
+    with pytest.raises(BenchError, match=rf"retrieve #1: \d+ of {total} bytes of the engine's KV differ"):
+        run(RetrieveCheck("retrieve", fmt, paged, geom, objs, ids), [lambda: retrieve(ids.flip(0))])
+    with pytest.raises(BenchError, match="retrieve #2: "):
+        run(RetrieveCheck("retrieve", fmt, paged, geom, objs, ids), [lambda: retrieve(ids), lambda: None])

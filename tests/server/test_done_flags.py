@@ -304,7 +304,7 @@ def stand_in_gpu_registration(server: Any, client: KvferryClient, reg: int) -> F
     from kvferry.server.client_events import ClientEvents
 
     ring = FakeRing()
-    client._gpu[reg] = GpuRegistration(torch.device("cuda"), ring, None)  # type: ignore[arg-type]
+    client._gpu[reg] = GpuRegistration(torch.device("cuda"), ring, None)
     server._sessions._sessions[client.session_id].registrations[reg].ready = ClientEvents(("stand-in",), (0,))
     return ring
 
