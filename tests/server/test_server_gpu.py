@@ -120,7 +120,8 @@ def test_a_retrieve_writes_the_blocks_only_after_the_work_queued_on_the_callers_
     (every slot held) sends an event of its own."""
     kv = gpu_kv(seed=26)
     per_chunk = REAL_CHUNK // REAL_BS
-    tokens = list(range(30_000, 30_000 + 2 * REAL_CHUNK))
+    base = 30_000 + 1_000 * ["retrieve", "retrieve_async"].index(call) + 500 * (ready == "own")  # a new prefix each
+    tokens = list(range(base, base + 2 * REAL_CHUNK))
     src, dst = list(range(2 * per_chunk)), list(range(2 * per_chunk, 4 * per_chunk))
     with KvferryClient(server.endpoint) as client:
         reg = client.register_kv_cache(kv, FMT_REAL, block_size=REAL_BS, namespace=REAL_NS)

@@ -38,6 +38,7 @@ examples:
 """
 OPS = ("lookup", "store_1chunk", "retrieve_1chunk")
 START_TIMEOUT_S = 300.0
+MAX_ROUNDS = 100_000  # an engine's runs keep their token ids apart below 10**8 (see `engine_main`)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,6 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check(args: argparse.Namespace) -> None:
     positive(args, "engines", "rounds")
+    if args.rounds > MAX_ROUNDS:
+        raise BenchError(f"--rounds must be at most {MAX_ROUNDS}, got {args.rounds}")
     if args.think_ms < 0 or args.pool_gb <= 0:
         raise BenchError("--think-ms must be >= 0 and --pool-gb positive")
     if args.device == "cuda":
@@ -73,9 +76,9 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
         steps.done("server started")
         ctx = mp.get_context("spawn")  # CUDA in children: never fork a process that may have touched it
         try:
-            alone = _run_engines(ctx, server.endpoint, args, 1)[0]
+            alone = _run_engines(ctx, server.endpoint, args, 1, run=0)[0]
             steps.done("one engine alone")
-            together = _run_engines(ctx, server.endpoint, args, args.engines)
+            together = _run_engines(ctx, server.endpoint, args, args.engines, run=1)
             steps.done(f"{args.engines} engines at once")
         finally:
             server.stop()
@@ -97,10 +100,10 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
     return Outcome(config, {"ops": rows}, _show(args, rows), device=args.device)
 
 
-def _run_engines(ctx: Any, endpoint: str, args: argparse.Namespace, n: int) -> list[dict[str, list[float]]]:
+def _run_engines(ctx: Any, endpoint: str, args: argparse.Namespace, n: int, run: int) -> list[dict[str, list[float]]]:
     """Start `n` engine processes, let them all go at once, and gather each one's latencies (seconds per op)."""
     ready, go, results = ctx.Barrier(n + 1), ctx.Event(), ctx.Queue()
-    spec = EngineSpec(endpoint, args.model, args.device, args.rounds, args.think_ms / 1e3)
+    spec = EngineSpec(endpoint, args.model, args.device, args.rounds, args.think_ms / 1e3, run)
     procs = [ctx.Process(target=engine_main, args=(i, spec, ready, go, results), daemon=True) for i in range(n)]
     for proc in procs:
         proc.start()
@@ -130,6 +133,9 @@ class EngineSpec:
     device: str
     rounds: int
     think_s: float  # between rounds
+    # Which run of the server's (one engine alone, then all together): each stores prefixes of its own, as a
+    # store of chunks the server holds already would copy nothing (and return 0 tokens)
+    run: int = 0
 
 
 def engine_main(index: int, spec: EngineSpec, ready: Any, go: Any, results: Any) -> None:
@@ -144,7 +150,7 @@ def engine_main(index: int, spec: EngineSpec, ready: Any, go: Any, results: Any)
     try:
         kv = make_paged(FMT, MODELS[spec.model], NB, 16, dtype=torch.bfloat16, device=spec.device)
         rng = np.random.default_rng(index)
-        base = (index + 1) * 10**8
+        base = (index + 1) * 10**8 + spec.run * MAX_ROUNDS * CHUNK
         prompt = list(range(base, base + 16 * CHUNK))  # its own: the engines' prompts differ
         blocks = KVBlocks(kv, seed=index)
         namespace = {"model": "bench", "salt": "engines", "codec": "none"}  # objects hold the engine's bytes
@@ -157,7 +163,7 @@ def engine_main(index: int, spec: EngineSpec, ready: Any, go: Any, results: Any)
             go.wait(timeout=START_TIMEOUT_S)
             for r in range(spec.rounds):
                 ids = rng.permutation(NB)[:PER_CHUNK].tolist()
-                fresh = list(range(base + (r + 100) * CHUNK * 16, base + (r + 100) * CHUNK * 16 + CHUNK))
+                fresh = list(range(base + (16 + r) * CHUNK, base + (17 + r) * CHUNK))  # a new prefix each round
                 started = time.perf_counter()
                 client.lookup(prompt, registration=reg)
                 latencies["lookup"].append(time.perf_counter() - started)
