@@ -1,26 +1,40 @@
-"""`kvferry bench gpu-transfer`, `cache-gpu`, `codec` and `vllm-gpu --steps`: a clear refusal without CUDA; on a GPU,
-end to end in small configurations."""
+"""`kvferry bench gpu-transfer`, `cache-gpu`, `codec` and `vllm-gpu`: a clear refusal without CUDA; on a GPU, end to
+end in small configurations, and `vllm-gpu` failing on a transfer made wrong on purpose."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from kvferry.bench.gpu_transfer_bench import planned_steps
+from kvferry.bench.vllm_connector_path import ConnectorPath
 from kvferry.bench.vllm_gpu_steps import STEPS, summary
+from kvferry.bench.vllm_page_dma import PageDMA
+from kvferry.bench.vllm_views import BENCH_CASES
 from kvferry.cli.main import main
+from kvferry.integrations.vllm.plan import LoadSpec, StepPlan
 from tests.cli.benchkit import run_bench
+
+SEPARATE_RUNS_SPREAD = 0.1  # of one request's wall time, between medians of separate runs of it
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no CUDA device")
-@pytest.mark.parametrize("args", [["gpu-transfer"], ["cache-gpu"], ["codec"], ["server", "--device", "cuda"]])
+@pytest.mark.parametrize(
+    "args", [["gpu-transfer"], ["cache-gpu"], ["codec"], ["server", "--device", "cuda"], ["vllm-gpu"]]
+)
 def test_without_cuda_exit_2_saying_so(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", *args]) == 2
     err = capsys.readouterr().err
     assert f"kvferry bench {args[0]}: error:" in err and "needs a CUDA device" in err
+
+
+def test_vllm_gpu_refuses_no_timed_rounds(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "vllm-gpu", "--repeats", "0"]) == 2
+    assert "--repeats must be at least 1, got 0" in capsys.readouterr().err
 
 
 def test_gpu_transfer_refuses_unknown_sections(capsys: pytest.CaptureFixture[str]) -> None:
@@ -41,7 +55,9 @@ def test_gpu_transfer_calls_and_bidir(monkeypatch: pytest.MonkeyPatch, tmp_path:
     for c in calls:  # each request's GPU time is part of its wall time; the profiler saw its work inside the call
         assert c["enqueue_us"] > 0
         if "one chunk" in c["what"] or c["direction"] == "D2H" or c["what"].endswith("memcpy"):
-            assert 0 < c["gpu_us"] < c["wall_us"]
+            # medians of separate runs (gpu_timeline.gpu_wait_us): the GPU's may read above the wall's by their
+            # spread; a GPU span that took in the ~2 ms sleep queued ahead of the request would be far above
+            assert 0 < c["gpu_us"] < c["wall_us"] * (1 + SEPARATE_RUNS_SPREAD)
         else:  # a staged retrieve's first DMAs are not ordered after the caller's stream: no GPU time of its own
             assert c["gpu_us"] is None
         assert 0 < c["first_op_us"] < c["gpu_end_us"]
@@ -57,6 +73,53 @@ def test_cache_gpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     ]
     assert all(r["ratio"] > 0 for r in rows)
     assert doc["results"]["breakdown"]["alternated_with_memcpy"]["ratio"] > 0
+
+
+# vLLM's pages of each case's 16-chunk prefix (256 blocks of 16 tokens, or 64 of 64): a (layer, block) page each,
+# or a block of every layer where layers interleave (BLHNC): (pages, KiB each)
+VLLM_PAGES = {"LBHNC": (256 * 32, 64), "LBNHC": (256 * 32, 64), "BLHNC": (256, 32 * 64), "MLA": (64 * 61, 72)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_vllm_gpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Both modes, every case; each figure from its own samples, every load checked, vLLM's page DMA beside."""
+    doc, progress = run_bench(monkeypatch, tmp_path, "vllm-gpu", "--repeats", "2", "--no-gemm")
+    rows = doc["results"]["rows"]
+    assert [(r["mode"], r["case"]) for r in rows] == [(m, c.name) for m in ("embedded", "server") for c in BENCH_CASES]
+    assert progress.done == [f"{r['mode']}: {r['case']}" for r in rows]
+    for r in rows:
+        assert r["checked_rounds"] == 3
+        pages, kib = VLLM_PAGES["MLA" if "FLASHMLA" in r["case"] else r["case"].split("-")[1]]
+        assert (r["vllm_dma_pages"], r["vllm_dma_page_kib"]) == (pages, kib)
+        assert r["mib"] == pytest.approx(pages * kib / 1024)
+        for path in ("", "vllm_dma_"):  # no faster than a plain copy of the same bytes, bar noise
+            for op, memcpy in (("store", "d2h"), ("load", "h2d")):
+                assert r[f"{path}{op}_ratio"] == pytest.approx(r[f"{memcpy}_memcpy_us"] / r[f"{path}{op}_us"])
+                assert 0 < r[f"{path}{op}_ratio"] < 1.2
+
+
+def _load_into_rotated_blocks(path: ConnectorPath) -> None:
+    path.worker.start_loads(StepPlan(loads=[LoadSpec("l", path.tokens, path.dst[1:] + path.dst[:1], 0)]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    ("target", "wrong", "error"),
+    [
+        (ConnectorPath, _load_into_rotated_blocks, "a load through the connector: layer 0: block"),
+        (ConnectorPath, lambda path: None, "a load: moved 0 tokens, not the 4096 asked for"),
+        (PageDMA, lambda dma: None, "a load by vLLM's page DMA: layer 0: block"),
+    ],
+)
+def test_vllm_gpu_a_wrong_transfer_exits_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], target: type, wrong: Any, error: str
+) -> None:
+    monkeypatch.setattr(target, "load", wrong)
+    assert main(["bench", "vllm-gpu", "--repeats", "1", "--no-server", "--no-gemm"]) == 1
+    err = capsys.readouterr().err
+    assert "kvferry bench vllm-gpu: " in err and error in err
 
 
 @pytest.mark.gpu

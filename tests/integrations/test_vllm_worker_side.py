@@ -23,6 +23,7 @@ class ScriptedBackend:
     def __init__(self) -> None:
         self.leading: int | Exception | None = None  # None: everything asked for
         self.hold_loads = False
+        self.foreground = 0  # loads asked for through `retrieve` (run to the end by the caller)
         self.retrieves: list[tuple[list[int], list[int], int, Future[int]]] = []
         self.stores: list[tuple[list[int], list[int], int, Future[int]]] = []
 
@@ -32,6 +33,10 @@ class ScriptedBackend:
         if not self.hold_loads:
             self.answer(future, len(tokens))
         return future
+
+    def retrieve(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> int:
+        self.foreground += 1
+        return self.retrieve_async(tokens, block_ids, skip_prefix_tokens).result()
 
     def answer(self, future: Future[int], asked: int) -> None:
         if isinstance(self.leading, Exception):
@@ -58,6 +63,7 @@ def test_load_calls_the_backend_and_hands_the_written_blocks_to_the_hook() -> No
     worker = WorkerSide(backend, block_size=BS, after_load=seen.append)
     worker.start_loads(StepPlan(loads=[LoadSpec("a", tokens(256), IDS, skip_tokens=64)]))
     assert [r[:3] for r in backend.retrieves] == [(tokens(256), IDS, 64)]
+    assert backend.foreground == 1  # run to its end by the backend on this thread (`retrieve`)
     assert seen == [IDS[2:]]  # the two skipped blocks are vLLM's: never written, never handed to the hook
     assert worker.take_load_errors() == set()
     assert worker.counters.tokens_loaded == 192 and worker.counters.loads == 1
@@ -129,6 +135,7 @@ def test_background_loads_are_reported_once_done_with_their_failed_blocks() -> N
     backend.hold_loads = True
     loads = [LoadSpec(r, tokens(256), IDS, 0, in_background=True) for r in ("a", "b")]
     worker.start_loads(StepPlan(loads=loads))
+    assert backend.foreground == 0  # started through `retrieve_async`, not waited for
     assert worker.finished_loading() == set()  # running: the step does not wait for them
     assert worker.take_load_report() == (set(), set())
     backend.answer(backend.retrieves[1][3], 256)

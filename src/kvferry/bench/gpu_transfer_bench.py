@@ -3,7 +3,8 @@ memcpy of the same bytes, timed alternately with it (medians of --reps).
 
 Sections:
   bulk         16 scattered chunks (qwen2.5-0.5b: 32) of llama3-8b, qwen2.5-0.5b and deepseek-v3-mla: staged,
-               serial (one staging slot), zero-copy, torch by hand; adjacent objects; objects as one tensor
+               serial (one staging slot), zero-copy, page DMA, torch by hand; adjacent objects; objects as one
+               tensor
   formats      every engine format at a realistic shape, 16 chunks, objects scattered in the pool
   formats-run  the same with the objects as one tensor (as the cache allocates a request's objects)
   onechunk     one chunk, from the Python call to completion, per mode
@@ -157,6 +158,7 @@ class Bench:
                     ("staged pipeline", self.engine, "staged"),
                     ("serial gather+DMA (1 slot)", self.serial, "staged"),
                     ("zero-copy kernel", self.engine, "zero_copy"),
+                    ("page DMA (copy engine alone)", self.engine, "page_dma"),
                 ):
                     self.row("bulk", f"{model} {d.name} {label}", s.nbytes, s.runner(d, engine, mode), ceil)
             if fmt == F.NL_X_TWO_NB_BS_NH_HS:
@@ -195,6 +197,7 @@ class Bench:
                 for label, engine, mode in (
                     ("staged", self.engine, "staged"),
                     ("zero_copy", self.engine, "zero_copy"),
+                    ("page_dma", self.engine, "page_dma"),
                     ("auto", self.engine, None),
                     ("staged, 16 MiB slices", self.old_floor, "staged"),
                 ):
@@ -276,10 +279,10 @@ def check(args: argparse.Namespace) -> None:
 def planned_steps(sections: list[str]) -> int:
     """Progress steps: one per row, per one-chunk CPU-time measurement, per GEMM variant and its warm-up."""
     per_section = {
-        "bulk": 11 + 11 + 10,  # llama and qwen: 3 modes x 2 directions, by hand, adjacent x 2, one tensor x 2
+        "bulk": 13 + 13 + 12,  # llama and qwen: 4 modes x 2 directions, by hand, adjacent x 2, one tensor x 2
         "formats": 2 * len(F),
         "formats-run": 2 * len(F),
-        "onechunk": 2 * (2 * 4 + 1),  # per model: 4 modes x 2 directions, by hand
+        "onechunk": 2 * (2 * 5 + 1),  # per model: 5 modes x 2 directions, by hand
         "calls": len(CALLS) * 2 + 2,  # per request and direction (with its memcpy's); the 16 chunks' ratios
         "bidir": 1,
         "gemm": GEMM_STEPS,

@@ -1,40 +1,47 @@
-"""`kvferry bench vllm-gpu`: the vLLM connector's worker side on a GPU, over KV in the views vLLM 0.32 builds.
+"""`kvferry bench vllm-gpu`: the vLLM connector's worker side on a GPU, over KV in the views vLLM 0.32 builds, beside
+vLLM's own page DMA and a plain memcpy of the same bytes.
 
-The views are the recorded ones of `kvferry.bench.vllm_views` (llama3-8b with FlashAttention in two layouts, and
-DeepSeek-V3's MLA latent with FlashMLA), replayed on the GPU and recognised by the connector's own code. Each mode
-(embedded: the cache in this process; server: a ``kvferry server`` holding the pool, the KV registered by CUDA
-IPC) stores a 16-chunk prefix from vLLM's blocks (a fresh prefix each time: every store copies) and loads it into
-other blocks, as vLLM's model runner calls the worker side (a store after the forward pass, a foreground load before
-it), timed from the call to the bytes in place, alternately with a pinned memcpy of the same bytes (medians). The
-first load is checked byte for byte against the blocks it was stored from. Then a GEMM standing in for the model
-runs while stores and loads of the same size loop beside it. With --steps, a stand-in model step is timed with and
-without the store started after it (`kvferry.bench.vllm_gpu_steps`), in each mode.
+The views are the recorded ones of `kvferry.bench.vllm_views` (llama3-8b with FlashAttention in the layouts LBHNC,
+LBNHC and BLHNC, and DeepSeek-V3's MLA latent with FlashMLA), replayed on the GPU and recognised by the connector's own
+code. Each mode (embedded: the cache in this process; server: a ``kvferry server`` holding the pool, the KV
+registered by CUDA IPC) stores a 16-chunk prefix from blocks scattered over the cache and loads it into other
+scattered blocks, as vLLM's model runner calls the worker side (a store after the forward pass, a foreground load
+before it), each timed from the call to the bytes in place (`kvferry.bench.vllm_connector_path`). In the same rounds
+vLLM's own CPU offload moves the same bytes, a page per descriptor of one ``cuMemcpyBatchAsync`` to and from pinned
+memory (`kvferry.bench.vllm_page_dma`), and a pinned memcpy moves them as one copy each way. Every sample is
+recorded under its operation's name where it is timed (`kvferry.bench.samples`); a ratio is the memcpy's median
+time over the path's (1.0: as fast as one plain copy).
+
+Every round uses a fresh prefix and new bytes in the source blocks, and every load of the timed rounds (and of the
+warm-up) is checked outside its timed region: the whole prefix loaded, each destination block (random bytes before
+the load) holding its source block's bytes in every layer, and every other byte of the KV unchanged
+(`kvferry.bench.block_check`). Stores are checked through the loads that follow them. A failed check ends the run
+with an error (exit status 1). Then a GEMM standing in for the model runs while stores and loads of the same size
+loop beside it (each load's token count checked). With --steps, a stand-in model step is timed with and without
+the store started after it (`kvferry.bench.vllm_gpu_steps`), in each mode.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
-import statistics
 import time
-from typing import Any
-
-import torch
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from kvferry.bench.gpu_gemm import gemm_tflops
-from kvferry.bench.harness import Outcome, Steps, add_json_argument, description_of, require_cuda
-from kvferry.bench.report import new_table
+from kvferry.bench.harness import BenchError, Outcome, Steps, add_json_argument, description_of, positive, require_cuda
+from kvferry.bench.report import cell, new_table
+from kvferry.bench.samples import Samples
 from kvferry.bench.server_bench import ServerProcess
 from kvferry.bench.timing import PinnedCopy
+from kvferry.bench.vllm_connector_path import CHUNK, CHUNKS, ConnectorPath
 from kvferry.bench.vllm_gpu_steps import describe_steps, step_stall
-from kvferry.bench.vllm_views import BENCH_CASES, Case, case_of, load_fixtures, replay
-from kvferry.integrations.vllm.kv_layout import EngineKV, recognise
-from kvferry.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
+from kvferry.bench.vllm_page_dma import PageDMA
+from kvferry.bench.vllm_views import BENCH_CASES, case_of, load_fixtures
+from kvferry.cuda.driver import driver
 from kvferry.integrations.vllm.settings import ConnectorSettings
-from kvferry.integrations.vllm.worker_backend import make_worker_backend
-from kvferry.integrations.vllm.worker_side import WorkerSide
 
-CHUNK, CHUNKS, POOL_GB = 256, 16, 4.0
+POOL_GB = 4.0
 DESCRIPTION = description_of(__doc__)
 EXAMPLES = """\
 examples:
@@ -45,7 +52,9 @@ examples:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--repeats", type=int, default=9, help="timed store/load pairs per case and mode (medians)")
+    parser.add_argument(
+        "--repeats", type=int, default=9, help="timed rounds per case and mode (medians), after a warm-up round"
+    )
     parser.add_argument("--no-server", action="store_true", help="embedded mode only")
     parser.add_argument("--no-gemm", action="store_true", help="skip the GEMM beside the transfers")
     parser.add_argument(
@@ -55,98 +64,84 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check(args: argparse.Namespace) -> None:
+    positive(args, "repeats")
     require_cuda("this benchmark")
 
 
-class Bench:
-    """One recorded case on the GPU, one mode: a worker side, a source and a target block set, the ceiling."""
+class CheckedPath(Protocol):
+    """A way of storing the source blocks' bytes and loading them into the destination blocks, checked."""
 
-    def __init__(self, case: Case, fixture: dict[str, Any], settings: ConnectorSettings) -> None:
-        self.case = case
-        self.kv = _recognised(case, replay(fixture, "cuda")[1])
-        self.backend = make_worker_backend(settings, self.kv, model=case.name, block_size=case.block_size, name="b")
-        self.worker = WorkerSide(self.backend, block_size=case.block_size)
-        per = CHUNK // case.block_size * CHUNKS
-        self.src, self.dst = list(range(1, per + 1)), list(range(per + 1, 2 * per + 1))
-        self.nbytes = sum(layer[0].numel() * layer.element_size() for layer in self.kv.layers) * per * self.kv.split
-        self.copy = PinnedCopy(self.nbytes)
-        self._prefixes = itertools.count()
-        self.tokens = self.next_prefix()
-
-    def next_prefix(self) -> list[int]:
-        first = next(self._prefixes)
-        return [first, *range(1, CHUNK * CHUNKS)]
-
-    def store(self) -> float:
-        """A new prefix stored from vLLM's blocks after the step's forward pass: seconds to done."""
-        self.tokens = self.next_prefix()
-        started = time.perf_counter()
-        self.worker.start_stores(StepPlan(stores=[StoreSpec("s", self.tokens, self.src, 0)]))
-        self.worker.preempted(["s"])  # waits for the store
-        return time.perf_counter() - started
-
-    def load(self) -> float:
-        """The last stored prefix loaded into other blocks before a forward pass: seconds to done."""
-        started = time.perf_counter()
-        self.worker.start_loads(StepPlan(loads=[LoadSpec("l", self.tokens, self.dst, 0)]))
-        seconds = time.perf_counter() - started
-        if self.worker.take_load_errors():
-            raise RuntimeError(f"{self.case.name}: a load came back short")
-        return seconds
-
-    def check_loaded(self) -> None:
-        """The blocks the last load wrote hold the bytes of the blocks its prefix was stored from, in every layer."""
-        src, dst = (torch.as_tensor(list(self.kv.kernel_block_ids(b)), device="cuda") for b in (self.src, self.dst))
-        for layer in self.kv.layers:
-            if not torch.equal(
-                layer.index_select(0, src).view(torch.uint8), layer.index_select(0, dst).view(torch.uint8)
-            ):
-                raise RuntimeError(f"{self.case.name}: a load did not give back the stored bytes")
-
-    def memcpy(self, to_host: bool) -> float:
-        started = time.perf_counter()
-        self.copy(to_host)
-        return time.perf_counter() - started
-
-    def close(self) -> None:
-        self.worker.close()
-        self.backend.close()
+    def store(self) -> None: ...
+    def before_load(self) -> None: ...
+    def load(self) -> None: ...
+    def check_load(self) -> None: ...
 
 
-def _recognised(case: Case, views: dict[str, torch.Tensor]) -> EngineKV:
-    return recognise(views, isa=None, kv_cache_dtype=case.cache_dtype, mla=case.mla, block_size=case.block_size)
+class ConnectorRounds(CheckedPath, Protocol):
+    nbytes: int
+
+    def next_round(self) -> None: ...
 
 
-def measure(bench: Bench, repeats: int) -> dict[str, Any]:
-    """Store and load alternated with the memcpy of their bytes (after one warm-up of each)."""
-    times: dict[str, list[float]] = {"store": [], "load": [], "d2h": [], "h2d": []}
+def measure(
+    connector: ConnectorRounds,
+    memcpy: Callable[[bool], None],
+    dma: CheckedPath | None,
+    repeats: int,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, Any]:
+    """One warm-up round and ``repeats`` timed ones, each: a new prefix and source bytes, the connector's store, the
+    D2H memcpy, the connector's load (checked), the H2D memcpy, then vLLM's page DMA store and load (checked).
+    ``memcpy(to_host)``: a plain pinned copy of the same bytes, to its end."""
+    samples = Samples(clock)
     for i in range(repeats + 1):
-        samples = (bench.store(), bench.memcpy(True), bench.load(), bench.memcpy(False))
-        if not i:
-            bench.check_loaded()  # the warm-up's load, byte for byte (outside the timed rounds)
-        else:
-            for name, seconds in zip(times, samples, strict=True):
-                times[name].append(seconds)
-    med = {name: statistics.median(s) for name, s in times.items()}
-    gib = bench.nbytes / 2**30
+        if i == 1:
+            samples.clear()  # the warm-up round's (checked all the same)
+        connector.next_round()
+        samples.timed("store", connector.store)
+        samples.timed("d2h memcpy", lambda: memcpy(True))
+        connector.before_load()
+        samples.timed("load", connector.load)
+        connector.check_load()
+        samples.timed("h2d memcpy", lambda: memcpy(False))
+        if dma is not None:
+            samples.timed("page DMA store", dma.store)
+            dma.before_load()
+            samples.timed("page DMA load", dma.load)
+            dma.check_load()
+    return results(samples, connector.nbytes, repeats + 1, dma is not None)
+
+
+def results(samples: Samples, nbytes: int, checked_rounds: int, dma: bool) -> dict[str, Any]:
+    """The medians in microseconds, the ratios to the memcpy of the same direction, and the connector's GB/s."""
+    us = {name: samples.median(name) * 1e6 for name in samples.names}
     return {
-        "mib": bench.nbytes / 2**20,
-        "store_us": med["store"] * 1e6,
-        "load_us": med["load"] * 1e6,
-        "store_ratio": med["d2h"] / med["store"],
-        "load_ratio": med["h2d"] / med["load"],
-        "store_gbps": gib * 2**30 / med["store"] / 1e9,
-        "load_gbps": gib * 2**30 / med["load"] / 1e9,
+        "mib": nbytes / 2**20,
+        "checked_rounds": checked_rounds,
+        "store_us": us["store"],
+        "load_us": us["load"],
+        "d2h_memcpy_us": us["d2h memcpy"],
+        "h2d_memcpy_us": us["h2d memcpy"],
+        "store_ratio": samples.ratio("d2h memcpy", "store"),
+        "load_ratio": samples.ratio("h2d memcpy", "load"),
+        "store_gbps": nbytes / us["store"] / 1e3,
+        "load_gbps": nbytes / us["load"] / 1e3,
+        "vllm_dma_store_us": us["page DMA store"] if dma else None,
+        "vllm_dma_load_us": us["page DMA load"] if dma else None,
+        "vllm_dma_store_ratio": samples.ratio("d2h memcpy", "page DMA store") if dma else None,
+        "vllm_dma_load_ratio": samples.ratio("h2d memcpy", "page DMA load") if dma else None,
     }
 
 
-def gemm_beside(bench: Bench) -> dict[str, float]:
+def gemm_beside(path: ConnectorPath) -> dict[str, float]:
     """The GEMM's TFLOP/s alone and while store + load pairs loop beside it (and the GB/s they moved then)."""
 
     def pair() -> int:
-        bench.store()
-        bench.load()
-        return 2 * bench.nbytes
+        path.tokens = path.next_prefix()  # every store copies (the source bytes stay: nothing beside the GEMM)
+        path.store()
+        path.load()
+        path.check_tokens()
+        return 2 * path.nbytes
 
     alone, _ = gemm_tflops(None)
     beside, moved = gemm_tflops(pair)
@@ -165,24 +160,37 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
         try:
             settings = _settings(mode, None if server is None else server.endpoint)
             for case in BENCH_CASES:
-                bench = Bench(case, fixtures[case], settings)
+                path = ConnectorPath(case, fixtures[case], settings)
                 try:
-                    rows.append({"mode": mode, "case": case.name, **measure(bench, args.repeats)})
+                    rows.append({"mode": mode, "case": case.name, **measure_case(path, args.repeats)})
                     steps.done(f"{mode}: {case.name}")
                     if mode == "embedded" and case is BENCH_CASES[0] and not args.no_gemm:
-                        gemm = gemm_beside(bench)
+                        gemm = gemm_beside(path)
                         steps.done("the GEMM beside stores and loads")
                     if case is BENCH_CASES[0] and args.steps:
-                        stalls[mode] = step_stall(bench, args.repeats)
+                        stalls[mode] = step_stall(path, args.repeats)
                         steps.done(f"{mode}: model steps with and without stores")
                 finally:
-                    bench.close()
+                    path.close()
         finally:
             if server is not None:
                 server.stop()
     config = {"chunk_tokens": CHUNK, "chunks": CHUNKS, "repeats": args.repeats, "pool_gb": POOL_GB}
     shown = [*_show(rows, gemm), *(describe_steps(mode, s) for mode, s in stalls.items())]
     return Outcome(config, {"rows": rows, "gemm": gemm, "steps": stalls}, shown, device="cuda")
+
+
+def measure_case(path: ConnectorPath, repeats: int) -> dict[str, Any]:
+    """`measure` with a pinned memcpy of the path's bytes and vLLM's page DMA of the same blocks (where the driver
+    has its batched copy)."""
+    dma = PageDMA(path.kv, path.src, path.dst, path.check, path.case.name) if driver().has_batch else None
+    if dma is not None and dma.nbytes != path.nbytes:
+        raise BenchError(f"{path.case.name}: vLLM's pages hold {dma.nbytes} bytes, the connector moves {path.nbytes}")
+    copy = PinnedCopy(path.nbytes)
+    pages: dict[str, Any] = {"vllm_dma_pages": None, "vllm_dma_page_kib": None}
+    if dma is not None:
+        pages = {"vllm_dma_pages": dma.pages, "vllm_dma_page_kib": dma.nbytes / dma.pages / 1024}
+    return {**measure(path, copy, dma, repeats), **pages}
 
 
 def _settings(mode: str, endpoint: str | None) -> ConnectorSettings:
@@ -193,10 +201,12 @@ def _settings(mode: str, endpoint: str | None) -> ConnectorSettings:
 
 def _show(rows: list[dict[str, Any]], gemm: dict[str, Any] | None) -> list[Any]:
     table = new_table(
-        f"a {CHUNKS}-chunk prefix through the vLLM connector's worker side, against a same-run pinned memcpy",
-        ("mode", "vLLM KV", "MiB", "store us", "ratio", "GB/s", "load us", "ratio", "GB/s"),
+        f"a {CHUNKS}-chunk prefix through the vLLM connector's worker side and by vLLM's page DMA, against a same-run"
+        " pinned memcpy (ratio: the memcpy's time over the transfer's; every load checked)",
+        ("mode", "vLLM KV", "MiB", "store us", "ratio", "GB/s", "load us", "ratio", "GB/s", "vLLM pages",
+         "page DMA store ratio", "load ratio"),
         names=2,
-    )
+    )  # fmt: skip
     for r in rows:
         table.add_row(
             r["mode"],
@@ -208,8 +218,13 @@ def _show(rows: list[dict[str, Any]], gemm: dict[str, Any] | None) -> list[Any]:
             f"{r['load_us']:.0f}",
             f"{r['load_ratio']:.3f}",
             f"{r['load_gbps']:.1f}",
+            "" if r["vllm_dma_pages"] is None else f"{r['vllm_dma_pages']} x {r['vllm_dma_page_kib']:.0f} KiB",
+            cell(r["vllm_dma_store_ratio"], ".3f"),
+            cell(r["vllm_dma_load_ratio"], ".3f"),
         )
     shown: list[Any] = [table]
+    if any(r["vllm_dma_pages"] is None for r in rows):
+        shown.append("vLLM page DMA: not run (this CUDA driver has no cuMemcpyBatchAsync, CUDA 12.8+)")
     if gemm is not None:
         shown.append(
             f"bf16 GEMM alone {gemm['alone_tflops']:.0f} TFLOP/s, beside stores and loads {gemm['beside_tflops']:.0f}"

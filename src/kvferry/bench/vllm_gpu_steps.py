@@ -20,7 +20,7 @@ import torch
 from kvferry.integrations.vllm.plan import StepPlan, StoreSpec
 
 if TYPE_CHECKING:
-    from kvferry.bench.vllm_gpu_bench import Bench
+    from kvferry.bench.vllm_connector_path import ConnectorPath
 
 GEMM_N = 8192
 STEP_GEMMS = 60  # 60 x 2 x 8192^3 = 6.6e13 FLOPs: prefilling 4096 tokens of an 8B model (2 x 8e9 x 4096)
@@ -30,7 +30,7 @@ STEPS = 8  # steps per timed run
 class StandInStep:
     """The GEMMs and block writes of one model step on the current stream."""
 
-    def __init__(self, bench: Bench, gemms: int = STEP_GEMMS, n: int = GEMM_N) -> None:
+    def __init__(self, bench: ConnectorPath, gemms: int = STEP_GEMMS, n: int = GEMM_N) -> None:
         self.bench = bench
         self.gemms = gemms
         self.a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
@@ -73,7 +73,7 @@ def timed_steps(stand_in: StandInStep, stores: bool, steps: int = STEPS) -> tupl
     return step_s, call_s
 
 
-def step_stall(bench: Bench, repeats: int) -> dict[str, Any]:
+def step_stall(bench: ConnectorPath, repeats: int) -> dict[str, Any]:
     """Runs of steps with and without stores, taking turns after one warm-up of each."""
     stand_in = StandInStep(bench)
     with_stores: list[float] = []

@@ -95,11 +95,12 @@ def cases_for(backend: str, layouts: tuple[str, ...]) -> list[Case]:
     return out
 
 
-# Model-sized KV caches for `kvferry bench vllm-gpu`: llama3-8b with FlashAttention in vLLM's first layout and in a
-# cross-layer one, and DeepSeek-V3's MLA latent with FlashMLA; enough blocks for a 16-chunk prefix stored from one
-# set of blocks and loaded into another.
+# Model-sized KV caches for `kvferry bench vllm-gpu`: llama3-8b with FlashAttention in vLLM's first layout, with
+# tokens outside heads, and in a cross-layer one, and DeepSeek-V3's MLA latent with FlashMLA; enough blocks for a
+# 16-chunk prefix stored from one set of blocks and loaded into another (block 0, vLLM's null block, aside).
 BENCH_CASES = [
     Case("FLASH_ATTN", "LBHNC", layers=32, kv_heads=8, head_size=128, block_size=16, num_blocks=560),
+    Case("FLASH_ATTN", "LBNHC", layers=32, kv_heads=8, head_size=128, block_size=16, num_blocks=560),
     Case("FLASH_ATTN", "BLHNC", layers=32, kv_heads=8, head_size=128, block_size=16, num_blocks=560),
     Case("FLASHMLA", "LBHNC", mla=True, layers=61, kv_heads=1, head_size=576, block_size=64, num_blocks=140),
 ]

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from functools import cache
 from typing import Any
 
+import numpy as np
+
 CUDA_ERROR_NOT_READY = 600
 _EVENT_DISABLE_TIMING = 0x2  # timing-free events are the cheap kind: record/wait/query only
 _SRC_ACCESS_ORDER_STREAM = 1  # a batched copy reads its source in stream order, like any async copy
@@ -130,6 +132,17 @@ class Driver:
         n = len(sizes)
         addresses = ctypes.c_uint64 * n
         self._batch(addresses(*dsts), addresses(*srcs), (ctypes.c_size_t * n)(*sizes), n,
+                    ctypes.byref(self._batch_attrs), ctypes.byref(self._batch_first), stream)  # fmt: skip
+
+    def copy_pages(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> None:
+        """`copy_batch` for copies already laid out as contiguous uint64 arrays (`kvferry.kernels.page_dma`, or
+        built once ahead by a caller that copies the same pages again): the driver reads them in place, so a batch
+        of thousands of pages costs no Python per page."""
+        n = len(sizes)
+        if not (len(dsts) == len(srcs) == n) or any(a.dtype != np.uint64 or not a.flags.c_contiguous
+                                                      for a in (dsts, srcs, sizes)):  # fmt: skip
+            raise ValueError("copy_pages takes three contiguous uint64 arrays of one length")
+        self._batch(dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, n,
                     ctypes.byref(self._batch_attrs), ctypes.byref(self._batch_first), stream)  # fmt: skip
 
     def event(self) -> int:

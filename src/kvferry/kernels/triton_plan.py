@@ -13,6 +13,7 @@ import torch
 
 from kvferry.formats import Codec, KVGeometry
 from kvferry.formats.geometry import Stripe
+from kvferry.kernels.page_dma import PagePlan, page_plan
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class TritonPlan:
     word: int
     stripes: tuple[_StripeArgs, ...]
     codec: Codec | None = None  # objects compressed: the codec kernel (`triton_codec`), engine side in elements
+    pages: PagePlan | None = None  # where each page is one run of object rows: the copies of page DMA (`page_dma`)
     compiled: dict[tuple, Any] = field(default_factory=dict)  # launch shape -> compiled kernel
     graphs: dict[tuple, Any] = field(default_factory=dict)  # (lane, request shape) -> its captured CUDA graph
 
@@ -118,4 +120,5 @@ def build_plan(geom: KVGeometry) -> TritonPlan:
         word=1 if geom.codec else word,  # the object side's unit
         stripes=tuple(args),
         codec=geom.codec,
+        pages=page_plan(geom),
     )

@@ -33,6 +33,7 @@ import torch
 
 from kvferry.cuda.driver import CudaError, driver, primary_context
 from kvferry.kernels import triton_copy, triton_plan
+from kvferry.kernels.page_dma import PagePlan, page_copies
 from kvferry.transfer.graphed import ObjectGraph, tables_bytes
 from kvferry.transfer.handle import Completion, TransferHandle
 from kvferry.transfer.lane import Lane
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from kvferry.transfer.request import Checked
 
 log = logging.getLogger(__name__)
+MODES = ("auto", "staged", "zero_copy", "page_dma")
 _GRAPHS_PER_PLAN = 16  # request shapes x lanes: an engine's plan meets one or two shapes per direction
 
 
@@ -53,7 +55,7 @@ class EngineConfig:
     slot_bytes: int = 64 * MiB
     slice_bytes: int | None = None  # default: a quarter of the request, 8 MiB .. half a slot
     zero_copy_below: int = 4 * MiB  # requests smaller than this run zero-copy (see docs/gpu_data_path.md)
-    mode: str = "auto"  # "auto" | "staged" | "zero_copy"
+    mode: str = "auto"  # "auto" (staged or zero-copy by size) | "staged" | "zero_copy" | "page_dma"
     programs: int | None = None  # programs per staged gather/scatter launch (default: two per SM)
     # CUDA stream priority of the gathers/scatters (lower = higher). High: behind a queue of the model's GEMMs a
     # normal-priority gather waits for free SMs and the transfer stalls (0.4 GB/s measured); at high priority it
@@ -66,8 +68,8 @@ class EngineConfig:
     graph_max_bytes: int = 64 * MiB
 
     def __post_init__(self) -> None:
-        if self.mode not in ("auto", "staged", "zero_copy"):
-            raise ValueError(f"mode={self.mode!r} must be 'auto', 'staged' or 'zero_copy'")
+        if self.mode not in MODES:
+            raise ValueError(f"mode={self.mode!r} must be one of {MODES}")
         if self.slots < 1 or self.slot_bytes < 1 or (self.programs is not None and self.programs < 1):
             raise ValueError(f"slots, slot_bytes and programs must be positive: {self}")
 
@@ -138,7 +140,10 @@ class TransferEngine:
         lane = self._store if to_objects else self._retrieve
         nbytes = (len(ids) - skip_prefix_blocks) * plan.bs * plan.bytes_per_token
         mode = mode or self.config.mode
-        graphed = (mode != "zero_copy" and len(ptrs) == 1 and not skip_prefix_blocks and not plan.partial_rows
+        pages = plan.pages if self._batch else None
+        if mode == "page_dma" and pages is None:  # asked for by name only: "auto" never picks it (page_dma.py)
+            raise ValueError("page DMA needs a layout whose pages are runs of object rows and cuMemcpyBatchAsync")
+        graphed = (mode in ("auto", "staged") and len(ptrs) == 1 and not skip_prefix_blocks and not plan.partial_rows
                    and len(ids) * plan.bs == caps[0] and 0 < nbytes <= self.config.graph_max_bytes
                    and nbytes + tables_bytes(len(ids)) <= self.config.slot_bytes
                    and not self._graphs_failed)  # fmt: skip
@@ -169,6 +174,9 @@ class TransferEngine:
                 meta, keep = lane.upload([ids, [0, caps[0]]], len(ids) + 2, done, graph.stream, to_device=False)
                 graph.launch(ptrs[0], meta, start)
                 keep, end = (keep, graph), graph.stream  # the graph stays until the request has run
+            elif nbytes and mode == "page_dma":
+                assert pages is not None
+                keep, end = self._pages(lane, req, pages, start)
             elif nbytes and mode == "zero_copy":
                 keep, end = self._zero_copy(lane, req, done, start)
             elif nbytes:
@@ -215,6 +223,17 @@ class TransferEngine:
             return None
         plan.graphs[key] = graph
         return graph
+
+    def _pages(self, lane: Lane, req: _Request, pages: PagePlan, start: int) -> tuple[object, int]:
+        """Every page as one copy of one batch on a slot stream, after `start` (both directions touch KV)."""
+        dev, host, sizes = page_copies(pages, req.ids, req.ptrs, req.caps, req.chunk_size, req.skip)
+        stream = lane.handles[lane.next_slot]
+        self._driver.wait(stream, start, 0)
+        if req.to_objects:
+            self._driver.copy_pages(host, dev, sizes, stream)
+        else:
+            self._driver.copy_pages(dev, host, sizes, stream)
+        return (dev, host, sizes), stream
 
     def _zero_copy(self, lane: Lane, req: _Request, done: Completion, start: int) -> tuple[object, int]:
         plan, ptrs, ids, skip = req.plan, req.ptrs, req.ids, req.skip

@@ -39,6 +39,9 @@ class LayerSplitBackend(GroupedLookups):
     def retrieve_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
         return _fewest([part.retrieve_async(tokens, block_ids, skip_prefix_tokens) for part in self.backends])
 
+    def retrieve(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> int:
+        return self.retrieve_async(tokens, block_ids, skip_prefix_tokens).result()
+
     def store_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
         return _fewest([part.store_async(tokens, block_ids, skip_prefix_tokens) for part in self.backends])
 

@@ -78,6 +78,15 @@ class ServerBackend:
         )
         return plus(written, skip_prefix_tokens)
 
+    def retrieve(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> int:
+        """Sent and waited for on this thread: it reads the server's answer and watches the transfer's done flag
+        itself (the asynchronous form's future passes through the client's threads on the way back)."""
+        ids = self._kernel_block_ids(block_ids)
+        written = self.link.call(
+            lambda client, reg: client.retrieve(_registered(reg), tokens, ids, skip_prefix_tokens=skip_prefix_tokens)
+        )
+        return skip_prefix_tokens + written
+
     def store_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
         # Sent from vLLM's thread: the client records the STORE's ready event on vLLM's current stream, after the
         # forward pass that wrote the blocks, and the server's copy waits for it on the GPU.

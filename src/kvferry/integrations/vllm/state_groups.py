@@ -129,6 +129,9 @@ class StateBackend:
         loaded.add_done_callback(settle)
         return out
 
+    def retrieve(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> int:
+        return self.retrieve_async(tokens, block_ids, skip_prefix_tokens).result()
+
     def close(self) -> None:
         self.backend.close()
 

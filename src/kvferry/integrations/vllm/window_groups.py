@@ -40,6 +40,9 @@ class WindowedBackend:
     def retrieve_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
         return self.backend.retrieve_async(tokens, block_ids, skip_prefix_tokens)
 
+    def retrieve(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> int:
+        return self.backend.retrieve(tokens, block_ids, skip_prefix_tokens)
+
     def store_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
         """Store, then demote the chunks before the window at the store's end that the window at its start (what
         earlier stores of the request reached) still needed."""

@@ -48,6 +48,10 @@ class KVBackend(Protocol):
         skipped prefix included), a multiple of the chunk size or ``len(tokens)``."""
         ...
 
+    def retrieve(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> int:
+        """`retrieve_async` to the end (a foreground load; a backend may run it on the calling thread)."""
+        ...
+
     def store_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
         """Start storing the KV of ``tokens`` held in ``block_ids``; the caller keeps the blocks unchanged
         until the future is done."""
@@ -119,11 +123,11 @@ class WorkerSide:
         """Start the plan's background loads; run its foreground loads to the end."""
         for spec in plan.loads:
             timer = _Timer()
-            future = timer.watch(self._retrieve(spec))
             if spec.in_background:
+                future = timer.watch(self._retrieve(spec))
                 self._loading.setdefault(spec.req_id, []).append((spec, future, timer))
             else:
-                self._settle_load(spec, future, timer)
+                self._settle_load(spec, timer.watch(self._retrieve_now(spec)), timer)
 
     def finished_loading(self) -> set[str]:
         """Background loads done since the last call, every group's (their failed blocks are in
@@ -201,6 +205,15 @@ class WorkerSide:
             failed: Future[int] = Future()
             failed.set_exception(exc)
             return failed
+
+    def _retrieve_now(self, spec: LoadSpec) -> Future[int]:
+        """A foreground load run to its end by the backend on this thread, as a done future."""
+        done: Future[int] = Future()
+        try:
+            done.set_result(self._backends[spec.group].retrieve(spec.tokens, spec.block_ids, spec.skip_tokens))
+        except Exception as exc:
+            done.set_exception(exc)
+        return done
 
     def _settle_load(self, spec: LoadSpec, future: Future[int], timer: _Timer) -> None:
         target = len(spec.tokens)
