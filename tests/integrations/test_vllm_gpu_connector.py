@@ -186,19 +186,22 @@ def test_the_worker_registers_again_with_a_restarted_server() -> None:
             first.stop()
 
 
+@pytest.mark.parametrize("background", [False, True], ids=["foreground", "background"])
 @pytest.mark.parametrize("mode", ["embedded", "server"])
 def test_a_load_writes_the_blocks_only_after_what_vllms_stream_queued_before_it(
-    servers: dict[int, ServerProcess], mode: str
+    servers: dict[int, ServerProcess], mode: str, background: bool
 ) -> None:
     """vLLM hands a load blocks a finished request just gave back, whose kernels may still be queued on its stream
     (here ~0.1 s of GPU sleep, then a write of those blocks): the load's copy must wait for them on the GPU (never
-    the CPU), or they would overwrite the loaded KV. Embedded mode orders every copy of the cache engine's retrieve
-    after an event on vLLM's stream, staged or not; server mode sends that event with the RETRIEVE."""
+    the CPU), or they would overwrite the loaded KV. A foreground load runs on vLLM's thread (embedded: the transfer
+    records vLLM's stream itself; server: the RETRIEVE carries an event recorded there), a background one through
+    the backend's future (embedded: the cache engine's retrieve ordered after an event on vLLM's stream, staged or
+    not; server: the same RETRIEVE)."""
     case = case_of(BASE)
     settings = embedded_settings(case) if mode == "embedded" else server_settings(servers, BASE)
     (kv_a, worker_a), (kv_b, worker_b), owned = two_workers(case, BASE, "cuda", settings)
     bs, src, dst = case.block_size, [2, 6, 3, 9], [7, 0, 11, 4]
-    tokens = [random.Random(f"load-{mode}").randrange(50_000) for _ in range(4 * bs)]
+    tokens = [random.Random(f"load-{mode}-{background}").randrange(50_000) for _ in range(4 * bs)]
     try:
         worker_a.start_stores(StepPlan(stores=[StoreSpec("a", tokens, src, 0)]))
         worker_a.preempted(["a"])
@@ -211,8 +214,12 @@ def test_a_load_writes_the_blocks_only_after_what_vllms_stream_queued_before_it(
             for layer in kv_b.layers:
                 layer.index_copy_(0, index, torch.randn_like(layer[index]) if layer.is_floating_point() else
                                   torch.randint_like(layer[index], 0, 255))  # fmt: skip
-            worker_b.start_loads(StepPlan(loads=[LoadSpec("b", tokens, dst, 0)]))
-        assert worker_b.take_load_errors() == set()
+            load = LoadSpec("b", tokens, dst, 0, in_background=background)
+            worker_b.start_loads(StepPlan(loads=[load]))
+        deadline = time.monotonic() + 30
+        while background and "b" not in worker_b.finished_loading() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert worker_b.take_load_errors() == set() and worker_b.counters.tokens_loaded == 4 * bs
         torch.cuda.synchronize()  # the write has run by now, whenever it ran
         for got, want in zip(gathered(kv_b, dst), expected, strict=True):
             assert torch.equal(got, want)
