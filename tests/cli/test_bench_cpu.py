@@ -124,6 +124,7 @@ def test_server_engines(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None
         (["server", "--transfers", "0"], "--transfers"),
         (["server", "--pool-gb", "0"], "--pool-gb"),
         (["server-engines", "--engines", "0"], "--engines"),
+        (["server-engines", "--rounds", "100001"], "--rounds"),
     ],
 )
 def test_bad_options_exit_2_naming_them(args: list[str], named: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -20,7 +20,13 @@ import torch
 from kvferry.bench.vllm_views import BENCH_CASES, case_of, load_fixtures
 from kvferry.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
 from kvferry.integrations.vllm.settings import ConnectorSettings
-from tests.integrations.page_view_roundtrip import check_roundtrip, embedded_settings, gathered, two_workers
+from tests.integrations.page_view_roundtrip import (
+    check_roundtrip,
+    embedded_settings,
+    gathered,
+    kernel_index,
+    two_workers,
+)
 from tests.server.serverkit import ServerProcess
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -178,3 +184,45 @@ def test_the_worker_registers_again_with_a_restarted_server() -> None:
     finally:
         if first.proc.poll() is None:
             first.stop()
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["foreground", "background"])
+@pytest.mark.parametrize("mode", ["embedded", "server"])
+def test_a_load_writes_the_blocks_only_after_what_vllms_stream_queued_before_it(
+    servers: dict[int, ServerProcess], mode: str, background: bool
+) -> None:
+    """vLLM hands a load blocks a finished request just gave back, whose kernels may still be queued on its stream
+    (here ~0.1 s of GPU sleep, then a write of those blocks): the load's copy must wait for them on the GPU (never
+    the CPU), or they would overwrite the loaded KV. A foreground load runs on vLLM's thread (embedded: the transfer
+    records vLLM's stream itself; server: the RETRIEVE carries an event recorded there), a background one through
+    the backend's future (embedded: the cache engine's retrieve ordered after an event on vLLM's stream, staged or
+    not; server: the same RETRIEVE)."""
+    case = case_of(BASE)
+    settings = embedded_settings(case) if mode == "embedded" else server_settings(servers, BASE)
+    (kv_a, worker_a), (kv_b, worker_b), owned = two_workers(case, BASE, "cuda", settings)
+    bs, src, dst = case.block_size, [2, 6, 3, 9], [7, 0, 11, 4]
+    tokens = [random.Random(f"load-{mode}-{background}").randrange(50_000) for _ in range(4 * bs)]
+    try:
+        worker_a.start_stores(StepPlan(stores=[StoreSpec("a", tokens, src, 0)]))
+        worker_a.preempted(["a"])
+        assert worker_a.counters.tokens_stored == 4 * bs
+        expected = gathered(kv_a, src)
+        vllm_stream = torch.cuda.Stream()
+        with torch.cuda.stream(vllm_stream):
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the freed request's last write
+            index = kernel_index(kv_b, dst)
+            for layer in kv_b.layers:
+                layer.index_copy_(0, index, torch.randn_like(layer[index]) if layer.is_floating_point() else
+                                  torch.randint_like(layer[index], 0, 255))  # fmt: skip
+            load = LoadSpec("b", tokens, dst, 0, in_background=background)
+            worker_b.start_loads(StepPlan(loads=[load]))
+        deadline = time.monotonic() + 30
+        while background and "b" not in worker_b.finished_loading() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert worker_b.take_load_errors() == set() and worker_b.counters.tokens_loaded == 4 * bs
+        torch.cuda.synchronize()  # the write has run by now, whenever it ran
+        for got, want in zip(gathered(kv_b, dst), expected, strict=True):
+            assert torch.equal(got, want)
+    finally:
+        for thing in owned:
+            thing.close()

@@ -204,7 +204,7 @@ def test_a_request_settles_the_bookkeeping_of_copies_seen_done_by_any_session() 
 
 
 def test_a_gpu_transfer_whose_server_is_lost_fails_only_once_its_copy_can_no_longer_run(
-    endpoint: str, engine: Any, monkeypatch: pytest.MonkeyPatch
+    server: Any, endpoint: str, engine: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A torn-down server may still carry out a copy it had queued (kvferry.client.done_flags): a GPU transfer sent
     to a server that is then lost fails LOST_DRAIN_S later, not at once, so the engine does not reuse its blocks
@@ -218,7 +218,7 @@ def test_a_gpu_transfer_whose_server_is_lost_fails_only_once_its_copy_can_no_lon
         assert client.store(reg, list(range(8)), [0, 1, 2, 3]) == 8
         for as_gpu in (False, True):
             if as_gpu:  # retrieves are answered after their copy: no flag to watch, only the grace
-                client._gpu[reg] = GpuRegistration(torch.device("cuda"), FakeRing(), None)  # no flags: copies answered
+                stand_in_gpu_registration(server, client, reg)
             for call in ("async", "sync"):
                 engine.retrieve_gate.clear()  # the server's copy holds
                 engine.in_transfer.clear()
@@ -296,14 +296,52 @@ def test_requests_about_registrations_and_counts_settle_transfers_seen_done_firs
     assert len(settled) == 4
 
 
+def stand_in_gpu_registration(server: Any, client: KvferryClient, reg: int) -> FakeRing:
+    """Make `reg` (CPU KV on the fake engine) a GPU registration without done flags to both ends: the client keeps a
+    ring of ready events (`FakeRing`) and sends slot 0 with every transfer, the server holds one stand-in event for
+    that slot (the fake engine copies on the CPU and orders nothing after it). Its transfers are answered after
+    their copy."""
+    from kvferry.server.client_events import ClientEvents
+
+    ring = FakeRing()
+    client._gpu[reg] = GpuRegistration(torch.device("cuda"), ring, None)
+    server._sessions._sessions[client.session_id].registrations[reg].ready = ClientEvents(("stand-in",), (0,))
+    return ring
+
+
 class FakeRing:
-    """Stands in for a GPU registration's ring of ready events (the fake engine is CPU): every STORE gets slot 0."""
+    """Stands in for a GPU registration's ring of ready events (the fake engine is CPU): every transfer gets slot 0."""
+
+    def __init__(self) -> None:
+        self.held = 0  # slots recorded and not given back
+        self.recorded = 0
 
     def record(self) -> int:
+        self.held += 1
+        self.recorded += 1
         return 0
 
     def release(self, slot: int) -> None:
-        pass
+        self.held -= 1
+
+
+def test_a_gpu_registrations_stores_and_retrieves_each_name_a_ready_event(
+    server: Any, client: KvferryClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both directions are ordered after the client's stream: each STORE and RETRIEVE of GPU KV records a slot of the
+    ring right before it is sent, names it, and gives it back once answered."""
+    reg = client.register_kv_cache(random_kv(6), FMT, namespace=NS)
+    ring = stand_in_gpu_registration(server, client, reg)
+    sent: list[tuple[Op, Any]] = []
+    submit = client._conn.submit
+    monkeypatch.setattr(client._conn, "submit", lambda op, args, *a, **k: sent.append((op, args.get("ready_slot"))) or
+                        submit(op, args, *a, **k))  # fmt: skip
+    assert client.store(reg, list(range(8)), [0, 1, 2, 3]) == 8
+    assert client.store_async(reg, list(range(8)), [0, 1, 2, 3]).result(timeout=10) == 8
+    assert client.retrieve(reg, list(range(8)), [4, 5, 6, 7]) == 8
+    assert client.retrieve_async(reg, list(range(8)), [4, 5, 6, 7]).result(timeout=10) == 8
+    assert sent == [(Op.STORE, 0), (Op.STORE, 0), (Op.RETRIEVE, 0), (Op.RETRIEVE, 0)]
+    assert (ring.recorded, ring.held) == (4, 0)
 
 
 def test_ending_the_session_forgets_every_gpu_registration(client: KvferryClient) -> None:

@@ -230,9 +230,10 @@ def test_prefetch_status_clear_and_stats(client: KvferryClient, engine: FakeEngi
     assert client.lookup(tokens, registration=reg).tokens == 0
 
 
-def test_ready_events_belong_to_stores_of_cuda_registrations(client: KvferryClient) -> None:
-    """A CUDA registration's STORE names which of its opened IPC events it recorded (`ready_slot`); anywhere
-    else the fields are refused by name (the GPU path itself: tests/server/test_server_gpu.py)."""
+def test_ready_events_belong_to_transfers_of_cuda_registrations(client: KvferryClient) -> None:
+    """A CUDA registration's STORE or RETRIEVE names which of its opened IPC events it recorded (`ready_slot`), or
+    sends one of its own (`ready_event`); anywhere else the fields are refused by name (the GPU path itself:
+    tests/server/test_server_gpu.py, tests/server/test_transfers_started.py)."""
     from kvferry.client.kv_export import export_kv
     from kvferry.protocol.messages import Op, pack_ids
 
@@ -243,12 +244,14 @@ def test_ready_events_belong_to_stores_of_cuda_registrations(client: KvferryClie
     assert "'ready_events' are only meaningful for a CUDA registration" in reply["error"]["message"]
 
     reg = client.register_kv_cache(random_kv(10), FMT, namespace=NS)
-    store = {"registration": reg, "tokens": pack_ids(range(8), "t"), "block_ids": pack_ids([0, 1, 2, 3], "b")}
-    with pytest.raises(ServerError, match="'ready_slot'=0, but the registration has 0 events"):
-        client._conn.wait(client._conn.submit(Op.STORE, {**store, "ready_slot": 0}))
-    with pytest.raises(ServerError, match="belong to STORE, not RETRIEVE"):
-        client._conn.wait(client._conn.submit(Op.RETRIEVE, {**store, "ready_slot": 0}))
+    transfer = {"registration": reg, "tokens": pack_ids(range(8), "t"), "block_ids": pack_ids([0, 1, 2, 3], "b")}
+    for op in (Op.STORE, Op.RETRIEVE):
+        with pytest.raises(ServerError, match="'ready_slot'=0, but the registration has 0 events"):
+            client._conn.wait(client._conn.submit(op, {**transfer, "ready_slot": 0}))
+        with pytest.raises(ServerError, match="'ready_event' is only meaningful for a CUDA registration"):
+            client._conn.wait(client._conn.submit(op, {**transfer, "ready_event": b"\0" * 64}))
     assert client.store(reg, list(range(8)), [0, 1, 2, 3]) == 8  # the session is fine
+    assert client.retrieve(reg, list(range(8)), [4, 5, 6, 7]) == 8
 
 
 def test_a_busy_polling_server_serves_and_stops(engine: FakeEngine) -> None:

@@ -24,6 +24,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 FMT = EngineKVFormat.NL_X_TWO_NB_BS_NH_HS
 CHUNK, BS, NB = 256, 16, 640
 PER_CHUNK = CHUNK // BS
+SLEEP_CYCLES = 200_000_000  # GPU work queued before a transfer: ~0.1 s on the H200, far longer than an answer
 NS = {"model": "tests/done-flags"}
 
 
@@ -73,6 +74,9 @@ def raw_transfer(client: KvferryClient, op: Op, reg: int, tokens: list[int], ids
 def test_a_transfer_is_answered_before_its_copy_ends_and_the_flag_shows_the_end(
     endpoint: str, kv: list[torch.Tensor]
 ) -> None:
+    """Each transfer follows GPU work queued on this process's stream (a sleep, and before a RETRIEVE a write of the
+    blocks it loads into), which its copy waits for on the GPU: every one is answered while its copy has yet to
+    start, and the flag shows the end of a copy that came after that work (the blocks hold the retrieved bytes)."""
     src, dst = list(range(0, 16 * PER_CHUNK)), list(range(16 * PER_CHUNK, 32 * PER_CHUNK))
     for layer in kv:
         layer[:, src] = torch.randn_like(layer[:, src])
@@ -83,21 +87,23 @@ def test_a_transfer_is_answered_before_its_copy_ends_and_the_flag_shows_the_end(
         early = 0
         for attempt in range(3):
             tokens = tokens_at(10**6 * (attempt + 1) + _apart(endpoint), 16)
+            torch.cuda._sleep(SLEEP_CYCLES)
             result, slot, seq = raw_transfer(client, Op.STORE, reg, tokens, src)
             assert result == {"tokens": 16 * CHUNK, "signalled": True}
-            early += not flags.is_set(slot, seq)  # answered while the GPU still copies
+            early += not flags.is_set(slot, seq)  # answered while the GPU still sleeps before the copy
             flags.wait(slot, seq, time.monotonic() + 30, client._check_up)
             flags.release(slot)
             assert client.lookup(tokens, registration=reg).tokens == 16 * CHUNK  # its chunks are hits at once
-            for layer in kv:
-                layer[:, dst] = 0
+            torch.cuda._sleep(SLEEP_CYCLES)
+            for layer in kv:  # lands after the copy unless the copy waits for it: then these bytes would show
+                layer[:, dst] = torch.randn_like(layer[:, dst])
             result, slot, seq = raw_transfer(client, Op.RETRIEVE, reg, tokens, dst)
             assert result == {"tokens": 16 * CHUNK, "signalled": True}
             early += not flags.is_set(slot, seq)
             flags.wait(slot, seq, time.monotonic() + 30, client._check_up)
             flags.release(slot)
             assert torch.equal(blocks(kv, dst), expected)  # read right after the flag: every byte is there
-        assert early >= 3, "the answers came only after the copies ended"
+        assert early == 6, "a transfer was answered only after its copy ended"
 
 
 def test_plain_and_async_calls_through_flags_are_bit_exact(endpoint: str, kv: list[torch.Tensor]) -> None:
@@ -116,8 +122,8 @@ def test_plain_and_async_calls_through_flags_are_bit_exact(endpoint: str, kv: li
                 assert client.store_async(reg, tokens, ids).result(timeout=60) == 2 * CHUNK
         target = list(range(24 * PER_CHUNK, 26 * PER_CHUNK))
         for i, (tokens, expected) in enumerate(written):
-            for layer in kv:
-                layer[:, target] = 0
+            for layer in kv:  # on this stream right before the retrieve: its copy lands after it
+                layer[:, target] = torch.randn_like(layer[:, target])
             if i % 2:
                 assert client.retrieve(reg, tokens, target) == 2 * CHUNK
             else:

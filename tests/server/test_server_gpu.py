@@ -107,3 +107,40 @@ def test_stores_in_flight_beyond_the_ready_event_ring(server: ServerProcess) -> 
         for tokens, expected in written:
             assert client.retrieve(reg, tokens, target) == REAL_CHUNK
             assert torch.equal(blocks(kv, target), expected)
+
+
+@pytest.mark.parametrize("ready", ["ring", "own"])
+@pytest.mark.parametrize("call", ["retrieve", "retrieve_async"])
+def test_a_retrieve_writes_the_blocks_only_after_the_work_queued_on_the_callers_stream(
+    server: ServerProcess, call: str, ready: str
+) -> None:
+    """An engine loads into blocks whose last user's kernels are still queued on its stream (here ~0.1 s of GPU
+    sleep, then a write of those blocks): the server's copy waits for them on the GPU, so once the call returns the
+    blocks hold the retrieved bytes, never the late write's. `ready`: the RETRIEVE names a slot of the ring, or
+    (every slot held) sends an event of its own."""
+    kv = gpu_kv(seed=26)
+    per_chunk = REAL_CHUNK // REAL_BS
+    base = 30_000 + 1_000 * ["retrieve", "retrieve_async"].index(call) + 500 * (ready == "own")  # a new prefix each
+    tokens = list(range(base, base + 2 * REAL_CHUNK))
+    src, dst = list(range(2 * per_chunk)), list(range(2 * per_chunk, 4 * per_chunk))
+    with KvferryClient(server.endpoint) as client:
+        reg = client.register_kv_cache(kv, FMT_REAL, block_size=REAL_BS, namespace=REAL_NS)
+        assert client.store(reg, tokens, src) == 2 * REAL_CHUNK
+        expected = blocks(kv, src).clone()
+        ring = client._gpu[reg].ready
+        held = [ring.record() for _ in ring.events] if ready == "own" else []
+        assert None not in held
+        engine_stream = torch.cuda.Stream()
+        with torch.cuda.stream(engine_stream):
+            torch.cuda._sleep(200_000_000)
+            for layer in kv:
+                layer[:, dst] = torch.randn_like(layer[:, dst])
+            if call == "retrieve":
+                got = client.retrieve(reg, tokens, dst)
+            else:
+                got = client.retrieve_async(reg, tokens, dst).result(timeout=30)
+        for slot in held:
+            ring.release(slot)
+        assert got == 2 * REAL_CHUNK
+        torch.cuda.synchronize()  # the write has run by now, whenever it ran
+        assert torch.equal(blocks(kv, dst), expected)

@@ -202,15 +202,18 @@ class OrderSeen(Engine):
         return len(tokens)
 
 
+@pytest.mark.parametrize("store", [True, False], ids=["store", "retrieve"])
 @pytest.mark.parametrize("final", [True, False])
-def test_a_store_waits_for_its_ready_event_on_the_gpu_and_leaves_the_thread_as_it_was(final: bool) -> None:
-    """A STORE naming a ready slot orders its copies after that slot's event, when started on the socket thread and
-    when its rest runs on a worker (a copy of chunks a concurrent store gave up); the thread's order is put back
-    after each. A RETRIEVE, and a STORE naming no slot, wait for no event (the thread's stream, as in process)."""
+def test_a_transfer_waits_for_its_ready_event_on_the_gpu_and_leaves_the_thread_as_it_was(
+    final: bool, store: bool
+) -> None:
+    """A STORE or RETRIEVE naming a ready slot orders its copies after that slot's event, when started on the socket
+    thread and when its rest runs on a worker (a copy of chunks a concurrent store gave up); the thread's order is
+    put back after each. A transfer naming no slot waits for no event (the thread's stream, as in process)."""
     engine = OrderSeen(final)
     transfers, _, session, reg = setup(engine, Flags())
     reg.ready = client_events.ClientEvents(("event-0", "event-1"), (50, 51))
-    started = transfers.start(session, args(done_slot=0, done_seq=1, ready_slot=1), store=True, deadline=None,
+    started = transfers.start(session, args(done_slot=0, done_seq=1, ready_slot=1), store=store, deadline=None,
                               request_id=1)  # fmt: skip
     assert started is not None and started.finish is not None
     assert getattr(transfer_api._order, "event", None) is None
@@ -219,8 +222,55 @@ def test_a_store_waits_for_its_ready_event_on_the_gpu_and_leaves_the_thread_as_i
     assert engine.seen == [51, 51]
     assert getattr(transfer_api._order, "event", None) is None
     engine.seen.clear()
-    assert transfers.run(session, args(ready_slot=0), store=True, deadline=None)["tokens"] == 64
-    assert transfers.run(session, args(), store=True, deadline=None)["tokens"] == 64
-    assert transfers.run(session, args(), store=False, deadline=None)["tokens"] == 64
-    assert engine.seen == [50, 50, None, None, None, None]
+    assert transfers.run(session, args(ready_slot=0), store=store, deadline=None)["tokens"] == 64
+    assert transfers.run(session, args(), store=store, deadline=None)["tokens"] == 64
+    assert engine.seen == [50, 50, None, None]
     assert getattr(transfer_api._order, "event", None) is None
+
+
+class OpenedEvent:
+    """A client's own ready event as the server opens it (`open_client_event`), its raw handle made up."""
+
+    def __init__(self, handle: bytes) -> None:
+        self.cuda_event = int.from_bytes(handle[:2], "little")
+
+
+@pytest.mark.parametrize("store", [True, False], ids=["store", "retrieve"])
+def test_a_transfer_with_an_event_of_its_own_waits_for_it_on_the_gpu(
+    monkeypatch: pytest.MonkeyPatch, store: bool
+) -> None:
+    """Every event of the ring in use: the transfer sends one of its own, opened for it. It runs on a worker
+    (answered after its copy), and its copies wait for that event on the GPU, not a thread for the event."""
+    opened: list[bytes] = []
+
+    def open_event(device: Any, handle: bytes) -> OpenedEvent:
+        opened.append(handle)
+        return OpenedEvent(handle)
+
+    monkeypatch.setattr(transfers_module, "open_client_event", open_event)
+    engine = OrderSeen(final=True)
+    engine.copy.ended.set()
+    transfers, _, session, _ = setup(engine, Flags())
+    own = args(done_slot=0, done_seq=1, ready_event=(777).to_bytes(2, "little") + bytes(62))
+    assert transfers.start(session, own, store=store, deadline=None, request_id=1) is None  # a worker's
+    assert transfers.run(session, own, store=store, deadline=None) == {"tokens": 64, "signalled": False}
+    assert engine.seen == [777, 777] and len(opened) == 1
+    assert getattr(transfer_api._order, "event", None) is None
+
+
+def test_a_retrieve_naming_a_slot_or_event_it_cannot_have_is_refused_and_keeps_its_lock() -> None:
+    """A slot past the registration's ring, or an event of a registration that is not on a GPU: refused by name
+    before anything is copied; the lookup lock it named stays the session's (to free or to retrieve with)."""
+    engine = OrderSeen(final=True)
+    transfers, table, session, reg = setup(engine, Flags())
+    reg.ready = client_events.ClientEvents(("event-0", "event-1"), (50, 51))
+    table.add_lock(session, 55)
+    with pytest.raises(ProtocolError, match="'ready_slot'=2, but the registration has 2 events"):
+        transfers.start(session, args(done_slot=0, done_seq=1, ready_slot=2, lock=55), store=False, deadline=None,
+                        request_id=1)  # fmt: skip
+    with pytest.raises(ProtocolError, match="'ready_slot'=2, but the registration has 2 events"):
+        transfers.run(session, args(ready_slot=2, lock=55), store=False, deadline=None)
+    with pytest.raises(ProtocolError, match="'ready_event' is only meaningful for a CUDA registration"):
+        transfers.run(session, args(ready_event=bytes(64), lock=55), store=False, deadline=None)
+    assert engine.seen == [] and reg.users == 0
+    assert transfers.run(session, args(lock=55), store=False, deadline=None)["tokens"] == 64  # the lock was kept

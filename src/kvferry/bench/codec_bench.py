@@ -3,10 +3,12 @@
 Per model and request size (--chunks, default 16 and 1): the wall time of a store and of a retrieve (call to completion,
 median) with the fp8 codec and without it, and of a pinned memcpy of the bf16 bytes and of the bytes the codec
 moves. `vs bf16 memcpy` counts the bf16 bytes the engine holds (what the issue's 1.8x is about); `link` counts the
-bytes moved. Every codec request is first checked byte for byte against the torch backend on the GPU. Then a bf16
-8192^3 GEMM beside a loop of 16-chunk stores and retrieves (fp8, then bf16), against the mean of the GEMM alone
-before and after (--no-gemm: none). --sweep first tries the codec kernel's tile sizes, groups per step and warps
-and keeps the fastest.
+bytes moved. Every timed store and retrieve, fp8 and bf16, is checked byte for byte against the torch backend on the
+GPU: before each call what it writes is filled with random bytes, after it the objects (a store) or the engine's
+tensors (a retrieve) must equal the torch backend's store of the same blocks or retrieve of the same objects
+(`codec_checks`); a mismatch fails the run. Then a bf16 8192^3 GEMM beside a loop of 16-chunk stores and retrieves
+(fp8, then bf16; not checked), against the mean of the GEMM alone before and after (--no-gemm: none). --sweep
+first tries the codec kernel's tile sizes, groups per step and warps and keeps the fastest.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from rich.console import RenderableType
 
 from kvferry import Direction
+from kvferry.bench.codec_checks import RetrieveCheck, StoreCheck
 from kvferry.bench.gpu_gemm import gemm_tflops
 from kvferry.bench.harness import (
     BenchError,
@@ -87,28 +90,6 @@ def _setup(model: str, chunks: int) -> tuple:
     return fmt, paged, plain, with_codec(plain, "fp8"), ids
 
 
-def _check(fmt: F, paged: object, coded: KVGeometry, objs: torch.Tensor, ids: torch.Tensor) -> str:
-    """How many bytes of the GPU kernel's objects differ from the torch backend's on the same GPU (and a few of
-    them: the scaled value, the reference's e4m3 value, the kernel's)."""
-    ref = torch.empty(objs.shape, dtype=torch.uint8, device="cuda")
-    transfer(paged, ref, ids, Direction.D2H, fmt, geometry=coded, backend="torch")
-    ref = ref.cpu()
-    bad = ref != objs
-    width = coded.codec.width if coded.codec else 0
-    group = coded.codec.group if coded.codec else 1
-    if not bool(bad.any()):
-        return "equal"
-    plain = torch.empty((objs.shape[0], *coded.object_shape(256)[:3], width), dtype=coded.dtype, device="cuda")
-    transfer(paged, plain, ids, Direction.D2H, fmt, geometry=describe(fmt, paged))
-    x = plain.cpu().float().unflatten(-1, (-1, group))
-    amax = x.abs().amax(-1, keepdim=True)
-    scaled = (x * (torch.full_like(amax, 448.0) / amax)).flatten(-2)
-    where = bad[..., :width].nonzero()[:6].tolist()
-    e4m3 = torch.float8_e4m3fn
-    few = [(scaled[tuple(i)].item(), ref[tuple(i)].view(e4m3).item(), objs[tuple(i)].view(e4m3).item()) for i in where]
-    return f"{int(bad[..., :width].sum())} value bytes, {int(bad[..., width:].sum())} scale bytes differ: {few}"
-
-
 def transfer_rows(model: str, chunks: int, repeats: int) -> list[dict[str, object]]:
     fmt, paged, plain, coded, ids = _setup(model, chunks)
     engine = TransferEngine("cuda")
@@ -125,9 +106,11 @@ def transfer_rows(model: str, chunks: int, repeats: int) -> list[dict[str, objec
 
             for _ in range(3):
                 call()
-            checked = _check(fmt, paged, geom, objs, ids) if name == "fp8" and d is Direction.D2H else None
-            us = median_us(call, repeats)
             to_host = d is Direction.D2H
+            what = f"{model}, {chunks} chunks, {name} {'store' if to_host else 'retrieve'}"
+            checks = (StoreCheck if to_host else RetrieveCheck)(what, fmt, paged, geom, objs, ids)
+            us = median_us(call, repeats, setup=checks.setup)
+            checks.last()
             moved = copy_fp8 if name == "fp8" else copy_bf16
             memcpy_bf16 = median_us(lambda c=copy_bf16, t=to_host: c(t), repeats)  # type: ignore[misc]
             memcpy_moved = median_us(lambda c=moved, t=to_host: c(t), repeats)  # type: ignore[misc]
@@ -142,7 +125,7 @@ def transfer_rows(model: str, chunks: int, repeats: int) -> list[dict[str, objec
                     "vs_bf16_memcpy": round(memcpy_bf16 / us, 3),
                     "link": round(memcpy_moved / us, 3),
                     "mib_moved": round(nbytes / 2**20, 1),
-                    "objects_vs_torch": checked,  # a store's fp8 objects against the torch backend's
+                    "vs_torch": f"equal, {checks.calls} calls",  # every timed call (a mismatch raised)
                 }
             )
     forget_plans(coded)  # a later request of new tensors at these addresses compiles anew (`sweep`)
@@ -246,8 +229,8 @@ def _show(rows: list[dict], gemm: list[dict], tried: list[dict], tiling: dict) -
         table.add_row(str(r["model"]), str(r["chunks"]), str(r["codec"]), op, cell(r["mib_moved"]), cell(r["us"]),
                       cell(r["vs_bf16_memcpy"], ".2f"), cell(r["link"], ".2f"))  # fmt: skip
     show: list[RenderableType] = [*(f"sweep: {t}" for t in tried), table]
-    show += [f"{r['model']}, {r['chunks']} chunks: fp8 objects vs the torch backend on the GPU: {r['objects_vs_torch']}"
-             for r in rows if r["objects_vs_torch"] is not None]  # fmt: skip
+    if rows:
+        show.append("every timed store and retrieve: its objects or KV equal to the torch backend's, byte for byte")
     if gemm:
         beside = new_table("a bf16 8192^3 GEMM beside 16-chunk stores and retrieves", ("objects", "GEMM kept", "GB/s"))
         for g in gemm:

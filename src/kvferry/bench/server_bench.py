@@ -10,6 +10,8 @@ Cases (each a bounded number of requests):
   store_1chunk     STORE of one new 256-token chunk from scattered blocks (a new prefix each time)
   retrieve_1chunk  RETRIEVE of one cached chunk into scattered blocks
   store/retrieve_16chunks  the same for 16 chunks (4096 tokens): GB/s of the server-side copy
+Every store and retrieve is checked: the tokens it returns, and the bytes a retrieve leaves in its blocks
+(poisoned before it), outside the timed region (`server_transfers`); a wrong one fails the run.
 Latencies are client-side wall times per request; `engine_us` is the same store/retrieve through a
 CacheEngine in this process (no server), so the difference is what the server adds. Every store/retrieve
 alternates with a plain copy of its bytes between the same memories (on the CPU the faster of numpy.copyto and
@@ -48,6 +50,7 @@ from kvferry.bench.harness import (
     require_cuda,
 )
 from kvferry.bench.report import cell, new_table
+from kvferry.bench.server_transfers import KVBlocks, transfer_cases
 from kvferry.bench.timing import CopyCeiling, latency_summary
 from kvferry.cache import CacheEngine
 from kvferry.client import KvferryClient
@@ -60,7 +63,7 @@ from kvferry.protocol.unix_framing import frame
 FMT = EngineKVFormat.NL_X_TWO_NB_BS_NH_HS
 CHUNK, BS, NB = 256, 16, 1024
 PER_CHUNK = CHUNK // BS
-NAMESPACE = {"model": "bench", "salt": "bench_server"}
+NAMESPACE = {"model": "bench", "salt": "bench_server", "codec": "none"}  # objects hold the engine's bytes
 READY_TIMEOUT_S = 120.0
 
 DESCRIPTION = description_of(__doc__)
@@ -161,62 +164,6 @@ def timed(n: int, call: Callable[[int], Any]) -> list[float]:
     return samples
 
 
-Mover = Callable[[list[int], list[int]], Any]  # (tokens, block ids) -> None
-
-
-def transfer_cases(
-    store: Mover,
-    retrieve: Mover,
-    tokens: Callable[[int], list[int]],
-    transfers: int,
-    steps: Steps,
-    where: str,
-    ceiling: Callable[[int, str], CopyCeiling],
-    device: str,
-) -> dict[str, Any]:
-    """Time `store` of new prefixes, then `retrieve` of the last one, for one chunk and for 16, each request
-    alternating with a plain copy of its bytes (`ceiling(chunks, direction)`): `ratio` is the copy's median time
-    over the request's (client to reply).
-
-    A call is timed to its return and no further: both movers return once the bytes have moved (GPU KV: the
-    server's done flag seen, or the in-process engine's wait), when the engine may read the KV or reuse its
-    blocks. A `torch.cuda.synchronize()` after it would time something an engine does not do: with the server's
-    process the last on the GPU, it waits for a switch back to the client's context (47-120 us on the H200 host,
-    measured stage by stage). The copy it is compared with synchronizes: that is its end."""
-    rng = np.random.default_rng(1)
-
-    def case(n: int, call: Callable[[int], Any], copy: CopyCeiling | None) -> dict[str, Any]:
-        def calling(i: int) -> Callable[[int], Any]:  # request `i`, whichever index `timed` passes
-            return lambda _: call(i)
-
-        samples = []
-        for i in range(n):
-            samples += timed(1, calling(i))
-            if copy is not None:
-                copy.time_once()
-        summary = latency_summary(samples)
-        if copy is not None:
-            summary["ceiling_us"] = copy.best()[1] * 1e6
-            summary["ratio"] = summary["ceiling_us"] / summary["p50_us"]
-        return summary
-
-    def one_size(chunks: int) -> dict[str, Any]:
-        n = transfers if chunks == 1 else max(10, transfers // 10)
-        ids = [rng.permutation(NB)[: chunks * PER_CHUNK].tolist() for _ in range(8)]  # scattered blocks
-        prefixes = [tokens(chunks) for _ in range(n)]
-        # One chunk's copy on the CPU runs from the caches when repeated (3 MiB): no ceiling for it there.
-        copies = chunks > 1 or device == "cuda"
-        store_case = case(n, lambda i: store(prefixes[i], ids[i % 8]), ceiling(chunks, "d2h") if copies else None)
-        steps.done(f"{where}: store_{chunks}chunk")
-        retrieve_case = case(
-            n, lambda i: retrieve(prefixes[-1], ids[(i + 1) % 8]), ceiling(chunks, "h2d") if copies else None
-        )
-        steps.done(f"{where}: retrieve_{chunks}chunk")
-        return {f"store_{chunks}chunk": store_case, f"retrieve_{chunks}chunk": retrieve_case}
-
-    return {**one_size(1), **one_size(16)}
-
-
 def request_cases(client: KvferryClient, reg: int, prompt: list[int], n: int, steps: Steps) -> dict[str, Any]:
     rng = np.random.default_rng(2)
     client.store(reg, prompt, rng.permutation(NB)[: len(prompt) // BS].tolist())
@@ -304,12 +251,15 @@ def _server_cases(
             transfer_cases(
                 lambda t, ids: client.store(reg, t, ids),
                 lambda t, ids: client.retrieve(reg, t, ids),
+                KVBlocks(kv),
                 new_tokens,
                 args.transfers,
                 steps,
                 "server",
                 ceiling,
                 args.device,
+                NB,
+                PER_CHUNK,
             )
         )
     return cases
@@ -352,12 +302,15 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
         embedded = transfer_cases(
             lambda t, ids: engine.store(t, kv, ids, FMT, namespace=ns, block_size=BS),
             lambda t, ids: engine.retrieve(t, kv, ids, FMT, namespace=ns, block_size=BS),
+            KVBlocks(kv),
             new_tokens,
             args.transfers,
             steps,
             "embedded engine",
             ceiling,
             args.device,
+            NB,
+            PER_CHUNK,
         )
     for name, row in embedded.items():
         chunks = 1 if name.endswith("_1chunk") else 16

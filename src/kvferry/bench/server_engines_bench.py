@@ -2,7 +2,9 @@
 
 Each engine is a process of its own with its own KV and session, as vLLM workers are. Every round it makes a LOOKUP
 of a cached 16-chunk prompt, a STORE of a new one-chunk prefix and a RETRIEVE of a cached chunk, then pauses
-(--think-ms: the engine's forward pass). Engine 0 runs its rounds alone first, then every engine runs them at once
+(--think-ms: the engine's forward pass). Every store and retrieve must return its tokens, and every retrieve must
+leave the stored bytes in its blocks, poisoned before it (checked outside the timed calls: an engine that finds
+otherwise fails the run). Engine 0 runs its rounds alone first, then every engine runs them at once
 (all started together). Per op: the p50 and p99 alone, and together the median of the engines' p50s, the worst p50
 and the worst p99; `slowdown` is together over alone (the worst engine's p50, and the worst p99). Transfers of the
 engines share the host link: --think-ms sets how much of it they ask for.
@@ -25,6 +27,7 @@ import numpy as np
 from kvferry.bench.harness import BenchError, Outcome, Steps, add_json_argument, description_of, positive, require_cuda
 from kvferry.bench.report import cell, new_table
 from kvferry.bench.server_bench import CHUNK, FMT, NB, PER_CHUNK, ServerProcess
+from kvferry.bench.server_transfers import KVBlocks, check_tokens
 from kvferry.formats.synthetic import MODELS
 
 DESCRIPTION = description_of(__doc__)
@@ -35,6 +38,7 @@ examples:
 """
 OPS = ("lookup", "store_1chunk", "retrieve_1chunk")
 START_TIMEOUT_S = 300.0
+MAX_ROUNDS = 100_000  # an engine's runs keep their token ids apart below 10**8 (see `engine_main`)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check(args: argparse.Namespace) -> None:
     positive(args, "engines", "rounds")
+    if args.rounds > MAX_ROUNDS:
+        raise BenchError(f"--rounds must be at most {MAX_ROUNDS}, got {args.rounds}")
     if args.think_ms < 0 or args.pool_gb <= 0:
         raise BenchError("--think-ms must be >= 0 and --pool-gb positive")
     if args.device == "cuda":
@@ -70,9 +76,9 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
         steps.done("server started")
         ctx = mp.get_context("spawn")  # CUDA in children: never fork a process that may have touched it
         try:
-            alone = _run_engines(ctx, server.endpoint, args, 1)[0]
+            alone = _run_engines(ctx, server.endpoint, args, 1, run=0)[0]
             steps.done("one engine alone")
-            together = _run_engines(ctx, server.endpoint, args, args.engines)
+            together = _run_engines(ctx, server.endpoint, args, args.engines, run=1)
             steps.done(f"{args.engines} engines at once")
         finally:
             server.stop()
@@ -94,10 +100,10 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
     return Outcome(config, {"ops": rows}, _show(args, rows), device=args.device)
 
 
-def _run_engines(ctx: Any, endpoint: str, args: argparse.Namespace, n: int) -> list[dict[str, list[float]]]:
+def _run_engines(ctx: Any, endpoint: str, args: argparse.Namespace, n: int, run: int) -> list[dict[str, list[float]]]:
     """Start `n` engine processes, let them all go at once, and gather each one's latencies (seconds per op)."""
     ready, go, results = ctx.Barrier(n + 1), ctx.Event(), ctx.Queue()
-    spec = EngineSpec(endpoint, args.model, args.device, args.rounds, args.think_ms / 1e3)
+    spec = EngineSpec(endpoint, args.model, args.device, args.rounds, args.think_ms / 1e3, run)
     procs = [ctx.Process(target=engine_main, args=(i, spec, ready, go, results), daemon=True) for i in range(n)]
     for proc in procs:
         proc.start()
@@ -127,6 +133,9 @@ class EngineSpec:
     device: str
     rounds: int
     think_s: float  # between rounds
+    # Which run of the server's (one engine alone, then all together): each stores prefixes of its own, as a
+    # store of chunks the server holds already would copy nothing (and return 0 tokens)
+    run: int = 0
 
 
 def engine_main(index: int, spec: EngineSpec, ready: Any, go: Any, results: Any) -> None:
@@ -141,24 +150,33 @@ def engine_main(index: int, spec: EngineSpec, ready: Any, go: Any, results: Any)
     try:
         kv = make_paged(FMT, MODELS[spec.model], NB, 16, dtype=torch.bfloat16, device=spec.device)
         rng = np.random.default_rng(index)
-        base = (index + 1) * 10**8
+        base = (index + 1) * 10**8 + spec.run * MAX_ROUNDS * CHUNK
         prompt = list(range(base, base + 16 * CHUNK))  # its own: the engines' prompts differ
+        blocks = KVBlocks(kv, seed=index)
+        namespace = {"model": "bench", "salt": "engines", "codec": "none"}  # objects hold the engine's bytes
         with KvferryClient(spec.endpoint, timeout_s=120) as client:
-            reg = client.register_kv_cache(kv, FMT, block_size=16, namespace={"model": "bench", "salt": "engines"})
-            client.store(reg, prompt, rng.permutation(NB)[: 16 * PER_CHUNK].tolist())
+            reg = client.register_kv_cache(kv, FMT, block_size=16, namespace=namespace)
+            prompt_ids = rng.permutation(NB)[: 16 * PER_CHUNK].tolist()
+            check_tokens("the prompt's store", client.store(reg, prompt, prompt_ids), len(prompt))
+            first_chunk = blocks.read(prompt_ids[:PER_CHUNK])  # what every retrieve brings back
             ready.wait(timeout=START_TIMEOUT_S)
             go.wait(timeout=START_TIMEOUT_S)
             for r in range(spec.rounds):
                 ids = rng.permutation(NB)[:PER_CHUNK].tolist()
-                fresh = list(range(base + (r + 100) * CHUNK * 16, base + (r + 100) * CHUNK * 16 + CHUNK))
-                for op, call in (
-                    ("lookup", lambda: client.lookup(prompt, registration=reg)),
-                    ("store_1chunk", lambda ids=ids, fresh=fresh: client.store(reg, fresh, ids)),
-                    ("retrieve_1chunk", lambda ids=ids: client.retrieve(reg, prompt[:CHUNK], ids)),
-                ):
-                    started = time.perf_counter()
-                    call()
-                    latencies[op].append(time.perf_counter() - started)
+                fresh = list(range(base + (16 + r) * CHUNK, base + (17 + r) * CHUNK))  # a new prefix each round
+                started = time.perf_counter()
+                client.lookup(prompt, registration=reg)
+                latencies["lookup"].append(time.perf_counter() - started)
+                started = time.perf_counter()
+                stored = client.store(reg, fresh, ids)
+                latencies["store_1chunk"].append(time.perf_counter() - started)
+                check_tokens(f"round {r}'s store", stored, CHUNK)
+                blocks.poison(ids)
+                started = time.perf_counter()
+                retrieved = client.retrieve(reg, prompt[:CHUNK], ids)
+                latencies["retrieve_1chunk"].append(time.perf_counter() - started)
+                check_tokens(f"round {r}'s retrieve", retrieved, CHUNK)
+                blocks.check(f"round {r}'s retrieve", ids, first_chunk)
                 time.sleep(spec.think_s)
         results.put({"engine": index, "latencies": latencies})
     except BaseException as exc:  # reported to the parent, which names it

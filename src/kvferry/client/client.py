@@ -253,7 +253,11 @@ class KvferryClient:
     ) -> Future[int]:
         """Copy the cached KV of `tokens` into `block_ids`, leaving the blocks of the first
         `skip_prefix_tokens` tokens untouched; resolves to the tokens written, once the copy is complete
-        (GPU included). `lock` (from `lookup(lock=True)`) is released when the copy ends."""
+        (GPU included). `lock` (from `lookup(lock=True)`) is released when the copy ends.
+
+        For GPU KV the server's copy first waits, on the GPU, for the work queued so far on this thread's current
+        CUDA stream, so the blocks may be handed to the load while kernels that still use them are queued there.
+        """
         args = transfer_args(registration, tokens, block_ids, skip_prefix_tokens)
         if lock is not None:
             args["lock"] = lock
@@ -350,14 +354,17 @@ class KvferryClient:
         return outcome
 
     def _submit(self, op: Op, registration: int, args: dict[str, Any]) -> Future[dict[str, Any]]:
-        """Send a STORE or RETRIEVE; its future resolves to the server's result map."""
+        """Send a STORE or RETRIEVE; its future resolves to the server's result map. For GPU KV either one is sent
+        with a ready event recorded on this thread's current stream, which the server's copy waits for on the GPU:
+        a STORE reads the blocks after the work that writes them, a RETRIEVE writes them after the work queued
+        before it (kernels still reading or writing blocks a finished request just gave back)."""
         event = None
         gpu = self._gpu.get(registration)
-        ready = gpu.ready if gpu is not None and op is Op.STORE else None
+        ready = gpu.ready if gpu is not None else None
         slot = ready.record() if ready is not None else None
         if slot is not None:
             args["ready_slot"] = slot
-        elif op is Op.STORE and gpu is not None:  # every ready event of the ring in use: a fresh one
+        elif gpu is not None:  # every ready event of the ring in use: a fresh one
             event = torch.cuda.Event(interprocess=True)
             event.record(torch.cuda.current_stream(gpu.device))
             args["ready_event"] = bytes(event.ipc_handle())

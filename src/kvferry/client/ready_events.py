@@ -1,13 +1,16 @@
-"""How a STORE of GPU KV tells the server when the KV is written: CUDA IPC events opened once, at registration.
+"""How a GPU transfer tells the server when the client's work on the blocks is queued: CUDA IPC events opened once,
+at registration.
 
-The server must not read blocks before the engine's work that writes them (the forward pass) has run. The client
-records an event on its current stream right before each STORE and the server's copy waits for it. Making an
-interprocess event, exporting its handle and opening it in the server costs far more than the record itself, so a
-registration comes with a ring of events the server opens once; a STORE names the slot it recorded. A slot is
-reused only after the server answered the STORE that used it (re-recording it earlier could move the wait to
-another stream). With every slot in use a STORE sends a fresh event of its own, as before. The record is the
-driver's (`kvferry.cuda.driver`, on the raw handles): torch's `Event.record` on `current_stream` cost a
-one-chunk STORE ~20 us of the client's time before it was sent (H200 host).
+The server must not read blocks before the engine's work that writes them (a STORE after the forward pass), nor
+write blocks before the work queued on them has run (a RETRIEVE into blocks a finished request just gave back,
+whose kernels may still be queued). The client records an event on its current stream right before each STORE or
+RETRIEVE and the server's copy waits for it on the GPU. Making an interprocess event, exporting its handle and
+opening it in the server costs far more than the record itself, so a registration comes with a ring of events the
+server opens once; a transfer names the slot it recorded. A slot is reused only after the server answered the
+transfer that used it (re-recording it earlier could move the wait to another stream). With every slot in use a
+transfer sends a fresh event of its own. The record is the driver's (`kvferry.cuda.driver`, on the raw handles):
+torch's `Event.record` on `current_stream` cost a one-chunk STORE ~20 us of the client's time before it was sent
+(H200 host).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ SLOTS = 16
 
 
 class ReadyEvents:
-    """The interprocess events of one CUDA registration and which of them a STORE in flight holds."""
+    """The interprocess events of one CUDA registration and which of them a transfer in flight holds."""
 
     def __init__(self, device: torch.device, slots: int = SLOTS) -> None:
         self.device = device
@@ -39,7 +42,7 @@ class ReadyEvents:
 
     def record(self) -> int | None:
         """Record a free slot's event on this thread's current stream on the KV's device; its index, or None
-        when every slot is held by a STORE still in flight."""
+        when every slot is held by a transfer still in flight."""
         with self._lock:
             if not self._free:
                 return None

@@ -81,7 +81,7 @@ class RegisterArgs(_Args):
     namespace: Deployment
     storages: Annotated[list[ShmStorage | CudaIpcStorage], Field(min_length=1, max_length=4096)]
     kv: Any  # TensorView maps nested in lists, mirroring the format's nesting; checked by kv_mapping
-    # CUDA IPC events the server opens once; a STORE names the one it recorded (`ready_slot`)
+    # CUDA IPC events the server opens once; a STORE or RETRIEVE names the one it recorded (`ready_slot`)
     ready_events: Annotated[list[bytes], Field(max_length=64)] | None = None
     # [first head, total heads]: the tensors hold that slice of the model's KV heads (a tensor-parallel rank);
     # objects then hold every head, and the key space is the model's whatever the parallelism
@@ -122,8 +122,9 @@ class TransferArgs(_Args):
     block_ids: bytes
     skip_prefix_tokens: NonNegative = 0
     tail: bool = False  # STORE: the tokens after the last full chunk too, as a tail object (kvferry.cache.tails)
-    ready_event: bytes | None = None  # CUDA IPC event the server waits on before reading GPU KV (STORE)
-    ready_slot: NonNegative | None = None  # or: which of the registration's `ready_events` it recorded (STORE)
+    # CUDA IPC event the server's copy waits for on the GPU before it reads (STORE) or writes (RETRIEVE) GPU KV
+    ready_event: bytes | None = None
+    ready_slot: NonNegative | None = None  # or: which of the registration's `ready_events` it recorded
     lock: NonNegative | None = None  # a LOOKUP lock that RETRIEVE ends once its copy is done
     # Answer once the copy is enqueued; the GPU writes `done_seq` into word `done_slot` of the registration's
     # `done_flags` when it is done (the client polls the word)

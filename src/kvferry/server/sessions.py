@@ -38,7 +38,7 @@ class Registration:
     block_size: int | None
     namespace: Any  # CacheNamespace
     geometry: Any  # KVGeometry, described once at registration
-    ready: Any = None  # the client's CUDA IPC events its stores wait on (kvferry.server.client_events.ClientEvents)
+    ready: Any = None  # the client's CUDA IPC events its transfers wait on (kvferry.server.client_events.ClientEvents)
     done_flags: Any = None  # the client's done-flag words (kvferry.server.done_signal.DoneFlags)
     users: int = 0  # transfers running on this registration now
     closing: bool = False

@@ -1,7 +1,11 @@
-"""STORE and RETRIEVE: their checks, a GPU store's order after the client's own work, and the two ways one runs.
+"""STORE and RETRIEVE: their checks, a GPU transfer's order after the client's own work, and the two ways one runs.
+
+A GPU transfer's copies wait, on the GPU, for the ready event the client recorded on its stream right before
+sending it: a STORE reads the blocks after the work that writes them, a RETRIEVE writes them after the work queued
+on them (no CPU thread of the server waits for the engine's GPU work).
 
 - On a worker, start to end, answered after the copy: CPU KV (the copy is the CPU's own work), a GPU transfer that
-  names no done flag, and a STORE whose readiness is an event of its own (waited for on the CPU).
+  names no done flag, and one whose ready event is one of its own (opened for it, not one of the ring's).
 - Started on the socket thread: a GPU transfer naming a done flag (`kvferry.server.done_signal`). The thread runs
   it up to its copy being enqueued, answers at once, and leaves the wait and the bookkeeping to a worker. On the
   GPU host a hand-over between threads costs ~100-200 us of wake-up:
@@ -15,13 +19,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from kvferry.cache import CacheEngine
 from kvferry.cache.steps import Finished, Steps, finish_steps, first_step, run_steps
 from kvferry.protocol.messages import ErrorCode, ProtocolError, unpack_ids
+from kvferry.server.client_events import open_client_event
 from kvferry.server.requests import TransferArgs
 from kvferry.server.sessions import Registration, Session, SessionTable
 from kvferry.transfer import ordered_after
@@ -83,10 +88,9 @@ class Transfers:
         reg = self._sessions.use_registration(session, args.registration)
         try:
             _check_ready_slot(reg, args)
+            after_client = _after_client_work(reg, args)  # opens an event of its own: refused before the lock is
             self._take_lock(session, args)  # from here the engine owns it: a retrieve ends it however it goes
-            if store and args.ready_event is not None:
-                _wait_for_client_event(reg, args.ready_event)
-            with _after_client_work(reg, args, store):
+            with after_client:
                 done = run_steps(self._steps(reg, args, store, deadline, tokens, block_ids))
         finally:
             self._sessions.done_with(reg)
@@ -112,7 +116,7 @@ class Transfers:
             _use_device(reg.kv.device)
             self._take_lock(session, args)  # from here the steps own it (they end it however they go)
             steps = self._steps(reg, args, store, deadline, tokens, block_ids)
-            with _after_client_work(reg, args, store):
+            with _after_client_work(reg, args):
                 first = first_step(steps)
         except BaseException:
             self._sessions.done_with(reg)
@@ -137,7 +141,7 @@ class Transfers:
 
         def finish() -> dict[str, Any]:
             try:
-                with _after_client_work(reg, args, store):
+                with _after_client_work(reg, args):
                     done = finish_steps(steps)
                 return {"tokens": int(done), "signalled": False}
             finally:
@@ -182,8 +186,6 @@ def _ids(args: TransferArgs, store: bool) -> tuple[Any, Any]:
     block_ids = unpack_ids(args.block_ids, "block_ids")
     if store and args.lock is not None:
         raise ProtocolError(ErrorCode.BAD_ARGUMENT, "'lock' belongs to RETRIEVE, not STORE")
-    if not store and (args.ready_event is not None or args.ready_slot is not None):
-        raise ProtocolError(ErrorCode.BAD_ARGUMENT, "'ready_event' and 'ready_slot' belong to STORE, not RETRIEVE")
     if (args.done_slot is None) != (args.done_seq is None):
         raise ProtocolError(ErrorCode.BAD_ARGUMENT, "give both 'done_slot' and 'done_seq', or neither")
     return tokens, block_ids
@@ -210,23 +212,22 @@ def _check_ready_slot(reg: Registration, args: TransferArgs) -> None:
         )
 
 
-def _after_client_work(reg: Registration, args: TransferArgs, store: bool) -> contextlib.AbstractContextManager[None]:
-    """For a STORE naming a ready slot: the GPU transfers this thread enqueues wait, on the GPU, for the client's
-    work recorded in that slot's event (`ordered_after`). No CPU thread blocks on the engine's forward pass, and no
-    other client's transfer queues behind it. The same holds for a store resumed on another thread (chunks a
-    concurrent store gave up): it has not been answered, so the client has not recorded that slot again."""
-    if not store or args.ready_slot is None:
-        return contextlib.nullcontext()
-    return ordered_after(reg.ready.raw_events[args.ready_slot])
+def _after_client_work(reg: Registration, args: TransferArgs) -> contextlib.AbstractContextManager[None]:
+    """The GPU transfers this thread enqueues in the block wait, on the GPU, for the client's work recorded in the
+    transfer's ready event (`ordered_after`): a slot of the registration's ring, or an event sent with it, opened
+    here (a BAD_ARGUMENT if it cannot be). No CPU thread blocks on the engine's work, and no other client's transfer
+    queues behind it. The same holds for a transfer resumed on another thread (chunks a concurrent store gave up):
+    it has not been answered, so the client has not recorded that slot again."""
+    if args.ready_slot is not None:
+        assert reg.ready is not None  # `_check_ready_slot` refused a slot the registration does not have
+        return ordered_after(reg.ready.raw_events[args.ready_slot])
+    if args.ready_event is not None:
+        return _ordered_after_opened(open_client_event(reg.kv.device, args.ready_event))
+    return contextlib.nullcontext()
 
 
-def _wait_for_client_event(reg: Registration, handle: bytes) -> None:
-    """Block until the client's CUDA work before its STORE (e.g. the forward pass writing KV) is done."""
-    import torch
-
-    if reg.kv.device.type != "cuda":
-        raise ProtocolError(ErrorCode.BAD_ARGUMENT, "'ready_event' is only meaningful for a CUDA registration")
-    try:
-        torch.cuda.Event.from_ipc_handle(reg.kv.device, handle).synchronize()
-    except RuntimeError as exc:
-        raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"'ready_event': cannot open the CUDA IPC event ({exc})") from None
+@contextlib.contextmanager
+def _ordered_after_opened(event: Any) -> Iterator[None]:
+    """`ordered_after` an opened `torch.cuda.Event`, held until the transfers that wait for it are enqueued."""
+    with ordered_after(event.cuda_event):
+        yield
