@@ -158,6 +158,21 @@ class _FakeSetup:
     def runner(self, *args: object) -> Callable[[], None]:
         return lambda: None
 
+    def check(self, *args: object) -> _FakeCheck:
+        return _FakeCheck()
+
+
+class _FakeCheck:
+    """Stands in for a check of a GPU transfer: counts its calls."""
+
+    setups = lasts = 0
+
+    def setup(self) -> None:
+        _FakeCheck.setups += 1
+
+    def last(self) -> None:
+        _FakeCheck.lasts += 1
+
 
 def test_gpu_transfer_control_flow_with_the_gpu_faked(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -173,7 +188,7 @@ def test_gpu_transfer_control_flow_with_the_gpu_faked(
 
     monkeypatch.setattr(gpu_transfer_bench, "require_cuda", lambda what: None)
     monkeypatch.setattr(gpu_transfer_bench, "Setup", _FakeSetup)
-    monkeypatch.setattr(gpu_transfer_bench, "paired_ms", lambda fn, ceiling, reps: (2.0, 1.0))
+    monkeypatch.setattr(gpu_transfer_bench, "paired_ms", lambda fn, ceiling, reps, checks: (2.0, 1.0))
     monkeypatch.setattr(gpu_transfer_bench, "memcpy", lambda nbytes, to_host: lambda: None)
     monkeypatch.setattr(gpu_transfer_bench, "memcpy_start", lambda nbytes, to_host: lambda: Handle())
     monkeypatch.setattr(gpu_transfer_bench, "by_hand", lambda s: lambda: None)
@@ -188,6 +203,8 @@ def test_gpu_transfer_control_flow_with_the_gpu_faked(
     for module in (gpu_transfer_bench, gpu_gemm):
         monkeypatch.setattr(module, "TransferEngine", lambda *args, **kwargs: None)
         monkeypatch.setattr(module, "PinnedCopy", lambda nbytes: None)
+    monkeypatch.setattr(_FakeCheck, "setups", 0)
+    monkeypatch.setattr(_FakeCheck, "lasts", 0)
     doc, progress = run_bench(monkeypatch, tmp_path, "gpu-transfer", "--reps", "1")
     sections = gpu_transfer_bench.SECTIONS
     assert progress.totals == [planned_steps(list(sections))]
@@ -197,6 +214,10 @@ def test_gpu_transfer_control_flow_with_the_gpu_faked(
     }  # fmt: skip
     assert all(r["ratio"] == 0.5 for r in rows if r["section"] != "gemm")
     assert sum(r["section"] == "gemm" for r in rows) == gpu_gemm.STEPS - 1
+    by_hand = [r for r in rows if r["what"].endswith("torch by hand")]
+    assert len(by_hand) == 4  # llama3-8b and qwen2.5-0.5b in bulk and one-chunk
+    assert doc["results"]["checked_rows"] == sum(r["section"] != "gemm" for r in rows) - len(by_hand)
+    assert _FakeCheck.setups == _FakeCheck.lasts == 2 * len(gpu_gemm.CONFIGS)  # each engine's loop beside the GEMMs
     calls = doc["results"]["calls"]
     assert [(c["what"], c["direction"]) for c in calls] == [
         (f"{what}{ceiling}", d)
@@ -208,6 +229,7 @@ def test_gpu_transfer_control_flow_with_the_gpu_faked(
     assert doc["machine"]["device"] == "no GPU (faked)"
     out = capsys.readouterr().out
     assert "serial gather+DMA (1 slot)" in out and "GEMM TFLOP/s" in out and "GPU waited us" in out
+    assert f"checked: the last timed transfer of {doc['results']['checked_rows']} of these rows" in out
 
 
 @pytest.mark.gpu
