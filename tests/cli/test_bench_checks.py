@@ -145,3 +145,44 @@ def test_codec_checks_pass_the_torch_backend_and_fail_a_wrong_store_or_retrieve(
         run(RetrieveCheck("retrieve", fmt, paged, geom, objs, ids), [lambda: retrieve(ids.flip(0))])
     with pytest.raises(BenchError, match="retrieve #2: "):
         run(RetrieveCheck("retrieve", fmt, paged, geom, objs, ids), [lambda: retrieve(ids), lambda: None])
+
+
+@pytest.mark.parametrize("as_list", [True, False], ids=["scattered objects", "one tensor"])
+def test_gpu_transfer_checks_fail_reversed_or_unwritten_blocks(as_list: bool) -> None:
+    """`kvferry bench gpu-transfer`'s checks (`codec_checks` on its objects: a list of them, or one tensor) with the
+    torch backend standing for the engine on the CPU: the right transfer passes; the blocks reversed, or the first
+    block left unwritten, fail by name."""
+    from dataclasses import replace
+
+    from kvferry import Direction
+    from kvferry.bench.codec_checks import RetrieveCheck, StoreCheck
+    from kvferry.formats import EngineKVFormat, describe
+    from kvferry.formats.synthetic import MODELS, make_paged
+    from kvferry.transfer import transfer
+
+    fmt = EngineKVFormat.NL_X_TWO_NB_BS_NH_HS
+    paged = make_paged(fmt, replace(MODELS["qwen2.5-0.5b"], nl=2), 64, 16, generator=torch.Generator().manual_seed(5))
+    geom = describe(fmt, paged)
+    ids = torch.randperm(64, generator=torch.Generator().manual_seed(6))[:32]  # two 256-token chunks
+    block = torch.empty((2, *geom.object_shape(256)), dtype=geom.dtype)
+    objs: Any = list(block) if as_list else block
+
+    def move(direction: Direction, block_ids: torch.Tensor, skip: int = 0) -> Any:
+        return lambda: transfer(paged, objs, block_ids, direction, fmt, geometry=geom, backend="torch",
+                                skip_prefix_blocks=skip)  # fmt: skip
+
+    def run(check: Any, call: Any) -> None:
+        check.setup()
+        call()
+        check.last()
+
+    for d, make, error in (
+        (Direction.D2H, StoreCheck, "store #1: its objects differ from the torch backend's: "),
+        (Direction.H2D, RetrieveCheck, r"retrieve #1: \d+ of \d+ bytes of the engine's KV differ"),
+    ):
+        op = error.split(" ")[0]
+        run(make(op, fmt, paged, geom, objs, ids), move(d, ids))
+        with pytest.raises(BenchError, match=error):
+            run(make(op, fmt, paged, geom, objs, ids), move(d, ids.flip(0)))
+        with pytest.raises(BenchError, match=error):
+            run(make(op, fmt, paged, geom, objs, ids), move(d, ids, skip=1))

@@ -50,6 +50,7 @@ def test_gpu_transfer_calls_and_bidir(monkeypatch: pytest.MonkeyPatch, tmp_path:
     rows = doc["results"]["rows"]
     assert {r["section"] for r in rows} == {"calls", "bidir"}
     assert all(r["ratio"] > 0 and r["gbps"] > 0 for r in rows)
+    assert doc["results"]["checked_rows"] == 3  # the 16 chunks' two rows and bidir: each one's last transfer
     calls = doc["results"]["calls"]
     assert len(calls) == 16 and doc["machine"]["device"] != "cpu"
     for c in calls:  # each request's GPU time is part of its wall time; the profiler saw its work inside the call
@@ -268,3 +269,32 @@ def test_codec_fails_a_transfer_that_moves_the_wrong_blocks(
     assert main(args) == 1
     err = capsys.readouterr().err
     assert f"llama3-8b, 1 chunks, bf16 {op} #1" in err, err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    ("direction", "error"),
+    [
+        ("D2H", "crossover qwen 1 chunks D2H staged #1: its objects differ from the torch backend's"),
+        ("H2D", "crossover qwen 1 chunks H2D staged #1: "),
+    ],
+)
+def test_gpu_transfer_fails_a_transfer_that_moves_the_wrong_blocks(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], direction: str, error: str
+) -> None:
+    """The bench's transfers in one direction fed the right blocks in the wrong order: the last timed one of the
+    first such row differs from the torch backend's, and the run fails (exit 1) naming the row."""
+    import kvferry
+
+    real = kvferry.transfer_async
+
+    def reversed_blocks(paged, objects, ids, d, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return real(paged, objects, ids.flip(0) if d.name == direction else ids, d, *args, **kwargs)
+
+    monkeypatch.setattr(kvferry, "transfer_async", reversed_blocks)
+    assert main(["bench", "gpu-transfer", "--sections", "crossover", "--reps", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "kvferry bench gpu-transfer: " in err and error in err, err
+    if direction == "H2D":
+        assert "bytes of the engine's KV differ from the torch backend's" in err, err
