@@ -186,3 +186,36 @@ def test_gpu_transfer_checks_fail_reversed_or_unwritten_blocks(as_list: bool) ->
             run(make(op, fmt, paged, geom, objs, ids), move(d, ids.flip(0)))
         with pytest.raises(BenchError, match=error):
             run(make(op, fmt, paged, geom, objs, ids), move(d, ids, skip=1))
+
+
+def test_chunk_check_fails_a_retrieve_into_the_wrong_or_unwritten_blocks() -> None:
+    """`kvferry bench cache-gpu`'s check of its last retrieve, with the torch backend standing for the cache on the
+    CPU: the chunk back in the blocks asked for passes; in the wrong order, or its first block unwritten, fails."""
+    from dataclasses import replace
+
+    from kvferry import Direction
+    from kvferry.bench.block_check import ChunkCheck
+    from kvferry.formats import EngineKVFormat, describe
+    from kvferry.formats.synthetic import MODELS, make_paged
+    from kvferry.transfer import transfer
+
+    fmt = EngineKVFormat.NL_X_TWO_NB_BS_NH_HS
+    paged = make_paged(fmt, replace(MODELS["llama3-8b"], nl=2), 32, 16, generator=torch.Generator().manual_seed(7))
+    geom = describe(fmt, paged)
+    ids = torch.randperm(32, generator=torch.Generator().manual_seed(8))[:16].tolist()
+    backwards = ids[::-1]
+    chunk = torch.empty((1, *geom.object_shape(256)), dtype=geom.dtype)
+    check = ChunkCheck(fmt, paged, geom, seed=9)
+
+    def round_trip(into: list[int], skip: int = 0) -> None:
+        check.remember(ids)
+        transfer(paged, chunk, ids, Direction.D2H, fmt, geometry=geom, backend="torch")  # the store
+        check.poison(backwards)
+        transfer(paged, chunk, into, Direction.H2D, fmt, geometry=geom, backend="torch", skip_prefix_blocks=skip)
+        check.verify("retrieve #59", backwards)
+
+    round_trip(backwards)
+    with pytest.raises(BenchError, match=r"retrieve #59: \d+ of \d+ bytes of its blocks differ from the blocks"):
+        round_trip(ids)
+    with pytest.raises(BenchError, match="retrieve #59: "):
+        round_trip(backwards, skip=1)

@@ -298,3 +298,34 @@ def test_gpu_transfer_fails_a_transfer_that_moves_the_wrong_blocks(
     assert "kvferry bench gpu-transfer: " in err and error in err, err
     if direction == "H2D":
         assert "bytes of the engine's KV differ from the torch backend's" in err, err
+
+
+def _retrieve_short_by_one(real: Any) -> Any:
+    return lambda self, *args, **kwargs: real(self, *args, **kwargs) - 1
+
+
+def _retrieve_into_the_blocks_reversed(real: Any) -> Any:
+    return lambda self, tokens, paged, block_ids, *args, **kwargs: real(
+        self, tokens, paged, block_ids[::-1], *args, **kwargs
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    ("wrong", "error"),
+    [
+        (_retrieve_short_by_one, "llama3-8b: retrieve #0: moved 255 tokens, not the 256 asked for"),
+        (_retrieve_into_the_blocks_reversed, "llama3-8b: retrieve #59 into the blocks it was stored from, reversed: "),
+    ],
+    ids=["short", "misplaced"],
+)
+def test_cache_gpu_fails_a_wrong_retrieve(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], wrong: Any, error: str
+) -> None:
+    from kvferry.cache import CacheEngine
+
+    monkeypatch.setattr(CacheEngine, "retrieve", wrong(CacheEngine.retrieve))
+    assert main(["bench", "cache-gpu"]) == 1
+    err = capsys.readouterr().err
+    assert "kvferry bench cache-gpu: " in err and error in err, err
