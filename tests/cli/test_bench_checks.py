@@ -219,3 +219,34 @@ def test_chunk_check_fails_a_retrieve_into_the_wrong_or_unwritten_blocks() -> No
         round_trip(ids)
     with pytest.raises(BenchError, match="retrieve #59: "):
         round_trip(backwards, skip=1)
+
+
+def test_gpu_transfer_rows_check_their_last_timed_transfer() -> None:
+    """`paired_ms` poisons before the last timed call of the row and checks it after the loop: a wrong last call
+    fails, a wrong earlier one is outside the stated sample."""
+    from dataclasses import replace
+
+    from kvferry import Direction
+    from kvferry.bench.codec_checks import StoreCheck
+    from kvferry.bench.gpu_transfer_bench import paired_ms
+    from kvferry.formats import EngineKVFormat, describe
+    from kvferry.formats.synthetic import MODELS, make_paged
+    from kvferry.transfer import transfer
+
+    fmt = EngineKVFormat.NL_X_TWO_NB_BS_NH_HS
+    paged = make_paged(fmt, replace(MODELS["qwen2.5-0.5b"], nl=2), 32, 16, generator=torch.Generator().manual_seed(1))
+    geom = describe(fmt, paged)
+    ids = torch.randperm(32, generator=torch.Generator().manual_seed(2))[:16]
+    objs = [torch.empty(geom.object_shape(256), dtype=geom.dtype)]
+
+    def stores(wrong_call: int) -> Any:
+        calls = iter(range(100))
+        return lambda: transfer(paged, objs, ids.flip(0) if next(calls) == wrong_call else ids, Direction.D2H, fmt,
+                                geometry=geom, backend="torch")  # fmt: skip
+
+    def row(fn: Any) -> None:
+        paired_ms(fn, lambda: None, 3, [StoreCheck("a row", fmt, paged, geom, objs, ids)])
+
+    row(stores(wrong_call=2))  # the warm-up call and 3 timed ones: the second timed one is not checked
+    with pytest.raises(BenchError, match="a row #1: its objects differ from the torch backend's"):
+        row(stores(wrong_call=3))
