@@ -145,3 +145,108 @@ def test_codec_checks_pass_the_torch_backend_and_fail_a_wrong_store_or_retrieve(
         run(RetrieveCheck("retrieve", fmt, paged, geom, objs, ids), [lambda: retrieve(ids.flip(0))])
     with pytest.raises(BenchError, match="retrieve #2: "):
         run(RetrieveCheck("retrieve", fmt, paged, geom, objs, ids), [lambda: retrieve(ids), lambda: None])
+
+
+@pytest.mark.parametrize("as_list", [True, False], ids=["scattered objects", "one tensor"])
+def test_gpu_transfer_checks_fail_reversed_or_unwritten_blocks(as_list: bool) -> None:
+    """`kvferry bench gpu-transfer`'s checks (`codec_checks` on its objects: a list of them, or one tensor) with the
+    torch backend standing for the engine on the CPU: the right transfer passes; the blocks reversed, or the first
+    block left unwritten, fail by name."""
+    from dataclasses import replace
+
+    from kvferry import Direction
+    from kvferry.bench.codec_checks import RetrieveCheck, StoreCheck
+    from kvferry.formats import EngineKVFormat, describe
+    from kvferry.formats.synthetic import MODELS, make_paged
+    from kvferry.transfer import transfer
+
+    fmt = EngineKVFormat.NL_X_TWO_NB_BS_NH_HS
+    paged = make_paged(fmt, replace(MODELS["qwen2.5-0.5b"], nl=2), 64, 16, generator=torch.Generator().manual_seed(5))
+    geom = describe(fmt, paged)
+    ids = torch.randperm(64, generator=torch.Generator().manual_seed(6))[:32]  # two 256-token chunks
+    block = torch.empty((2, *geom.object_shape(256)), dtype=geom.dtype)
+    objs: Any = list(block) if as_list else block
+
+    def move(direction: Direction, block_ids: torch.Tensor, skip: int = 0) -> Any:
+        return lambda: transfer(paged, objs, block_ids, direction, fmt, geometry=geom, backend="torch",
+                                skip_prefix_blocks=skip)  # fmt: skip
+
+    def run(check: Any, call: Any) -> None:
+        check.setup()
+        call()
+        check.last()
+
+    for d, make, error in (
+        (Direction.D2H, StoreCheck, "store #1: its objects differ from the torch backend's: "),
+        (Direction.H2D, RetrieveCheck, r"retrieve #1: \d+ of \d+ bytes of the engine's KV differ"),
+    ):
+        op = error.split(" ")[0]
+        run(make(op, fmt, paged, geom, objs, ids), move(d, ids))
+        with pytest.raises(BenchError, match=error):
+            run(make(op, fmt, paged, geom, objs, ids), move(d, ids.flip(0)))
+        with pytest.raises(BenchError, match=error):
+            run(make(op, fmt, paged, geom, objs, ids), move(d, ids, skip=1))
+
+
+def test_chunk_check_fails_a_retrieve_into_the_wrong_or_unwritten_blocks() -> None:
+    """`kvferry bench cache-gpu`'s check of its last retrieve, with the torch backend standing for the cache on the
+    CPU: the chunk back in the blocks asked for passes; in the wrong order, or its first block unwritten, fails."""
+    from dataclasses import replace
+
+    from kvferry import Direction
+    from kvferry.bench.block_check import ChunkCheck
+    from kvferry.formats import EngineKVFormat, describe
+    from kvferry.formats.synthetic import MODELS, make_paged
+    from kvferry.transfer import transfer
+
+    fmt = EngineKVFormat.NL_X_TWO_NB_BS_NH_HS
+    paged = make_paged(fmt, replace(MODELS["llama3-8b"], nl=2), 32, 16, generator=torch.Generator().manual_seed(7))
+    geom = describe(fmt, paged)
+    ids = torch.randperm(32, generator=torch.Generator().manual_seed(8))[:16].tolist()
+    backwards = ids[::-1]
+    chunk = torch.empty((1, *geom.object_shape(256)), dtype=geom.dtype)
+    check = ChunkCheck(fmt, paged, geom, seed=9)
+
+    def round_trip(into: list[int], skip: int = 0) -> None:
+        check.remember(ids)
+        transfer(paged, chunk, ids, Direction.D2H, fmt, geometry=geom, backend="torch")  # the store
+        check.poison(backwards)
+        transfer(paged, chunk, into, Direction.H2D, fmt, geometry=geom, backend="torch", skip_prefix_blocks=skip)
+        check.verify("retrieve #59", backwards)
+
+    round_trip(backwards)
+    with pytest.raises(BenchError, match=r"retrieve #59: \d+ of \d+ bytes of its blocks differ from the blocks"):
+        round_trip(ids)
+    with pytest.raises(BenchError, match="retrieve #59: "):
+        round_trip(backwards, skip=1)
+
+
+def test_gpu_transfer_rows_check_their_last_timed_transfer() -> None:
+    """`paired_ms` poisons before the last timed call of the row and checks it after the loop: a wrong last call
+    fails, a wrong earlier one is outside the stated sample."""
+    from dataclasses import replace
+
+    from kvferry import Direction
+    from kvferry.bench.codec_checks import StoreCheck
+    from kvferry.bench.gpu_transfer_bench import paired_ms
+    from kvferry.formats import EngineKVFormat, describe
+    from kvferry.formats.synthetic import MODELS, make_paged
+    from kvferry.transfer import transfer
+
+    fmt = EngineKVFormat.NL_X_TWO_NB_BS_NH_HS
+    paged = make_paged(fmt, replace(MODELS["qwen2.5-0.5b"], nl=2), 32, 16, generator=torch.Generator().manual_seed(1))
+    geom = describe(fmt, paged)
+    ids = torch.randperm(32, generator=torch.Generator().manual_seed(2))[:16]
+    objs = [torch.empty(geom.object_shape(256), dtype=geom.dtype)]
+
+    def stores(wrong_call: int) -> Any:
+        calls = iter(range(100))
+        return lambda: transfer(paged, objs, ids.flip(0) if next(calls) == wrong_call else ids, Direction.D2H, fmt,
+                                geometry=geom, backend="torch")  # fmt: skip
+
+    def row(fn: Any) -> None:
+        paired_ms(fn, lambda: None, 3, [StoreCheck("a row", fmt, paged, geom, objs, ids)])
+
+    row(stores(wrong_call=2))  # the warm-up call and 3 timed ones: the second timed one is not checked
+    with pytest.raises(BenchError, match="a row #1: its objects differ from the torch backend's"):
+        row(stores(wrong_call=3))

@@ -50,6 +50,7 @@ def test_gpu_transfer_calls_and_bidir(monkeypatch: pytest.MonkeyPatch, tmp_path:
     rows = doc["results"]["rows"]
     assert {r["section"] for r in rows} == {"calls", "bidir"}
     assert all(r["ratio"] > 0 and r["gbps"] > 0 for r in rows)
+    assert doc["results"]["checked_rows"] == 3  # the 16 chunks' two rows and bidir: each one's last transfer
     calls = doc["results"]["calls"]
     assert len(calls) == 16 and doc["machine"]["device"] != "cpu"
     for c in calls:  # each request's GPU time is part of its wall time; the profiler saw its work inside the call
@@ -158,6 +159,21 @@ class _FakeSetup:
     def runner(self, *args: object) -> Callable[[], None]:
         return lambda: None
 
+    def check(self, *args: object) -> _FakeCheck:
+        return _FakeCheck()
+
+
+class _FakeCheck:
+    """Stands in for a check of a GPU transfer: counts its calls."""
+
+    setups = lasts = 0
+
+    def setup(self) -> None:
+        _FakeCheck.setups += 1
+
+    def last(self) -> None:
+        _FakeCheck.lasts += 1
+
 
 def test_gpu_transfer_control_flow_with_the_gpu_faked(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -173,7 +189,7 @@ def test_gpu_transfer_control_flow_with_the_gpu_faked(
 
     monkeypatch.setattr(gpu_transfer_bench, "require_cuda", lambda what: None)
     monkeypatch.setattr(gpu_transfer_bench, "Setup", _FakeSetup)
-    monkeypatch.setattr(gpu_transfer_bench, "paired_ms", lambda fn, ceiling, reps: (2.0, 1.0))
+    monkeypatch.setattr(gpu_transfer_bench, "paired_ms", lambda fn, ceiling, reps, checks: (2.0, 1.0))
     monkeypatch.setattr(gpu_transfer_bench, "memcpy", lambda nbytes, to_host: lambda: None)
     monkeypatch.setattr(gpu_transfer_bench, "memcpy_start", lambda nbytes, to_host: lambda: Handle())
     monkeypatch.setattr(gpu_transfer_bench, "by_hand", lambda s: lambda: None)
@@ -188,6 +204,8 @@ def test_gpu_transfer_control_flow_with_the_gpu_faked(
     for module in (gpu_transfer_bench, gpu_gemm):
         monkeypatch.setattr(module, "TransferEngine", lambda *args, **kwargs: None)
         monkeypatch.setattr(module, "PinnedCopy", lambda nbytes: None)
+    monkeypatch.setattr(_FakeCheck, "setups", 0)
+    monkeypatch.setattr(_FakeCheck, "lasts", 0)
     doc, progress = run_bench(monkeypatch, tmp_path, "gpu-transfer", "--reps", "1")
     sections = gpu_transfer_bench.SECTIONS
     assert progress.totals == [planned_steps(list(sections))]
@@ -197,6 +215,10 @@ def test_gpu_transfer_control_flow_with_the_gpu_faked(
     }  # fmt: skip
     assert all(r["ratio"] == 0.5 for r in rows if r["section"] != "gemm")
     assert sum(r["section"] == "gemm" for r in rows) == gpu_gemm.STEPS - 1
+    by_hand = [r for r in rows if r["what"].endswith("torch by hand")]
+    assert len(by_hand) == 4  # llama3-8b and qwen2.5-0.5b in bulk and one-chunk
+    assert doc["results"]["checked_rows"] == sum(r["section"] != "gemm" for r in rows) - len(by_hand)
+    assert _FakeCheck.setups == _FakeCheck.lasts == 2 * len(gpu_gemm.CONFIGS)  # each engine's loop beside the GEMMs
     calls = doc["results"]["calls"]
     assert [(c["what"], c["direction"]) for c in calls] == [
         (f"{what}{ceiling}", d)
@@ -208,6 +230,7 @@ def test_gpu_transfer_control_flow_with_the_gpu_faked(
     assert doc["machine"]["device"] == "no GPU (faked)"
     out = capsys.readouterr().out
     assert "serial gather+DMA (1 slot)" in out and "GEMM TFLOP/s" in out and "GPU waited us" in out
+    assert f"checked: the last timed transfer of {doc['results']['checked_rows']} of these rows" in out
 
 
 @pytest.mark.gpu
@@ -246,3 +269,63 @@ def test_codec_fails_a_transfer_that_moves_the_wrong_blocks(
     assert main(args) == 1
     err = capsys.readouterr().err
     assert f"llama3-8b, 1 chunks, bf16 {op} #1" in err, err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    ("direction", "error"),
+    [
+        ("D2H", "crossover qwen 1 chunks D2H staged #1: its objects differ from the torch backend's"),
+        ("H2D", "crossover qwen 1 chunks H2D staged #1: "),
+    ],
+)
+def test_gpu_transfer_fails_a_transfer_that_moves_the_wrong_blocks(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], direction: str, error: str
+) -> None:
+    """The bench's transfers in one direction fed the right blocks in the wrong order: the last timed one of the
+    first such row differs from the torch backend's, and the run fails (exit 1) naming the row."""
+    import kvferry
+
+    real = kvferry.transfer_async
+
+    def reversed_blocks(paged, objects, ids, d, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return real(paged, objects, ids.flip(0) if d.name == direction else ids, d, *args, **kwargs)
+
+    monkeypatch.setattr(kvferry, "transfer_async", reversed_blocks)
+    assert main(["bench", "gpu-transfer", "--sections", "crossover", "--reps", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "kvferry bench gpu-transfer: " in err and error in err, err
+    if direction == "H2D":
+        assert "bytes of the engine's KV differ from the torch backend's" in err, err
+
+
+def _retrieve_short_by_one(real: Any) -> Any:
+    return lambda self, *args, **kwargs: real(self, *args, **kwargs) - 1
+
+
+def _retrieve_into_the_blocks_reversed(real: Any) -> Any:
+    return lambda self, tokens, paged, block_ids, *args, **kwargs: real(
+        self, tokens, paged, block_ids[::-1], *args, **kwargs
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    ("wrong", "error"),
+    [
+        (_retrieve_short_by_one, "llama3-8b: retrieve #0: moved 255 tokens, not the 256 asked for"),
+        (_retrieve_into_the_blocks_reversed, "llama3-8b: retrieve #59 into the blocks it was stored from, reversed: "),
+    ],
+    ids=["short", "misplaced"],
+)
+def test_cache_gpu_fails_a_wrong_retrieve(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], wrong: Any, error: str
+) -> None:
+    from kvferry.cache import CacheEngine
+
+    monkeypatch.setattr(CacheEngine, "retrieve", wrong(CacheEngine.retrieve))
+    assert main(["bench", "cache-gpu"]) == 1
+    err = capsys.readouterr().err
+    assert "kvferry bench cache-gpu: " in err and error in err, err

@@ -7,15 +7,24 @@ that hands back an earlier round's shows); before each load the destination bloc
 snapshotted. After the load (`verify`), outside its timed region: every destination block holds, in every layer,
 the bytes of the source block at its position, and every other byte of the buffer is what the snapshot holds.
 Any difference raises `BenchError`, naming the first layer and block it found.
+
+`ChunkCheck` checks a chunk stored from some blocks of an engine's KV and retrieved into blocks of the same KV
+(the same ones reordered, say) through the torch backend, for any format: the source blocks' bytes read before the
+store, the destination blocks filled with random bytes before the retrieve, and read back after it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
+from kvferry import Direction
+from kvferry.bench.codec_checks import fill_random
 from kvferry.bench.harness import BenchError
+from kvferry.formats import EngineKVFormat, KVGeometry
+from kvferry.transfer import transfer
 
 
 class BlockCheck:
@@ -81,3 +90,39 @@ def check_count(what: str, got: int, want: int) -> None:
     """A transfer that reports moving fewer (or more) tokens than asked is a failure, not a fast sample."""
     if got != want:
         raise BenchError(f"{what}: moved {got} tokens, not the {want} asked for")
+
+
+class ChunkCheck:
+    """One chunk of `tokens` tokens of `paged` (format `fmt`, plain geometry `geom`): `remember(src)` before its
+    store, `poison(dst)` before its retrieve, `verify(what, dst)` after it (each untimed; on the engine's device)."""
+
+    def __init__(self, fmt: EngineKVFormat, paged: Any, geom: KVGeometry, tokens: int = 256, seed: int = 0) -> None:
+        self._fmt, self._paged, self._geom, self._tokens = fmt, paged, geom, tokens
+        shape = (1, *geom.object_shape(tokens))
+        self._stored = torch.empty(shape, dtype=geom.dtype, device=geom.device)
+        self._read = torch.empty_like(self._stored)
+        self._random = torch.empty_like(self._stored)
+        fill_random(self._random.view(torch.uint8).view(-1), seed)
+
+    def _move(self, chunk: torch.Tensor, blocks: Sequence[int], direction: Direction) -> None:
+        transfer(self._paged, chunk, blocks, direction, self._fmt, self._tokens, geometry=self._geom, backend="torch")
+        if chunk.is_cuda:
+            torch.cuda.synchronize(chunk.device)
+
+    def remember(self, src: Sequence[int]) -> None:
+        """The bytes of blocks `src`, in order: what the store that follows must keep."""
+        self._move(self._stored, src, Direction.D2H)
+
+    def poison(self, dst: Sequence[int]) -> None:
+        """Random bytes (never zeros) in blocks `dst`: a retrieve that leaves one unwritten then shows."""
+        self._move(self._random, dst, Direction.H2D)
+
+    def verify(self, what: str, dst: Sequence[int]) -> None:
+        """Blocks `dst` hold, in order, the bytes `remember` read."""
+        self._move(self._read, dst, Direction.D2H)
+        got, want = self._read.view(torch.uint8), self._stored.view(torch.uint8)
+        if not torch.equal(got, want):
+            raise BenchError(
+                f"{what}: {int((got != want).sum())} of {want.numel()} bytes of its blocks differ from the blocks "
+                "the chunk was stored from"
+            )

@@ -5,6 +5,10 @@ Wall time from the Python call to the bytes having moved, vs a single pinned mem
 alternately with it (medians of 55), for llama3-8b (32 MiB chunks) and qwen2.5-0.5b (3 MiB). Then, for llama3-8b,
 where one store's time goes (the cache's steps and the first driver call of each kind, stamped from the call) next
 to the bare transfer of the same chunk, and the store alternated with the memcpy alone.
+
+Every timed store and retrieve must report the chunk's 256 tokens, and the last retrieve of each model must leave
+its blocks holding the bytes of the blocks it was stored from (read before the store; the blocks filled with random
+bytes before the retrieve; all outside the timed calls): a failure ends the run (`BenchError`, exit 1).
 """
 
 from __future__ import annotations
@@ -14,10 +18,11 @@ import functools
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
+from kvferry.bench.block_check import ChunkCheck, check_count
 from kvferry.bench.harness import BenchError, Outcome, Steps, add_json_argument, description_of, require_cuda
 from kvferry.bench.report import new_table
 from kvferry.bench.timing import PinnedCopy, elapsed_us
@@ -28,6 +33,7 @@ from kvferry.formats.synthetic import MODELS, make_paged
 from kvferry.memory import HostPool
 
 FMT = EngineKVFormat.NL_X_TWO_NB_BS_NH_HS
+R = TypeVar("R")
 MODEL_NAMES = ("llama3-8b", "qwen2.5-0.5b")
 STEPS = ("before", "enqueue", "keys+index+evict", "wait", "after")
 DRIVER_CALLS = ("record", "htod", "wait", "launch", "dtoh")
@@ -58,27 +64,39 @@ def one_model(model: str) -> dict[str, Any]:
     names = ("store", "retrieve", "memcpy d2h", "memcpy h2d", "fresh d2h", "fresh h2d")
     times: dict[str, list[float]] = {k: [] for k in (*names, "store transfer", "retrieve transfer")}
 
-    def timed(name: str, fn: Callable[[], object]) -> None:
-        times[name].append(elapsed_us(fn))
+    def timed(name: str, fn: Callable[[], R]) -> R:
+        us, result = timed_call(fn)
+        times[name].append(us)
+        return result
 
     def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=True)
         torch.cuda.synchronize()
 
+    blocks = ChunkCheck(FMT, paged, geom)
     for i in range(60):  # alternating with the ceiling, so both see the same machine
         tokens = list(range(i * 1000, i * 1000 + 256))
         ids = torch.randperm(1024)[:16].tolist()
+        backwards = ids[::-1]
+        last = i == 59
         timed("memcpy d2h", lambda: ceiling(to_host=True))
         timed("fresh d2h", functools.partial(copy_into, regions[i], ceiling.dev))
+        if last:
+            blocks.remember(ids)
         inside = cache.counters.store_seconds
-        timed("store", functools.partial(cache.store, tokens, paged, ids, FMT, namespace=ns, geometry=geom))
+        stored = timed("store", functools.partial(cache.store, tokens, paged, ids, FMT, namespace=ns, geometry=geom))
         times["store transfer"].append((cache.counters.store_seconds - inside) * 1e6)
+        check_count(f"{model}: store #{i}", stored, 256)
         timed("memcpy h2d", lambda: ceiling(to_host=False))
         timed("fresh h2d", functools.partial(copy_into, ceiling.dev, regions[(i + 30) % 60]))
+        if last:
+            blocks.poison(backwards)
         inside = cache.counters.retrieve_seconds
-        backwards = ids[::-1]
-        timed("retrieve", functools.partial(cache.retrieve, tokens, paged, backwards, FMT, namespace=ns, geometry=geom))
+        retrieve = functools.partial(cache.retrieve, tokens, paged, backwards, FMT, namespace=ns, geometry=geom)
+        retrieved = timed("retrieve", retrieve)
         times["retrieve transfer"].append((cache.counters.retrieve_seconds - inside) * 1e6)
+        check_count(f"{model}: retrieve #{i}", retrieved, 256)
+    blocks.verify(f"{model}: retrieve #59 into the blocks it was stored from, reversed", backwards)
     stats = cache.stats()
     cache.close()
     if stats["stored_chunks"] != 60 or stats["retrieved_chunks"] != 60:
@@ -158,8 +176,9 @@ def breakdown(model: str) -> dict[str, Any]:
                 setattr(*holders[name], stamping(name, call) if stamped else call)
             stamps.clear()
             t = time.perf_counter()
-            cache.store(tokens, paged, ids, FMT, namespace=ns, geometry=geom)
+            stored = cache.store(tokens, paged, ids, FMT, namespace=ns, geometry=geom)
             end = time.perf_counter()
+            check_count(f"{model}: breakdown store #{i}", stored, 256)
             for name, call in calls.items():
                 setattr(*holders[name], call)
             marks = [t, stamps["enter"], stamps["enqueued"], stamps["wait"], stamps["waited"], end]
@@ -183,9 +202,9 @@ def breakdown(model: str) -> dict[str, Any]:
     for i in range(60, 120):
         tokens = list(range(i * 1000, i * 1000 + 256))
         ids = torch.randperm(1024)[:16].tolist()
-        pairs["store"].append(
-            elapsed_us(functools.partial(cache.store, tokens, paged, ids, FMT, namespace=ns, geometry=geom))
-        )
+        us, stored = timed_call(functools.partial(cache.store, tokens, paged, ids, FMT, namespace=ns, geometry=geom))
+        pairs["store"].append(us)
+        check_count(f"{model}: store #{i} alternated with the memcpy", stored, 256)
         pairs["memcpy"].append(elapsed_us(lambda: ceiling(to_host=True)))
     store, ceil = (statistics.median(v[10:]) for v in pairs.values())
     cache.close()
@@ -195,6 +214,13 @@ def breakdown(model: str) -> dict[str, Any]:
         "first_driver_call_us": {k: med["cu " + k] for k in calls if "cu " + k in med},
         "alternated_with_memcpy": {"store_us": store, "memcpy_us": ceil, "ratio": ceil / store},
     }
+
+
+def timed_call(fn: Callable[[], R]) -> tuple[float, R]:
+    """Wall microseconds of one call of `fn` (as `elapsed_us` times it), and what it returned."""
+    start = time.perf_counter()
+    result = fn()
+    return (time.perf_counter() - start) * 1e6, result
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -21,6 +21,8 @@ from kvferry.bench.harness import BenchError
 from kvferry.formats import EngineKVFormat, KVGeometry
 from kvferry.transfer import transfer
 
+Objects = torch.Tensor | list[torch.Tensor]  # one tensor of whole objects, or a list of them (as `transfer` takes)
+
 
 class CallCheck(ABC):
     """The checks around the timed calls of one case: `setup` (untimed, before each call) checks the call before it
@@ -49,7 +51,9 @@ class CallCheck(ABC):
 
 
 class StoreCheck(CallCheck):
-    """A store of blocks `ids` of `paged` into `objects` (geometry `geom`: the codec's or the plain one)."""
+    """A store of blocks `ids` of `paged` into `objects` (one tensor of objects, or a list of them; geometry `geom`:
+    the codec's or the plain one). The reference and the comparison live on the engine's device: the objects are
+    copied there to be compared (a DMA, which leaves the host memory as clean as the poisoning does)."""
 
     def __init__(
         self,
@@ -57,28 +61,43 @@ class StoreCheck(CallCheck):
         fmt: EngineKVFormat,
         paged: Any,
         geom: KVGeometry,
-        objects: torch.Tensor,
+        objects: Objects,
         ids: torch.Tensor,
     ) -> None:
         super().__init__(what)
-        reference = torch.empty(objects.shape, dtype=objects.dtype, device=geom.device)
-        transfer(paged, reference, ids, Direction.D2H, fmt, geometry=geom, backend="torch")
-        self.want = reference.to(objects.device).view(torch.uint8)
-        self.got = objects.view(torch.uint8)
+        self.got = (
+            [objects.view(torch.uint8)] if isinstance(objects, torch.Tensor) else [o.view(torch.uint8) for o in objects]
+        )
+        first = objects if isinstance(objects, torch.Tensor) else objects[0]
+        reference = torch.empty((len(self.got), *first.shape), dtype=first.dtype, device=geom.device)
+        transfer(
+            paged,
+            reference[0] if isinstance(objects, torch.Tensor) else list(reference),
+            ids,
+            Direction.D2H,
+            fmt,
+            geometry=geom,
+            backend="torch",
+        )
+        self.want = reference.view(torch.uint8)
         self.geom = geom
         # Made on the engine's device and copied in by DMA: host memory the CPU has just written is dirty in its
         # caches, and a store's DMA into it then ran slower than into pool memory the CPU has not touched (a
         # one-chunk store measured ~0.6 of the memcpy instead of ~0.85 on the H200).
-        self._random = random_like(torch.empty(self.got.shape, dtype=torch.uint8, device=geom.device))
+        self._random = random_like(torch.empty_like(self.want))
 
     def _poison(self) -> None:
-        self.got.copy_(self._random)
+        for got, values in zip(self.got, self._random, strict=True):
+            got.copy_(values)
         if self._random.is_cuda:
             torch.cuda.synchronize(self._random.device)
 
     def _check(self, what: str) -> None:
-        if not torch.equal(self.got, self.want):
-            raise BenchError(f"{what}: its objects differ from the torch backend's: {object_mismatch(self)}")
+        got = torch.empty_like(self.want)
+        for into, objects in zip(got, self.got, strict=True):
+            into.copy_(objects)
+        if not torch.equal(got, self.want):
+            raise BenchError(f"{what}: its objects differ from the torch backend's: {object_mismatch(self, got)}")
 
 
 class RetrieveCheck(CallCheck):
@@ -91,27 +110,31 @@ class RetrieveCheck(CallCheck):
         fmt: EngineKVFormat,
         paged: Any,
         geom: KVGeometry,
-        objects: torch.Tensor,
+        objects: Objects,
         ids: torch.Tensor,
     ) -> None:
         super().__init__(what)
         self.storages = storages_of(paged)
-        self._random = [random_like(s) for s in self.storages]
         self._poison()
-        transfer(paged, objects.to(geom.device), ids, Direction.H2D, fmt, geometry=geom, backend="torch")
+        on_device = (
+            objects.to(geom.device) if isinstance(objects, torch.Tensor) else [o.to(geom.device) for o in objects]
+        )
+        transfer(paged, on_device, ids, Direction.H2D, fmt, geometry=geom, backend="torch")
         self.want = [s.clone() for s in self.storages]
 
     def _poison(self) -> None:
-        for storage, values in zip(self.storages, self._random, strict=True):
-            storage.copy_(values)
+        """The same random bytes each time, made anew in place (a model's KV is GiBs: no second copy of it kept)."""
+        for seed, storage in enumerate(self.storages):
+            fill_random(storage, seed)
         if self.storages[0].is_cuda:
             torch.cuda.synchronize(self.storages[0].device)
 
     def _check(self, what: str) -> None:
+        if all(torch.equal(got, want) for got, want in zip(self.storages, self.want, strict=True)):
+            return
         wrong = sum(int((got != want).sum()) for got, want in zip(self.storages, self.want, strict=True))
-        if wrong:
-            total = sum(s.numel() for s in self.storages)
-            raise BenchError(f"{what}: {wrong} of {total} bytes of the engine's KV differ from the torch backend's")
+        total = sum(s.numel() for s in self.storages)
+        raise BenchError(f"{what}: {wrong} of {total} bytes of the engine's KV differ from the torch backend's")
 
 
 def storages_of(paged: Any) -> list[torch.Tensor]:
@@ -131,17 +154,22 @@ def storages_of(paged: Any) -> list[torch.Tensor]:
 
 def random_like(flat: torch.Tensor, seed: int = 0) -> torch.Tensor:
     """Random bytes of `flat`'s shape, on its device (made there: a GiB of them in milliseconds on a GPU)."""
+    return fill_random(torch.empty(flat.shape, dtype=torch.uint8, device=flat.device), seed)
+
+
+def fill_random(flat: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """`flat` (bytes) filled with random bytes, the same for the same seed, made on its device; returned."""
     if flat.is_cuda:
         generator = torch.Generator(flat.device).manual_seed(seed)
-        return torch.randint(0, 256, flat.shape, dtype=torch.uint8, device=flat.device, generator=generator)
+        return torch.randint(0, 256, flat.shape, dtype=torch.uint8, device=flat.device, generator=generator, out=flat)
     raw = torch.frombuffer(bytearray(np.random.default_rng(seed).bytes(flat.numel())), dtype=torch.uint8)
-    return raw.view(flat.shape)
+    return flat.copy_(raw.view(flat.shape))
 
 
-def object_mismatch(check: StoreCheck) -> str:
-    """How a store's objects differ from the torch backend's: counts (an fp8 object's value bytes and scale
-    bytes apart), and the first few as (index, the reference's e4m3 value, the kernel's)."""
-    bad = check.got != check.want
+def object_mismatch(check: StoreCheck, got: torch.Tensor) -> str:
+    """How a store's objects (`got`, as `check.want` lies) differ from the torch backend's: counts (an fp8 object's
+    value bytes and scale bytes apart), and the first few as (index, the reference's e4m3 value, the kernel's)."""
+    bad = got != check.want
     codec = check.geom.codec
     if codec is None:
         return f"{int(bad.sum())} of {bad.numel()} bytes"
@@ -149,7 +177,7 @@ def object_mismatch(check: StoreCheck) -> str:
     values, scales = bad[..., :width], bad[..., width:]
     e4m3 = torch.float8_e4m3fn
     few = [
-        (tuple(i), check.want[tuple(i)].view(e4m3).item(), check.got[tuple(i)].view(e4m3).item())
+        (tuple(i), check.want[tuple(i)].view(e4m3).item(), got[tuple(i)].view(e4m3).item())
         for i in values.nonzero()[:4].tolist()
     ]
     return f"{int(values.sum())} value bytes, {int(scales.sum())} scale bytes; first values: {few}"

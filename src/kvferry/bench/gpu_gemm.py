@@ -3,7 +3,9 @@
 A bf16 8192^3 GEMM loop runs on the main stream while transfers loop on another. The GEMM's own speed drifts with
 the card's power/thermal state (the first second of GEMMs ran 12% faster than the next, measured): the section
 warms it up for 3 s, and compares each run beside a transfer with the mean of 1 s runs alone just before and after
-it. Control: a plain pinned memcpy loop (the copy engine, no kernel).
+it. Control: a plain pinned memcpy loop (the copy engine, no kernel). Each engine's transfer loop is checked once,
+after it: what it wrote (a store's objects, a retrieve's KV, filled with random bytes before the loop) equal to the
+torch backend's transfer of the same blocks.
 """
 
 from __future__ import annotations
@@ -73,9 +75,9 @@ def gemm_rows(s: Setup, steps: Steps) -> list[dict[str, Any]]:
         torch.cuda.current_stream().synchronize()  # the side stream only: a device sync would wait for the GEMMs
         return s.nbytes
 
-    variants: list[tuple[str, Direction, Callable[[], int]]] = []
+    variants: list[tuple[str, Direction, Callable[[], int], bool]] = []  # (..., whether the loop is s's transfers)
     for d in (Direction.D2H, Direction.H2D):
-        variants.append(("plain memcpy (control)", d, functools.partial(plain, d is Direction.D2H)))
+        variants.append(("plain memcpy (control)", d, functools.partial(plain, d is Direction.D2H), False))
     for mode, programs, priority in CONFIGS:
         eng = TransferEngine("cuda", EngineConfig(programs=programs, kernel_priority=priority))
         label = f"{mode}{'' if programs is None else f' {programs} programs'}{' high priority' * (priority < 0)}"
@@ -85,11 +87,17 @@ def gemm_rows(s: Setup, steps: Steps) -> list[dict[str, Any]]:
                 s.run(d, eng, mode)
                 return s.nbytes
 
-            variants.append((label, d, loop))
+            variants.append((label, d, loop, True))
     rows = []
-    for label, d, during in variants:
+    for label, d, during, checked in variants:
         before, _ = gemm_tflops()
+        check = s.check(d, f"gemm: {label} {d.name} beside the GEMMs") if checked else None
+        if check is not None:
+            check.setup()
         tf, gbps = gemm_tflops(during)
+        if check is not None:
+            check.last()
+        del check  # its reference bytes: a retrieve's are a copy of the whole KV
         after, _ = gemm_tflops()
         alone = (before + after) / 2
         rows.append(

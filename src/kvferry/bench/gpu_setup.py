@@ -1,5 +1,6 @@
 """One case of `kvferry bench gpu-transfer`: a model-shaped engine KV cache on the GPU, chunk objects in a pinned
-`HostPool` (scattered, back to back, or one tensor) and random block ids; and the plain-torch baseline."""
+`HostPool` (scattered, back to back, or one tensor) and random block ids; the checks of a transfer of its blocks
+against the torch backend's (`kvferry.bench.codec_checks`); and the plain-torch baseline."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 import kvferry
 from kvferry import Direction
+from kvferry.bench.codec_checks import CallCheck, RetrieveCheck, StoreCheck, fill_random
 from kvferry.bench.gpu_timeline import Waitable
 from kvferry.formats import EngineKVFormat, describe, layout_of
 from kvferry.formats.synthetic import MODELS, ModelDims, make_paged
@@ -66,6 +68,20 @@ class Setup:
 
     def runner(self, direction: Direction, engine: TransferEngine, mode: str | None) -> Callable[[], None]:
         return lambda: self.run(direction, engine, mode)
+
+    def check(self, direction: Direction, what: str) -> CallCheck:
+        """The check of a transfer of this case in `direction`: a store's objects, or the whole KV after a retrieve,
+        equal to the torch backend's. A retrieve's objects first get random bytes (never what an earlier store or a
+        fresh pool left, which may be zeros), copied in by DMA from the GPU as a store's are poisoned: host memory
+        the CPU has just written sits dirty in its caches, which slows the DMA that follows."""
+        if direction is Direction.D2H:
+            return StoreCheck(what, self.fmt, self.paged, self.geom, self.objects, self.ids)
+        listed = [self.objects] if isinstance(self.objects, torch.Tensor) else self.objects
+        for seed, obj in enumerate(listed, start=1000):  # seeds apart from those of the KV's random bytes
+            raw = obj.view(torch.uint8)
+            raw.copy_(fill_random(torch.empty_like(raw, device=self.geom.device), seed))
+        torch.cuda.synchronize()
+        return RetrieveCheck(what, self.fmt, self.paged, self.geom, self.objects, self.ids)
 
 
 def by_hand(s: Setup) -> Callable[[], None]:

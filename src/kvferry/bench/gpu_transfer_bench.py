@@ -15,6 +15,11 @@ Sections:
   bidir        a store and a retrieve at once, against two memcpys on two streams
   gemm         a bf16 8192^3 GEMM loop's TFLOP/s while transfers run beside it, against GEMMs alone
   crossover    1-8 qwen2.5-0.5b chunks, staged against zero-copy
+
+The bytes are checked on a stated sample, outside the timed regions: the last timed transfer of each row (each
+case, engine, mode and direction; not `torch by hand`, which is torch's own copy) against the torch backend's
+transfer of the same blocks, into memory first filled with random bytes: a store's objects, or the whole KV after a
+retrieve. In `gemm`, each transfer loop's bytes once, after the loop. A wrong transfer fails the run (`BenchError`).
 """
 
 from __future__ import annotations
@@ -23,13 +28,14 @@ import argparse
 import functools
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 import kvferry
 from kvferry import Direction
+from kvferry.bench.codec_checks import CallCheck
 from kvferry.bench.gpu_gemm import STEPS as GEMM_STEPS
 from kvferry.bench.gpu_gemm import gemm_rows, gemm_table
 from kvferry.bench.gpu_setup import Setup, by_hand
@@ -54,19 +60,27 @@ examples:
 """
 
 
-def paired_ms(fn: Callable[[], object], ceiling: Callable[[], object], reps: int) -> tuple[float, float]:
+def paired_ms(
+    fn: Callable[[], object], ceiling: Callable[[], object], reps: int, checks: Sequence[CallCheck] = ()
+) -> tuple[float, float]:
     """Median wall times in ms of fn() and of its ceiling, timed alternately (both must synchronize): a machine
     whose PCIe or host speed drifts during a run then moves both alike (a ceiling timed once before the row
-    moved ratios by +-0.02 on noisy starts)."""
+    moved ratios by +-0.02 on noisy starts). `checks`: of the last timed fn(), poisoned before it, checked after
+    the loop."""
     fn()
     ceiling()
     ours: list[float] = []
     ceil: list[float] = []
-    for _ in range(reps):
+    for rep in range(reps):
+        if rep == reps - 1:
+            for check in checks:
+                check.setup()
         for f, out in ((fn, ours), (ceiling, ceil)):
             t = time.perf_counter()
             f()
             out.append((time.perf_counter() - t) * 1e3)
+    for check in checks:
+        check.last()
     return statistics.median(ours), statistics.median(ceil)
 
 
@@ -121,6 +135,7 @@ class Bench:
         self.reps, self.steps = reps, steps
         self.rows: list[dict[str, Any]] = []
         self.calls: list[dict[str, Any]] = []
+        self.checked = 0  # rows whose last timed transfer was checked
         self.engine = TransferEngine("cuda")
         self.serial = TransferEngine("cuda", EngineConfig(slots=1, mode="staged"))
         self.old_floor = TransferEngine("cuda", EngineConfig(slice_bytes=16 << 20))  # the slice floor before 8 MiB
@@ -133,8 +148,12 @@ class Bench:
         fn: Callable[[], object],
         ceiling: Callable[[], object],
         n: int | None = None,
+        checked: Sequence[tuple[Setup, Direction]] = (),
     ) -> None:
-        ms, ceiling_ms = paired_ms(fn, ceiling, self.reps if n is None else n)
+        """`checked`: the cases and directions fn() transfers, whose last timed transfer is checked."""
+        checks = [case.check(d, f"{section} {what}") for case, d in checked]
+        ms, ceiling_ms = paired_ms(fn, ceiling, self.reps if n is None else n, checks)
+        self.checked += bool(checks)
         self.rows.append(
             dict(
                 section=section,
@@ -160,18 +179,21 @@ class Bench:
                     ("zero-copy kernel", self.engine, "zero_copy"),
                     ("page DMA (copy engine alone)", self.engine, "page_dma"),
                 ):
-                    self.row("bulk", f"{model} {d.name} {label}", s.nbytes, s.runner(d, engine, mode), ceil)
+                    what = f"{model} {d.name} {label}"
+                    self.row("bulk", what, s.nbytes, s.runner(d, engine, mode), ceil, checked=[(s, d)])
             if fmt == F.NL_X_TWO_NB_BS_NH_HS:
                 self.row("bulk", f"{model} D2H torch by hand", s.nbytes, by_hand(s), memcpy(s.nbytes, True))
             adjacent = Setup(model, fmt, n, gaps=False)  # a fresh pool hands one request's objects out back to back
             for d in DIRECTIONS:
                 what = f"{model} {d.name} staged, adjacent objects"
-                self.row("bulk", what, s.nbytes, adjacent.runner(d, self.engine, "staged"), memcpy(s.nbytes, d is D2H))
+                run = adjacent.runner(d, self.engine, "staged")
+                self.row("bulk", what, s.nbytes, run, memcpy(s.nbytes, d is D2H), checked=[(adjacent, d)])
             del adjacent
             one = Setup(model, fmt, n, run=True)  # the objects as one tensor [n, *object_shape]
             for d in DIRECTIONS:
                 what = f"{model} {d.name} staged, objects as one tensor"
-                self.row("bulk", what, s.nbytes, one.runner(d, self.engine, "staged"), memcpy(s.nbytes, d is D2H))
+                run = one.runner(d, self.engine, "staged")
+                self.row("bulk", what, s.nbytes, run, memcpy(s.nbytes, d is D2H), checked=[(one, d)])
             del one
             del s
             torch.cuda.empty_cache()
@@ -184,7 +206,8 @@ class Bench:
             s = Setup(model, fmt, 16, nb=2048, run=section == "formats-run")
             for d in DIRECTIONS:
                 ceil = memcpy(s.nbytes, d is D2H)
-                self.row(section, f"{fmt.name} {d.name}", s.nbytes, s.runner(d, self.engine, None), ceil)
+                run = s.runner(d, self.engine, None)
+                self.row(section, f"{fmt.name} {d.name}", s.nbytes, run, ceil, checked=[(s, d)])
             del s
 
     def onechunk(self) -> None:
@@ -201,7 +224,8 @@ class Bench:
                     ("auto", self.engine, None),
                     ("staged, 16 MiB slices", self.old_floor, "staged"),
                 ):
-                    self.row("one-chunk", f"{model} {d.name} {label}", s.nbytes, s.runner(d, engine, mode), ceil, reps)
+                    run = s.runner(d, engine, mode)
+                    self.row("one-chunk", f"{model} {d.name} {label}", s.nbytes, run, ceil, reps, [(s, d)])
             self.row("one-chunk", f"{model} D2H torch by hand", s.nbytes, by_hand(s), memcpy(s.nbytes, True), reps)
 
     def latency_bound(self) -> None:
@@ -214,7 +238,8 @@ class Bench:
             for d in DIRECTIONS:
                 if n == 16:
                     ratio = s.runner(d, self.engine, None)
-                    self.row("calls", f"{what} {d.name} auto", s.nbytes, ratio, memcpy(s.nbytes, d is D2H))
+                    ceil = memcpy(s.nbytes, d is D2H)
+                    self.row("calls", f"{what} {d.name} auto", s.nbytes, ratio, ceil, checked=[(s, d)])
                 # a staged retrieve of several slices starts its first DMAs into staging unordered (gpu_timeline)
                 ordered = n == 1 or d is D2H
                 costs = call_costs(functools.partial(s.start, d, self.engine), ordered=ordered)
@@ -248,7 +273,8 @@ class Bench:
             h1.wait()
             h2.wait()
 
-        self.row("bidir", "llama3-8b store+retrieve at once (bytes both ways)", 2 * s.nbytes, both, two_memcpy)
+        what = "llama3-8b store+retrieve at once (bytes both ways)"
+        self.row("bidir", what, 2 * s.nbytes, both, two_memcpy, checked=[(s, Direction.D2H), (t, Direction.H2D)])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -322,9 +348,10 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
                         q.runner(d, bench.engine, mode),
                         memcpy(q.nbytes, d is D2H),
                         args.reps * 2,
+                        [(q, d)],
                     )
     config = {"reps": args.reps, "sections": [name for name in SECTIONS if name in sections]}
-    results = {"rows": bench.rows, "calls": bench.calls}
+    results = {"rows": bench.rows, "calls": bench.calls, "checked_rows": bench.checked}
     return Outcome(config, results, _show(bench), device="cuda")
 
 
@@ -347,6 +374,10 @@ def _show(bench: Bench) -> list[Any]:
                 f"{r['ratio']:.3f}",
             )
         out.append(table)
+        out.append(
+            f"checked: the last timed transfer of {bench.checked} of these rows (a sample; not `torch by hand`) "
+            "equal to the torch backend's, byte for byte"
+        )
     if bench.calls:
         calls = new_table(
             "the call (medians of 50): its CPU time to return; its wall time to completion, the GPU's own time for "
