@@ -94,10 +94,12 @@ def test_vllm_gpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
         pages, kib = VLLM_PAGES["MLA" if "FLASHMLA" in r["case"] else r["case"].split("-")[1]]
         assert (r["vllm_dma_pages"], r["vllm_dma_page_kib"]) == (pages, kib)
         assert r["mib"] == pytest.approx(pages * kib / 1024)
-        for path in ("", "vllm_dma_"):  # no faster than a plain copy of the same bytes, bar noise
+        # No faster than a plain copy of the same bytes by much: the GPU tests' other workers share the card and the
+        # host, so two rounds' medians only catch gross errors here (a ratio built from the wrong samples).
+        for path in ("", "vllm_dma_"):
             for op, memcpy in (("store", "d2h"), ("load", "h2d")):
                 assert r[f"{path}{op}_ratio"] == pytest.approx(r[f"{memcpy}_memcpy_us"] / r[f"{path}{op}_us"])
-                assert 0 < r[f"{path}{op}_ratio"] < 1.2
+                assert 0 < r[f"{path}{op}_ratio"] < 1.5
 
 
 def _load_into_rotated_blocks(path: ConnectorPath) -> None:
