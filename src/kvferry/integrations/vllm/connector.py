@@ -33,7 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvferry.integrations.vllm import backends, hybrid_worker, layer_parts
+from kvferry.integrations.vllm import backends, hybrid_worker, layer_parts, vllm_versions
 from kvferry.integrations.vllm.connector_metadata import KvferryConnectorMetadata, KvferryHandshake, KvferryWorkerMeta
 from kvferry.integrations.vllm.counters import SchedulerCounters, WorkerCounters
 from kvferry.integrations.vllm.hybrid_scheduler import GroupedSchedulerSide
@@ -79,6 +79,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         show_in_vllm_log()
+        vllm_versions.warn_if_untested()
         self._settings = ConnectorSettings.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size != 1:

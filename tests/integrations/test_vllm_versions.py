@@ -1,0 +1,117 @@
+"""The facts of the installed vLLM (`vllm_versions`) and a preempted request's resume, listed either way vLLM lists
+it: among the running requests (0.32, 0.33) or sent again among the new ones (0.34; 0.32's V2 model runner)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+
+from kvferry.integrations.vllm import vllm_versions
+from kvferry.integrations.vllm.plan import LoadSpec, StoreSpec
+from kvferry.integrations.vllm.scheduler_side import SchedulerSide
+from kvferry.integrations.vllm.vllm_versions import TESTED, VllmFacts
+
+from .test_vllm_scheduler_side import BS, CHUNK, Cached, FakeCache, NewReq, Step, blocks, prompt
+
+VLLM_032 = VllmFacts("0.32.0", resumed_among_cached=True)
+VLLM_034 = VllmFacts("0.34.0", resumed_among_cached=False)
+
+
+@dataclasses.dataclass
+class NewReq034(NewReq):
+    prefill_token_ids: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Cached034:
+    req_ids: list[str] = dataclasses.field(default_factory=list)
+    new_block_ids: list[tuple[list[int], ...] | None] = dataclasses.field(default_factory=list)
+    num_computed_tokens: list[int] = dataclasses.field(default_factory=list)
+
+
+def test_the_installed_vllms_facts_are_read_off_its_classes() -> None:
+    output = pytest.importorskip("vllm.v1.core.sched.output")
+    import vllm
+
+    facts = vllm_versions.installed()
+    fields = {f.name for f in dataclasses.fields(output.CachedRequestData)}
+    assert facts.version == vllm.__version__
+    assert facts.resumed_among_cached == ("resumed_req_ids" in fields)
+    assert facts.resumed_among_cached == (not vllm.__version__.startswith("0.34"))
+    assert facts.tested  # CI runs the tested versions only
+
+
+def test_an_untested_vllm_gets_one_warning_naming_the_tested_versions(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(vllm_versions, "installed", lambda: VllmFacts("0.35.1", resumed_among_cached=False))
+    vllm_versions.warn_if_untested.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=vllm_versions.__name__):
+            for _ in range(3):  # each connector instance asks
+                vllm_versions.warn_if_untested()
+    finally:
+        vllm_versions.warn_if_untested.cache_clear()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "vLLM 0.35.1" in warnings[0] and ", ".join(TESTED) in warnings[0]
+    assert VllmFacts("0.33.1", True).tested and not VllmFacts("0.3.3", True).tested
+
+
+def _side(cache: FakeCache, facts: VllmFacts) -> SchedulerSide:
+    return SchedulerSide(cache.lookup, cache.free_lock, block_size=BS, chunk_size=CHUNK, vllm=facts)
+
+
+@pytest.mark.parametrize("listed", ["cached", "new"])
+def test_a_resume_is_planned_as_a_resume_whichever_way_vllm_lists_it(listed: str) -> None:
+    """Stored chunks are not stored again, the lock of the lookup before the preemption goes at the preemption, the
+    resume's hit loads into the new blocks, and what the resumed prefill computes past the prompt (vLLM's generated
+    tokens, recomputed) is stored by those tokens."""
+    cache = FakeCache(hit=0)
+    side = _side(cache, VLLM_032 if listed == "cached" else VLLM_034)
+    toks, ids = prompt(300), blocks(10)
+    side.num_new_matched_tokens("a", toks, 300, 0)
+    first = NewReq034("a", toks, (ids,), 0, prefill_token_ids=toks)
+    assert side.build_plan(Step([first], num_scheduled_tokens={"a": 300})).stores == [
+        StoreSpec("a", toks[:256], ids[:8], 0)
+    ]
+    cache.hit = 256  # a lookup holds a lock until the request runs
+    side.build_plan(Step(preempted_req_ids={"a"}))
+    assert side.num_new_matched_tokens("a", toks, 301, 0) == (256, False)
+    assert len(cache.held) == 1
+    side.build_plan(Step(preempted_req_ids={"a"}))  # preempted again (vLLM could not schedule it): the lock goes
+    assert not cache.held
+    assert side.num_new_matched_tokens("a", toks, 301, 0) == (256, False)
+    generated = prompt(90, seed=9)
+    tokens = toks + generated  # 390: its prefill computes chunks 0 to 2 (chunk 2 holds generated tokens)
+    new_ids = blocks(13, start=500)
+    side.after_alloc("a", toks, new_ids, 256)
+    if listed == "cached":
+        cached = Cached(["a"], {"a"}, [(new_ids,)], [256], {"a": tokens})
+        step = Step(scheduled_cached_reqs=cached, num_scheduled_tokens={"a": 134})
+    else:
+        step = Step([NewReq034("a", toks, (new_ids,), 256, prefill_token_ids=tokens)], num_scheduled_tokens={"a": 134})
+    plan = side.build_plan(step)
+    assert side.counters.requests_resumed == 1
+    assert plan.loads == [LoadSpec("a", toks[:256], new_ids[:8], skip_tokens=0)]
+    assert plan.stores == [StoreSpec("a", tokens[:384], new_ids[:12], skip_tokens=256)]  # only the new chunk
+    side.loads_done({"a"})
+    assert not cache.held
+    computed = tokens + prompt(40, seed=10)  # 430: a block past chunk 2, stored as a tail at the finish
+    assert side.request_finished("a", computed, [*new_ids, 600]) is True
+    assert side.build_plan(Step()).stores == [StoreSpec("a", computed[:416], new_ids, skip_tokens=384)]
+    assert list(side.tracked_requests()) == [] and side.locks_held() == 0
+
+
+def test_a_new_request_is_not_taken_for_a_resume() -> None:
+    """On 0.34 only the connector's memory of a preemption tells a resume from a new request: one never preempted
+    (or preempted, resumed and running since) is new or running."""
+    side = _side(FakeCache(hit=0), VLLM_034)
+    toks, ids = prompt(300), blocks(10)
+    side.num_new_matched_tokens("a", toks, 300, 0)
+    side.build_plan(Step([NewReq034("a", toks, (ids,), 0, prefill_token_ids=toks)], num_scheduled_tokens={"a": 100}))
+    running = Cached034(["a"], [(blocks(2, start=300),)], [100])
+    plan = side.build_plan(Step(scheduled_cached_reqs=running, num_scheduled_tokens={"a": 200}))
+    assert side.counters.requests_resumed == 0
+    assert plan.stores == [StoreSpec("a", toks[:256], (ids + blocks(2, start=300))[:8], 0)]
