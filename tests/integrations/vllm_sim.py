@@ -85,8 +85,8 @@ def _triton_check_passed() -> Iterator[None]:
         cpu.CpuPlatform.check_and_update_config = descriptor  # type: ignore[method-assign]
 
 
-def engine_config(model: str, extra: dict[str, Any]) -> Any:
-    """vLLM's ``VllmConfig`` of an engine with kvferry's connector (``extra``: its settings), prefix caching on."""
+def engine_config(model: str, extra: dict[str, Any], num_blocks: int, prefix_caching: bool) -> Any:
+    """vLLM's ``VllmConfig`` of an engine with kvferry's connector (``extra``: its settings)."""
     from vllm.engine.arg_utils import EngineArgs
 
     args = EngineArgs(
@@ -96,10 +96,10 @@ def engine_config(model: str, extra: dict[str, Any]) -> Any:
         max_model_len=2048,
         enforce_eager=True,
         block_size=BS,
-        enable_prefix_caching=True,
+        enable_prefix_caching=prefix_caching,
         max_num_seqs=8,
         max_num_batched_tokens=256,  # prompts longer than this are prefilled in chunks
-        num_gpu_blocks_override=NUM_BLOCKS,
+        num_gpu_blocks_override=num_blocks,
         kv_transfer_config={
             "kv_connector": "KvferryConnector",
             "kv_connector_module_path": "kvferry.integrations.vllm",
@@ -149,13 +149,25 @@ def next_token(tokens: list[int]) -> int:
 class StepReport:
     scheduled: dict[str, int]  # tokens scheduled per request
     computed: dict[str, int]  # computed tokens per request at the step's start
-    checked_blocks: int  # full blocks before the computed tokens checked against their reference
+    checked_blocks: int  # blocks (per layer) checked against their reference before the forward pass
+    locks_after_schedule: int  # lookup locks the connector held once vLLM scheduled the step
+    preempted: list[str]  # requests vLLM preempted in the step
+    resumed_with_hit: bool  # a preempted request ran again with computed tokens (kvferry's or vLLM's hit)
 
 
 class SimEngine:
     """One engine: vLLM's scheduler with the connector's scheduler half, and a worker half over vLLM's views."""
 
-    def __init__(self, model: str, extra: dict[str, Any], *, hybrid: bool = False, layout: str = "LBNHC") -> None:
+    def __init__(
+        self,
+        model: str,
+        extra: dict[str, Any],
+        *,
+        hybrid: bool = False,
+        layout: str = "LBNHC",
+        num_blocks: int = NUM_BLOCKS,
+        prefix_caching: bool = True,
+    ) -> None:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
@@ -163,7 +175,7 @@ class SimEngine:
 
         from kvferry.integrations.vllm import KvferryConnector
 
-        self.vllm_config = engine_config(model, extra)
+        self.vllm_config = engine_config(model, extra, num_blocks, prefix_caching)
         self.vllm_config.kv_transfer_config.engine_id = uuid.uuid4().hex  # each engine its own cache key space
         self.vllm_config.cache_config.kv_cache_layout = layout  # what vLLM's engine core resolves (as a user sets it)
         self.kv_cache_config = kv_cache_config(self.vllm_config, hybrid)
@@ -197,6 +209,8 @@ class SimEngine:
         self._block_hasher = get_request_block_hasher(BS, hash_fn)  # as vLLM's engine core hashes requests' blocks
         self.outputs: dict[str, list[int]] = {}
         self.finished: set[str] = set()
+        self._ran: set[str] = set()  # requests that ran since they (re)started: their blocks were checked then
+        self._preempted: set[str] = set()  # requests vLLM preempted at some point
 
     # --- requests -----------------------------------------------------------------------------------------
 
@@ -213,6 +227,13 @@ class SimEngine:
     def scheduler_side(self) -> Any:
         return self.scheduler.connector._scheduler
 
+    def expected_output(self, prompt: list[int], max_tokens: int) -> list[int]:
+        """What the stand-in model generates for ``prompt`` run alone."""
+        tokens = list(prompt)
+        for _ in range(max_tokens):
+            tokens.append(next_token(tokens))
+        return tokens[len(prompt) :]
+
     def tokens(self, req_id: str) -> list[int]:
         return list(self.scheduler.requests[req_id].all_token_ids)
 
@@ -221,13 +242,18 @@ class SimEngine:
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         out = self.scheduler.schedule()
+        side = self.scheduler_side
+        locks = side.locks_held() if side is not None else 0
+        preempted = sorted(out.preempted_req_ids or ())
+        self._ran -= set(preempted)
+        self._preempted |= set(preempted)
         meta = out.kv_connector_metadata
         self.worker.handle_preemptions(meta)
         self.worker.bind_connector_metadata(meta)
         sync_loads = getattr(out, "has_sync_kv_loads", True)
         if sync_loads:
             self.worker.start_load_kv(None)  # type: ignore[arg-type]
-        report = self._forward(out)
+        report = self._forward(out, locks, preempted)
         if not sync_loads:
             self.worker.start_load_kv(None)  # type: ignore[arg-type]
         self.worker.wait_for_save()
@@ -256,7 +282,7 @@ class SimEngine:
                     self.finished.add(output.request_id)
         return report
 
-    def run(self, max_steps: int = 200) -> list[StepReport]:
+    def run(self, max_steps: int = 1000) -> list[StepReport]:
         """Steps until every request finished and the connector has nothing left in flight."""
         reports = []
         for _ in range(max_steps):
@@ -271,26 +297,29 @@ class SimEngine:
 
     # --- the stand-in model ---------------------------------------------------------------------------------
 
-    def _forward(self, out: Any) -> StepReport:
-        """Checks every full block before each scheduled request's computed tokens, then writes the blocks its
-        scheduled tokens fill."""
+    def _forward(self, out: Any, locks: int, preempted: list[str]) -> StepReport:
+        """Checks the blocks a request's first step since it (re)started reads (every full block before its computed
+        tokens: loaded or vLLM's prefix hit; a windowed layer's in its window), then writes the blocks its scheduled
+        tokens fill."""
         manager = self.scheduler.kv_cache_manager
-        computed, checked = {}, 0
+        computed, checked, resumed_with_hit = {}, 0, False
         for req_id, count in out.num_scheduled_tokens.items():
             request = self.scheduler.requests[req_id]
             start = request.num_computed_tokens - count  # vLLM advanced it when it scheduled the step
             computed[req_id] = start
             tokens = self.tokens(req_id)
             tables = manager.get_block_ids(req_id)
+            first_run = req_id not in self._ran
+            self._ran.add(req_id)
+            resumed_with_hit |= first_run and req_id in self._preempted and start > 0
             for name, view in self.views.items():
                 table = tables[self.group_of[name]]
-                for j in range(start // BS):
-                    if table[j] == 0:  # vLLM's null block: a windowed group's block it freed
-                        continue
+                first = max(0, start - WINDOW + 1) // BS if name in self.windowed else 0
+                for j in range(first, start // BS) if first_run else ():
                     want = reference_block(tokens[: (j + 1) * BS], name, view[table[j]].shape, view.dtype)
                     if not torch.equal(view[table[j]], want):
                         raise AssertionError(f"{req_id}: block {j} ({name}) does not hold its KV before step")
                     checked += 1
                 for j in range(start // BS, (start + count) // BS):
                     view[table[j]] = reference_block(tokens[: (j + 1) * BS], name, view[table[j]].shape, view.dtype)
-        return StepReport(dict(out.num_scheduled_tokens), computed, checked)
+        return StepReport(dict(out.num_scheduled_tokens), computed, checked, locks, preempted, resumed_with_hit)
