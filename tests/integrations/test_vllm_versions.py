@@ -118,3 +118,36 @@ def test_a_new_request_is_not_taken_for_a_resume() -> None:
     plan = side.build_plan(Step(scheduled_cached_reqs=running, num_scheduled_tokens={"a": 200}))
     assert side.counters.requests_resumed == 0
     assert plan.stores == [StoreSpec("a", toks[:256], (ids + blocks(2, start=300))[:8], 0)]
+
+
+def test_a_hybrid_models_resume_among_the_new_requests_loads_each_group_into_its_new_table() -> None:
+    """0.34's resume of a hybrid model's request: each group's new table replaces the old (its blocks were freed)."""
+    from kvferry.integrations.vllm.hybrid_scheduler import GroupedSchedulerSide
+
+    from .test_vllm_hybrid import BS as HBS
+    from .test_vllm_hybrid import CHUNK as HCHUNK
+    from .test_vllm_hybrid import FULL, SLIDING
+
+    cache = FakeCache(hit=0)
+    side = SchedulerSide(cache.lookup, cache.free_lock, block_size=HBS, chunk_size=HCHUNK, tails=False, vllm=VLLM_034)
+    grouped = GroupedSchedulerSide(side, [SLIDING, FULL])
+    toks = prompt(200)
+    old = (list(range(1, 14)), list(range(21, 34)))
+    grouped.num_new_matched_tokens("r", toks, 200, 0)
+    grouped.after_alloc("r", toks, old, 0, toks)
+    step = Step([NewReq034("r", toks, old, 0, prefill_token_ids=toks)], num_scheduled_tokens={"r": 200})
+    assert len(grouped.build_plan(step).stores) == 2  # chunks 0-2, each group
+    grouped.build_plan(Step(preempted_req_ids={"r"}))
+    cache.hit = 3 * HCHUNK
+    assert grouped.num_new_matched_tokens("r", toks, 205, 0) == (3 * HCHUNK, False)
+    new = ([0] * 10 + [51, 52, 53], list(range(61, 74)))  # the window at token 192: blocks 10.. (token 160..)
+    grouped.after_alloc("r", toks, new, 3 * HCHUNK, toks)
+    tokens = [*toks, *prompt(5, seed=3)]
+    plan = grouped.build_plan(Step([NewReq034("r", toks, new, 3 * HCHUNK, tokens)], num_scheduled_tokens={"r": 13}))
+    assert side.counters.requests_resumed == 1
+    sliding, full = plan.loads
+    assert (sliding.group, sliding.skip_tokens, sliding.block_ids[10:]) == (0, 10 * HBS, [51, 52])
+    assert (full.group, full.skip_tokens, full.block_ids) == (1, 0, new[1][:12])
+    assert plan.stores == []  # chunks 0-2 are stored; the resume computes no further whole chunk
+    grouped.loads_done({"r"})
+    assert not cache.held
