@@ -90,7 +90,7 @@ class SchedulerSide:
     ) -> None:
         """``ranks``: the engine's tensor-parallel workers; each loads its slice and reports it. ``tails``: a
         finished request also stores its last partial chunk in whole blocks (False: whole chunks only). ``vllm``:
-        how the scheduler steps read describe resumes (default: the installed vLLM's way)."""
+        how vLLM's scheduler steps list resumes (default: the installed vLLM's way)."""
         if block_size <= 0 or chunk_size <= 0 or chunk_size % block_size:
             raise ValueError(f"chunk_size={chunk_size} must be a positive multiple of vLLM's block_size={block_size}")
         self._lookup = lookup
