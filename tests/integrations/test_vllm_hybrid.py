@@ -56,6 +56,7 @@ def _step(new: list[Any] = (), cached: list[tuple[str, Any, int]] = (), schedule
         scheduled_cached_reqs=SimpleNamespace(
             req_ids=[c[0] for c in cached],
             resumed_req_ids=set(),
+            all_token_ids={},
             new_block_ids=[c[1] for c in cached],
             num_computed_tokens=[c[2] for c in cached],
         ),

@@ -220,7 +220,7 @@ def _step(new: list[Any] = (), offers: dict[str, list[tuple[int, int, int]]] | N
     return SimpleNamespace(
         scheduled_new_reqs=list(new),
         scheduled_cached_reqs=SimpleNamespace(
-            req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]
+            req_ids=[], resumed_req_ids=set(), all_token_ids={}, new_block_ids=[], num_computed_tokens=[]
         ),
         num_scheduled_tokens=scheduled,
         preempted_req_ids=set(),
@@ -274,6 +274,7 @@ def test_a_state_vllm_computed_while_generating_is_stored_under_the_tokens_it_fo
     decode.scheduled_cached_reqs = SimpleNamespace(
         req_ids=["r", "no-tokens"],
         resumed_req_ids=set(),
+        all_token_ids={},
         new_block_ids=[None, None],
         num_computed_tokens=[3 * CHUNK - 1] * 2,
     )

@@ -10,9 +10,11 @@ import pytest
 from kvferry.integrations.vllm.backends import Hit
 from kvferry.integrations.vllm.plan import LoadSpec, StoreSpec
 from kvferry.integrations.vllm.scheduler_side import SchedulerSide
+from kvferry.integrations.vllm.vllm_versions import VllmFacts
 
 BS = 32
 CHUNK = 128
+VLLM_032 = VllmFacts("0.32.0", resumed_among_cached=True)  # the scheduler outputs below are 0.32's
 
 
 @dataclass
@@ -29,6 +31,7 @@ class Cached:
     resumed_req_ids: set[str] = field(default_factory=set)
     new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
+    all_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -63,7 +66,7 @@ class FakeCache:
 
 
 def make_side(cache: FakeCache, **kwargs: object) -> SchedulerSide:
-    return SchedulerSide(cache.lookup, cache.free_lock, block_size=BS, chunk_size=CHUNK, **kwargs)
+    return SchedulerSide(cache.lookup, cache.free_lock, block_size=BS, chunk_size=CHUNK, vllm=VLLM_032, **kwargs)
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:

@@ -33,7 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvferry.integrations.vllm import backends, hybrid_worker, kv_access, layer_parts
+from kvferry.integrations.vllm import backends, hybrid_worker, kv_access, layer_parts, vllm_versions
 from kvferry.integrations.vllm import off_answers as off
 from kvferry.integrations.vllm.chunk_choice import follow_block_size
 from kvferry.integrations.vllm.connector_metadata import KvferryConnectorMetadata, KvferryHandshake, KvferryWorkerMeta
@@ -88,6 +88,7 @@ class KvferryConnector(SleepModeHooks, KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         show_in_vllm_log()
+        vllm_versions.warn_if_untested()
         self._settings = ConnectorSettings.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size != 1:

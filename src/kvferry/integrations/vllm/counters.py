@@ -11,6 +11,7 @@ DESCRIPTIONS = {
     "lookup_hit_requests": "looked-up requests with a kvferry hit",
     "lookup_hit_tokens": "prompt tokens kvferry held at lookup (once per request)",
     "hit_tokens_taken": "tokens of kvferry hits vLLM scheduled to load (beyond its own prefix cache)",
+    "requests_resumed": "preempted requests scheduled again (their loads and stores planned anew)",
     "loads": "loads run",
     "load_failures": "loads that came back short or failed (vLLM recomputed the rest)",
     "tokens_loaded": "tokens loaded into vLLM's KV cache",
@@ -38,6 +39,7 @@ class SchedulerCounters(_Totals):
     lookup_hit_requests: int = 0
     lookup_hit_tokens: int = 0
     hit_tokens_taken: int = 0
+    requests_resumed: int = 0
 
     def count_lookup(self, hit_tokens: int) -> None:
         self.lookup_requests += 1

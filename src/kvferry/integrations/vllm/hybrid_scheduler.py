@@ -28,41 +28,15 @@ that grows as the request generates); with the output stored at the finish, a ch
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvferry.integrations.vllm.kv_groups import NULL_BLOCK, KVGroup, first_unfreed_token
 from kvferry.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
-from kvferry.integrations.vllm.scheduler_side import SchedulerSide, SchedulerStep
+from kvferry.integrations.vllm.scheduler_side import SchedulerSide
+from kvferry.integrations.vllm.vllm_versions import Scheduled, SchedulerStep
 
 Tables = tuple[list[int], ...]
-
-
-@dataclass(frozen=True)
-class _LeadGroupNew:
-    """A new request of the step as `SchedulerSide` reads it: the lead group's block ids only."""
-
-    req_id: str
-    prompt_token_ids: list[int] | None
-    block_ids: tuple[list[int], ...]
-    num_computed_tokens: int
-
-
-@dataclass(frozen=True)
-class _LeadGroupCached:
-    req_ids: list[str]
-    resumed_req_ids: set[str]
-    new_block_ids: list[tuple[list[int], ...] | None]
-    num_computed_tokens: list[int]
-
-
-@dataclass(frozen=True)
-class _LeadGroupStep:
-    scheduled_new_reqs: list[_LeadGroupNew]
-    scheduled_cached_reqs: _LeadGroupCached
-    num_scheduled_tokens: Mapping[str, int]
-    preempted_req_ids: set[str] | None
 
 
 class GroupedSchedulerSide:
@@ -99,10 +73,16 @@ class GroupedSchedulerSide:
             self._pending[req_id] = tuple(list(ids) for ids in block_ids)
 
     def build_plan(self, step: SchedulerStep) -> StepPlan:
-        computed = self._update_tables(step)
         pending, self._pending = self._pending, {}
         finished, self._finished = self._finished, {}
-        plan = self.side.build_plan(_lead_group(step, self.lead))
+        plan = self.side.start_plan(step)
+        for req_id in plan.preempted:
+            self._tables.pop(req_id, None)
+        requests = self.side.scheduled(step)
+        computed = self._update_tables(requests)
+        for scheduled in requests:  # planned over the lead group's table
+            lead = None if scheduled.block_ids is None else (list(scheduled.block_ids[self.lead]),)
+            self.side.plan_scheduled(plan, dataclasses.replace(scheduled, block_ids=lead), step.num_scheduled_tokens)
         grouped = StepPlan(preempted=plan.preempted)
         for load in plan.loads:
             tables = pending.get(load.req_id) or self._tables.get(load.req_id)
@@ -118,8 +98,6 @@ class GroupedSchedulerSide:
                     if not group.holds_state
                 ]
         grouped.stores += self._state_stores(step)
-        for req_id in plan.preempted:
-            self._tables.pop(req_id, None)
         return grouped
 
     def loads_done(self, req_ids: Any, failed: Any = ()) -> None:
@@ -148,22 +126,18 @@ class GroupedSchedulerSide:
 
     # -- helpers ---------------------------------------------------------------------------------------------
 
-    def _update_tables(self, step: SchedulerStep) -> dict[str, int]:
+    def _update_tables(self, requests: list[Scheduled]) -> dict[str, int]:
         """Every group's block table after the step's allocations; each scheduled request's computed tokens at the
         step's start (what vLLM freed windowed blocks by)."""
         computed = {}
-        for new in step.scheduled_new_reqs:
-            self._tables[new.req_id] = tuple(list(ids) for ids in new.block_ids)
-            computed[new.req_id] = new.num_computed_tokens
-        cached = step.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            new_blocks = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids or req_id not in self._tables:
+        for scheduled in requests:
+            req_id, new_blocks = scheduled.req_id, scheduled.block_ids
+            if scheduled.starts or req_id not in self._tables:
                 self._tables[req_id] = tuple(list(ids) for ids in new_blocks) if new_blocks else ()
             elif new_blocks:
                 for table, ids in zip(self._tables[req_id], new_blocks, strict=True):
                     table.extend(ids)
-            computed[req_id] = cached.num_computed_tokens[i]
+            computed[req_id] = scheduled.num_computed_tokens
         return computed
 
     def _state_stores(self, step: SchedulerStep) -> list[StoreSpec]:
@@ -201,22 +175,3 @@ class GroupedSchedulerSide:
             chunk = self.side.chunk_size
             skip = min(end, -(-start // chunk) * chunk)  # whole chunks only: one with a freed block is left out
         return dataclasses.replace(store, block_ids=ids, skip_tokens=skip, group=group.index)
-
-
-def _lead_group(step: SchedulerStep, lead: int) -> _LeadGroupStep:
-    """``step`` as `SchedulerSide` reads it: the ``lead`` group's block ids (it plans over that group's table)."""
-    cached = step.scheduled_cached_reqs
-    return _LeadGroupStep(
-        [
-            _LeadGroupNew(new.req_id, new.prompt_token_ids, (list(new.block_ids[lead]),), new.num_computed_tokens)
-            for new in step.scheduled_new_reqs
-        ],
-        _LeadGroupCached(
-            list(cached.req_ids),
-            set(cached.resumed_req_ids),
-            [None if ids is None else (list(ids[lead]),) for ids in cached.new_block_ids],
-            list(cached.num_computed_tokens),
-        ),
-        step.num_scheduled_tokens,
-        step.preempted_req_ids,
-    )

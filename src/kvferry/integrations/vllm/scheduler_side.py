@@ -2,8 +2,9 @@
 
 It holds no KV and moves no bytes. It asks the cache how many leading prompt tokens it holds (``lookup``), keeps
 each running request's block table as the scheduler hands out blocks, and turns every scheduler step into a
-`StepPlan` for the worker half. It reads vLLM's scheduler output by attribute only (see the protocols below), so
-it runs in tests without vLLM.
+`StepPlan` for the worker half. It reads vLLM's scheduler output by attribute only, through `vllm_versions` (the
+one place that knows how each vLLM version lists a step's new, resumed and running requests), so it runs in tests
+without vLLM.
 
 Invariants:
 - One lookup per request, not per re-ask: vLLM asks again every step a request waits, and the answer is kept
@@ -21,6 +22,9 @@ Invariants:
   (answers "not known yet"; at most ``refresh_s``): a chat's or an agent's next turn, sent the moment the last one
   finished, hits all of it. vLLM runs the step that issues the store meanwhile.
 - A request whose KV token ids alone do not determine is neither looked up nor stored.
+- A preempted request that resumes is planned as a resume whichever way vLLM lists it (0.34: among the new
+  requests): looked up again, its blocks replaced, chunks already stored not stored again; its prefill's tokens
+  (prompt and output) key the chunks it stores from then on.
 - A request that had any store planned since it last started is reported to vLLM as "saving asynchronously"
   when it finishes, so vLLM keeps its blocks until the worker reports the stores done. A preempted request's
   stores are waited for by the worker before its blocks go (and then forgotten on both sides).
@@ -32,52 +36,18 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
+from kvferry.integrations.vllm import vllm_versions
 from kvferry.integrations.vllm.backends import Hit
 from kvferry.integrations.vllm.counters import SchedulerCounters
 from kvferry.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
+from kvferry.integrations.vllm.vllm_versions import Scheduled, SchedulerStep, VllmFacts
 
 log = logging.getLogger(__name__)
 
 Lookup = Callable[[list[int]], Hit | None]
 FreeLock = Callable[[Any], None]
-
-
-# Read-only properties, not attributes: vLLM's dataclasses then match with their own (narrower) field types.
-class NewRequest(Protocol):
-    @property
-    def req_id(self) -> str: ...
-    @property
-    def prompt_token_ids(self) -> list[int] | None: ...
-    @property
-    def block_ids(self) -> tuple[list[int], ...]: ...
-    @property
-    def num_computed_tokens(self) -> int: ...
-
-
-class CachedRequests(Protocol):
-    @property
-    def req_ids(self) -> list[str]: ...
-    @property
-    def resumed_req_ids(self) -> set[str]: ...
-    @property
-    def new_block_ids(self) -> list[tuple[list[int], ...] | None]: ...
-    @property
-    def num_computed_tokens(self) -> list[int]: ...
-
-
-class SchedulerStep(Protocol):
-    """The fields of vLLM's ``SchedulerOutput`` this module reads."""
-
-    @property
-    def scheduled_new_reqs(self) -> Sequence[NewRequest]: ...
-    @property
-    def scheduled_cached_reqs(self) -> CachedRequests: ...
-    @property
-    def num_scheduled_tokens(self) -> Mapping[str, int]: ...
-    @property
-    def preempted_req_ids(self) -> set[str] | None: ...
 
 
 @dataclass
@@ -97,6 +67,7 @@ class _Request:
     finished: bool = False
     # once scheduled: the block table (token i lives in block i // block_size) and what the cache holds
     running: bool = False
+    preempted: bool = False  # since it last ran: its next schedule is a resume
     block_ids: list[int] = field(default_factory=list)
     stored_upto: int = 0
     stores_planned: bool = False
@@ -115,9 +86,11 @@ class SchedulerSide:
         clock: Callable[[], float] = time.monotonic,
         ranks: int = 1,
         tails: bool = True,
+        vllm: VllmFacts | None = None,
     ) -> None:
         """``ranks``: the engine's tensor-parallel workers; each loads its slice and reports it. ``tails``: a
-        finished request also stores its last partial chunk in whole blocks (False: whole chunks only)."""
+        finished request also stores its last partial chunk in whole blocks (False: whole chunks only). ``vllm``:
+        how vLLM's scheduler steps list resumes (default: the installed vLLM's way)."""
         if block_size <= 0 or chunk_size <= 0 or chunk_size % block_size:
             raise ValueError(f"chunk_size={chunk_size} must be a positive multiple of vLLM's block_size={block_size}")
         self._lookup = lookup
@@ -129,6 +102,7 @@ class SchedulerSide:
         self._clock = clock
         self._ranks = ranks
         self.tails = tails
+        self.vllm = vllm or vllm_versions.installed()
         self._requests: dict[str, _Request] = {}
         self._finishing: list[StoreSpec] = []  # stores of finished requests, for the next step's plan
         # Finished requests' stores not reported done yet: their tokens, and until when a lookup waits for them
@@ -193,6 +167,13 @@ class SchedulerSide:
 
     def build_plan(self, step: SchedulerStep) -> StepPlan:
         """The loads and stores of one scheduler step; updates each request's block table."""
+        plan = self.start_plan(step)
+        for scheduled in self.scheduled(step):
+            self.plan_scheduled(plan, scheduled, step.num_scheduled_tokens)
+        return plan
+
+    def start_plan(self, step: SchedulerStep) -> StepPlan:
+        """A step's plan before its scheduled requests: finished requests' stores, preemptions, background loads."""
         plan = StepPlan(preempted=sorted(step.preempted_req_ids or ()))
         plan.stores += self._finishing  # their requests are gone from the step; vLLM keeps their blocks meanwhile
         self._finishing = []
@@ -200,33 +181,40 @@ class SchedulerSide:
             req = self._requests.get(req_id)
             if req is not None:  # its blocks are freed; it is looked up again when it resumes
                 self._release(req)
-                req.block_ids, req.looked_up_at, req.stores_planned = [], None, False
+                req.block_ids, req.looked_up_at, req.stores_planned, req.preempted = [], None, False, True
         for req_id, req in self._requests.items():
             if req.pending_load is not None:
                 blocks = req.pending_load
                 req.pending_load = None
                 self._plan_load(plan, req_id, req, blocks, in_background=True)
-        for new in step.scheduled_new_reqs:
-            req = self._requests.setdefault(new.req_id, _Request())
-            if req.uncacheable:
-                continue
-            req.prompt = list(new.prompt_token_ids or [])
-            req.block_ids = list(new.block_ids[0])
-            self._start_running(req)
-            self._plan_request(plan, new.req_id, req, new.num_computed_tokens, step.num_scheduled_tokens)
-        cached = step.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            req = self._requests.get(req_id)
-            if req is None or req.uncacheable or not req.running:
-                continue
-            new_blocks = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
-                req.block_ids = list(new_blocks[0]) if new_blocks else []
-                self._start_running(req)
-            elif new_blocks:
-                req.block_ids.extend(new_blocks[0])
-            self._plan_request(plan, req_id, req, cached.num_computed_tokens[i], step.num_scheduled_tokens)
         return plan
+
+    def scheduled(self, step: SchedulerStep) -> list[Scheduled]:
+        """The step's requests as the installed vLLM names them (after `start_plan`, which saw its preemptions)."""
+        return vllm_versions.scheduled_requests(step, self.vllm, self._was_preempted)
+
+    def plan_scheduled(self, plan: StepPlan, scheduled: Scheduled, num_scheduled: Mapping[str, int]) -> None:
+        """Adds the loads and stores of one scheduled request (its block ids: the table this side plans over)."""
+        req_id = scheduled.req_id
+        req = self._requests.get(req_id) if not scheduled.starts else self._requests.setdefault(req_id, _Request())
+        if req is None or req.uncacheable or not (req.running or scheduled.starts):
+            return
+        blocks = list(scheduled.block_ids[0]) if scheduled.block_ids else []
+        if scheduled.resumed:
+            # The prefill recomputes its prompt and what it generated: chunks of both are stored as computed.
+            tokens = scheduled.tokens if scheduled.tokens is not None else scheduled.prompt
+            if tokens is not None and len(tokens) > len(req.prompt):
+                req.prompt = list(tokens)
+            req.preempted = False
+            self.counters.requests_resumed += 1
+        elif scheduled.starts:
+            req.prompt = list(scheduled.prompt or [])
+        if scheduled.starts:
+            req.block_ids = blocks
+            self._start_running(req)
+        else:
+            req.block_ids.extend(blocks)
+        self._plan_request(plan, req_id, req, scheduled.num_computed_tokens, num_scheduled)
 
     def loads_done(self, req_ids: Iterable[str], failed: Iterable[str] = ()) -> None:
         """Workers ran these loads, each id one rank's report (``failed``: those that came back short on some
@@ -319,6 +307,10 @@ class SchedulerSide:
             if n >= self.block_size and tokens[0] == prompt[0] and list(prompt[:n]) == tokens[:n]:
                 return True
         return False
+
+    def _was_preempted(self, req_id: str) -> bool:
+        req = self._requests.get(req_id)
+        return req is not None and req.preempted
 
     def _release(self, req: _Request) -> None:
         if req.lock is not None:
