@@ -8,8 +8,8 @@ consecutive blocks are adjacent), which the driver takes as one batch (`cuMemcpy
 gather or scatter, and no SM time. It is what vLLM's own CPU offload does, and why the engine's "auto" mode does not
 pick it: the driver spends about a microsecond of CPU per copy before the batch runs, so 16 scattered llama3-8b
 chunks (16384 pages of 32 KiB) moved at 0.44-0.61 of a pinned memcpy and 16 DeepSeek MLA chunks at 0.61-0.73,
-against 0.94-0.98 staged (H200; docs/gpu_data_path.md, "Page DMA"). `TransferEngine` runs it when asked (`mode="page_dma"`),
-and `kvferry bench gpu-transfer` / `vllm-gpu` show it beside the staged path.
+against 0.94-0.98 staged (H200; docs/gpu_data_path.md, "Page DMA"). `TransferEngine` runs it when asked
+(`mode="page_dma"`), and `kvferry bench gpu-transfer` / `vllm-gpu` show it beside the staged path.
 
 The copies are computed with numpy from a per-geometry `PagePlan` (block 0's page address and object row of each
 (plane, layer) entry), so a request's Python cost does not grow with its page count. Layouts whose page is not a
