@@ -19,6 +19,8 @@ PHASE
   gdn-chat    the state-space hybrid, kvferry embedded: a chat's turn 1 (CHAT_PROMPT tokens, CHAT_OUTPUT generated:
               past a chunk boundary), vLLM's prefix cache emptied, turn 2 (turn 1's prompt and output, then more);
               ``--retention N``: vLLM's prefix_cache_retention_interval (which Mamba states it keeps and hands over).
+              ``--foreground`` (``gdn``, ``gdn-lost``): the hit loaded before the forward pass of the step that
+              schedules it (the connector's ``async_load`` false), not in the background.
   capacity    vLLM's KV capacity in tokens with the connector on, with vLLM's hybrid KV cache manager and without
               (``disable_hybrid_kv_cache_manager``): every layer then holds every token.
 
@@ -203,13 +205,16 @@ def chat(llm: Any) -> list[dict[str, Any]]:
     return [first, second]
 
 
-def run_gdn(model: str, phase: str, retention: int | None, server_url: str | None) -> dict[str, Any]:
-    """The state-space hybrid's phases (see the module's docstring), vLLM's prefix caching on."""
+def run_gdn(
+    model: str, phase: str, retention: int | None, server_url: str | None, *, foreground: bool = False
+) -> dict[str, Any]:
+    """The state-space hybrid's phases (see the module's docstring), vLLM's prefix caching on; ``foreground``: the
+    connector loads a hit before the forward pass of the step that schedules it (``async_load`` false)."""
     main_prompt = prompts()["main"]
     if phase == "gdn-lost":
         lose_state_loads()
     # No chunk size: it follows vLLM's block size, which vLLM picks for the machine (`chunk_choice`).
-    extra: dict[str, Any] = {"mode": "embedded", "config": {"cache": {"l1_size_gb": 0.25}}}
+    extra: dict[str, Any] = {"mode": "embedded", "config": {"cache": {"l1_size_gb": 0.25}}, "async_load": not foreground}
     if phase == "gdn-server":
         extra = {"mode": "server", "server_url": server_url}
     kept = {} if retention is None else {"prefix_cache_retention_interval": retention}
@@ -264,7 +269,7 @@ def main() -> None:
     if phase.startswith("gdn"):
         retention = int(sys.argv[sys.argv.index("--retention") + 1]) if "--retention" in sys.argv else None
         url = sys.argv[sys.argv.index("--server-url") + 1] if "--server-url" in sys.argv else None
-        report.update(run_gdn(model + "-gdn", phase, retention, url))
+        report.update(run_gdn(model + "-gdn", phase, retention, url, foreground="--foreground" in sys.argv))
         write_report(out, report)
         os._exit(0)
     extra = {
