@@ -107,10 +107,15 @@ def write_gdn_model(path: str) -> None:
     )
     torch.manual_seed(0)
     model = Qwen3NextForCausalLM(config)
-    with torch.no_grad():  # the linear-attention layers' output weighs in: a wrong state changes the greedy tokens
+    # A wrong state must change the greedy tokens: the linear-attention layers' output weighs in, and their state
+    # decays slowly (a random A_log decays it by 0.7 a token or faster: 232 tokens after a hit it is gone, and any
+    # state there gives the same tokens; A_log -6 keeps about half of it over those tokens).
+    with torch.no_grad():
         for name, weight in model.named_parameters():
             if "linear_attn.out_proj" in name:
                 weight.mul_(100)
+            if name.endswith("linear_attn.A_log"):
+                weight.fill_(-6.0)
     model.to(torch.bfloat16).save_pretrained(path)
 
 
@@ -214,7 +219,11 @@ def run_gdn(
     if phase == "gdn-lost":
         lose_state_loads()
     # No chunk size: it follows vLLM's block size, which vLLM picks for the machine (`chunk_choice`).
-    extra: dict[str, Any] = {"mode": "embedded", "config": {"cache": {"l1_size_gb": 0.25}}, "async_load": not foreground}
+    extra: dict[str, Any] = {
+        "mode": "embedded",
+        "config": {"cache": {"l1_size_gb": 0.25}},
+        "async_load": not foreground,
+    }
     if phase == "gdn-server":
         extra = {"mode": "server", "server_url": server_url}
     kept = {} if retention is None else {"prefix_cache_retention_interval": retention}
