@@ -212,15 +212,25 @@ def test_a_chat_s_next_turn_hits_the_state_vllm_kept_while_generating(
 ) -> None:
     """Turn 1 (700 tokens, 80 generated) crosses the boundary at 768 while generating. vLLM retaining every block's
     state (prefix_cache_retention_interval = its block size) hands that state over, kvferry stores it and the
-    output's attention chunks at the finish: turn 2 hits 768 tokens, past turn 1's prompt. With vLLM's default
-    (0: the prompt's last boundary only) it hands over none past 384: the hit stops there."""
+    output's attention chunks at the finish: turn 2 hits 768 tokens, past turn 1's prompt, and its greedy tokens are
+    those of vLLM's own prefix cache hitting the same state. With vLLM's default (0: the prompt's last boundary
+    only) it hands over none past turn 1's prompt's last boundary: the hit stops there, and greedy tokens are those
+    of a run computing every token."""
     block = gdn_block(gdn_reference)
     retention = block if dense else None
     # Dense: the boundary turn 1 crossed while generating (700 + 80 tokens); default: turn 1's prompt's last one.
     hit = (700 + 80) // block * block if dense else 700 // block * block
-    report = run_driver("gdn-chat", tmp, *(["--retention", str(retention)] if retention is not None else []))
+    kept = ["--retention", str(retention)] if retention is not None else []
+    report = run_driver("gdn-chat", tmp, *kept)
     assert [turn["cached"] for turn in gdn_reference["chat"]] == [[0], [0]]  # the reference computes every token
-    assert [turn["tokens"] for turn in report["chat"]] == [turn["tokens"] for turn in gdn_reference["chat"]]
+    expected = gdn_reference["chat"]
+    if dense:  # a state vLLM computed while generating, a token a step, differs in its last bits from the one a
+        # prefill computes (another kernel): the tokens after a hit on it are those of vLLM's own hit on it
+        own = run_driver("gdn-chat-reference", tmp, *kept)
+        assert [turn["cached"] for turn in own["chat"]] == [[0], [hit]]  # vLLM's own prefix cache hits there
+        assert own["chat"][0]["tokens"] == expected[0]["tokens"]
+        expected = own["chat"]
+    assert [turn["tokens"] for turn in report["chat"]] == [turn["tokens"] for turn in expected]
     assert report["chat"][0]["prefix_cache_reset"]  # turn 2's hit can only be kvferry's
     assert ("prefix_cache_retention_interval is 0" in report["output"]) == (retention is None)  # the start warning
     assert [turn["cached"] for turn in report["chat"]] == [[0], [hit]]  # vLLM's counter (turn 1's prompt: 700)

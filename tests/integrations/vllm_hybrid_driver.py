@@ -16,6 +16,9 @@ PHASE
               state at its end); ``gdn-lost`` as ``gdn`` with every state load writing zeros instead (what the test
               tells apart); ``gdn-server`` as ``gdn`` through a kvferry server at --server-url (with
               --multiprocessing: in vLLM's default process layout).
+  gdn-chat-reference
+              no connector, vLLM's prefix caching alone: a chat's two turns (as ``gdn-chat``, the cache kept), turn
+              2 a hit of vLLM's own on the state it kept (``--retention N``).
   gdn-chat    the state-space hybrid, kvferry embedded: a chat's turn 1 (CHAT_PROMPT tokens, CHAT_OUTPUT generated:
               past a chunk boundary), vLLM's prefix cache emptied, turn 2 (turn 1's prompt and output, then more);
               ``--retention N``: vLLM's prefix_cache_retention_interval (which Mamba states it keeps and hands over).
@@ -198,14 +201,15 @@ def count_copied_bytes(moved: dict[str, int]) -> None:
         setattr(EmbeddedBackend, name, counted)
 
 
-def chat(llm: Any) -> list[dict[str, Any]]:
+def chat(llm: Any, *, reset: bool = True) -> list[dict[str, Any]]:
     """A chat's two turns: turn 2's prompt is turn 1's prompt and output, then new tokens. Between the turns, a
-    short request (a step after turn 1's stores) and vLLM's prefix cache emptied (a hit can only be kvferry's)."""
+    short request (a step after turn 1's stores) and, where ``reset``, vLLM's prefix cache emptied (a hit can only
+    be kvferry's)."""
     rng = random.Random(11)
     prompt = [rng.randrange(3, VOCAB) for _ in range(CHAT_PROMPT)]
     first = generate(llm, [prompt], max_tokens=CHAT_OUTPUT)
     generate(llm, [list(range(16))])
-    first["prefix_cache_reset"] = llm.reset_prefix_cache()
+    first["prefix_cache_reset"] = reset and llm.reset_prefix_cache()
     second = generate(llm, [prompt + first["tokens"][0] + [rng.randrange(3, VOCAB) for _ in range(20)]])
     return [first, second]
 
@@ -227,12 +231,15 @@ def run_gdn(
     if phase == "gdn-server":
         extra = {"mode": "server", "server_url": server_url}
     kept = {} if retention is None else {"prefix_cache_retention_interval": retention}
-    llm = make_llm(model, None if phase == "gdn-reference" else extra, enable_prefix_caching=True, **kept)
+    reference = phase in ("gdn-reference", "gdn-chat-reference")
+    llm = make_llm(model, None if reference else extra, enable_prefix_caching=True, **kept)
     in_process = os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # else the test asks the server for counters
     report: dict[str, Any] = {"groups": kv_groups(llm) if in_process else []}
     if phase == "gdn-reference":
         report["runs"] = [generate(llm, [main_prompt])]
         report["chat"] = chat(llm)
+    elif phase == "gdn-chat-reference":
+        report["chat"] = chat(llm, reset=False)
     elif phase == "gdn-chat":
         report["chat"] = chat(llm)
     else:
@@ -240,7 +247,7 @@ def run_gdn(
         generate(llm, [list(range(16))])  # a step after the first run's stores: vLLM then frees its blocks
         report["prefix_cache_reset"] = llm.reset_prefix_cache()
         report["runs"].append(generate(llm, [main_prompt]))
-    if phase != "gdn-reference" and in_process:
+    if not reference and in_process:
         report.update(connector_state(llm))
     llm.llm_engine.engine_core.shutdown()
     return report
