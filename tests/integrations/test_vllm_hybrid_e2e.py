@@ -128,12 +128,17 @@ def test_server_mode_with_the_scheduler_apart_from_the_kv(
     assert report["output"].count("hybrid model: group=0:sliding_window:128") == ranks
 
 
-def test_a_state_space_hybrid_hits_with_its_linear_attention_state(tmp: Path, gdn_reference: dict[str, Any]) -> None:
+@pytest.mark.parametrize("timing", [[], ["--foreground"]], ids=["background", "foreground"])
+def test_a_state_space_hybrid_hits_with_its_linear_attention_state(
+    tmp: Path, gdn_reference: dict[str, Any], timing: list[str]
+) -> None:
     """Qwen3-Next's gated delta-net layers keep a state (vLLM's MambaSpec group, "align" mode under its prefix
     caching): the hit loads the full layers' chunks and the state at the hit's end, and greedy tokens are those of a
-    run without kvferry; the same hit with the state zeroed instead gives other tokens (so the check can fail)."""
-    report = run_driver("gdn", tmp)
-    lost = run_driver("gdn-lost", tmp)
+    run without kvferry; the same hit with the state zeroed instead gives other tokens (so the check can fail).
+    Loaded in the background (vLLM's async-load path) and before the step's forward pass (there vLLM copies the
+    hit's state block into the running one before the load runs: the load writes both)."""
+    report = run_driver("gdn", tmp, *timing)
+    lost = run_driver("gdn-lost", tmp, *timing)
     assert [(g["kind"], g["mamba_cache_mode"]) for g in report["groups"]] == [("MambaSpec", "align"),
                                                                             ("FullAttentionSpec", None)]  # fmt: skip
     assert report["groups"][0]["block_size"] == gdn_block(gdn_reference)  # a chunk holds one state
@@ -207,15 +212,25 @@ def test_a_chat_s_next_turn_hits_the_state_vllm_kept_while_generating(
 ) -> None:
     """Turn 1 (700 tokens, 80 generated) crosses the boundary at 768 while generating. vLLM retaining every block's
     state (prefix_cache_retention_interval = its block size) hands that state over, kvferry stores it and the
-    output's attention chunks at the finish: turn 2 hits 768 tokens, past turn 1's prompt. With vLLM's default
-    (0: the prompt's last boundary only) it hands over none past 384: the hit stops there."""
+    output's attention chunks at the finish: turn 2 hits 768 tokens, past turn 1's prompt, and its greedy tokens are
+    those of vLLM's own prefix cache hitting the same state. With vLLM's default (0: the prompt's last boundary
+    only) it hands over none past turn 1's prompt's last boundary: the hit stops there, and greedy tokens are those
+    of a run computing every token."""
     block = gdn_block(gdn_reference)
     retention = block if dense else None
     # Dense: the boundary turn 1 crossed while generating (700 + 80 tokens); default: turn 1's prompt's last one.
     hit = (700 + 80) // block * block if dense else 700 // block * block
-    report = run_driver("gdn-chat", tmp, *(["--retention", str(retention)] if retention is not None else []))
+    kept = ["--retention", str(retention)] if retention is not None else []
+    report = run_driver("gdn-chat", tmp, *kept)
     assert [turn["cached"] for turn in gdn_reference["chat"]] == [[0], [0]]  # the reference computes every token
-    assert [turn["tokens"] for turn in report["chat"]] == [turn["tokens"] for turn in gdn_reference["chat"]]
+    expected = gdn_reference["chat"]
+    if dense:  # a state vLLM computed while generating, a token a step, differs in its last bits from the one a
+        # prefill computes (another kernel): the tokens after a hit on it are those of vLLM's own hit on it
+        own = run_driver("gdn-chat-reference", tmp, *kept)
+        assert [turn["cached"] for turn in own["chat"]] == [[0], [hit]]  # vLLM's own prefix cache hits there
+        assert own["chat"][0]["tokens"] == expected[0]["tokens"]
+        expected = own["chat"]
+    assert [turn["tokens"] for turn in report["chat"]] == [turn["tokens"] for turn in expected]
     assert report["chat"][0]["prefix_cache_reset"]  # turn 2's hit can only be kvferry's
     assert ("prefix_cache_retention_interval is 0" in report["output"]) == (retention is None)  # the start warning
     assert [turn["cached"] for turn in report["chat"]] == [[0], [hit]]  # vLLM's counter (turn 1's prompt: 700)

@@ -255,6 +255,28 @@ def test_the_scheduler_stores_the_states_vllm_hands_over_and_loads_the_one_block
     assert grouped.request_finished("r", prompt[:-1], tables)  # vLLM keeps its blocks until the stores end
 
 
+@pytest.mark.parametrize("in_background", [False, True], ids=["foreground", "background"])
+def test_a_foreground_load_puts_the_state_where_the_step_s_forward_pass_starts_from_too(in_background: bool) -> None:
+    """vLLM's worker copies the hit's state block into the running one before a foreground load runs: that load
+    fills both (its forward pass starts from the running block; its prefix cache keeps the hit's). A background
+    load fills the hit's block steps before vLLM schedules the request and copies it."""
+    side = SchedulerSide(lambda t: Hit(2 * CHUNK, "lock"), lambda lock: None, block_size=CHUNK, chunk_size=CHUNK,
+                         in_background=in_background, tails=False)  # fmt: skip
+    grouped = GroupedSchedulerSide(side, GROUPS)
+    prompt = list(range(3 * CHUNK + 10))
+    assert grouped.num_new_matched_tokens("r", prompt, len(prompt), 0) == (2 * CHUNK, in_background)
+    # vLLM's tables as it allocates them: for the load alone (background), or with the step's tokens (foreground)
+    tables = ([NULL_BLOCK, 21], [11, 12]) if in_background else ([NULL_BLOCK, 21, NULL_BLOCK, 22], [11, 12, 13, 14])
+    grouped.after_alloc("r", prompt, tables, 2 * CHUNK)
+    new = SimpleNamespace(req_id="r", prompt_token_ids=prompt, block_ids=tables, num_computed_tokens=2 * CHUNK)
+    # foreground: the request's step runs the rest of its prompt (block index 3 holds the running state)
+    plan = grouped.build_plan(_step([] if in_background else [new], r=0 if in_background else CHUNK + 10))
+    states = [(load.block_ids, load.skip_tokens, load.in_background) for load in plan.loads if load.group == 0]
+    expected = [([NULL_BLOCK, 21], CHUNK, in_background)]
+    assert states == (expected if in_background else [*expected, ([NULL_BLOCK, 22], CHUNK, False)])
+    assert {len(load.tokens) for load in plan.loads} == {2 * CHUNK}  # each the state after the hit
+
+
 def test_a_state_vllm_computed_while_generating_is_stored_under_the_tokens_it_follows() -> None:
     """vLLM hands over a state past the prompt in the step that computes it; its key is the request's tokens then
     (vLLM's live ``all_token_ids``), and the finish stores the attention chunks up to there (a chat's next turn)."""

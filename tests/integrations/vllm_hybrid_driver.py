@@ -16,9 +16,14 @@ PHASE
               state at its end); ``gdn-lost`` as ``gdn`` with every state load writing zeros instead (what the test
               tells apart); ``gdn-server`` as ``gdn`` through a kvferry server at --server-url (with
               --multiprocessing: in vLLM's default process layout).
+  gdn-chat-reference
+              no connector, vLLM's prefix caching alone: a chat's two turns (as ``gdn-chat``, the cache kept), turn
+              2 a hit of vLLM's own on the state it kept (``--retention N``).
   gdn-chat    the state-space hybrid, kvferry embedded: a chat's turn 1 (CHAT_PROMPT tokens, CHAT_OUTPUT generated:
               past a chunk boundary), vLLM's prefix cache emptied, turn 2 (turn 1's prompt and output, then more);
               ``--retention N``: vLLM's prefix_cache_retention_interval (which Mamba states it keeps and hands over).
+              ``--foreground`` (``gdn``, ``gdn-lost``): the hit loaded before the forward pass of the step that
+              schedules it (the connector's ``async_load`` false), not in the background.
   capacity    vLLM's KV capacity in tokens with the connector on, with vLLM's hybrid KV cache manager and without
               (``disable_hybrid_kv_cache_manager``): every layer then holds every token.
 
@@ -105,10 +110,15 @@ def write_gdn_model(path: str) -> None:
     )
     torch.manual_seed(0)
     model = Qwen3NextForCausalLM(config)
-    with torch.no_grad():  # the linear-attention layers' output weighs in: a wrong state changes the greedy tokens
+    # A wrong state must change the greedy tokens: the linear-attention layers' output weighs in, and their state
+    # decays slowly (a random A_log decays it by 0.7 a token or faster: 232 tokens after a hit it is gone, and any
+    # state there gives the same tokens; A_log -6 keeps about half of it over those tokens).
+    with torch.no_grad():
         for name, weight in model.named_parameters():
             if "linear_attn.out_proj" in name:
                 weight.mul_(100)
+            if name.endswith("linear_attn.A_log"):
+                weight.fill_(-6.0)
     model.to(torch.bfloat16).save_pretrained(path)
 
 
@@ -191,34 +201,45 @@ def count_copied_bytes(moved: dict[str, int]) -> None:
         setattr(EmbeddedBackend, name, counted)
 
 
-def chat(llm: Any) -> list[dict[str, Any]]:
+def chat(llm: Any, *, reset: bool = True) -> list[dict[str, Any]]:
     """A chat's two turns: turn 2's prompt is turn 1's prompt and output, then new tokens. Between the turns, a
-    short request (a step after turn 1's stores) and vLLM's prefix cache emptied (a hit can only be kvferry's)."""
+    short request (a step after turn 1's stores) and, where ``reset``, vLLM's prefix cache emptied (a hit can only
+    be kvferry's)."""
     rng = random.Random(11)
     prompt = [rng.randrange(3, VOCAB) for _ in range(CHAT_PROMPT)]
     first = generate(llm, [prompt], max_tokens=CHAT_OUTPUT)
     generate(llm, [list(range(16))])
-    first["prefix_cache_reset"] = llm.reset_prefix_cache()
+    first["prefix_cache_reset"] = reset and llm.reset_prefix_cache()
     second = generate(llm, [prompt + first["tokens"][0] + [rng.randrange(3, VOCAB) for _ in range(20)]])
     return [first, second]
 
 
-def run_gdn(model: str, phase: str, retention: int | None, server_url: str | None) -> dict[str, Any]:
-    """The state-space hybrid's phases (see the module's docstring), vLLM's prefix caching on."""
+def run_gdn(
+    model: str, phase: str, retention: int | None, server_url: str | None, *, foreground: bool = False
+) -> dict[str, Any]:
+    """The state-space hybrid's phases (see the module's docstring), vLLM's prefix caching on; ``foreground``: the
+    connector loads a hit before the forward pass of the step that schedules it (``async_load`` false)."""
     main_prompt = prompts()["main"]
     if phase == "gdn-lost":
         lose_state_loads()
     # No chunk size: it follows vLLM's block size, which vLLM picks for the machine (`chunk_choice`).
-    extra: dict[str, Any] = {"mode": "embedded", "config": {"cache": {"l1_size_gb": 0.25}}}
+    extra: dict[str, Any] = {
+        "mode": "embedded",
+        "config": {"cache": {"l1_size_gb": 0.25}},
+        "async_load": not foreground,
+    }
     if phase == "gdn-server":
         extra = {"mode": "server", "server_url": server_url}
     kept = {} if retention is None else {"prefix_cache_retention_interval": retention}
-    llm = make_llm(model, None if phase == "gdn-reference" else extra, enable_prefix_caching=True, **kept)
+    reference = phase in ("gdn-reference", "gdn-chat-reference")
+    llm = make_llm(model, None if reference else extra, enable_prefix_caching=True, **kept)
     in_process = os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # else the test asks the server for counters
     report: dict[str, Any] = {"groups": kv_groups(llm) if in_process else []}
     if phase == "gdn-reference":
         report["runs"] = [generate(llm, [main_prompt])]
         report["chat"] = chat(llm)
+    elif phase == "gdn-chat-reference":
+        report["chat"] = chat(llm, reset=False)
     elif phase == "gdn-chat":
         report["chat"] = chat(llm)
     else:
@@ -226,7 +247,7 @@ def run_gdn(model: str, phase: str, retention: int | None, server_url: str | Non
         generate(llm, [list(range(16))])  # a step after the first run's stores: vLLM then frees its blocks
         report["prefix_cache_reset"] = llm.reset_prefix_cache()
         report["runs"].append(generate(llm, [main_prompt]))
-    if phase != "gdn-reference" and in_process:
+    if not reference and in_process:
         report.update(connector_state(llm))
     llm.llm_engine.engine_core.shutdown()
     return report
@@ -264,7 +285,7 @@ def main() -> None:
     if phase.startswith("gdn"):
         retention = int(sys.argv[sys.argv.index("--retention") + 1]) if "--retention" in sys.argv else None
         url = sys.argv[sys.argv.index("--server-url") + 1] if "--server-url" in sys.argv else None
-        report.update(run_gdn(model + "-gdn", phase, retention, url))
+        report.update(run_gdn(model + "-gdn", phase, retention, url, foreground="--foreground" in sys.argv))
         write_report(out, report)
         os._exit(0)
     extra = {

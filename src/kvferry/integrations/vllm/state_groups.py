@@ -5,7 +5,10 @@ temporal state, dtypes of their own) after the tokens up to the block's end. Und
 "align"`` (what its prefix caching of hybrids turns on) block ``i`` of a request's table holds the state after
 ``(i + 1) * block_size`` tokens where it is not vLLM's null block; vLLM hands a connector each state it commits,
 with its exact block and boundary, in the step that computes it (``boundary_state_offloads``), and on a hit of
-``H`` tokens allocates one block for the state, at index ``H // block_size - 1``.
+``H`` tokens allocates one block for the state, at index ``H // block_size - 1``. In the step that schedules the
+request its worker copies that block into the block of the request's running state (the last of the step's
+table), which the forward pass starts from, before the connector's ``start_load_kv``: a foreground load writes
+the state into both (`hybrid_scheduler`).
 
 kvferry stores the state at a chunk boundary as one object of its own, a byte copy per layer of the state region
 of the block's page (vLLM's view of a layer is ``[blocks, 1, 1, state bytes]`` of int8, in a page of
