@@ -88,12 +88,12 @@ class GroupedSchedulerSide:
         for load in plan.loads:
             tables = pending.get(load.req_id) or self._tables.get(load.req_id)
             if tables is not None:
-                scheduled = step.num_scheduled_tokens.get(load.req_id, 0)
+                n_scheduled = step.num_scheduled_tokens.get(load.req_id, 0)
                 for group in self.groups:
                     grouped.loads.append(self._load(load, group, tables[group.index]))
                     if group.holds_state and not load.in_background:
                         grouped.loads += self._running_state_load(grouped.loads[-1], group, tables[group.index],
-                                                                  scheduled)  # fmt: skip
+                                                                  n_scheduled)  # fmt: skip
         for store in plan.stores:
             tables = finished.get(store.req_id) or self._tables.get(store.req_id)
             if tables is not None:
