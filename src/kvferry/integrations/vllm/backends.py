@@ -174,14 +174,7 @@ class EmbeddedBackend:
 
     def retrieve_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
         written = self.engine.retrieve_async(
-            tokens,
-            self.kv.paged,
-            self.kv.kernel_block_ids(block_ids),
-            self.kv.fmt,
-            namespace=self.namespace,
-            skip_prefix_tokens=skip_prefix_tokens,
-            geometry=self.geometry,
-            after=self._callers_stream(),
+            *self._request(tokens, block_ids), **self._options(skip_prefix_tokens), after=self._callers_stream()
         )
         return plus(written, skip_prefix_tokens)
 
@@ -191,26 +184,20 @@ class EmbeddedBackend:
         through the worker threads, whose torch runs on one thread (`cpu_threads`)."""
         if not self._on_gpu:
             return self.retrieve_async(tokens, block_ids, skip_prefix_tokens).result()
-        written = self.engine.retrieve(
-            tokens,
-            self.kv.paged,
-            self.kv.kernel_block_ids(block_ids),
-            self.kv.fmt,
-            namespace=self.namespace,
-            skip_prefix_tokens=skip_prefix_tokens,
-            geometry=self.geometry,
-        )
+        written = self.engine.retrieve(*self._request(tokens, block_ids), **self._options(skip_prefix_tokens))
         return skip_prefix_tokens + written
+
+    def _request(self, tokens: list[int], block_ids: list[int]) -> tuple[Any, ...]:
+        """A transfer's positional arguments: the tokens, vLLM's tensors, their block ids, the format."""
+        return tokens, self.kv.paged, self.kv.kernel_block_ids(block_ids), self.kv.fmt
+
+    def _options(self, skip_prefix_tokens: int) -> dict[str, Any]:
+        return {"namespace": self.namespace, "skip_prefix_tokens": skip_prefix_tokens, "geometry": self.geometry}
 
     def store_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
         return self.engine.store_async(
-            tokens,
-            self.kv.paged,
-            self.kv.kernel_block_ids(block_ids),
-            self.kv.fmt,
-            namespace=self.namespace,
-            skip_prefix_tokens=skip_prefix_tokens,
-            geometry=self.geometry,
+            *self._request(tokens, block_ids),
+            **self._options(skip_prefix_tokens),
             after=self._callers_stream(),
             tail=True,
         )
