@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -53,6 +55,18 @@ def dims_for(fmt: EngineKVFormat, dims: ModelDims) -> ModelDims:
     """`dims` with the head size rounded up to the layout's head-size tile (vLLM's AMX layout: 16)."""
     multiple = layout_of(fmt).tail_multiple("HS")
     return replace(dims, hs=-(-dims.hs // multiple) * multiple)
+
+
+@pytest.fixture(autouse=True)
+def kvferry_logger_as_it_was() -> Iterator[None]:
+    """The "kvferry" logger as each test found it. A connector built in a test's process sends the logger's
+    records to vLLM's handlers only (`show_in_vllm_log`: propagation off), which would hide them from pytest's
+    capture in every later test of that process, whichever the order."""
+    ours = logging.getLogger("kvferry")
+    handlers, level, propagate = list(ours.handlers), ours.level, ours.propagate
+    yield
+    ours.handlers[:], ours.propagate = handlers, propagate
+    ours.setLevel(level)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

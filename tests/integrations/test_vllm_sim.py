@@ -6,7 +6,6 @@ each released vLLM kvferry supports."""
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 import random
 import socket
@@ -35,17 +34,11 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture
 def engines() -> Iterator[list[Any]]:
-    """Engines a test makes, shut down after it (their connectors wait for what is in flight). The connector sends
-    the "kvferry" logger's records to vLLM's handlers only (`show_in_vllm_log`): put back as it was for the tests
-    after these, which read kvferry's records where pytest captures them."""
-    ours = logging.getLogger("kvferry")
-    handlers, level, propagate = list(ours.handlers), ours.level, ours.propagate
+    """Engines a test makes, shut down after it (their connectors wait for what is in flight)."""
     made: list[Any] = []
     yield made
     for engine in made:
         engine.shutdown()
-    ours.handlers[:], ours.propagate = handlers, propagate
-    ours.setLevel(level)
 
 
 def make(engines: list[Any], model: str, extra: dict[str, Any] = EMBEDDED, **kwargs: Any) -> Any:

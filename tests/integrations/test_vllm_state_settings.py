@@ -22,11 +22,8 @@ ATTENTION_ONLY = [KVGroup(0, "sliding_window", 128, ("layers.0",), 64), KVGroup(
 
 @pytest.fixture
 def warnings(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
-    ours = logging.getLogger("kvferry")
-    propagate, ours.propagate = ours.propagate, True  # vLLM's log set-up (`show_in_vllm_log`) may have turned it off
     with caplog.at_level(logging.WARNING, logger="kvferry.integrations.vllm.state_settings"):
         yield caplog
-    ours.propagate = propagate
 
 
 def cache_config(block_size: int, mode: str = "align", retention: int | None = 0) -> CacheConfig:
