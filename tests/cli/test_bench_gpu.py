@@ -16,7 +16,7 @@ from kvferry.bench.vllm_gpu_steps import STEPS, summary
 from kvferry.bench.vllm_page_dma import PageDMA
 from kvferry.bench.vllm_views import BENCH_CASES
 from kvferry.cli.main import main
-from kvferry.integrations.vllm.plan import LoadSpec, StepPlan
+from kvferry.connector.plan import LoadSpec, StepPlan
 from tests.cli.benchkit import run_bench
 
 SEPARATE_RUNS_SPREAD = 0.1  # of one request's wall time, between medians of separate runs of it

@@ -23,7 +23,7 @@ from kvferry.bench.vllm_connector_path import ConnectorPath, scattered_blocks
 from kvferry.bench.vllm_gpu_bench import measure
 from kvferry.bench.vllm_page_dma import pages
 from kvferry.bench.vllm_views import BENCH_CASES, case_of, load_fixtures, replay
-from kvferry.integrations.vllm.worker_side import WorkerSide
+from kvferry.connector.worker_side import WorkerSide
 from tests.cli.benchkit import run_bench
 from tests.integrations.page_view_roundtrip import embedded_settings, recognised
 

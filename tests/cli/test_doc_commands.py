@@ -28,7 +28,7 @@ import torch
 from kvferry.bench import BenchError
 from kvferry.cli.bench_cmd import BENCHMARKS
 from kvferry.cli.main import build_parser, chosen_benchmark, main
-from kvferry.integrations.vllm.settings import ConnectorSettings
+from kvferry.connector.settings import ConnectorSettings
 from kvferry.server.app import config_from_args
 
 ROOT = Path(__file__).resolve().parents[2]

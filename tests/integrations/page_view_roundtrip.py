@@ -9,12 +9,13 @@ from typing import Any
 import torch
 
 from kvferry.bench.vllm_views import Case, case_of, replay
-from kvferry.integrations.vllm.backends import EmbeddedBackend
-from kvferry.integrations.vllm.kv_layout import EngineKV, recognise
-from kvferry.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
-from kvferry.integrations.vllm.settings import ConnectorSettings
-from kvferry.integrations.vllm.worker_backend import make_worker_backend
-from kvferry.integrations.vllm.worker_side import WorkerSide
+from kvferry.connector.backends import EmbeddedBackend
+from kvferry.connector.engine_kv import EngineKV
+from kvferry.connector.plan import LoadSpec, StepPlan, StoreSpec
+from kvferry.connector.settings import ConnectorSettings
+from kvferry.connector.worker_backend import make_worker_backend
+from kvferry.connector.worker_side import WorkerSide
+from kvferry.integrations.vllm.kv_layout import recognise
 
 
 def recognised(case: Case, views: dict[str, torch.Tensor]) -> EngineKV:

@@ -48,7 +48,7 @@ def test_a_kv_dtype_kvferry_does_not_move_is_refused_once_and_every_lookup_misse
 ) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from kvferry.integrations.vllm import backends
+    from kvferry.connector import backends
     from kvferry.integrations.vllm.connector_metadata import KvferryConnectorMetadata
 
     engine_id = uuid.uuid4().hex
@@ -74,7 +74,7 @@ def test_an_error_in_a_worker_hook_turns_the_engine_s_connectors_off(
 ) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from kvferry.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
+    from kvferry.connector.plan import LoadSpec, StepPlan, StoreSpec
 
     engine_id = uuid.uuid4().hex
     scheduler = connector(KVConnectorRole.SCHEDULER, EMBEDDED, engine_id)

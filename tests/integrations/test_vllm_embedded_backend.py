@@ -9,10 +9,10 @@ import torch
 
 from kvferry.cache import CacheEngine
 from kvferry.config import KvferryConfig
-from kvferry.integrations.vllm.backends import EmbeddedBackend, Hit
+from kvferry.connector.backends import EmbeddedBackend, Hit
+from kvferry.connector.plan import LoadSpec, StepPlan, StoreSpec
+from kvferry.connector.worker_side import WorkerSide
 from kvferry.integrations.vllm.kv_layout import recognise
-from kvferry.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
-from kvferry.integrations.vllm.worker_side import WorkerSide
 
 BS, CHUNK, NB = 32, 128, 24
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from kvferry.bench.vllm_views import BENCH_CASES, case_of, load_fixtures
-from kvferry.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
-from kvferry.integrations.vllm.settings import ConnectorSettings
+from kvferry.connector.plan import LoadSpec, StepPlan, StoreSpec
+from kvferry.connector.settings import ConnectorSettings
 from tests.integrations.page_view_roundtrip import (
     check_roundtrip,
     embedded_settings,
@@ -68,7 +68,7 @@ def test_through_the_server_by_cuda_ipc_is_bit_exact(servers: dict[int, ServerPr
 _ENGINE = """
 import sys
 from kvferry.bench.vllm_views import case_of, load_fixtures
-from kvferry.integrations.vllm.settings import ConnectorSettings
+from kvferry.connector.settings import ConnectorSettings
 from tests.integrations.test_vllm_gpu_connector import BASE
 from tests.integrations.page_view_roundtrip import check_roundtrip
 check_roundtrip(BASE, "cuda", ConnectorSettings(mode="server", server_url=sys.argv[1], salt=sys.argv[2]))

@@ -17,12 +17,12 @@ import torch
 from kvferry.bench.vllm_views import BENCH_CASES, case_of, load_fixtures, record, replay
 from kvferry.cache import CacheEngine, CacheNamespace
 from kvferry.config import KvferryConfig
+from kvferry.connector.backends import EmbeddedBackend, KeySpace
+from kvferry.connector.engine_kv import EngineKV
+from kvferry.connector.plan import StepPlan, StoreSpec
+from kvferry.connector.worker_backend import make_worker_backend
+from kvferry.connector.worker_side import WorkerSide
 from kvferry.formats import EngineKVFormat, describe
-from kvferry.integrations.vllm.backends import EmbeddedBackend, KeySpace
-from kvferry.integrations.vllm.kv_layout import EngineKV
-from kvferry.integrations.vllm.plan import StepPlan, StoreSpec
-from kvferry.integrations.vllm.worker_backend import make_worker_backend
-from kvferry.integrations.vllm.worker_side import WorkerSide
 from tests.integrations.page_view_roundtrip import (
     check_roundtrip,
     embedded_settings,

@@ -14,14 +14,15 @@ import torch
 
 from kvferry.cache import CacheEngine
 from kvferry.config import KvferryConfig
-from kvferry.integrations.vllm.backends import EmbeddedBackend, Hit
+from kvferry.connector.backends import EmbeddedBackend, Hit
+from kvferry.connector.kv_groups import GroupedLookups, KVGroup, UnsupportedGroups
+from kvferry.connector.plan import LoadSpec, StepPlan, StoreSpec
+from kvferry.connector.window_groups import WindowedBackend
+from kvferry.connector.worker_side import WorkerSide
 from kvferry.integrations.vllm.hybrid_scheduler import GroupedSchedulerSide
-from kvferry.integrations.vllm.kv_groups import GroupedLookups, KVGroup, UnsupportedGroups, groups_of
 from kvferry.integrations.vllm.kv_layout import recognise
-from kvferry.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
 from kvferry.integrations.vllm.scheduler_side import SchedulerSide
-from kvferry.integrations.vllm.window_groups import WindowedBackend
-from kvferry.integrations.vllm.worker_side import WorkerSide
+from kvferry.integrations.vllm.vllm_groups import groups_of
 
 BS, CHUNK, WINDOW, NB = 16, 64, 32, 64
 SLIDING = KVGroup(0, "sliding_window", BS, ("model.layers.0.attn",), WINDOW)

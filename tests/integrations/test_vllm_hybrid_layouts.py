@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from kvferry.bench.vllm_views import case_of, replay
-from kvferry.integrations.vllm.hybrid_worker import start_hybrid_worker
-from kvferry.integrations.vllm.kv_groups import KVGroup
+from kvferry.connector.hybrid_worker import start_hybrid_worker
+from kvferry.connector.kv_groups import KVGroup
+from kvferry.connector.plan import LoadSpec, StepPlan, StoreSpec
+from kvferry.connector.settings import ConnectorSettings
 from kvferry.integrations.vllm.kv_layout import recognise
-from kvferry.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
-from kvferry.integrations.vllm.settings import ConnectorSettings
 from tests.integrations.vllm_hybrid_views import (
     CASES,
     HYBRID_FIXTURES,

@@ -18,16 +18,16 @@ import torch
 from kvferry.bench.vllm_views import case_of, replay
 from kvferry.cache import CacheEngine
 from kvferry.config import KvferryConfig, ServerConfig
-from kvferry.integrations.vllm.hybrid_worker import HybridWorker, lookups_from_handshake, start_hybrid_worker
-from kvferry.integrations.vllm.kv_groups import NULL_BLOCK, GroupedLookups, KVGroup
+from kvferry.connector.engine_kv import UnsupportedKVLayout
+from kvferry.connector.hybrid_worker import HybridWorker, lookups_from_handshake, start_hybrid_worker
+from kvferry.connector.kv_groups import NULL_BLOCK, GroupedLookups, KVGroup
+from kvferry.connector.plan import LoadSpec, StepPlan, StoreSpec
+from kvferry.connector.server_backend import ServerBackend
+from kvferry.connector.server_link import ServerLink
+from kvferry.connector.settings import ConnectorSettings
+from kvferry.connector.state_groups import StateBackend, state_key_tokens
+from kvferry.connector.worker_backend import StateViews
 from kvferry.integrations.vllm.kv_layout import recognise
-from kvferry.integrations.vllm.page_views import UnsupportedKVLayout
-from kvferry.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
-from kvferry.integrations.vllm.server_backend import ServerBackend
-from kvferry.integrations.vllm.server_link import ServerLink
-from kvferry.integrations.vllm.settings import ConnectorSettings
-from kvferry.integrations.vllm.state_groups import StateBackend, state_key_tokens
-from kvferry.integrations.vllm.worker_backend import StateViews
 from kvferry.memory import HostPool
 from kvferry.server import KvferryServer
 from tests.integrations.vllm_hybrid_views import MAMBA_FIXTURES

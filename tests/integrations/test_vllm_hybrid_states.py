@@ -15,15 +15,16 @@ import pytest
 import torch
 
 from kvferry.bench.vllm_views import case_of, replay
-from kvferry.integrations.vllm.backends import EmbeddedBackend, Hit
+from kvferry.connector.backends import EmbeddedBackend, Hit
+from kvferry.connector.hybrid_worker import HybridWorker, start_hybrid_worker
+from kvferry.connector.kv_groups import NULL_BLOCK, KVGroup, UnsupportedGroups
+from kvferry.connector.plan import LoadSpec, StepPlan, StoreSpec
+from kvferry.connector.settings import ConnectorSettings
+from kvferry.connector.state_groups import StateBackend, row_bytes, state_key_tokens, state_kv
 from kvferry.integrations.vllm.hybrid_scheduler import GroupedSchedulerSide
-from kvferry.integrations.vllm.hybrid_worker import HybridWorker, start_hybrid_worker
-from kvferry.integrations.vllm.kv_groups import NULL_BLOCK, KVGroup, UnsupportedGroups, groups_of
 from kvferry.integrations.vllm.kv_layout import recognise
-from kvferry.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
 from kvferry.integrations.vllm.scheduler_side import SchedulerSide
-from kvferry.integrations.vllm.settings import ConnectorSettings
-from kvferry.integrations.vllm.state_groups import StateBackend, row_bytes, state_key_tokens, state_kv
+from kvferry.integrations.vllm.vllm_groups import groups_of
 from tests.integrations.vllm_hybrid_views import (
     MAMBA_CASES,
     MAMBA_FIXTURES,
@@ -330,7 +331,7 @@ def test_a_hybrid_with_a_state_group_looks_up_the_state_at_the_hit_s_end_only() 
     full = SimpleNamespace(
         chunk_size=CHUNK, lookup=lambda t, first_chunk=0: Hit(4 * CHUNK, "f"), free_lock=freed.append
     )
-    from kvferry.integrations.vllm.kv_groups import GroupedLookups
+    from kvferry.connector.kv_groups import GroupedLookups
 
     lookups = GroupedLookups([States(), full], GROUPS)
     assert lookups.lookup(list(range(4 * CHUNK + 1))) == Hit(3 * CHUNK, ("s192", "f"))

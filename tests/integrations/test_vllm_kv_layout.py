@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvferry.connector.engine_kv import UnsupportedKVLayout
+from kvferry.connector.settings import ConnectorSettings
 from kvferry.formats import EngineKVFormat
-from kvferry.integrations.vllm.kv_layout import UnsupportedKVLayout, recognise
-from kvferry.integrations.vllm.settings import ConnectorSettings
+from kvferry.integrations.vllm.kv_layout import recognise
 
 
 def cpu_kv(layers: int = 3, nb: int = 6, nh: int = 2, bs: int = 32, hs: int = 64) -> dict[str, torch.Tensor]:
@@ -100,7 +101,7 @@ def test_after_load_hook_is_resolved_by_module_path() -> None:
 
 
 def test_fp8_encodings_have_key_spaces_of_their_own() -> None:
-    from kvferry.integrations.vllm.backends import KeySpace
+    from kvferry.connector.backends import KeySpace
 
     raw = {name: t.view(torch.uint8)[..., : t.shape[-1]].contiguous() for name, t in cpu_kv().items()}
     spaces = {
@@ -130,7 +131,7 @@ def test_a_tensor_parallel_rank_names_its_heads(
 
 
 def test_a_rank_of_a_tensor_parallel_engine_keys_as_the_whole_model() -> None:
-    from kvferry.integrations.vllm.backends import KeySpace
+    from kvferry.connector.backends import KeySpace
 
     whole = cpu_kv(nh=4)
     rank = {name: t[:, 2:].contiguous() for name, t in whole.items()}  # rank 1 of 2

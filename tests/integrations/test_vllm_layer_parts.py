@@ -12,13 +12,14 @@ import torch
 
 from kvferry.cache import CacheEngine
 from kvferry.config import KvferryConfig, ServerConfig
-from kvferry.integrations.vllm import layer_parts
-from kvferry.integrations.vllm.backends import Hit
-from kvferry.integrations.vllm.kv_layout import EngineKV, recognise
-from kvferry.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
-from kvferry.integrations.vllm.server_link import ServerLink
-from kvferry.integrations.vllm.settings import ConnectorSettings
-from kvferry.integrations.vllm.worker_side import WorkerSide
+from kvferry.connector import layer_parts
+from kvferry.connector.backends import Hit
+from kvferry.connector.engine_kv import EngineKV
+from kvferry.connector.plan import LoadSpec, StepPlan, StoreSpec
+from kvferry.connector.server_link import ServerLink
+from kvferry.connector.settings import ConnectorSettings
+from kvferry.connector.worker_side import WorkerSide
+from kvferry.integrations.vllm.kv_layout import recognise
 from kvferry.memory import HostPool
 from kvferry.server import KvferryServer
 
@@ -156,8 +157,8 @@ def test_settings_refusals() -> None:
 
 
 def test_a_hybrid_models_groups_split_by_the_models_layer_positions() -> None:
-    from kvferry.integrations.vllm.hybrid_worker import start_hybrid_worker
-    from kvferry.integrations.vllm.kv_groups import KVGroup
+    from kvferry.connector.hybrid_worker import start_hybrid_worker
+    from kvferry.connector.kv_groups import KVGroup
 
     kv = _kv(1)
     names = kv.layer_names  # model.layers.0 .. 3: the sliding group holds 0 and 2, the full group 1 and 3

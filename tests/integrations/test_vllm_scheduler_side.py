@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kvferry.integrations.vllm.backends import Hit
-from kvferry.integrations.vllm.plan import LoadSpec, StoreSpec
+from kvferry.connector.backends import Hit
+from kvferry.connector.plan import LoadSpec, StoreSpec
 from kvferry.integrations.vllm.scheduler_side import SchedulerSide
 from kvferry.integrations.vllm.vllm_versions import VllmFacts
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from kvferry.client import ServerError
-from kvferry.integrations.vllm.server_link import ServerDown, ServerLink
+from kvferry.connector.server_link import ServerDown, ServerLink
 from tests.server.serverkit import ServerProcess, freeze
 
 

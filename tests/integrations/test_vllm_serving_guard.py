@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from kvferry.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
+from kvferry.connector.plan import LoadSpec, StepPlan, StoreSpec
 from kvferry.integrations.vllm.serving_guard import OffLedger, ServingGuard, guard_for, serving_hook
 
 

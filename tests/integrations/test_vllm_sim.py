@@ -101,7 +101,7 @@ def test_a_prefix_hit_is_loaded_bit_exact_and_locked_until_loaded(engines: list[
 def test_a_failed_load_is_recomputed(engines: list[Any], model: str) -> None:
     from concurrent.futures import Future
 
-    from kvferry.integrations.vllm import backends
+    from kvferry.connector import backends
 
     engine = make(engines, model)
     first = prompt(300, seed=3)
@@ -170,7 +170,7 @@ def _free_port() -> int:
 def test_server_mode_reconnects_lazily_hits_and_leaves_no_shared_memory(engines: list[Any], model: str) -> None:
     from kvferry.cache import CacheEngine
     from kvferry.config import KvferryConfig, ServerConfig
-    from kvferry.integrations.vllm import backends
+    from kvferry.connector import backends
     from kvferry.server import KvferryServer
 
     before = set(os.listdir("/dev/shm"))

@@ -61,7 +61,7 @@ def extra(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
 def test_store_sleep_move_the_kv_wake_load_bit_exact(extra: dict[str, Any], device: str) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from kvferry.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
+    from kvferry.connector.plan import LoadSpec, StepPlan, StoreSpec
 
     engine_id, isa = uuid.uuid4().hex, "vec" if device == "cpu" else None
     worker = connector(KVConnectorRole.WORKER, extra, engine_id, isa)

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from kvferry.connector.settings import ConnectorSettings
 from kvferry.integrations.vllm.chunk_choice import chunk_size_for, follow_block_size
 from kvferry.integrations.vllm.kv_access import kv_cache_access
 from kvferry.integrations.vllm.kv_layout import refused_cache_dtype
-from kvferry.integrations.vllm.settings import ConnectorSettings
 
 VLLM_034 = Path("/work/vllm-src/0.34.0")
 SRC = Path(__file__).resolve().parents[2] / "src"

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvferry.integrations.vllm.kv_groups import KVGroup
+from kvferry.connector.kv_groups import KVGroup
 from kvferry.integrations.vllm.state_settings import restore_scheduler_block_size, warn_of_sparse_state_retention
 
 pytest.importorskip("vllm")

@@ -8,8 +8,8 @@ import logging
 
 import pytest
 
+from kvferry.connector.plan import LoadSpec, StoreSpec
 from kvferry.integrations.vllm import vllm_versions
-from kvferry.integrations.vllm.plan import LoadSpec, StoreSpec
 from kvferry.integrations.vllm.scheduler_side import SchedulerSide
 from kvferry.integrations.vllm.vllm_versions import TESTED, VllmFacts
 

@@ -10,8 +10,8 @@ from concurrent.futures import Future
 
 import pytest
 
-from kvferry.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
-from kvferry.integrations.vllm.worker_side import HANDOFF_S, WorkerSide
+from kvferry.connector.plan import LoadSpec, StepPlan, StoreSpec
+from kvferry.connector.worker_side import HANDOFF_S, WorkerSide
 
 BS = 32
 

@@ -114,7 +114,7 @@ def connector_state(llm: Any) -> dict[str, Any]:
     """What the test checks after the runs (vLLM internals, in-process engines only)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    from kvferry.integrations.vllm import backends
+    from kvferry.connector import backends
 
     # A request whose stores were running when it finished is released by the connector's report in a later
     # step: one short request (no lookup, no store) makes sure that step ran.
@@ -161,7 +161,7 @@ def wait_until(condition: Any, timeout_s: float, what: str) -> float:
 
 
 def resilience(llm_factory: Any, prompt: list[int], report: dict[str, Any], out_dir: Path) -> Any:
-    from kvferry.integrations.vllm import backends
+    from kvferry.connector import backends
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -30,7 +30,7 @@ def corrupt_loaded_kv(kv_layers: list[torch.Tensor], block_ids: list[int]) -> No
 @contextlib.contextmanager
 def failing_loads(llm: Any) -> Iterator[None]:
     """Every kvferry load of ``llm``'s engine fails (as a tier error would) while inside."""
-    from kvferry.integrations.vllm import backends
+    from kvferry.connector import backends
 
     backend = backends.find(llm.llm_engine.vllm_config.kv_transfer_config.engine_id)
 

@@ -126,7 +126,7 @@ def lose_state_loads() -> None:
     """Make every Mamba state load write zeros into its block and report success (``gdn-lost``)."""
     from concurrent.futures import Future
 
-    from kvferry.integrations.vllm.state_groups import StateBackend
+    from kvferry.connector.state_groups import StateBackend
 
     def zeros(self: Any, tokens: list[int], block_ids: list[int], skip: int) -> Future[int]:
         for layer in self.backend.kv.layers:
@@ -186,7 +186,7 @@ def kv_capacity_tokens(llm: Any) -> int:
 
 def count_copied_bytes(moved: dict[str, int]) -> None:
     """Add the bytes each load and store of an embedded backend copies (per direction) to ``moved``."""
-    from kvferry.integrations.vllm.backends import EmbeddedBackend
+    from kvferry.connector.backends import EmbeddedBackend
 
     for name, direction in (("retrieve_async", "loaded"), ("store_async", "stored")):
         original = getattr(EmbeddedBackend, name)

@@ -27,6 +27,7 @@ from kvferry.bench.harness import BenchError, Outcome, Steps, add_json_argument,
 from kvferry.bench.report import new_table
 from kvferry.bench.timing import elapsed_us, median_us
 from kvferry.cache import CacheEngine
+from kvferry.cache.call_options import TransferOptions
 from kvferry.config import KvferryConfig
 from kvferry.formats import EngineKVFormat, describe
 from kvferry.formats.synthetic import ModelDims, make_paged
@@ -102,7 +103,7 @@ def bench_overhead(n_chunks: int, repeats: int, with_geometry: bool, steps: Step
     pool = HostPool(2 * (n_chunks + 1) * (obj_bytes + 4096) // 4096 * 4096, pin=False)
     ids = torch.randperm(n_blocks + 8)[:n_blocks].tolist()
     rng = np.random.default_rng(1)
-    kwargs = {"geometry": geom} if with_geometry else {}
+    kwargs: TransferOptions = {"geometry": geom} if with_geometry else {}
     samples: dict[str, list[float]] = {k: [] for k in ("bare_d2h", "store", "store_in", "bare_h2d", "retr", "retr_in")}
     label = f"{n_chunks}-chunk requests, geometry {'given' if with_geometry else 'per call'}"
     with _engine(pool) as engine:

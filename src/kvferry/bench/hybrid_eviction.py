@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvferry.integrations.vllm.hybrid_worker import HybridWorker, start_hybrid_worker
-from kvferry.integrations.vllm.kv_groups import KVGroup
+from kvferry.connector.hybrid_worker import HybridWorker, start_hybrid_worker
+from kvferry.connector.kv_groups import KVGroup
+from kvferry.connector.plan import StepPlan, StoreSpec
+from kvferry.connector.settings import ConnectorSettings
 from kvferry.integrations.vllm.kv_layout import recognise
-from kvferry.integrations.vllm.plan import StepPlan, StoreSpec
-from kvferry.integrations.vllm.settings import ConnectorSettings
 
 BLOCK, CHUNK, LAYERS_PER_GROUP, HEADS, HEAD = 16, 64, 2, 2, 64
 OBJECT_BYTES = LAYERS_PER_GROUP * HEADS * 2 * HEAD * 2 * CHUNK  # one group's chunk: K and V of its layers, bf16

@@ -135,7 +135,7 @@ def measure(payload: dict[str, Any], step: Callable[[str], None]) -> dict[str, A
     step("model written")
     import vllm
 
-    from kvferry.integrations.vllm import backends
+    from kvferry.connector import backends
 
     turns, generated, new = payload["turns"], payload["generated"], payload["new_tokens"]
     longest = payload["first_tokens"] + (turns - 1) * (generated + new) + generated

@@ -21,11 +21,12 @@ import torch
 from kvferry.bench.block_check import BlockCheck, check_count
 from kvferry.bench.harness import BenchError
 from kvferry.bench.vllm_views import Case, replay
-from kvferry.integrations.vllm.kv_layout import EngineKV, recognise
-from kvferry.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
-from kvferry.integrations.vllm.settings import ConnectorSettings
-from kvferry.integrations.vllm.worker_backend import make_worker_backend
-from kvferry.integrations.vllm.worker_side import WorkerSide
+from kvferry.connector.engine_kv import EngineKV
+from kvferry.connector.plan import LoadSpec, StepPlan, StoreSpec
+from kvferry.connector.settings import ConnectorSettings
+from kvferry.connector.worker_backend import make_worker_backend
+from kvferry.connector.worker_side import WorkerSide
+from kvferry.integrations.vllm.kv_layout import recognise
 
 CHUNK, CHUNKS = 256, 16
 

@@ -38,8 +38,8 @@ from kvferry.bench.vllm_connector_path import CHUNK, CHUNKS, ConnectorPath
 from kvferry.bench.vllm_gpu_steps import describe_steps, step_stall
 from kvferry.bench.vllm_page_dma import PageDMA
 from kvferry.bench.vllm_views import BENCH_CASES, case_of, load_fixtures
+from kvferry.connector.settings import ConnectorSettings
 from kvferry.cuda.driver import driver
-from kvferry.integrations.vllm.settings import ConnectorSettings
 
 POOL_GB = 4.0
 DESCRIPTION = description_of(__doc__)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvferry.integrations.vllm.plan import StepPlan, StoreSpec
+from kvferry.connector.plan import StepPlan, StoreSpec
 
 if TYPE_CHECKING:
     from kvferry.bench.vllm_connector_path import ConnectorPath

@@ -20,8 +20,8 @@ import torch
 
 from kvferry.bench.block_check import BlockCheck
 from kvferry.bench.harness import BenchError
+from kvferry.connector.engine_kv import EngineKV
 from kvferry.cuda.driver import driver
-from kvferry.integrations.vllm.kv_layout import EngineKV
 
 
 def pages(kv: EngineKV, block_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:

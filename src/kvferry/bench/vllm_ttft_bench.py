@@ -201,9 +201,9 @@ def measure(payload: dict[str, Any], step: Callable[[str], None]) -> dict[str, A
     import vllm
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    from kvferry.integrations.vllm import backends
+    from kvferry.connector import backends
+    from kvferry.connector.server_backend import ServerBackend
     from kvferry.integrations.vllm.connector import KvferryConnector
-    from kvferry.integrations.vllm.server_backend import ServerBackend
 
     lengths = payload["prompt_tokens"]
     longest = max(lengths)

@@ -13,10 +13,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
+from kvferry.cache.call_options import RetrieveOptions, StoreOptions
 from kvferry.cache.geometry_checks import GeometryChecks
 from kvferry.cache.index import object_checksum
 from kvferry.cache.keys import CacheNamespace, ChunkHasher, TokenIds
@@ -202,7 +203,12 @@ class CacheEngine:
     # --- store / retrieve ---------------------------------------------------------------------------------
 
     def store(
-        self, tokens: TokenIds, paged: Any, block_ids: BlockIds, fmt: EngineKVFormat | int, **options: Any
+        self,
+        tokens: TokenIds,
+        paged: Any,
+        block_ids: BlockIds,
+        fmt: EngineKVFormat | int,
+        **options: Unpack[StoreOptions],
     ) -> int:
         """Copy the full chunks of ``tokens`` not cached yet out of the engine's blocks; returns tokens stored.
         ``options``: those of ``store_steps``."""
@@ -275,7 +281,12 @@ class CacheEngine:
         return len(entries) * self.chunk_size + tail_tokens
 
     def retrieve(
-        self, tokens: TokenIds, paged: Any, block_ids: BlockIds, fmt: EngineKVFormat | int, **options: Any
+        self,
+        tokens: TokenIds,
+        paged: Any,
+        block_ids: BlockIds,
+        fmt: EngineKVFormat | int,
+        **options: Unpack[RetrieveOptions],
     ) -> int:
         """Copy the cached prefix of ``tokens`` after ``skip_prefix_tokens`` into the engine's blocks.
 
@@ -310,18 +321,36 @@ class CacheEngine:
             raise
         return (yield from self._reader.read_steps(tokens, ns, paged, geom, block_ids, skip_prefix_tokens, lock_id))
 
-    def store_async(self, *args: Any, after: torch.cuda.Event | None = None, **kwargs: Any) -> Future[int]:
+    def store_async(
+        self,
+        tokens: TokenIds,
+        paged: Any,
+        block_ids: BlockIds,
+        fmt: EngineKVFormat | int,
+        *,
+        after: torch.cuda.Event | None = None,
+        **options: Unpack[StoreOptions],
+    ) -> Future[int]:
         """``store`` on the engine's worker threads; the engine must leave those blocks alone until done.
 
         ``after``: a CUDA event the caller recorded after the work that writes the blocks (its stream is not the
         worker thread's); the GPU copy waits for it on the GPU. Without one it is ordered after the worker
         thread's current stream."""
-        return self._executor.submit(_ordered, after, self.store, args, kwargs)
+        return self._executor.submit(_ordered, after, self.store, (tokens, paged, block_ids, fmt), dict(options))
 
-    def retrieve_async(self, *args: Any, after: torch.cuda.Event | None = None, **kwargs: Any) -> Future[int]:
+    def retrieve_async(
+        self,
+        tokens: TokenIds,
+        paged: Any,
+        block_ids: BlockIds,
+        fmt: EngineKVFormat | int,
+        *,
+        after: torch.cuda.Event | None = None,
+        **options: Unpack[RetrieveOptions],
+    ) -> Future[int]:
         """``retrieve`` on the engine's worker threads; the blocks hold the KV once the future is done. ``after``:
         as for ``store_async`` (the last work that reads the blocks before they are written)."""
-        return self._executor.submit(_ordered, after, self.retrieve, args, kwargs)
+        return self._executor.submit(_ordered, after, self.retrieve, (tokens, paged, block_ids, fmt), dict(options))
 
     # --- administration -----------------------------------------------------------------------------------
 

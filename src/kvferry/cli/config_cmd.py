@@ -34,7 +34,7 @@ def setting_rows() -> list[tuple[str, str, str, str]]:
 
 def connector_rows() -> list[tuple[str, str, str]]:
     """(key, default, description) of the vLLM connector's ``kv_connector_extra_config``."""
-    from kvferry.integrations.vllm.settings import ConnectorSettings
+    from kvferry.connector.settings import ConnectorSettings
 
     defaults = ConnectorSettings()
     return [

@@ -2,7 +2,7 @@
 
 A `LayerSplit` is data: the engine's layers in parts, each with the codec of its objects (the exact layers' part
 ``none``, the others the codec asked for). Each part is KV of its own, as a hybrid model's KV cache groups are
-(`kvferry.integrations.vllm.kv_groups`): its own objects, geometry and key space, the split's `tag` in the key
+(`kvferry.connector.kv_groups`): its own objects, geometry and key space, the split's `tag` in the key
 space's salt, so a part never shares a key with an unsplit key space of the model (exact or coded) nor with another
 split's. A hit is the longest prefix every part holds.
 

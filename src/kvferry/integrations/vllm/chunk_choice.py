@@ -15,7 +15,7 @@ import math
 from collections.abc import Iterable
 
 from kvferry.config import CacheConfig
-from kvferry.integrations.vllm.settings import ConnectorSettings
+from kvferry.connector.settings import ConnectorSettings
 
 log = logging.getLogger(__name__)
 

@@ -33,13 +33,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvferry.integrations.vllm import backends, hybrid_worker, kv_access, layer_parts, vllm_versions
+from kvferry.connector import backends, hybrid_worker, layer_parts
+from kvferry.connector.counters import SchedulerCounters, WorkerCounters
+from kvferry.connector.kv_groups import GroupedLookups, KVGroup, UnsupportedGroups
+from kvferry.connector.plan import StepPlan
+from kvferry.connector.server_backend import ServerBackend
+from kvferry.connector.server_link import ServerLink
+from kvferry.connector.settings import ConnectorSettings
+from kvferry.connector.worker_backend import StateViews
+from kvferry.connector.worker_side import WorkerSide
+from kvferry.integrations.vllm import kv_access, vllm_versions
 from kvferry.integrations.vllm import off_answers as off
 from kvferry.integrations.vllm.chunk_choice import follow_block_size
 from kvferry.integrations.vllm.connector_metadata import KvferryConnectorMetadata, KvferryHandshake, KvferryWorkerMeta
-from kvferry.integrations.vllm.counters import SchedulerCounters, WorkerCounters
 from kvferry.integrations.vllm.hybrid_scheduler import GroupedSchedulerSide
-from kvferry.integrations.vllm.kv_groups import GroupedLookups, KVGroup, UnsupportedGroups, hybrid_groups
 from kvferry.integrations.vllm.kv_layout import (
     UnsupportedKVLayout,
     in_layer_order,
@@ -47,18 +54,13 @@ from kvferry.integrations.vllm.kv_layout import (
     tensor_parallel_rank,
 )
 from kvferry.integrations.vllm.logs import show_in_vllm_log
-from kvferry.integrations.vllm.plan import StepPlan
 from kvferry.integrations.vllm.scheduler_side import SchedulerSide
-from kvferry.integrations.vllm.server_backend import ServerBackend
-from kvferry.integrations.vllm.server_link import ServerLink
 from kvferry.integrations.vllm.serving_guard import guard_for, serving_hook
-from kvferry.integrations.vllm.settings import ConnectorSettings
 from kvferry.integrations.vllm.sleep_mode import SleepModeHooks
 from kvferry.integrations.vllm.state_settings import restore_scheduler_block_size, warn_of_sparse_state_retention
+from kvferry.integrations.vllm.vllm_groups import hybrid_groups
 from kvferry.integrations.vllm.vllm_kv import attention_isa, backend_names, recognise_vllm_kv, served_model_name
 from kvferry.integrations.vllm.vllm_stats import KvferryPromMetrics, KvferryStats
-from kvferry.integrations.vllm.worker_backend import StateViews
-from kvferry.integrations.vllm.worker_side import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

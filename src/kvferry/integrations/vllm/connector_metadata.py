@@ -12,10 +12,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvferry.integrations.vllm.plan import StepPlan
+from kvferry.connector.plan import StepPlan
 
 if TYPE_CHECKING:
-    from kvferry.integrations.vllm.layer_parts import KeySpaceFields
+    from kvferry.connector.layer_parts import KeySpaceFields
 
 
 class KvferryConnectorMetadata(KVConnectorMetadata):

@@ -32,8 +32,8 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from kvferry.integrations.vllm.kv_groups import NULL_BLOCK, KVGroup, first_unfreed_token
-from kvferry.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
+from kvferry.connector.kv_groups import NULL_BLOCK, KVGroup, first_unfreed_token
+from kvferry.connector.plan import LoadSpec, StepPlan, StoreSpec
 from kvferry.integrations.vllm.scheduler_side import SchedulerSide
 from kvferry.integrations.vllm.vllm_versions import Scheduled, SchedulerStep
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvferry.integrations.vllm.settings import ConnectorSettings
+from kvferry.connector.settings import ConnectorSettings
 
 log = logging.getLogger(__name__)
 

@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
+from kvferry.connector.engine_kv import EngineKV, UnsupportedKVLayout
 from kvferry.formats import EngineKVFormat, describe
-from kvferry.integrations.vllm.page_views import UnsupportedKVLayout, read_views
+from kvferry.integrations.vllm.page_views import read_views
 
 FORMAT_OF_ISA = {
     "vec": EngineKVFormat.VLLM_CPU_NL_X_NB_NH_KT_V,
@@ -50,34 +49,6 @@ def refused_cache_dtype(cache_dtype: str) -> str | None:
         f"vLLM's KV cache dtype is {cache_dtype!r}; kvferry moves {sorted(_KV_DTYPES)} caches only (a layout it "
         "does not know would be moved as guessed bytes)"
     )
-
-
-@dataclass(frozen=True)
-class EngineKV:
-    """The engine's KV as kvferry sees it: the format, what kvferry's copies take (``paged``), vLLM's per-layer
-    tensors in layer order, the tokens of one block of those tensors and the cache's element type (vLLM's
-    ``cache_dtype`` where it quantises, else the tensors' dtype): fp8 caches of both encodings are uint8 tensors,
-    so the encoding must name the cache key space.
-
-    ``split``: the tensors' blocks per scheduler block (vLLM splits each block into kernel blocks when its
-    attention kernel takes smaller ones); `kernel_block_ids` turns the scheduler's block ids into theirs."""
-
-    fmt: EngineKVFormat
-    paged: list[torch.Tensor] | torch.Tensor
-    layers: list[torch.Tensor]
-    layer_names: list[str]
-    block_size: int
-    kv_dtype: str
-    heads: tuple[int, int] | None = None  # (first head, the model's heads) on a tensor-parallel rank; else None
-    order: str = "LBHNC"  # vLLM's physical order of the tensors' axes (KVCacheLayout's name)
-    split: int = 1
-
-    def kernel_block_ids(self, block_ids: list[int]) -> list[int] | np.ndarray:
-        """The tensors' block ids for the scheduler's ``block_ids`` (the same list when blocks are not split)."""
-        if self.split == 1:
-            return block_ids
-        ids = np.asarray(block_ids, dtype=np.int64)
-        return (ids[:, None] * self.split + np.arange(self.split, dtype=np.int64)).ravel()
 
 
 def recognise(

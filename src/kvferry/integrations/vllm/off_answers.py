@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvferry.connector.plan import StepPlan
 from kvferry.integrations.vllm.connector_metadata import KvferryConnectorMetadata
-from kvferry.integrations.vllm.plan import StepPlan
 from kvferry.integrations.vllm.serving_guard import OffLedger
 
 

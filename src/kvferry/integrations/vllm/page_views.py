@@ -23,13 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kvferry.connector.engine_kv import UnsupportedKVLayout
 from kvferry.formats import EngineKVFormat
 
 F = EngineKVFormat
-
-
-class UnsupportedKVLayout(ValueError):
-    """vLLM's KV cache is in a layout this connector does not move (the message says which and why)."""
 
 
 @dataclass(frozen=True)

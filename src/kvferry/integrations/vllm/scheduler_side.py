@@ -38,10 +38,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvferry.connector.backends import Hit
+from kvferry.connector.counters import SchedulerCounters
+from kvferry.connector.plan import LoadSpec, StepPlan, StoreSpec
 from kvferry.integrations.vllm import vllm_versions
-from kvferry.integrations.vllm.backends import Hit
-from kvferry.integrations.vllm.counters import SchedulerCounters
-from kvferry.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
 from kvferry.integrations.vllm.vllm_versions import Scheduled, SchedulerStep, VllmFacts
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
-from kvferry.integrations.vllm.plan import LoadSpec, StepPlan
+from kvferry.connector.plan import LoadSpec, StepPlan
 
 log = logging.getLogger(__name__)
 

@@ -20,12 +20,12 @@ from typing import Any
 import torch
 
 from kvferry.cache import CacheEngine
-from kvferry.integrations.vllm import backends
+from kvferry.connector import backends
+from kvferry.connector.backends import EmbeddedBackend
+from kvferry.connector.settings import ConnectorSettings
+from kvferry.connector.worker_side import WorkerSide
 from kvferry.integrations.vllm import off_answers as off
-from kvferry.integrations.vllm.backends import EmbeddedBackend
 from kvferry.integrations.vllm.serving_guard import ServingGuard, serving_hook
-from kvferry.integrations.vllm.settings import ConnectorSettings
-from kvferry.integrations.vllm.worker_side import WorkerSide
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from kvferry.integrations.vllm.kv_groups import KVGroup
+from kvferry.connector.kv_groups import KVGroup
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvferry.integrations.vllm.kv_layout import EngineKV, UnsupportedKVLayout, recognise, tensor_parallel_rank
+from kvferry.connector.engine_kv import EngineKV, UnsupportedKVLayout
+from kvferry.integrations.vllm.kv_layout import recognise, tensor_parallel_rank
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -8,7 +8,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from kvferry.integrations.vllm.counters import DESCRIPTIONS
+from kvferry.connector.counters import DESCRIPTIONS
 
 
 @dataclass

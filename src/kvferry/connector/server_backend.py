@@ -11,9 +11,9 @@ import logging
 from concurrent.futures import Future
 from typing import Any
 
-from kvferry.integrations.vllm.backends import Hit, KeySpace, plus
-from kvferry.integrations.vllm.kv_layout import EngineKV
-from kvferry.integrations.vllm.server_link import ServerDown, ServerLink
+from kvferry.connector.backends import Hit, KeySpace, plus
+from kvferry.connector.engine_kv import EngineKV
+from kvferry.connector.server_link import ServerDown, ServerLink
 
 log = logging.getLogger(__name__)
 

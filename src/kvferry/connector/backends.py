@@ -1,14 +1,30 @@
-"""Where the connector's KV goes: a cache engine in this process, or a ``kvferry server`` through the client.
+"""The connector's backend interface, and the backend that keeps the cache in this process.
 
-Both give the scheduler half ``lookup`` (which locks the hit) and ``free_lock``, and the worker half
-``retrieve_async`` / ``store_async`` on the engine's registered KV. The worker half creates the backend when vLLM
-registers its KV cache. When vLLM runs the scheduler half in the same process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
-or a GPU engine with one worker) it finds the backend in this process's registry; otherwise (vLLM's CPU backend
-runs its worker in a process of its own) the scheduler half looks up through a `ServerBackend` of its own
-(`server_backend`), without KV, in the key space the worker reported at start-up (`KeySpace`). `worker_backend`
-makes a worker's backend in either mode.
+A backend is where an engine's KV goes: a cache engine in this process (`EmbeddedBackend`), or a ``kvferry
+server`` through the client (`server_backend.ServerBackend`). Its two halves serve the engine's two halves:
+`Lookups` the scheduler (which prompt tokens are cached), `Transfers` the worker (move them between the engine's
+registered blocks and the cache); `Backend` is both. The worker creates the backend when the engine registers its
+KV cache (`worker_backend`). A scheduler in the same process finds it in this process's registry (`publish`,
+`find`); one in another process looks up through a `ServerBackend` of its own, without KV, in the key space the
+worker reported at start-up (`KeySpace`).
 
-A backend never raises into vLLM: a failed lookup is a miss, a failed load or store a failed future.
+The invariants every backend keeps (and the wrappers over a hybrid model's groups: `kv_groups`, `window_groups`,
+`state_groups`, `layer_parts`):
+
+- **Never raise into the engine.** A failed lookup is a miss; a failed load or store is a failed future (or, for
+  `Transfers.retrieve`, an exception on the caller's thread that the worker side turns into a short load).
+- **Locks.** A hit's tokens stay pinned against eviction from `Lookups.lookup` until `Lookups.free_lock`, called
+  exactly once per hit whether or not the load ran; a load of an unlocked prefix may come back short.
+- **A short load leaves only whole chunks written.** A load resolves to how many leading tokens the blocks then
+  hold (a multiple of the chunk size, or ``len(tokens)``); blocks after that may hold anything and the engine
+  recomputes them.
+- **Ordering against the engine's stream.** A load or store is ordered after the work queued on the caller's
+  current stream when it is issued (on a GPU: a ready event recorded there, waited for on the device), so blocks
+  just freed by a request whose kernels are still queued are not overwritten early, nor read before written.
+- **Blocks stay the caller's.** The caller keeps a store's blocks unchanged until its future is done, and a
+  load's until it is done; a backend keeps no reference to the block ids after that.
+- **Thread-safety.** `lookup` / `free_lock` are called from the scheduler's thread, transfers from the worker's
+  (and their futures resolve on the backend's threads); a backend serialises what it shares between them.
 """
 
 from __future__ import annotations
@@ -22,10 +38,11 @@ from typing import Any, Protocol
 import torch
 
 from kvferry.cache import CacheEngine, CacheNamespace
+from kvferry.cache.call_options import TransferOptions
 from kvferry.cache.request import dtype_name, layout_name
+from kvferry.connector.engine_kv import EngineKV
+from kvferry.connector.state_rows import row_bytes
 from kvferry.formats import EngineKVFormat, describe
-from kvferry.integrations.vllm.kv_layout import EngineKV
-from kvferry.integrations.vllm.state_rows import row_bytes
 
 log = logging.getLogger(__name__)
 
@@ -102,15 +119,13 @@ class Lookups(Protocol):
     def close(self) -> None: ...
 
 
-class Backend(Lookups, Protocol):
-    def lookup(self, tokens: list[int], first_chunk: int = 0) -> Hit | None:
-        """As `Lookups.lookup`; ``first_chunk``: the caller needs the chunks from this one on only (a backend may
-        still ask for every chunk from token 0)."""
-        ...
+class Transfers(Protocol):
+    """What the worker half needs of a backend: moving KV between the engine's registered blocks and the cache."""
 
     def retrieve_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
-        """Load the cached prefix of ``tokens``; resolves to how many leading tokens the blocks then hold (the
-        skipped prefix included)."""
+        """Load the cached prefix of ``tokens`` into ``block_ids`` (the first ``skip_prefix_tokens`` are already
+        there); resolves to how many leading tokens the blocks then hold (the skipped prefix included), a multiple
+        of the chunk size or ``len(tokens)``."""
         ...
 
     def retrieve(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> int:
@@ -119,7 +134,17 @@ class Backend(Lookups, Protocol):
         ...
 
     def store_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
-        """Store the KV of ``tokens``: full chunks, and the tokens after them (whole blocks) as a tail object."""
+        """Store the KV of ``tokens`` held in ``block_ids``: full chunks, and the tokens after them (whole blocks)
+        as a tail object; the caller keeps the blocks unchanged until the future is done."""
+        ...
+
+
+class Backend(Lookups, Transfers, Protocol):
+    """Both halves, and what only an in-process backend or a server can do besides."""
+
+    def lookup(self, tokens: list[int], first_chunk: int = 0) -> Hit | None:
+        """As `Lookups.lookup`; ``first_chunk``: the caller needs the chunks from this one on only (a backend may
+        still ask for every chunk from token 0)."""
         ...
 
     def demote(self, tokens: list[int], chunks: range) -> None:
@@ -191,7 +216,7 @@ class EmbeddedBackend:
         """A transfer's positional arguments: the tokens, vLLM's tensors, their block ids, the format."""
         return tokens, self.kv.paged, self.kv.kernel_block_ids(block_ids), self.kv.fmt
 
-    def _options(self, skip_prefix_tokens: int) -> dict[str, Any]:
+    def _options(self, skip_prefix_tokens: int) -> TransferOptions:
         return {"namespace": self.namespace, "skip_prefix_tokens": skip_prefix_tokens, "geometry": self.geometry}
 
     def store_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:

@@ -15,10 +15,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvferry.cache import CacheEngine
-from kvferry.integrations.vllm.backends import Backend, EmbeddedBackend
-from kvferry.integrations.vllm.kv_groups import GroupedLookups, KVGroup
-from kvferry.integrations.vllm.kv_layout import EngineKV
-from kvferry.integrations.vllm.layer_parts import (
+from kvferry.connector.backends import Backend, EmbeddedBackend
+from kvferry.connector.engine_kv import EngineKV
+from kvferry.connector.kv_groups import GroupedLookups, KVGroup
+from kvferry.connector.layer_parts import (
     KeySpaceFields,
     LayerSplitBackend,
     engine_of,
@@ -27,13 +27,13 @@ from kvferry.integrations.vllm.layer_parts import (
     lookups_from_fields,
     make_backend,
 )
-from kvferry.integrations.vllm.server_backend import ServerBackend
-from kvferry.integrations.vllm.server_link import ServerLink
-from kvferry.integrations.vllm.settings import ConnectorSettings
-from kvferry.integrations.vllm.state_groups import StateBackend
-from kvferry.integrations.vllm.window_groups import WindowedBackend
-from kvferry.integrations.vllm.worker_backend import StateViews, make_state_backend, make_worker_backend
-from kvferry.integrations.vllm.worker_side import WorkerSide
+from kvferry.connector.server_backend import ServerBackend
+from kvferry.connector.server_link import ServerLink
+from kvferry.connector.settings import ConnectorSettings
+from kvferry.connector.state_groups import StateBackend
+from kvferry.connector.window_groups import WindowedBackend
+from kvferry.connector.worker_backend import StateViews, make_state_backend, make_worker_backend
+from kvferry.connector.worker_side import WorkerSide
 
 
 @dataclass(frozen=True)

@@ -16,13 +16,13 @@ import torch
 from kvferry.cache import CacheEngine
 from kvferry.client import KvferryClient
 from kvferry.config import TransferConfig
+from kvferry.connector.backends import EmbeddedBackend, KeySpace
+from kvferry.connector.engine_kv import EngineKV
+from kvferry.connector.server_backend import ServerBackend
+from kvferry.connector.server_link import ServerLink
+from kvferry.connector.settings import ConnectorSettings
+from kvferry.connector.state_groups import state_kv
 from kvferry.formats import EngineKVFormat, describe, with_codec
-from kvferry.integrations.vllm.backends import EmbeddedBackend, KeySpace
-from kvferry.integrations.vllm.kv_layout import EngineKV
-from kvferry.integrations.vllm.server_backend import ServerBackend
-from kvferry.integrations.vllm.server_link import ServerLink
-from kvferry.integrations.vllm.settings import ConnectorSettings
-from kvferry.integrations.vllm.state_groups import state_kv
 from kvferry.transfer import configure_gpu
 
 

@@ -33,11 +33,10 @@ import numpy as np
 import torch
 
 from kvferry.cache.keys import token_view
+from kvferry.connector.backends import Backend, Hit
+from kvferry.connector.engine_kv import EngineKV, UnsupportedKVLayout
+from kvferry.connector.state_rows import row_bytes
 from kvferry.formats import EngineKVFormat
-from kvferry.integrations.vllm.backends import Backend, Hit
-from kvferry.integrations.vllm.kv_layout import EngineKV
-from kvferry.integrations.vllm.page_views import UnsupportedKVLayout
-from kvferry.integrations.vllm.state_rows import row_bytes
 
 _KEY_CONTEXT = b"kvferry mamba state key v1"
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Any
 
-from kvferry.integrations.vllm.backends import Backend, Hit
-from kvferry.integrations.vllm.kv_groups import KVGroup
+from kvferry.connector.backends import Backend, Hit
+from kvferry.connector.kv_groups import KVGroup
 
 
 class WindowedBackend:

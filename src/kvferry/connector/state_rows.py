@@ -3,7 +3,7 @@ needs to name a state object's layout for any chunk size, without the state's te
 
 from __future__ import annotations
 
-from kvferry.integrations.vllm.page_views import UnsupportedKVLayout
+from kvferry.connector.engine_kv import UnsupportedKVLayout
 
 ROW_ALIGN = 16  # bytes: a row is a whole number of these where the page has room (wide, aligned copies)
 

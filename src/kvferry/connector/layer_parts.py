@@ -17,14 +17,14 @@ from concurrent.futures import Future
 from typing import Any
 
 from kvferry.cache import CacheEngine
+from kvferry.connector.backends import Backend, EmbeddedBackend, KeySpace
+from kvferry.connector.engine_kv import EngineKV
+from kvferry.connector.kv_groups import GroupedLookups
+from kvferry.connector.server_backend import ServerBackend
+from kvferry.connector.server_link import ServerLink
+from kvferry.connector.settings import ConnectorSettings
+from kvferry.connector.worker_backend import make_worker_backend
 from kvferry.formats import layer_split, select_layers
-from kvferry.integrations.vllm.backends import Backend, EmbeddedBackend, KeySpace
-from kvferry.integrations.vllm.kv_groups import GroupedLookups
-from kvferry.integrations.vllm.kv_layout import EngineKV
-from kvferry.integrations.vllm.server_backend import ServerBackend
-from kvferry.integrations.vllm.server_link import ServerLink
-from kvferry.integrations.vllm.settings import ConnectorSettings
-from kvferry.integrations.vllm.worker_backend import make_worker_backend
 
 # What a worker tells a scheduler half in another process: one key space's fields, or a split's, one per part.
 KeySpaceFields = dict[str, Any] | list[dict[str, Any]]

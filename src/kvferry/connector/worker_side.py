@@ -1,4 +1,4 @@
-"""The worker half of the vLLM connector: carries out each step's `StepPlan` against the engine's KV cache.
+"""The worker half of the connector: carries out each step's `StepPlan` against the engine's KV cache.
 
 Loads come in two kinds. A background load (vLLM's async-load path: the request waits in
 WAITING_FOR_REMOTE_KVS) starts after the step's forward pass and runs while later steps decode the other
@@ -31,31 +31,13 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_all
-from typing import Protocol
 
-from kvferry.integrations.vllm.counters import WorkerCounters
-from kvferry.integrations.vllm.plan import LoadSpec, StepPlan, StoreSpec
-from kvferry.integrations.vllm.server_link import ServerDown
+from kvferry.connector.backends import Transfers
+from kvferry.connector.counters import WorkerCounters
+from kvferry.connector.plan import LoadSpec, StepPlan, StoreSpec
+from kvferry.connector.server_link import ServerDown
 
 log = logging.getLogger(__name__)
-
-
-class KVBackend(Protocol):
-    """Moves KV between the engine's registered blocks and the cache (in this process or in a server)."""
-
-    def retrieve_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
-        """Load the cached prefix of ``tokens``; resolves to how many leading tokens the blocks now hold (the
-        skipped prefix included), a multiple of the chunk size or ``len(tokens)``."""
-        ...
-
-    def retrieve(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> int:
-        """`retrieve_async` to the end (a foreground load; a backend may run it on the calling thread)."""
-        ...
-
-    def store_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
-        """Start storing the KV of ``tokens`` held in ``block_ids``; the caller keeps the blocks unchanged
-        until the future is done."""
-        ...
 
 
 HANDOFF_S = 1e-4  # the GIL switch interval while kvferry's work runs in the background
@@ -93,7 +75,7 @@ _HANDOFF = GilHandoff()
 class WorkerSide:
     def __init__(
         self,
-        backend: KVBackend | Sequence[KVBackend],
+        backend: Transfers | Sequence[Transfers],
         *,
         block_size: int | Sequence[int],
         after_load: Callable[[list[int]], None] | None = None,
