@@ -22,8 +22,8 @@ PHASE
   gdn-chat    the state-space hybrid, kvferry embedded: a chat's turn 1 (CHAT_PROMPT tokens, CHAT_OUTPUT generated:
               past a chunk boundary), vLLM's prefix cache emptied, turn 2 (turn 1's prompt and output, then more);
               ``--retention N``: vLLM's prefix_cache_retention_interval (which Mamba states it keeps and hands over).
-              ``--foreground`` (``gdn``, ``gdn-lost``): the hit loaded before the forward pass of the step that
-              schedules it (the connector's ``async_load`` false), not in the background.
+              ``--foreground`` (``gdn``, ``gdn-lost``): the connector set to load before the forward pass
+              (``async_load`` false), which a model of several KV cache groups does not take.
   capacity    vLLM's KV capacity in tokens with the connector on, with vLLM's hybrid KV cache manager and without
               (``disable_hybrid_kv_cache_manager``): every layer then holds every token.
 

@@ -257,10 +257,11 @@ class SimEngine:
         if not sync_loads:
             self.worker.start_load_kv(None)  # type: ignore[arg-type]
         self.worker.wait_for_save()
-        sending, recving = self.worker.get_finished(out.finished_req_ids)
+        results = self.worker.get_transfer_results(out.finished_req_ids)  # as vLLM's model runner asks
         kv_output = KVConnectorOutput(
-            finished_sending=sending,
-            finished_recving=recving,
+            finished_sending=results.finished_sending,
+            finished_recving=results.finished_recving,
+            failed_recving=results.failed_recving,
             invalid_block_ids=self.worker.get_block_ids_with_load_errors(),
             kv_connector_stats=self.worker.get_kv_connector_stats(),
             kv_connector_worker_meta=self.worker.build_connector_worker_meta(),

@@ -39,7 +39,9 @@ class ConnectorSettings(BaseModel):
     async_load: bool = Field(
         True,
         description="load a hit in the background while vLLM keeps running the other requests (vLLM's async-load "
-        "path); false: load before the forward pass of the step that schedules the request",
+        "path); false: load before the forward pass of the step that schedules the request (not for a hybrid model of "
+        "several KV cache groups, which always loads in the background: vLLM takes such a model's failed load only "
+        "from a load it waits for)",
     )
     lock_refresh_s: float = Field(
         10.0,

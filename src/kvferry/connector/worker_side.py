@@ -97,6 +97,7 @@ class WorkerSide:
         self._saving: set[str] = set()  # requests vLLM keeps blocks for until their stores are reported done
         self._finished: set[str] = set()  # those of them that vLLM reported finished
         self._load_errors: set[int] = set()
+        self._failed_loads: set[str] = set()  # background loads of a model of several groups that came back short
         self._loads_done: set[str] = set()
         self._loads_failed: set[str] = set()
         self.counters = WorkerCounters()
@@ -158,9 +159,17 @@ class WorkerSide:
         return done
 
     def take_load_errors(self) -> set[int]:
-        """Block ids whose load failed since the last call (vLLM recomputes their tokens)."""
+        """Block ids whose load failed since the last call (vLLM recomputes their tokens); with one KV cache group
+        only (see `take_failed_loads`)."""
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def take_failed_loads(self) -> set[str]:
+        """Requests whose load came back short since the last call, with several KV cache groups: their block ids
+        are per group, so the engine recomputes the whole request. Such a model must load in the background
+        (vLLM takes a failed request only from a load it waits for)."""
+        failed, self._failed_loads = self._failed_loads, set()
+        return failed
 
     def take_load_report(self) -> tuple[set[str], set[str]]:
         """(requests whose loads ran since the last call, those of them that came back short)."""
@@ -227,10 +236,13 @@ class WorkerSide:
             self.counters.load_seconds += timer.seconds
         self._loads_done.add(spec.req_id)
         if got < target:
-            first_bad = max(got, spec.skip_tokens) // block_size
-            self._load_errors.update(spec.block_ids[first_bad:])
+            if len(self._backends) > 1:  # a block id names no block without its group: the request is reported
+                self._failed_loads.add(spec.req_id)
+            else:
+                self._load_errors.update(spec.block_ids[max(got, spec.skip_tokens) // block_size :])
+            if spec.req_id not in self._loads_failed:  # once per request, as `loads` counts it, whatever its groups
+                self.counters.load_failures += 1
             self._loads_failed.add(spec.req_id)
-            self.counters.load_failures += 1
             log.warning(
                 "kvferry: request %s: loaded %d of %d tokens; vLLM recomputes the rest", spec.req_id, got, target
             )

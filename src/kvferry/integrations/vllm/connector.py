@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -194,7 +195,7 @@ class KvferryConnector(SleepModeHooks, KVConnectorBase_V1, SupportsHMA):
             self._block_size,
             f" ({kv.split} kernel blocks of {kv.block_size})" if kv.split > 1 else "",
             chunk if chunk is not None else "the server's (not reached yet)",
-            "background" if self._settings.async_load else "foreground",
+            "background" if self._in_background() else "foreground",
             self._settings.objects_codec() or "of the server",
             f" (layers {exact} exact)" if isinstance(backend, layer_parts.LayerSplitBackend) else "",
         )
@@ -233,6 +234,14 @@ class KvferryConnector(SleepModeHooks, KVConnectorBase_V1, SupportsHMA):
         if self._worker is None:
             return None, None
         return self._worker.finished_sending(finished_req_ids) or None, self._worker.finished_loading() or None
+
+    @serving_hook(off.no_transfer_results)
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        # A model of several KV cache groups reports a short load by request (vLLM cannot map a failed block id
+        # back to its request there, and raises): the request counts as received, and vLLM recomputes it.
+        sending, loading = self.get_finished(finished_req_ids)
+        failed = self._worker.take_failed_loads() if self._worker is not None else set()
+        return KVConnectorTransferResults(set(sending or ()), set(loading or ()) | failed, failed)
 
     @serving_hook(off.no_block_ids)
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -395,6 +404,11 @@ class KvferryConnector(SleepModeHooks, KVConnectorBase_V1, SupportsHMA):
         self._handshake = KvferryHandshake(hybrid.key_spaces[0], hybrid.key_spaces)
         self._worker = hybrid.worker
         log.info("%s", hybrid_worker.describe(self._settings, kvs, self._groups, hybrid.lookups.chunk_size))
+        if not self._settings.async_load and len(self._groups) > 1:
+            log.warning(
+                "kvferry: async_load is false, but a model of several KV cache groups loads in the background: "
+                "vLLM takes such a model's failed load only from a load it waits for"
+            )
 
     def _turn_off(self) -> None:
         """After an error while serving (`serving_guard`): free the lookups' locks; the worker refuses transfers."""
@@ -427,13 +441,18 @@ class KvferryConnector(SleepModeHooks, KVConnectorBase_V1, SupportsHMA):
             lookups.free_lock,
             block_size=self._groups[0].block_size if self._groups else self._block_size,
             chunk_size=chunk_size,
-            in_background=self._settings.async_load,
+            in_background=self._in_background(),
             refresh_s=self._settings.lock_refresh_s,
             ranks=self._tp_size,
             tails=not self._groups,
         )
         self._scheduler = GroupedSchedulerSide(side, self._groups) if self._groups else side
         return self._scheduler
+
+    def _in_background(self) -> bool:
+        """Whether loads run in the background: as set, but always for a model of several KV cache groups, whose
+        failed load vLLM takes only by request and only from a load it waits for (`get_transfer_results`)."""
+        return self._settings.async_load or len(self._groups) > 1
 
     def _warn_once(self, message: str) -> None:
         if not self._scheduler_warned:

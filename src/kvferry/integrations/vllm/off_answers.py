@@ -70,6 +70,12 @@ def no_reports(*args: Any, **kwargs: Any) -> tuple[None, None]:
     return None, None
 
 
+def no_transfer_results(*args: Any, **kwargs: Any) -> Any:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+    return KVConnectorTransferResults()
+
+
 def no_block_ids(*args: Any, **kwargs: Any) -> set[int]:
     return set()
 
