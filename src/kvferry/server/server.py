@@ -26,7 +26,7 @@ from prometheus_client import generate_latest
 from zmq.utils.monitor import parse_monitor_message
 
 from kvferry.cache import CacheEngine
-from kvferry.config import ServerConfig
+from kvferry.config import SecurityConfig, ServerConfig
 from kvferry.protocol.messages import (
     PROTOCOL_VERSION,
     ErrorCode,
@@ -34,6 +34,7 @@ from kvferry.protocol.messages import (
     decode_request,
     encode_error,
 )
+from kvferry.server.auth import check_exposure
 from kvferry.server.handlers import RequestHandlers
 from kvferry.server.health import TierWatch, tier_health
 from kvferry.server.http import HttpSidePort
@@ -55,9 +56,15 @@ class KvferryServer:
     """Serve `engine` to clients; `start()` binds and returns, `stop()` releases every session and port."""
 
     def __init__(
-        self, config: ServerConfig, engine: CacheEngine, *, clock: Callable[[], float] = time.monotonic
+        self,
+        config: ServerConfig,
+        engine: CacheEngine,
+        *,
+        security: SecurityConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
+        self.security = security if security is not None else SecurityConfig()
         self.engine = engine
         self.metrics = ServerMetrics()
         # One registry for everything /metrics exports: the server's, the cache's and its tiers' families.
@@ -101,7 +108,9 @@ class KvferryServer:
     # -- lifecycle ------------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Bind both ports and start serving; ServerStartError (naming the port) if either cannot be bound."""
+        """Bind both ports and start serving; ServerStartError (naming the port) if either cannot be bound, or
+        (naming the setting) if a port beyond loopback would take requests without credentials."""
+        check_exposure(self.config, self.security)
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         # Frames up to twice the limit are read and answered TOO_LARGE; beyond that ZMQ drops the connection
