@@ -6,7 +6,8 @@ as `pydantic.SecretStr`, so a dump of the configuration (the server's start line
 error then names the setting and the file.
 
 Key files are ZMQ certificates (`kvferry keys`, `zmq.auth.create_certificates`, czmq's zcert: ``NAME.key`` holds
-the public key, ``NAME.key_secret`` both) or files holding one Z85-encoded key.
+the public key, ``NAME.key_secret`` both) or files holding one Z85-encoded key. ZMQ is imported only where keys
+are read or made: the configuration (and `kvferry --help`) does without it.
 """
 
 from __future__ import annotations
@@ -17,10 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import zmq
-import zmq.auth
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
-from zmq.utils import z85
 
 _Z85_KEY_CHARS = 40  # a 32-byte CURVE key, Z85-encoded
 
@@ -228,6 +226,8 @@ class SecurityConfig(BaseModel):
         else:
             assert self.server_public_key_file is not None
             server = read_key(self.server_public_key_file, secret=False, setting="security.server_public_key_file")
+        import zmq
+
         return ClientCurve(server_public=server, public=zmq.curve_public(secret), secret=secret)
 
 
@@ -237,6 +237,8 @@ def write_key_pair(directory: str | os.PathLike[str], name: str) -> tuple[Path, 
     either file."""
     if not name or "/" in name or name.startswith("."):
         raise ValueError(f"name={name!r}: a plain file name is needed")
+    import zmq
+
     public, secret = zmq.curve_keypair()
     folder = Path(directory)
     folder.mkdir(parents=True, exist_ok=True)
@@ -267,6 +269,8 @@ def _write_certificate(path: Path, public: bytes, secret: bytes | None, mode: in
 
 def read_key(path: str | os.PathLike[str], *, secret: bool, setting: str) -> bytes:
     """The Z85 key in `path`: a ZMQ certificate's (its secret key when `secret`) or the file's one line."""
+    import zmq.auth
+
     text = _read_text(path, setting)
     if "curve" in text:  # a ZMQ certificate
         try:
@@ -282,6 +286,8 @@ def read_key(path: str | os.PathLike[str], *, secret: bool, setting: str) -> byt
 
 def check_key(key: bytes, what: str) -> bytes:
     """`key` if it is a Z85-encoded 32-byte key; else ValueError naming `what` (never the key: it may be secret)."""
+    from zmq.utils import z85
+
     if len(key) != _Z85_KEY_CHARS:
         raise ValueError(f"{what}: not a CURVE key (40 Z85 characters), got {len(key)} characters")
     try:
