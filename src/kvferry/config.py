@@ -241,6 +241,15 @@ class KvferryConfig(BaseModel):
             parse_tier_url(url)
         return urls
 
+    def shown(self) -> dict[str, Any]:
+        """The settings as JSON-able data with every secret hidden (what may be logged or printed): the security
+        section's as ``**********``, a tier URL's password as its ``shown`` form does."""
+        from kvferry.tiers.url import parse_tier_url
+
+        data = self.model_dump(mode="json")
+        data["tiers"] = [parse_tier_url(url).shown for url in self.tiers]
+        return data
+
     @classmethod
     def load(
         cls,

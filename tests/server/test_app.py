@@ -148,7 +148,9 @@ def test_the_config_logged_at_start_shows_no_secret(
     secret = zmq.curve_keypair()[1].decode()
     monkeypatch.setenv("KVFERRY_SECURITY__CURVE_SECRET_KEY", secret)
     monkeypatch.setenv("KVFERRY_SECURITY__HTTP_TOKEN", "token-c0ffee")
+    monkeypatch.setenv("KVFERRY_TIERS", "redis://:redis-pw@127.0.0.1:1/0")
     _start_failure(["--host", "0.0.0.0"], caplog)  # no client keys: it stops right after the config's line
     started = [r.getMessage() for r in caplog.records if "starting with config" in r.getMessage()]
     assert len(started) == 1 and '"http_token": "**********"' in started[0]
-    assert secret not in caplog.text and "token-c0ffee" not in caplog.text
+    assert secret not in caplog.text and "token-c0ffee" not in caplog.text and "redis-pw" not in caplog.text
+    assert "127.0.0.1:1/0" in started[0]  # the tier is named, its password not

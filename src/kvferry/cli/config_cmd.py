@@ -104,7 +104,5 @@ def run_config(args: argparse.Namespace, console: Console) -> int:
     except ValueError as exc:
         console.print(f"kvferry config: {exc}", markup=False, highlight=False, soft_wrap=True)
         return 2
-    console.print(
-        yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False).rstrip(), markup=False, highlight=False
-    )
+    console.print(yaml.safe_dump(config.shown(), sort_keys=False).rstrip(), markup=False, highlight=False)
     return 0

@@ -117,7 +117,7 @@ def one_line(exc: ValueError) -> str:
 def main(config: KvferryConfig) -> int:
     """Serve until SIGINT/SIGTERM, then release every session and port; returns the exit status (2: the server
     could not start, said in one line: a tier it cannot open, a pool it cannot allocate, a port in use)."""
-    log.info("kvferry server starting with config %s", json.dumps(config.model_dump(mode="json")))
+    log.info("kvferry server starting with config %s", json.dumps(config.shown()))
     use_own_threads(config.server.copy_threads or usable_cpus())
     configure_gpu(**config.transfer.engine_settings())  # the process's GPU data path: the server owns its process
     try:
