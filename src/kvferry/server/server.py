@@ -292,7 +292,7 @@ class KvferryServer:
                     None, ErrorCode.MALFORMED, f"a request is one frame, got {len(frames) - 1}"
                 )
             else:
-                user = frames[1].get("User-Id") if self._auth is not None else None
+                user = str(frames[1].get("User-Id")) if self._auth is not None else None  # the ZAP handler's
                 reply = self._serve_one(identity, frames[1].buffer, frames[1], monitor, user)
             if reply is not None:
                 router.send_multipart([identity, reply])
