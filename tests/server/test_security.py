@@ -90,6 +90,24 @@ def test_a_raw_zmq_socket_without_keys_gets_no_answer(curve_server: KvferryServe
     assert curve_server.stats()["sessions"] == []
 
 
+def test_a_refused_key_is_logged_once_however_often_it_comes_back(
+    curve_server: KvferryServer, server_keys: Keys, caplog: pytest.LogCaptureFixture
+) -> None:
+    public, secret = zmq.curve_keypair()
+    with zmq.Context() as ctx:
+        for _ in range(3):  # three connections, each refused at its handshake
+            with ctx.socket(zmq.DEALER) as dealer:
+                dealer.linger = 0
+                dealer.curve_serverkey, dealer.curve_publickey, dealer.curve_secretkey = server_keys[0], public, secret
+                monitor = dealer.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+                dealer.connect(_endpoint(curve_server))
+                assert monitor.poll(5000)
+                dealer.disable_monitor()
+                monitor.close()
+    refusals = [r for r in caplog.records if "unknown CURVE key" in r.getMessage()]
+    assert len(refusals) == 1 and public.decode() in refusals[0].getMessage()
+
+
 def _get(server: KvferryServer, path: str, token: str | None) -> tuple[int, bytes]:
     request = urllib.request.Request(f"http://127.0.0.1:{server.http_port}{path}")
     if token is not None:

@@ -20,6 +20,7 @@ from kvferry.server.ports import ServerStartError
 log = logging.getLogger("kvferry.server")
 
 ZAP_DOMAIN = "kvferry"
+_REFUSED_LOGGED = 1024  # refused keys remembered so each is logged once; past that, every refusal is
 
 
 def is_loopback(host: str) -> bool:
@@ -76,6 +77,7 @@ class RequestAuth:
             self._allowed = {key.decode(): grants for key, grants in security.allowed_clients().items()}
         except ValueError as exc:
             raise ServerStartError(str(exc)) from None
+        self._refused: set[str] = set()  # keys refused and logged (the authenticator's thread only)
         self._authenticator = ThreadAuthenticator(ctx, log=logging.getLogger("kvferry.server.zap"))
         self._authenticator.start()
         self._authenticator.configure_curve_callback(ZAP_DOMAIN, credentials_provider=self)
@@ -86,10 +88,14 @@ class RequestAuth:
         )
 
     def callback(self, domain: str, key: bytes) -> bool:
-        """The authenticator's question (its thread): may the client with this public key (Z85) connect?"""
-        allowed = key.decode() in self._allowed
-        if not allowed:
-            log.warning("a client with an unknown CURVE key %s was refused", key.decode())
+        """The authenticator's question (its thread): may the client with this public key (Z85) connect? A key
+        refused is logged once (its client retries every few seconds)."""
+        client = key.decode()
+        allowed = client in self._allowed
+        if not allowed and client not in self._refused:
+            if len(self._refused) < _REFUSED_LOGGED:
+                self._refused.add(client)
+            log.warning("a client with an unknown CURVE key %s was refused (logged once a key)", client)
         return allowed
 
     def secure(self, router: zmq.Socket) -> None:
