@@ -2,8 +2,8 @@
 from explicit overrides (the CLI's flags), in that order of precedence (later wins).
 
 Environment variables name a section field with a double underscore: ``KVFERRY_CACHE__CHUNK_SIZE=512``,
-``KVFERRY_SERVER__PORT=6000``, ``KVFERRY_TRANSFER__STAGING_SLOT_MIB=128``; the tier list is ``KVFERRY_TIERS`` (a
-JSON list or comma-separated URLs).
+``KVFERRY_SERVER__PORT=6000``, ``KVFERRY_SECURITY__HTTP_TOKEN_FILE=/etc/kvferry/token``; the tier list is
+``KVFERRY_TIERS`` (a JSON list or comma-separated URLs). Secrets (``security``) dump as ``**********``.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from kvferry.security import SecurityConfig
 
 ENV_PREFIX = "KVFERRY_"
 _MIB = 1 << 20
@@ -158,7 +160,8 @@ class ServerConfig(BaseModel):
     ipc_path: str | None = Field(
         None,
         description="Also listen on this Unix socket (clients connect to ipc://PATH): a lower-latency endpoint for "
-        "engines on this host; the socket file's permissions decide who may connect.",
+        "engines on this host; the socket file's mode and group (security.ipc_mode, security.ipc_group) decide who "
+        "may connect.",
     )
     heartbeat_interval_s: float = Field(
         2.0, gt=0, description="How often clients are told to send a heartbeat when otherwise idle."
@@ -226,6 +229,7 @@ class KvferryConfig(BaseModel):
         "redis://host:6379/0, valkey+cluster://host:port,... (a JSON list or comma-separated in KVFERRY_TIERS)",
     )
     server: ServerConfig = Field(default_factory=ServerConfig)
+    security: SecurityConfig = Field(default_factory=SecurityConfig)
 
     @field_validator("tiers")
     @classmethod
@@ -236,6 +240,15 @@ class KvferryConfig(BaseModel):
         for url in urls:
             parse_tier_url(url)
         return urls
+
+    def shown(self) -> dict[str, Any]:
+        """The settings as JSON-able data with every secret hidden (what may be logged or printed): the security
+        section's as ``**********``, a tier URL's password as its ``shown`` form does."""
+        from kvferry.tiers.url import parse_tier_url
+
+        data = self.model_dump(mode="json")
+        data["tiers"] = [parse_tier_url(url).shown for url in self.tiers]
+        return data
 
     @classmethod
     def load(
@@ -261,7 +274,12 @@ class KvferryConfig(BaseModel):
 
 def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     """The nested settings that ``KVFERRY_*`` variables in ``env`` give; unknown names raise ValueError."""
-    sections: dict[str, type[BaseModel]] = {"CACHE": CacheConfig, "SERVER": ServerConfig, "TRANSFER": TransferConfig}
+    sections: dict[str, type[BaseModel]] = {
+        "CACHE": CacheConfig,
+        "SERVER": ServerConfig,
+        "TRANSFER": TransferConfig,
+        "SECURITY": SecurityConfig,
+    }
     out: dict[str, Any] = {}
     for name, value in env.items():
         if not name.startswith(ENV_PREFIX):
@@ -313,4 +331,4 @@ def _merge(into: dict[str, Any], new: dict[str, Any]) -> None:
             into[key] = dict(value) if isinstance(value, Mapping) else value
 
 
-__all__ = ["CacheConfig", "KvferryConfig", "ServerConfig", "TransferConfig", "env_overrides"]
+__all__ = ["CacheConfig", "KvferryConfig", "SecurityConfig", "ServerConfig", "TransferConfig", "env_overrides"]

@@ -98,6 +98,14 @@ def test_server_over_its_unix_socket(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     assert cases["floor"]["p50_us"] > 0 and cases["retrieve_16chunk"]["p50_us"] > 0
 
 
+def test_server_with_curve(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    doc, _ = run_bench(
+        monkeypatch, tmp_path, "server", "--requests", "20", "--transfers", "2", "--pool-gb", "0.25", "--curve"
+    )
+    assert doc["config"]["curve"] is True
+    assert doc["results"]["cases"]["lookup"]["p50_us"] > 0 and doc["results"]["cases"]["store_16chunk"]["gbps"] > 0
+
+
 def test_server_engines(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     args = ("--engines", "2", "--rounds", "3", "--think-ms", "0", "--pool-gb", "0.25", "--ipc")
     doc, _ = run_bench(monkeypatch, tmp_path, "server-engines", *args)
@@ -123,6 +131,7 @@ def test_server_engines(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None
         (["tiers", "--redis-url", "http://x"], "--redis-url"),
         (["server", "--transfers", "0"], "--transfers"),
         (["server", "--pool-gb", "0"], "--pool-gb"),
+        (["server", "--curve", "--ipc"], "--curve"),
         (["server-engines", "--engines", "0"], "--engines"),
         (["server-engines", "--rounds", "100001"], "--rounds"),
     ],

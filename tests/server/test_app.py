@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import socket
 from pathlib import Path
 
 import pytest
+import zmq
 
 from kvferry.config import ServerConfig
 from kvferry.server import add_server_arguments, config_from_args
@@ -111,3 +113,44 @@ def test_config_errors_are_one_line_and_exit_2(
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("kvferry server: error: ") and says in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "says"),
+    [
+        (["--host", "0.0.0.0", "--no-http"], {}, "server.host=0.0.0.0 is beyond loopback: the request socket needs "),
+        (["--host", "10.1.2.3"], {"curve": True}, "the HTTP port needs security.http_token_file"),
+        (["--ipc", "/tmp/kvf-never.sock"], {"curve": True, "tenant": True}, "security.tenants with server.ipc_path"),
+        ([], {"clients": True}, "need security.curve_secret_key_file"),
+    ],
+    ids=["zmq-beyond-loopback", "http-beyond-loopback", "tenants-on-the-unix-socket", "clients-without-server-key"],
+)
+def test_listeners_beyond_loopback_without_credentials_keep_the_server_from_starting(
+    flags: list[str], env: dict[str, bool], says: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in [n for n in os.environ if n.startswith("KVFERRY_")]:
+        monkeypatch.delenv(name)
+    secret = zmq.curve_keypair()[1]
+    if env.get("curve"):
+        monkeypatch.setenv("KVFERRY_SECURITY__CURVE_SECRET_KEY", secret.decode())
+    if env.get("curve") or env.get("clients"):
+        grants = [{"model": "m"}]
+        tenants = [{"name": "t", "public_key": zmq.curve_keypair()[0].decode(), "namespaces": grants}]
+        monkeypatch.setenv("KVFERRY_SECURITY__TENANTS", json.dumps(tenants))
+    error = _start_failure(flags, caplog)
+    assert says in error and secret.decode() not in caplog.text
+    assert error.startswith("kvferry server cannot start: ")
+
+
+def test_the_config_logged_at_start_shows_no_secret(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    secret = zmq.curve_keypair()[1].decode()
+    monkeypatch.setenv("KVFERRY_SECURITY__CURVE_SECRET_KEY", secret)
+    monkeypatch.setenv("KVFERRY_SECURITY__HTTP_TOKEN", "token-c0ffee")
+    monkeypatch.setenv("KVFERRY_TIERS", "redis://:redis-pw@127.0.0.1:1/0")
+    _start_failure(["--host", "0.0.0.0"], caplog)  # no client keys: it stops right after the config's line
+    started = [r.getMessage() for r in caplog.records if "starting with config" in r.getMessage()]
+    assert len(started) == 1 and '"http_token": "**********"' in started[0]
+    assert secret not in caplog.text and "token-c0ffee" not in caplog.text and "redis-pw" not in caplog.text
+    assert "127.0.0.1:1/0" in started[0]  # the tier is named, its password not

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import re
 import signal
@@ -59,6 +60,7 @@ from kvferry.formats import EngineKVFormat
 from kvferry.formats.synthetic import MODELS, make_paged
 from kvferry.protocol.messages import Op, encode_request
 from kvferry.protocol.unix_framing import frame
+from kvferry.security import ClientCurve
 
 FMT = EngineKVFormat.NL_X_TWO_NB_BS_NH_HS
 CHUNK, BS, NB = 256, 16, 1024
@@ -72,6 +74,7 @@ examples:
   kvferry bench server                                     # qwen2.5-0.5b geometry, KV in shared memory
   kvferry bench server --requests 500 --transfers 50 --json bench-out/server.json
   kvferry bench server --device cuda --model llama3-8b --requests 300 --transfers 50
+  kvferry bench server --curve                             # CURVE on the request socket: what it costs
 """
 
 
@@ -79,12 +82,18 @@ class ServerProcess:
     """`python -m kvferry.server` on a free port; `endpoint` is its TCP one, or its Unix socket's with `ipc_path`."""
 
     def __init__(
-        self, pool_gb: float, busy_poll_us: int = 0, ipc_path: str | None = None, chunk_size: int = CHUNK
+        self,
+        pool_gb: float,
+        busy_poll_us: int = 0,
+        ipc_path: str | None = None,
+        chunk_size: int = CHUNK,
+        security: dict[str, str] | None = None,
     ) -> None:
+        """`security`: KVFERRY_SECURITY__ variables of the server (its CURVE keys)."""
         cmd = [sys.executable, "-m", "kvferry.server", "--port", "0", "--no-http", "--chunk-size", str(chunk_size)]
         cmd += ["--l1-size-gb", str(pool_gb), "--busy-poll-us", str(busy_poll_us), "--log-level", "INFO"]
         cmd += ["--ipc", ipc_path] if ipc_path else []
-        self.proc = subprocess.Popen(cmd, env=child_env(), stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(cmd, env=child_env(security), stderr=subprocess.PIPE, text=True)
         assert self.proc.stderr is not None
         watchdog = threading.Timer(READY_TIMEOUT_S, self.proc.kill)  # a server never ready ends the loop below
         watchdog.start()
@@ -213,6 +222,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="connect through the server's Unix socket (its --ipc: no ZMQ) instead of loopback TCP; the floor too",
     )
     parser.add_argument(
+        "--curve",
+        action="store_true",
+        help="CURVE on the request socket (throwaway keys of the server and the client): what authentication "
+        "and encryption cost; the floor stays a bare socket",
+    )
+    parser.add_argument(
         "--busy-poll-us",
         type=int,
         default=0,
@@ -230,6 +245,8 @@ def check(args: argparse.Namespace) -> None:
         raise BenchError(f"--pool-gb must be positive, got {args.pool_gb}")
     if args.device == "cuda":
         require_cuda("--device cuda")
+    if args.curve and args.ipc:
+        raise BenchError("--curve is for the TCP socket: the Unix socket (--ipc) has no CURVE (its file mode decides)")
 
 
 def _server_cases(
@@ -240,9 +257,10 @@ def _server_cases(
     new_tokens: Callable[[int], list[int]],
     steps: Steps,
     ceiling: Callable[[int, str], CopyCeiling],
+    curve: ClientCurve | None,
 ) -> dict[str, Any]:
     """Every case through the server at `endpoint`, after the bare ZMQ `floor` measured over the same transport."""
-    with KvferryClient(endpoint, timeout_s=120) as client:
+    with KvferryClient(endpoint, timeout_s=120, curve=curve) as client:
         reg = client.register_kv_cache(kv, FMT, block_size=BS, namespace=NAMESPACE)
         cases = {"floor": floor}
         steps.done("floor")
@@ -289,11 +307,14 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
     sockets = tempfile.TemporaryDirectory(prefix="kvferry-bench-") if args.ipc else contextlib.nullcontext(None)
     with sockets as socket_dir:
         ipc_path = os.path.join(socket_dir, "server.sock") if socket_dir else None
-        server = ServerProcess(pool_gb=args.pool_gb, busy_poll_us=args.busy_poll_us, ipc_path=ipc_path)
+        security, curve = _throwaway_curve() if args.curve else (None, None)
+        server = ServerProcess(
+            pool_gb=args.pool_gb, busy_poll_us=args.busy_poll_us, ipc_path=ipc_path, security=security
+        )
         steps.done("server started")
         try:
             floor = transport_floor(args.requests, os.path.join(socket_dir, "echo.sock") if socket_dir else None)
-            cases = _server_cases(server.endpoint, kv, floor, args, new_tokens, steps, ceiling)
+            cases = _server_cases(server.endpoint, kv, floor, args, new_tokens, steps, ceiling, curve)
         finally:
             server.stop()
     config = KvferryConfig.load(env={}, overrides={"cache": {"chunk_size": CHUNK, "l1_size_gb": args.pool_gb}})
@@ -320,9 +341,23 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
             cases[name]["engine_ratio"] = row["ratio"]
     results: dict[str, Any] = {"chunk_bytes": chunk_bytes}
     results["cases"] = cases
-    keys = ("model", "device", "requests", "transfers", "pool_gb", "busy_poll_us", "ipc")
+    keys = ("model", "device", "requests", "transfers", "pool_gb", "busy_poll_us", "ipc", "curve")
     config_json = {key: getattr(args, key) for key in keys}
     return Outcome(config_json | {"chunk_size": CHUNK}, results, _show(args, results), device=args.device)
+
+
+def _throwaway_curve() -> tuple[dict[str, str], ClientCurve]:
+    """The server's KVFERRY_SECURITY__ variables for CURVE with one allowed client, and that client's keys (new
+    keys each run, passed in the child's environment: nothing is written)."""
+    server_public, server_secret = zmq.curve_keypair()
+    public, secret = zmq.curve_keypair()
+    grants = [{"model": NAMESPACE["model"], "salt": NAMESPACE["salt"]}]
+    tenant = {"name": "bench", "public_key": public.decode(), "namespaces": grants}  # as a shared server's engines
+    security = {
+        "KVFERRY_SECURITY__CURVE_SECRET_KEY": server_secret.decode(),
+        "KVFERRY_SECURITY__TENANTS": json.dumps([tenant]),
+    }
+    return security, ClientCurve(server_public=server_public, public=public, secret=secret)
 
 
 def _show(args: argparse.Namespace, results: dict[str, Any]) -> list[Any]:

@@ -43,13 +43,16 @@ def connector_rows() -> list[tuple[str, str, str]]:
     ]
 
 
+_SECURITY_KEYS = {"curve"}  # the connector's, left out of the brief tables as the security section is
+
+
 def markdown(brief: bool = False) -> str:
     """Every setting as Markdown tables: kvferry's, then the vLLM connector's; ``brief`` leaves out what each does."""
-    if brief:
+    if brief:  # without the security settings: docs/security.md has them
         lines = ["| setting | default | environment |", "|---|---|---|"]
-        lines += [f"| `{s}` | `{d}` | `{e}` |" for s, d, e, _ in setting_rows()]
+        lines += [f"| `{s}` | `{d}` | `{e}` |" for s, d, e, _ in setting_rows() if not s.startswith("security.")]
         lines += ["", "| connector key (`kv_connector_extra_config`) | default |", "|---|---|"]
-        lines += [f"| `{k}` | `{d}` |" for k, d, _ in connector_rows()]
+        lines += [f"| `{k}` | `{d}` |" for k, d, _ in connector_rows() if k not in _SECURITY_KEYS]
         return "\n".join(lines)
     lines = ["| setting | default | environment | what it does |", "|---|---|---|---|"]
     lines += [f"| `{s}` | `{d}` | `{e}` | {text} |" for s, d, e, text in setting_rows()]
@@ -101,5 +104,5 @@ def run_config(args: argparse.Namespace, console: Console) -> int:
     except ValueError as exc:
         console.print(f"kvferry config: {exc}", markup=False, highlight=False, soft_wrap=True)
         return 2
-    console.print(yaml.safe_dump(config.model_dump(), sort_keys=False).rstrip(), markup=False, highlight=False)
+    console.print(yaml.safe_dump(config.shown(), sort_keys=False).rstrip(), markup=False, highlight=False)
     return 0

@@ -38,6 +38,7 @@ from kvferry.client.ready_events import ReadyEvents
 from kvferry.client.records import GpuRegistration, LookupResult, PrefetchStatus
 from kvferry.client.request_args import Namespace, demote_args, key_space_args, transfer_args
 from kvferry.protocol.messages import Op, pack_ids
+from kvferry.security import ClientCurve
 
 CLOSE_TIMEOUT_S = 5.0  # the longest close() waits by default: ending the session, then the background thread
 
@@ -45,14 +46,20 @@ CLOSE_TIMEOUT_S = 5.0  # the longest close() waits by default: ending the sessio
 class KvferryClient:
     """A session with one server. Thread-safe; `close()` (or `with`) ends the session and frees its state."""
 
-    def __init__(self, endpoint: str = "tcp://127.0.0.1:5555", *, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, endpoint: str = "tcp://127.0.0.1:5555", *, timeout_s: float = 30.0, curve: ClientCurve | None = None
+    ) -> None:
         """Start connecting to `endpoint` in the background; returns at once, server up or not. Requests then
-        wait at most `timeout_s` for their reply; `wait_available()` waits for the server itself."""
+        wait at most `timeout_s` for their reply; `wait_available()` waits for the server itself. `curve`: this
+        client's CURVE keys and the server's (`SecurityConfig.client_curve`), for a server that asks for them (a
+        Unix socket endpoint has none: its file's permissions decide)."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s} must be > 0")
         self.endpoint = endpoint
         self.timeout_s = timeout_s
-        self._conn = Connection(endpoint, timeout_s=timeout_s, heartbeat_interval_s=1.0, silence_timeout_s=timeout_s)
+        self._conn = Connection(
+            endpoint, timeout_s=timeout_s, heartbeat_interval_s=1.0, silence_timeout_s=timeout_s, curve=curve
+        )
         self._gpu: dict[int, GpuRegistration] = {}  # registrations of GPU KV in the server session now open
         self._flag_watch = FlagWatch(self._check_up)
 

@@ -47,6 +47,7 @@ from kvferry.client.link import CONNECTING, DOWN, UP, Link, ZmqLink
 from kvferry.client.pending import Pending, PendingRequests
 from kvferry.client.unix_link import UnixLink
 from kvferry.protocol.messages import ErrorCode, Op, Reply, encode_request
+from kvferry.security import ClientCurve
 from kvferry.stopping import join_thread, term_context
 
 log = logging.getLogger("kvferry.client")
@@ -66,8 +67,10 @@ class Connection:
         heartbeat_interval_s: float,
         silence_timeout_s: float,
         connect_timeout_s: float = 2.0,
+        curve: ClientCurve | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self.curve = curve  # the keys of a CURVE handshake (ZMQ links only)
         self.timeout_s = timeout_s  # each request's deadline
         # The deadline the server gets is a little earlier than the one this client keeps: whatever the server
         # finishes by its deadline (a store's copy of the caller's blocks, say) is done before the caller gives

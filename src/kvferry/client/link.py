@@ -27,7 +27,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvferry.client")
 
 CONNECTING, UP, DOWN = "connecting", "up", "down"
-_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_CONNECT_RETRIED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+)
 _EVENTS_OPT, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: enum arithmetic costs a few us a request
 BACKOFF_S = 0.1  # first probe of an unreachable server; doubling up to BACKOFF_MAX_S
 BACKOFF_MAX_S = 5.0
@@ -208,6 +214,10 @@ class ZmqLink(Link):
         self.dealer.setsockopt(zmq.IMMEDIATE, 1)  # frames queue only on a live connection: never sent late
         self.dealer.setsockopt(zmq.RECONNECT_IVL, int(BACKOFF_S * 1e3))
         self.dealer.setsockopt(zmq.RECONNECT_IVL_MAX, int(BACKOFF_MAX_S * 1e3))
+        if conn.curve is not None:
+            self.dealer.curve_serverkey = conn.curve.server_public
+            self.dealer.curve_publickey = conn.curve.public
+            self.dealer.curve_secretkey = conn.curve.secret
         # Readable when the socket may have something to read. Threads wait on this descriptor, never in a ZMQ
         # call on the socket, so one thread may use the socket while others wait; and after any operation on
         # the socket the holder reads what arrived, since that operation may have taken the descriptor's signal.
@@ -231,6 +241,10 @@ class ZmqLink(Link):
                 self.down("the connection dropped")
             elif event == zmq.EVENT_CONNECT_RETRIED and state is CONNECTING:
                 self.down("connection refused")
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH and state is not DOWN:
+                self.down("the server refused this client's CURVE key")
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and state is not DOWN:
+                self.down("the handshake failed (CURVE keys on one side only, or the wrong server key?)")
 
     def payloads(self) -> list[bytes | memoryview]:
         out: list[bytes | memoryview] = []

@@ -26,6 +26,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
 from kvferry.client import KvferryClient, ServerError
+from kvferry.security import ClientCurve
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,8 @@ class ServerLink:
         *,
         timeout_s: float,
         register: Callable[[KvferryClient], int] | None = None,
-        make_client: Callable[[str, float], KvferryClient] = lambda url, t: KvferryClient(url, timeout_s=t),
+        curve: ClientCurve | None = None,
+        make_client: Callable[[str, float], KvferryClient] | None = None,
     ) -> None:
         self.url = url
         self.timeout_s = timeout_s
@@ -64,7 +66,7 @@ class ServerLink:
         self.generation = 0  # bumped on every (re)connection
         self.incompatible: str | None = None  # why the link gave up for good
         self._register = register
-        self._make_client = make_client
+        self._make_client = make_client or (lambda url, t: KvferryClient(url, timeout_s=t, curve=curve))
         self._lock = threading.Lock()
         self._client: KvferryClient | None = None
         self._registration: int | None = None

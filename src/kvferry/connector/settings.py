@@ -9,12 +9,25 @@
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from kvferry.config import KvferryConfig
+from kvferry.config import KvferryConfig, env_overrides
+from kvferry.security import ClientCurve, SecurityConfig
+
+_SECURITY_VARIABLES = "KVFERRY_SECURITY__"
+
+
+class CurveKeyFiles(BaseModel):
+    """An engine's CURVE keys for a server that asks for them (docs/security.md)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    secret_key_file: str = Field(description="this engine's key pair (NAME.key_secret of `kvferry keys`)")
+    server_key_file: str = Field(description="the server's public key (the server's NAME.key)")
 
 
 class ConnectorSettings(BaseModel):
@@ -69,6 +82,12 @@ class ConnectorSettings(BaseModel):
     )
     model_id: str | None = Field(None, description="the model's name in cache keys (default: vLLM's served model name)")
     salt: str = Field("", description="separates deployments that must not share KV")
+    curve: CurveKeyFiles | None = Field(
+        None,
+        description='server mode, tcp://: {"secret_key_file": this engine\'s NAME.key_secret, "server_key_file": the '
+        "server's NAME.key} for a server with CURVE (docs/security.md); default: the KVFERRY_SECURITY__CLIENT_* and "
+        "KVFERRY_SECURITY__SERVER_PUBLIC_KEY* variables, if set",
+    )
     after_load_hook: str | None = Field(
         None,
         description="'module:function' called as function(kv_layers, block_ids) after each load "
@@ -119,6 +138,18 @@ class ConnectorSettings(BaseModel):
                 "(--block-size): a chunk must hold whole vLLM blocks; pick a chunk size that is a multiple of the "
                 "block size (e.g. 256 with vLLM's default block size on CPU, 128)"
             )
+
+    def client_curve(self) -> ClientCurve | None:
+        """Server mode's CURVE keys: ``curve``'s files, else the KVFERRY_SECURITY__ variables (None: no CURVE);
+        ValueError naming the setting when a key cannot be read."""
+        if self.curve is not None:
+            security = SecurityConfig(
+                client_secret_key_file=self.curve.secret_key_file, server_public_key_file=self.curve.server_key_file
+            )
+        else:
+            variables = {name: value for name, value in os.environ.items() if name.startswith(_SECURITY_VARIABLES)}
+            security = SecurityConfig.model_validate(env_overrides(variables).get("security", {}))
+        return security.client_curve()
 
     def kvferry_config(self) -> KvferryConfig:
         """Embedded mode's cache configuration: defaults < config_file < KVFERRY_* environment < config."""

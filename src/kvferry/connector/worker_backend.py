@@ -66,6 +66,7 @@ def make_worker_backend(
         link = ServerLink(
             settings.server_url,
             timeout_s=settings.timeout_s,
+            curve=settings.client_curve(),
             register=lambda client: client.register_kv_cache(
                 kv.paged, kv.fmt, block_size=kv.block_size, namespace=deployment, heads=kv.heads
             ),
@@ -167,7 +168,9 @@ def make_state_backend(
         settings.check_chunk_size(chunk_size, block_size)
         views.kv(chunk_size)  # rows that do not fit the state's page: a setting to fix (UnsupportedKVLayout)
 
-    link = ServerLink(settings.server_url, timeout_s=settings.timeout_s, register=register)
+    link = ServerLink(
+        settings.server_url, timeout_s=settings.timeout_s, register=register, curve=settings.client_curve()
+    )
     try:
         link.connect(check_chunk_size=check_chunk_size)  # a bad chunk size refuses to start
     except BaseException:

@@ -70,6 +70,8 @@ class ErrorCode(StrEnum):
     SESSION_ENDED = "SESSION_ENDED"
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"  # the request's deadline passed before it could start; not run
     SHUTTING_DOWN = "SHUTTING_DOWN"
+    # The client's tenant may not do this: CLEAR and STATS reach every tenant's objects and counts
+    FORBIDDEN = "FORBIDDEN"
     INTERNAL = "INTERNAL"  # a bug on the server side; the server logs the traceback
 
 

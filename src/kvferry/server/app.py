@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from kvferry.cache import CacheEngine
 from kvferry.config import KvferryConfig
 from kvferry.kernels.cpu_threads import usable_cpus, use_own_threads
+from kvferry.server.auth import check_exposure
 from kvferry.server.server import KvferryServer, ServerStartError
 from kvferry.stopping import join_thread
 from kvferry.transfer import configure_gpu
@@ -116,16 +117,20 @@ def one_line(exc: ValueError) -> str:
 def main(config: KvferryConfig) -> int:
     """Serve until SIGINT/SIGTERM, then release every session and port; returns the exit status (2: the server
     could not start, said in one line: a tier it cannot open, a pool it cannot allocate, a port in use)."""
-    log.info("kvferry server starting with config %s", json.dumps(config.model_dump(mode="json")))
+    log.info("kvferry server starting with config %s", json.dumps(config.shown()))
     use_own_threads(config.server.copy_threads or usable_cpus())
     configure_gpu(**config.transfer.engine_settings())  # the process's GPU data path: the server owns its process
     try:
+        check_exposure(config.server, config.security)  # before the pool is allocated, which may take seconds
         engine = CacheEngine(config, name="server")
+    except ServerStartError as exc:  # a listener beyond loopback without credentials
+        log.error("kvferry server cannot start: %s", exc)
+        return 2
     except (ValueError, OSError, MemoryError) as exc:  # tier URLs and directories, the pool's size: named
         log.debug("cache engine construction failed", exc_info=exc)
         log.error("kvferry server cannot start: %s", exc)
         return 2
-    server = KvferryServer(config.server, engine)
+    server = KvferryServer(config.server, engine, security=config.security)
     try:
         server.start()
     except (ServerStartError, zmq.ZMQError) as exc:

@@ -9,6 +9,7 @@ the server finishes it on its tier workers, so a slow or frozen tier never holds
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from kvferry.server.requests import (
 from kvferry.server.sessions import Registration, Session, SessionTable
 from kvferry.server.transfers import Transfers
 from kvferry.transfer.api import prepare_gpu
+
+log = logging.getLogger("kvferry.server")
 
 INLINE_OPS = frozenset(
     {
@@ -109,12 +112,24 @@ class RequestHandlers:
         return {"chunk_size": self._engine.chunk_size}
 
     def register(self, session: Session, args: RegisterArgs) -> dict[str, Any]:
+        deployment = args.namespace
+        if session.grants is not None and not session.grants.allows(deployment.model, deployment.salt):
+            log.warning(
+                "tenant %s may not register KV in model %r salt %r: refused",
+                session.grants.name,
+                deployment.model,
+                deployment.salt,
+            )
+            raise ProtocolError(
+                ErrorCode.BAD_ARGUMENT,
+                f"'namespace': model {deployment.model!r} with salt {deployment.salt!r} is not one this client's "
+                "tenant may use (security.tenants)",
+            )
         try:
             fmt = EngineKVFormat(args.format)
         except ValueError:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"'format'={args.format} is not an EngineKVFormat id") from None
         kv = map_kv(args)
-        deployment = args.namespace
         done_flags = None
         try:
             ready = open_client_events(kv.device, args.ready_events or [])
@@ -211,22 +226,38 @@ class RequestHandlers:
         self._sessions.settle()  # as for unregister
         return self._end_session(session.id, "end_session")
 
-    def clear(self, _: Session, __: NoArgs) -> dict[str, Any]:
+    def clear(self, session: Session, _: NoArgs) -> dict[str, Any]:
+        _not_for_tenants(session, "CLEAR drops every tenant's objects")
         self._engine.clear()
         return {}
 
-    def stats(self, _: Session, __: NoArgs) -> dict[str, Any]:
+    def stats(self, session: Session, _: NoArgs) -> dict[str, Any]:
+        _not_for_tenants(session, "STATS counts every tenant's objects and sessions")
         self._sessions.settle()  # the counts include what the clients have seen done
         return {"server": self._server_stats(), "cache": self._engine.stats()}
 
     def _namespace(self, session: Session, registration: int | None, explicit: Namespace | None) -> CacheNamespace:
+        """The key space a request names. One its tenant may not use is swapped for a key space of the tenant's own
+        that nothing is ever stored in: a LOOKUP there misses (the same work and answer as any miss), a DEMOTE
+        moves nothing. A registration's was checked when it was made."""
         if explicit is not None and registration is None:
-            fields = tuple(explicit.__dict__.items())
+            grants = session.grants
+            foreign = grants is not None and not grants.allows(explicit.model, explicit.salt)
+            fields = (tuple(explicit.__dict__.items()), grants.name if foreign and grants is not None else None)
             namespace = self._key_spaces.get(fields)
             if namespace is None:
                 try:
                     fields_given = explicit.model_dump()
                     fields_given["codec"] = explicit.codec or self._engine.codec
+                    if foreign and grants is not None:
+                        log.info(
+                            "tenant %s names model %r salt %r, not its own: its lookups there miss",
+                            grants.name,
+                            explicit.model,
+                            explicit.salt,
+                        )
+                        # NUL: no salt a tenant may register holds one (`TenantGrants.allows`)
+                        fields_given["salt"] = f"{explicit.salt}\0{grants.name}"
                     namespace = CacheNamespace(**fields_given)
                 except ValueError as exc:
                     raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"'namespace': {exc}") from None
@@ -242,6 +273,11 @@ class RequestHandlers:
 
 
 _KEY_SPACES_KEPT = 1024
+
+
+def _not_for_tenants(session: Session, why: str) -> None:
+    if session.grants is not None:
+        raise ProtocolError(ErrorCode.FORBIDDEN, f"{why}: not for a tenant ({session.grants.name})")
 
 
 def _lookup_result(found: Any) -> dict[str, Any]:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import grp
 import os
 import socket
 import stat
 
 import zmq
 
-from kvferry.config import ServerConfig
+from kvferry.config import SecurityConfig, ServerConfig
 from kvferry.server.unix_clients import listen
 
 
@@ -17,10 +18,12 @@ class ServerStartError(OSError):
     """The server could not open one of its ports; the message names which one and why."""
 
 
-def bind_clients(router: zmq.Socket, config: ServerConfig) -> tuple[int, socket.socket | None]:
+def bind_clients(
+    router: zmq.Socket, config: ServerConfig, security: SecurityConfig
+) -> tuple[int, socket.socket | None]:
     """Bind `router` to the configured TCP port (0: a free one) and listen on the Unix socket (served without ZMQ:
-    `kvferry.server.unix_clients`); returns the TCP port and the Unix listener (None without one).
-    ServerStartError, naming the endpoint, if either cannot be bound."""
+    `kvferry.server.unix_clients`; its file given `security`'s mode and group); returns the TCP port and the Unix
+    listener (None without one). ServerStartError, naming the endpoint, if either cannot be bound."""
     host, port = config.host, config.port
     try:
         if port == 0:
@@ -33,9 +36,24 @@ def bind_clients(router: zmq.Socket, config: ServerConfig) -> tuple[int, socket.
         return port, None
     try:
         _check_ipc_path(config.ipc_path)
-        return port, listen(config.ipc_path)
+        gid = _group_id(security.ipc_group)
+        return port, listen(config.ipc_path, security.ipc_mode_bits, gid)
+    except KeyError as exc:
+        raise ServerStartError(f"security.ipc_group={security.ipc_group}: {exc.args[0]}") from None
     except OSError as exc:
         raise ServerStartError(f"cannot listen for clients on ipc://{config.ipc_path}: {exc}") from exc
+
+
+def _group_id(group: str | None) -> int | None:
+    """The id of group `group` (a name or a number); KeyError saying so if there is none such."""
+    if group is None:
+        return None
+    if group.isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise KeyError(f"no group {group!r} on this machine") from None
 
 
 def remove_ipc_socket(path: str) -> None:

@@ -26,7 +26,7 @@ from prometheus_client import generate_latest
 from zmq.utils.monitor import parse_monitor_message
 
 from kvferry.cache import CacheEngine
-from kvferry.config import ServerConfig
+from kvferry.config import SecurityConfig, ServerConfig
 from kvferry.protocol.messages import (
     PROTOCOL_VERSION,
     ErrorCode,
@@ -34,6 +34,7 @@ from kvferry.protocol.messages import (
     decode_request,
     encode_error,
 )
+from kvferry.server.auth import RequestAuth, check_exposure
 from kvferry.server.handlers import RequestHandlers
 from kvferry.server.health import TierWatch, tier_health
 from kvferry.server.http import HttpSidePort
@@ -55,9 +56,15 @@ class KvferryServer:
     """Serve `engine` to clients; `start()` binds and returns, `stop()` releases every session and port."""
 
     def __init__(
-        self, config: ServerConfig, engine: CacheEngine, *, clock: Callable[[], float] = time.monotonic
+        self,
+        config: ServerConfig,
+        engine: CacheEngine,
+        *,
+        security: SecurityConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
+        self.security = security if security is not None else SecurityConfig()
         self.engine = engine
         self.metrics = ServerMetrics()
         # One registry for everything /metrics exports: the server's, the cache's and its tiers' families.
@@ -93,6 +100,7 @@ class KvferryServer:
         # A transfer started on the socket thread whose rest goes to a worker after its answer is sent (loop only).
         self._to_finish: Callable[[], None] | None = None
         self._http: HttpSidePort | None = None
+        self._auth: RequestAuth | None = None  # CURVE on the request socket (security.curve_secret_key_file)
         self.port: int = config.port
         self.ipc_endpoint: str | None = None  # ipc://PATH when config.ipc_path is set
         self._unix: UnixClients | None = None  # its clients (loop only)
@@ -101,27 +109,44 @@ class KvferryServer:
     # -- lifecycle ------------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Bind both ports and start serving; ServerStartError (naming the port) if either cannot be bound."""
+        """Bind both ports and start serving; ServerStartError (naming the port) if either cannot be bound, or
+        (naming the setting) if a port beyond loopback would take requests without credentials."""
+        check_exposure(self.config, self.security)
+        try:
+            http_token = self.security.http_token_value()
+        except ValueError as exc:
+            raise ServerStartError(str(exc)) from None
+        if self.security.curve:
+            self._auth = RequestAuth(self._ctx, self.security)
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         # Frames up to twice the limit are read and answered TOO_LARGE; beyond that ZMQ drops the connection
         # rather than buffer an unbounded frame.
         router.setsockopt(zmq.MAXMSGSIZE, 2 * self.config.max_message_bytes)
+        if self._auth is not None:
+            self._auth.secure(router)
         host = self.config.host
         try:
-            self.port, unix_listener = bind_clients(router, self.config)
+            self.port, unix_listener = bind_clients(router, self.config, self.security)
         except ServerStartError:
             router.close(linger=0)
+            self._close_auth()
             raise
         if unix_listener is not None:
             self.ipc_endpoint = f"ipc://{self.config.ipc_path}"
         if self.config.http_port is not None:
             try:
                 self._http = HttpSidePort(
-                    host, self.config.http_port, health=self.health, metrics=self.prometheus_text, stats=self.stats
+                    host,
+                    self.config.http_port,
+                    health=self.health,
+                    metrics=self.prometheus_text,
+                    stats=self.stats,
+                    token=http_token,
                 )
             except OSError as exc:
                 router.close(linger=0)
+                self._close_auth()
                 if unix_listener is not None:
                     unix_listener.close()
                 reason = exc.strerror or str(exc)
@@ -158,6 +183,8 @@ class KvferryServer:
         if self._loop_thread is not None:
             with self._reply_lock:  # a worker past the deadline may still send: it then finds the socket closed
                 self._replies_out.close(linger=0)
+        if loop_ended:  # the authenticator's socket on the context, closed before term waits for every socket
+            self._close_auth()
         # With the loop stuck its sockets stay open, and term would wait for them: it is not waited for then.
         term_ended = term_context(self._ctx, deadline if loop_ended else time.monotonic())
         if self.ipc_endpoint is not None and self.config.ipc_path is not None:
@@ -199,6 +226,11 @@ class KvferryServer:
         return generate_latest(self.metrics.registry)
 
     # -- the socket loop ------------------------------------------------------------------------------------
+
+    def _close_auth(self) -> None:
+        if self._auth is not None:
+            self._auth.close()
+            self._auth = None
 
     def _loop(
         self, router: zmq.Socket, monitor: zmq.Socket, replies_in: zmq.Socket, unix_listener: socket.socket | None
@@ -260,7 +292,8 @@ class KvferryServer:
                     None, ErrorCode.MALFORMED, f"a request is one frame, got {len(frames) - 1}"
                 )
             else:
-                reply = self._serve_one(identity, frames[1].buffer, frames[1], monitor)
+                user = str(frames[1].get("User-Id")) if self._auth is not None else None  # the ZAP handler's
+                reply = self._serve_one(identity, frames[1].buffer, frames[1], monitor, user)
             if reply is not None:
                 router.send_multipart([identity, reply])
             self._hand_over()
@@ -284,21 +317,35 @@ class KvferryServer:
             self._to_finish = None
 
     def _serve_one(
-        self, identity: bytes, payload: memoryview | bytes, source: zmq.Frame | None, monitor: zmq.Socket | None
+        self,
+        identity: bytes,
+        payload: memoryview | bytes,
+        source: zmq.Frame | None,
+        monitor: zmq.Socket | None,
+        user: str | None = None,
     ) -> bytes | None:
         try:
-            return self._accept(identity, payload, source, monitor)
+            return self._accept(identity, payload, source, monitor, user)
         except Exception as exc:  # a bug must cost one request, never the socket loop
             log.exception("request from %s could not be handled", identity.hex())
             return self._refuse(None, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
     def _accept(
-        self, identity: bytes, payload: memoryview | bytes, source: zmq.Frame | None, monitor: zmq.Socket | None
+        self,
+        identity: bytes,
+        payload: memoryview | bytes,
+        source: zmq.Frame | None,
+        monitor: zmq.Socket | None,
+        user: str | None,
     ) -> bytes | None:
-        """Parse one request (from ZMQ frame `source`, or from the Unix socket: None); returns the reply now, or
-        None when a worker will send it."""
+        """Parse one request (from ZMQ frame `source`, or from the Unix socket: None; `user`: the client key CURVE
+        authenticated it with); returns the reply now, or None when a worker will send it."""
         received = self._clock()
         session = self._sessions.touch(identity)
+        if session is not None and session.user != user:
+            # Another key under a session's id (learnt somehow): never its registrations or locks.
+            log.warning("a request under session %s came with another client key: refused", identity.hex())
+            return self._refuse(None, ErrorCode.SESSION_ENDED, "this session belongs to another client")
         if session is None:
             if source is not None and monitor is not None:
                 # A new client may sit on the descriptor of one that just left: end that one first (its
@@ -307,7 +354,8 @@ class KvferryServer:
             if self._sessions.was_ended(identity):  # frames queued by a client that is gone: never reopen
                 return self._refuse_ended(identity, payload)
             # A Unix socket client's session ends with its connection (not found by descriptor: -1).
-            session = self._sessions.open(identity, -1 if source is None else source.get(zmq.SRCFD))
+            grants = self._auth.grants(user) if self._auth is not None and source is not None else None
+            session = self._sessions.open(identity, -1 if source is None else source.get(zmq.SRCFD), user, grants)
         if len(payload) > self.config.max_message_bytes:
             return self._refuse(
                 None,

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvferry.protocol.messages import ErrorCode, ProtocolError
+from kvferry.security import TenantGrants
 from kvferry.server.kv_mapping import MappedKV
 from kvferry.transfer import forget_plans
 
@@ -49,6 +50,8 @@ class Session:
     id: bytes
     last_seen: float
     fd: int  # the connection the session's requests come on (ZMQ SRCFD)
+    user: str | None = None  # the client key CURVE authenticated (Z85), None without CURVE
+    grants: TenantGrants | None = None  # the namespaces its tenant may use; None: every one
     registrations: dict[int, Registration] = field(default_factory=dict)
     locks: set[int] = field(default_factory=set)
     prefetches: dict[int, Future[Any]] = field(default_factory=dict)
@@ -98,14 +101,16 @@ class SessionTable:
                 session.requests += 1
             return session
 
-    def open(self, session_id: bytes, fd: int) -> Session:
-        """A new session for a client's first request, arrived on connection `fd`.
+    def open(self, session_id: bytes, fd: int, user: str | None = None, grants: TenantGrants | None = None) -> Session:
+        """A new session for a client's first request, arrived on connection `fd` from authenticated client key
+        `user` (None without CURVE), whose tenant may use the namespaces of `grants` (None: every one).
 
         A session keeps its connection: when that drops, the session ends (`on_connection`), so a client
         that reconnects starts a new one.
         """
         with self._lock:
-            session = self._sessions[session_id] = Session(session_id, self._clock(), fd, requests=1)
+            session = Session(session_id, self._clock(), fd, user, grants, requests=1)
+            self._sessions[session_id] = session
             return session
 
     def was_ended(self, session_id: bytes) -> bool:

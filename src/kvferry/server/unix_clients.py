@@ -170,13 +170,18 @@ class UnixClients:
         client.sock.close()
 
 
-def listen(path: str) -> socket.socket:
-    """A Unix stream socket listening at `path` (which `kvferry.server.ports` checked is free)."""
+def listen(path: str, mode: int = 0o600, gid: int | None = None) -> socket.socket:
+    """A Unix stream socket listening at `path` (which `kvferry.server.ports` checked is free), its file given
+    `mode` and group `gid` before it listens: nobody connects under the umask's permissions meanwhile (a socket not
+    listening yet refuses every connection)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         if os.path.exists(path):
             os.unlink(path)  # a stale socket of a server that died (a live one was refused before this)
         sock.bind(path)
+        if gid is not None:
+            os.chown(path, -1, gid)
+        os.chmod(path, mode)
         sock.listen(128)
     except OSError:
         sock.close()

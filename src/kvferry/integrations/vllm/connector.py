@@ -280,7 +280,9 @@ class KvferryConnector(SleepModeHooks, KVConnectorBase_V1, SupportsHMA):
         if self._settings.mode == "server" and backends.find(self._engine_id) is None and self._lookup_backend is None:
             # The worker is in another process: this half looks up through a session of its own, made now (at
             # start-up) so the first request never waits for it.
-            link = ServerLink(self._settings.server_url, timeout_s=self._settings.timeout_s)
+            link = ServerLink(
+                self._settings.server_url, timeout_s=self._settings.timeout_s, curve=self._settings.client_curve()
+            )
             if received.group_key_spaces is not None:  # a hybrid model: its groups' lookups share the session
                 self._lookup_backend = hybrid_worker.lookups_from_handshake(
                     link, received.group_key_spaces, self._groups
