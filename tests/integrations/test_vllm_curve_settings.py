@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from kvferry.config import ServerConfig
-from kvferry.integrations.vllm.server_link import ServerLink
-from kvferry.integrations.vllm.settings import ConnectorSettings
+from kvferry.connector.server_link import ServerLink
+from kvferry.connector.settings import ConnectorSettings
 from kvferry.security import SecurityConfig, write_key_pair
 from kvferry.server import KvferryServer
 from tests.server.serverkit import FakeEngine
