@@ -79,11 +79,11 @@ def encode_batch(records: Sequence[Record], chunk_size: int, ts: float | None = 
                 }
             )
         elif isinstance(record, ChunksRemoved):
-            last = events[-1] if events else None
-            if last is not None and last["type"] == "BlockRemoved" and last["medium"] == record.medium:
-                if last["locality"] == record.locality:
-                    last["block_hashes"].extend(record.keys)
-                    continue
+            last: dict[str, Any] = events[-1] if events else {"type": None}
+            same = last["type"] == "BlockRemoved" and last["medium"] == record.medium
+            if same and last["locality"] == record.locality:
+                last["block_hashes"].extend(record.keys)
+                continue
             events.append(
                 {
                     "type": "BlockRemoved",
