@@ -197,6 +197,21 @@ class ServerConfig(BaseModel):
     tier_check_interval_s: float = Field(
         5.0, gt=0, description="How often each tier is probed, so /health knows a tier is down before a request does."
     )
+    events_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="ZMQ PUB port publishing the cache's KV events in vLLM's format (docs/events.md; None = off, "
+        "0 = any free port); binds `host`.",
+    )
+    events_replay_port: int | None = Field(
+        None, ge=0, le=65535, description="ZMQ ROUTER port replaying buffered KV event batches from a sequence number."
+    )
+    events_topic: str = Field("", description="Topic frame of every KV event message (vLLM's default: empty).")
+    events_queue: int = Field(
+        100_000, ge=1, description="KV event records waiting to be published; beyond it they are dropped and counted."
+    )
+    events_replay_batches: int = Field(10_000, ge=1, description="Published KV event batches kept for replay.")
 
     @model_validator(mode="after")
     def _timeout_exceeds_interval(self) -> ServerConfig:
