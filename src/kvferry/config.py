@@ -207,11 +207,6 @@ class ServerConfig(BaseModel):
     events_replay_port: int | None = Field(
         None, ge=0, le=65535, description="ZMQ ROUTER port replaying buffered KV event batches from a sequence number."
     )
-    events_topic: str = Field("", description="Topic frame of every KV event message (vLLM's default: empty).")
-    events_queue: int = Field(
-        100_000, ge=1, description="KV event records waiting to be published; beyond it they are dropped and counted."
-    )
-    events_replay_batches: int = Field(10_000, ge=1, description="Published KV event batches kept for replay.")
 
     @model_validator(mode="after")
     def _timeout_exceeds_interval(self) -> ServerConfig:

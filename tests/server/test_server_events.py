@@ -3,6 +3,7 @@ the disk's own evictions and a restart, the consumer's index is what the server 
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -135,3 +136,27 @@ def _check_against_lookups(node: Node, index: EventIndex, prompts: list[list[int
         on_disk = node.disk.contains_many(keys)
         disk_run = on_disk.index(False) if False in on_disk else len(keys)
         assert (held.get("CPU", 0) * REAL_CHUNK, held.get("STORAGE", 0)) == (pool_hit, disk_run)
+
+
+def test_kvferry_events_answers_the_longest_prefix_per_node(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvferry.cli.main import main
+
+    node = Node(tmp_path / "disk")
+    try:
+        prompt = list(range(7000, 7000 + 2 * REAL_CHUNK + 9))
+        _store(node, [prompt[: 2 * REAL_CHUNK]], seed=3)
+        ns = node.engine.namespace_for(REAL_NS["model"], FMT_REAL, real_kv(1), salt=REAL_NS["salt"])
+        fields = ("model", "kv_dtype", "layout", "world_size", "rank", "salt", "codec")
+        (tmp_path / "prompt.json").write_text(json.dumps(prompt))
+        events = node.server.stats()["events"]
+        stream = f"a=tcp://127.0.0.1:{events['port']},tcp://127.0.0.1:{events['replay_port']}"
+        status = main(
+            ["events", stream, "--seconds", "0.5", "--json", "--chunk-size", str(REAL_CHUNK),
+             "--tokens", str(tmp_path / "prompt.json"), "--namespace", json.dumps({f: getattr(ns, f) for f in fields})]
+        )  # fmt: skip
+        answer = json.loads(capsys.readouterr().out)
+        assert status == 0 and answer["held"] == {"a": {"CPU": 2}} and not answer["stale"]
+        assert answer["prefix_tokens"]["a"]["CPU"] == node.engine.lookup(prompt, namespace=ns) == 2 * REAL_CHUNK
+        assert main(["events", "nonsense", "--seconds", "0"]) == 2  # not an endpoint: one line, status 2
+    finally:
+        node.stop()

@@ -38,7 +38,7 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 class EventStream:
-    """Publishes ``engine``'s KV events as ``config`` says (``events_port``, ``events_replay_port``, ...)."""
+    """Publishes ``engine``'s KV events on ``config.events_port`` (and replays on ``config.events_replay_port``)."""
 
     def __init__(
         self,
@@ -49,7 +49,13 @@ class EventStream:
         interval_s: float = 0.02,
         max_batch_events: int = 1000,
         heartbeat_s: float = 1.0,
+        queue_records: int = 100_000,
+        replay_batches: int = 10_000,
+        topic: str = "",
     ) -> None:
+        """``queue_records``: records waiting to be published, beyond which they are dropped (counted);
+        ``replay_batches``: published batches kept for replay (vLLM's ``buffer_steps``); ``topic``: the first
+        frame of every message (vLLM's default: empty)."""
         if config.events_port is None:
             raise ValueError("EventStream needs config.events_port")
         self._engine = engine
@@ -57,8 +63,8 @@ class EventStream:
         self._heartbeat_s = heartbeat_s
         self._last_sent = 0.0
         self._max_batch = max_batch_events
-        self._topic = config.events_topic.encode()
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.events_replay_batches)
+        self._topic = topic.encode()
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=replay_batches)
         self._next_seq = 0
         self._stopping = threading.Event()
         self.batches = 0  # published since the start
@@ -76,7 +82,7 @@ class EventStream:
         except zmq.ZMQError:
             self._close_sockets()
             raise
-        self._queue = EventQueue(config.events_queue)
+        self._queue = EventQueue(queue_records)
         self._source: EventSource = engine.publish_events(self._queue)
         self._thread = threading.Thread(target=self._run, name="kvferry-events", daemon=True)
         self._thread.start()
