@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
 
 from kvferry.cache import CacheEngine, ChunkHasher
 from kvferry.cache.events import ChunksRemoved, Record
@@ -19,6 +20,7 @@ from kvferry.client.event_index import EventIndex, EventSubscriber, Stream
 from kvferry.config import KvferryConfig, ServerConfig
 from kvferry.memory import HostPool
 from kvferry.server import KvferryServer
+from kvferry.server.event_stream import EventStream
 from kvferry.tiers import Tier, make_tier
 from tests.server.serverkit import FMT_REAL, PER_CHUNK, REAL_CHUNK, REAL_NS, real_kv
 
@@ -40,15 +42,20 @@ class CountingIndex(EventIndex):
         super().apply(node, records)
 
 
+def _engine(tiers: list[Tier]) -> CacheEngine:
+    """A cache engine of a 6-object pool over ``tiers``."""
+    config = KvferryConfig.load(
+        env={}, overrides={"cache": {"chunk_size": REAL_CHUNK, "watermark": 1.0, "eviction_batch": 1}}
+    )
+    return CacheEngine(config, pool=HostPool(6 * OBJECT_BYTES, pin=False), tiers=tiers)
+
+
 class Node:
     """A server over a real cache engine, a 6-object pool and a disk tier of 4 objects."""
 
     def __init__(self, disk_dir: Path, events_port: int = 0, replay_port: int = 0) -> None:
-        config = KvferryConfig.load(
-            env={}, overrides={"cache": {"chunk_size": REAL_CHUNK, "watermark": 1.0, "eviction_batch": 1}}
-        )
         self.disk: Tier = make_tier(f"disk:{disk_dir}?size={4 * (OBJECT_BYTES + 4096)}")
-        self.engine = CacheEngine(config, pool=HostPool(6 * OBJECT_BYTES, pin=False), tiers=[self.disk])
+        self.engine = _engine([self.disk])
         server_config = ServerConfig(port=0, http_port=None, events_port=events_port, events_replay_port=replay_port)
         self.server = KvferryServer(server_config, self.engine)
         self.server.start()
@@ -160,3 +167,52 @@ def test_kvferry_events_answers_the_longest_prefix_per_node(tmp_path: Path, caps
         assert main(["events", "nonsense", "--seconds", "0"]) == 2  # not an endpoint: one line, status 2
     finally:
         node.stop()
+
+
+def test_a_gap_is_filled_from_the_replay_socket(tmp_path: Path) -> None:
+    node = Node(tmp_path / "disk")
+    events = node.server.stats()["events"]
+    stream = Stream(NODE, f"tcp://127.0.0.1:{events['port']}", f"tcp://127.0.0.1:{events['replay_port']}")
+    index = EventIndex()
+    subscriber = EventSubscriber([stream], index, replay_timeout_s=10)
+    try:
+        stream.sub.setsockopt(zmq.UNSUBSCRIBE, b"")  # the SUB socket filters locally: nothing more gets through
+        _store(node, [list(range(2 * REAL_CHUNK))], seed=4)
+        _settle(subscriber, lambda: node.server.stats()["events"]["next_seq"] > stream.last_seq + 2)
+        stream.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        _settle(subscriber, lambda: index.keys(NODE, "CPU") == node.pool_keys() and len(node.pool_keys()) == 2)
+        assert stream.gaps >= 1 and not index.stale
+    finally:
+        subscriber.close()
+        node.stop()
+
+
+def test_dropped_events_end_in_a_re_announcement() -> None:
+    """A queue of 3 records that nobody drains while 8 stores report: the publisher's next batch starts afresh."""
+    engine = _engine([])
+    ctx: zmq.Context[Any] = zmq.Context()
+    config = ServerConfig(port=0, http_port=None, events_port=0, events_replay_port=0)
+    publisher = EventStream(engine, config, ctx, interval_s=3600, heartbeat_s=3600, queue_records=3)
+    stream = Stream(NODE, f"tcp://127.0.0.1:{publisher.port}", f"tcp://127.0.0.1:{publisher.replay_port}")
+    index = EventIndex()
+    subscriber = EventSubscriber([stream], index, replay_timeout_s=10)  # its replay request wakes the publisher
+    try:
+        assert stream.last_seq == 0 and index.keys(NODE, "CPU") == set()
+        src = real_kv(5)
+        ns = engine.namespace_for(REAL_NS["model"], FMT_REAL, src, salt=REAL_NS["salt"])
+        for p in range(4):
+            tokens = list(range(100 * p, 100 * p + 2 * REAL_CHUNK))
+            engine.store(tokens, src, list(range(2 * PER_CHUNK)), FMT_REAL, namespace=ns)
+        assert engine.stats()["events_dropped"] == 4 + 2 - 3  # 4 stores, 2 evictions; 3 records fit
+        with ctx.socket(zmq.DEALER) as wake:  # any replay request: the publisher then sends what is queued
+            wake.connect(f"tcp://127.0.0.1:{publisher.replay_port}")
+            wake.send_multipart((b"", (10**6).to_bytes(8, "big")))
+            assert wake.poll(10_000)
+        pool = {e.key for e in engine._res.index if e.readable}
+        _settle(subscriber, lambda: index.keys(NODE, "CPU") == pool and len(pool) == 6)
+        assert stream.last_seq == 1 and not index.stale  # one batch: AllBlocksCleared, then the 6 chunks held
+    finally:
+        subscriber.close()
+        publisher.stop(time.monotonic() + 5)
+        ctx.destroy(linger=0)
+        engine.close()

@@ -11,8 +11,9 @@ tier kept across the restart); so is the batch after the queue dropped records (
 ``kvferry_cache_events_dropped``). An idle stream sends an empty batch every ``heartbeat_s``: a consumer that
 missed the last batches (or a restart) learns so from its sequence number.
 
-One thread owns both sockets: every ``interval_s`` it answers replay requests, takes what the cache queued and sends
-it in batches of at most ``max_batch_events`` records. Nothing here runs on a transfer's thread.
+One thread owns both sockets: every ``interval_s``, or as a replay request comes, it takes what the cache queued
+and sends it in batches of at most ``max_batch_events`` records, then answers the replay requests. Nothing here
+runs on a transfer's thread.
 """
 
 from __future__ import annotations
@@ -109,12 +110,14 @@ class EventStream:
     def _run(self) -> None:
         try:
             while not self._stopping.is_set():
+                asked = False
                 if self._replay is not None:
-                    if self._replay.poll(int(self._interval_s * 1000)):
-                        self._serve_replays()
+                    asked = bool(self._replay.poll(int(self._interval_s * 1000)))
                 else:
                     self._stopping.wait(self._interval_s)
-                self._publish_queued()
+                self._publish_queued()  # first: a replay then covers everything reported so far
+                if asked:
+                    self._serve_replays()
             self._publish_queued()
         except Exception:  # a closed context at exit; anything else is a bug, said once
             if not self._stopping.is_set():
