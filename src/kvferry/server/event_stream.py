@@ -84,7 +84,11 @@ class EventStream:
             self._close_sockets()
             raise
         self._queue = EventQueue(queue_records)
-        self._source: EventSource = engine.publish_events(self._queue)
+        try:
+            self._source: EventSource = engine.publish_events(self._queue)
+        except BaseException:
+            self._close_sockets()
+            raise
         self._thread = threading.Thread(target=self._run, name="kvferry-events", daemon=True)
         self._thread.start()
 
