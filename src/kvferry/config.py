@@ -200,6 +200,16 @@ class ServerConfig(BaseModel):
     tier_check_interval_s: float = Field(
         5.0, gt=0, description="How often each tier is probed, so /health knows a tier is down before a request does."
     )
+    events_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="ZMQ PUB port publishing the cache's KV events in vLLM's format (docs/events.md; None = off, "
+        "0 = any free port); binds `host`.",
+    )
+    events_replay_port: int | None = Field(
+        None, ge=0, le=65535, description="ZMQ ROUTER port replaying buffered KV event batches from a sequence number."
+    )
 
     @model_validator(mode="after")
     def _timeout_exceeds_interval(self) -> ServerConfig:

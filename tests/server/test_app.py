@@ -44,6 +44,9 @@ def test_flags_override_yaml_and_environment(tmp_path: Path, monkeypatch: pytest
     assert (config.cache.chunk_size, config.cache.l1_size_gb, config.cache.eviction_policy) == (128, 2, "s3fifo")
     assert config.tiers == ["disk:/tmp/a?size=1GB", "redis://127.0.0.1:6379"]
     assert config_from_args(parse(["--no-http"])).server.http_port is None
+    events = config_from_args(parse(["--events-port", "0", "--events-replay-port", "7200"])).server
+    assert (events.events_port, events.events_replay_port) == (0, 7200)
+    assert (ServerConfig().events_port, ServerConfig().events_replay_port) == (None, None)  # off unless asked for
 
 
 def test_bad_values_name_the_field() -> None:

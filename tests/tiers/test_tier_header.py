@@ -10,6 +10,8 @@ from kvferry.tiers.header import (
     decode_header,
     destination_bytes,
     encode_header,
+    note_key,
+    noted_key,
     tensor_bytes,
     verify_payload,
 )
@@ -119,3 +121,16 @@ def test_destination_of_wrong_shape_is_refused() -> None:
     header = decode_header(KEY, data)
     with pytest.raises(ValueError, match=r"alloc\(\(4, 4\), torch.float16\) returned \(16,\)"):
         destination_bytes(torch.empty(16, dtype=torch.float16), header)
+
+
+def test_a_key_noted_in_the_padding_is_read_back_and_changes_nothing_for_readers() -> None:
+    obj = random_tensor((3, 5), torch.float16, seed=4)
+    payload = tensor_bytes(obj)
+    plain = encode_header(KEY, obj, payload, align=4096)
+    noted = note_key(plain, KEY)
+    assert len(noted) == len(plain) and noted != plain
+    assert noted_key(noted) == KEY and noted_key(plain) is None
+    assert same_bits(_decode(noted + bytes(payload)), obj)  # the padding is not read
+    forged = note_key(encode_header(b"another key", obj, payload, align=4096), KEY)
+    assert noted_key(forged) is None  # the note must match the key tag
+    assert note_key(encode_header(KEY, obj, payload), KEY) == encode_header(KEY, obj, payload)  # no padding: no room

@@ -18,6 +18,8 @@ from typing import Any, Unpack
 import torch
 
 from kvferry.cache.call_options import RetrieveOptions, StoreOptions
+from kvferry.cache.event_hooks import EventSource
+from kvferry.cache.event_queue import EventQueue
 from kvferry.cache.geometry_checks import GeometryChecks
 from kvferry.cache.index import object_checksum
 from kvferry.cache.keys import CacheNamespace, ChunkHasher, TokenIds
@@ -97,6 +99,7 @@ class CacheEngine:
         self.metrics_registry = make_registry(name, self._metric_values)
         self.metrics_registry.register(TierCollector(lambda: [tier.metrics for tier in self.tiers]))
         self._closed = threading.Event()
+        self._events: EventSource | None = None
 
     # --- keys ---------------------------------------------------------------------------------------------
 
@@ -363,6 +366,15 @@ class CacheEngine:
         """Drop every object in the pool and every lookup lock (objects being copied go when their copy ends)."""
         self._res.clear()
 
+    def publish_events(self, queue: EventQueue) -> EventSource:
+        """Report KV events (`kvferry.cache.event_hooks`) into ``queue`` from now on, starting with ``AllCleared``
+        and a store for every object held now (the pool's, and the tiers' that survived a restart). Once."""
+        if self._events is not None:
+            raise RuntimeError("this cache engine publishes its events already")
+        self._events = EventSource(self._res, self.tiers, queue)
+        self._events.resync()
+        return self._events
+
     def stats(self) -> dict[str, Any]:
         values: dict[str, Any] = self._metric_values()
         values["pool"] = self.pool.stats()
@@ -402,6 +414,7 @@ class CacheEngine:
             values["cached_tokens"] = values["objects"] * self.chunk_size
             values["locks"] = len(self._res.leases)
             values["pinned_objects"] = self._res.leases.pinned_objects
+        values["events_dropped"] = self._events.queue.dropped if self._events is not None else 0
         values["pool_capacity_bytes"] = self.pool.capacity_bytes
         values["pool_used_bytes"] = self.pool.used_bytes
         values["pool_free_bytes"] = self.pool.free_bytes

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvferry.cache.event_hooks import CacheEvents
 from kvferry.cache.index import CacheIndex, Entry, State
 from kvferry.cache.metrics import CacheCounters
 from kvferry.cache.policies import EvictionPolicy
@@ -37,6 +38,7 @@ class PoolEviction:
         self._spilling_bytes = 0  # pool bytes of SPILLING entries: freed once their tier writes finish
         self._spills_finished = 0  # count of finished spills; a store waiting for room watches it change
         self._spill_finished = threading.Condition(self.lock)
+        self.events: CacheEvents | None = None  # KV events' hooks, when the cache publishes them
 
     if TYPE_CHECKING:  # Residency's: lookup locks that expired release their entries for eviction
 

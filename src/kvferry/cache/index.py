@@ -73,6 +73,8 @@ class CacheIndex:
         # Tail objects by parent: parent key -> {tail length: how many tails of that length}. A lookup hashes
         # only the lengths stored after its last full chunk (a tail's key commits to its exact tokens).
         self._tails: dict[bytes | None, dict[int, int]] = {}
+        # Told of every entry that leaves the index, before its state changes (KV events: `event_hooks`).
+        self.on_removed: Callable[[Entry], None] | None = None
 
     def add(self, entry: Entry) -> None:
         if entry.key in self._entries:
@@ -85,6 +87,8 @@ class CacheIndex:
     def pop(self, key: bytes) -> Entry:
         entry = self._entries.pop(key)
         self.removals += 1  # after the pop: a reader that sees the old count cannot miss the removal
+        if self.on_removed is not None:
+            self.on_removed(entry)
         if entry.tail:
             lengths = self._tails[entry.parent]
             lengths[entry.tail] -= 1

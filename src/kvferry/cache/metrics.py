@@ -67,6 +67,7 @@ _HELP = {
     "lock_timeouts": "lookup locks released by their timeout",
     "checksum_failures": "objects that failed checksum verification and were dropped",
     "expired_partial_chunks": "objects assembled from tensor-parallel head slices dropped before every slice came",
+    "events_dropped": "KV event records dropped because the event queue was full (a re-announcement follows)",
 }
 
 # Gauges the engine reports at collection time: name -> help.

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 
 import torch
 
+from kvferry.cache.event_hooks import StoreTokens
 from kvferry.cache.index import RESIDENT, SPILLING, WRITING, Entry, State
 from kvferry.cache.locks import LeaseTable
 from kvferry.cache.metrics import CacheCounters
@@ -284,10 +285,16 @@ class Residency(TierTraffic):
                     self._free_locked(entry)
         return whole
 
-    def commit(self, entries: list[Entry], checksums: list[bytes | None], tier_writers: int) -> list[Entry]:
+    def commit(
+        self,
+        entries: list[Entry],
+        checksums: list[bytes | None],
+        tier_writers: int,
+        tokens: StoreTokens | None = None,
+    ) -> list[Entry]:
         """Make whole stored entries (see ``end_writes``) readable. Returns those still indexed, each holding
         ``tier_writers`` readers for the tier writes the caller submits next (``clear`` may have dropped the
-        others meanwhile)."""
+        others meanwhile). ``tokens``: the store's, for its KV events (reported here, under the lock)."""
         kept = []
         with self.lock:
             for entry, checksum in zip(entries, checksums, strict=True):
@@ -301,6 +308,8 @@ class Residency(TierTraffic):
                 entry.readers += tier_writers
                 self.policy.insert(entry.key)
                 kept.append(entry)
+            if self.events is not None and tokens is not None and kept:
+                self.events.stored(kept, tokens)
             if self._written_waiters:
                 self._written.notify_all()
         return kept

@@ -92,3 +92,5 @@ class TierTraffic(PoolEviction):
                 self._free_locked(entry)
             else:
                 self.policy.insert(entry.key)
+                if self.events is not None:
+                    self.events.promoted(entry)

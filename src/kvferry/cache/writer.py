@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 
+from kvferry.cache.event_hooks import StoreTokens
 from kvferry.cache.index import Entry
-from kvferry.cache.keys import CacheNamespace, ChunkHasher, TokenIds
+from kvferry.cache.keys import CacheNamespace, ChunkHasher, TokenIds, token_view
 from kvferry.cache.request import BlockIds, select_blocks
 from kvferry.cache.residency import Residency
 from kvferry.cache.steps import Enqueued, Steps
@@ -69,11 +70,12 @@ def head_masks(geom: KVGeometry) -> tuple[int, int] | None:
 
 
 class _Write(NamedTuple):
-    """A store's chunks being written: their entries (WRITING), their copy in flight (None: done already), the
-    objects copied into for chunks found present (freed once the copy is done), when the copy started, and the
-    chunks (by index) found WRITING for another store."""
+    """A store's chunks being written: their entries (WRITING) and the chunk each holds, their copy in flight
+    (None: done already), the objects copied into for chunks found present (freed once the copy is done), when
+    the copy started, and the chunks (by index) found WRITING for another store."""
 
     entries: list[Entry]
+    chunks: list[int]
     in_flight: TransferHandle | None
     spare: list[torch.Tensor]
     started: float
@@ -134,7 +136,7 @@ class ChunkWriter:
             yield Enqueued(write.in_flight, len(write.entries) * self._chunk_size, not (write.others or more_after))
         finally:  # also when the steps are closed early: the copy is waited for and its chunks settled
             if write.entries or write.spare:
-                stored, seconds = self._finish(write, valid_until)
+                stored, seconds = self._finish(write, valid_until, tokens)
         if not write.others:
             return stored, seconds
         taken, more = self._take_over(tokens, ns, paged, geom, block_ids, write.others, valid_until)
@@ -162,7 +164,7 @@ class ChunkWriter:
                 break
             write = self._in_order(tokens, ns, paged, geom, block_ids, min(lost))
             if write.entries:
-                kept, more = self._finish(write, valid_until)
+                kept, more = self._finish(write, valid_until, tokens)
                 stored += kept
                 seconds += more
             others = write.others
@@ -202,7 +204,9 @@ class ChunkWriter:
             raise
         if spare:
             self._ahead_pause = self.AHEAD_PAUSE
-        return _Write([entry for _, entry in new], in_flight, spare, started, [(first + i, e) for i, e in others])
+        entries = [entry for _, entry in new]
+        chunks = [first + i for i, _ in new]
+        return _Write(entries, chunks, in_flight, spare, started, [(first + i, e) for i, e in others])
 
     def _in_order(
         self, tokens: TokenIds, ns: CacheNamespace, paged: Any, geom: KVGeometry, block_ids: BlockIds, first: int
@@ -215,8 +219,9 @@ class ChunkWriter:
         new, others = self._res.reserve(keys, parent, shape, geom.object_dtype, nbytes, heads) if keys else ([], [])
         entries = [entry for _, entry in new]
         in_flight_elsewhere = [(first + i, entry) for i, entry in others] if others else others
+        chunks = [first + i for i, _ in new]
         if not entries:
-            return _Write(entries, None, [], 0.0, in_flight_elsewhere)
+            return _Write(entries, chunks, None, [], 0.0, in_flight_elsewhere)
         ids = select_blocks(block_ids, [first + i for i, _ in new], self._chunk_size // geom.bs)
         started = time.perf_counter()
         try:
@@ -225,12 +230,12 @@ class ChunkWriter:
         except BaseException:
             self._res.abort(entries)
             raise
-        return _Write(entries, in_flight, [], started, in_flight_elsewhere)
+        return _Write(entries, chunks, in_flight, [], started, in_flight_elsewhere)
 
-    def _finish(self, write: _Write, valid_until: float | None) -> tuple[list[Entry], float]:
+    def _finish(self, write: _Write, valid_until: float | None, tokens: TokenIds) -> tuple[list[Entry], float]:
         """Evict back under the watermark while the bytes move, wait for them, make the new chunks readable (and
         start their tier writes); returns them and the copy's seconds. Past ``valid_until`` they are dropped."""
-        entries, in_flight, spare, started, _ = write
+        entries, chunks, in_flight, spare, started, _ = write
         try:
             try:
                 self._res.settle()
@@ -253,7 +258,10 @@ class ChunkWriter:
         )
         tiers = self._tiers
         writers = len(tiers.tiers) if tiers is not None and tiers.write_on_store else 0
-        kept = self._res.commit(whole, checksums, writers)
+        announce = None
+        if self._res.events is not None:  # KV events: the stored chunks' token ids go with them
+            announce = StoreTokens(token_view(tokens), entries, chunks, self._chunk_size)
+        kept = self._res.commit(whole, checksums, writers, announce)
         if writers:
             assert tiers is not None
             tiers.write_through(kept)

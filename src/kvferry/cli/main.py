@@ -11,6 +11,7 @@ from rich.console import Console
 from kvferry import __version__
 from kvferry.cli.bench_cmd import add_bench_parser, chosen_benchmark
 from kvferry.cli.config_cmd import add_config_parser
+from kvferry.cli.events_cmd import add_events_parser
 from kvferry.cli.formats_cmd import add_formats_arguments, run_formats
 from kvferry.cli.keys_cmd import add_keys_parser
 from kvferry.cli.server_cmd import add_server_parser
@@ -29,6 +30,7 @@ examples:
   kvferry server --l1-size-gb 8 --port 5555     # the shared cache server
   kvferry config                                # the configuration kvferry would run with here
   kvferry keys server --dir /etc/kvferry        # a CURVE key pair (docs/security.md)
+  kvferry events tcp://127.0.0.1:5557           # which node holds which prefix, from KV event streams
 
 Run `kvferry COMMAND --help` for a command's options."""
 
@@ -63,6 +65,7 @@ def build_parser(with_server_flags: bool = False, bench: str | None = None) -> a
 
     add_config_parser(commands, _Formatter)
     add_keys_parser(commands, _Formatter)
+    add_events_parser(commands, _Formatter)
     add_server_parser(commands, with_server_flags, _Formatter)
     return parser
 

@@ -40,6 +40,8 @@ _FLAG_FIELDS: dict[str, tuple[str, str]] = {
     "tier_workers": ("server", "tier_workers"),
     "tier_check_interval": ("server", "tier_check_interval_s"),
     "busy_poll_us": ("server", "busy_poll_us"),
+    "events_port": ("server", "events_port"),
+    "events_replay_port": ("server", "events_replay_port"),
     "chunk_size": ("cache", "chunk_size"),
     "l1_size_gb": ("cache", "l1_size_gb"),
     "eviction": ("cache", "eviction_policy"),
@@ -65,6 +67,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument(
         "--busy-poll-us", type=int, metavar="US", help="after each request, poll without sleeping this long (us)"
     )
+    net.add_argument("--events-port", type=int, metavar="PORT", help="publish KV events on this ZMQ PUB port (off)")
+    net.add_argument("--events-replay-port", type=int, metavar="PORT", help="replay KV events on this ROUTER port")
     cache = parser.add_argument_group("cache")
     cache.add_argument("--chunk-size", type=int, metavar="TOKENS", help="tokens per chunk object")
     cache.add_argument("--l1-size-gb", type=float, metavar="GB", help="host pool capacity (GiB)")
@@ -142,8 +146,12 @@ def main(config: KvferryConfig) -> int:
     signals = StopSignals()
     # Handlers before the "ready" line: whoever waits for it may signal at once.
     previous = {sig: signal.signal(sig, signals.handle) for sig in (signal.SIGINT, signal.SIGTERM)}
-    ipc = f" ipc={server.ipc_endpoint}" if server.ipc_endpoint else ""
-    log.info("kvferry server ready: zmq=tcp://%s:%d http=%s%s", config.server.host, server.port, http, ipc)
+    extra = f" ipc={server.ipc_endpoint}" if server.ipc_endpoint else ""
+    if server.events_port is not None:
+        extra += f" events=tcp://{config.server.host}:{server.events_port}"
+        if server.events_replay_port is not None:
+            extra += f" events_replay=tcp://{config.server.host}:{server.events_replay_port}"
+    log.info("kvferry server ready: zmq=tcp://%s:%d http=%s%s", config.server.host, server.port, http, extra)
     try:
         while not signals.received:
             time.sleep(0.1)  # a signal interrupts the sleep; its handler has run when the loop looks again

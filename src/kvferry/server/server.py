@@ -35,6 +35,7 @@ from kvferry.protocol.messages import (
     encode_error,
 )
 from kvferry.server.auth import RequestAuth, check_exposure
+from kvferry.server.event_stream import EventStream
 from kvferry.server.handlers import RequestHandlers
 from kvferry.server.health import TierWatch, tier_health
 from kvferry.server.http import HttpSidePort
@@ -88,6 +89,9 @@ class KvferryServer:
         self._workers = ThreadPoolExecutor(config.transfer_workers, thread_name_prefix="kvferry-worker")
         self._tier_workers = ThreadPoolExecutor(config.tier_workers, thread_name_prefix="kvferry-tier")
         self._tier_watch: TierWatch | None = None
+        self._events: EventStream | None = None  # KV events, when config.events_port is set
+        self.events_port: int | None = None
+        self.events_replay_port: int | None = None
         self._ctx = zmq.Context()
         self._reply_addr = f"inproc://kvferry-replies-{next(_instances)}"
         self._reply_lock = threading.Lock()
@@ -152,6 +156,17 @@ class KvferryServer:
                 reason = exc.strerror or str(exc)
                 raise ServerStartError(f"cannot serve HTTP on {host}:{self.config.http_port}: {reason}") from exc
             self.http_port = self._http.port
+        if self.config.events_port is not None:
+            try:
+                self._events = EventStream(self.engine, self.config, self._ctx)
+            except zmq.ZMQError as exc:
+                router.close(linger=0)
+                if unix_listener is not None:
+                    unix_listener.close()
+                if self._http is not None:
+                    self._http.close(time.monotonic() + STOP_TIMEOUT_S)
+                raise ServerStartError(f"cannot publish KV events on {host}: {exc}") from exc
+            self.events_port, self.events_replay_port = self._events.port, self._events.replay_port
         monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         replies_in = self._ctx.socket(zmq.PULL)
         replies_in.bind(self._reply_addr)
@@ -178,6 +193,7 @@ class KvferryServer:
         for session_id in self._sessions.ids():
             self._end_session(session_id, "shutdown")
         watch_ended = self._tier_watch is None or self._tier_watch.close(deadline)
+        events_ended = self._events is None or self._events.stop(deadline)
         if self._http is not None:
             self._http.close(deadline)
         if self._loop_thread is not None:
@@ -189,7 +205,7 @@ class KvferryServer:
         term_ended = term_context(self._ctx, deadline if loop_ended else time.monotonic())
         if self.ipc_endpoint is not None and self.config.ipc_path is not None:
             remove_ipc_socket(self.config.ipc_path)
-        if not (loop_ended and workers_ended and watch_ended and term_ended):
+        if not (loop_ended and workers_ended and watch_ended and events_ended and term_ended):
             log.warning("the server stopped with threads still busy after %.1f s: %s", timeout_s, still_running())
         return loop_ended and workers_ended  # the tier watch is a daemon: a probe stuck in it holds up no exit
 
@@ -218,6 +234,7 @@ class KvferryServer:
             "port": self.port,
             "sessions": self._sessions.snapshot(),
             "open_registrations": self._sessions.open_registrations,
+            **({"events": self._events.stats()} if self._events is not None else {}),
         }
 
     def prometheus_text(self) -> bytes:

@@ -18,12 +18,14 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from functools import partial
 from typing import TypeVar
 
 import torch
 
 from kvferry.tiers.header import check_key, tensor_bytes
 from kvferry.tiers.health import HealthGate
+from kvferry.tiers.held import HeldListener, HeldObjects
 from kvferry.tiers.metrics import TierMetrics, tier_registry
 
 log = logging.getLogger(__name__)
@@ -53,8 +55,16 @@ def resolved(value: T) -> Future[T]:
     return future
 
 
+def _note_put(held: HeldObjects, name: str, key: bytes, written: Future[bool]) -> None:
+    if written.exception() is None and written.result():
+        held.add(name, key)
+
+
 class Tier(ABC):
     """One storage tier. Thread-safe; put/get run on the tier's own workers and return futures."""
+
+    # Where the tier is relative to this process: "LOCAL" (this machine) or "REMOTE" (a service other nodes share).
+    locality = "LOCAL"
 
     def __init__(self, name: str, *, backoff_s: float = 1.0, backoff_max_s: float = 60.0) -> None:
         self.name = name
@@ -64,6 +74,7 @@ class Tier(ABC):
         self._last_full_log = -_FULL_LOG_INTERVAL_S
         # This tier's `kvferry_tier_*` metrics; a cache engine exports all of its tiers' in its own registry.
         self.metrics_registry = tier_registry(lambda: [self._metrics])
+        self._held: HeldObjects | None = None  # set by watch()
 
     @property
     def metrics(self) -> TierMetrics:
@@ -78,7 +89,12 @@ class Tier(ABC):
         payload = tensor_bytes(obj)
         if not self._admit("put"):
             return resolved(False)
-        return self._submit_put(key, obj, payload)
+        written = self._submit_put(key, obj, payload)
+        held = self._held
+        if held is not None:
+            name = self._object_name(key)
+            written.add_done_callback(partial(_note_put, held, name, key))
+        return written
 
     def get(self, key: bytes, alloc: Alloc, free: Free | None = None) -> Future[torch.Tensor | None]:
         """Read the object stored under `key` into a tensor from `alloc`. Resolves to None on a miss: absent,
@@ -153,6 +169,15 @@ class Tier(ABC):
     def evict(self, nbytes: int) -> int:
         """Free at least `nbytes` by the tier's own policy if it has one; returns the bytes freed."""
 
+    def watch(self, listener: HeldListener) -> HeldObjects:
+        """Tell ``listener`` of every object this tier gains or loses from now on (see `kvferry.tiers.held`);
+        returns what it holds now (``keys()``: the objects found at the start whose key the tier keeps, and what
+        it gained since). Once per tier."""
+        if self._held is not None:
+            raise RuntimeError(f"tier {self.name} is watched already")
+        self._held = HeldObjects(listener, self._objects_held())
+        return self._held
+
     def stats(self) -> dict[str, object]:
         return {
             "name": self.name,
@@ -180,6 +205,19 @@ class Tier(ABC):
 
     @abstractmethod
     def _delete(self, key: bytes) -> None: ...
+
+    def _object_name(self, key: bytes) -> str:
+        """The tier's name for the object of ``key`` (what its evictions report)."""
+        return key.hex()
+
+    def _objects_held(self) -> dict[str, bytes]:
+        """Name -> key of the objects the tier holds now, where it can tell (read once, by ``watch``)."""
+        return {}
+
+    def _forget(self, names: list[str]) -> None:
+        """Objects the tier no longer holds (deleted, evicted, found missing): a watcher is told."""
+        if self._held is not None:
+            self._held.remove(names)
 
     def _check(self) -> bool:
         """One cheap round trip to the backend (refreshing what it reports of its usage); raises if it fails.

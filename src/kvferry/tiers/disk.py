@@ -36,6 +36,8 @@ from kvferry.tiers.header import (
     decode_header,
     destination_bytes,
     encode_header,
+    note_key,
+    noted_key,
     verify_payload,
 )
 
@@ -129,7 +131,7 @@ class DiskTier(Tier):
         if name not in self._index and (size := _file_size(path)) is not None:
             self._index.touch(name, size)  # another process wrote it
             return "exists", 0
-        header = encode_header(key, obj, payload, align=BLOCK)
+        header = note_key(encode_header(key, obj, payload, align=BLOCK), key)  # a restart can tell what it holds
         size = padded_size(len(header), len(payload))
         evicted = self._index.begin_write(name, size)
         if evicted is None:
@@ -180,6 +182,7 @@ class DiskTier(Tier):
             fd = open_object(path, direct=self.direct)
         except FileNotFoundError:
             self._index.remove(name)
+            self._forget([name])
             return None, "miss", 0
         try:
             size = os.fstat(fd).st_size
@@ -218,8 +221,11 @@ class DiskTier(Tier):
                 raise _classify(exc) from exc
             if size is None:
                 self._index.remove(name)
+                self._forget([name])
             elif name not in self._index:
                 self._index.touch(name, size)
+                if self._held is not None:  # another process wrote it
+                    self._held.add(name, key)
             found.append(size is not None)
         return found
 
@@ -235,6 +241,7 @@ class DiskTier(Tier):
     def _delete(self, key: bytes) -> None:
         name = _object_name(key)
         self._index.remove(name)
+        self._forget([name])
         try:
             unlink_quietly(os.path.join(self.root, name))
         except OSError as exc:
@@ -246,6 +253,28 @@ class DiskTier(Tier):
             unlink_quietly(os.path.join(self.root, name))
         if evicted:
             self._metrics.evicted(len(evicted))
+            self._forget([name for name, _ in evicted])
+
+    def _object_name(self, key: bytes) -> str:
+        return _object_name(key)
+
+    def _objects_held(self) -> dict[str, bytes]:
+        """Reads the head of every object file for the key written into it (files of older builds hold none)."""
+        held = {}
+        for name in self._index.names():
+            try:
+                fd = open_object(os.path.join(self.root, name), direct=self.direct)
+            except OSError:
+                continue  # evicted or deleted meanwhile
+            try:
+                key = noted_key(read_head(fd))
+            except OSError:
+                key = None
+            finally:
+                os.close(fd)
+            if key is not None:
+                held[name] = key
+        return held
 
     def _report_usage(self) -> None:
         self._metrics.set_usage(self._index.used_bytes, self._capacity)

@@ -66,6 +66,11 @@ class DiskIndex:
             self._stored_bytes = sum(self._sizes.values())
             return self._evict_locked(self._stored_bytes - self.capacity_bytes)
 
+    def names(self) -> list[str]:
+        """The objects stored now, least recently used first."""
+        with self._lock:
+            return list(self._sizes)
+
     def touch(self, name: str, size: int) -> None:
         """Record an access (adopting a file another process wrote)."""
         with self._lock:

@@ -29,6 +29,7 @@ FORMAT_VERSION = 2
 CHECKSUM_BYTES = 16
 KEY_TAG_BYTES = 16
 MAX_NDIM = 8
+KEY_NOTE = b"KEY:"  # starts the key written into a header's padding (`note_key`)
 
 _BODY = struct.Struct("<4sHHBBHQ16s")
 MAX_HEADER_BYTES = _BODY.size + 8 * MAX_NDIM + CHECKSUM_BYTES
@@ -147,6 +148,31 @@ def decode_header(key: bytes, data: bytes | bytearray | memoryview) -> ObjectHea
         body=bytes(data[:body_len]),
         checksum=bytes(data[body_len : body_len + CHECKSUM_BYTES]),
     )
+
+
+def note_key(header: bytes, key: bytes) -> bytes:
+    """``header`` with ``key`` itself written into its padding (``KEY_NOTE``, its length, the key), where the
+    padding has room: the object then tells which key it holds (the key tag only checks a key one already
+    has). Readers ignore padding, so this changes nothing for them."""
+    at = _BODY.size + 8 * header[9] + CHECKSUM_BYTES  # byte 9: ndim
+    note = KEY_NOTE + bytes([len(key)]) + key
+    if len(key) > 255 or at + len(note) > len(header):
+        return header
+    return header[:at] + note + header[at + len(note) :]
+
+
+def noted_key(head: bytes) -> bytes | None:
+    """The key ``note_key`` wrote into a header (the first bytes of an object), checked against its key tag;
+    None if there is none or it does not match."""
+    if len(head) < _BODY.size:
+        return None
+    magic, version, _, _, ndim, _, _, tag = _BODY.unpack_from(head)
+    at = _BODY.size + 8 * ndim + CHECKSUM_BYTES
+    if magic != MAGIC or version != FORMAT_VERSION or head[at : at + len(KEY_NOTE)] != KEY_NOTE:
+        return None
+    start = at + len(KEY_NOTE) + 1
+    key = bytes(head[start : start + head[start - 1]]) if len(head) > start else b""
+    return key if key and key_tag(key) == tag else None
 
 
 def verify_payload(header: ObjectHeader, payload: bytes | bytearray | memoryview) -> None:

@@ -57,6 +57,8 @@ class _Request:
 
 
 class RedisTier(Tier):
+    locality = "REMOTE"  # one store that many nodes share
+
     def __init__(
         self,
         nodes: Sequence[tuple[str, int]],
@@ -167,6 +169,7 @@ class RedisTier(Tier):
             raise _classify(exc) from exc
 
     def _delete(self, key: bytes) -> None:
+        self._forget([self._object_name(key)])
         try:
             self._connect().delete(self._redis_key(key))
         except Exception as exc:
@@ -220,6 +223,7 @@ class RedisTier(Tier):
             return None
         if reply is None:
             self._record_success("get", "miss")
+            self._forget([self._object_name(request.key)])  # gone: evicted by Redis, or deleted by another node
             return None
         try:
             if not isinstance(reply, (bytes, memoryview)):
