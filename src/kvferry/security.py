@@ -87,6 +87,13 @@ class ClientCurve:
     secret: bytes = field(repr=False)
 
 
+def curve_client(socket: Any, curve: ClientCurve) -> None:
+    """Make ``socket`` (a ZMQ socket, before it connects) a CURVE client with ``curve``'s keys."""
+    socket.curve_serverkey = curve.server_public
+    socket.curve_publickey = curve.public
+    socket.curve_secretkey = curve.secret
+
+
 class SecurityConfig(BaseModel):
     """Authentication of the server's listeners and the tenants of one server (docs/security.md)."""
 

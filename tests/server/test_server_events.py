@@ -19,8 +19,10 @@ from kvferry.client import KvferryClient
 from kvferry.client.event_index import EventIndex, EventSubscriber, Stream
 from kvferry.config import KvferryConfig, ServerConfig
 from kvferry.memory import HostPool
+from kvferry.security import ClientCurve, SecurityConfig
 from kvferry.server import KvferryServer
 from kvferry.server.event_stream import EventStream
+from kvferry.server.ports import ServerStartError
 from kvferry.tiers import Tier, make_tier
 from tests.server.serverkit import FMT_REAL, PER_CHUNK, REAL_CHUNK, REAL_NS, real_kv
 
@@ -216,3 +218,51 @@ def test_dropped_events_end_in_a_re_announcement() -> None:
         publisher.stop(time.monotonic() + 5)
         ctx.destroy(linger=0)
         engine.close()
+
+
+def test_with_curve_the_stream_serves_only_subscribers_with_an_allowed_key(tmp_path: Path) -> None:
+    """The event stream is secured as the request socket is: a subscriber without an allowed key receives nothing
+    (not even a replay), one with it follows the stores; a server shared by tenants publishes no stream."""
+    server_keys, client_keys, stranger = zmq.curve_keypair(), zmq.curve_keypair(), zmq.curve_keypair()
+    (tmp_path / "clients").write_text(client_keys[0].decode() + "\n")
+    security = SecurityConfig(curve_secret_key=server_keys[1].decode(), curve_client_keys=str(tmp_path / "clients"))
+    engine = _engine([])
+    server = KvferryServer(
+        ServerConfig(port=0, http_port=None, events_port=0, events_replay_port=0), engine, security=security
+    )
+    server.start()
+    streams = {
+        who: Stream(who, f"tcp://127.0.0.1:{server.events_port}", f"tcp://127.0.0.1:{server.events_replay_port}")
+        for who in ("member", "stranger")
+    }
+    member = EventSubscriber(
+        [streams["member"]],
+        EventIndex(),
+        replay_timeout_s=5,
+        curve=ClientCurve(server_public=server_keys[0], public=client_keys[0], secret=client_keys[1]),
+    )
+    outsider = EventSubscriber(
+        [streams["stranger"]],
+        EventIndex(),
+        replay_timeout_s=1,
+        curve=ClientCurve(server_public=server_keys[0], public=stranger[0], secret=stranger[1]),
+    )
+    try:
+        src = real_kv(6)
+        ns = engine.namespace_for(REAL_NS["model"], FMT_REAL, src, salt=REAL_NS["salt"])
+        engine.store(list(range(2 * REAL_CHUNK)), src, list(range(2 * PER_CHUNK)), FMT_REAL, namespace=ns)
+        pool = {e.key for e in engine._res.index if e.readable}
+        _settle(member, lambda: member.index.keys("member", "CPU") == pool and len(pool) == 2)
+        outsider.poll(1.0)
+        assert outsider.index.keys("stranger", "CPU") == set() and streams["stranger"].last_seq == -1
+    finally:
+        member.close()
+        outsider.close()
+        server.stop()
+        engine.close()
+    tenants = SecurityConfig(
+        curve_secret_key=server_keys[1].decode(),
+        tenants=[{"name": "a", "public_key": client_keys[0].decode(), "namespaces": [{"model": "m"}]}],
+    )
+    with pytest.raises(ServerStartError, match=r"events_port with security\.tenants"):
+        KvferryServer(ServerConfig(port=0, http_port=None, events_port=0), _engine([]), security=tenants).start()

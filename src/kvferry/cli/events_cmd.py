@@ -52,15 +52,17 @@ def add_events_parser(subparsers: argparse._SubParsersAction, formatter: type[ar
 
 def run_events(args: argparse.Namespace, console: Console) -> int:
     from kvferry.client.event_index import EventIndex, EventSubscriber
+    from kvferry.config import KvferryConfig
 
     try:
         streams = [parse_stream(spec) for spec in args.streams]
         keys = prompt_keys(args) if args.tokens is not None else None
+        curve = KvferryConfig.load().security.client_curve()  # KVFERRY_SECURITY__* (docs/security.md)
     except ValueError as exc:
         console.print(f"kvferry events: {exc}")
         return 2
     index = EventIndex()
-    subscriber = EventSubscriber(streams, index)
+    subscriber = EventSubscriber(streams, index, curve=curve)
     try:
         end = time.monotonic() + args.seconds
         while (left := end - time.monotonic()) > 0:

@@ -19,6 +19,7 @@ from typing import Any
 import zmq
 
 from kvferry.cache.events import LOCAL, AllCleared, ChunksStored, DecodedBatch, Record, decode_batch
+from kvferry.security import ClientCurve, curve_client
 
 log = logging.getLogger("kvferry.events")
 
@@ -89,9 +90,17 @@ class EventSubscriber:
     """Follows ``streams`` into ``index``; call ``poll`` to receive and apply what has arrived."""
 
     def __init__(
-        self, streams: Sequence[Stream], index: EventIndex, *, topic: bytes = b"", replay_timeout_s: float = 5.0
+        self,
+        streams: Sequence[Stream],
+        index: EventIndex,
+        *,
+        topic: bytes = b"",
+        replay_timeout_s: float = 5.0,
+        curve: ClientCurve | None = None,
     ) -> None:
+        """``curve``: this subscriber's CURVE keys and the server's, for a server whose listeners ask for them."""
         self.index = index
+        self._curve = curve
         self.streams = list(streams)
         self._replay_timeout_ms = int(replay_timeout_s * 1000)
         self._ctx = zmq.Context()
@@ -101,6 +110,8 @@ class EventSubscriber:
             stream.sub = self._ctx.socket(zmq.SUB)
             stream.sub.setsockopt(zmq.LINGER, 0)
             stream.sub.setsockopt(zmq.SUBSCRIBE, topic)
+            if curve is not None:
+                curve_client(stream.sub, curve)
             stream.sub.connect(stream.endpoint)
             self._poller.register(stream.sub, zmq.POLLIN)
             self._by_socket[stream.sub] = stream
@@ -173,6 +184,8 @@ class EventSubscriber:
         sock.setsockopt(zmq.RCVTIMEO, self._replay_timeout_ms)
         got: list[tuple[int, DecodedBatch]] = []
         try:
+            if self._curve is not None:
+                curve_client(sock, self._curve)
             sock.connect(stream.replay_endpoint)
             sock.send_multipart((b"", start.to_bytes(8, "big")))
             while True:

@@ -20,6 +20,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvferry.client.errors import ServerUnavailable
 from kvferry.protocol.messages import ErrorCode, Op, ProtocolError, Reply, decode_reply, decode_request, encode_request
+from kvferry.security import curve_client
 
 if TYPE_CHECKING:
     from kvferry.client.connection import Connection
@@ -215,9 +216,7 @@ class ZmqLink(Link):
         self.dealer.setsockopt(zmq.RECONNECT_IVL, int(BACKOFF_S * 1e3))
         self.dealer.setsockopt(zmq.RECONNECT_IVL_MAX, int(BACKOFF_MAX_S * 1e3))
         if conn.curve is not None:
-            self.dealer.curve_serverkey = conn.curve.server_public
-            self.dealer.curve_publickey = conn.curve.public
-            self.dealer.curve_secretkey = conn.curve.secret
+            curve_client(self.dealer, conn.curve)
         # Readable when the socket may have something to read. Threads wait on this descriptor, never in a ZMQ
         # call on the socket, so one thread may use the socket while others wait; and after any operation on
         # the socket the holder reads what arrived, since that operation may have taken the descriptor's signal.

@@ -51,6 +51,11 @@ def check_exposure(server: ServerConfig, security: SecurityConfig) -> None:
             "security.tenants with server.ipc_path: the Unix socket cannot tell tenants apart (whoever may open it "
             "could use every namespace); leave ipc_path unset on a server shared by tenants"
         )
+    if security.tenants and server.events_port is not None:
+        raise ServerStartError(
+            "server.events_port with security.tenants: the KV event stream carries every tenant's token ids; "
+            "leave events off on a server shared by tenants"
+        )
     if is_loopback(server.host):
         return
     if not security.curve:

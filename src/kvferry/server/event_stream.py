@@ -22,6 +22,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -53,10 +54,12 @@ class EventStream:
         queue_records: int = 100_000,
         replay_batches: int = 10_000,
         topic: str = "",
+        secure: Callable[[zmq.Socket[Any]], None] | None = None,
     ) -> None:
         """``queue_records``: records waiting to be published, beyond which they are dropped (counted);
         ``replay_batches``: published batches kept for replay (vLLM's ``buffer_steps``); ``topic``: the first
-        frame of every message (vLLM's default: empty)."""
+        frame of every message (vLLM's default: empty); ``secure``: makes a socket a CURVE server before it binds
+        (the request socket's authenticator: subscribers need a client key the server lets in)."""
         if config.events_port is None:
             raise ValueError("EventStream needs config.events_port")
         self._engine = engine
@@ -74,11 +77,15 @@ class EventStream:
         self._pub.setsockopt(zmq.SNDHWM, 100_000)
         self._replay: zmq.Socket[Any] | None = None
         try:
+            if secure is not None:
+                secure(self._pub)
             self.port = _bind(self._pub, config.host, config.events_port)
             self.replay_port: int | None = None
             if config.events_replay_port is not None:
                 self._replay = ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                if secure is not None:
+                    secure(self._replay)
                 self.replay_port = _bind(self._replay, config.host, config.events_replay_port)
         except zmq.ZMQError:
             self._close_sockets()

@@ -158,9 +158,11 @@ class KvferryServer:
             self.http_port = self._http.port
         if self.config.events_port is not None:
             try:
-                self._events = EventStream(self.engine, self.config, self._ctx)
+                secure = self._auth.secure if self._auth is not None else None
+                self._events = EventStream(self.engine, self.config, self._ctx, secure=secure)
             except zmq.ZMQError as exc:
                 router.close(linger=0)
+                self._close_auth()
                 if unix_listener is not None:
                     unix_listener.close()
                 if self._http is not None:
