@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
@@ -13,6 +14,7 @@ import torch
 
 from kvferry.formats import EngineKVFormat, layout_of
 from kvferry.formats.synthetic import ModelDims
+from kvferry.transfer import block_ids
 
 POISON = 0x5A  # a byte pattern no random fill is likely to leave in place everywhere
 
@@ -67,6 +69,23 @@ def kvferry_logger_as_it_was() -> Iterator[None]:
     yield
     ours.handlers[:], ours.propagate = handlers, propagate
     ours.setLevel(level)
+
+
+@pytest.fixture
+def block_id_checks(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Every call of `check_block_ids` in this process from now on, as its ``distinct`` flag (True: a retrieve's):
+    the one function is wrapped in every kvferry module that imported it, so a new caller is counted too."""
+    calls: list[bool] = []
+    original = block_ids.check_block_ids
+
+    def counted(*args: Any, **kwargs: Any) -> block_ids.CheckedBlockIds:
+        calls.append(kwargs["distinct"])
+        return original(*args, **kwargs)
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("kvferry") and getattr(module, "check_block_ids", None) is original:
+            monkeypatch.setattr(module, "check_block_ids", counted)
+    return calls
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -143,9 +143,9 @@ def test_pool_object_check_agrees_with_the_full_check() -> None:
 
 
 def test_pool_address_check_refuses_what_the_object_check_refuses() -> None:
-    """Objects by address (just reserved in the pool): a short list or CPU tensor of ids becomes a private list (as
-    for objects), anything else is the checked array; the ids are refused for what `check_pool_objects` refuses them
-    for, and a list holding something other than ints is refused as the array path refuses it."""
+    """Objects by address (just reserved in the pool): the ids become a private int64 array (as for objects); they
+    are refused for what `check_pool_objects` refuses them for, and a list holding something other than ints is
+    refused as the array path refuses it."""
     paged = make_paged(F, DIMS, 16, 4)
     geom = describe(F, paged)
     pool = HostPool(1 << 20)
@@ -156,8 +156,7 @@ def test_pool_address_check_refuses_what_the_object_check_refuses() -> None:
             by_address = check_pool_addresses(geom, addresses, ids, direction, 8, skip)
             by_object = check_pool_objects(geom, objs, ids, direction, 8, skip)
             assert list(by_address.ids) == list(by_object.ids) == [3, 1, 7, 2]
-            kind = list if type(ids) in (list, torch.Tensor) else np.ndarray
-            assert type(by_address.ids) is kind and type(by_object.ids) is kind
+            assert by_address.ids.dtype == by_object.ids.dtype == np.int64
             a, o = by_address, by_object
             assert (a.ptrs, a.caps, a.rows, a.one_allocation) == (o.ptrs, o.caps, o.rows, o.one_allocation)
             if isinstance(ids, torch.Tensor):  # what was checked is what moves: a later write to the ids is not seen

@@ -28,13 +28,7 @@ from kvferry.cache.metrics import GAUGES, CacheCounters, counters_dict, gbps, ma
 from kvferry.cache.policies import make_policy
 from kvferry.cache.pool_sizing import host_pool
 from kvferry.cache.reader import ChunkReader
-from kvferry.cache.request import (
-    BlockIds,
-    check_block_ids,
-    check_skip,
-    dtype_name,
-    token_count,
-)
+from kvferry.cache.request import check_skip, dtype_name, token_count
 from kvferry.cache.residency import Residency
 from kvferry.cache.steps import Steps, run_steps
 from kvferry.cache.tails import superseded
@@ -47,6 +41,7 @@ from kvferry.memory import HostPool
 from kvferry.tiers import Tier, make_tier
 from kvferry.tiers.metrics import TierCollector
 from kvferry.transfer import ordered_after
+from kvferry.transfer.block_ids import BlockIds, check_block_ids
 
 
 def _ordered(after: torch.cuda.Event | None, call: Callable[..., int], args: tuple, kwargs: dict[str, Any]) -> int:
@@ -257,16 +252,17 @@ class CacheEngine:
         per_chunk = self.chunk_size // geom.bs
         n_full = self._hasher.num_chunks(tokens)
         tail_len = (n_tokens - n_full * self.chunk_size) // geom.bs * geom.bs if tail else 0
-        # Whether or not a chunk turns out to need a copy, every block a copy could read is checked now.
+        # Whether or not a chunk turns out to need a copy, every block a copy could read is checked now (once: the
+        # transfer takes the checked ids as they are).
         needed = n_full * per_chunk + tail_len // geom.bs
-        block_ids = check_block_ids(block_ids, first * per_chunk, needed, geom.nb, geom.bs, distinct=False)
+        ids = check_block_ids(block_ids, geom.nb, geom.bs, needed=needed, start=first * per_chunk, distinct=False)
         with_tail = bool(tail_len) and n_full * self.chunk_size + tail_len > skip
         entries, seconds = yield from self._writer.write_steps(
-            tokens, ns, paged, geom, block_ids, first, valid_until, more_after=with_tail
+            tokens, ns, paged, geom, ids, first, valid_until, more_after=with_tail
         )
         stored_tail = None
         if with_tail:
-            stored_tail, more = self._writer.write_tail(tokens, ns, paged, geom, block_ids, tail_len, valid_until)
+            stored_tail, more = self._writer.write_tail(tokens, ns, paged, geom, ids, tail_len, valid_until)
             seconds += more
         if self._res.index.has_tails:  # tails the chunks and tail just stored supersede go first
             self._res.demote(superseded(self._res.index, self._hasher.prefix(tokens, ns), first, tail_len))

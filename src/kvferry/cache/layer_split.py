@@ -14,8 +14,8 @@ from typing import Any
 
 from kvferry.cache.engine import CacheEngine
 from kvferry.cache.keys import CacheNamespace, TokenIds
-from kvferry.cache.request import BlockIds
 from kvferry.formats import EngineKVFormat, KVGeometry, LayerPart, describe, layer_split, select_layers
+from kvferry.transfer.block_ids import BlockIds
 
 
 @dataclass(frozen=True)

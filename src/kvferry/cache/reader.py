@@ -12,13 +12,14 @@ import torch
 from kvferry.cache.index import Entry, readable_run
 from kvferry.cache.keys import CacheNamespace, ChunkHasher, TokenIds
 from kvferry.cache.metrics import CacheCounters
-from kvferry.cache.request import BlockIds, check_block_ids, check_skip, token_count
+from kvferry.cache.request import check_skip, token_count
 from kvferry.cache.residency import Residency
 from kvferry.cache.steps import Enqueued, Steps
 from kvferry.cache.tails import find_tail
 from kvferry.cache.writer import copy_chunks
 from kvferry.formats import KVGeometry
 from kvferry.transfer import Direction
+from kvferry.transfer.block_ids import BlockIds, check_block_ids
 
 
 class ChunkReader:
@@ -55,19 +56,19 @@ class ChunkReader:
             skip = check_skip(skip_prefix_tokens, token_count(tokens))
             first = skip // chunk
             per_chunk = chunk // bs
-            # Checked whole, hit or miss: a retrieve that misses is refused for the same ids as one that hits.
             needed = self._hasher.num_chunks(tokens) * per_chunk
-            block_ids = check_block_ids(block_ids, skip // bs, needed, geom.nb, bs, distinct=True)
             prefix, index = self._hasher.prefix(tokens, ns), self._res.index
             removals = index.removals
-            run = readable_run(index.get, prefix, first)
+            run = readable_run(index.get, prefix, first)  # reads only: nothing is held or counted yet
             if len(run) == prefix.n - first and index.has_tails:  # every full chunk: then the longest tail
                 tail = find_tail(index, prefix, prefix.n, token_count(tokens), bs)
                 if tail is not None:
-                    # Its blocks are checked as the chunks' were, before anything is held or copied.
                     needed += tail.tail // bs
-                    block_ids = check_block_ids(block_ids, skip // bs, needed, geom.nb, bs, distinct=True)
                     run.append(tail)
+            # Checked whole, hit or miss (a retrieve that misses is refused for the same ids as one that hits), with
+            # a tail's blocks when one was found, before anything is held or copied; once: the transfer takes the
+            # checked ids as they are.
+            ids = check_block_ids(block_ids, geom.nb, bs, needed=needed, start=skip // bs, distinct=True)
             held = self._res.acquire_readers(run, removals)
             entries = self._verified(held)
             last_tail = entries[-1].tail if entries else 0
@@ -77,10 +78,10 @@ class ChunkReader:
                     self._counters.retrieves += 1
                 return 0
             started = time.perf_counter()
-            ids = block_ids[first * per_chunk : end_tokens // bs]
             objects = cast("list[torch.Tensor]", [entry.obj for entry in entries])  # readable entries hold objects
             skip_blocks = (skip - first * chunk) // bs
-            in_flight = copy_chunks(self._res.pool, chunk, paged, geom, objects, ids, Direction.H2D, skip_blocks)
+            copied = ids[first * per_chunk : end_tokens // bs]
+            in_flight = copy_chunks(self._res.pool, chunk, paged, geom, objects, copied, Direction.H2D, skip_blocks)
             try:
                 yield Enqueued(in_flight, end_tokens - skip, in_flight is not None)
             finally:

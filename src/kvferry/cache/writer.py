@@ -19,13 +19,14 @@ import torch
 from kvferry.cache.event_hooks import StoreTokens
 from kvferry.cache.index import Entry
 from kvferry.cache.keys import CacheNamespace, ChunkHasher, TokenIds, token_view
-from kvferry.cache.request import BlockIds, select_blocks
+from kvferry.cache.request import select_blocks
 from kvferry.cache.residency import Residency
 from kvferry.cache.steps import Enqueued, Steps
 from kvferry.formats import KVGeometry
 from kvferry.memory import HostPool
 from kvferry.transfer import Direction, transfer, transfer_async
 from kvferry.transfer.api import transfer_pool_async, transfer_pool_at_async
+from kvferry.transfer.block_ids import CheckedBlockIds
 
 if TYPE_CHECKING:
     from kvferry.cache.tiering import TierLink
@@ -38,7 +39,7 @@ def copy_chunks(
     paged: Any,
     geom: KVGeometry,
     objects: list[torch.Tensor],
-    ids: BlockIds,
+    ids: CheckedBlockIds,
     direction: Direction,
     skip: int,
 ) -> TransferHandle | None:
@@ -111,7 +112,7 @@ class ChunkWriter:
         ns: CacheNamespace,
         paged: Any,
         geom: KVGeometry,
-        block_ids: BlockIds,
+        block_ids: CheckedBlockIds,
         first: int,
         valid_until: float | None = None,
         more_after: bool = False,
@@ -148,7 +149,7 @@ class ChunkWriter:
         ns: CacheNamespace,
         paged: Any,
         geom: KVGeometry,
-        block_ids: BlockIds,
+        block_ids: CheckedBlockIds,
         others: list[tuple[int, Entry]],
         valid_until: float | None,
     ) -> tuple[list[Entry], float]:
@@ -171,7 +172,13 @@ class ChunkWriter:
         return stored, seconds
 
     def _ahead(
-        self, tokens: TokenIds, ns: CacheNamespace, geom: KVGeometry, block_ids: BlockIds, first: int, n_full: int
+        self,
+        tokens: TokenIds,
+        ns: CacheNamespace,
+        geom: KVGeometry,
+        block_ids: CheckedBlockIds,
+        first: int,
+        n_full: int,
     ) -> _Write | None:
         """The copy of chunks ``first..n_full-1`` enqueued before their keys are made, into objects from the pool's
         free room (None: not enough of it; store in order). A chunk found present gives its object back after the
@@ -209,7 +216,7 @@ class ChunkWriter:
         return _Write(entries, chunks, in_flight, spare, started, [(first + i, e) for i, e in others])
 
     def _in_order(
-        self, tokens: TokenIds, ns: CacheNamespace, paged: Any, geom: KVGeometry, block_ids: BlockIds, first: int
+        self, tokens: TokenIds, ns: CacheNamespace, paged: Any, geom: KVGeometry, block_ids: CheckedBlockIds, first: int
     ) -> _Write:
         """Keys, then objects for the chunks not present, then their copy (done on return unless on a GPU)."""
         parent, keys = self._hasher.keys_after(tokens, ns, first)  # validates tokens, even when nothing is stored
@@ -273,7 +280,7 @@ class ChunkWriter:
         ns: CacheNamespace,
         paged: Any,
         geom: KVGeometry,
-        block_ids: BlockIds,
+        block_ids: CheckedBlockIds,
         length: int,
         valid_until: float | None = None,
     ) -> tuple[Entry | None, float]:

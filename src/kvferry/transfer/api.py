@@ -7,14 +7,14 @@ import functools
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
-import numpy as np
 import torch
 
 from kvferry.formats import EngineKVFormat, KVGeometry
 from kvferry.formats.codec import coded_versions
+from kvferry.transfer.block_ids import BlockIds
 from kvferry.transfer.geometry_cache import GeometryCache
 from kvferry.transfer.request import (
     Checked,
@@ -39,7 +39,7 @@ BACKENDS = ("auto", "reference", "torch", "triton")
 def transfer(
     paged: Any,
     objects: Objects,
-    block_ids: Sequence[int] | np.ndarray | torch.Tensor,
+    block_ids: BlockIds,
     direction: Direction,
     fmt: EngineKVFormat | int,
     chunk_size: int = 256,
@@ -54,7 +54,8 @@ def transfer(
     `o*chunk/BS .. (o+1)*chunk/BS - 1` (the last object may hold fewer tokens, a multiple of BS). The first
     `skip_prefix_blocks` entries are not copied in either direction. Everything is validated before a byte moves.
     `objects` is a list of object tensors, or one tensor `[n, *object_shape]` of `n` whole objects back to back
-    (cheaper to check; one DMA per slice on the GPU). Pass `geometry` (from `kvferry.formats.describe`) to skip
+    (cheaper to check; one DMA per slice on the GPU). `block_ids` checked already (`CheckedBlockIds`, from
+    `check_block_ids`) are not checked again. Pass `geometry` (from `kvferry.formats.describe`) to skip
     re-validating the engine tensors on every call (without it, tensors described before are recognised by their
     addresses, shapes, strides and dtype: see `geometry_cache`).
     """
@@ -69,7 +70,6 @@ def transfer(
     if geom.device.type == "cuda" and checked.on_host and chosen == "triton":  # the GPU data path
         _submit(geom, objs, checked, to_objects, chunk_size, skip_prefix_blocks, None, None).wait()
         return
-    assert isinstance(checked.ids, np.ndarray)  # `check` keeps no list (that is `keep_list`)
     ids = torch.from_numpy(checked.ids)
     if chosen in ("reference", "torch"):
         copy = _exact_copy(chosen, geom, paged)
@@ -110,7 +110,7 @@ def geometry_of(fmt: EngineKVFormat | int, paged: Any, block_size: int | None = 
 def transfer_async(
     paged: Any,
     objects: Objects,
-    block_ids: Sequence[int] | np.ndarray | torch.Tensor,
+    block_ids: BlockIds,
     direction: Direction,
     fmt: EngineKVFormat | int,
     chunk_size: int = 256,
@@ -131,7 +131,7 @@ def transfer_async(
         raise ValueError(f"transfer_async moves GPU KV; the engine's KV is on {geom.device} (use transfer())")
     objs = as_objects(objects)
     direction = _direction(direction)
-    checked = check(geom, objs, block_ids, direction, chunk_size, skip_prefix_blocks, keep_list=True)
+    checked = check(geom, objs, block_ids, direction, chunk_size, skip_prefix_blocks)
     if not checked.on_host:
         raise ValueError("transfer_async needs chunk objects in pinned host memory")
     check_pinned(objs, checked)
@@ -178,7 +178,7 @@ def prepare_gpu(geometry: KVGeometry) -> None:
 def transfer_pool_async(
     geom: KVGeometry,
     objects: list[torch.Tensor],
-    block_ids: Sequence[int] | np.ndarray | torch.Tensor,
+    block_ids: BlockIds,
     direction: Direction,
     chunk_size: int,
     skip_prefix_blocks: int,
@@ -195,7 +195,7 @@ def transfer_pool_async(
 def transfer_pool_at_async(
     geom: KVGeometry,
     addresses: list[int],
-    block_ids: Sequence[int] | np.ndarray | torch.Tensor,
+    block_ids: BlockIds,
     direction: Direction,
     chunk_size: int,
     skip_prefix_blocks: int,

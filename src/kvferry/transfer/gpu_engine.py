@@ -81,7 +81,7 @@ class _Request:
 
     plan: triton_plan.TritonPlan
     objects: list[torch.Tensor] | torch.Tensor | list[int]  # kept alive until the request has run
-    ids: np.ndarray | list[int]  # block ids; a short pool request's stay a list (`check_pool_addresses`)
+    ids: np.ndarray  # block ids (int64)
     ptrs: list[int]  # each object's host address
     caps: list[int]  # each object's capacity in tokens
     rows: int  # rows per object (plane * NL + layer)
@@ -126,7 +126,7 @@ class TransferEngine:
         """Enqueue a validated request (`kvferry.transfer.request.check`) on pinned host objects. `request` is the
         `Checked` result, or just the block ids of a list of objects (their addresses are then read here). The
         request's kernels wait for the caller's current stream, or for the CUDA event `after` when given."""
-        ids: np.ndarray | list[int]  # a short pool request's ids stay a list (`check_pool_addresses`)
+        ids: np.ndarray
         if isinstance(request, torch.Tensor):
             assert not isinstance(objects, torch.Tensor)
             tensors = cast("list[torch.Tensor]", objects)  # block ids alone come only with a list of tensors

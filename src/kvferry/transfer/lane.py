@@ -70,8 +70,8 @@ class Lane:
         and this takes a driver call and a small DMA off the path to its launch. A host slot whose last request
         has not run yet (requests queued behind a busy compute stream) is skipped for a one-off pinned buffer rather
         than waited for. (The slot is free once its owner's done-event fired: later than needed for an upload,
-        exactly when needed for kernels that read the slot.) Lists are packed with `struct`: a short request's ids
-        touch no numpy on the way to its first GPU operation.
+        exactly when needed for kernels that read the slot.) Lists are packed with `struct`, arrays copied by
+        numpy.
         """
         k = self.next_meta
         owner = self.meta_owner[k]

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from enum import IntEnum
-from typing import NamedTuple, NoReturn
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from kvferry.cuda.pinned import is_known_pinned
 from kvferry.formats import KVGeometry
+from kvferry.transfer.block_ids import BlockIds, CheckedBlockIds, check_block_ids
 
 Objects = Sequence[torch.Tensor] | torch.Tensor
 
@@ -29,9 +30,9 @@ class Direction(IntEnum):
 
 
 class Checked(NamedTuple):
-    """A validated request: its block ids (a private int64 copy) and what the GPU path reads off each object."""
+    """A validated request: its block ids (private int64) and what the GPU path reads off each object."""
 
-    ids: np.ndarray | list[int]  # a list only from check_pool_addresses (a short list given)
+    ids: np.ndarray  # int64, not to be written (the ids checked, or a view of a `CheckedBlockIds`'s)
     ptrs: list[int]  # each object's address
     caps: list[int]  # each object's token capacity
     rows: int  # object rows: planes x layers
@@ -58,7 +59,7 @@ def object_list(objects: list[torch.Tensor] | torch.Tensor) -> list[torch.Tensor
 def check_request(
     geom: KVGeometry,
     objects: Objects,
-    block_ids: Sequence[int] | np.ndarray | torch.Tensor,
+    block_ids: BlockIds,
     direction: Direction,
     chunk_size: int,
     skip_prefix_blocks: int,
@@ -68,24 +69,18 @@ def check_request(
     return torch.from_numpy(check(geom, objs, block_ids, direction, chunk_size, skip_prefix_blocks).ids)
 
 
-# Below this many ids, range and repeat checks run on a Python list (a numpy reduction costs ~1.5 us however small).
-_SMALL_IDS = 128
-
-
 def check(
     geom: KVGeometry,
     objects: list[torch.Tensor] | torch.Tensor,
-    block_ids: Sequence[int] | np.ndarray | torch.Tensor,
+    block_ids: BlockIds,
     direction: Direction,
     chunk_size: int,
     skip_prefix_blocks: int,
-    keep_list: bool = False,
 ) -> Checked:
     """`check_request`, keeping what the GPU path needs of every object (one pass of attribute reads).
 
     A one-chunk request's whole check is on the path to its first GPU operation: the per-object test is one
-    expression, and only a failing object is looked at again (`_explain`) to say what is wrong with it.
-    `keep_list`: a short list or CPU tensor of ids comes back as a private list (the GPU path packs either)."""
+    expression, and only a failing object is looked at again (`_explain`) to say what is wrong with it."""
     bs = geom.bs
     if not isinstance(chunk_size, int) or chunk_size <= 0 or chunk_size % bs:
         raise ValueError(f"chunk_size={chunk_size} must be a positive multiple of the block size {bs}")
@@ -103,14 +98,14 @@ def check(
     if geom.codec is not None and any(p % 4 for p in ptrs):
         raise ValueError("compressed chunk objects must be 4-byte aligned (their float32 scales)")
     in_pinned_slab = on_host and is_known_pinned(first, end)  # one range lookup for all of them
-    ids = _checked_ids(geom, block_ids, n_blocks, len(caps), direction, skip_prefix_blocks, keep_list)
+    ids = _checked_ids(geom, block_ids, n_blocks, len(caps), direction, skip_prefix_blocks)
     return Checked(ids, ptrs, caps, want[0] * want[1], on_host, isinstance(objects, torch.Tensor), in_pinned_slab)
 
 
 def check_pool_objects(
     geom: KVGeometry,
     objects: list[torch.Tensor],
-    block_ids: Sequence[int] | np.ndarray | torch.Tensor,
+    block_ids: BlockIds,
     direction: Direction,
     chunk_size: int,
     skip_prefix_blocks: int,
@@ -118,8 +113,8 @@ def check_pool_objects(
     """`check` for whole chunk objects the caller carved from one pinned `HostPool` (the cache's own). The pool's
     views are contiguous and lie in its pinned slab by construction, so only what could still be wrong is checked:
     each object's shape and dtype (an object promoted from a tier was shaped by the tier's header) and the block
-    ids (short ones kept as a private list). A one-chunk retrieve's check is on the path to its first GPU operation:
-    this is about half of `check`."""
+    ids (not again when the cache checked them: `CheckedBlockIds`). A one-chunk retrieve's check is on the path
+    to its first GPU operation: this is about half of `check`."""
     bs = geom.bs
     if not isinstance(chunk_size, int) or chunk_size <= 0 or chunk_size % bs:
         raise ValueError(f"chunk_size={chunk_size} must be a positive multiple of the block size {bs}")
@@ -137,81 +132,48 @@ def check_pool_objects(
 def check_pool_addresses(
     geom: KVGeometry,
     addresses: list[int],
-    block_ids: Sequence[int] | np.ndarray | torch.Tensor,
+    block_ids: BlockIds,
     direction: Direction,
     chunk_size: int,
     skip_prefix_blocks: int,
 ) -> Checked:
     """`check_pool_objects` for whole objects given by address, just reserved in one pinned `HostPool` for this
-    geometry's object shape and dtype (`HostPool.try_reserve_many`): only the block ids are left to check, and a
-    short list of them stays a list (no numpy and no tensor on a one-chunk store's path to its first GPU
-    operation)."""
+    geometry's object shape and dtype (`HostPool.try_reserve_many`): only the block ids are left to check (nothing,
+    when they come checked: `CheckedBlockIds`)."""
     bs = geom.bs
     if not isinstance(chunk_size, int) or chunk_size <= 0 or chunk_size % bs:
         raise ValueError(f"chunk_size={chunk_size} must be a positive multiple of the block size {bs}")
     if not addresses:
         raise ValueError("addresses is empty: pass at least one chunk object")
     n = len(addresses)
-    ids = _checked_ids(geom, block_ids, n * (chunk_size // bs), n, direction, skip_prefix_blocks, keep_list=True)
+    ids = _checked_ids(geom, block_ids, n * (chunk_size // bs), n, direction, skip_prefix_blocks)
     want = geom.object_shape(chunk_size)
     return Checked(ids, list(addresses), [chunk_size] * n, want[0] * want[1], True, False, True)
 
 
 def _checked_ids(
     geom: KVGeometry,
-    block_ids: Sequence[int] | np.ndarray | torch.Tensor,
+    block_ids: BlockIds,
     n_blocks: int,
     n_objects: int,
     direction: Direction,
     skip_prefix_blocks: int,
-    keep_list: bool = False,
-) -> np.ndarray | list[int]:
-    """The block ids as a private int64 array (``keep_list``: short ones as a private list of ints), checked: one
-    per block the objects hold, in the pool's range, and no block written twice by a retrieve."""
-    ids: np.ndarray | list[int]
-    if keep_list and _short(block_ids):
-        ids = block_ids.tolist() if type(block_ids) is torch.Tensor else list(block_ids)
-    else:
-        ids = _as_id_array(block_ids)
-    n = len(ids)
-    if n != n_blocks:
-        raise ValueError(
-            f"block_ids has {n} entries but the {n_objects} objects hold {n_blocks} blocks "
-            f"({n_blocks * geom.bs} tokens / block size {geom.bs})"
-        )
-    if not 0 <= skip_prefix_blocks <= n:
-        raise ValueError(f"skip_prefix_blocks={skip_prefix_blocks} must be within 0..{n}")
-    if skip_prefix_blocks < n:
-        copied = ids[skip_prefix_blocks:] if skip_prefix_blocks else ids
-        distinct = direction is Direction.H2D and n - skip_prefix_blocks > 1  # a retrieve writes each block once
-        if isinstance(copied, list) or n < _SMALL_IDS:  # a few ids: Python's min, max and set beat numpy's
-            small = copied if isinstance(copied, list) else copied.tolist()
-            if min(small) < 0 or max(small) >= geom.nb:
-                bad = next(i for i, b in enumerate(small) if not 0 <= b < geom.nb)
-                _outside(ids, skip_prefix_blocks + bad, geom.nb)
-            repeats = distinct and len(set(small)) != len(small)
-        else:
-            if copied.min() < 0 or copied.max() >= geom.nb:
-                bad = int(np.flatnonzero((copied < 0) | (copied >= geom.nb))[0])
-                _outside(ids, skip_prefix_blocks + bad, geom.nb)
-            repeats = distinct and _repeats(copied)
-        if repeats:
-            raise ValueError("block_ids repeats a block: a retrieve would write one block from two places")
-    return ids
-
-
-def _outside(ids: np.ndarray | list[int], bad: int, nb: int) -> NoReturn:
-    raise ValueError(f"block_ids[{bad}]={int(ids[bad])} is outside the pool of {nb} blocks")
-
-
-def _short(block_ids: Sequence[int] | np.ndarray | torch.Tensor) -> bool:
-    """A short list of ints, or a short 1-D int64 CPU tensor: checked as a Python list (for a few ids, a numpy
-    array's copy and reductions cost more than the list's)."""
-    if type(block_ids) is torch.Tensor:
-        return (
-            block_ids.dtype is torch.int64 and block_ids.is_cpu and block_ids.dim() == 1 and len(block_ids) < _SMALL_IDS
-        )
-    return type(block_ids) is list and len(block_ids) < _SMALL_IDS and all(type(i) is int for i in block_ids)
+) -> np.ndarray:
+    """The block ids as a private int64 array, checked (`check_block_ids`): one per block the objects hold, in the
+    pool's range, and no block written twice by a retrieve. Ids checked already (`CheckedBlockIds`) that cover
+    this request are taken as they are."""
+    if not 0 <= skip_prefix_blocks <= n_blocks:
+        raise ValueError(f"skip_prefix_blocks={skip_prefix_blocks} must be within 0..{n_blocks}")
+    distinct = direction is Direction.H2D  # a retrieve writes each block once
+    if (
+        type(block_ids) is CheckedBlockIds
+        and len(block_ids.ids) == n_blocks
+        and block_ids.covers(geom.nb, skip_prefix_blocks, distinct)
+    ):
+        return block_ids.ids
+    return check_block_ids(
+        block_ids, geom.nb, geom.bs, needed=n_blocks, start=skip_prefix_blocks, distinct=distinct, objects=n_objects
+    ).ids
 
 
 def _check_list(
@@ -273,11 +235,6 @@ def _check_run(
     return list(range(base, base + n * size, size)), [full[2]] * n, objects.is_cpu
 
 
-def _repeats(ids: np.ndarray) -> bool:
-    ordered = np.sort(ids)  # a repeat sits next to itself once sorted (np.unique costs twice this)
-    return bool((ordered[1:] == ordered[:-1]).any())
-
-
 def _partial_ok(shape: torch.Size, want: tuple[int, int, int, int], chunk_size: int, bs: int) -> bool:
     return (
         len(shape) == 4
@@ -285,29 +242,6 @@ def _partial_ok(shape: torch.Size, want: tuple[int, int, int, int], chunk_size: 
         and 0 < shape[2] < chunk_size
         and shape[2] % bs == 0
     )
-
-
-def _as_id_array(block_ids: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:
-    if isinstance(block_ids, torch.Tensor):
-        if block_ids.dtype is torch.int64 and block_ids.is_cpu and block_ids.dim() == 1:  # the common case, fast
-            return block_ids.numpy().copy()
-        if block_ids.dtype.is_floating_point or block_ids.dtype.is_complex or block_ids.dtype == torch.bool:
-            raise TypeError(f"block_ids must hold integers, got dtype {block_ids.dtype}")
-        if block_ids.dim() != 1:
-            raise ValueError(f"block_ids must be 1-D, got shape {tuple(block_ids.shape)}")
-        if block_ids.dtype != torch.int64 or block_ids.device.type != "cpu":
-            block_ids = block_ids.to(device="cpu", dtype=torch.int64)
-        return block_ids.numpy().copy()  # a private copy: what was validated is what moves
-    try:
-        given = np.asarray(block_ids)
-        if given.size and given.dtype.kind not in "iu":  # a float would be truncated, a digit string parsed
-            raise TypeError(f"got {given.dtype} values")
-        ids = given.astype(np.int64, copy=given is block_ids)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise TypeError(f"block_ids must be a sequence of ints or an int tensor: {exc}") from None
-    if ids.ndim != 1:
-        raise ValueError(f"block_ids must be 1-D, got shape {ids.shape}")
-    return ids
 
 
 def check_pinned(objects: list[torch.Tensor] | torch.Tensor, checked: Checked) -> None:
