@@ -19,9 +19,8 @@ from kvferry.connector.kv_groups import GroupedLookups, KVGroup, UnsupportedGrou
 from kvferry.connector.plan import LoadSpec, StepPlan, StoreSpec
 from kvferry.connector.window_groups import WindowedBackend
 from kvferry.connector.worker_side import WorkerSide
-from kvferry.integrations.vllm.hybrid_scheduler import GroupedSchedulerSide
 from kvferry.integrations.vllm.kv_layout import recognise
-from kvferry.integrations.vllm.scheduler_side import SchedulerSide
+from kvferry.integrations.vllm.scheduler_side import GroupedSchedulerSide, SchedulerSide
 from kvferry.integrations.vllm.vllm_groups import groups_of
 
 BS, CHUNK, WINDOW, NB = 16, 64, 32, 64

@@ -21,9 +21,8 @@ from kvferry.connector.kv_groups import NULL_BLOCK, KVGroup, UnsupportedGroups
 from kvferry.connector.plan import LoadSpec, StepPlan, StoreSpec
 from kvferry.connector.settings import ConnectorSettings
 from kvferry.connector.state_groups import StateBackend, row_bytes, state_key_tokens, state_kv
-from kvferry.integrations.vllm.hybrid_scheduler import GroupedSchedulerSide
 from kvferry.integrations.vllm.kv_layout import recognise
-from kvferry.integrations.vllm.scheduler_side import SchedulerSide
+from kvferry.integrations.vllm.scheduler_side import GroupedSchedulerSide, SchedulerSide
 from kvferry.integrations.vllm.vllm_groups import groups_of
 from tests.integrations.vllm_hybrid_views import (
     MAMBA_CASES,

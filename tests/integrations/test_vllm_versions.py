@@ -122,7 +122,7 @@ def test_a_new_request_is_not_taken_for_a_resume() -> None:
 
 def test_a_hybrid_models_resume_among_the_new_requests_loads_each_group_into_its_new_table() -> None:
     """0.34's resume of a hybrid model's request: each group's new table replaces the old (its blocks were freed)."""
-    from kvferry.integrations.vllm.hybrid_scheduler import GroupedSchedulerSide
+    from kvferry.integrations.vllm.scheduler_side import GroupedSchedulerSide
 
     from .test_vllm_hybrid import BS as HBS
     from .test_vllm_hybrid import CHUNK as HCHUNK

@@ -156,8 +156,8 @@ def measure(payload: dict[str, Any], step: Callable[[str], None]) -> dict[str, A
         engine.step()
         steps_after = time.perf_counter() - started
     connector = get_kv_transfer_group()
-    assert isinstance(connector, KvferryConnector) and connector._worker is not None  # configured so, in-process
-    loaded = connector._worker.counters.tokens_loaded  # the connector's own count
+    assert isinstance(connector, KvferryConnector) and connector.worker_counters is not None  # in-process
+    loaded = connector.worker_counters.tokens_loaded  # the connector's own count
     engine.engine_core.shutdown()
     step(f"async_load={async_load}: measured")
     return {

@@ -249,8 +249,8 @@ def measure(payload: dict[str, Any], step: Callable[[str], None]) -> dict[str, A
         raise RuntimeError("the connector did not register the KV cache")
     kvferry_stats = {k: stats[k] for k in ("stored_bytes", "store_seconds", "retrieved_bytes", "retrieve_seconds")}
     connector = get_kv_transfer_group()
-    assert isinstance(connector, KvferryConnector) and connector._worker is not None  # configured so, in-process
-    worker = connector._worker.counters  # the loads as vLLM's worker saw them, call to result
+    worker = connector.worker_counters if isinstance(connector, KvferryConnector) else None
+    assert worker is not None  # configured so, in-process: the loads as vLLM's worker saw them, call to result
     kvferry_stats["worker_load_seconds"] = worker.load_seconds / max(1, worker.loads)
     llm.llm_engine.engine_core.shutdown()
     return {

@@ -6,6 +6,8 @@
 - `kv_groups`, `window_groups`, `state_groups`, `layer_parts`: backends over a hybrid model's groups (windowed
   attention, Mamba states) and over a model whose layers are stored in parts;
 - `worker_backend`, `hybrid_worker`: which of those a worker builds for its KV;
+- `scheduler_core`, `hybrid_scheduler`: the scheduler half: lookups, their locks, each engine step's loads and
+  stores (`plan`), from neutral facts of the step (`Scheduled`, `StepFacts`);
 - `plan`, `worker_side`, `counters`: one engine step's loads and stores, run on the worker;
 - `engine_kv`, `settings`: the engine's KV as kvferry sees it, and the connector's settings.
 

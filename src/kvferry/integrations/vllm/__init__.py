@@ -4,8 +4,9 @@
                            "kv_connector_module_path": "kvferry.integrations.vllm",
                            "kv_role": "kv_both", "kv_connector_extra_config": {"mode": "embedded"}}'
 
-`KvferryConnector` (in `connector`) needs vLLM; the scheduler half (`scheduler_side`), the worker half
-(`worker_side`) and the rest of this package do not, so importing them never pulls vLLM in.
+`KvferryConnector` (in `connector`) needs vLLM; the scheduler half's reading of vLLM's objects
+(`scheduler_side`, `vllm_versions`) and the rest of this package do not, so importing them never pulls vLLM in.
+The connector's engine-neutral core (both halves' logic, the backends) is `kvferry.connector`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`KvferryConnector`: kvferry as a vLLM V1 KV connector (vLLM calls it; it forwards to the two halves).
 
-vLLM makes two instances per engine: one with the scheduler role (`SchedulerSide`: lookups and plans) and one
+vLLM makes two instances per engine: one with the scheduler role (`scheduler_side`: lookups and plans) and one
 with the worker role (`WorkerSide`: loads and stores). Each step's plan travels from the first to the second as
 the connector metadata, and the loads that ran travel back as worker metadata (so the scheduler frees the locks
 that pinned their hits); once, at start-up, the worker tells the scheduler the cache key space of its KV (the
@@ -10,7 +10,7 @@ between vLLM's objects and those halves.
 Hybrid models (vLLM's hybrid KV cache manager: sliding-window, chunked-local and full attention groups, and Mamba
 groups under vLLM's prefix caching): the connector supports it (`SupportsHMA`); each group's layers are KV of
 their own (`kv_groups`; a Mamba group's states: `state_groups`) and the scheduler half plans each group's share of
-a load or store (`hybrid_scheduler`).
+a load or store (`kvferry.connector.hybrid_scheduler`).
 
 Tensor parallelism (server mode): every rank's worker registers its slice of the KV heads with the server, whose
 objects hold every head; the scheduler's one lookup answers for all ranks (an object is a hit once every head is
@@ -36,10 +36,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvferry.connector import backends, hybrid_worker, layer_parts
 from kvferry.connector.counters import SchedulerCounters, WorkerCounters
-from kvferry.connector.kv_groups import GroupedLookups, KVGroup, UnsupportedGroups
+from kvferry.connector.kv_groups import KVGroup, UnsupportedGroups
 from kvferry.connector.plan import StepPlan
-from kvferry.connector.server_backend import ServerBackend
-from kvferry.connector.server_link import ServerLink
 from kvferry.connector.settings import ConnectorSettings
 from kvferry.connector.worker_backend import StateViews
 from kvferry.connector.worker_side import WorkerSide
@@ -47,7 +45,6 @@ from kvferry.integrations.vllm import kv_access, vllm_versions
 from kvferry.integrations.vllm import off_answers as off
 from kvferry.integrations.vllm.chunk_choice import follow_block_size
 from kvferry.integrations.vllm.connector_metadata import KvferryConnectorMetadata, KvferryHandshake, KvferryWorkerMeta
-from kvferry.integrations.vllm.hybrid_scheduler import GroupedSchedulerSide
 from kvferry.integrations.vllm.kv_layout import (
     UnsupportedKVLayout,
     in_layer_order,
@@ -55,12 +52,18 @@ from kvferry.integrations.vllm.kv_layout import (
     tensor_parallel_rank,
 )
 from kvferry.integrations.vllm.logs import show_in_vllm_log
-from kvferry.integrations.vllm.scheduler_side import SchedulerSide
+from kvferry.integrations.vllm.scheduler_side import (
+    GroupedSchedulerSide,
+    SchedulerSide,
+    ServerLookups,
+    scheduler_side_for,
+    server_lookups,
+)
 from kvferry.integrations.vllm.serving_guard import guard_for, serving_hook
 from kvferry.integrations.vllm.sleep_mode import SleepModeHooks
 from kvferry.integrations.vllm.state_settings import restore_scheduler_block_size, warn_of_sparse_state_retention
 from kvferry.integrations.vllm.vllm_groups import hybrid_groups
-from kvferry.integrations.vllm.vllm_kv import attention_isa, backend_names, recognise_vllm_kv, served_model_name
+from kvferry.integrations.vllm.vllm_kv import attention_isa, describe, recognise_vllm_kv, served_model_name
 from kvferry.integrations.vllm.vllm_stats import KvferryPromMetrics, KvferryStats
 
 if TYPE_CHECKING:
@@ -130,7 +133,7 @@ class KvferryConnector(SleepModeHooks, KVConnectorBase_V1, SupportsHMA):
         self._scheduler: SchedulerSide | GroupedSchedulerSide | None = None
         self._scheduler_warned = False
         self._handshake: KvferryHandshake | None = None  # worker: sent; scheduler: received
-        self._lookup_backend: ServerBackend | GroupedLookups | None = None
+        self._lookup_backend: ServerLookups | None = None
         self._worker: WorkerSide | None = None
         self._stats_since: dict[str, float] = {}
         self._kv_caches: dict[str, torch.Tensor] = {}  # as registered: registered again after vLLM's sleep
@@ -141,6 +144,12 @@ class KvferryConnector(SleepModeHooks, KVConnectorBase_V1, SupportsHMA):
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: a dropped store is only a later miss
+
+    @property
+    def worker_counters(self) -> WorkerCounters | None:
+        """The worker half's counters (its loads and stores so far); None in a scheduler's instance, or while no
+        KV is registered with kvferry."""
+        return self._worker.counters if self._worker is not None else None
 
     # --- worker side --------------------------------------------------------------------------------------
 
@@ -176,28 +185,8 @@ class KvferryConnector(SleepModeHooks, KVConnectorBase_V1, SupportsHMA):
             block_size=self._block_size,
             after_load=None if hook is None else lambda ids: hook(kv.layers, list(kv.kernel_block_ids(ids))),
         )
-        chunk = backend.chunk_size
         log.info(
-            "kvferry connector active: %s mode%s, %s KV on %s, vLLM order %s (%s) as %s, %d layers of %s %s, "
-            "block size %d%s, chunk size %s, %s loads, objects in codec %s%s",
-            self._settings.mode,
-            f" ({self._settings.server_url})" if self._settings.mode == "server" else "",
-            kv.kv_dtype,
-            kv.layers[0].device,
-            kv.order,
-            ", ".join(
-                [*sorted(backend_names(self._vllm_config, kv_caches)), *([f"CPU attention ISA {isa}"] if isa else [])]
-            ),
-            kv.fmt.name,
-            len(kv.layers),
-            tuple(kv.layers[0].shape),
-            str(kv.layers[0].dtype).removeprefix("torch."),
-            self._block_size,
-            f" ({kv.split} kernel blocks of {kv.block_size})" if kv.split > 1 else "",
-            chunk if chunk is not None else "the server's (not reached yet)",
-            "background" if self._in_background() else "foreground",
-            self._settings.objects_codec() or "of the server",
-            f" (layers {exact} exact)" if isinstance(backend, layer_parts.LayerSplitBackend) else "",
+            "%s", describe(self._settings, self._vllm_config, kv_caches, kv, isa, backend, exact, self._block_size)
         )
 
     @serving_hook(off.nothing)
@@ -280,43 +269,21 @@ class KvferryConnector(SleepModeHooks, KVConnectorBase_V1, SupportsHMA):
         if self._settings.mode == "server" and backends.find(self._engine_id) is None and self._lookup_backend is None:
             # The worker is in another process: this half looks up through a session of its own, made now (at
             # start-up) so the first request never waits for it.
-            link = ServerLink(
-                self._settings.server_url, timeout_s=self._settings.timeout_s, curve=self._settings.client_curve()
-            )
-            if received.group_key_spaces is not None:  # a hybrid model: its groups' lookups share the session
-                self._lookup_backend = hybrid_worker.lookups_from_handshake(
-                    link, received.group_key_spaces, self._groups
-                )
-            else:
-                self._lookup_backend = layer_parts.lookups_from_fields(link, received.key_space, self._block_size)
-            try:
-                link.connect(check_chunk_size=self._check_chunk_size)
-            except ValueError as exc:
-                log.error("kvferry connector disabled: %s", exc)
-                link.close()
+            self._lookup_backend = server_lookups(
+                self._settings, received.key_space, received.group_key_spaces, self._groups,
+                block_size=self._block_size, check_chunk_size=self._check_chunk_size,
+            )  # fmt: skip
 
     @serving_hook(off.no_tokens, when_off=off.matched_off, seen=off.saw_matched, while_asleep=off.matched_off)
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         side = self._scheduler_side()
-        if side is None:
-            return 0, False
-        return side.num_new_matched_tokens(
-            request.request_id,
-            request.prompt_token_ids or [],
-            request.num_tokens,
-            num_computed_tokens,
-            cacheable=not (request.mm_features or request.lora_request or request.cache_salt),
-        )
+        return side.get_num_new_matched_tokens(request, num_computed_tokens) if side is not None else (0, False)
 
     @serving_hook(off.nothing, when_off=off.allocated, seen=off.saw_allocated)
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         side = self._scheduler_side()
-        if isinstance(side, GroupedSchedulerSide):
-            side.after_alloc(request.request_id, request.prompt_token_ids or [], blocks.get_block_ids(),
-                             num_external_tokens, request.all_token_ids)  # fmt: skip
-        elif side is not None:
-            block_ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
-            side.after_alloc(request.request_id, request.prompt_token_ids or [], block_ids, num_external_tokens)
+        if side is not None:
+            side.update_state_after_alloc(request, blocks.get_block_ids(), num_external_tokens)
 
     @serving_hook(off.empty_plan, when_off=off.plan_off, seen=off.saw_plan)
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -338,26 +305,16 @@ class KvferryConnector(SleepModeHooks, KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        side = self._scheduler
-        if side is None:
-            return False, None
-        # What the request computed: its tokens but the last generated one, less any still in flight (vLLM's
-        # async scheduling); `block_ids` are the blocks holding them (a windowed group's freed ones: null).
-        computed = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
-        tokens = request.all_token_ids[: max(0, computed)]
-        if isinstance(side, GroupedSchedulerSide):
-            return side.request_finished(request.request_id, tokens, block_ids), None
-        return side.request_finished(request.request_id, tokens, block_ids[0]), None
+        # `block_ids`: the blocks holding what the request computed (a windowed group's freed ones: null)
+        saving = self._scheduler is not None and self._scheduler.request_finished_all_groups(request, block_ids)
+        return saving, None
 
     # --- metrics ------------------------------------------------------------------------------------------
 
     @serving_hook(off.nothing, when_off=off.nothing_off)
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        counters: WorkerCounters | SchedulerCounters | None = (
-            self._worker.counters if self._worker is not None else None
-        )
-        if counters is None and self._scheduler is not None:
-            counters = self._scheduler.counters
+        scheduler_counters = self._scheduler.counters if self._scheduler is not None else None
+        counters: WorkerCounters | SchedulerCounters | None = self.worker_counters or scheduler_counters
         moved = counters.take(self._stats_since) if counters is not None else {}
         return KvferryStats(data=moved) if moved else None
 
@@ -433,30 +390,9 @@ class KvferryConnector(SleepModeHooks, KVConnectorBase_V1, SupportsHMA):
         if lookups is None:
             why = " (embedded mode needs vLLM's worker in the scheduler's process: on the CPU backend set " \
                 "VLLM_ENABLE_V1_MULTIPROCESSING=0, or use server mode)" if self._handshake else ""  # fmt: skip
-            self._warn_once(f"no KV cache registered with kvferry for this engine{why}; lookups miss")
+            if not self._scheduler_warned:
+                log.error("kvferry: no KV cache registered with kvferry for this engine%s; lookups miss", why)
+                self._scheduler_warned = True
             return None
-        chunk_size = lookups.chunk_size
-        if chunk_size is None:
-            return None  # the server was never reached (its link warned and keeps trying): lookups miss
-        side = SchedulerSide(
-            lookups.lookup,
-            lookups.free_lock,
-            block_size=self._groups[0].block_size if self._groups else self._block_size,
-            chunk_size=chunk_size,
-            in_background=self._in_background(),
-            refresh_s=self._settings.lock_refresh_s,
-            ranks=self._tp_size,
-            tails=not self._groups,
-        )
-        self._scheduler = GroupedSchedulerSide(side, self._groups) if self._groups else side
+        self._scheduler = scheduler_side_for(lookups, self._settings, self._groups, self._block_size, self._tp_size)
         return self._scheduler
-
-    def _in_background(self) -> bool:
-        """Whether loads run in the background: as set, but always for a model of several KV cache groups, whose
-        failed load vLLM takes only by request and only from a load it waits for (`get_transfer_results`)."""
-        return self._settings.async_load or len(self._groups) > 1
-
-    def _warn_once(self, message: str) -> None:
-        if not self._scheduler_warned:
-            log.error("kvferry: %s", message)
-            self._scheduler_warned = True

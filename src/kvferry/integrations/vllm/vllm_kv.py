@@ -1,5 +1,6 @@
 """What the connector reads of vLLM's own objects to recognise its KV: the attention backends and CPU ISA of the
-layers (vLLM's forward context), the model's MLA and tensor-parallel facts, the served model's name.
+layers (vLLM's forward context), the model's MLA and tensor-parallel facts, the served model's name; and the log
+line that names what it recognised (`describe`).
 
 `kv_layout.recognise` then turns the layers' tensors into the KV kvferry moves; this module only gathers its
 arguments from a `VllmConfig`, so the connector stays a translation of vLLM's calls.
@@ -7,11 +8,16 @@ arguments from a `VllmConfig`, so the connector stays a translation of vLLM's ca
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
+from kvferry.connector.backends import EmbeddedBackend
 from kvferry.connector.engine_kv import EngineKV, UnsupportedKVLayout
+from kvferry.connector.layer_parts import LayerSplitBackend
+from kvferry.connector.server_backend import ServerBackend
+from kvferry.connector.settings import ConnectorSettings
 from kvferry.integrations.vllm.kv_layout import recognise, tensor_parallel_rank
 
 if TYPE_CHECKING:
@@ -66,6 +72,33 @@ def recognise_vllm_kv(
         model_kv_heads=model_kv_heads,
         mla=mla,
         block_size=block_size,
+    )
+
+
+def describe(
+    settings: ConnectorSettings,
+    vllm_config: VllmConfig,
+    kv_caches: dict[str, torch.Tensor],
+    kv: EngineKV,
+    isa: str | None,
+    backend: EmbeddedBackend | ServerBackend | LayerSplitBackend,
+    exact: Sequence[int],
+    block_size: int,
+) -> str:
+    """The log line of a connector that registered ``kv`` (vLLM's ``kv_caches``, in blocks of ``block_size``)
+    with ``backend`` (``exact``: the layers a layer split keeps exact)."""
+    names = ", ".join([*sorted(backend_names(vllm_config, kv_caches)), *([f"CPU attention ISA {isa}"] if isa else [])])
+    server = f" ({settings.server_url})" if settings.mode == "server" else ""
+    layer = kv.layers[0]
+    split = f" ({kv.split} kernel blocks of {kv.block_size})" if kv.split > 1 else ""
+    chunk = backend.chunk_size if backend.chunk_size is not None else "the server's (not reached yet)"
+    loads = "background" if settings.async_load else "foreground"
+    exact_layers = f" (layers {exact} exact)" if isinstance(backend, LayerSplitBackend) else ""
+    return (
+        f"kvferry connector active: {settings.mode} mode{server}, {kv.kv_dtype} KV on {layer.device}, vLLM order "
+        f"{kv.order} ({names}) as {kv.fmt.name}, {len(kv.layers)} layers of {tuple(layer.shape)} "
+        f"{str(layer.dtype).removeprefix('torch.')}, block size {block_size}{split}, chunk size {chunk}, {loads} "
+        f"loads, objects in codec {settings.objects_codec() or 'of the server'}{exact_layers}"
     )
 
 

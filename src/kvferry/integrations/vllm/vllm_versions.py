@@ -2,7 +2,8 @@
 
 kvferry's connector is tested with vLLM 0.32, 0.33 and 0.34 (`TESTED`). Where they differ for it, this module
 is the one place that knows: `VllmFacts` holds what feature detection (the fields of vLLM's classes, never its
-version string) found, and `scheduled_requests` reads a scheduler step the same way on each:
+version string) found, and `scheduled_requests` reads a scheduler step the same way on each (`step_facts`: the
+step as the connector's scheduler core plans it):
 
 - 0.32, 0.33: a preempted request that resumes is listed among the step's running ("cached") requests, named in
   ``CachedRequestData.resumed_req_ids`` (its block ids then replace its table instead of extending it), with its
@@ -25,6 +26,8 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from kvferry.connector.scheduler_core import Scheduled, StepFacts
 
 log = logging.getLogger(__name__)
 
@@ -79,19 +82,6 @@ class VllmFacts:
         return self.version is not None and ".".join(self.version.split(".")[:2]) in TESTED
 
 
-@dataclass(frozen=True)
-class Scheduled:
-    """One request of a scheduler step, as every vLLM version describes it."""
-
-    req_id: str
-    num_computed_tokens: int
-    block_ids: tuple[list[int], ...] | None  # ``starts``: its whole block table; else the blocks it got this step
-    starts: bool  # new, or resumed after a preemption: ``block_ids`` replace its table
-    resumed: bool  # it was preempted before (its blocks were freed, the connector forgot them)
-    prompt: Sequence[int] | None = None  # a new request's prompt (vLLM sends it again on a resume in 0.34)
-    tokens: Sequence[int] | None = None  # a resumed request's tokens to prefill (prompt and output), where sent
-
-
 @functools.cache
 def installed() -> VllmFacts:
     """The facts of the vLLM this process imports (found once)."""
@@ -142,3 +132,12 @@ def scheduled_requests(
         out.append(Scheduled(req_id, cached.num_computed_tokens[i], cached.new_block_ids[i], resumed, resumed,
                              tokens=tokens))  # fmt: skip
     return out
+
+
+def step_facts(step: SchedulerStep, facts: VllmFacts) -> StepFacts:
+    """The step as the connector's scheduler core plans it: its requests (`scheduled_requests`), preemptions, and
+    the Mamba states it hands over (``kv_connector_block_state.boundary_state_offloads``, where vLLM has it)."""
+    state = getattr(step, "kv_connector_block_state", None)
+    offers: Mapping[str, Sequence[tuple[int, int, int]]] = getattr(state, "boundary_state_offloads", None) or {}
+    requests = functools.partial(scheduled_requests, step, facts)
+    return StepFacts(requests, step.num_scheduled_tokens, step.preempted_req_ids or (), offers)

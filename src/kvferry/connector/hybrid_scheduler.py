@@ -1,9 +1,10 @@
-"""The scheduler half for a hybrid model: one `SchedulerSide` decides, every group gets its share of the plan.
+"""The scheduler half for a hybrid model: one `SchedulerCore` decides, every group gets its share of the plan.
 
-`SchedulerSide` looks up (through `GroupedLookups`: the prefix every group holds), locks, and plans loads and
+`SchedulerCore` looks up (through `GroupedLookups`: the prefix every group holds), locks, and plans loads and
 stores over one block table, the lead group's (a full-attention group where there is one). This wrapper keeps
-every group's block table as vLLM hands them out and turns each planned load or store into one per group, over
-that group's blocks (`LoadSpec.group`).
+every group's block table as the engine hands them out and turns each planned load or store into one per group,
+over that group's blocks (`LoadSpec.group`). What follows names vLLM's behaviour, the one engine with hybrid
+models kvferry runs under (`kvferry.integrations.vllm.scheduler_side` translates its steps).
 
 A windowed group (sliding window, chunked local) differs in two ways:
 - a load writes only the group's blocks vLLM allocated, those inside the window at the hit's end (vLLM puts its
@@ -16,10 +17,11 @@ A windowed group (sliding window, chunked local) differs in two ways:
   vLLM may give those blocks to another request then.
 
 A Mamba group (`state_groups`) stores the states vLLM hands over in the step's scheduler output
-(``kv_connector_block_state.boundary_state_offloads``: request, group, block, boundary), those at chunk
+(``kv_connector_block_state.boundary_state_offloads``: request, group, block, boundary; `StepFacts.state_offers`),
+those at chunk
 boundaries, each from the exact block vLLM named (never its null block), and settled before the next forward
 pass as a windowed group's are; a load writes the one block vLLM allocated for the hit's state, a foreground load
-also the block the step's forward pass starts from (`GroupedSchedulerSide._running_state_load`). A boundary past
+also the block the step's forward pass starts from (`GroupedSchedulerCore._running_state_load`). A boundary past
 the prompt (a state vLLM computed while generating: it hands those over unless its
 ``prefix_cache_retention_interval`` keeps the prompt's last boundary only, its default) is keyed by the request's
 tokens as vLLM knows them at that step (``tokens`` of `after_alloc`: vLLM's ``Request.all_token_ids``, a view
@@ -29,33 +31,30 @@ that grows as the request generates); with the output stored at the finish, a ch
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from kvferry.connector.kv_groups import NULL_BLOCK, KVGroup, first_unfreed_token
 from kvferry.connector.plan import LoadSpec, StepPlan, StoreSpec
-from kvferry.integrations.vllm.scheduler_side import SchedulerSide
-from kvferry.integrations.vllm.vllm_versions import Scheduled, SchedulerStep
-
-Tables = tuple[list[int], ...]
+from kvferry.connector.scheduler_core import Scheduled, SchedulerCore, StateOffer, StepFacts, Tables
 
 
-class GroupedSchedulerSide:
-    """`SchedulerSide`'s interface for a model of several KV cache groups (``groups``, in vLLM's order)."""
+class GroupedSchedulerCore:
+    """`SchedulerCore`'s interface for a model of several KV cache groups (``groups``, in the engine's order)."""
 
-    def __init__(self, side: SchedulerSide, groups: Sequence[KVGroup]) -> None:
+    def __init__(self, side: SchedulerCore, groups: Sequence[KVGroup]) -> None:
         if side.tails:
             # A hit is whole chunks that every group holds (`GroupedLookups`): one group's tail is never loaded.
-            raise ValueError("a hybrid model's SchedulerSide stores whole chunks only (tails=False)")
+            raise ValueError("a hybrid model's scheduler side stores whole chunks only (tails=False)")
         self.side = side
         self.groups = list(groups)
         attention = [g.index for g in self.groups if not g.windowed and not g.holds_state]
-        self.lead = attention[0] if attention else 0  # the group whose table `SchedulerSide` plans over
+        self.lead = attention[0] if attention else 0  # the group whose table `SchedulerCore` plans over
         self.counters = side.counters
         self._tables: dict[str, Tables] = {}  # running requests' block tables, one list per group
         self._pending: dict[str, Tables] = {}  # an accepted background load's blocks, until planned
         self._finished: dict[str, Tables] = {}  # finished requests' tables, until their stores are planned
-        self._tokens: dict[str, Sequence[int]] = {}  # running requests' tokens, a view vLLM extends as they generate
+        self._tokens: dict[str, Sequence[int]] = {}  # running requests' tokens, a view the engine extends
 
     def num_new_matched_tokens(
         self, req_id: str, prompt: Sequence[int], num_tokens: int, num_computed_tokens: int, *, cacheable: bool = True
@@ -65,21 +64,22 @@ class GroupedSchedulerSide:
     def after_alloc(
         self, req_id: str, prompt: Sequence[int], block_ids: Tables, num_external: int, tokens: Sequence[int] = ()
     ) -> None:
-        """``tokens``: the request's tokens, a view vLLM extends as it generates (keys the states it computes past
-        the prompt); see `SchedulerSide.after_alloc` for the rest."""
+        """``tokens``: the request's tokens, a view the engine extends as it generates (keys the states it computes
+        past the prompt); see `SchedulerCore.after_alloc` for the rest."""
         if prompt and tokens:
             self._tokens[req_id] = tokens
         self.side.after_alloc(req_id, prompt, block_ids[self.lead] if num_external > 0 else [], num_external)
         if num_external > 0 and self.side.in_background:
             self._pending[req_id] = tuple(list(ids) for ids in block_ids)
 
-    def build_plan(self, step: SchedulerStep) -> StepPlan:
+    def plan_step(self, step: StepFacts) -> StepPlan:
+        """The loads and stores of one engine step, each group's; updates each request's block tables."""
         pending, self._pending = self._pending, {}
         finished, self._finished = self._finished, {}
-        plan = self.side.start_plan(step)
+        plan = self.side.start_plan(step.preempted)
         for req_id in plan.preempted:
             self._tables.pop(req_id, None)
-        requests = self.side.scheduled(step)
+        requests = step.requests(self.side.was_preempted)
         computed = self._update_tables(requests)
         for scheduled in requests:  # planned over the lead group's table
             lead = None if scheduled.block_ids is None else (list(scheduled.block_ids[self.lead]),)
@@ -103,7 +103,7 @@ class GroupedSchedulerSide:
                     for group in self.groups
                     if not group.holds_state
                 ]
-        grouped.stores += self._state_stores(step)
+        grouped.stores += self._state_stores(step.state_offers)
         return grouped
 
     def loads_done(self, req_ids: Any, failed: Any = ()) -> None:
@@ -132,7 +132,7 @@ class GroupedSchedulerSide:
 
     # -- helpers ---------------------------------------------------------------------------------------------
 
-    def _update_tables(self, requests: list[Scheduled]) -> dict[str, int]:
+    def _update_tables(self, requests: Sequence[Scheduled]) -> dict[str, int]:
         """Every group's block table after the step's allocations; each scheduled request's computed tokens at the
         step's start (what vLLM freed windowed blocks by)."""
         computed = {}
@@ -146,11 +146,9 @@ class GroupedSchedulerSide:
             computed[req_id] = scheduled.num_computed_tokens
         return computed
 
-    def _state_stores(self, step: SchedulerStep) -> list[StoreSpec]:
-        """The stores of the Mamba states vLLM handed over this step: those at chunk boundaries of a running
-        request's tokens, each from its own block (vLLM's null block never)."""
-        state = getattr(step, "kv_connector_block_state", None)
-        offers: dict[str, list[tuple[int, int, int]]] = getattr(state, "boundary_state_offloads", None) or {}
+    def _state_stores(self, offers: Mapping[str, Sequence[StateOffer]]) -> list[StoreSpec]:
+        """The stores of the Mamba states the engine handed over this step: those at chunk boundaries of a running
+        request's tokens, each from its own block (the engine's null block never)."""
         stores = []
         for req_id, entries in offers.items():
             for group_id, block_id, boundary in entries:
