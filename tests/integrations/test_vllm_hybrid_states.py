@@ -233,54 +233,54 @@ GROUPS = [KVGroup(0, "mamba", CHUNK, ("m",), page_bytes=32768), KVGroup(1, "full
 
 def test_the_scheduler_stores_the_states_vllm_hands_over_and_loads_the_one_block_it_allocated() -> None:
     side = SchedulerSide(lambda t: Hit(2 * CHUNK, "lock"), lambda lock: None, block_size=CHUNK, chunk_size=CHUNK,
-                         tails=False)  # fmt: skip
+                         in_background=True, tails=False)  # fmt: skip
     grouped = GroupedSchedulerSide(side, GROUPS)
     assert grouped.lead == 1  # plans over the full-attention group's table
     prompt = list(range(4 * CHUNK + 10))
-    assert grouped.num_new_matched_tokens("r", prompt, len(prompt), 0) == (2 * CHUNK, False)
-    tables = ([NULL_BLOCK, 21], [11, 12, 13, 14, 15])  # vLLM's state block for the hit: index 1
-    grouped.after_alloc("r", prompt, tables, 2 * CHUNK)
+    assert grouped.num_new_matched_tokens("r", prompt, len(prompt), 0) == (2 * CHUNK, True)
+    grouped.after_alloc("r", prompt, ([NULL_BLOCK, 21], [11, 12]), 2 * CHUNK)  # vLLM's state block for the hit: 21
+    state_load, full_load = sorted(grouped.build_plan(_step([], r=0)).loads, key=lambda load: load.group)
+    assert (state_load.block_ids, state_load.skip_tokens) == ([NULL_BLOCK, 21], CHUNK)
+    assert (full_load.block_ids, full_load.skip_tokens) == ([11, 12], 0)
+    grouped.loads_done(["r"])
+    tables = ([NULL_BLOCK, 21], [11, 12, 13, 14, 15])  # once loaded, vLLM schedules the rest of the prompt
     new = SimpleNamespace(req_id="r", prompt_token_ids=prompt, block_ids=tables, num_computed_tokens=2 * CHUNK)
     offers = {  # committed states: at 3 chunks (block 22), in the null block, off a chunk boundary, past the prompt
         "r": [(0, 22, 3 * CHUNK), (0, NULL_BLOCK, 4 * CHUNK), (0, 23, 3 * CHUNK + 16), (0, 24, 5 * CHUNK)],
         "gone": [(0, 25, CHUNK)],  # a request this side does not run
     }
     plan = grouped.build_plan(_step([new], offers, r=2 * CHUNK))
-    state_load, full_load = sorted(plan.loads, key=lambda load: load.group)
-    assert (state_load.block_ids, state_load.skip_tokens) == ([NULL_BLOCK, 21], CHUNK)
-    assert (full_load.block_ids, full_load.skip_tokens) == ([11, 12], 0)
+    assert plan.loads == []
     stores = [(s.group, len(s.tokens), s.block_ids, s.skip_tokens) for s in plan.stores]
     assert stores == [(1, 4 * CHUNK, [11, 12, 13, 14], 2 * CHUNK), (0, 3 * CHUNK, [22], 0)]
-    grouped.loads_done(["r"])
     assert grouped.request_finished("r", prompt[:-1], tables)  # vLLM keeps its blocks until the stores end
 
 
-@pytest.mark.parametrize("in_background", [False, True], ids=["foreground", "background"])
-def test_a_foreground_load_puts_the_state_where_the_step_s_forward_pass_starts_from_too(in_background: bool) -> None:
-    """vLLM's worker copies the hit's state block into the running one before a foreground load runs: that load
-    fills both (its forward pass starts from the running block; its prefix cache keeps the hit's). A background
-    load fills the hit's block steps before vLLM schedules the request and copies it."""
+def test_a_state_loads_into_the_block_vllm_allocated_for_the_hit_and_only_in_the_background() -> None:
+    """vLLM copies the hit's state block into the running one in the step that schedules the request, before a
+    foreground load could fill it: a model with a state group loads in the background only, into that block."""
+    foreground = SchedulerSide(lambda t: Hit(2 * CHUNK, "lock"), lambda lock: None, block_size=CHUNK,
+                               chunk_size=CHUNK, tails=False)  # fmt: skip
+    with pytest.raises(ValueError, match="background only"):
+        GroupedSchedulerSide(foreground, GROUPS)
     side = SchedulerSide(lambda t: Hit(2 * CHUNK, "lock"), lambda lock: None, block_size=CHUNK, chunk_size=CHUNK,
-                         in_background=in_background, tails=False)  # fmt: skip
+                         in_background=True, tails=False)  # fmt: skip
     grouped = GroupedSchedulerSide(side, GROUPS)
     prompt = list(range(3 * CHUNK + 10))
-    assert grouped.num_new_matched_tokens("r", prompt, len(prompt), 0) == (2 * CHUNK, in_background)
-    # vLLM's tables as it allocates them: for the load alone (background), or with the step's tokens (foreground)
-    tables = ([NULL_BLOCK, 21], [11, 12]) if in_background else ([NULL_BLOCK, 21, NULL_BLOCK, 22], [11, 12, 13, 14])
-    grouped.after_alloc("r", prompt, tables, 2 * CHUNK)
-    new = SimpleNamespace(req_id="r", prompt_token_ids=prompt, block_ids=tables, num_computed_tokens=2 * CHUNK)
-    # foreground: the request's step runs the rest of its prompt (block index 3 holds the running state)
-    plan = grouped.build_plan(_step([] if in_background else [new], r=0 if in_background else CHUNK + 10))
+    assert grouped.num_new_matched_tokens("r", prompt, len(prompt), 0) == (2 * CHUNK, True)
+    grouped.after_alloc("r", prompt, ([NULL_BLOCK, 21], [11, 12]), 2 * CHUNK)  # vLLM's tables for the load alone
+    plan = grouped.build_plan(_step([], r=0))
     states = [(load.block_ids, load.skip_tokens, load.in_background) for load in plan.loads if load.group == 0]
-    expected = [([NULL_BLOCK, 21], CHUNK, in_background)]
-    assert states == (expected if in_background else [*expected, ([NULL_BLOCK, 22], CHUNK, False)])
+    assert states == [([NULL_BLOCK, 21], CHUNK, True)]
     assert {len(load.tokens) for load in plan.loads} == {2 * CHUNK}  # each the state after the hit
 
 
 def test_a_state_vllm_computed_while_generating_is_stored_under_the_tokens_it_follows() -> None:
     """vLLM hands over a state past the prompt in the step that computes it; its key is the request's tokens then
     (vLLM's live ``all_token_ids``), and the finish stores the attention chunks up to there (a chat's next turn)."""
-    side = SchedulerSide(lambda t: Hit(0), lambda lock: None, block_size=CHUNK, chunk_size=CHUNK, tails=False)
+    side = SchedulerSide(
+        lambda t: Hit(0), lambda lock: None, block_size=CHUNK, chunk_size=CHUNK, in_background=True, tails=False
+    )
     grouped = GroupedSchedulerSide(side, GROUPS)
     prompt = list(range(1000, 1000 + 2 * CHUNK + 10))
     tokens = list(prompt)  # vLLM's Request._all_token_ids: it appends each generated token

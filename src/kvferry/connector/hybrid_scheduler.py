@@ -20,8 +20,9 @@ A Mamba group (`state_groups`) stores the states vLLM hands over in the step's s
 (``kv_connector_block_state.boundary_state_offloads``: request, group, block, boundary; `StepFacts.state_offers`),
 those at chunk
 boundaries, each from the exact block vLLM named (never its null block), and settled before the next forward
-pass as a windowed group's are; a load writes the one block vLLM allocated for the hit's state, a foreground load
-also the block the step's forward pass starts from (`GroupedSchedulerCore._running_state_load`). A boundary past
+pass as a windowed group's are; a load writes the one block vLLM allocated for the hit's state, in the background
+(vLLM copies that block into the one the request's forward pass starts from, in the step that schedules it, before
+a foreground load could write it; and it takes such a model's failed load only from a background one). A boundary past
 the prompt (a state vLLM computed while generating: it hands those over unless its
 ``prefix_cache_retention_interval`` keeps the prompt's last boundary only, its default) is keyed by the request's
 tokens as vLLM knows them at that step (``tokens`` of `after_alloc`: vLLM's ``Request.all_token_ids``, a view
@@ -46,6 +47,8 @@ class GroupedSchedulerCore:
         if side.tails:
             # A hit is whole chunks that every group holds (`GroupedLookups`): one group's tail is never loaded.
             raise ValueError("a hybrid model's scheduler side stores whole chunks only (tails=False)")
+        if any(group.holds_state for group in groups) and not side.in_background:
+            raise ValueError("a model with a state group loads in the background only (in_background=True)")
         self.side = side
         self.groups = list(groups)
         attention = [g.index for g in self.groups if not g.windowed and not g.holds_state]
@@ -88,12 +91,7 @@ class GroupedSchedulerCore:
         for load in plan.loads:
             tables = pending.get(load.req_id) or self._tables.get(load.req_id)
             if tables is not None:
-                n_scheduled = step.num_scheduled_tokens.get(load.req_id, 0)
-                for group in self.groups:
-                    grouped.loads.append(self._load(load, group, tables[group.index]))
-                    if group.holds_state and not load.in_background:
-                        grouped.loads += self._running_state_load(grouped.loads[-1], group, tables[group.index],
-                                                                  n_scheduled)  # fmt: skip
+                grouped.loads += [self._load(load, group, tables[group.index]) for group in self.groups]
         for store in plan.stores:
             tables = finished.get(store.req_id) or self._tables.get(store.req_id)
             if tables is not None:
@@ -167,23 +165,6 @@ class GroupedSchedulerCore:
         elif group.windowed:  # vLLM allocated only the window's blocks: load from the first it holds
             skip = min(end, first_unfreed_token(group, ids, skip, end) // group.block_size * group.block_size)
         return dataclasses.replace(load, block_ids=ids, skip_tokens=skip, group=group.index)
-
-    @staticmethod
-    def _running_state_load(load: LoadSpec, group: KVGroup, table: list[int], scheduled: int) -> list[LoadSpec]:
-        """A foreground load's state into the block this step's forward pass starts from too (its own LoadSpec).
-
-        In the step that schedules ``scheduled`` tokens after a hit of ``H``, vLLM's worker copies the state block
-        of the hit (index ``H // block_size - 1``) into the block of the request's running state (index
-        ``ceil((H + scheduled) / block_size) - 1``, ``mamba_utils.preprocess_mamba``) before the connector's
-        ``start_load_kv``: the copy reads that block before the load fills it, and the forward pass starts from the
-        running block. A background load fills the hit's block steps before that copy; a foreground one must fill
-        the running block as well (the hit's block stays what vLLM's prefix cache keeps for the boundary)."""
-        end = len(load.tokens)
-        hit_index = end // group.block_size - 1
-        running = -(-(end + scheduled) // group.block_size) - 1
-        if running <= hit_index or running >= len(table) or table[running] == NULL_BLOCK:
-            return []  # nothing scheduled past the hit's block: vLLM copies nothing and reads the hit's block
-        return [dataclasses.replace(load, block_ids=[*table[:hit_index], table[running]])]
 
     def _store(self, store: StoreSpec, group: KVGroup, table: list[int], num_computed: int | None) -> StoreSpec:
         end = len(store.tokens)
