@@ -60,10 +60,14 @@ def dims_for(fmt: EngineKVFormat, dims: ModelDims) -> ModelDims:
 
 
 @pytest.fixture(autouse=True)
-def kvferry_logger_as_it_was() -> Iterator[None]:
-    """The "kvferry" logger as each test found it. A connector built in a test's process sends the logger's
+def kvferry_records_where_pytest_captures_them(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A connector built in a test's process leaves the "kvferry" logger alone. In an engine it sends the logger's
     records to vLLM's handlers only (`show_in_vllm_log`: propagation off), which would hide them from pytest's
-    capture in every later test of that process, whichever the order."""
+    capture in that test and every later one of the process (end-to-end tests run vLLM in processes of their own,
+    where it does). The logger is put back as the test found it besides."""
+    from kvferry.integrations.vllm import logs
+
+    monkeypatch.setattr(logs, "show_in_vllm_log", lambda: None)
     ours = logging.getLogger("kvferry")
     handlers, level, propagate = list(ours.handlers), ours.level, ours.propagate
     yield

@@ -41,7 +41,7 @@ from kvferry.connector.plan import StepPlan
 from kvferry.connector.settings import ConnectorSettings
 from kvferry.connector.worker_backend import StateViews
 from kvferry.connector.worker_side import WorkerSide
-from kvferry.integrations.vllm import kv_access, vllm_versions
+from kvferry.integrations.vllm import kv_access, logs, vllm_versions
 from kvferry.integrations.vllm import off_answers as off
 from kvferry.integrations.vllm.chunk_choice import follow_block_size
 from kvferry.integrations.vllm.connector_metadata import KvferryConnectorMetadata, KvferryHandshake, KvferryWorkerMeta
@@ -51,7 +51,6 @@ from kvferry.integrations.vllm.kv_layout import (
     refused_cache_dtype,
     tensor_parallel_rank,
 )
-from kvferry.integrations.vllm.logs import show_in_vllm_log
 from kvferry.integrations.vllm.scheduler_side import (
     GroupedSchedulerSide,
     SchedulerSide,
@@ -93,7 +92,7 @@ class KvferryConnector(SleepModeHooks, KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        show_in_vllm_log()
+        logs.show_in_vllm_log()  # by the module's name: tests keep records where pytest captures them
         vllm_versions.warn_if_untested()
         self._settings = ConnectorSettings.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         parallel = vllm_config.parallel_config
