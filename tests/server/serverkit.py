@@ -66,9 +66,15 @@ class FakeEngine:
         block_size: int | None = None,
         geometry: KVGeometry | None = None,
         codec: str | None = None,
+        kv_cache_dtype: str | None = None,
+        group: str | None = None,
+        split: str | None = None,
     ) -> CacheNamespace:
         first = paged if isinstance(paged, torch.Tensor) else paged[0]
-        return CacheNamespace(model, str(first.dtype), f"fake:{int(fmt)}", world_size, rank, salt, codec or self.codec)
+        dtype, layout, codec = str(first.dtype), f"fake:{int(fmt)}", codec or self.codec
+        return CacheNamespace(
+            model, dtype, layout, world_size, rank, salt, codec, kv_cache_dtype=kv_cache_dtype, group=group, split=split
+        )
 
     def _keys(self, tokens: TokenIds, namespace: CacheNamespace | None) -> list[tuple[bytes, bytes]]:
         if namespace is None:

@@ -88,6 +88,9 @@ class CacheService(CacheTransfers, Protocol):
         block_size: int | None = None,
         geometry: KVGeometry | None = None,
         codec: str | None = None,
+        kv_cache_dtype: str | None = None,
+        group: str | None = None,
+        split: str | None = None,
     ) -> CacheNamespace: ...
 
     def lookup_pool(

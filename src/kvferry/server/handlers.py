@@ -150,6 +150,9 @@ class RequestHandlers:
                 block_size=args.block_size,
                 geometry=geometry,
                 codec=deployment.codec,
+                kv_cache_dtype=deployment.kv_cache_dtype,
+                group=deployment.group,
+                split=deployment.split,
             )
             if kv.device.type == "cuda":  # its kernels compiled now: no transfer of the registration pays for it
                 prepare_gpu(with_codec(geometry, namespace.codec))
