@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import multiprocessing
 
@@ -46,6 +47,52 @@ def test_known_answer_pins_the_key_schema() -> None:
     b3 = ChunkHasher(4, "blake3").keys(tokens, NS)
     assert b3 == [blake3.blake3(data[:16], key=NS.digest).digest(), blake3.blake3(data[:32], key=NS.digest).digest()]
     assert ChunkHasher(4).algo == "blake3"  # the default
+
+
+# Digests of namespaces as earlier releases made them, every typed field then appended to the salt by the connector
+# (``salt|group|split|kv_cache_dtype=...``): disk and Redis tiers hold objects under the keys they seed.
+_LAYOUT = "NL_X_TWO_NB_BS_NH_HS:2x32x256x1024"
+_KNOWN_DIGESTS = [
+    (NS, "630fca1e1eaf0a7230c10c22a81ced42c5c3a2e41b47c97099adf788e5f9cabf"),
+    (
+        CacheNamespace(
+            "llama-3-8b", "uint8", _LAYOUT, salt="tenant-a", codec="fp8",
+            kv_cache_dtype="fp8_e4m3", group="group=1:full", split="exact_layers=1",
+        ),
+        "c99edee8fb198f266c5e9f2e5fc49b5e2024da2ba09df2967450a37f9c27d40f",
+    ),
+    (
+        CacheNamespace("llama-3-8b", "bfloat16", _LAYOUT, group="group=0:sliding_window:4096"),
+        "525ed407c2f49f85749e0933ff9112f732d856cd554a131673f2325c64eb6298",
+    ),
+    (
+        CacheNamespace("llama-3-8b", "bfloat16", _LAYOUT, salt="s", codec="fp8", split="exact_layers=0,31"),
+        "99d19c4dd429d6ac07b97f45fec4fd0b7e86c0ae8bb42ea7c33b93cee88abb61",
+    ),
+    (
+        CacheNamespace("llama-3-8b", "uint8", _LAYOUT, salt="s", kv_cache_dtype="fp8_e5m2"),
+        "230e0f5ad3ad61aa75dde9615abbfd256ed2f26c8af9e76ac87aa054cf36f4a3",
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("namespace", "digest"), _KNOWN_DIGESTS, ids=["plain", "every-field", "group", "split", "fp8"])
+def test_typed_fields_keep_the_keys_of_earlier_releases(namespace: CacheNamespace, digest: str) -> None:
+    # A change here makes every persisted tier miss: bump _KEY_SCHEMA instead.
+    assert namespace.digest.hex() == digest
+    salt = namespace.salt + "".join(f"|{tag}" for tag in (namespace.group, namespace.split) if tag is not None)
+    if namespace.kv_cache_dtype is not None:
+        salt += f"|kv_cache_dtype={namespace.kv_cache_dtype}"
+    untyped = dataclasses.replace(namespace, salt=salt, kv_cache_dtype=None, group=None, split=None)
+    assert untyped.digest == namespace.digest  # as an earlier release's connector named it
+    key = ChunkHasher(4).keys([1, 2, 3, 4, 5, 6, 7, 8, 9], namespace)[1]
+    assert key == blake3.blake3(np.arange(1, 9, dtype="<u4").tobytes(), key=bytes.fromhex(digest)).digest()
+
+
+def test_a_cache_dtype_that_the_tensors_name_is_no_field_of_its_own() -> None:
+    same = CacheNamespace("m", "bfloat16", "L", kv_cache_dtype="bfloat16")
+    assert same == CacheNamespace("m", "bfloat16", "L") and same.kv_cache_dtype is None
+    assert same.digest == CacheNamespace("m", "bfloat16", "L").digest
 
 
 @settings(max_examples=30, deadline=None)
@@ -119,12 +166,14 @@ def test_iter_keys_is_lazy_and_matches_keys() -> None:
         ("world_size", 4),
         ("rank", 0),
         ("salt", "tenant-b"),
+        ("codec", "fp8"),
+        ("kv_cache_dtype", "fp8_e4m3"),
+        ("group", "group=0:full"),
+        ("split", "exact_layers=0"),
     ],
 )
 def test_every_namespace_field_separates_keys(field: str, value: object) -> None:
-    fields = {f: getattr(NS, f) for f in ("model", "kv_dtype", "layout", "world_size", "rank", "salt")}
-    fields[field] = value
-    other = CacheNamespace(**fields)  # type: ignore[arg-type]
+    other = dataclasses.replace(NS, **{field: value})
     tokens = _random_tokens(64)
     assert set(ChunkHasher(16).keys(tokens, NS)).isdisjoint(ChunkHasher(16).keys(tokens, other))
     assert other != NS and other.digest != NS.digest
@@ -184,6 +233,11 @@ def test_bad_tokens_raise_naming_tokens(tokens: object, error: type[Exception]) 
         ({"rank": 2}, "rank"),
         ({"rank": -1}, "rank"),
         ({"salt": 3}, "salt"),
+        ({"codec": ""}, "codec"),
+        ({"group": ""}, "group"),
+        ({"group": "group=0|full"}, "group"),
+        ({"split": 3}, "split"),
+        ({"kv_cache_dtype": "fp8|e4m3"}, "kv_cache_dtype"),
     ],
 )
 def test_bad_namespace_fields_raise(kwargs: dict[str, object], match: str) -> None:

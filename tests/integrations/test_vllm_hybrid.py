@@ -112,7 +112,7 @@ def hybrid() -> Iterator[tuple[GroupedLookups, WorkerSide, list[list[torch.Tenso
     for group in (SLIDING, FULL):
         buf = torch.randn(2, NB, 2, BS, 128).to(torch.bfloat16)  # 2 layers of vLLM's CPU layout per group
         kv = recognise({f"model.layers.{i}.attn": buf[i] for i in range(2)}, isa="vec", kv_cache_dtype="auto")
-        ns = engine.namespace_for("tiny", kv.fmt, kv.layers, block_size=BS, salt=group.tag)
+        ns = engine.namespace_for("tiny", kv.fmt, kv.layers, block_size=BS, group=group.tag)
         made.append(EmbeddedBackend(engine, kv, ns))
         layers.append(kv.layers)
     backends = [WindowedBackend(made[0], SLIDING), made[1]]

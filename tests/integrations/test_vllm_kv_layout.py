@@ -109,8 +109,9 @@ def test_fp8_encodings_have_key_spaces_of_their_own() -> None:
         for cache in ("fp8_e4m3", "fp8_e5m2")
     }
     assert spaces["fp8_e4m3"].digest != spaces["fp8_e5m2"].digest
+    assert [(spaces[c].salt, spaces[c].kv_cache_dtype) for c in spaces] == [("s", "fp8_e4m3"), ("s", "fp8_e5m2")]
     plain = KeySpace.of(recognise(cpu_kv(), isa="vec", kv_cache_dtype="auto"), model="m", salt="s")
-    assert plain.salt == "s"
+    assert (plain.salt, plain.kv_cache_dtype) == ("s", None)
 
 
 @pytest.mark.parametrize(

@@ -178,8 +178,8 @@ def test_a_hybrid_models_groups_split_by_the_models_layer_positions() -> None:
             ([names[3]], "none"),
             ([names[1]], "fp8"),
         ]
-        split_salts = {part["salt"] for part in hybrid.key_spaces[1]}
-        assert split_salts == {"|group=1:full|exact_layers=1"} and hybrid.key_spaces[0]["codec"] == "fp8"
+        split_names = {(part["salt"], part["group"], part["split"]) for part in hybrid.key_spaces[1]}
+        assert split_names == {("", "group=1:full", "exact_layers=1")} and hybrid.key_spaces[0]["codec"] == "fp8"
     finally:
         hybrid.worker.close()
         hybrid.lookups.close()

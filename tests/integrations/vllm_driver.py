@@ -135,7 +135,7 @@ def connector_state(llm: Any) -> dict[str, Any]:
     }
     if isinstance(backend, backends.EmbeddedBackend):
         ns = backend.namespace
-        fields = ("model", "kv_dtype", "layout", "world_size", "rank", "salt")
+        fields = ("model", "kv_dtype", "layout", "world_size", "rank", "salt", "kv_cache_dtype", "group", "split")
         state.update(
             namespace={name: getattr(ns, name) for name in fields},
             hash_algo=backend.engine.config.cache.hash_algo,

@@ -13,23 +13,28 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, NamedTuple
+from typing import Any
 
+import numpy as np
 import torch
 from prometheus_client import CollectorRegistry, Counter
 
-from kvferry.cache import CacheNamespace
+from kvferry.cache import CacheNamespace, LookupResult, token_bytes
+from kvferry.cache.event_hooks import EventSource
+from kvferry.cache.event_queue import EventQueue
+from kvferry.cache.keys import TokenIds
+from kvferry.cache.steps import Steps
+from kvferry.formats import EngineKVFormat, KVGeometry
 from kvferry.protocol.unix_framing import HEADER, frame
-
-
-class Found(NamedTuple):
-    hit_tokens: int
-    pending_tokens: int
-    lock_id: int | None
+from kvferry.tiers import Tier
+from kvferry.transfer.block_ids import BlockIds
 
 
 class FakeEngine:
+    """The cache engine as the server sees it (`CacheService`: mypy checks this class against it)."""
+
     def __init__(self, chunk_size: int = 4) -> None:
         self.chunk_size = chunk_size
         self.objects: dict[tuple[bytes, bytes], torch.Tensor] = {}
@@ -41,7 +46,7 @@ class FakeEngine:
         self.metrics_registry = CollectorRegistry()
         self.fake_calls = Counter("fake_engine_calls", "calls", registry=self.metrics_registry)
         self.stores = 0  # store calls that got past the gate
-        self.tiers: list[Any] = []
+        self.tiers: list[Tier] = []
         self.codec = "none"  # the objects' default codec (`CacheEngine.codec`)
         self.tier_seconds = 0.0
         self.pool_gate = threading.Event()  # cleared: lookups wait (on the socket thread) until it is set
@@ -52,43 +57,60 @@ class FakeEngine:
     def namespace_for(
         self,
         model: str,
-        fmt: int,
+        fmt: EngineKVFormat | int,
         paged: Any,
         *,
         world_size: int = 1,
         rank: int = 0,
         salt: str = "",
         block_size: int | None = None,
-        geometry: Any = None,
+        geometry: KVGeometry | None = None,
         codec: str | None = None,
+        kv_cache_dtype: str | None = None,
+        group: str | None = None,
+        split: str | None = None,
     ) -> CacheNamespace:
         first = paged if isinstance(paged, torch.Tensor) else paged[0]
-        return CacheNamespace(model, str(first.dtype), f"fake:{fmt}", world_size, rank, salt, codec or self.codec)
+        dtype, layout, codec = str(first.dtype), f"fake:{int(fmt)}", codec or self.codec
+        return CacheNamespace(
+            model, dtype, layout, world_size, rank, salt, codec, kv_cache_dtype=kv_cache_dtype, group=group, split=split
+        )
 
-    def _keys(self, tokens: Any, namespace: CacheNamespace) -> list[tuple[bytes, bytes]]:
-        data = bytes(tokens)
+    def _keys(self, tokens: TokenIds, namespace: CacheNamespace | None) -> list[tuple[bytes, bytes]]:
+        if namespace is None:
+            raise ValueError("the fake engine has no default key space: name one")
+        data = token_bytes(tokens)
         step = self.chunk_size * 4
         return [(namespace.digest, data[: end + step]) for end in range(0, len(data) // step * step, step)]
 
-    def lookup_status(self, tokens: Any, *, namespace: CacheNamespace, lock: bool = False) -> Found:
+    def lookup_status(
+        self, tokens: TokenIds, *, namespace: CacheNamespace | None = None, lock: bool = False
+    ) -> LookupResult:
         found, below = self.lookup_pool(tokens, namespace=namespace, lock=lock)
         return found if below is None else below()
 
     def lookup_pool(
         self,
-        tokens: Any,
+        tokens: TokenIds,
         *,
-        namespace: CacheNamespace,
+        namespace: CacheNamespace | None = None,
         lock: bool = False,
         block_size: int | None = None,
         first_chunk: int = 0,
-    ) -> tuple[Found, Any]:
+    ) -> tuple[LookupResult, Callable[[], LookupResult] | None]:
         found = self._pool_lookup(tokens, namespace, lock, first_chunk)
         if not self.tier_seconds or found.hit_tokens == len(tokens) // self.chunk_size * self.chunk_size:
             return found, None
-        return found, lambda: (time.sleep(self.tier_seconds), found)[1]
 
-    def _pool_lookup(self, tokens: Any, namespace: CacheNamespace, lock: bool, first_chunk: int = 0) -> Found:
+        def slow_tier() -> LookupResult:
+            time.sleep(self.tier_seconds)
+            return found
+
+        return found, slow_tier
+
+    def _pool_lookup(
+        self, tokens: TokenIds, namespace: CacheNamespace | None, lock: bool, first_chunk: int = 0
+    ) -> LookupResult:
         self.pool_gate.wait()
         self.fake_calls.inc()
         keys = self._keys(tokens, namespace)
@@ -102,71 +124,80 @@ class FakeEngine:
             lock_id = self._next_lock
             self._next_lock += 1
             self.locks.add(lock_id)
-        return Found(hits * self.chunk_size, 0, lock_id)
+        return LookupResult(hits * self.chunk_size, 0, lock_id)
 
-    def store_steps(self, *args: Any, **kwargs: Any) -> Any:
-        """The CacheEngine's steps protocol: a copy done on return yields nothing (kvferry.cache.steps)."""
-        return self.store(*args, **kwargs)
-        yield
-
-    def retrieve_steps(self, *args: Any, **kwargs: Any) -> Any:
-        return self.retrieve(*args, **kwargs)
-        yield
-
-    def store(
+    def store_steps(
         self,
-        tokens,
-        paged,
-        block_ids,
-        fmt,
+        tokens: TokenIds,
+        paged: Any,
+        block_ids: BlockIds,
+        fmt: EngineKVFormat | int,
         *,
-        namespace,
-        block_size,
-        geometry,
-        skip_prefix_tokens,
-        valid_until=None,
-        tail=False,  # the fake keeps full chunks only
-    ) -> int:
+        namespace: CacheNamespace | None = None,
+        block_size: int | None = None,
+        skip_prefix_tokens: int = 0,
+        geometry: KVGeometry | None = None,
+        valid_until: float | None = None,
+        tail: bool = False,  # the fake keeps full chunks only
+    ) -> Steps[int]:
+        """Copies on its first step and ends there, as a CPU copy does (`kvferry.cache.steps`)."""
         self.in_transfer.set()
         self.gate.wait()
         self.stores += 1
-        paged = paged[0]
-        bs = paged.shape[1]
-        per = self.chunk_size // bs
         keys = self._keys(tokens, namespace)
+        per = self.chunk_size // paged[0].shape[1]
         if len(block_ids) < len(keys) * per:
             raise ValueError(f"block_ids has {len(block_ids)} entries, need {len(keys) * per}")
+        ids = _block_tensor(block_ids)
         for i, key in enumerate(keys):
-            ids = torch.as_tensor(block_ids[i * per : (i + 1) * per].astype("int64"))
-            self.objects[key] = paged[ids].clone()
+            self.objects[key] = paged[0][ids[i * per : (i + 1) * per]].clone()
+        yield from ()
         return len(keys) * self.chunk_size
 
-    def retrieve(self, tokens, paged, block_ids, fmt, *, namespace, block_size, geometry, skip_prefix_tokens, lock_id):
+    def retrieve_steps(
+        self,
+        tokens: TokenIds,
+        paged: Any,
+        block_ids: BlockIds,
+        fmt: EngineKVFormat | int,
+        *,
+        namespace: CacheNamespace | None = None,
+        block_size: int | None = None,
+        skip_prefix_tokens: int = 0,
+        lock_id: int | None = None,
+        geometry: KVGeometry | None = None,
+    ) -> Steps[int]:
         self.in_transfer.set()
         self.retrieve_gate.wait()
-        paged = paged[0]
-        bs = paged.shape[1]
-        per = self.chunk_size // bs
+        per = self.chunk_size // paged[0].shape[1]
+        ids = _block_tensor(block_ids)
         done = 0
         for i, key in enumerate(self._keys(tokens, namespace)):
             if key not in self.objects:
                 break
-            ids = torch.as_tensor(block_ids[i * per : (i + 1) * per].astype("int64"))
-            paged[ids] = self.objects[key]
+            paged[0][ids[i * per : (i + 1) * per]] = self.objects[key]
             done += self.chunk_size
-        self.locks.discard(lock_id)
+        if lock_id is not None:
+            self.locks.discard(lock_id)
+        yield from ()
         return done
 
-    def prefetch(self, tokens: Any, *, namespace: CacheNamespace) -> Future[int]:
+    def prefetch(self, tokens: TokenIds, *, namespace: CacheNamespace | None = None) -> Future[int]:
         future: Future[int] = Future()
         future.set_result(self.lookup_status(tokens, namespace=namespace).hit_tokens)
         return future
+
+    def demote(self, tokens: TokenIds, chunks: range, *, namespace: CacheNamespace | None = None) -> None:
+        self._keys(tokens, namespace)  # the fake keeps no eviction order: it only checks the arguments
 
     def free_lookup_locks(self, lock_id: int) -> bool:
         if lock_id in self.locks:
             self.locks.discard(lock_id)
             return True
         return False
+
+    def publish_events(self, queue: EventQueue) -> EventSource:
+        raise RuntimeError("the fake engine reports no KV events (its server runs without an events port)")
 
     def clear(self) -> None:
         self.objects.clear()
@@ -176,6 +207,10 @@ class FakeEngine:
 
     def close(self) -> None:
         pass
+
+
+def _block_tensor(block_ids: BlockIds) -> torch.Tensor:
+    return torch.as_tensor(np.asarray(block_ids, dtype=np.int64))
 
 
 NB, BS, W = 32, 2, 8  # fake-engine KV: [NB, BS, W] bf16; a 4-token chunk is 2 blocks

@@ -51,7 +51,7 @@ class Restartable:
         config = ServerConfig(
             port=self.port, http_port=None, heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, transfer_workers=1
         )
-        self.server = KvferryServer(config, self.engine)  # type: ignore[arg-type]
+        self.server = KvferryServer(config, self.engine)
         self.server.start()
         return self.engine
 
@@ -208,7 +208,7 @@ def test_a_client_stalled_itself_does_not_take_its_server_for_gone(transport: st
     with tempfile.TemporaryDirectory(prefix="kvf-") as sockets:  # short: a Unix socket path has ~100 bytes at most
         config = ServerConfig(port=0, http_port=None, heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0,
                               ipc_path=os.path.join(sockets, "s.sock"))  # fmt: skip
-        server = KvferryServer(config, FakeEngine())  # type: ignore[arg-type]
+        server = KvferryServer(config, FakeEngine())
         server.start()
         endpoint = f"tcp://127.0.0.1:{server.port}" if transport == "tcp" else str(server.ipc_endpoint)
         try:

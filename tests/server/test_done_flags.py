@@ -279,7 +279,7 @@ def test_requests_about_registrations_and_counts_settle_transfers_seen_done_firs
     table.answering_early(session, 1, _Copy(done=True), settled.append)  # left answered-early: settles every time
     ended: list[str] = []
     handlers = RequestHandlers(
-        FakeEngine(),  # type: ignore[arg-type]
+        FakeEngine(),
         table,
         hello={},
         end_session=lambda session_id, reason: ended.append(reason) or {},

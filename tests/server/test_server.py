@@ -111,6 +111,32 @@ def test_bad_arguments_get_errors_naming_them(client: KvferryClient) -> None:
     assert client.ping()["version"] == 1  # the session survived all of it
 
 
+def test_a_key_spaces_typed_fields_cross_the_wire(endpoint: str) -> None:
+    tokens = np.random.default_rng(8).integers(0, 50_000, size=8)
+    tags = {"group": "group=1:full", "split": "exact_layers=0", "kv_cache_dtype": "fp8_e4m3"}
+    with KvferryClient(endpoint) as client:
+        reg = client.register_kv_cache(random_kv(8), FMT, namespace={**NS, **tags})
+        assert client.store(reg, tokens, [0, 1, 2, 3]) == 8
+        key_space = {**NS, "kv_dtype": "torch.bfloat16", "layout": f"fake:{FMT}"}
+        assert client.lookup(tokens, namespace={**key_space, **tags}).tokens == 8
+        for name in tags:  # each field names a key space of its own
+            assert client.lookup(tokens, namespace={**key_space, **tags, name: "other"}).tokens == 0
+        # The same keys as the salt that earlier releases' connectors built from these fields
+        legacy = "|group=1:full|exact_layers=0|kv_cache_dtype=fp8_e4m3"
+        assert client.lookup(tokens, namespace={**key_space, "salt": legacy}).tokens == 8
+        for bad, match in [
+            ({"group": 1}, r"namespace\.group"),
+            ({"split": ""}, r"namespace\.split"),
+            ({"kv_cache_dtype": "fp8|e4m3"}, r"namespace\.kv_cache_dtype"),
+            ({"tenant": "a"}, r"namespace\.tenant"),
+        ]:
+            with pytest.raises(ServerError, match=match):
+                client.register_kv_cache(random_kv(9), FMT, namespace={**NS, **bad})
+            with pytest.raises(ServerError, match=match):
+                client.lookup(tokens, namespace={**key_space, **bad})
+        assert client.ping()["version"] == 1  # the session survived all of it
+
+
 def test_unregister_and_end_session_unmap_the_memory(client: KvferryClient, server: KvferryServer) -> None:
     kv = random_kv(8)
     first = client.register_kv_cache(kv, FMT, namespace=NS)

@@ -49,7 +49,7 @@ def _frame(request_id: int, op: str, args: dict[str, Any], **envelope: Any) -> b
 def patient_server(engine: FakeEngine) -> Iterator[KvferryServer]:
     """A server whose heartbeat sweep would take 30 s: anything freed sooner was freed by the disconnect."""
     config = ServerConfig(port=0, http_port=0, heartbeat_interval_s=0.5, heartbeat_timeout_s=30.0)
-    server = KvferryServer(config, engine)  # type: ignore[arg-type]
+    server = KvferryServer(config, engine)
     server.start()
     yield server
     server.stop()
@@ -153,7 +153,7 @@ class _DownTier:
 
 def test_health_names_a_tier_that_is_down_and_stats_carry_the_cache(engine: FakeEngine) -> None:
     engine.tiers = [_DownTier()]
-    server = KvferryServer(ServerConfig(port=0, http_port=0, tier_check_interval_s=0.05), engine)  # type: ignore[arg-type]
+    server = KvferryServer(ServerConfig(port=0, http_port=0, tier_check_interval_s=0.05), engine)
     server.start()
     try:
         base = f"http://127.0.0.1:{server.http_port}"

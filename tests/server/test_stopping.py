@@ -6,34 +6,52 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
 
 import pytest
 import zmq
 
+from kvferry.cache import CacheNamespace, LookupResult
+from kvferry.cache.keys import TokenIds
 from kvferry.client import KvferryClient
 from kvferry.client.client import CLOSE_TIMEOUT_S
 from kvferry.config import ServerConfig
 from kvferry.server import KvferryServer
 from kvferry.server.app import StopSignals
 from kvferry.stopping import term_context
-from tests.server.serverkit import FakeEngine, Found, ServerProcess, freeze, wait_for
+from tests.server.serverkit import FakeEngine, ServerProcess, freeze, wait_for
 
 KEY_SPACE = {"model": "m", "kv_dtype": "bfloat16", "layout": "fake:3"}
 
 
+class FrozenTierEngine(FakeEngine):
+    """A cache whose tier stopped answering: a lookup's tier half waits until ``release`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def lookup_pool(
+        self,
+        tokens: TokenIds,
+        *,
+        namespace: CacheNamespace | None = None,
+        lock: bool = False,
+        block_size: int | None = None,
+        first_chunk: int = 0,
+    ) -> tuple[LookupResult, Callable[[], LookupResult] | None]:
+        missed = LookupResult(0, 0, None)
+
+        def never_answers() -> LookupResult:
+            self.release.wait(60)
+            return missed
+
+        return missed, never_answers
+
+
 def test_a_server_stop_gives_up_on_a_tier_lookup_that_never_ends() -> None:
-    engine = FakeEngine()
-    release = threading.Event()
-
-    def frozen_tier(
-        tokens: Any, *, namespace: Any, lock: bool = False, block_size: Any = None, first_chunk: int = 0
-    ) -> tuple[Found, Any]:
-        missed = Found(0, 0, None)
-        return missed, lambda: (release.wait(60), missed)[1]  # a tier that stopped answering
-
-    engine.lookup_pool = frozen_tier  # type: ignore[method-assign]
-    server = KvferryServer(ServerConfig(port=0, http_port=None, tier_workers=1), engine)  # type: ignore[arg-type]
+    engine = FrozenTierEngine()
+    server = KvferryServer(ServerConfig(port=0, http_port=None, tier_workers=1), engine)
     server.start()
     try:
         with KvferryClient(f"tcp://127.0.0.1:{server.port}", timeout_s=30) as client:
@@ -45,7 +63,7 @@ def test_a_server_stop_gives_up_on_a_tier_lookup_that_never_ends() -> None:
             with pytest.raises(ConnectionError):  # never answered: its client sees the connection drop
                 pending.result(timeout=40)
     finally:
-        release.set()
+        engine.release.set()
 
 
 def test_a_client_of_a_frozen_server_closes_without_waiting_for_it() -> None:

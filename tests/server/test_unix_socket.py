@@ -36,7 +36,7 @@ def path() -> Iterator[str]:
 def _server(path: str, engine: FakeEngine, **config: float) -> KvferryServer:
     server = KvferryServer(
         ServerConfig(port=0, http_port=None, ipc_path=path, max_message_bytes=64 * 1024, **config),  # type: ignore[arg-type]
-        engine,  # type: ignore[arg-type]
+        engine,
     )
     server.start()
     return server

@@ -115,8 +115,12 @@ class CacheEngine:
         block_size: int | None = None,
         geometry: KVGeometry | None = None,
         codec: str | None = None,
+        kv_cache_dtype: str | None = None,
+        group: str | None = None,
+        split: str | None = None,
     ) -> CacheNamespace:
-        """The key space of ``model``'s KV cache ``paged`` (in format ``fmt``) on ``rank`` of ``world_size``.
+        """The key space of ``model``'s KV cache ``paged`` (in format ``fmt``) on ``rank`` of ``world_size``;
+        ``kv_cache_dtype``, ``group`` and ``split`` name the KV within the deployment (see `CacheNamespace`).
 
         An engine that holds a slice of the model's heads (``geometry`` from ``describe(..., heads=)``) stores and
         reads its columns of objects that hold every head: their key space is the model's whatever the
@@ -130,7 +134,18 @@ class CacheEngine:
         if geom.partial_heads:
             world_size, rank = 1, 0
         layout = self._geometries.layout(geom)
-        return CacheNamespace(model, dtype_name(geom.dtype), layout, world_size, rank, salt, codec)
+        return CacheNamespace(
+            model,
+            dtype_name(geom.dtype),
+            layout,
+            world_size,
+            rank,
+            salt,
+            codec,
+            kv_cache_dtype=kv_cache_dtype,
+            group=group,
+            split=split,
+        )
 
     def chunk_keys(self, tokens: TokenIds, *, namespace: CacheNamespace | None = None) -> list[bytes]:
         """The keys of the full chunks of ``tokens`` (what tiers see)."""

@@ -56,6 +56,12 @@ class CacheNamespace:
 
     ``layout`` names the object layout (engine format and object shape); ``salt`` separates deployments (or
     tenants) that would otherwise share. The digest seeds every key, so different namespaces never collide.
+
+    The rest names the KV within a deployment, each a field of its own: ``codec``, the chunk objects' codec
+    (`kvferry.formats.CODECS`); ``kv_cache_dtype``, the engine's cache dtype where the tensors' dtype does not name
+    it (fp8 of either encoding is held in uint8 tensors; None where it would be ``kv_dtype``); ``group``, a hybrid
+    model's KV cache group (`kvferry.connector.kv_groups.KVGroup.tag`); ``split``, a part of a layer split
+    (`kvferry.formats.layer_split.LayerSplit.tag`). `key_input` hashes every field.
     """
 
     model: str
@@ -64,25 +70,50 @@ class CacheNamespace:
     world_size: int = 1
     rank: int = 0
     salt: str = ""
-    codec: str = "none"  # chunk objects' codec (`kvferry.formats.CODECS`): each codec is its own key space
+    codec: str = "none"  # each codec is its own key space
+    kv_cache_dtype: str | None = field(default=None, kw_only=True)
+    group: str | None = field(default=None, kw_only=True)
+    split: str | None = field(default=None, kw_only=True)
     digest: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("model", "kv_dtype", "layout"):
+        for name in ("model", "kv_dtype", "layout", "codec"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise ValueError(f"CacheNamespace.{name}={value!r} must be a non-empty string")
         if not isinstance(self.salt, str):
             raise TypeError(f"CacheNamespace.salt={self.salt!r} must be a string")
+        for name in ("kv_cache_dtype", "group", "split"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value or "|" in value):
+                raise ValueError(f"CacheNamespace.{name}={value!r} must be None or a non-empty string without '|'")
         if not _is_int(self.world_size) or self.world_size < 1:
             raise ValueError(f"CacheNamespace.world_size={self.world_size!r} must be an int >= 1")
         if not _is_int(self.rank) or not 0 <= self.rank < self.world_size:
             raise ValueError(f"CacheNamespace.rank={self.rank!r} must be an int in [0, {self.world_size})")
-        fields = [_KEY_SCHEMA, self.model, self.kv_dtype, self.layout, self.world_size, self.rank, self.salt]
-        if self.codec != "none":  # exact objects keep the keys they always had
-            fields.append(self.codec)
-        canonical = json.dumps(fields, separators=(",", ":")).encode()
-        object.__setattr__(self, "digest", hashlib.sha256(canonical).digest())
+        if self.kv_cache_dtype == self.kv_dtype:  # one spelling of one key space
+            object.__setattr__(self, "kv_cache_dtype", None)
+        object.__setattr__(self, "digest", hashlib.sha256(key_input(self)).digest())
+
+
+def key_input(namespace: CacheNamespace) -> bytes:
+    """The bytes a namespace's digest hashes: every field of it.
+
+    Before ``kv_cache_dtype``, ``group`` and ``split`` were fields, the connector appended them to the salt
+    (``salt|group|split|kv_cache_dtype=...``, each where set), and a codec other than ``none`` was appended to the
+    list: they are rendered the same way here, so keys that disk and Redis tiers hold from then still hit. No
+    typed field may hold a ``|``, so a rendered salt names one set of them (a deployment's own salt aside)."""
+    salt = namespace.salt
+    for tag in (namespace.group, namespace.split):
+        if tag is not None:
+            salt = f"{salt}|{tag}"
+    if namespace.kv_cache_dtype is not None:
+        salt = f"{salt}|kv_cache_dtype={namespace.kv_cache_dtype}"
+    fields = [_KEY_SCHEMA, namespace.model, namespace.kv_dtype, namespace.layout, namespace.world_size]
+    fields += [namespace.rank, salt]
+    if namespace.codec != "none":  # exact objects keep the keys they always had
+        fields.append(namespace.codec)
+    return json.dumps(fields, separators=(",", ":")).encode()
 
 
 class PrefixKeys:

@@ -1,7 +1,7 @@
 """An engine's KV with layers kept exact beside a codec, in one cache (`kvferry.formats.layer_split`).
 
-`LayerSplitKV` registers each part of the split as KV of its own: a key space of its own (the split's tag in its
-salt, its part's codec), the part's layers as views of the engine's tensors, a geometry described once. Its calls
+`LayerSplitKV` registers each part of the split as KV of its own: a key space of its own (the split's tag its
+``split``, its part's codec), the part's layers as views of the engine's tensors, a geometry described once. Its calls
 go to every part with the same tokens and block ids; a hit, a store and a retrieve count the tokens every part
 holds (the fewest), so an engine never takes a prefix one part lacks.
 """
@@ -58,7 +58,8 @@ class LayerSplitKV:
                 model,
                 self.fmt,
                 sub,
-                salt=self.split.salt(salt),
+                salt=salt,
+                split=self.split.tag or None,
                 block_size=block_size,
                 geometry=geometry,
                 codec=part.codec,

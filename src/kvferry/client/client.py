@@ -128,10 +128,10 @@ class KvferryClient:
 
         CPU tensors are moved into shared memory in place (every view keeps working); GPU tensors are shared
         by CUDA IPC handle. `namespace` holds the key-space fields the server cannot see in the tensors
-        (model name, world size, rank, salt). `heads=(first, total)`: the tensors hold heads `first ..` of the
-        model's `total` KV heads (a tensor-parallel rank); the server's objects then hold every head, each rank
-        writes and reads its slice, and engines of any parallelism share them (world size and rank are then
-        not part of the key space).
+        (`kvferry.server.requests.Deployment`: model name, world size, rank, salt, codec, kv_cache_dtype, group,
+        split). `heads=(first, total)`: the tensors hold heads `first ..` of the model's `total` KV heads (a
+        tensor-parallel rank); the server's objects then hold every head, each rank writes and reads its slice,
+        and engines of any parallelism share them (world size and rank are then not part of the key space).
         """
         storages, kv = export_kv(paged)
         args: dict[str, Any] = {

@@ -55,6 +55,7 @@ class KeySpace:
     A Mamba state's (`state_groups`) gives ``state_bytes`` and ``page_bytes`` instead of a ``width``: its rows'
     width follows the chunk size (`state_rows.row_bytes`). A tensor-parallel rank's state is a shard of its own,
     so its key space names ``world_size`` and ``rank`` (attention KV's objects hold every head: it names neither).
+    ``kv_cache_dtype``, ``group`` and ``split`` name the KV within the deployment (`CacheNamespace`'s fields).
     """
 
     model: str
@@ -69,23 +70,45 @@ class KeySpace:
     page_bytes: int = 0
     world_size: int = 1
     rank: int = 0
+    kv_cache_dtype: str | None = None
+    group: str | None = None  # `KVGroup.tag`
+    split: str | None = None  # `LayerSplit.tag`
 
     @classmethod
-    def of(cls, kv: EngineKV, *, model: str, salt: str, codec: str | None = None) -> KeySpace:
+    def of(
+        cls,
+        kv: EngineKV,
+        *,
+        model: str,
+        salt: str,
+        codec: str | None = None,
+        group: str | None = None,
+        split: str | None = None,
+    ) -> KeySpace:
         geometry = describe(kv.fmt, kv.paged, kv.block_size, heads=kv.heads)
         kv_size, num_layers, _, width = geometry.object_shape(1)  # every head's width, on any rank
         dtype = dtype_name(geometry.dtype)
-        if kv.kv_dtype != dtype:  # fp8 caches of either encoding are uint8 tensors: the encoding splits the keys
-            salt = f"{salt}|kv_cache_dtype={kv.kv_dtype}"
-        return cls(model, salt, kv.fmt.name, dtype, kv_size, num_layers, width, codec)
+        # fp8 caches of either encoding are uint8 tensors: the encoding splits the keys
+        kv_cache_dtype = kv.kv_dtype if kv.kv_dtype != dtype else None
+        return cls(
+            model, salt, kv.fmt.name, dtype, kv_size, num_layers, width, codec,
+            kv_cache_dtype=kv_cache_dtype, group=group, split=split,
+        )  # fmt: skip
 
     def namespace(self, chunk_size: int) -> CacheNamespace:
         """The key space (codec ``none`` where the server's applies: see `ServerBackend`, which leaves it out)."""
         width = row_bytes(self.state_bytes, self.page_bytes, chunk_size) if self.state_bytes else self.width
         layout = layout_name(EngineKVFormat[self.fmt], (self.kv_size, self.num_layers, chunk_size, width))
         return CacheNamespace(
-            self.model, self.kv_dtype, layout, self.world_size, self.rank, self.salt, self.codec or "none"
-        )
+            self.model, self.kv_dtype, layout, self.world_size, self.rank, self.salt, self.codec or "none",
+            kv_cache_dtype=self.kv_cache_dtype, group=self.group, split=self.split,
+        )  # fmt: skip
+
+    def tags(self) -> dict[str, str]:
+        """The fields that name the KV within the deployment, those set: what a server's key space adds to the
+        model and salt (`kvferry.server.requests.Deployment`)."""
+        named = {"kv_cache_dtype": self.kv_cache_dtype, "group": self.group, "split": self.split}
+        return {name: value for name, value in named.items() if value is not None}
 
     def fields(self) -> dict[str, Any]:
         """The fields by name, plain values: `KeySpace(**fields)` is this key space again."""

@@ -116,8 +116,8 @@ class ServerBackend:
         assert chunk_size is not None  # the link is up, so the server told it
         if chunk_size not in self._namespaces:
             namespace = self.key_space.namespace(chunk_size)
-            names = ("model", "kv_dtype", "layout", "world_size", "rank", "salt")
-            fields = {name: getattr(namespace, name) for name in names}
+            names = ("model", "kv_dtype", "layout", "world_size", "rank", "salt", "kv_cache_dtype", "group", "split")
+            fields = {name: getattr(namespace, name) for name in names if getattr(namespace, name) is not None}
             if self.key_space.codec is not None:  # else the server's cache.codec, as for the registration
                 fields["codec"] = self.key_space.codec
             self._namespaces[chunk_size] = fields

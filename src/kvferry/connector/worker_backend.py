@@ -47,12 +47,11 @@ def make_worker_backend(
     mode they share one cache ``engine`` (the first group's backend's). ``codec``: the objects' (None: embedded
     mode's config, server mode the server's); one the KV cannot take refuses to start, saying why. A part of a
     layer split (`layer_parts`) gives its codec and the split's tag."""
-    salt = settings.salt
-    for tag in (group_tag, split_tag):  # the deployment's salt, then the tags of the KV's group and layer part
-        salt = f"{salt}|{tag}" if tag else salt
     if codec is not None:  # refused here, before any server is asked, with the reason
         with_codec(describe(kv.fmt, kv.paged, kv.block_size, heads=kv.heads), codec)
-    key_space = KeySpace.of(kv, model=model, salt=salt, codec=codec)
+    key_space = KeySpace.of(
+        kv, model=model, salt=settings.salt, codec=codec, group=group_tag or None, split=split_tag or None
+    )
 
     def check_chunk_size(chunk_size: int) -> None:
         settings.check_chunk_size(chunk_size, block_size)
@@ -60,7 +59,7 @@ def make_worker_backend(
             on_chunk_size(chunk_size)
 
     if settings.mode == "server":
-        deployment = {"model": key_space.model, "salt": key_space.salt}
+        deployment = {"model": key_space.model, "salt": key_space.salt, **key_space.tags()}
         if codec is not None:
             deployment["codec"] = codec
         link = ServerLink(
@@ -94,6 +93,9 @@ def make_worker_backend(
         salt=key_space.salt,
         block_size=kv.block_size,
         codec=codec,
+        kv_cache_dtype=key_space.kv_cache_dtype,
+        group=key_space.group,
+        split=key_space.split,
     )
     return EmbeddedBackend(engine, kv, namespace, key_space)
 
@@ -139,11 +141,10 @@ def make_state_backend(
             codec="none",
         )  # fmt: skip
     rank, world_size = tp
-    salt = f"{settings.salt}|{group_tag}"  # as `make_worker_backend` tags a group's key space
     fmt = EngineKVFormat.NL_X_NB_NH_BS_CS  # `state_kv`'s: one [blocks, 1, chunk, row bytes] uint8 tensor a layer
     key_space = KeySpace(
         model=model,
-        salt=salt,
+        salt=settings.salt,
         fmt=fmt.name,
         kv_dtype="uint8",
         kv_size=1,
@@ -154,8 +155,9 @@ def make_state_backend(
         page_bytes=views.page_bytes,
         world_size=world_size,
         rank=rank,
+        group=group_tag,
     )
-    deployment: dict[str, str | int] = {"model": model, "salt": salt, "codec": "none"}
+    deployment: dict[str, str | int] = {"model": model, "salt": settings.salt, "codec": "none", "group": group_tag}
     deployment.update(world_size=world_size, rank=rank)
 
     def register(client: KvferryClient) -> int:

@@ -2,9 +2,9 @@
 
 A `LayerSplit` is data: the engine's layers in parts, each with the codec of its objects (the exact layers' part
 ``none``, the others the codec asked for). Each part is KV of its own, as a hybrid model's KV cache groups are
-(`kvferry.connector.kv_groups`): its own objects, geometry and key space, the split's `tag` in the key
-space's salt, so a part never shares a key with an unsplit key space of the model (exact or coded) nor with another
-split's. A hit is the longest prefix every part holds.
+(`kvferry.connector.kv_groups`): its own objects, geometry and key space, the split's `tag` its key space's
+``split`` (`kvferry.cache.CacheNamespace`), so a part never shares a key with an unsplit key space of the model
+(exact or coded) nor with another split's. A hit is the longest prefix every part holds.
 
 Why parts, not a per-layer flag inside one object: an exact layer's row is twice as wide as a coded one, which the
 uniform object rows (`[kv, NL, chunk, W]`), the copy kernels, the pool, the tiers and the key spaces of tensor-
@@ -38,10 +38,6 @@ class LayerSplit:
 
     parts: tuple[LayerPart, ...]
     tag: str
-
-    def salt(self, salt: str) -> str:
-        """A part's key-space salt: the deployment's, then the split's tag."""
-        return f"{salt}|{self.tag}" if self.tag else salt
 
 
 def layer_split(num_layers: int, codec: str, exact_layers: Sequence[int] = ()) -> LayerSplit:

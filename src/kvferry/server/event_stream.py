@@ -27,11 +27,11 @@ from typing import Any
 
 import zmq
 
-from kvferry.cache import CacheEngine
 from kvferry.cache.event_hooks import EventSource
 from kvferry.cache.event_queue import EventQueue
 from kvferry.cache.events import Record, encode_batch
 from kvferry.config import ServerConfig
+from kvferry.server.cache_service import CacheService
 from kvferry.stopping import join_thread
 
 log = logging.getLogger("kvferry.server")
@@ -44,7 +44,7 @@ class EventStream:
 
     def __init__(
         self,
-        engine: CacheEngine,
+        engine: CacheService,
         config: ServerConfig,
         ctx: zmq.Context[Any],
         *,

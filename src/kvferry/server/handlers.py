@@ -15,9 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvferry.cache import CacheEngine, CacheNamespace
+from kvferry.cache import CacheNamespace
 from kvferry.formats import EngineKVFormat, describe, with_codec
 from kvferry.protocol.messages import ErrorCode, Op, ProtocolError, unpack_ids
+from kvferry.server.cache_service import CacheService
 from kvferry.server.client_events import open_client_events
 from kvferry.server.done_signal import DoneFlags
 from kvferry.server.kv_mapping import map_kv, map_shared
@@ -68,7 +69,7 @@ class RequestHandlers:
 
     def __init__(
         self,
-        engine: CacheEngine,
+        engine: CacheService,
         sessions: SessionTable,
         *,
         hello: dict[str, Any],
@@ -149,6 +150,9 @@ class RequestHandlers:
                 block_size=args.block_size,
                 geometry=geometry,
                 codec=deployment.codec,
+                kv_cache_dtype=deployment.kv_cache_dtype,
+                group=deployment.group,
+                split=deployment.split,
             )
             if kv.device.type == "cuda":  # its kernels compiled now: no transfer of the registration pays for it
                 prepare_gpu(with_codec(geometry, namespace.codec))

@@ -58,6 +58,10 @@ class TensorView(_Args):
     dtype: str
 
 
+# A name within a deployment's key space (`kvferry.cache.CacheNamespace`): never empty, never a '|'.
+KeyTag = Annotated[str, Field(min_length=1, pattern=r"^[^|]+$")]
+
+
 class Deployment(_Args):
     """The key-space fields a registration cannot read off its tensors (dtype and layout it can)."""
 
@@ -66,6 +70,9 @@ class Deployment(_Args):
     rank: NonNegative = 0
     salt: str = ""
     codec: Literal["none", "fp8"] | None = None  # the chunk objects' codec; None: the server's `cache.codec`
+    kv_cache_dtype: KeyTag | None = None  # the engine's cache dtype where the tensors' does not name it (fp8)
+    group: KeyTag | None = None  # a hybrid model's KV cache group
+    split: KeyTag | None = None  # a part of a layer split
 
 
 class Namespace(Deployment):

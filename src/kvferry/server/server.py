@@ -25,7 +25,6 @@ import zmq
 from prometheus_client import generate_latest
 from zmq.utils.monitor import parse_monitor_message
 
-from kvferry.cache import CacheEngine
 from kvferry.config import SecurityConfig, ServerConfig
 from kvferry.protocol.messages import (
     PROTOCOL_VERSION,
@@ -35,6 +34,7 @@ from kvferry.protocol.messages import (
     encode_error,
 )
 from kvferry.server.auth import RequestAuth, check_exposure
+from kvferry.server.cache_service import CacheService
 from kvferry.server.event_stream import EventStream
 from kvferry.server.handlers import RequestHandlers
 from kvferry.server.health import TierWatch, tier_health
@@ -59,7 +59,7 @@ class KvferryServer:
     def __init__(
         self,
         config: ServerConfig,
-        engine: CacheEngine,
+        engine: CacheService,
         *,
         security: SecurityConfig | None = None,
         clock: Callable[[], float] = time.monotonic,

@@ -23,9 +23,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from kvferry.cache import CacheEngine
 from kvferry.cache.steps import Finished, Steps, finish_steps, first_step, run_steps
 from kvferry.protocol.messages import ErrorCode, ProtocolError, unpack_ids
+from kvferry.server.cache_service import CacheTransfers
 from kvferry.server.client_events import open_client_event
 from kvferry.server.requests import TransferArgs
 from kvferry.server.sessions import Registration, Session, SessionTable
@@ -76,7 +76,7 @@ class FinishOnce:
 
 
 class Transfers:
-    def __init__(self, engine: CacheEngine, sessions: SessionTable) -> None:
+    def __init__(self, engine: CacheTransfers, sessions: SessionTable) -> None:
         self._engine = engine
         self._sessions = sessions
 
