@@ -25,8 +25,9 @@ _Z85_KEY_CHARS = 40  # a 32-byte CURVE key, Z85-encoded
 
 class NamespaceGrant(BaseModel):
     """A key space a tenant may use: a model's name and a salt, as its engines name them (the connector's
-    ``model_id`` and ``salt``). Derived salts (``salt|...``: an fp8 cache's encoding, a codec's layer split) are
-    the same deployment's and allowed with it."""
+    ``model_id`` and ``salt``). The typed parts of a key space (an fp8 cache's encoding, a hybrid model's group, a
+    layer split) are the same deployment's and allowed with it; a requested salt is judged by its part before any
+    ``|`` (what the typed parts are hashed after)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
