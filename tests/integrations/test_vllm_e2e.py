@@ -30,6 +30,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.integrations.shm import in_use_elsewhere
+
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.vllm,
@@ -383,9 +385,10 @@ def group_pids(pgid: int) -> set[int]:
 
 
 def left_behind(before: set[str], pids: set[int]) -> set[str]:
-    """/dev/shm entries made since `before` that are not another process's: torch names carry their maker's pid
-    (other test runs on the machine make their own); Python's named semaphores are unlinked as they are made."""
-    new = shm_entries() - before
+    """/dev/shm entries made since `before` that are not another process's: torch names carry their maker's pid,
+    and an entry a live process holds is its own (the ended engine's processes are gone); Python's named semaphores
+    are unlinked as they are made."""
+    new = shm_entries() - before - in_use_elsewhere()
     return {
         e for e in new if not e.startswith("sem.") and not (e.startswith("torch_") and int(e.split("_")[1]) not in pids)
     }

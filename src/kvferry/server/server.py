@@ -12,6 +12,7 @@ stopped. A request is not started after its deadline, nor for a session the serv
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import socket
@@ -120,55 +121,46 @@ class KvferryServer:
             http_token = self.security.http_token_value()
         except ValueError as exc:
             raise ServerStartError(str(exc)) from None
-        if self.security.curve:
-            self._auth = RequestAuth(self._ctx, self.security)
-        router = self._ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
-        # Frames up to twice the limit are read and answered TOO_LARGE; beyond that ZMQ drops the connection
-        # rather than buffer an unbounded frame.
-        router.setsockopt(zmq.MAXMSGSIZE, 2 * self.config.max_message_bytes)
-        if self._auth is not None:
-            self._auth.secure(router)
         host = self.config.host
-        try:
+        with contextlib.ExitStack() as undo:  # what is open so far, closed again when a later listener fails
+            if self.security.curve:
+                self._auth = RequestAuth(self._ctx, self.security)
+                undo.callback(self._close_auth)
+            router = self._ctx.socket(zmq.ROUTER)
+            undo.callback(router.close, linger=0)
+            router.setsockopt(zmq.LINGER, 0)
+            # Frames up to twice the limit are read and answered TOO_LARGE; beyond that ZMQ drops the connection
+            # rather than buffer an unbounded frame.
+            router.setsockopt(zmq.MAXMSGSIZE, 2 * self.config.max_message_bytes)
+            if self._auth is not None:
+                self._auth.secure(router)
             self.port, unix_listener = bind_clients(router, self.config, self.security)
-        except ServerStartError:
-            router.close(linger=0)
-            self._close_auth()
-            raise
-        if unix_listener is not None:
-            self.ipc_endpoint = f"ipc://{self.config.ipc_path}"
-        if self.config.http_port is not None:
-            try:
-                self._http = HttpSidePort(
-                    host,
-                    self.config.http_port,
-                    health=self.health,
-                    metrics=self.prometheus_text,
-                    stats=self.stats,
-                    token=http_token,
-                )
-            except OSError as exc:
-                router.close(linger=0)
-                self._close_auth()
-                if unix_listener is not None:
-                    unix_listener.close()
-                reason = exc.strerror or str(exc)
-                raise ServerStartError(f"cannot serve HTTP on {host}:{self.config.http_port}: {reason}") from exc
-            self.http_port = self._http.port
-        if self.config.events_port is not None:
-            try:
+            if unix_listener is not None:
+                undo.callback(unix_listener.close)
+                self.ipc_endpoint = f"ipc://{self.config.ipc_path}"
+            if self.config.http_port is not None:
+                try:
+                    self._http = HttpSidePort(
+                        host,
+                        self.config.http_port,
+                        health=self.health,
+                        metrics=self.prometheus_text,
+                        stats=self.stats,
+                        token=http_token,
+                    )
+                except OSError as exc:
+                    reason = exc.strerror or str(exc)
+                    raise ServerStartError(f"cannot serve HTTP on {host}:{self.config.http_port}: {reason}") from exc
+                undo.callback(lambda http: http.close(time.monotonic() + STOP_TIMEOUT_S), self._http)
+                self.http_port = self._http.port
+            if self.config.events_port is not None:
                 secure = self._auth.secure if self._auth is not None else None
-                self._events = EventStream(self.engine, self.config, self._ctx, secure=secure)
-            except zmq.ZMQError as exc:
-                router.close(linger=0)
-                self._close_auth()
-                if unix_listener is not None:
-                    unix_listener.close()
-                if self._http is not None:
-                    self._http.close(time.monotonic() + STOP_TIMEOUT_S)
-                raise ServerStartError(f"cannot publish KV events on {host}: {exc}") from exc
-            self.events_port, self.events_replay_port = self._events.port, self._events.replay_port
+                try:
+                    self._events = EventStream(self.engine, self.config, self._ctx, secure=secure)
+                except zmq.ZMQError as exc:
+                    raise ServerStartError(f"cannot publish KV events on {host}: {exc}") from exc
+                self.events_port, self.events_replay_port = self._events.port, self._events.replay_port
+            undo.pop_all()
         monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         replies_in = self._ctx.socket(zmq.PULL)
         replies_in.bind(self._reply_addr)
