@@ -55,6 +55,7 @@ from kvferry.integrations.vllm.scheduler_side import (
     GroupedSchedulerSide,
     SchedulerSide,
     ServerLookups,
+    loads_in_background,
     scheduler_side_for,
     server_lookups,
 )
@@ -362,7 +363,7 @@ class KvferryConnector(SleepModeHooks, KVConnectorBase_V1, SupportsHMA):
         self._handshake = KvferryHandshake(hybrid.key_spaces[0], hybrid.key_spaces)
         self._worker = hybrid.worker
         log.info("%s", hybrid_worker.describe(self._settings, kvs, self._groups, hybrid.lookups.chunk_size))
-        if not self._settings.async_load and len(self._groups) > 1:
+        if not self._settings.async_load and loads_in_background(self._settings, self._groups):
             log.warning(
                 "kvferry: async_load is false, but a model of several KV cache groups loads in the background: "
                 "vLLM takes such a model's failed load only from a load it waits for"
