@@ -55,7 +55,8 @@ class CacheConfig(BaseModel):
     tier_write: Literal["on_evict", "on_store"] = Field(
         "on_evict",
         description="on_evict: evicted objects are written to the first tier (write-behind); "
-        "on_store: every stored object is written to every tier right after the store (shared tiers)",
+        "on_store: every stored object is written to every tier right after the store (what a tier shared between "
+        "nodes, Redis or Mooncake, needs for other nodes to find it)",
     )
     spill_wait_s: float = Field(
         1.0, ge=0, description="how long a store may wait for evicted objects' tier writes to free pool memory"
@@ -236,7 +237,8 @@ class KvferryConfig(BaseModel):
     tiers: list[str] = Field(
         default_factory=list,
         description="storage tiers below the host pool, searched in order: disk:/var/cache/kvferry?size=200GB, "
-        "redis://host:6379/0, valkey+cluster://host:port,... (a JSON list or comma-separated in KVFERRY_TIERS)",
+        "redis://host:6379/0, valkey+cluster://host:port,..., mooncake://host:50051?metadata=http://host:8080/metadata "
+        "(a JSON list or comma-separated in KVFERRY_TIERS; docs/mooncake.md)",
     )
     server: ServerConfig = Field(default_factory=ServerConfig)
     security: SecurityConfig = Field(default_factory=SecurityConfig)

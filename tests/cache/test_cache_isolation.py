@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvferry.cache import CacheEngine, writer
+from kvferry.cache import CacheEngine, reader, writer
 from kvferry.config import KvferryConfig
 from kvferry.formats.kinds import EngineKVFormat as F
 from tests.cache.cachekit import (
@@ -59,7 +59,14 @@ def test_a_store_refused_for_its_block_ids_evicts_nothing() -> None:
         assert engine.stats()["skipped_chunks"] == 0
 
 
-def test_every_request_checks_its_block_ids_whether_or_not_it_copies() -> None:
+@pytest.mark.parametrize("checked_by", ["cache", "copy"])
+def test_every_request_checks_its_block_ids_whether_or_not_it_copies(
+    checked_by: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``copy``: a retrieve leaves the check of its ids to the copy (`PendingBlockIds`, as on a GPU engine, whose
+    first DMAs into staging then go first): the same refusals, hit or miss, and a refused hit lets its chunks go."""
+    if checked_by == "copy":
+        monkeypatch.setattr(reader, "copies_in_background", lambda geom, pool: True)
     src = make_paged(FMT, NB)
     cached = random_tokens(2 * CHUNK, 7)
     with _full_engine(src) as engine:
@@ -72,9 +79,16 @@ def test_every_request_checks_its_block_ids_whether_or_not_it_copies() -> None:
             engine.retrieve(random_tokens(2 * CHUNK, 8), src, out_of_range, FMT)
         with pytest.raises(ValueError, match="repeats a block"):
             engine.retrieve(random_tokens(2 * CHUNK, 8), src, [1, 2, 3, 1], FMT)
+        with pytest.raises(ValueError, match="is outside the"):  # a hit
+            engine.retrieve(cached, src, out_of_range, FMT)
+        with pytest.raises(ValueError, match="repeats a block"):
+            engine.retrieve(cached, src, [1, 2, 3, 1], FMT)
+        assert engine.retrieve(cached, src, random_blocks(4, 3), FMT) == 2 * CHUNK
         # Blocks before the copy's first one (a retrieve's skipped prefix) are the engine's own business.
         assert engine.retrieve(cached, src, [NB + 9, 5, 6, 7], FMT, skip_prefix_tokens=BS) == 2 * CHUNK - BS
-        assert engine.stats()["retrieves"] == 1 and engine.stats()["stores"] == POOL_OBJECTS + 1  # refused: uncounted
+        assert engine.stats()["retrieves"] == 2 and engine.stats()["stores"] == POOL_OBJECTS + 1  # refused: uncounted
+        engine.clear()  # a refused hit held no chunk: every object's memory goes back
+        assert engine.stats()["pool_used_bytes"] == 0
 
 
 def test_tokens_and_block_ids_of_the_wrong_kind_are_named() -> None:

@@ -129,6 +129,8 @@ def test_server_engines(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None
         (["tiers", "--dir", "/nonexistent/kvferry"], "--dir"),
         (["tiers", "--redis-url", "redis://127.0.0.1:1"], "--redis-url"),
         (["tiers", "--redis-url", "http://x"], "--redis-url"),
+        (["tiers", "--mooncake", "redis://127.0.0.1:1"], "--mooncake"),
+        (["tiers", "--mooncake", "mooncake://127.0.0.1:1"], "--mooncake"),
         (["server", "--transfers", "0"], "--transfers"),
         (["server", "--pool-gb", "0"], "--pool-gb"),
         (["server", "--curve", "--ipc"], "--curve"),

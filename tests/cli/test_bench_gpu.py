@@ -12,6 +12,7 @@ import torch
 
 from kvferry.bench.gpu_transfer_bench import planned_steps
 from kvferry.bench.vllm_connector_path import ConnectorPath
+from kvferry.bench.vllm_gpu_bench import MODES
 from kvferry.bench.vllm_gpu_steps import STEPS, summary
 from kvferry.bench.vllm_page_dma import PageDMA
 from kvferry.bench.vllm_views import BENCH_CASES
@@ -84,10 +85,11 @@ VLLM_PAGES = {"LBHNC": (256 * 32, 64), "LBNHC": (256 * 32, 64), "BLHNC": (256, 3
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_vllm_gpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """Both modes, every case; each figure from its own samples, every load checked, vLLM's page DMA beside."""
+    """Every mode (embedded, server over TCP and over its Unix socket), every case; each figure from its own samples,
+    every load checked, vLLM's page DMA beside."""
     doc, progress = run_bench(monkeypatch, tmp_path, "vllm-gpu", "--repeats", "2", "--no-gemm")
     rows = doc["results"]["rows"]
-    assert [(r["mode"], r["case"]) for r in rows] == [(m, c.name) for m in ("embedded", "server") for c in BENCH_CASES]
+    assert [(r["mode"], r["case"]) for r in rows] == [(m, c.name) for m in MODES for c in BENCH_CASES]
     assert progress.done == [f"{r['mode']}: {r['case']}" for r in rows]
     for r in rows:
         assert r["checked_rounds"] == 3
@@ -100,6 +102,20 @@ def test_vllm_gpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
             for op, memcpy in (("store", "d2h"), ("load", "h2d")):
                 assert r[f"{path}{op}_ratio"] == pytest.approx(r[f"{memcpy}_memcpy_us"] / r[f"{path}{op}_us"])
                 assert 0 < r[f"{path}{op}_ratio"] < 1.5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_vllm_gpu_over_driver_mapped_kv(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """--vmm: the KV as vLLM 0.34's extensible cache allocates it, the server mapping it by file descriptor."""
+    doc, _ = run_bench(monkeypatch, tmp_path, "vllm-gpu", "--repeats", "2", "--no-gemm", "--vmm")
+    assert doc["config"]["vmm"] is True
+    rows = doc["results"]["rows"]
+    modes = ("embedded", "server ipc")  # descriptors pass over the Unix socket only
+    assert [(r["mode"], r["case"]) for r in rows] == [(m, c.name) for m in modes for c in BENCH_CASES]
+    for r in rows:
+        assert r["checked_rounds"] == 3
+        assert 0 < r["store_ratio"] < 1.5 and 0 < r["load_ratio"] < 1.5
 
 
 def _load_into_rotated_blocks(path: ConnectorPath) -> None:

@@ -287,6 +287,16 @@ def test_vllm_page_dma_descriptors_move_the_blocks(name: str) -> None:
         check.verify("the simulated page DMA, one page short")
 
 
+def test_replay_lays_the_views_over_the_memory_it_is_given() -> None:
+    """--vmm's way in: vLLM's buffer is the given (driver-mapped) memory, the recorded views over it."""
+    fixture = load_fixtures()[0]
+    given = torch.zeros(fixture["raw_bytes"] + 4096, dtype=torch.uint8)
+    raw, views = replay(fixture, "cpu", allocate=lambda nbytes: given)
+    assert raw.data_ptr() == given.data_ptr() and raw.numel() == fixture["raw_bytes"]
+    assert all(view.untyped_storage().data_ptr() == given.data_ptr() for view in views.values())
+    assert bool(given[: fixture["raw_bytes"]].any()) and not bool(given[fixture["raw_bytes"] :].any())
+
+
 def test_vllm_page_dma_refuses_blocks_that_are_not_pages() -> None:
     """Heads outside blocks (LHBNC): a block is neither one run per layer nor every layer's together."""
     fixture = SMALL["FLASH_ATTN-LHBNC-bfloat16-L4H2D64-bs16"]

@@ -7,16 +7,19 @@ configuration (it would then serve); a benchmark parses its flags and passes its
 sizes: tests/cli/test_bench_*.py), which on a machine without CUDA may only refuse it for that; the vLLM commands
 go through vLLM's own argument parser and the connector they name loads with its extra config; the example script
 runs; a benchmark module (`python -m kvferry.bench.X`) shows its help with the flags given; install commands name
-extras pyproject.toml has; CI scripts, test driver scripts and test paths exist.
+extras pyproject.toml has; Mooncake's servers are on the path where its extra is installed; CI scripts, test driver
+scripts and test paths exist.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -29,6 +32,7 @@ from kvferry.bench import BenchError
 from kvferry.cli.bench_cmd import BENCHMARKS
 from kvferry.cli.main import build_parser, chosen_benchmark, main
 from kvferry.connector.settings import ConnectorSettings
+from kvferry.integrations.sglang.storage_settings import storage_settings
 from kvferry.server.app import config_from_args
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -150,6 +154,18 @@ def _check_vllm(words: list[str]) -> None:
     ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
 
 
+def _check_sglang(page: str, words: list[str]) -> None:
+    """An SGLang launch: its kvferry extra config loads as kvferry's settings and names kvferry's backend class.
+    Its flags go through SGLang's own parser in tests/integrations/sglang_hicache_checks.py (docs/sglang.md's
+    commands only: SGLang takes seconds to import)."""
+    assert page == "docs/sglang.md", f"{page}: SGLang commands go in docs/sglang.md, whose flags SGLang's parser checks"
+    extra = json.loads(words[words.index("--hicache-storage-backend-extra-config") + 1])
+    storage_settings(extra)
+    spec = importlib.util.find_spec(extra["module_path"])
+    assert spec is not None and spec.origin is not None, extra["module_path"]
+    assert f"class {extra['class_name']}(" in Path(spec.origin).read_text(), extra
+
+
 def _check_pip(words: list[str]) -> None:
     if words[1] == "uninstall":
         return
@@ -172,6 +188,8 @@ def test_the_command_runs_as_written(
     elif words[:2] == ["python3", "-m"] and words[2] == "kvferry.cli":
         assert env.get("PYTHONPATH") == "src"  # run from the repository root, without installing
         _check_kvferry(words[3:], capsys)
+    elif words[2:3] == ["sglang.launch_server"]:
+        _check_sglang(page, words)
     elif words[0] == "vllm" or words[2:3] == ["vllm.entrypoints.openai.api_server"]:
         _check_vllm(words)
     elif words[:2] == ["python", "examples/make_tiny_model.py"]:
@@ -182,6 +200,10 @@ def test_the_command_runs_as_written(
         assert (out / "config.json").exists() and (out / "tokenizer.json").exists()
     elif words[0] == "pip":
         _check_pip(words)
+    elif words[0] in ("mooncake_master", "mooncake_http_metadata_server"):
+        if importlib.util.find_spec("mooncake") is None:
+            pytest.skip("needs the mooncake extra")
+        assert shutil.which(words[0]), f"{words[0]} is not on PATH (the mooncake extra installs it)"
     elif words[0] == "bash" or words[0].startswith(".ci/"):  # a CI script: it exists, runs, and its paths do too
         script = words[1] if words[0] == "bash" else words[0]
         assert (ROOT / script).exists() and (words[0] == "bash" or os.access(ROOT / script, os.X_OK))

@@ -5,8 +5,9 @@ embedded (a miss, a hit, a hit with the loaded KV corrupted, a hit whose load fa
 per dtype; a 2 MiB pool over a disk tier serving a batch; two that share one kvferry server (the second in vLLM's
 usual multiprocess layout); a tensor-parallel engine (TP=2) and whole ones sharing prefixes through the
 server; one that starts before its server and outlives it; engines ended by SIGINT and SIGKILL;
-and one that must refuse a chunk size that is not a multiple of vLLM's block size. vLLM's own prefix cache is off,
-so every reused token comes from kvferry. Finally the objects kvferry stored (read back from its disk tier) are
+and one that must refuse a chunk size that is not a multiple of vLLM's block size. The pool's engine publishes KV
+events (--kv-events-config): what it announces for kvferry is checked against the prompts. vLLM's own prefix cache
+is off, so every reused token comes from kvferry. Finally the objects kvferry stored (read back from its disk tier) are
 checked against K (after RoPE) and V computed from the weights.
 """
 
@@ -317,6 +318,32 @@ def test_a_tiny_pool_over_disk_serves_a_batch_without_failing_a_request(
         assert run["tokens"] == expected
     assert sum(report["runs"][-1]["cached"]) > 0  # later batches were served by kvferry, from the pool or disk
     assert_no_leak(report)
+    assert_kv_events_name_the_prompts_blocks(report["kv_events"], json.loads((workdir / "prompts.json").read_text()))
+
+
+def assert_kv_events_name_the_prompts_blocks(events: list[dict[str, Any]], prompts: dict[str, Any]) -> None:
+    """What vLLM published for kvferry (--kv-events-config, decoded with vLLM's classes): each block announced in
+    the pool (CPU) holds a batch prompt's tokens at its place (followed through its parent hashes); each block's
+    stays in a medium alternate stored, removed (a removal once); the 2 MiB pool evicted and spilled to disk."""
+    tokens: dict[Any, list[int]] = {}
+    parent: dict[Any, Any] = {}
+    last: dict[tuple[Any, str], str] = {}
+    for event in events:
+        for i, h in enumerate(event["hashes"]):
+            assert last.get((h, event["medium"]), "BlockRemoved") != event["type"], (h, event)
+            last[h, event["medium"]] = event["type"]
+            if event["type"] == "BlockStored" and event["medium"] == "CPU":
+                assert event["block_size"] == VLLM_BLOCK
+                tokens[h] = event["tokens"][i * VLLM_BLOCK : (i + 1) * VLLM_BLOCK]
+                parent[h] = event["hashes"][i - 1] if i else event["parent"]
+    assert tokens and {e["medium"] for e in events} == {"CPU", "STORAGE"}
+    assert any(e["type"] == "BlockRemoved" and e["medium"] == "CPU" for e in events)
+    for h in tokens:
+        prefix: list[int] = []
+        while h is not None:
+            prefix[:0] = tokens[h]
+            h = parent[h]
+        assert any(p[: len(prefix)] == prefix for p in prompts["batch"]), prefix[:8]
 
 
 def test_a_chunk_that_is_not_whole_blocks_is_refused_at_start(workdir: Path, model_dir: Path) -> None:

@@ -17,13 +17,14 @@ RELEASES = Path(os.environ.get("KVF_TEST_VLLM_RELEASES", ROOT / ".vllm-releases"
 # CI fetches the releases first (.ci/run) and sets this: a release missing there is a failure, not a skip.
 REQUIRED = os.environ.get("KVF_TEST_VLLM_RELEASES_REQUIRED") == "1"
 # What runs per release (one child pytest each, ~1 min on 2 cores): the connector under the release's scheduler
-# (`test_vllm_sim`), how kvferry reads the release (`test_vllm_versions`), and the tests of kvferry's reading of its
-# configs and KV cache specs.
+# (`test_vllm_sim`), how kvferry reads the release (`test_vllm_versions`), the tests of kvferry's reading of its
+# configs and KV cache specs, and kvferry's blocks in its KV events (whose classes gain fields between releases).
 TESTS = [
     "tests/integrations/test_vllm_sim.py",
     "tests/integrations/test_vllm_versions.py",
     "tests/integrations/test_vllm_state_settings.py",
     "tests/integrations/test_vllm_hybrid.py::test_groups_are_read_off_vllms_specs_and_mamba_is_refused",
+    "tests/integrations/test_vllm_kv_events.py::test_embedded_kvferry_blocks_reach_vllms_kv_events",
 ]
 
 pytestmark = pytest.mark.vllm

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from kvferry.connector.settings import ConnectorSettings
+from kvferry.cuda.vmm import fd_export_unavailable_reason
+from kvferry.integrations.vllm import kv_access
 from kvferry.integrations.vllm.chunk_choice import chunk_size_for, follow_block_size
 from kvferry.integrations.vllm.kv_access import kv_cache_access
 from kvferry.integrations.vllm.kv_layout import refused_cache_dtype
@@ -76,14 +78,54 @@ class _TransferConfig:
         self.kv_connector_extra_config = extra
 
 
-def test_server_mode_declares_legacy_ipc_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
+def test_server_mode_declares_exports_fd_over_the_unix_socket_where_descriptors_pass(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(kv_access, "fd_export_unavailable_reason", lambda: None)
+    unix = {"mode": "server", "server_url": "ipc:///run/kvferry.sock"}
     with caplog.at_level(logging.INFO, logger="kvferry"):
+        assert str(kv_cache_access(_TransferConfig(unix))).endswith("EXPORTS_FD")
+    assert not [r for r in caplog.records if r.name.startswith("kvferry")]
+    with caplog.at_level(logging.INFO, logger="kvferry"):  # descriptors cannot cross TCP
         assert str(kv_cache_access(_TransferConfig({"mode": "server"}))).endswith("LEGACY_IPC")
-    assert any("extensible KV cache is off" in r.getMessage() for r in caplog.records)
-    assert str(kv_cache_access(_TransferConfig(None))).endswith("IN_PROCESS")
-    assert str(kv_cache_access(_TransferConfig({"mode": "embedded"}))).endswith("IN_PROCESS")
+    assert any("tcp://127.0.0.1:5555" in r.getMessage() and "extensible KV cache is off" in r.getMessage()
+               for r in caplog.records)  # fmt: skip
+
+
+def test_server_mode_falls_back_to_legacy_ipc_where_the_platform_cannot_export_and_says_why(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(kv_access, "fd_export_unavailable_reason", lambda: "this CUDA driver lacks cuMemMap")
+    unix = {"mode": "server", "server_url": "ipc:///run/kvferry.sock"}
+    with caplog.at_level(logging.INFO, logger="kvferry"):
+        assert str(kv_cache_access(_TransferConfig(unix))).endswith("LEGACY_IPC")
+    assert any("lacks cuMemMap" in r.getMessage() for r in caplog.records)
+
+
+def test_server_mode_shares_by_legacy_ipc_when_the_setting_asks(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(kv_access, "fd_export_unavailable_reason", lambda: None)
+    extra = {"mode": "server", "server_url": "ipc:///run/kvferry.sock", "legacy_ipc": True}
+    with caplog.at_level(logging.INFO, logger="kvferry"):
+        assert str(kv_cache_access(_TransferConfig(extra))).endswith("LEGACY_IPC")
+    assert any("legacy_ipc is set" in r.getMessage() for r in caplog.records)
+
+
+def test_embedded_mode_declares_in_process_whatever_the_platform(monkeypatch: pytest.MonkeyPatch) -> None:
+    for reason in (None, "no driver"):
+        monkeypatch.setattr(kv_access, "fd_export_unavailable_reason", lambda reason=reason: reason)
+        assert str(kv_cache_access(_TransferConfig(None))).endswith("IN_PROCESS")
+        assert str(kv_cache_access(_TransferConfig({"mode": "embedded"}))).endswith("IN_PROCESS")
     with pytest.raises(ValueError, match="mode"):
         kv_cache_access(_TransferConfig({"mode": "elsewhere"}))
+
+
+def test_this_machine_s_answer_is_the_platform_check_s() -> None:
+    """No stand-in: the real check (Linux, libcuda's VMM export calls) decides."""
+    unix = {"mode": "server", "server_url": "ipc:///run/kvferry.sock"}
+    expected = "EXPORTS_FD" if fd_export_unavailable_reason() is None else "LEGACY_IPC"
+    assert str(kv_cache_access(_TransferConfig(unix))).endswith(expected)
 
 
 @pytest.mark.skipif(not (VLLM_034 / "vllm").is_dir(), reason="vLLM 0.34's sources are not unpacked here")
@@ -94,10 +136,11 @@ import json, sys
 sys.path[:0] = [{str(VLLM_034)!r}, {str(SRC)!r}]
 from vllm.config.kv_transfer import KVCacheAccess, KVTransferConfig
 from kvferry.integrations.vllm.kv_access import kv_cache_access
-answers = {{}}
-for mode in ("server", "embedded"):
-    config = KVTransferConfig(kv_connector="KvferryConnector", kv_role="kv_both",
-                              kv_connector_extra_config={{"mode": mode}})
+from kvferry.cuda.vmm import fd_export_unavailable_reason
+answers = {{"exports": fd_export_unavailable_reason() is None}}
+for mode, url in (("server", "tcp://127.0.0.1:5555"), ("server_unix", "ipc:///run/k.sock"), ("embedded", "")):
+    extra = {{"mode": mode.removesuffix("_unix"), **({{"server_url": url}} if url else {{}})}}
+    config = KVTransferConfig(kv_connector="KvferryConnector", kv_role="kv_both", kv_connector_extra_config=extra)
     access = kv_cache_access(config)
     answers[mode] = [type(access).__name__, access.name, KVCacheAccess.LEGACY_IPC in access]
 print(json.dumps(answers))
@@ -105,7 +148,9 @@ print(json.dumps(answers))
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     answers = json.loads(proc.stdout.strip().splitlines()[-1])
+    unix = ["KVCacheAccess", "EXPORTS_FD", False] if answers.pop("exports") else ["KVCacheAccess", "LEGACY_IPC", True]
     assert answers == {
         "server": ["KVCacheAccess", "LEGACY_IPC", True],
+        "server_unix": unix,
         "embedded": ["KVCacheAccess", "IN_PROCESS", False],
     }

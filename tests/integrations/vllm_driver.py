@@ -59,7 +59,7 @@ def force_isa(isa: str) -> None:
     cpu_attn._get_attn_isa = lambda *args, **kwargs: isa
 
 
-def make_llm(model: str, extra: dict[str, Any] | None, dtype: str, tp: int = 1) -> Any:
+def make_llm(model: str, extra: dict[str, Any] | None, dtype: str, tp: int = 1, kv_events: Any = None) -> Any:
     from vllm import LLM
 
     kv_transfer = None
@@ -80,7 +80,56 @@ def make_llm(model: str, extra: dict[str, Any] | None, dtype: str, tp: int = 1) 
         seed=0,
         kv_transfer_config=kv_transfer,
         tensor_parallel_size=tp,
+        kv_events_config=kv_events,
     )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def kv_events_config() -> tuple[Any, str]:
+    """``--kv-events-config`` publishing on loopback (vLLM's ZMQ publisher), and its replay endpoint."""
+    from vllm.config.kv_events import KVEventsConfig
+
+    pub, replay = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=pub, replay_endpoint=replay), replay
+
+
+def kvferry_events(replay: str) -> list[dict[str, Any]]:
+    """Every event vLLM's publisher sent so far that kvferry reported (``ownership``), replayed from its first batch
+    and decoded with vLLM's own ``KVEventBatch``: the events a router following the engine received."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+    decoder = msgspec.msgpack.Decoder(KVEventBatch)
+    events: list[dict[str, Any]] = []
+    with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as sock:
+        sock.setsockopt(zmq.RCVTIMEO, 10_000)
+        sock.connect(replay)
+        sock.send_multipart((b"", (0).to_bytes(8, "big")))
+        while True:
+            _, _, seq, payload = sock.recv_multipart()
+            if int.from_bytes(seq, "big", signed=True) == -1:
+                return events
+            for event in decoder.decode(payload).events:
+                if getattr(event, "ownership", None) != "kvferry":
+                    continue
+                stored = isinstance(event, BlockStored)
+                events.append({
+                    "type": type(event).__name__, "hashes": [_hash(h) for h in event.block_hashes],
+                    "medium": event.medium, "block_size": event.block_size if stored else None,
+                    "parent": _hash(event.parent_block_hash) if stored else None,
+                    "tokens": list(event.token_ids) if stored else None,
+                })  # fmt: skip
+
+
+def _hash(value: Any) -> Any:
+    return value.hex() if isinstance(value, bytes) else value
 
 
 def generate(llm: Any, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
@@ -246,8 +295,10 @@ def main() -> None:
     out = Path(args.out)
     report: dict[str, Any] = {"phase": args.phase}
 
+    events, replay = kv_events_config() if args.phase == "pool" else (None, "")
+
     def llm_factory(extra: dict[str, Any] | None) -> Any:
-        return make_llm(args.model, extra, args.dtype, args.tp)
+        return make_llm(args.model, extra, args.dtype, args.tp, events)
 
     embedded = {
         "mode": "embedded",
@@ -331,6 +382,8 @@ def main() -> None:
     in_process = not args.multiprocessing and args.tp == 1  # the worker is in this process
     if in_process and args.phase not in ("reference", "guard"):
         report.update(connector_state(llm))
+    if events is not None:
+        report["kv_events"] = kvferry_events(replay)
     # Shut the engine down (the connector waits for its loads and stores and flushes its tiers), then exit
     # without running interpreter teardown, which vLLM's background threads can stall.
     llm.llm_engine.engine_core.shutdown()

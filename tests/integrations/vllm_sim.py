@@ -85,8 +85,12 @@ def _triton_check_passed() -> Iterator[None]:
         cpu.CpuPlatform.check_and_update_config = descriptor  # type: ignore[method-assign]
 
 
-def engine_config(model: str, extra: dict[str, Any], num_blocks: int, prefix_caching: bool) -> Any:
-    """vLLM's ``VllmConfig`` of an engine with kvferry's connector (``extra``: its settings)."""
+def engine_config(
+    model: str, extra: dict[str, Any], num_blocks: int, prefix_caching: bool, kv_events: bool = False
+) -> Any:
+    """vLLM's ``VllmConfig`` of an engine with kvferry's connector (``extra``: its settings; ``kv_events``: vLLM
+    publishes KV events, as ``--kv-events-config '{"enable_kv_cache_events": true}'``)."""
+    from vllm.config.kv_events import KVEventsConfig
     from vllm.engine.arg_utils import EngineArgs
 
     args = EngineArgs(
@@ -100,6 +104,7 @@ def engine_config(model: str, extra: dict[str, Any], num_blocks: int, prefix_cac
         max_num_seqs=8,
         max_num_batched_tokens=256,  # prompts longer than this are prefilled in chunks
         num_gpu_blocks_override=num_blocks,
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None,
         kv_transfer_config={
             "kv_connector": "KvferryConnector",
             "kv_connector_module_path": "kvferry.integrations.vllm",
@@ -155,6 +160,24 @@ class StepReport:
     resumed_with_hit: bool  # a preempted request ran again with computed tokens (kvferry's or vLLM's hit)
 
 
+class _Recorder:
+    """vLLM's event publisher, less the socket: each batch as a subscriber decodes it."""
+
+    def __init__(self, published: list[Any]) -> None:
+        import msgspec
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        self.published = published
+
+    def publish(self, batch: Any) -> None:
+        self.published.append(self._decoder.decode(self._encoder.encode(batch)))
+
+    def shutdown(self) -> None:
+        return
+
+
 class SimEngine:
     """One engine: vLLM's scheduler with the connector's scheduler half, and a worker half over vLLM's views."""
 
@@ -167,7 +190,10 @@ class SimEngine:
         layout: str = "LBNHC",
         num_blocks: int = NUM_BLOCKS,
         prefix_caching: bool = True,
+        kv_events: bool = False,
     ) -> None:
+        """``kv_events``: vLLM's scheduler publishes KV events into ``published`` (each batch through vLLM's own
+        msgpack encoding and ``KVEventBatch`` decoder, as a subscriber receives it)."""
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
@@ -175,7 +201,7 @@ class SimEngine:
 
         from kvferry.integrations.vllm import KvferryConnector
 
-        self.vllm_config = engine_config(model, extra, num_blocks, prefix_caching)
+        self.vllm_config = engine_config(model, extra, num_blocks, prefix_caching, kv_events)
         self.vllm_config.kv_transfer_config.engine_id = uuid.uuid4().hex  # each engine its own cache key space
         self.vllm_config.cache_config.kv_cache_layout = layout  # what vLLM's engine core resolves (as a user sets it)
         self.kv_cache_config = kv_cache_config(self.vllm_config, hybrid)
@@ -198,6 +224,9 @@ class SimEngine:
             block_size=BS,
             include_finished_set=True,
         )
+        self.published: list[Any] = []
+        if kv_events:
+            self.scheduler.kv_event_publisher = _Recorder(self.published)
         handshake = self.worker.get_handshake_metadata()
         if handshake is not None:
             self.scheduler.connector.set_xfer_handshake_metadata({0: handshake})

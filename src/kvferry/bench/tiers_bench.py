@@ -9,7 +9,9 @@ rename; get verifies) against plain `os.write` / `os.readv` of the same bytes to
 with O_DIRECT exactly when the tier uses it, run both one file at a time and on 4 threads; the ratio is
 against the faster of the two. Redis: the tier's put / get (pipelined, verified, copied into the pool)
 against raw redis-py SET / GET of the same bytes, one at a time with a default client. Without --redis-url a
-redis-server is started on a free loopback port (and skipped if there is none). Numbers are medians of --reps.
+redis-server is started on a free loopback port (and skipped if there is none). Mooncake (with --mooncake URL):
+the tier's put / get against a raw client's batch_put_from / batch_get_into of the same pool bytes
+(bench/tiers_mooncake.py). Numbers are medians of --reps.
 The checksum (xxh3-128) over the same bytes on one thread is reported too: the pass every tier put and get adds.
 """
 
@@ -34,11 +36,12 @@ import xxhash
 
 from kvferry.bench.harness import BenchError, Outcome, Steps, add_json_argument, description_of, positive
 from kvferry.bench.report import new_table
+from kvferry.bench.tiers_mooncake import bench_mooncake, check_url
 from kvferry.formats import CODECS, Codec
 from kvferry.formats.codec import codec_group
 from kvferry.formats.synthetic import MODELS
 from kvferry.memory import HostPool
-from kvferry.tiers import DiskTier, Tier, make_tier
+from kvferry.tiers import DiskTier, Tier, make_tier, parse_tier_url
 from kvferry.tiers.direct_io import supports_direct
 
 MIB = 1 << 20
@@ -52,6 +55,7 @@ examples:
   kvferry bench tiers                                     # a temporary directory, a local redis-server
   kvferry bench tiers --dir /var/tmp --total-mib 512 --reps 5
   kvferry bench tiers --redis-url redis://127.0.0.1:6379 --objects qwen2.5-0.5b --json bench-out/tiers.json
+  kvferry bench tiers --objects llama3-8b --mooncake 'mooncake://10.0.0.1:50051?metadata=http://10.0.0.1:8080/metadata'
 """
 
 
@@ -65,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reps", type=int, default=3, help="passes per case; medians (default: %(default)s)")
     parser.add_argument(
         "--redis-url", default=None, help="a Redis to test (default: start a redis-server on loopback if there is one)"
+    )
+    parser.add_argument(
+        "--mooncake", metavar="URL", default=None, help="a mooncake:// tier URL to test against the raw client (off)"
     )
     parser.add_argument(
         "--objects",
@@ -98,6 +105,8 @@ def check(args: argparse.Namespace) -> None:
             redis.Redis.from_url(args.redis_url, socket_timeout=5).ping()
         except (redis.RedisError, ValueError) as exc:
             raise BenchError(f"--redis-url {args.redis_url}: {exc}") from None
+    if args.mooncake:
+        check_url(args.mooncake)
 
 
 def run(args: argparse.Namespace, steps: Steps) -> Outcome:
@@ -107,7 +116,7 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
     root = Path(tempfile.mkdtemp(prefix="kvferry-bench-", dir=args.dir))
     process, url = (None, args.redis_url) if args.redis_url else _start_redis(root)
     modes = [True, False] if supports_direct(str(root)) else [False]
-    steps.expect(len(objects) * (1 + args.reps * (len(modes) + (1 if url else 0))))
+    steps.expect(len(objects) * (1 + args.reps * (len(modes) + (1 if url else 0) + (1 if args.mooncake else 0))))
     # Room for one pass's objects, what a get brings back, and a plain read's destinations.
     largest = max(counts[name] * _nbytes(shape, dtype) for name, shape in objects.items())
     pool = HostPool(-(-3 * largest // 4096) * 4096 + 64 * MIB, pin=False)
@@ -125,6 +134,10 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
             rows += bench_disk(root, pool, name, objs, args.reps, modes, steps)
             if url:
                 rows += bench_redis(url, pool, name, objs, args.reps, steps)
+            if args.mooncake:
+                times = bench_mooncake(args.mooncake, pool, name, objs, args.reps, steps)
+                nbytes = sum(o.nbytes for o in objs)
+                rows += [_row("mooncake", name, objs, op, times, nbytes) for op in ("write", "read")]
             for obj in objs:
                 pool.free(obj)
     finally:
@@ -138,6 +151,7 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
         "objects": {name: list(shape) for name, shape in objects.items()},
         "redis": url if args.redis_url else ("local redis-server" if url else None),
         "redis_py": redis.__version__,
+        "mooncake": parse_tier_url(args.mooncake).shown if args.mooncake else None,
         "reps": args.reps,
         "codec": args.codec,
     }

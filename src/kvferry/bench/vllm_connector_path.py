@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -47,9 +48,11 @@ class ConnectorPath:
         chunk: int = CHUNK,
         chunks: int = CHUNKS,
         seed: int = 0,
+        allocate: Callable[[int], torch.Tensor] | None = None,
     ) -> None:
+        """`allocate(bytes)`: the memory vLLM's KV buffer lives in (`kvferry.bench.vllm_views.replay`)."""
         self.case = case
-        self.raw, views = replay(fixture, device)
+        self.raw, views = replay(fixture, device, allocate)
         self.kv = _recognised(case, views)
         self.prefix_tokens = chunk * chunks
         per = self.prefix_tokens // case.block_size

@@ -1,29 +1,30 @@
 """`kvferry bench vllm-gpu`: the vLLM connector's worker side on a GPU, over KV in the views vLLM 0.32 builds, beside
 vLLM's own page DMA and a plain memcpy of the same bytes.
 
-The views are the recorded ones of `kvferry.bench.vllm_views` (llama3-8b with FlashAttention in the layouts LBHNC,
-LBNHC and BLHNC, and DeepSeek-V3's MLA latent with FlashMLA), replayed on the GPU and recognised by the connector's own
-code. Each mode (embedded: the cache in this process; server: a ``kvferry server`` holding the pool, the KV
-registered by CUDA IPC) stores a 16-chunk prefix from blocks scattered over the cache and loads it into other
-scattered blocks, as vLLM's model runner calls the worker side (a store after the forward pass, a foreground load
-before it), each timed from the call to the bytes in place (`kvferry.bench.vllm_connector_path`). In the same rounds
-vLLM's own CPU offload moves the same bytes, a page per descriptor of one ``cuMemcpyBatchAsync`` to and from pinned
-memory (`kvferry.bench.vllm_page_dma`), and a pinned memcpy moves them as one copy each way. Every sample is
-recorded under its operation's name where it is timed (`kvferry.bench.samples`); a ratio is the memcpy's median
-time over the path's (1.0: as fast as one plain copy).
+The views are the recorded ones of `kvferry.bench.vllm_views` (llama3-8b with FlashAttention in the layouts LBHNC, LBNHC
+and BLHNC, and DeepSeek-V3's MLA latent with FlashMLA), replayed on the GPU and recognised by the connector's own code.
+Each mode (embedded: the cache in this process; server: a ``kvferry server`` holding the pool, the KV registered by CUDA
+IPC, reached over loopback TCP and over its Unix socket) stores a 16-chunk prefix from blocks scattered over the cache
+and loads it into other scattered blocks, as vLLM's model runner calls the worker side (a store after the forward pass,
+a foreground load before it), each timed from the call to the bytes in place (`kvferry.bench.vllm_connector_path`). In
+the same rounds vLLM's own CPU offload moves the same bytes, a page per descriptor of one ``cuMemcpyBatchAsync`` to and
+from pinned memory (`kvferry.bench.vllm_page_dma`), and a pinned memcpy moves them as one copy each way. Every sample is
+recorded under its operation's name where it is timed (`kvferry.bench.samples`); a ratio is the memcpy's median time
+over the path's (1.0: as fast as one plain copy).
 
 Every round uses a fresh prefix and new bytes in the source blocks, and every load of the timed rounds (and of the
-warm-up) is checked outside its timed region: the whole prefix loaded, each destination block (random bytes before
-the load) holding its source block's bytes in every layer, and every other byte of the KV unchanged
-(`kvferry.bench.block_check`). Stores are checked through the loads that follow them. A failed check ends the run
-with an error (exit status 1). Then a GEMM standing in for the model runs while stores and loads of the same size
-loop beside it (each load's token count checked). With --steps, a stand-in model step is timed with and without
-the store started after it (`kvferry.bench.vllm_gpu_steps`), in each mode.
+warm-up) is checked outside its timed region: the whole prefix loaded, each destination block (random bytes before the
+load) holding its source block's bytes in every layer, and every other byte of the KV unchanged
+(`kvferry.bench.block_check`). Stores are checked through the loads that follow them. A failed check ends the run with
+an error (exit status 1). Then a GEMM standing in for the model runs while stores and loads of the same size loop beside
+it (each load's token count checked). With --steps, a stand-in model step is timed with and without the store started
+after it (`kvferry.bench.vllm_gpu_steps`), in each mode.
 """
 
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -40,14 +41,17 @@ from kvferry.bench.vllm_page_dma import PageDMA
 from kvferry.bench.vllm_views import BENCH_CASES, case_of, load_fixtures
 from kvferry.connector.settings import ConnectorSettings
 from kvferry.cuda.driver import driver
+from kvferry.cuda.vmm_alloc import DriverMappedSegments
 
 POOL_GB = 4.0
+MODES = ["embedded", "server tcp", "server ipc"]  # server: over loopback TCP, and over its Unix socket (`--ipc`)
 DESCRIPTION = description_of(__doc__)
 EXAMPLES = """\
 examples:
   kvferry bench vllm-gpu                                  # on a machine with CUDA
   kvferry bench vllm-gpu --repeats 15 --json bench-out/vllm_gpu.json
   kvferry bench vllm-gpu --steps                          # also: do stores hold up a model step?
+  kvferry bench vllm-gpu --vmm                            # vLLM 0.34's extensible (driver-mapped) KV cache
 """
 
 
@@ -59,6 +63,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-gemm", action="store_true", help="skip the GEMM beside the transfers")
     parser.add_argument(
         "--steps", action="store_true", help="also time a stand-in model step with and without a store after it"
+    )
+    parser.add_argument(
+        "--vmm",
+        action="store_true",
+        help="the KV in driver-mapped memory, as vLLM 0.34's extensible KV cache allocates it (cuMemCreate with the "
+        "POSIX-fd handle type, mapped into a reserved range; one allocation, as for a block-outermost layout): the "
+        "server maps it by file descriptor over its Unix socket",
     )
     add_json_argument(parser)
 
@@ -150,17 +161,20 @@ def gemm_beside(path: ConnectorPath) -> dict[str, float]:
 
 def run(args: argparse.Namespace, steps: Steps) -> Outcome:
     fixtures = {case_of(f): f for f in load_fixtures()}
-    modes = ["embedded"] if args.no_server else ["embedded", "server"]
+    # Descriptors of driver-mapped memory reach the server over its Unix socket only (`--vmm`: no TCP row).
+    modes = ["embedded"] if args.no_server else [m for m in MODES if not (args.vmm and m == "server tcp")]
     steps.expect(len(BENCH_CASES) * len(modes) + (0 if args.no_gemm else 1) + (len(modes) if args.steps else 0))
     rows: list[dict[str, Any]] = []
     gemm: dict[str, Any] | None = None
     stalls: dict[str, Any] = {}
     for mode in modes:
-        server = ServerProcess(POOL_GB, chunk_size=CHUNK) if mode == "server" else None
+        ipc = tempfile.TemporaryDirectory(prefix="kvferry-bench-") if mode == "server ipc" else None
+        ipc_path = None if ipc is None else f"{ipc.name}/server.sock"
+        server = ServerProcess(POOL_GB, chunk_size=CHUNK, ipc_path=ipc_path) if mode != "embedded" else None
         try:
             settings = _settings(mode, None if server is None else server.endpoint)
             for case in BENCH_CASES:
-                path = ConnectorPath(case, fixtures[case], settings)
+                path = ConnectorPath(case, fixtures[case], settings, allocate=_driver_mapped if args.vmm else None)
                 try:
                     rows.append({"mode": mode, "case": case.name, **measure_case(path, args.repeats)})
                     steps.done(f"{mode}: {case.name}")
@@ -175,7 +189,9 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
         finally:
             if server is not None:
                 server.stop()
-    config = {"chunk_tokens": CHUNK, "chunks": CHUNKS, "repeats": args.repeats, "pool_gb": POOL_GB}
+            if ipc is not None:
+                ipc.cleanup()
+    config = {"chunk_tokens": CHUNK, "chunks": CHUNKS, "repeats": args.repeats, "pool_gb": POOL_GB, "vmm": args.vmm}
     shown = [*_show(rows, gemm), *(describe_steps(mode, s) for mode, s in stalls.items())]
     return Outcome(config, {"rows": rows, "gemm": gemm, "steps": stalls}, shown, device="cuda")
 
@@ -193,8 +209,16 @@ def measure_case(path: ConnectorPath, repeats: int) -> dict[str, Any]:
     return {**measure(path, copy, dma, repeats), **pages}
 
 
+def _driver_mapped(nbytes: int) -> Any:
+    """`nbytes` (or more: whole granules) of driver-mapped memory on the current device, as a uint8 tensor that
+    frees it once garbage."""
+    import torch
+
+    return DriverMappedSegments([nbytes], torch.cuda.current_device()).tensor()
+
+
 def _settings(mode: str, endpoint: str | None) -> ConnectorSettings:
-    if mode == "server":
+    if mode != "embedded":
         return ConnectorSettings(mode="server", server_url=str(endpoint), timeout_s=30.0)
     return ConnectorSettings(mode="embedded", config={"cache": {"chunk_size": CHUNK, "l1_size_gb": POOL_GB}})
 

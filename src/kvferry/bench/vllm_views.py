@@ -11,6 +11,7 @@ the connector's tests and ``kvferry bench vllm-gpu`` move KV in exactly the view
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -134,9 +135,14 @@ def case_of(fixture: dict[str, Any]) -> Case:
     return Case(**fields)
 
 
-def replay(fixture: dict[str, Any], device: str | torch.device) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """A fresh int8 buffer on ``device`` and the recorded views of it, filled with random bytes."""
+def replay(
+    fixture: dict[str, Any], device: str | torch.device, allocate: Callable[[int], torch.Tensor] | None = None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A fresh int8 buffer on ``device`` (or of ``allocate(bytes)``: a uint8 tensor of at least that many bytes)
+    and the recorded views of it, filled with random bytes."""
     raw = torch.randint(-128, 128, (fixture["raw_bytes"],), dtype=torch.int8, device=device)
+    if allocate is not None:
+        raw = allocate(fixture["raw_bytes"])[: fixture["raw_bytes"]].view(torch.int8).copy_(raw)
     views = {}
     for v in fixture["views"]:
         typed = raw.view(getattr(torch, v["dtype"]))

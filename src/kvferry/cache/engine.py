@@ -81,6 +81,8 @@ class CacheEngine:
         if tiers is None and self.config.tiers:
             self._owned_tiers = [make_tier(url) for url in self.config.tiers]
             tiers = self._owned_tiers
+        for tier in tiers or ():
+            tier.use_memory(self.pool.slab)
         self._tiers = TierLink(list(tiers), self._res, cfg.tier_write, self._checksum) if tiers else None
         self._writer = ChunkWriter(
             self._res, self._hasher, cfg.chunk_size, self._checksum, self._tiers, cfg.in_flight_wait_s

@@ -26,7 +26,7 @@ from kvferry.formats import KVGeometry
 from kvferry.memory import HostPool
 from kvferry.transfer import Direction, transfer, transfer_async
 from kvferry.transfer.api import transfer_pool_async, transfer_pool_at_async
-from kvferry.transfer.block_ids import CheckedBlockIds
+from kvferry.transfer.block_ids import CheckedBlockIds, PendingBlockIds
 
 if TYPE_CHECKING:
     from kvferry.cache.tiering import TierLink
@@ -39,14 +39,17 @@ def copy_chunks(
     paged: Any,
     geom: KVGeometry,
     objects: list[torch.Tensor],
-    ids: CheckedBlockIds,
+    ids: CheckedBlockIds | PendingBlockIds[CheckedBlockIds],
     direction: Direction,
     skip: int,
 ) -> TransferHandle | None:
     """The one place the cache moves bytes: a GPU engine's transfer is returned in flight (its handle), anything
-    else has moved when this returns (None). The last object may be a tail (fewer tokens, whole blocks)."""
+    else has moved when this returns (None). The last object may be a tail (fewer tokens, whole blocks). Pending
+    ids are checked by the GPU engine after its first DMAs into staging, anywhere else first."""
     if _gpu_with_pinned_pool(geom, pool) and objects[-1].shape[2] == chunk_size:  # whole pool objects: lighter check
         return transfer_pool_async(geom, objects, ids, direction, chunk_size, skip)
+    if isinstance(ids, PendingBlockIds):
+        ids = ids.check()
     if geom.device.type == "cuda" and objects[0].is_cpu:  # an unpinned pool: transfer_async explains
         return transfer_async(paged, objects, ids, direction, geom.fmt, chunk_size, skip, geometry=geom)
     transfer(paged, objects, ids, direction, geom.fmt, chunk_size, skip, geometry=geom)

@@ -33,7 +33,7 @@ import torch
 from kvferry.client.connection import Connection
 from kvferry.client.done_flags import LOST_DRAIN_S, DoneFlags, FlagWatch, release_slot, take_slot
 from kvferry.client.errors import ServerError, ServerUnavailable
-from kvferry.client.kv_export import export_kv
+from kvferry.client.fd_deposit import export_kv_to
 from kvferry.client.ready_events import ReadyEvents
 from kvferry.client.records import GpuRegistration, LookupResult, PrefetchStatus
 from kvferry.client.request_args import Namespace, demote_args, key_space_args, transfer_args
@@ -127,13 +127,14 @@ class KvferryClient:
         """Share the engine's KV tensors with the server; returns the registration id.
 
         CPU tensors are moved into shared memory in place (every view keeps working); GPU tensors are shared
-        by CUDA IPC handle. `namespace` holds the key-space fields the server cannot see in the tensors
-        (`kvferry.server.requests.Deployment`: model name, world size, rank, salt, codec, kv_cache_dtype, group,
+        by CUDA IPC handle, or driver-mapped ones (vLLM's extensible KV cache) by file descriptor over the server's
+        Unix socket (an ``ipc://`` endpoint). `namespace` holds the key-space fields the server cannot see in the
+        tensors (`kvferry.server.requests.Deployment`: model name, world size, rank, salt, codec, kv_cache_dtype, group,
         split). `heads=(first, total)`: the tensors hold heads `first ..` of the model's `total` KV heads (a
         tensor-parallel rank); the server's objects then hold every head, each rank writes and reads its slice,
         and engines of any parallelism share them (world size and rank are then not part of the key space).
         """
-        storages, kv = export_kv(paged)
+        storages, kv = export_kv_to(self._conn.endpoint, paged)
         args: dict[str, Any] = {
             "format": int(fmt),
             "block_size": block_size,
@@ -144,7 +145,7 @@ class KvferryClient:
         if heads is not None:
             args["heads"] = [int(heads[0]), int(heads[1])]
         ready = flags = None
-        if storages[0]["kind"] == "cuda_ipc":
+        if storages[0]["kind"] in ("cuda_ipc", "cuda_vmm_fd"):
             ready = ReadyEvents(_first_tensor(paged).device)
             args["ready_events"] = ready.handles()
             flags = DoneFlags()

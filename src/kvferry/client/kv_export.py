@@ -10,9 +10,12 @@ an open descriptor, so the memory can never outlive its last user. The server op
 (the same host, the same user: what shared memory needs anyway) and maps it; once the engine and the server
 have both exited or unmapped -- however they exited, SIGKILL included -- the kernel frees it. The file_system
 strategy leaves a named file in /dev/shm that only torch's shm manager daemon removes, and a Ctrl-C that takes
-the daemon down with the engine leaves the whole KV cache there. Passing the descriptor over a Unix socket
-(SCM_RIGHTS) would also reach a server in another pid namespace, but needs a second channel beside ZMQ, which
-cannot carry descriptors; a server in another container could not map the engine's /dev/shm either.
+the daemon down with the engine leaves the whole KV cache there.
+
+GPU memory that the driver's VMM calls mapped (vLLM 0.34's extensible KV cache) has no CUDA IPC handle: each
+physical allocation under the tensors is exported as a POSIX file descriptor (`kvferry.cuda.vmm`), which the
+client passes over the server's descriptor socket (`kvferry.protocol.fd_passing`) before it registers; the tensors
+are then views at their offsets in the allocations.
 """
 
 from __future__ import annotations
@@ -22,18 +25,32 @@ from typing import Any
 
 import torch
 
+from kvferry.cuda.driver import driver, primary_context
+from kvferry.cuda.vmm import allocation_range, export_allocation, is_legacy_ipc_capable
 
-def export_kv(paged: Any) -> tuple[list[dict[str, Any]], Any]:
+
+def export_kv(paged: Any, fds: list[int] | None = None) -> tuple[list[dict[str, Any]], Any]:
     """Return (storages, kv): one entry per distinct storage, and the tensors as views of them.
 
-    `paged` is a tensor or lists/tuples of tensors nested like the engine's format.
+    `paged` is a tensor or lists/tuples of tensors nested like the engine's format. Driver-mapped GPU memory is
+    exported as descriptors appended to `fds` (the caller passes them to the server, then closes them; a storage's
+    `fd_index` is its descriptor's place there, its `token` the deposit's, set by the caller); without `fds` such
+    memory is refused.
     """
     storages: list[dict[str, Any]] = []
     index_of: dict[tuple[str, int], int] = {}
 
     def walk(node: Any, where: str) -> Any:
         if isinstance(node, torch.Tensor):
-            return _view(node, where, storages, index_of)
+            if node.device.type != "cuda":
+                return _view(node, where, storages, index_of)
+            try:  # torch's own sharing first: it also shares its allocator's driver-mapped (expandable) segments
+                return _view(node, where, storages, index_of)
+            except RuntimeError:  # memory torch's allocator did not hand out (vLLM 0.34's extensible KV cache)
+                with driver().current(primary_context(node.device)):  # the driver's calls need its context
+                    if is_legacy_ipc_capable(node.data_ptr()):
+                        raise
+                    return _vmm_view(node, where, storages, index_of, fds)
         if isinstance(node, list | tuple):
             if not node:
                 raise ValueError(f"{where} is an empty {type(node).__name__}; expected tensors")
@@ -63,6 +80,50 @@ def _view(
     return {
         "storage": index_of[key],
         "offset": tensor.storage_offset(),
+        "shape": list(tensor.shape),
+        "stride": list(tensor.stride()),
+        "dtype": str(tensor.dtype).removeprefix("torch."),
+    }
+
+
+def _vmm_view(
+    tensor: torch.Tensor,
+    where: str,
+    storages: list[dict[str, Any]],
+    index_of: dict[tuple[str, int], int],
+    fds: list[int] | None,
+) -> dict[str, Any]:
+    """`tensor` as a view of the driver-mapped allocation under its first byte (the caller made its device's context
+    current)."""
+    if fds is None:
+        raise ValueError(f"{where} is driver-mapped (VMM) GPU memory, which only a client that passes descriptors "
+                         "can share")  # fmt: skip
+    address = tensor.data_ptr()
+    base, nbytes = allocation_range(address)
+    key = (str(tensor.device), base)
+    if key not in index_of:
+        exported = export_allocation(address)
+        index_of[key] = len(storages)
+        fds.append(exported.fd)
+        storages.append(
+            {
+                "kind": "cuda_vmm_fd",
+                "device_uuid": str(torch.cuda.get_device_properties(tensor.device).uuid),
+                "token": b"",  # the deposit's, once the caller has passed `fds`
+                "fd_index": len(fds) - 1,
+                "nbytes": exported.nbytes,
+            }
+        )
+    offset_bytes = address - base
+    extent = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)) + 1
+    if offset_bytes + extent * tensor.element_size() > nbytes:
+        raise ValueError(f"{where} spans more than the one {nbytes}-byte allocation at its start: the server maps "
+                         "each allocation on its own")  # fmt: skip
+    if offset_bytes % tensor.element_size():
+        raise ValueError(f"{where} starts {offset_bytes} bytes into its allocation, not on a {tensor.dtype} element")
+    return {
+        "storage": index_of[key],
+        "offset": offset_bytes // tensor.element_size(),
         "shape": list(tensor.shape),
         "stride": list(tensor.stride()),
         "dtype": str(tensor.dtype).removeprefix("torch."),

@@ -110,6 +110,12 @@ class KeySpace:
         named = {"kv_cache_dtype": self.kv_cache_dtype, "group": self.group, "split": self.split}
         return {name: value for name, value in named.items() if value is not None}
 
+    def deployment(self) -> dict[str, str]:
+        """The key space a server registration names: the model, the salt, the tags and the codec where one is
+        asked for (`kvferry.server.requests.Deployment`; the server's own codec applies otherwise)."""
+        named = {"model": self.model, "salt": self.salt, **self.tags()}
+        return named if self.codec is None else {**named, "codec": self.codec}
+
     def fields(self) -> dict[str, Any]:
         """The fields by name, plain values: `KeySpace(**fields)` is this key space again."""
         return asdict(self)

@@ -20,6 +20,10 @@ DESCRIPTIONS = {
     "store_failures": "stores that failed (later lookups miss)",
     "tokens_stored": "tokens stored into kvferry",
     "store_seconds": "time from the start of each store to its end",
+    "events_dropped": "finished requests' stores or chunk keys the KV events forgot for want of room (their blocks "
+    "not announced: a router sees a miss)",
+    "event_feed_losses": "times the KV events' feed lost kvferry's records (embedded: its queue was full; server "
+    "mode: batches the server's replay no longer held); kvferry's blocks are announced again after each",
 }
 
 
@@ -59,4 +63,12 @@ class WorkerCounters(_Totals):
     store_seconds: float = 0.0
 
 
-assert {f.name for c in (SchedulerCounters, WorkerCounters) for f in fields(c)} == set(DESCRIPTIONS)
+@dataclass
+class EventCounters(_Totals):
+    """The scheduler's KV events of kvferry's blocks (`kvferry.connector.block_events`): what they lost."""
+
+    events_dropped: int = 0
+    event_feed_losses: int = 0
+
+
+assert {f.name for c in (SchedulerCounters, WorkerCounters, EventCounters) for f in fields(c)} == set(DESCRIPTIONS)

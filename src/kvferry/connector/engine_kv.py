@@ -26,7 +26,7 @@ class EngineKV:
     attention kernel takes smaller ones); `kernel_block_ids` turns the scheduler's block ids into theirs."""
 
     fmt: EngineKVFormat
-    paged: list[torch.Tensor] | torch.Tensor
+    paged: list[torch.Tensor] | list[list[torch.Tensor]] | torch.Tensor  # nested as `fmt` nests its tensors
     layers: list[torch.Tensor]
     layer_names: list[str]
     block_size: int

@@ -49,6 +49,13 @@ class ConnectorSettings(BaseModel):
         description="server mode: a handshake or lookup unanswered this long counts the server as down (lookups "
         "then miss at once, without waiting, until a background reconnect, retried with backoff, succeeds)",
     )
+    legacy_ipc: bool = Field(
+        False,
+        description="server mode: share vLLM's KV cache with the server by legacy CUDA IPC even where file descriptors "
+        "could pass (vLLM 0.34 then turns its extensible KV cache off): for settings vLLM refuses that cache with, "
+        "which otherwise stop vLLM at start (kv_cache_memory_bytes, num_gpu_blocks_override, elastic EP, "
+        "--no-enable-extensible-kv-cache)",
+    )
     async_load: bool = Field(
         True,
         description="load a hit in the background while vLLM keeps running the other requests (vLLM's async-load "
@@ -87,6 +94,12 @@ class ConnectorSettings(BaseModel):
         description='server mode, tcp://: {"secret_key_file": this engine\'s NAME.key_secret, "server_key_file": the '
         "server's NAME.key} for a server with CURVE (docs/security.md); default: the KVFERRY_SECURITY__CLIENT_* and "
         "KVFERRY_SECURITY__SERVER_PUBLIC_KEY* variables, if set",
+    )
+    events_url: str | None = Field(
+        None,
+        description="server mode, with vLLM's --kv-events-config: the server's KV event stream, PUB[,REPLAY] "
+        "(its --events-port and --events-replay-port: tcp://HOST:5557,tcp://HOST:5558), from which the scheduler "
+        "learns kvferry's evictions; without it, kvferry's blocks are not announced in vLLM's events (docs/events.md)",
     )
     after_load_hook: str | None = Field(
         None,

@@ -59,9 +59,7 @@ def make_worker_backend(
             on_chunk_size(chunk_size)
 
     if settings.mode == "server":
-        deployment = {"model": key_space.model, "salt": key_space.salt, **key_space.tags()}
-        if codec is not None:
-            deployment["codec"] = codec
+        deployment = key_space.deployment()
         link = ServerLink(
             settings.server_url,
             timeout_s=settings.timeout_s,

@@ -21,6 +21,7 @@ from kvferry.protocol.messages import ErrorCode, Op, ProtocolError, unpack_ids
 from kvferry.server.cache_service import CacheService
 from kvferry.server.client_events import open_client_events
 from kvferry.server.done_signal import DoneFlags
+from kvferry.server.fd_inbox import FdInbox
 from kvferry.server.kv_mapping import map_kv, map_shared
 from kvferry.server.requests import (
     DemoteArgs,
@@ -85,6 +86,7 @@ class RequestHandlers:
         # one hashes its description (~25 us a request on the CPU machine), so each is made once.
         self._key_spaces: dict[tuple[Any, ...], CacheNamespace] = {}
         self.transfers = Transfers(engine, sessions)
+        self.fd_inbox: FdInbox | None = None  # descriptors clients pass (with --ipc): set once the server listens
         self.table: dict[Op, Handler] = {
             Op.PING: self.ping,
             Op.GET_CHUNK_SIZE: self.get_chunk_size,
@@ -130,7 +132,7 @@ class RequestHandlers:
             fmt = EngineKVFormat(args.format)
         except ValueError:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"'format'={args.format} is not an EngineKVFormat id") from None
-        kv = map_kv(args)
+        kv = map_kv(args, self.fd_inbox)
         done_flags = None
         try:
             ready = open_client_events(kv.device, args.ready_events or [])

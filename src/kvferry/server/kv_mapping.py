@@ -1,4 +1,5 @@
-"""Map a client's registered KV tensors into the server process: CPU shared memory and CUDA IPC.
+"""Map a client's registered KV tensors into the server process: CPU shared memory, CUDA IPC, and driver-mapped
+CUDA allocations passed by file descriptor (`kvferry.server.fd_inbox`, `kvferry.cuda.vmm`).
 
 The client sends plain descriptions (shared-memory descriptors or IPC handles, offsets, shapes, strides, dtypes); this
 module checks each one against the storage it names before building a view, because `Tensor.set_` itself
@@ -16,8 +17,12 @@ from typing import Any, cast
 import torch
 from pydantic import ValidationError
 
+from kvferry.cuda.driver import CudaError, primary_context
+from kvferry.cuda.vmm import ImportedAllocation, as_byte_tensor
+from kvferry.protocol.fd_passing import close_all
 from kvferry.protocol.messages import ErrorCode, ProtocolError
-from kvferry.server.requests import CudaIpcStorage, RegisterArgs, ShmStorage, TensorView
+from kvferry.server.fd_inbox import FdInbox
+from kvferry.server.requests import CudaIpcStorage, CudaVmmStorage, RegisterArgs, ShmStorage, TensorView
 
 # torch's fd strategy creates "/dev/shm/torch_<pid>_<random>_<counter>" (at::NewProcessWideShmHandle) and
 # unlinks it at once, so the client's descriptor reads as that name plus " (deleted)". Accepting nothing else
@@ -78,9 +83,15 @@ def map_shared(desc: ShmStorage, where: str) -> SharedRegion:
     return SharedRegion(region.storage, base + region.base, region.nbytes, base + region.storage.nbytes())
 
 
-def map_kv(args: RegisterArgs) -> MappedKV:
-    """Map every storage of a REGISTER_KV_CACHE request and rebuild the nested KV tensors over them."""
-    regions = [_map_storage(desc, f"storages[{i}]") for i, desc in enumerate(args.storages)]
+def map_kv(args: RegisterArgs, fd_inbox: FdInbox | None = None) -> MappedKV:
+    """Map every storage of a REGISTER_KV_CACHE request and rebuild the nested KV tensors over them. Descriptors
+    the request's storages name are taken from `fd_inbox` and closed here, whatever the outcome."""
+    deposits = _take_deposits(args.storages, fd_inbox)
+    try:
+        regions = [_map_storage(desc, f"storages[{i}]", deposits) for i, desc in enumerate(args.storages)]
+    finally:
+        for fds in deposits.values():
+            close_all(fds)
     devices = {r.storage.device for r in regions}
     if len(devices) != 1:
         raise _bad(f"'storages' must all live on one device, got {sorted(map(str, devices))}")
@@ -131,10 +142,50 @@ def _view(view: TensorView, regions: list[_Region], where: str) -> torch.Tensor:
     return tensor.set_(region.storage, region.base // elem + view.offset, view.shape, view.stride)
 
 
-def _map_storage(desc: ShmStorage | CudaIpcStorage, where: str) -> _Region:
+def _take_deposits(
+    storages: list[ShmStorage | CudaIpcStorage | CudaVmmStorage], inbox: FdInbox | None
+) -> dict[bytes, list[int]]:
+    """The descriptors of every deposit the storages name, each taken once (a deposit serves one registration)."""
+    deposits: dict[bytes, list[int]] = {}
+    try:
+        for i, desc in enumerate(storages):
+            if not isinstance(desc, CudaVmmStorage) or desc.token in deposits:
+                continue
+            if inbox is None:
+                raise _bad(f"'storages[{i}]' names passed descriptors, but this server has no --ipc socket for them")
+            try:
+                deposits[desc.token] = inbox.take(desc.token)
+            except KeyError:
+                raise _bad(f"'storages[{i}].token': no such deposit of descriptors (expired or taken)") from None
+    except BaseException:
+        for fds in deposits.values():
+            close_all(fds)
+        raise
+    return deposits
+
+
+def _map_storage(
+    desc: ShmStorage | CudaIpcStorage | CudaVmmStorage, where: str, deposits: dict[bytes, list[int]]
+) -> _Region:
     if isinstance(desc, ShmStorage):
         return _map_shm(desc, where)
+    if isinstance(desc, CudaVmmStorage):
+        return _Region(_map_cuda_vmm(desc, deposits[desc.token], where), 0, desc.nbytes)
     return _Region(_map_cuda_ipc(desc, where), 0, desc.nbytes)
+
+
+def _map_cuda_vmm(desc: CudaVmmStorage, fds: list[int], where: str) -> torch.UntypedStorage:
+    """Import descriptor `fd_index` of the deposit and map the whole allocation on its device."""
+    if desc.fd_index >= len(fds):
+        raise _bad(f"'{where}.fd_index'={desc.fd_index} is outside the deposit's {len(fds)} descriptors")
+    if not torch.cuda.is_available():
+        raise _bad(f"'{where}' is a CUDA allocation but this server sees no CUDA device")
+    device = _device_by_uuid(desc.device_uuid, where)
+    try:
+        allocation = ImportedAllocation(fds[desc.fd_index], desc.nbytes, device, primary_context(device))
+    except CudaError as exc:
+        raise _bad(f"'{where}': cannot map the passed CUDA allocation ({exc})") from None
+    return as_byte_tensor(allocation).untyped_storage()
 
 
 def _map_shm(desc: ShmStorage, where: str) -> _Region:

@@ -48,6 +48,19 @@ class CudaIpcStorage(_Args):
     event_sync_required: bool
 
 
+class CudaVmmStorage(_Args):
+    """A CUDA allocation the driver's VMM calls mapped (vLLM's extensible KV cache), shared by POSIX file
+    descriptor: descriptor `fd_index` of the deposit `token` on the server's descriptor socket
+    (`kvferry.protocol.fd_passing`). The server maps the whole allocation; tensor views' offsets count from its
+    start."""
+
+    kind: Literal["cuda_vmm_fd"]
+    device_uuid: str
+    token: Annotated[bytes, Field(min_length=16, max_length=16)]
+    fd_index: NonNegative
+    nbytes: Annotated[int, Field(gt=0)]  # the allocation's size; the driver refuses a map past its end
+
+
 class TensorView(_Args):
     """One engine KV tensor as a strided view of a shared storage (offset, shape and strides in elements)."""
 
@@ -86,7 +99,7 @@ class RegisterArgs(_Args):
     format: int
     block_size: Annotated[int, Field(gt=0)] | None = None
     namespace: Deployment
-    storages: Annotated[list[ShmStorage | CudaIpcStorage], Field(min_length=1, max_length=4096)]
+    storages: Annotated[list[ShmStorage | CudaIpcStorage | CudaVmmStorage], Field(min_length=1, max_length=4096)]
     kv: Any  # TensorView maps nested in lists, mirroring the format's nesting; checked by kv_mapping
     # CUDA IPC events the server opens once; a STORE or RETRIEVE names the one it recorded (`ready_slot`)
     ready_events: Annotated[list[bytes], Field(max_length=64)] | None = None

@@ -27,6 +27,7 @@ from prometheus_client import generate_latest
 from zmq.utils.monitor import parse_monitor_message
 
 from kvferry.config import SecurityConfig, ServerConfig
+from kvferry.protocol.fd_passing import fd_socket_path
 from kvferry.protocol.messages import (
     PROTOCOL_VERSION,
     ErrorCode,
@@ -37,6 +38,7 @@ from kvferry.protocol.messages import (
 from kvferry.server.auth import RequestAuth, check_exposure
 from kvferry.server.cache_service import CacheService
 from kvferry.server.event_stream import EventStream
+from kvferry.server.fd_inbox import FdInbox
 from kvferry.server.handlers import RequestHandlers
 from kvferry.server.health import TierWatch, tier_health
 from kvferry.server.http import HttpSidePort
@@ -138,6 +140,8 @@ class KvferryServer:
             if unix_listener is not None:
                 undo.callback(unix_listener.close)
                 self.ipc_endpoint = f"ipc://{self.config.ipc_path}"
+                self._handlers.fd_inbox = self._open_fd_inbox(fd_socket_path(self.ipc_endpoint.removeprefix("ipc://")))
+                undo.callback(self._handlers.fd_inbox.close)
             if self.config.http_port is not None:
                 try:
                     self._http = HttpSidePort(
@@ -173,6 +177,14 @@ class KvferryServer:
         )
         self._loop_thread.start()
 
+    @staticmethod
+    def _open_fd_inbox(path: str) -> FdInbox:
+        """The descriptor socket beside the Unix socket: engines pass driver-mapped KV memory there."""
+        try:
+            return FdInbox(path)
+        except OSError as exc:
+            raise ServerStartError(f"cannot listen for passed descriptors on {path}: {exc}") from exc
+
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> bool:
         """Finish running transfers, end every session (freeing its locks and mappings), close the ports; all
         within `timeout_s`. False if a thread the process's exit would wait for was still busy at that deadline (a
@@ -199,6 +211,8 @@ class KvferryServer:
         term_ended = term_context(self._ctx, deadline if loop_ended else time.monotonic())
         if self.ipc_endpoint is not None and self.config.ipc_path is not None:
             remove_ipc_socket(self.config.ipc_path)
+        if self._handlers.fd_inbox is not None:
+            self._handlers.fd_inbox.close(max(deadline - time.monotonic(), 0.0))
         if not (loop_ended and workers_ended and watch_ended and events_ended and term_ended):
             log.warning("the server stopped with threads still busy after %.1f s: %s", timeout_s, still_running())
         return loop_ended and workers_ended  # the tier watch is a daemon: a probe stuck in it holds up no exit

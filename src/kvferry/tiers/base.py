@@ -169,6 +169,10 @@ class Tier(ABC):
     def evict(self, nbytes: int) -> int:
         """Free at least `nbytes` by the tier's own policy if it has one; returns the bytes freed."""
 
+    def use_memory(self, memory: torch.Tensor) -> None:  # noqa: B027 -- a hook most tiers leave empty
+        """``memory`` (the host pool's slab) is where the tier's objects come from and go to: a tier whose
+        transport moves bytes directly from registered memory registers it. Most tiers need nothing."""
+
     def watch(self, listener: HeldListener) -> HeldObjects:
         """Tell ``listener`` of every object this tier gains or loses from now on (see `kvferry.tiers.held`);
         returns what it holds now (``keys()``: the objects found at the start whose key the tier keeps, and what

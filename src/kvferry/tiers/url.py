@@ -3,6 +3,8 @@
     disk:/var/cache/kvferry?size=200GB[&workers=4][&direct=auto|on|off][&fsync=off]
     redis://[user:password@]host[:port][/db][?workers=2&timeout=5s&connect_timeout=1s&prefix=kvferry:]
     redis+cluster://host:port[,host:port...][?...]          (valkey:// and valkey+cluster:// are the same)
+    mooncake://host[:rpc_port]?metadata=http://host:port/metadata[&segment=1GiB&buffer=64MiB&protocol=tcp|rdma
+               &device=mlx5_0&local=HOST&workers=2&batch=16&timeout=2s]
 
 Every tier also takes name= (its metrics label), backoff= and backoff_max= (the unhealthy tier's probe delay,
 doubling from backoff up to backoff_max). Sizes: 200GB, 1.5TB (powers of 1000), 512MiB, 4GiB (powers of
@@ -20,6 +22,7 @@ from urllib.parse import parse_qsl, unquote
 
 from kvferry.tiers.base import Tier
 from kvferry.tiers.disk import DiskTier
+from kvferry.tiers.mooncake_tier import MooncakeTier
 from kvferry.tiers.redis_tier import RedisTier
 
 _SIZE_UNITS = {
@@ -50,8 +53,13 @@ _BOOLS = {
 _COMMON = ("name", "backoff", "backoff_max")
 _DISK_PARAMS = ("size", "workers", "direct", "fsync", *_COMMON)
 _REDIS_PARAMS = ("workers", "timeout", "connect_timeout", "prefix", "batch", *_COMMON)
+_MOONCAKE_OWN = ("metadata", "segment", "buffer", "protocol", "device", "local", "workers", "batch", "timeout")
+_MOONCAKE_PARAMS = (*_MOONCAKE_OWN, *_COMMON)
 _REDIS_SCHEMES = {"redis": False, "valkey": False, "redis+cluster": True, "valkey+cluster": True}
-EXAMPLES = "disk:/var/cache/kvferry?size=200GB, redis://127.0.0.1:6379, redis+cluster://10.0.0.1:7000,10.0.0.2:7000"
+EXAMPLES = (
+    "disk:/var/cache/kvferry?size=200GB, redis://127.0.0.1:6379, redis+cluster://10.0.0.1:7000,10.0.0.2:7000, "
+    "mooncake://10.0.0.1:50051?metadata=http://10.0.0.1:8080/metadata"
+)
 
 
 class TierURLError(ValueError):
@@ -108,9 +116,11 @@ def parse_tier_url(url: str) -> TierSpec:
     if scheme in _REDIS_SCHEMES:
         params = _params(shown, query, _REDIS_PARAMS)
         return _redis(shown, location, params, cluster=_REDIS_SCHEMES[scheme])
+    if scheme == "mooncake":
+        return _mooncake(shown, location, _params(shown, query, _MOONCAKE_PARAMS))
     raise TierURLError(
         f"tier URL {shown!r}: unknown scheme {scheme!r}; expected disk, redis, redis+cluster, "
-        f"valkey or valkey+cluster, e.g. {EXAMPLES}"
+        f"valkey, valkey+cluster or mooncake, e.g. {EXAMPLES}"
     )
 
 
@@ -167,11 +177,37 @@ def _redis(shown: str, location: str, params: dict[str, str], *, cluster: bool) 
         return TierSpec(RedisTier, (nodes,), kwargs, shown)
 
 
-def _node(shown: str, text: str) -> tuple[str, int]:
+def _mooncake(shown: str, location: str, params: dict[str, str]) -> TierSpec:
+    if not location.startswith("//") or "/" in location[2:]:
+        raise TierURLError(f"tier URL {shown!r}: expected mooncake://host:rpc_port (the master), then ?metadata=")
+    master = _node(shown, location[2:], default_port=50051)
+    metadata = params.pop("metadata", "")
+    if not metadata.startswith(("http://", "https://")):
+        raise TierURLError(
+            f"tier URL {shown!r} needs metadata=, the metadata server's URL, e.g. ?metadata=http://host:8080/metadata"
+        )
+    with _naming(shown):
+        kwargs = {
+            "segment_bytes": parse_size(params.pop("segment", "1GiB")),
+            "buffer_bytes": parse_size(params.pop("buffer", "64MiB")),
+            "protocol": params.pop("protocol", "tcp").lower(),
+            "device": params.pop("device", ""),
+            "local_host": params.pop("local", None) or None,
+            "workers": _int(params.pop("workers", "2"), "workers"),
+            "max_batch": _int(params.pop("batch", "16"), "batch"),
+            "timeout_s": parse_duration(params.pop("timeout", "2")),
+            **_common(params),
+        }
+        if kwargs["protocol"] not in ("tcp", "rdma"):
+            raise ValueError(f"protocol={kwargs['protocol']!r} must be tcp or rdma")
+        return TierSpec(MooncakeTier, (master, metadata), kwargs, shown)
+
+
+def _node(shown: str, text: str, *, default_port: int = 6379) -> tuple[str, int]:
     match = _HOST_PORT.match(text)
     if match is None:
         raise TierURLError(f"tier URL {shown!r}: {text!r} is not host[:port]")
-    port = int(match.group("port") or 6379)
+    port = int(match.group("port") or default_port)
     if not 0 < port < 65536:
         raise TierURLError(f"tier URL {shown!r}: port {port} is out of range 1..65535")
     return match.group("ipv6") or match.group("host"), port

@@ -14,7 +14,7 @@ import torch
 
 from kvferry.formats import EngineKVFormat, KVGeometry
 from kvferry.formats.codec import coded_versions
-from kvferry.transfer.block_ids import BlockIds
+from kvferry.transfer.block_ids import BlockIds, CheckedBlockIds, PendingBlockIds
 from kvferry.transfer.geometry_cache import GeometryCache
 from kvferry.transfer.request import (
     Checked,
@@ -178,13 +178,14 @@ def prepare_gpu(geometry: KVGeometry) -> None:
 def transfer_pool_async(
     geom: KVGeometry,
     objects: list[torch.Tensor],
-    block_ids: BlockIds,
+    block_ids: BlockIds | PendingBlockIds[CheckedBlockIds],
     direction: Direction,
     chunk_size: int,
     skip_prefix_blocks: int,
 ) -> TransferHandle:
     """`transfer_async` for whole chunk objects carved from a pinned `HostPool` (what the cache moves): checked by
-    `check_pool_objects`, which skips what the pool guarantees. Objects from anywhere else go through
+    `check_pool_objects`, which skips what the pool guarantees (and leaves `PendingBlockIds` to the engine, which
+    checks them once a retrieve's first DMAs into staging are in flight). Objects from anywhere else go through
     `transfer_async`."""
     if geom.device.type != "cuda":
         raise ValueError(f"transfer_pool_async moves GPU KV; the engine's KV is on {geom.device}")

@@ -14,8 +14,9 @@ per block.
 from __future__ import annotations
 
 import array
-from collections.abc import Sequence
-from typing import NoReturn
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Generic, NoReturn, TypeVar
 
 import numpy as np
 import torch
@@ -61,6 +62,23 @@ class CheckedBlockIds:
             f"CheckedBlockIds({self.ids.tolist()}, num_blocks={self.num_blocks}, checked_from={self.checked_from}, "
             f"distinct={self.distinct})"
         )
+
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class PendingBlockIds(Generic[T]):
+    """A request's ``count`` block ids whose check the transfer runs itself, once the request's first copies into
+    staging are in flight: a GPU retrieve's first DMA (which touches no KV) then waits for no check, ~0.1-0.2 ms of
+    host time on a 16-chunk load. ``check()`` returns the checked ids or raises as `check_block_ids` does; the
+    transfer then writes no block. Taken only where a GPU transfer moves pool objects (`transfer_pool_async`)."""
+
+    count: int
+    check: Callable[[], T]
+
+    def __len__(self) -> int:
+        return self.count
 
 
 BlockIds = Sequence[int] | np.ndarray | torch.Tensor | CheckedBlockIds

@@ -34,6 +34,7 @@ import torch
 from kvferry.cuda.driver import CudaError, driver, primary_context
 from kvferry.kernels import triton_copy, triton_plan
 from kvferry.kernels.page_dma import PagePlan, page_copies
+from kvferry.transfer.block_ids import PendingBlockIds
 from kvferry.transfer.graphed import ObjectGraph, tables_bytes
 from kvferry.transfer.handle import Completion, TransferHandle
 from kvferry.transfer.lane import Lane
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 MODES = ("auto", "staged", "zero_copy", "page_dma")
+_NO_IDS = np.empty(0, dtype=np.int64)  # a request's ids while their check is pending (`_staged` fills them in)
 _GRAPHS_PER_PLAN = 16  # request shapes x lanes: an engine's plan meets one or two shapes per direction
 
 
@@ -126,7 +128,7 @@ class TransferEngine:
         """Enqueue a validated request (`kvferry.transfer.request.check`) on pinned host objects. `request` is the
         `Checked` result, or just the block ids of a list of objects (their addresses are then read here). The
         request's kernels wait for the caller's current stream, or for the CUDA event `after` when given."""
-        ids: np.ndarray
+        ids: np.ndarray | PendingBlockIds[np.ndarray]
         if isinstance(request, torch.Tensor):
             assert not isinstance(objects, torch.Tensor)
             tensors = cast("list[torch.Tensor]", objects)  # block ids alone come only with a list of tensors
@@ -136,7 +138,9 @@ class TransferEngine:
         else:
             ids, ptrs, caps, rows = request.ids, request.ptrs, request.caps, request.rows
             one_allocation = request.one_allocation
-        req = _Request(plan, objects, ids, ptrs, caps, rows, one_allocation, to_objects, chunk_size, skip_prefix_blocks)
+        pending, known = (ids, _NO_IDS) if isinstance(ids, PendingBlockIds) else (None, ids)
+        req = _Request(plan, objects, known, ptrs, caps, rows, one_allocation, to_objects, chunk_size,
+                       skip_prefix_blocks)  # fmt: skip
         lane = self._store if to_objects else self._retrieve
         nbytes = (len(ids) - skip_prefix_blocks) * plan.bs * plan.bytes_per_token
         mode = mode or self.config.mode
@@ -153,6 +157,8 @@ class TransferEngine:
             mode = "staged"
         elif mode == "auto":
             mode = "zero_copy" if nbytes < self.config.zero_copy_below else "staged"
+        if pending is not None and (mode != "staged" or to_objects or graphed or not nbytes):  # checked up front
+            req.ids, pending = pending.check(), None
         if mode == "zero_copy" or (to_objects and skip_prefix_blocks * plan.bs % chunk_size):
             for i, p in enumerate(ptrs):  # the kernel addresses objects in words
                 if p % plan.word:
@@ -171,7 +177,7 @@ class TransferEngine:
             keep: object = None
             graph = graphed and self._graph(lane, req)
             if graph:
-                meta, keep = lane.upload([ids, [0, caps[0]]], len(ids) + 2, done, graph.stream, to_device=False)
+                meta, keep = lane.upload([req.ids, [0, caps[0]]], len(ids) + 2, done, graph.stream, to_device=False)
                 graph.launch(ptrs[0], meta, start)
                 keep, end = (keep, graph), graph.stream  # the graph stays until the request has run
             elif nbytes and mode == "page_dma":
@@ -180,7 +186,7 @@ class TransferEngine:
             elif nbytes and mode == "zero_copy":
                 keep, end = self._zero_copy(lane, req, done, start)
             elif nbytes:
-                keep, end = self._staged(lane, req, done, start)
+                keep, end = self._staged(lane, req, done, start, pending)
             if end is None:  # nothing to copy, and no caller's stream: done once `after` is
                 end = lane.handles[lane.next_slot]
                 d.wait(end, start, 0)
@@ -248,10 +254,16 @@ class TransferEngine:
                                skip * plan.bs, rows)  # fmt: skip
         return keep, stream
 
-    def _staged(self, lane: Lane, req: _Request, done: Completion, start: int) -> tuple[object, int]:
+    def _staged(
+        self, lane: Lane, req: _Request, done: Completion, start: int, pending: PendingBlockIds[np.ndarray] | None
+    ) -> tuple[object, int]:
         """Each slice runs on its slot's stream: gather then DMA (a store), or DMA then scatter (a retrieve). The
-        next slice, on the next slot's stream, overlaps it; the slice after that waits for it by stream order."""
-        plan, ptrs, caps, ids, rows = req.plan, req.ptrs, req.caps, req.ids, req.rows
+        next slice, on the next slot's stream, overlaps it; the slice after that waits for it by stream order.
+
+        A retrieve's first slice on each slot is DMA'd into staging before anything else (its block ids checked
+        when `pending`, the metadata uploaded): those DMAs touch no KV and wait for nothing, and the host work after
+        them overlaps them. A pending check that fails then leaves only staging written."""
+        plan, ptrs, caps, rows = req.plan, req.ptrs, req.caps, req.rows
         to_objects, chunk_size, skip = req.to_objects, req.chunk_size, req.skip
         key = (tuple(caps), skip, rows, chunk_size, plan.bs, plan.bytes_per_token, plan.word, to_objects,
                lane.next_slot)  # fmt: skip
@@ -276,6 +288,13 @@ class TransferEngine:
         d, handles = self._driver, lane.handles
         home = handles[lane.next_slot]  # the request's first slice (the schedule starts there)
         lane.next_slot = sched.next_slot
+        lead = () if to_objects else sched.lead  # a retrieve's steps whose DMA goes first
+        for i in lead:
+            step = sched.steps[i]
+            self._dma(handles[step.slot], step, req, False)
+        if pending is not None:
+            req.ids = pending.check()
+        ids = req.ids
         n_ids = len(ids)
         meta, keep = lane.upload([ids, sched.tables], n_ids + len(sched.tables) // 8, done, home)
         # The other slot streams' kernels wait for the upload on `meta_ready`. Recorded after the first kernel on
@@ -296,9 +315,9 @@ class TransferEngine:
             launch_raw(plan, home, ptrs[first], tail, tail + 8, meta + first * (chunk_size // plan.bs) * 8, True,
                        chunk_size, head_rows, caps[first] - head_rows)  # fmt: skip
         staging, programs = lane.staging_ptr, self.config.programs
-        for step in sched.steps:
+        for i, step in enumerate(sched.steps):
             stream = handles[step.slot]
-            if not to_objects:  # into staging: touches no KV, waits for nothing but its slot's last scatter
+            if not to_objects and i not in lead:  # into staging: touches no KV, waits only for the slot's last scatter
                 self._dma(stream, step, req, False)
             if stream not in ordered:  # a gather sees what the model wrote; a scatter waits until the model is done
                 wait(stream, start, 0)

@@ -17,7 +17,7 @@ import torch
 
 from kvferry.cuda.pinned import is_known_pinned
 from kvferry.formats import KVGeometry
-from kvferry.transfer.block_ids import BlockIds, CheckedBlockIds, check_block_ids
+from kvferry.transfer.block_ids import BlockIds, CheckedBlockIds, PendingBlockIds, check_block_ids
 
 Objects = Sequence[torch.Tensor] | torch.Tensor
 
@@ -32,7 +32,9 @@ class Direction(IntEnum):
 class Checked(NamedTuple):
     """A validated request: its block ids (private int64) and what the GPU path reads off each object."""
 
-    ids: np.ndarray  # int64, not to be written (the ids checked, or a view of a `CheckedBlockIds`'s)
+    # int64, not to be written (the ids checked, or a view of a `CheckedBlockIds`'s); pending: the engine checks
+    # them once its first copies into staging are in flight (`check_pool_addresses`)
+    ids: np.ndarray | PendingBlockIds[np.ndarray]
     ptrs: list[int]  # each object's address
     caps: list[int]  # each object's token capacity
     rows: int  # object rows: planes x layers
@@ -105,7 +107,7 @@ def check(
 def check_pool_objects(
     geom: KVGeometry,
     objects: list[torch.Tensor],
-    block_ids: BlockIds,
+    block_ids: BlockIds | PendingBlockIds[CheckedBlockIds],
     direction: Direction,
     chunk_size: int,
     skip_prefix_blocks: int,
@@ -113,8 +115,9 @@ def check_pool_objects(
     """`check` for whole chunk objects the caller carved from one pinned `HostPool` (the cache's own). The pool's
     views are contiguous and lie in its pinned slab by construction, so only what could still be wrong is checked:
     each object's shape and dtype (an object promoted from a tier was shaped by the tier's header) and the block
-    ids (not again when the cache checked them: `CheckedBlockIds`). A one-chunk retrieve's check is on the path
-    to its first GPU operation: this is about half of `check`."""
+    ids (not again when the cache checked them: `CheckedBlockIds`; later, by the engine, when they are pending:
+    `PendingBlockIds`). A one-chunk retrieve's check is on the path to its first GPU operation: this is about half
+    of `check`."""
     bs = geom.bs
     if not isinstance(chunk_size, int) or chunk_size <= 0 or chunk_size % bs:
         raise ValueError(f"chunk_size={chunk_size} must be a positive multiple of the block size {bs}")
@@ -132,7 +135,7 @@ def check_pool_objects(
 def check_pool_addresses(
     geom: KVGeometry,
     addresses: list[int],
-    block_ids: BlockIds,
+    block_ids: BlockIds | PendingBlockIds[CheckedBlockIds],
     direction: Direction,
     chunk_size: int,
     skip_prefix_blocks: int,
@@ -146,9 +149,32 @@ def check_pool_addresses(
     if not addresses:
         raise ValueError("addresses is empty: pass at least one chunk object")
     n = len(addresses)
-    ids = _checked_ids(geom, block_ids, n * (chunk_size // bs), n, direction, skip_prefix_blocks)
+    n_blocks = n * (chunk_size // bs)
+    ids: np.ndarray | PendingBlockIds[np.ndarray]
+    if isinstance(block_ids, PendingBlockIds):
+        ids = _pending_ids(geom, block_ids, n_blocks, n, direction, skip_prefix_blocks)
+    else:
+        ids = _checked_ids(geom, block_ids, n_blocks, n, direction, skip_prefix_blocks)
     want = geom.object_shape(chunk_size)
     return Checked(ids, list(addresses), [chunk_size] * n, want[0] * want[1], True, False, True)
+
+
+def _pending_ids(
+    geom: KVGeometry,
+    pending: PendingBlockIds[CheckedBlockIds],
+    n_blocks: int,
+    n_objects: int,
+    direction: Direction,
+    skip_prefix_blocks: int,
+) -> PendingBlockIds[np.ndarray]:
+    """`_checked_ids` run by the engine when it asks (`PendingBlockIds`); what needs no ids is checked now."""
+    if not 0 <= skip_prefix_blocks <= n_blocks:
+        raise ValueError(f"skip_prefix_blocks={skip_prefix_blocks} must be within 0..{n_blocks}")
+    if pending.count != n_blocks:
+        raise ValueError(f"{pending.count} pending block ids for {n_objects} objects of {n_blocks} blocks")
+    return PendingBlockIds(
+        n_blocks, lambda: _checked_ids(geom, pending.check(), n_blocks, n_objects, direction, skip_prefix_blocks)
+    )
 
 
 def _checked_ids(

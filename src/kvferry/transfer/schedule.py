@@ -50,6 +50,7 @@ class Schedule:
     next_slot: int  # the ring's next slot after this request
     runs: bool  # some slice holds several objects (its DMA may run across adjacent ones)
     slots: tuple[int, ...]  # the slots this request uses
+    lead: frozenset[int]  # the steps that use their slot first: a retrieve enqueues their DMAs before anything else
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,7 @@ def schedule(
         next_slot=(ring.next_slot + len(slices)) % ring.slots,
         runs=any(len(step.parts) > 1 for step in steps),
         slots=tuple(sorted({step.slot for step in steps})),
+        lead=frozenset({step.slot: i for i, step in reversed(list(enumerate(steps)))}.values()),
     )
 
 

@@ -45,6 +45,7 @@ from kvferry.integrations.vllm import kv_access, logs, vllm_versions
 from kvferry.integrations.vllm import off_answers as off
 from kvferry.integrations.vllm.chunk_choice import follow_block_size
 from kvferry.integrations.vllm.connector_metadata import KvferryConnectorMetadata, KvferryHandshake, KvferryWorkerMeta
+from kvferry.integrations.vllm.kv_events import VllmKVEvents, kv_events_for
 from kvferry.integrations.vllm.kv_layout import (
     UnsupportedKVLayout,
     in_layer_order,
@@ -68,6 +69,7 @@ from kvferry.integrations.vllm.vllm_stats import KvferryPromMetrics, KvferryStat
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -132,6 +134,7 @@ class KvferryConnector(SleepModeHooks, KVConnectorBase_V1, SupportsHMA):
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
         self._scheduler: SchedulerSide | GroupedSchedulerSide | None = None
         self._scheduler_warned = False
+        self._events: VllmKVEvents | None = None  # kvferry's blocks in vLLM's KV events (`kv_events`)
         self._handshake: KvferryHandshake | None = None  # worker: sent; scheduler: received
         self._lookup_backend: ServerLookups | None = None
         self._worker: WorkerSide | None = None
@@ -249,6 +252,8 @@ class KvferryConnector(SleepModeHooks, KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._scheduler is not None:
             self._scheduler.close()
+        if self._events is not None:
+            self._events.close()
         if self._lookup_backend is not None:
             self._lookup_backend.close()
             self._lookup_backend = None
@@ -295,6 +300,8 @@ class KvferryConnector(SleepModeHooks, KVConnectorBase_V1, SupportsHMA):
         report = connector_output.kv_connector_worker_meta
         if self._scheduler is not None and connector_output.finished_sending:
             self._scheduler.stores_done(connector_output.finished_sending)
+            if self._events is not None:
+                self._events.stores_done(connector_output.finished_sending)
         if self._scheduler is not None and isinstance(report, KvferryWorkerMeta):
             self._scheduler.loads_done(report.loaded.elements(), report.failed)
 
@@ -307,7 +314,14 @@ class KvferryConnector(SleepModeHooks, KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         # `block_ids`: the blocks holding what the request computed (a windowed group's freed ones: null)
         saving = self._scheduler is not None and self._scheduler.request_finished_all_groups(request, block_ids)
+        if self._events is not None:
+            self._events.finished(request, saving)
         return saving, None
+
+    @serving_hook(off.no_events)
+    def take_events(self) -> list[KVCacheEvent]:
+        # vLLM's scheduler publishes these with its own each step (--kv-events-config); only this half emits
+        return self._events.take() if self._events is not None else []
 
     # --- metrics ------------------------------------------------------------------------------------------
 
@@ -316,11 +330,14 @@ class KvferryConnector(SleepModeHooks, KVConnectorBase_V1, SupportsHMA):
         scheduler_counters = self._scheduler.counters if self._scheduler is not None else None
         counters: WorkerCounters | SchedulerCounters | None = self.worker_counters or scheduler_counters
         moved = counters.take(self._stats_since) if counters is not None else {}
+        if self._events is not None:  # its counters' names are their own: one `since` serves both
+            moved |= self._events.counters().take(self._stats_since)
         return KvferryStats(data=moved) if moved else None
 
     @classmethod
     def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
-        """vLLM 0.34: how the workers reach the KV cache (server mode: legacy CUDA IPC; see `kv_access`)."""
+        """vLLM 0.34: how the workers reach the KV cache (server mode: file descriptors, or legacy CUDA IPC where
+        they cannot pass; see `kv_access`)."""
         return kv_access.kv_cache_access(kv_transfer_config)
 
     @classmethod
@@ -395,4 +412,9 @@ class KvferryConnector(SleepModeHooks, KVConnectorBase_V1, SupportsHMA):
                 self._scheduler_warned = True
             return None
         self._scheduler = scheduler_side_for(lookups, self._settings, self._groups, self._block_size, self._tp_size)
+        if isinstance(self._scheduler, SchedulerSide):  # a hybrid model's blocks are not announced
+            size = self._scheduler.chunk_size
+            self._events = kv_events_for(
+                self._vllm_config, self._settings, lookups, block_size=self._block_size, chunk_size=size
+            )
         return self._scheduler

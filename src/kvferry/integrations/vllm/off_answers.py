@@ -86,3 +86,7 @@ def nothing(*args: Any, **kwargs: Any) -> None:
 
 def nothing_off(connector: Any, *args: Any, **kwargs: Any) -> None:
     return None
+
+
+def no_events(*args: Any, **kwargs: Any) -> list[Any]:
+    return []

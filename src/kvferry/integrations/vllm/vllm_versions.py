@@ -16,6 +16,10 @@ Other differences need nothing of the connector: ``ModelRunnerOutput.req_id_to_i
 member; ``may_load_async`` and ``supports_lookahead_block_hashes`` (new in 0.34) keep vLLM's defaults (no load
 admitted past a full batch under ``--max-num-inflight-kv-loads``; no lookahead hashing); a prompt's token ids
 (an int32 buffer in 0.34) are copied into lists wherever they are kept.
+
+KV events (`kv_events`): ``BlockStored`` gained ``lookahead_token_ids`` in 0.33 (left at its default); the
+optional fields kvferry sets (``group_idx``, ``locality``, ``ownership``) are set where the installed vLLM's
+classes have them (`block_event_fields`).
 """
 
 from __future__ import annotations
@@ -95,6 +99,14 @@ def installed() -> VllmFacts:
         version=str(getattr(vllm, "__version__", "unknown")),
         resumed_among_cached={"resumed_req_ids", "all_token_ids"} <= fields,
     )
+
+
+@functools.cache
+def block_event_fields() -> tuple[frozenset[str], frozenset[str]]:
+    """The fields of the installed vLLM's ``BlockStored`` and ``BlockRemoved`` events."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    return frozenset(BlockStored.__struct_fields__), frozenset(BlockRemoved.__struct_fields__)
 
 
 @functools.cache

@@ -1,0 +1,302 @@
+"""The engine's KV events for what kvferry holds of its requests, in the engine's own block hashes (engine-neutral).
+
+A KV-aware router hashes prompts the way the engine does, so kvferry's blocks must reach it under the engine's
+block hashes, not kvferry's chunk keys. `BlockEvents` maps one to the other and turns the cache's records
+(`kvferry.cache.events`: chunk keys entering and leaving each medium) into `BlocksStored` / `BlocksRemoved` of the
+engine's blocks:
+
+- The scheduler half tells it which tokens a finished request stored and the engine's hashes of their blocks
+  (`finished`), then that the worker reported those stores done (`stores_done`).
+- The cache's records (`feed`: the cache's own queue in this process, or a server's event stream) carry each new
+  chunk's key, its parent's key and its token ids. A store done is matched to chunk keys by walking its chunks
+  from the first: (parent key, the chunk's tokens) names the chunk's key, in every key space that holds it (a
+  split model's parts, another engine's model). Its blocks are then announced in the engine's hashes, once per
+  medium, and the keys remembered: a key leaving a medium removes its blocks there (once, whichever key of the
+  blocks leaves first), a key entering another (a spill to a tier, a promotion back) announces them there.
+- A store whose chunks the cache never reports (refused, or held since before this engine followed the cache, whose
+  re-announcements carry no tokens) is announced as far as its leading chunks matched, once ``wait_s`` passed.
+- ``AllCleared`` (the cache dropped records, or the stream lost some): the announcement after it lists what is held
+  still; blocks announced before that it no longer lists are removed.
+
+Nothing here runs on a transfer's thread: `take` runs on the engine's scheduler thread once per step, and what
+waits here is bounded (``max_pending`` stores, ``max_recent`` keys; beyond, the oldest is dropped and counted in
+``dropped``: those blocks are then not announced, which a router reads as a miss, never as a wrong hit).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from kvferry.cache.events import LOCAL, MEDIUM_CPU, AllCleared, ChunksStored, Record
+
+Where = tuple[str, str]  # (medium, locality)
+
+
+class RecordFeed(Protocol):
+    def take(self) -> list[Record]:
+        """The cache's records since the last call, oldest first (never blocks)."""
+        ...
+
+    def close(self) -> None: ...
+
+    @property
+    def losses(self) -> int:
+        """How often records were lost (each followed by an ``AllCleared`` and a re-announcement), since the start."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksStored:
+    """Blocks now held by kvferry in ``medium``, in the engine's hashes: ``parent`` is the hash of the block
+    before the first (None: block 0), ``tokens`` their token ids (``block_size`` a block)."""
+
+    hashes: tuple[bytes, ...]
+    parent: bytes | None
+    tokens: tuple[int, ...]
+    medium: str
+    locality: str
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksRemoved:
+    hashes: tuple[bytes, ...]
+    medium: str
+    locality: str
+
+
+BlockEvent = BlocksStored | BlocksRemoved
+
+
+@dataclass(slots=True)
+class _Chunk:
+    """One chunk's blocks as the engine names them, and the keys holding them in each medium."""
+
+    hashes: tuple[bytes, ...]
+    parent: bytes | None
+    tokens: tuple[int, ...]
+    held: dict[Where, set[bytes]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Store:
+    tokens: list[int]
+    hashes: list[bytes]
+    since: float
+    done: bool = False
+    digests: list[bytes] | None = None  # of each chunk's tokens, once asked
+
+
+class BlockEvents:
+    """Engine block events for what kvferry holds of one engine's requests (see the module)."""
+
+    def __init__(
+        self,
+        feed: RecordFeed,
+        *,
+        block_size: int,
+        chunk_size: int,
+        wait_s: float = 30.0,
+        max_pending: int = 4096,
+        max_recent: int = 65536,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if chunk_size % block_size:
+            raise ValueError(f"chunk_size={chunk_size} must be a multiple of block_size={block_size}")
+        self.feed = feed
+        self.block_size = block_size
+        self.chunk_size = chunk_size
+        self._wait_s = wait_s
+        self._max_pending = max_pending
+        self._max_recent = max_recent
+        self._clock = clock
+        self._children: dict[tuple[bytes | None, bytes], set[bytes]] = {}  # (parent key, tokens' digest) -> keys
+        self._named: dict[bytes, tuple[bytes | None, bytes]] = {}  # key -> its (parent, digest) in _children
+        self._chunks: dict[bytes, _Chunk] = {}  # key -> the engine's blocks it holds, while held somewhere
+        self._recent: OrderedDict[bytes, _Chunk] = OrderedDict()  # keys held nowhere lately (a spill in flight)
+        self._stores: OrderedDict[str, _Store] = OrderedDict()
+        self.dropped = 0  # stores or keys forgotten for want of room (their blocks not announced)
+
+    def finished(self, req_id: str, tokens: Sequence[int], hashes: Sequence[bytes]) -> None:
+        """A finished request's store of ``tokens`` (whole chunks of them count) was planned; ``hashes``: the
+        engine's hash of each of its blocks."""
+        whole = min(len(tokens) // self.chunk_size, len(hashes) * self.block_size // self.chunk_size)
+        if whole == 0:
+            return
+        if len(self._stores) >= self._max_pending:
+            self._stores.popitem(last=False)
+            self.dropped += 1
+        end = whole * self.chunk_size
+        self._stores[req_id] = _Store(list(tokens[:end]), list(hashes[: end // self.block_size]), self._clock())
+
+    def stores_done(self, req_ids: Iterable[str]) -> None:
+        for req_id in req_ids:
+            store = self._stores.get(req_id)
+            if store is not None:
+                store.done = True
+
+    def take(self) -> list[BlockEvent]:
+        """The events since the last call: the cache's records applied, then the stores done matched."""
+        out: list[BlockEvent] = []
+        self._apply(self.feed.take(), out)
+        now = self._clock()
+        for req_id, store in list(self._stores.items()):
+            if not store.done:
+                if now - store.since > self._wait_s * 10:  # never reported done: the engine dropped it
+                    del self._stores[req_id]
+                continue
+            if self._announce(store, out, final=now - store.since > self._wait_s):
+                del self._stores[req_id]
+        return out
+
+    def close(self) -> None:
+        self.feed.close()
+
+    # -- the cache's records --------------------------------------------------------------------------------
+
+    def _apply(self, records: list[Record], out: list[BlockEvent]) -> None:
+        cleared: _Cleared | None = None
+        for record in records:
+            if isinstance(record, AllCleared):
+                if cleared is not None:  # a second one: the first's announcement ended before it
+                    self._remember(cleared.removals(out))
+                cleared = _Cleared(self._chunks, self._named)
+                self._chunks, self._named, self._children = {}, {}, {}
+            elif isinstance(record, ChunksStored):
+                self._stored(record, out, cleared)
+            else:
+                self._removed(record.keys, (record.medium, record.locality), out)
+        if cleared is not None:  # what the announcement after AllCleared did not list again has gone
+            self._remember(cleared.removals(out))
+
+    def _stored(self, record: ChunksStored, out: list[BlockEvent], cleared: _Cleared | None) -> None:
+        where = (record.medium, record.locality)
+        step = self.chunk_size * 4
+        for i, key in enumerate(record.keys):
+            if record.medium == MEDIUM_CPU:
+                if len(record.tokens) >= (i + 1) * step:
+                    parent = record.parent if i == 0 else record.keys[i - 1]
+                    self._name(key, parent, _digest(record.tokens[i * step : (i + 1) * step]))
+                elif cleared is not None and key in cleared.named:
+                    self._name(key, *cleared.named[key])  # re-announced: its tokens are the ones seen before
+            revived = cleared.revive(key, where) if cleared is not None else None
+            if revived is not None:  # announced before the AllCleared and held still: nothing to say
+                self._chunks[key] = revived
+                continue
+            chunk = self._chunks.get(key) or self._recent.pop(key, None)
+            if chunk is not None:
+                self._chunks[key] = chunk
+                self._hold(chunk, key, where, out)
+
+    def _removed(self, keys: Iterable[bytes], where: Where, out: list[BlockEvent]) -> None:
+        for key in keys:
+            if where[0] == MEDIUM_CPU:
+                named = self._named.pop(key, None)
+                if named is not None:
+                    children = self._children.get(named)
+                    if children is not None:
+                        children.discard(key)
+                        if not children:
+                            del self._children[named]
+            chunk = self._chunks.get(key)
+            if chunk is None:
+                continue
+            if where in chunk.held:  # the first of its keys to leave takes the blocks with it
+                for other in chunk.held.pop(where):
+                    if other != key and not any(other in keys_ for keys_ in chunk.held.values()):
+                        self._chunks.pop(other, None)
+                        self._remember([(other, chunk)])
+                out.append(BlocksRemoved(chunk.hashes, *where))
+            if not any(key in keys_ for keys_ in chunk.held.values()):
+                del self._chunks[key]
+                self._remember([(key, chunk)])
+
+    def _name(self, key: bytes, parent: bytes | None, digest: bytes) -> None:
+        self._named[key] = (parent, digest)
+        self._children.setdefault((parent, digest), set()).add(key)
+
+    def _remember(self, chunks: Iterable[tuple[bytes, _Chunk]]) -> None:
+        for key, chunk in chunks:
+            self._recent[key] = chunk
+            if len(self._recent) > self._max_recent:
+                self._recent.popitem(last=False)
+
+    # -- stores done -------------------------------------------------------------------------------------------
+
+    def _announce(self, store: _Store, out: list[BlockEvent], *, final: bool) -> bool:
+        """Announce ``store``'s chunks held now (all of them, or with ``final`` its leading ones); whether done."""
+        per_chunk = self.chunk_size // self.block_size
+        n = len(store.tokens) // self.chunk_size
+        if store.digests is None:  # the cache's records carry token ids as little-endian uint32
+            ids = np.asarray(store.tokens, dtype="<u4").tobytes()
+            step = self.chunk_size * 4
+            store.digests = [_digest(ids[i * step : (i + 1) * step]) for i in range(n)]
+        found: list[set[bytes]] = []
+        parents: set[bytes | None] = {None}
+        for digest in store.digests:
+            keys = set().union(*(self._children.get((p, digest), ()) for p in parents))
+            if not keys:
+                break
+            found.append(keys)
+            parents = set(keys)
+        if len(found) < n and not final:
+            return False
+        for i, keys in enumerate(found):
+            hashes = tuple(store.hashes[i * per_chunk : (i + 1) * per_chunk])
+            chunk = next((self._chunks[k] for k in keys if k in self._chunks), None)
+            if chunk is None:
+                parent = store.hashes[i * per_chunk - 1] if i else None
+                chunk = _Chunk(hashes, parent, tuple(store.tokens[i * self.chunk_size : (i + 1) * self.chunk_size]))
+            for key in keys:
+                self._chunks[key] = chunk
+                self._hold(chunk, key, (MEDIUM_CPU, LOCAL), out)
+        return True
+
+    def _hold(self, chunk: _Chunk, key: bytes, where: Where, out: list[BlockEvent]) -> None:
+        keys = chunk.held.get(where)
+        if keys is None:
+            chunk.held[where] = {key}
+            out.append(BlocksStored(chunk.hashes, chunk.parent, chunk.tokens, *where))
+        else:
+            keys.add(key)
+
+
+class _Cleared:
+    """What was announced before an ``AllCleared``, while the announcement after it is read."""
+
+    def __init__(self, chunks: dict[bytes, _Chunk], named: dict[bytes, tuple[bytes | None, bytes]]) -> None:
+        self.chunks = chunks
+        self.named = named
+        self._revived: dict[int, _Chunk] = {}  # by the old chunk's id: keys of one chunk stay one chunk
+
+    def revive(self, key: bytes, where: Where) -> _Chunk | None:
+        old = self.chunks.get(key)
+        if old is None or key not in old.held.get(where, ()):
+            return None
+        new = self._revived.setdefault(id(old), _Chunk(old.hashes, old.parent, old.tokens))
+        new.held.setdefault(where, set()).add(key)
+        return new
+
+    def removals(self, out: list[BlockEvent]) -> list[tuple[bytes, _Chunk]]:
+        """Removes what was announced and not listed again; returns the keys now held nowhere (and their chunks)."""
+        seen: set[int] = set()
+        for old in self.chunks.values():
+            if id(old) in seen:
+                continue
+            seen.add(id(old))
+            new = self._revived.get(id(old))
+            for where in old.held:
+                if new is None or where not in new.held:
+                    out.append(BlocksRemoved(old.hashes, *where))
+            old.held.clear()  # the revived keys went to a new chunk
+        return [(key, old) for key, old in self.chunks.items() if id(old) not in self._revived]
+
+
+def _digest(token_bytes: bytes) -> bytes:
+    return hashlib.blake2b(token_bytes, digest_size=16).digest()

@@ -1,0 +1,217 @@
+"""SGLang's HiCache pages in kvferry's cache: each page one chunk object, keyed by SGLang's page hash.
+
+SGLang hands its storage backend no token ids, only a key per page: a hash of the page's tokens chained with every
+page before it (64 hex digits). kvferry's keys are a hash of a token prefix (`kvferry.cache.keys`), so each page is
+stored as a one-chunk prefix of its own whose tokens spell the page's key (`page_tokens`); its key space
+(`CacheNamespace`) names the model, the rank's shard (`PageKeySpace`), the dtype and the object shape. The chunk
+size is therefore SGLang's page size, and a page is found again only by the same page hash: SGLang's objects are
+not shared with a vLLM engine's, whose keys hash the tokens themselves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from kvferry.cache import CacheEngine
+from kvferry.config import TransferConfig
+from kvferry.connector.backends import Backend, EmbeddedBackend, KeySpace
+from kvferry.connector.server_backend import ServerBackend
+from kvferry.connector.server_link import ServerLink
+from kvferry.connector.settings import ConnectorSettings
+from kvferry.integrations.sglang.host_pages import HostPages
+from kvferry.transfer import configure_gpu
+
+log = logging.getLogger(__name__)
+
+KEY_TOKENS = 8  # a page's key as token ids: sha256 of the key in 8 words of 31 bits (248 bits)
+STAGING_PAGES = 32  # pages of server mode's staging buffer: a call's pages go through it in rounds
+
+
+def page_tokens(key: str, page_size: int) -> list[int]:
+    """The token ids a page is stored under: its key's digest, then zeros to the page size."""
+    words = np.frombuffer(hashlib.sha256(key.encode()).digest(), dtype="<u4") & 0x7FFFFFFF
+    return [int(word) for word in words] + [0] * (page_size - KEY_TOKENS)
+
+
+@dataclass(frozen=True)
+class PageKeySpace:
+    """Whose pages: the model, and this rank's shard among ``world_size`` (every TP rank holds its heads of a page;
+    an MLA model's ranks hold the same page, of each decode-context-parallel shard; pipeline stages their layers,
+    attention context-parallel ranks their slice)."""
+
+    model: str
+    world_size: int
+    rank: int
+
+
+class PageStore:
+    """Pages of SGLang's host pool moved to and from kvferry's cache.
+
+    ``direct``: a backend over the host pool itself (embedded mode: the zero-copy calls copy between the pool's
+    pages and the cache); ``staged``: a backend over ``stage``, a buffer of kvferry's in the pool's layout, through
+    which server mode (the server maps only memory kvferry shares with it) and the generic get / set go."""
+
+    def __init__(
+        self, host: HostPages, stage: HostPages, staged: Backend, direct: Backend | None, closing: Callable[[], None]
+    ) -> None:
+        self.host, self.stage, self.staged, self.direct = host, stage, staged, direct
+        self._closing = closing
+        self._stage_lock = threading.Lock()  # SGLang's prefetch and backup threads call concurrently
+
+    @property
+    def page_size(self) -> int:
+        return self.host.page_size
+
+    def exists(self, keys: list[str]) -> int:
+        """How many leading ``keys`` the cache holds (a failed lookup is a miss)."""
+        for found, key in enumerate(keys):
+            hit = self.staged.lookup(page_tokens(key, self.page_size))
+            if hit is not None:
+                self.staged.free_lock(hit.lock)
+            if hit is None or hit.tokens < self.page_size:
+                return found
+        return len(keys)
+
+    def store(self, keys: list[str], pages: torch.Tensor) -> list[bool]:
+        """Host pages ``pages`` stored under ``keys``; per key whether it is (already) in the cache."""
+        if self.direct is not None:
+            return _outcomes([self._store(self.direct, key, int(page)) for key, page in zip(keys, pages, strict=True)])
+        done: list[bool] = []
+        for start in range(0, len(keys), self.stage.num_pages):
+            batch = pages[start : start + self.stage.num_pages]
+            with self._stage_lock:
+                self.host.copy_pages(batch, self.stage)
+                futures = [self._store(self.staged, key, i) for i, key in enumerate(keys[start : start + len(batch)])]
+                done += _outcomes(futures)
+        return done
+
+    def load(self, keys: list[str], pages: torch.Tensor) -> list[bool]:
+        """Host pages ``pages`` loaded from ``keys``; per key whether it was. SGLang uses the leading pages loaded
+        only: the staged path stops at the first miss (the pages after it are left as they were)."""
+        if self.direct is not None:
+            futures = [self._load(self.direct, key, int(page)) for key, page in zip(keys, pages, strict=True)]
+            return self._loaded(futures)
+        done: list[bool] = []
+        for start in range(0, len(keys), self.stage.num_pages):
+            batch = pages[start : start + self.stage.num_pages]
+            with self._stage_lock:
+                futures = [self._load(self.staged, key, i) for i, key in enumerate(keys[start : start + len(batch)])]
+                loaded = self._loaded(futures)
+                whole = loaded.index(False) if False in loaded else len(loaded)
+                self.host.fill_pages(batch[:whole], self.stage)
+            done += [True] * whole
+            if whole < len(batch):  # SGLang uses the leading pages loaded only
+                break
+        return done + [False] * (len(keys) - len(done))
+
+    def store_page(self, key: str, page: torch.Tensor) -> bool:
+        """One page given in SGLang's flat data page order (`HostPages.page`)."""
+        with self._stage_lock:
+            self.stage.page(0).copy_(page.view(self.stage.page(0).shape))
+            return _outcomes([self._store(self.staged, key, 0)])[0]
+
+    def load_page(self, key: str, page: torch.Tensor) -> bool:
+        with self._stage_lock:
+            if not self._loaded([self._load(self.staged, key, 0)])[0]:
+                return False
+            page.view(self.stage.page(0).shape).copy_(self.stage.page(0))
+            return True
+
+    def _store(self, backend: Backend, key: str, page: int) -> Future[int]:
+        return backend.store_async(page_tokens(key, self.page_size), [page], 0)
+
+    def _load(self, backend: Backend, key: str, page: int) -> Future[int]:
+        return backend.retrieve_async(page_tokens(key, self.page_size), [page], 0)
+
+    def _loaded(self, futures: list[Future[int]]) -> list[bool]:
+        loaded = []
+        for future in futures:
+            try:
+                loaded.append(future.result() == self.page_size)
+            except Exception as exc:  # a failed load is a miss: SGLang stops its prefetch there
+                log.warning("kvferry: loading a HiCache page failed (a miss): %s: %s", type(exc).__name__, exc)
+                loaded.append(False)
+        return loaded
+
+    def close(self) -> None:
+        self._closing()
+
+
+def _outcomes(futures: list[Future[int]]) -> list[bool]:
+    done = []
+    for future in futures:
+        try:
+            future.result()
+            done.append(True)
+        except Exception as exc:
+            log.warning("kvferry: storing a HiCache page failed: %s: %s", type(exc).__name__, exc)
+            done.append(False)
+    return done
+
+
+def open_page_store(settings: ConnectorSettings, host: HostPages, keys: PageKeySpace, *, name: str) -> PageStore:
+    """The page store of ``host`` in ``settings``' mode: a cache engine in this process whose chunk size is the page
+    size, or the server at ``settings.server_url``, whose ``--chunk-size`` must be the page size."""
+    if host.page_size < KEY_TOKENS:
+        raise ValueError(
+            f"kvferry's HiCache storage needs SGLang's --page-size >= {KEY_TOKENS} (a page's key is stored as "
+            f"{KEY_TOKENS} token ids); got {host.page_size}"
+        )
+    # Embedded mode stages the generic calls' single pages only; server mode every page, in rounds.
+    stage = host.staging(min(STAGING_PAGES, host.num_pages) if settings.mode == "server" else 1)
+    stage_kv = stage.engine_kv()
+    codec = settings.codec
+    key_space = replace(
+        KeySpace.of(stage_kv, model=keys.model, salt=settings.salt, codec=codec),
+        world_size=keys.world_size,
+        rank=keys.rank,
+    )
+    if settings.mode == "server":
+        deployment: dict[str, str | int] = {**key_space.deployment(), "world_size": keys.world_size, "rank": keys.rank}
+        link = ServerLink(
+            settings.server_url,
+            timeout_s=settings.timeout_s,
+            curve=settings.client_curve(),
+            register=lambda client: client.register_kv_cache(
+                stage_kv.paged, stage_kv.fmt, block_size=host.page_size, namespace=deployment
+            ),
+        )
+        try:
+            link.connect(check_chunk_size=lambda chunk: _check_chunk_size(chunk, host.page_size, "the server's"))
+        except BaseException:
+            link.close()
+            raise
+        return PageStore(host, stage, ServerBackend(link, key_space, stage_kv), None, link.close)
+    config = settings.kvferry_config()
+    config = config.model_copy(update={"cache": config.cache.model_copy(update={"chunk_size": host.page_size})})
+    if config.transfer != TransferConfig():  # the GPU data path is process-wide: changed only when asked to
+        configure_gpu(**config.transfer.engine_settings())
+    engine = CacheEngine(config, name=name)
+    try:
+        backends = []
+        for kv in (stage_kv, host.engine_kv()):
+            namespace = engine.namespace_for(
+                keys.model, kv.fmt, kv.paged, world_size=keys.world_size, rank=keys.rank, salt=settings.salt,
+                block_size=host.page_size, codec=codec,
+            )  # fmt: skip
+            backends.append(EmbeddedBackend(engine, kv, namespace, key_space))
+    except BaseException:
+        engine.close()
+        raise
+    return PageStore(host, stage, backends[0], backends[1], engine.close)
+
+
+def _check_chunk_size(chunk_size: int, page_size: int, whose: str) -> None:
+    if chunk_size != page_size:
+        raise ValueError(
+            f"kvferry's HiCache storage stores one SGLang page per chunk: {whose} chunk size ({chunk_size}) must be "
+            f"SGLang's --page-size ({page_size}); start the server with --chunk-size {page_size}"
+        )

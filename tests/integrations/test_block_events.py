@@ -1,0 +1,113 @@
+"""`BlockEvents` (kvferry.connector.block_events) against a hand-fed cache: the cache's records on chunk keys become
+events on the engine's block hashes, each block stored and removed once per medium, in either order of a store's
+report and its records, through a tier move, a split model's second key space, and an ``AllCleared``."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+
+from kvferry.cache.events import LOCAL, MEDIUM_CPU, MEDIUM_STORAGE, AllCleared, ChunksRemoved, ChunksStored, Record
+from kvferry.connector.block_events import BlockEvents, BlocksRemoved, BlocksStored
+
+BS, CHUNK = 4, 8
+PER = CHUNK // BS
+
+
+class HandFeed:
+    def __init__(self) -> None:
+        self.records: list[Record] = []
+
+    def take(self) -> list[Record]:
+        records, self.records = self.records, []
+        return records
+
+    def close(self) -> None:
+        return
+
+
+def _request(seed: int, chunks: int) -> tuple[list[int], list[bytes], list[bytes]]:
+    """Tokens, the engine's block hashes, and the cache's chunk keys (random: only their identity matters)."""
+    rng = random.Random(seed)
+    tokens = [rng.randrange(1 << 20) for _ in range(chunks * CHUNK + 3)]  # and a partial chunk, never reported
+    return tokens, [os.urandom(32) for _ in range(chunks * PER)], [os.urandom(32) for _ in range(chunks)]
+
+
+def _stored(keys: list[bytes], tokens: list[int], first: int = 0) -> ChunksStored:
+    ids = np.asarray(tokens[first * CHUNK : (first + len(keys)) * CHUNK], dtype="<u4").tobytes()
+    return ChunksStored(tuple(keys), None, ids, MEDIUM_CPU, LOCAL)
+
+
+def _ledger() -> tuple[BlockEvents, HandFeed, list[float]]:
+    feed, now = HandFeed(), [0.0]
+    return BlockEvents(feed, block_size=BS, chunk_size=CHUNK, wait_s=5.0, clock=lambda: now[0]), feed, now
+
+
+def test_a_store_is_announced_in_the_engines_hashes_whichever_comes_first() -> None:
+    events, feed, _ = _ledger()
+    tokens, hashes, keys = _request(1, 3)
+    events.finished("a", tokens, hashes)
+    assert events.take() == []  # not done yet
+    events.stores_done(["a"])
+    assert events.take() == []  # the cache has not reported the chunks yet (a server's stream lags)
+    feed.records.append(_stored(keys, tokens))
+    got = events.take()
+    assert got == [
+        BlocksStored(tuple(hashes[i * PER : (i + 1) * PER]), hashes[i * PER - 1] if i else None,
+                     tuple(tokens[i * CHUNK : (i + 1) * CHUNK]), MEDIUM_CPU, LOCAL)
+        for i in range(3)
+    ]  # fmt: skip
+    # another request storing the same prefix: nothing new; the eviction of chunk 1: its blocks, once
+    events.finished("b", tokens[: 2 * CHUNK], hashes[: 2 * PER])
+    events.stores_done(["b"])
+    feed.records.append(ChunksRemoved((keys[1],), MEDIUM_CPU, LOCAL))
+    feed.records.append(ChunksRemoved((keys[1],), MEDIUM_CPU, LOCAL))
+    assert events.take() == [BlocksRemoved(tuple(hashes[PER : 2 * PER]), MEDIUM_CPU, LOCAL)]
+
+
+def test_a_tier_move_a_second_key_space_and_all_cleared() -> None:
+    events, feed, _ = _ledger()
+    tokens, hashes, keys = _request(2, 2)
+    other = [os.urandom(32) for _ in keys]  # a split model's other part: the same tokens under other keys
+    feed.records += [_stored(keys, tokens), _stored(other, tokens)]
+    events.finished("a", tokens, hashes)
+    events.stores_done(["a"])
+    assert [type(e) for e in events.take()] == [BlocksStored, BlocksStored]  # once per chunk, not per key space
+    chunk0 = tuple(hashes[:PER])
+    # a spill of chunk 0: removed from the pool, stored on the disk tier; then the second part's key leaves too
+    feed.records += [
+        ChunksRemoved((keys[0],), MEDIUM_CPU, LOCAL),
+        ChunksStored((keys[0],), None, b"", MEDIUM_STORAGE, LOCAL),
+        ChunksRemoved((other[0],), MEDIUM_CPU, LOCAL),
+    ]
+    got = events.take()
+    assert got[0] == BlocksRemoved(chunk0, MEDIUM_CPU, LOCAL)
+    assert isinstance(got[1], BlocksStored) and got[1].medium == MEDIUM_STORAGE and got[1].hashes == chunk0
+    assert len(got) == 2
+    # the cache dropped records: AllCleared, and the announcement lists chunk 0 on disk and chunk 1's first key
+    feed.records += [AllCleared(), ChunksStored((keys[0],), None, b"", MEDIUM_STORAGE, LOCAL),
+                     ChunksStored((keys[1],), None, b"", MEDIUM_CPU, LOCAL)]  # fmt: skip
+    assert events.take() == []  # everything announced is held still
+    feed.records += [AllCleared(), ChunksStored((keys[1],), None, b"", MEDIUM_CPU, LOCAL)]
+    assert events.take() == [BlocksRemoved(chunk0, MEDIUM_STORAGE, LOCAL)]
+    # two in one take: the first's announcement (chunk 0 on disk again) stands until the second, which lists none
+    feed.records += [AllCleared(), ChunksStored((keys[0],), None, b"", MEDIUM_STORAGE, LOCAL), AllCleared()]
+    assert events.take() == [BlocksStored(chunk0, None, tuple(tokens[:CHUNK]), MEDIUM_STORAGE, LOCAL),
+                             BlocksRemoved(tuple(hashes[PER:]), MEDIUM_CPU, LOCAL),
+                             BlocksRemoved(chunk0, MEDIUM_STORAGE, LOCAL)]  # fmt: skip
+
+
+def test_a_store_the_cache_never_reports_whole_is_announced_as_far_as_it_matched() -> None:
+    events, feed, now = _ledger()
+    tokens, hashes, keys = _request(3, 3)
+    feed.records.append(_stored(keys[:1], tokens))  # chunk 0 only: the pool refused the rest
+    events.finished("a", tokens, hashes)
+    events.stores_done(["a"])
+    assert events.take() == []
+    now[0] = 6.0  # past wait_s
+    got = events.take()
+    assert [e.hashes for e in got if isinstance(e, BlocksStored)] == [tuple(hashes[:PER])]
+    assert events.take() == []  # forgotten once announced
+

@@ -1,0 +1,39 @@
+"""kvferry's HiCache storage backend under SGLang 0.5.23's own classes (`sglang_hicache_checks`): the release's
+Python files (`.ci/fetch-sglang-release` unpacks them, without compiled files) first on the path of a child pytest,
+whose process alone holds the stand-in for torchvision that SGLang's host pool import needs (`sglang_standin`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+VERSION = "0.5.23"
+TREE = Path(os.environ.get("KVF_TEST_SGLANG_RELEASE", ROOT / ".sglang-releases" / VERSION))
+# CI fetches the release first (.ci/run) and sets this: a release missing there is a failure, not a skip.
+REQUIRED = os.environ.get("KVF_TEST_SGLANG_RELEASE_REQUIRED") == "1"
+
+
+def test_the_hicache_storage_backend_under_sglang() -> None:
+    if not (TREE / "sglang" / "__init__.py").is_file():
+        message = f"SGLang {VERSION}'s Python files are not in {TREE} (run .ci/fetch-sglang-release)"
+        if REQUIRED:
+            pytest.fail(message)
+        pytest.skip(message)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(TREE), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+    }
+    child = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", "-W", "ignore::UserWarning",
+         "tests/integrations/sglang_hicache_checks.py"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    tail = child.stdout[-6000:] + child.stderr[-3000:]
+    assert child.returncode == 0, f"SGLang {VERSION}:\n{tail}"
+    summary = child.stdout.strip().splitlines()[-1]
+    assert "passed" in summary and "skipped" not in summary and "failed" not in summary, f"SGLang {VERSION}: {summary}"

@@ -1,0 +1,143 @@
+"""kvferry's blocks in vLLM's KV events: vLLM's own scheduler (`vllm_sim`) with kvferry as its connector publishes
+``BlockStored`` (medium CPU, vLLM's block hashes and token ids) for what kvferry stored and ``BlockRemoved`` once
+for each block kvferry evicts, decoded with vLLM's own event classes; embedded and server mode."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import socket
+import time
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs the vllm extra"),
+]
+
+CHUNK = 64
+BS = 16
+POOL_GB = 0.0008  # 6 chunks of the stand-in model (128 KiB each): a few prompts evict
+PROMPTS = 6  # of 4 whole chunks each
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from tests.integrations import vllm_sim
+
+    return vllm_sim.write_model(tmp_path_factory.mktemp("model"))
+
+
+def _prompt(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1000) for _ in range(300)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _kvferry_events(engine: Any) -> list[Any]:
+    return [e for batch in engine.published for e in batch.events if getattr(e, "ownership", None) == "kvferry"]
+
+
+def _run(engine: Any, prompts: list[list[int]]) -> dict[str, list[Any]]:
+    """Runs each prompt to its end; vLLM's block hashes of each (as its engine core computes them), as its events
+    name them."""
+    from vllm import SamplingParams
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+    from vllm.v1.request import Request
+
+    hashes = {}
+    for i, tokens in enumerate(prompts):
+        engine.add(f"r{i}", tokens)
+        probe = Request("probe", tokens, SamplingParams(), None, block_hasher=engine._block_hasher)
+        hashes[f"r{i}"] = [maybe_convert_block_hash(h) for h in probe.block_hashes]
+        engine.run()
+        engine.scheduler.reset_prefix_cache()  # the next prompt's chunks come from kvferry's pool, or are recomputed
+    return hashes
+
+
+def _check(engine: Any, prompts: list[list[int]], hashes: dict[str, list[Any]], deadline_s: float = 0.0) -> None:
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    per_chunk = CHUNK // BS
+    until = time.monotonic() + deadline_s
+    while True:
+        events = _kvferry_events(engine)
+        stored = [e for e in events if isinstance(e, BlockStored)]
+        removed = Counter(h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes)
+        announced = {h for e in stored for h in e.block_hashes}
+        if (len(announced) == PROMPTS * 4 * per_chunk and len(removed) >= 4 * per_chunk) or time.monotonic() > until:
+            break
+        engine.step()  # an idle step: the scheduler takes the connector's events as it publishes its own
+    assert all(e.medium == "CPU" and e.block_size == BS and e.group_idx == 0 for e in stored)
+    # every prompt's 4 whole chunks announced in vLLM's hashes, with their tokens and parent hashes
+    tokens_of = {h: list(e.token_ids[i * BS : (i + 1) * BS]) for e in stored for i, h in enumerate(e.block_hashes)}
+    parent_of = {e.block_hashes[0]: e.parent_block_hash for e in stored}
+    for i, tokens in enumerate(prompts):
+        expected = hashes[f"r{i}"][: 4 * per_chunk]
+        assert set(expected) <= announced
+        assert [tokens_of[h] for h in expected] == [tokens[b * BS : (b + 1) * BS] for b in range(4 * per_chunk)]
+        assert all(parent_of.get(h, expected[b - 1] if b else None) == (expected[b - 1] if b else None)
+                   for b, h in enumerate(expected))  # fmt: skip
+    # each block removed once, only after it was announced, and what is left is what kvferry holds
+    assert removed and max(removed.values()) == 1 and set(removed) <= announced
+    assert sum(len(e.block_hashes) for e in stored) == len(announced)  # each announced once (no spill, no tier)
+    held = announced - set(removed)
+    assert len(held) <= 6 * per_chunk  # the pool's 6 chunks
+
+
+@pytest.fixture
+def engines() -> Iterator[list[Any]]:
+    made: list[Any] = []
+    yield made
+    for engine in made:
+        engine.shutdown()
+
+
+def test_embedded_kvferry_blocks_reach_vllms_kv_events(engines: list[Any], model: str) -> None:
+    from tests.integrations.vllm_sim import SimEngine
+
+    extra = {"mode": "embedded", "config": {"cache": {"chunk_size": CHUNK, "l1_size_gb": POOL_GB}}}
+    engine = SimEngine(model, extra, kv_events=True)
+    engines.append(engine)
+    prompts = [_prompt(seed) for seed in range(PROMPTS)]
+    hashes = _run(engine, prompts)
+    # vLLM's own events for the same blocks (medium GPU) name them by the same hashes
+    own = {h for b in engine.published for e in b.events if getattr(e, "medium", None) == "GPU"
+           for h in getattr(e, "block_hashes", ())}  # fmt: skip
+    assert set(hashes["r0"][:16]) <= own
+    _check(engine, prompts, hashes)
+
+
+def test_server_mode_kvferry_blocks_reach_vllms_kv_events(engines: list[Any], model: str) -> None:
+    from kvferry.cache import CacheEngine
+    from kvferry.config import KvferryConfig, ServerConfig
+    from kvferry.server import KvferryServer
+    from tests.integrations.vllm_sim import SimEngine
+
+    port, pub, replay = _free_port(), _free_port(), _free_port()
+    cache = CacheEngine(KvferryConfig.load(env={}, overrides={"cache": {"chunk_size": CHUNK, "l1_size_gb": POOL_GB}}))
+    server = KvferryServer(ServerConfig(port=port, http_port=0, events_port=pub, events_replay_port=replay), cache)
+    server.start()
+    try:
+        extra = {"mode": "server", "server_url": f"tcp://127.0.0.1:{port}",
+                 "events_url": f"tcp://127.0.0.1:{pub},tcp://127.0.0.1:{replay}"}  # fmt: skip
+        engine = SimEngine(model, extra, kv_events=True)
+        engines.append(engine)
+        prompts = [_prompt(seed) for seed in range(10, 10 + PROMPTS)]
+        hashes = _run(engine, prompts)
+        _check(engine, prompts, hashes, deadline_s=60.0)  # ends once all are in (loaded CI: > 20 s)
+        engines.remove(engine)
+        engine.shutdown()
+    finally:
+        server.stop()
+        cache.close()
