@@ -111,3 +111,19 @@ def test_a_store_the_cache_never_reports_whole_is_announced_as_far_as_it_matched
     assert [e.hashes for e in got if isinstance(e, BlocksStored)] == [tuple(hashes[:PER])]
     assert events.take() == []  # forgotten once announced
 
+
+def test_a_store_whose_chunks_come_and_go_in_one_take_is_announced_then_removed() -> None:
+    """A server's stream read on its own thread hands over a store's records and their eviction (the next prompt's
+    store) at once: the blocks are announced before they are removed, not lost in between."""
+    events, feed, _ = _ledger()
+    tokens, hashes, keys = _request(4, 2)
+    events.finished("a", tokens, hashes)
+    events.stores_done(["a"])
+    assert events.take() == []
+    feed.records += [_stored(keys, tokens), ChunksRemoved((keys[0], keys[1]), MEDIUM_CPU, LOCAL)]
+    got = events.take()
+    blocks = [tuple(hashes[:PER]), tuple(hashes[PER:])]
+    assert [(type(e), e.hashes) for e in got] == [
+        (BlocksStored, blocks[0]), (BlocksStored, blocks[1]), (BlocksRemoved, blocks[0]), (BlocksRemoved, blocks[1])
+    ]  # fmt: skip
+    assert events.take() == []

@@ -145,14 +145,7 @@ class BlockEvents:
         """The events since the last call: the cache's records applied, then the stores done matched."""
         out: list[BlockEvent] = []
         self._apply(self.feed.take(), out)
-        now = self._clock()
-        for req_id, store in list(self._stores.items()):
-            if not store.done:
-                if now - store.since > self._wait_s * 10:  # never reported done: the engine dropped it
-                    del self._stores[req_id]
-                continue
-            if self._announce(store, out, final=now - store.since > self._wait_s):
-                del self._stores[req_id]
+        self._announce_done(out)
         return out
 
     def close(self) -> None:
@@ -171,6 +164,10 @@ class BlockEvents:
             elif isinstance(record, ChunksStored):
                 self._stored(record, out, cleared)
             else:
+                if self._stores and any(key in self._named for key in record.keys):
+                    # Stores done that wait for these chunks' records (which came in this same take) are announced
+                    # before the chunks leave: a router then reads their whole history, not only the removal.
+                    self._announce_done(out)
                 self._removed(record.keys, (record.medium, record.locality), out)
         if cleared is not None:  # what the announcement after AllCleared did not list again has gone
             self._remember(cleared.removals(out))
@@ -228,6 +225,18 @@ class BlockEvents:
                 self._recent.popitem(last=False)
 
     # -- stores done -------------------------------------------------------------------------------------------
+
+    def _announce_done(self, out: list[BlockEvent]) -> None:
+        """Announce the stores reported done whose chunks the cache's records named (all, or past ``wait_s`` as
+        far as they matched)."""
+        now = self._clock()
+        for req_id, store in list(self._stores.items()):
+            if not store.done:
+                if now - store.since > self._wait_s * 10:  # never reported done: the engine dropped it
+                    del self._stores[req_id]
+                continue
+            if self._announce(store, out, final=now - store.since > self._wait_s):
+                del self._stores[req_id]
 
     def _announce(self, store: _Store, out: list[BlockEvent], *, final: bool) -> bool:
         """Announce ``store``'s chunks held now (all of them, or with ``final`` its leading ones); whether done."""

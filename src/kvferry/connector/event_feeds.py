@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 
 from kvferry.cache import CacheEngine
@@ -42,39 +43,68 @@ class CacheFeed:
 
 
 class _Collected(EventIndex):
-    """What the subscriber applies, kept as records for `StreamFeed.take`."""
+    """What the subscriber applies, kept as records for `StreamFeed.take` (filled by the feed's thread)."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.lock = threading.Lock()
         self.records: list[Record] = []
         self.losses = 0
 
     def apply(self, node: str, records: Sequence[Record]) -> None:
-        self.records += records
+        with self.lock:
+            self.records += records
 
     def forget(self, node: str) -> None:
-        self.losses += 1
-        self.records.append(AllCleared())  # a hole no replay fills: nothing announced before it stands
+        with self.lock:
+            self.losses += 1
+            self.records.append(AllCleared())  # a hole no replay fills: nothing announced before it stands
 
 
 class StreamFeed:
-    """A kvferry server's KV event stream (``endpoint``, and its replay socket ``replay_endpoint``), read without
-    waiting at each `take`."""
+    """A kvferry server's KV event stream (``endpoint``, and its replay socket ``replay_endpoint``), followed by a
+    thread of its own: a replay after a gap waits on the server (up to ``replay_timeout_s``), never the caller of
+    `take`, which is the engine's scheduler."""
 
-    def __init__(self, endpoint: str, replay_endpoint: str | None, curve: ClientCurve | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str | None,
+        curve: ClientCurve | None = None,
+        *,
+        replay_timeout_s: float = 5.0,
+    ) -> None:
         self._collected = _Collected()
-        stream = Stream("server", endpoint, replay_endpoint)
-        self._subscriber = EventSubscriber([stream], self._collected, replay_timeout_s=1.0, curve=curve)
+        self._stopping = threading.Event()
+
+        def follow() -> None:
+            # zmq sockets stay in the thread that made them: the subscriber is made, polled and closed here, so
+            # the first replay (what the server published before) does not hold up the engine's start either
+            subscriber = None
+            try:
+                stream = Stream("server", endpoint, replay_endpoint)
+                subscriber = EventSubscriber([stream], self._collected, replay_timeout_s=replay_timeout_s, curve=curve)
+                while not self._stopping.is_set():
+                    subscriber.poll(0.1)
+            except Exception:
+                log.exception("kvferry: the KV event stream %s is not followed", endpoint)
+                self._collected.forget("server")
+            finally:
+                if subscriber is not None:
+                    subscriber.close()
+
+        self._thread = threading.Thread(target=follow, name="kvferry-event-feed", daemon=True)
+        self._thread.start()
 
     @property
     def losses(self) -> int:
         return self._collected.losses
 
     def take(self) -> list[Record]:
-        while self._subscriber.poll(0):
-            pass
-        records, self._collected.records = self._collected.records, []
+        with self._collected.lock:
+            records, self._collected.records = self._collected.records, []
         return records
 
     def close(self) -> None:
-        self._subscriber.close()
+        self._stopping.set()
+        self._thread.join()
