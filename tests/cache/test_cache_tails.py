@@ -73,6 +73,21 @@ def test_a_prompt_shorter_than_a_chunk_is_a_tail_too() -> None:
         assert_blocks_equal(paged, [5, 6], paged, [7, 8], FMT)
 
 
+def test_a_tail_after_chunks_an_earlier_store_still_writes_is_kept() -> None:
+    """A request's store at its finish (its chunks skipped: an earlier store of it wrote them) may run before that
+    earlier store, on another worker thread: its tail is kept, and hit once the chunks land."""
+    src, dst = make_paged(FMT, NB, seed=1), make_paged(FMT, NB, seed=2)
+    turn = random_tokens(2 * CHUNK + 40)  # a tail of 2 whole blocks
+    ids = random_blocks(11, 7)
+    with _engine(src) as engine:
+        assert engine.store(turn, src, ids, FMT, skip_prefix_tokens=2 * CHUNK, tail=True) == 32
+        assert engine.lookup(turn) == 0  # its chunks are not there yet
+        assert engine.store(turn[: 2 * CHUNK], src, ids, FMT) == 2 * CHUNK
+        assert engine.lookup(turn) == 2 * CHUNK + 32
+        assert engine.retrieve(turn, dst, ids, FMT) == 2 * CHUNK + 32
+        assert_blocks_equal(src, ids[:10], dst, ids[:10], FMT)
+
+
 def test_a_superseded_tail_is_evicted_first() -> None:
     paged = make_paged(FMT, NB)
     convo = random_tokens(4 * CHUNK)

@@ -279,7 +279,9 @@ class CacheEngine:
         )
         stored_tail = None
         if with_tail:
-            stored_tail, more = self._writer.write_tail(tokens, ns, paged, geom, ids, tail_len, valid_until)
+            stored_tail, more = self._writer.write_tail(
+                tokens, ns, paged, geom, ids, tail_len, valid_until, parent_skipped=first >= n_full > 0
+            )
             seconds += more
         if self._res.index.has_tails:  # tails the chunks and tail just stored supersede go first
             self._res.demote(superseded(self._res.index, self._hasher.prefix(tokens, ns), first, tail_len))

@@ -286,14 +286,20 @@ class ChunkWriter:
         block_ids: CheckedBlockIds,
         length: int,
         valid_until: float | None = None,
+        *,
+        parent_skipped: bool = False,
     ) -> tuple[Entry | None, float]:
         """Store the tail object of ``length`` tokens after the full chunks of ``tokens`` (see
         `kvferry.cache.tails`) unless it is present, or its last full chunk is not cached (a lookup could never
-        reach it); returns the new (readable) entry, or None, and the seconds its copy took. Waits for its copy."""
+        reach it); returns the new (readable) entry, or None, and the seconds its copy took. Waits for its copy.
+
+        ``parent_skipped``: the store skipped that last chunk (its caller stored it before): its caller's earlier
+        store may still be on another worker thread, not yet indexed, so the tail is stored whether or not the
+        chunk is there yet (a chunk that never lands leaves the tail unreachable until evicted)."""
         prefix = self._hasher.prefix(tokens, ns)
         n = prefix.n
         parent = prefix.key(n - 1) if n else None
-        if parent is not None and parent not in self._res.index:
+        if parent is not None and not parent_skipped and parent not in self._res.index:
             return None, 0.0
         key = prefix.tail_key(n, length)
         shape = geom.object_shape(length)
