@@ -6,21 +6,25 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from kvferry.connector.chunk_choice import chunk_size_for, follow_block_size
 from kvferry.connector.settings import ConnectorSettings
 from kvferry.cuda.vmm import fd_export_unavailable_reason
 from kvferry.integrations.vllm import kv_access
-from kvferry.integrations.vllm.chunk_choice import chunk_size_for, follow_block_size
 from kvferry.integrations.vllm.kv_access import kv_cache_access
 from kvferry.integrations.vllm.kv_layout import refused_cache_dtype
 
-VLLM_034 = Path("/work/vllm-src/0.34.0")
-SRC = Path(__file__).resolve().parents[2] / "src"
+ROOT = Path(__file__).resolve().parents[2]
+# vLLM 0.34's released Python files, as .ci/fetch-vllm-releases unpacks them (tests/integrations/test_vllm_releases.py)
+VLLM_034 = Path(os.environ.get("KVF_TEST_VLLM_RELEASES", ROOT / ".vllm-releases")) / "0.34.0"
+RELEASES_REQUIRED = os.environ.get("KVF_TEST_VLLM_RELEASES_REQUIRED") == "1"
+SRC = ROOT / "src"
 
 
 @pytest.mark.parametrize(("block_size", "chunk"), [(256, 256), (384, 384), (16, 256), (528, 528), (96, 288)])
@@ -128,9 +132,13 @@ def test_this_machine_s_answer_is_the_platform_check_s() -> None:
     assert str(kv_cache_access(_TransferConfig(unix))).endswith(expected)
 
 
-@pytest.mark.skipif(not (VLLM_034 / "vllm").is_dir(), reason="vLLM 0.34's sources are not unpacked here")
 def test_against_vllm_0_34_s_kv_cache_access_flags() -> None:
     """vLLM 0.34's own `KVTransferConfig` and `KVCacheAccess` (its Python sources first on the path)."""
+    if not (VLLM_034 / "vllm" / "__init__.py").is_file():
+        message = f"vLLM 0.34's Python files are not in {VLLM_034} (run .ci/fetch-vllm-releases)"
+        if RELEASES_REQUIRED:
+            pytest.fail(message)
+        pytest.skip(message)
     script = f"""
 import json, sys
 sys.path[:0] = [{str(VLLM_034)!r}, {str(SRC)!r}]

@@ -35,15 +35,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvferry.connector import backends, hybrid_worker, layer_parts
+from kvferry.connector.chunk_choice import follow_block_size
 from kvferry.connector.counters import SchedulerCounters, WorkerCounters
 from kvferry.connector.kv_groups import KVGroup, UnsupportedGroups
 from kvferry.connector.plan import StepPlan
+from kvferry.connector.serving_guard import guard_for, serving_hook
 from kvferry.connector.settings import ConnectorSettings
 from kvferry.connector.worker_backend import StateViews
 from kvferry.connector.worker_side import WorkerSide
 from kvferry.integrations.vllm import kv_access, logs, vllm_versions
 from kvferry.integrations.vllm import off_answers as off
-from kvferry.integrations.vllm.chunk_choice import follow_block_size
 from kvferry.integrations.vllm.connector_metadata import KvferryConnectorMetadata, KvferryHandshake, KvferryWorkerMeta
 from kvferry.integrations.vllm.kv_events import VllmKVEvents, kv_events_for
 from kvferry.integrations.vllm.kv_layout import (
@@ -60,7 +61,6 @@ from kvferry.integrations.vllm.scheduler_side import (
     scheduler_side_for,
     server_lookups,
 )
-from kvferry.integrations.vllm.serving_guard import guard_for, serving_hook
 from kvferry.integrations.vllm.sleep_mode import SleepModeHooks
 from kvferry.integrations.vllm.state_settings import restore_scheduler_block_size, warn_of_sparse_state_retention
 from kvferry.integrations.vllm.vllm_groups import hybrid_groups

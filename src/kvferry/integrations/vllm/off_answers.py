@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from kvferry.connector.plan import StepPlan
+from kvferry.connector.serving_guard import OffLedger
 from kvferry.integrations.vllm.connector_metadata import KvferryConnectorMetadata
-from kvferry.integrations.vllm.serving_guard import OffLedger
 
 
 def _ledger(connector: Any) -> OffLedger:

@@ -22,10 +22,10 @@ import torch
 from kvferry.cache import CacheEngine
 from kvferry.connector import backends
 from kvferry.connector.backends import EmbeddedBackend
+from kvferry.connector.serving_guard import ServingGuard, serving_hook
 from kvferry.connector.settings import ConnectorSettings
 from kvferry.connector.worker_side import WorkerSide
 from kvferry.integrations.vllm import off_answers as off
-from kvferry.integrations.vllm.serving_guard import ServingGuard, serving_hook
 
 log = logging.getLogger(__name__)
 

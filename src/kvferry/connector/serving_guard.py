@@ -1,17 +1,18 @@
-"""An error inside kvferry while vLLM serves turns the connector off; it never takes vLLM's step down.
+"""An error inside kvferry while an engine serves turns the connector off; it never takes the engine's step down.
 
-vLLM calls the connector's hooks from its scheduler loop and its model runner: an exception there (a vLLM API that
-drifted, a kvferry bug) would end the engine. Every hook vLLM calls while serving is wrapped (`serving_hook`): the
-first exception is logged once, as an ERROR with its traceback, and the engine's connectors turn off (`ServingGuard`,
-shared by the scheduler's and the worker's connector of an engine in one process). From then on:
+An engine calls the connector's hooks from its scheduler loop and its model runner: an exception there (an engine
+API that drifted, a kvferry bug) would end the engine. Every hook an engine adapter exposes while serving is
+wrapped (`serving_hook`): the first exception is logged once, as an ERROR with its traceback, and the engine's
+connectors turn off (`ServingGuard`, shared by the scheduler's and the worker's connector of an engine in one
+process). From then on:
 
 - lookups miss (0 external tokens) and plans are empty: nothing new is loaded or stored;
-- the worker refuses new transfers (a load in a plan made before fails and is reported failed, so vLLM recomputes
-  its tokens; a store does not run), and the transfers in flight end and are reported as they would be;
-- what vLLM still waits for is answered as before: a finished request that had stores planned is reported "saving"
-  (`OffLedger`), and the worker reports it done, so vLLM frees its blocks; a request vLLM put in
-  WAITING_FOR_REMOTE_KVS for a hit whose load was never planned gets a load that fails (vLLM recomputes it); the
-  scheduler's lookup locks are freed.
+- the worker refuses new transfers (a load in a plan made before fails and is reported failed, so the engine
+  recomputes its tokens; a store does not run), and the transfers in flight end and are reported as they would be;
+- what the engine still waits for is answered as before: a finished request that had stores planned is reported
+  "saving" (`OffLedger`), and the worker reports it done, so the engine frees its blocks; a request waiting for a
+  hit whose load was never planned (vLLM's WAITING_FOR_REMOTE_KVS) gets a load that fails (the engine recomputes
+  it); the scheduler's lookup locks are freed.
 
 An error while off (the worker's reports still run) is logged at DEBUG and answered with the hook's plain "nothing"
 (``fallback``). Exceptions at start (bad settings, an unsupported layout) are not caught: refusing to start is right.
@@ -37,7 +38,7 @@ class ServingGuard:
 
     def __init__(self) -> None:
         self.off = False
-        self.asleep = False  # vLLM's sleep mode: between unregister_kv_caches and restore_kv_caches (`sleep_mode`)
+        self.asleep = False  # the engine's sleep mode (vLLM's: between unregister_kv_caches and restore_kv_caches)
         self.ledger = OffLedger()  # kept by the scheduler's connector
         self._lock = threading.Lock()
         self._turn_offs: list[Callable[[], None]] = []
@@ -52,7 +53,7 @@ class ServingGuard:
                 return
             self.off = True
         log.error(
-            "kvferry connector turned off after an error in %s: %s: %s. vLLM serves on without it: every lookup "
+            "kvferry connector turned off after an error in %s: %s: %s. The engine serves on without it: every lookup "
             "misses and nothing is loaded or stored until the engine restarts",
             hook,
             type(exc).__name__,
@@ -71,7 +72,7 @@ _guards_lock = threading.Lock()
 
 
 def guard_for(engine_id: str) -> ServingGuard:
-    """The guard of vLLM engine ``engine_id`` in this process (its scheduler's and worker's connectors share it)."""
+    """The guard of engine ``engine_id`` in this process (its scheduler's and worker's connectors share it)."""
     with _guards_lock:
         guard = _guards.get(engine_id)
         if guard is None:
@@ -94,7 +95,7 @@ def serving_hook(
 
     While off, ``when_off(connector, ...)`` answers (None: the hook itself, which then runs with transfers refused);
     an error there gets ``fallback(...)``. ``seen(connector, result, ...)`` records each answer given while on (what
-    `OffLedger` must keep answering). ``while_asleep(connector, ...)``: the answer while vLLM sleeps (None: the
+    `OffLedger` must keep answering). ``while_asleep(connector, ...)``: the answer while the engine sleeps (None: the
     hook's own)."""
 
     def decorate(method: F) -> F:
@@ -126,13 +127,13 @@ def serving_hook(
 @dataclass
 class _AwaitedLoad:
     tokens: list[int]  # the prompt's tokens up to the hit's end
-    skip_tokens: int  # vLLM's own prefix hit
-    block_ids: Sequence[Sequence[int]] = ()  # per KV cache group, once vLLM allocated them
+    skip_tokens: int  # the engine's own prefix hit
+    block_ids: Sequence[Sequence[int]] = ()  # per KV cache group, once the engine allocated them
 
 
 class OffLedger:
-    """What the scheduler's connector answered vLLM, so it keeps answering consistently once off: the requests
-    that had stores planned (vLLM keeps a finished one's blocks until the worker reports its stores: `finished`)
+    """What the scheduler's connector answered the engine, so it keeps answering consistently once off: the requests
+    that had stores planned (the engine keeps a finished one's blocks until the worker reports its stores: `finished`)
     and those waiting for a background load not yet planned (`failed_loads`)."""
 
     def __init__(self) -> None:
@@ -160,7 +161,8 @@ class OffLedger:
             self._awaited.pop(spec.req_id, None)
 
     def finished(self, req_id: str) -> bool:
-        """vLLM's request finished: whether vLLM is to keep its blocks until the worker reports its stores done."""
+        """The engine's request finished: whether the engine is to keep its blocks until the worker reports its
+        stores done."""
         self._awaited.pop(req_id, None)
         if req_id in self._storing:
             self._storing.discard(req_id)
@@ -168,8 +170,8 @@ class OffLedger:
         return False
 
     def failed_loads(self) -> list[LoadSpec]:
-        """Loads for the requests vLLM waits on whose load was never planned: each group's blocks from vLLM's own
-        hit on, which the refusing worker reports failed (vLLM recomputes them)."""
+        """Loads for the requests the engine waits on whose load was never planned: each group's blocks from the
+        engine's own hit on, which the refusing worker reports failed (the engine recomputes them)."""
         loads = [
             LoadSpec(req_id, awaited.tokens, list(ids), awaited.skip_tokens, in_background=True, group=group)
             for req_id, awaited in self._awaited.items()

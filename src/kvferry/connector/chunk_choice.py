@@ -1,11 +1,11 @@
-"""Embedded mode's chunk size where the user set none: a multiple of vLLM's block size.
+"""Embedded mode's chunk size where the user set none: a multiple of the engine's block sizes.
 
-vLLM picks some block sizes itself: a hybrid model's attention block size follows its page sizes, which depend on
-the machine (Qwen3-Next's was 384 on one CPU and 256 on another). kvferry's default chunk size (256 tokens) is then
-not always whole blocks; where ``cache.chunk_size`` is not set, the chunk is the smallest multiple of every KV cache
-group's block size (their least common multiple) that is at least the default, and the start-up log says so. A
-chunk size the user set is kept and checked (`ConnectorSettings.check_chunk_size`); in server mode the server's
-chunk size rules.
+An engine may pick block sizes itself: vLLM's attention block size for a hybrid model follows its page sizes,
+which depend on the machine (Qwen3-Next's was 384 on one CPU and 256 on another). kvferry's default chunk size (256
+tokens) is then not always whole blocks; where ``cache.chunk_size`` is not set, the chunk is the smallest multiple
+of every KV cache group's block size (their least common multiple) that is at least the default, and the start-up
+log says so. A chunk size the user set is kept and checked (`ConnectorSettings.check_chunk_size`); in server mode
+the server's chunk size rules.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ def follow_block_size(settings: ConnectorSettings, block_sizes: Iterable[int], *
     chunk = chunk_size_for(sizes)
     if announce:
         log.info(
-            "kvferry: chunk size %d tokens (cache.chunk_size not set: the smallest multiple of vLLM's block size%s "
-            "%s from %d on)",
+            "kvferry: chunk size %d tokens (cache.chunk_size not set: the smallest multiple of the engine's block "
+            "size%s %s from %d on)",
             chunk,
             "s" if len(sizes) > 1 else "",
             ", ".join(map(str, sizes)),

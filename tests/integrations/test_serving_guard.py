@@ -9,7 +9,7 @@ import random
 import pytest
 
 from kvferry.connector.plan import LoadSpec, StepPlan, StoreSpec
-from kvferry.integrations.vllm.serving_guard import OffLedger, ServingGuard, guard_for, serving_hook
+from kvferry.connector.serving_guard import OffLedger, ServingGuard, guard_for, serving_hook
 
 
 class _Hooks:
