@@ -100,6 +100,26 @@ def test_a_prefix_hit_is_loaded_bit_exact_and_locked_until_loaded(engines: list[
     assert_nothing_held(engine)
 
 
+@pytest.mark.parametrize("draft", ["shared", "own"])
+def test_a_draft_models_layers_are_loaded_with_the_targets(engines: list[Any], model: str, draft: str) -> None:
+    """Speculative decoding (EAGLE, MTP): the draft model's KV layer, in the target's KV cache group or in one of its
+    own, is stored and loaded with the target's layers, bit-exact (vLLM's target model verifies every drafted token:
+    the draft's KV decides only how many are accepted)."""
+    engine = make(engines, model, draft=draft)
+    assert len(engine.views) == 5 and len(engine.kv_cache_config.kv_cache_groups) == (1 if draft == "shared" else 2)
+    first = prompt(300, seed=11)
+    engine.add("a", first)
+    engine.run()
+    engine.scheduler.reset_prefix_cache()
+    engine.add("b", [*first, *prompt(40, seed=12)])
+    reports = engine.run()
+    first_run = next(r for r in reports if "b" in r.scheduled)
+    hit = 288 if draft == "shared" else 256  # a model of several groups stores no tails
+    assert first_run.computed["b"] == hit and first_run.checked_blocks == hit // 16 * 5  # the draft's layer too
+    assert engine.outputs["b"] == engine.expected_output([*first, *prompt(40, seed=12)], 4)
+    assert_nothing_held(engine)
+
+
 def _fail_loads(engine: Any) -> None:
     """Every load of ``engine``'s connector from now on fails (a tier error), in whichever group."""
     from concurrent.futures import Future

@@ -116,9 +116,12 @@ def engine_config(
         return args.create_engine_config()
 
 
-def kv_cache_config(vllm_config: Any, hybrid: bool) -> Any:
+def kv_cache_config(vllm_config: Any, hybrid: bool, draft: str | None = None) -> Any:
     """vLLM's plan of the KV cache: one full-attention group, or (``hybrid``) sliding-window layers 0, 2 and
-    full-attention layers 1, 3."""
+    full-attention layers 1, 3. ``draft``: a speculative-decoding draft model's layer besides (EAGLE and MTP name
+    it after the target's last; vLLM 0.33 on marks its spec ``is_draft``), in the target's group (``"shared"``: its
+    spec equals theirs, which vLLM groups together whatever ``is_draft`` says) or in one of its own (``"own"``: a
+    draft with half the KV heads, each twice as wide: the same page size, another spec)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
 
     try:  # 0.33 moved it
@@ -135,6 +138,13 @@ def kv_cache_config(vllm_config: Any, hybrid: bool) -> Any:
         ]
     else:
         groups = [KVCacheGroupSpec(names, FullAttentionSpec(**common))]
+    draft_name = f"model.layers.{LAYERS}.self_attn.attn"
+    if draft == "shared":
+        groups[-1] = KVCacheGroupSpec([*groups[-1].layer_names, draft_name], groups[-1].kv_cache_spec)
+    elif draft == "own":
+        marked = {"is_draft": True} if "is_draft" in {f.name for f in dataclasses.fields(FullAttentionSpec)} else {}
+        spec = FullAttentionSpec(**{**common, "num_kv_heads": KV_HEADS // 2, "head_size": 2 * HEAD}, **marked)
+        groups.append(KVCacheGroupSpec([draft_name], spec))
     return get_kv_cache_config_from_groups(vllm_config, groups, available_memory=1 << 40)
 
 
@@ -191,8 +201,10 @@ class SimEngine:
         num_blocks: int = NUM_BLOCKS,
         prefix_caching: bool = True,
         kv_events: bool = False,
+        draft: str | None = None,
     ) -> None:
-        """``kv_events``: vLLM's scheduler publishes KV events into ``published`` (each batch through vLLM's own
+        """``draft``: a draft model's layer besides the model's (`kv_cache_config`). ``kv_events``: vLLM's scheduler
+        publishes KV events into ``published`` (each batch through vLLM's own
         msgpack encoding and ``KVEventBatch`` decoder, as a subscriber receives it)."""
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.sched.scheduler import Scheduler
@@ -204,7 +216,7 @@ class SimEngine:
         self.vllm_config = engine_config(model, extra, num_blocks, prefix_caching, kv_events)
         self.vllm_config.kv_transfer_config.engine_id = uuid.uuid4().hex  # each engine its own cache key space
         self.vllm_config.cache_config.kv_cache_layout = layout  # what vLLM's engine core resolves (as a user sets it)
-        self.kv_cache_config = kv_cache_config(self.vllm_config, hybrid)
+        self.kv_cache_config = kv_cache_config(self.vllm_config, hybrid, draft)
         self.vllm_config.cache_config.num_gpu_blocks = self.kv_cache_config.num_blocks  # as vLLM's engine core sets it
         layout = self.vllm_config.cache_config.get_resolved_kv_cache_layout()
         groups = self.kv_cache_config.kv_cache_groups
