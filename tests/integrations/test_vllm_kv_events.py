@@ -95,6 +95,50 @@ def _check(engine: Any, prompts: list[list[int]], hashes: dict[str, list[Any]], 
     assert len(held) <= 6 * per_chunk  # the pool's 6 chunks
 
 
+def _held(engine: Any) -> set[Any]:
+    """The blocks kvferry holds in its pool, as a router following vLLM's events alone knows them."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    held: set[Any] = set()
+    for event in _kvferry_events(engine):
+        if getattr(event, "medium", None) == "CPU" and isinstance(event, BlockStored):
+            held.update(event.block_hashes)
+        elif getattr(event, "medium", None) == "CPU" and isinstance(event, BlockRemoved):
+            held.difference_update(event.block_hashes)
+    return held
+
+
+def _check_predictions(engine: Any, prompts: list[list[int]], deadline_s: float = 0.0) -> None:
+    """Probe prompts (a stored prompt continued, one that leaves it inside its third chunk, an evicted one): the
+    leading blocks of each that the events say kvferry holds, rounded down to whole chunks (what kvferry loads),
+    are at most the hit kvferry reports for it, and short of it by less than a chunk (a request's last partial
+    chunk, stored as a tail, is not announced)."""
+    from vllm import SamplingParams
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+    from vllm.v1.request import Request
+
+    last = prompts[-1]
+    probes = [[*last, *_prompt(99)[:40]], [*last[:150], *_prompt(98)], [*prompts[0], *_prompt(97)[:40]]]
+    side = engine.scheduler_side
+    for i, tokens in enumerate(probes):
+        engine.scheduler.reset_prefix_cache()  # vLLM's own prefix cache forgets: the hit is kvferry's alone
+        probe = Request("probe", tokens, SamplingParams(), None, block_hasher=engine._block_hasher)
+        hashes = [maybe_convert_block_hash(h) for h in probe.block_hashes]
+        until = time.monotonic() + deadline_s
+        while True:  # the events of the last prompts' stores and evictions, as the scheduler publishes them
+            engine.step()
+            held = _held(engine)
+            predicted = next((b for b, h in enumerate(hashes) if h not in held), len(hashes)) * BS
+            if i != 0 or predicted >= 4 * CHUNK or time.monotonic() > until:
+                break
+        before = side.counters.lookup_hit_tokens
+        engine.add(f"probe{i}", tokens)
+        engine.run()
+        hit = side.counters.lookup_hit_tokens - before
+        assert predicted // CHUNK * CHUNK <= hit < predicted // CHUNK * CHUNK + CHUNK, (i, predicted, hit)
+        assert (predicted, hit) == [(4 * CHUNK, 4 * CHUNK + 32), (144, 2 * CHUNK), (0, 0)][i]
+
+
 @pytest.fixture
 def engines() -> Iterator[list[Any]]:
     made: list[Any] = []
@@ -116,6 +160,7 @@ def test_embedded_kvferry_blocks_reach_vllms_kv_events(engines: list[Any], model
            for h in getattr(e, "block_hashes", ())}  # fmt: skip
     assert set(hashes["r0"][:16]) <= own
     _check(engine, prompts, hashes)
+    _check_predictions(engine, prompts)
 
 
 def test_server_mode_kvferry_blocks_reach_vllms_kv_events(engines: list[Any], model: str) -> None:
@@ -136,6 +181,7 @@ def test_server_mode_kvferry_blocks_reach_vllms_kv_events(engines: list[Any], mo
         prompts = [_prompt(seed) for seed in range(10, 10 + PROMPTS)]
         hashes = _run(engine, prompts)
         _check(engine, prompts, hashes, deadline_s=60.0)  # ends once all are in (loaded CI: > 20 s)
+        _check_predictions(engine, prompts, deadline_s=60.0)
         engines.remove(engine)
         engine.shutdown()
     finally:
