@@ -127,3 +127,22 @@ def test_a_store_whose_chunks_come_and_go_in_one_take_is_announced_then_removed(
         (BlocksStored, blocks[0]), (BlocksStored, blocks[1]), (BlocksRemoved, blocks[0]), (BlocksRemoved, blocks[1])
     ]  # fmt: skip
     assert events.take() == []
+
+
+def test_a_hybrid_models_chunk_is_announced_while_every_group_holds_it() -> None:
+    """Two KV cache groups, each chunk an object of each (two key spaces): a chunk is announced once both objects
+    are reported, and its blocks go with the first of them to leave."""
+    feed, now = HandFeed(), [0.0]
+    events = BlockEvents(feed, block_size=BS, chunk_size=CHUNK, wait_s=5.0, keys_per_chunk=2, clock=lambda: now[0])
+    tokens, hashes, keys = _request(5, 2)
+    window = [os.urandom(32) for _ in keys]  # the sliding-window group's objects of the same chunks
+    events.finished("a", tokens, hashes)
+    events.stores_done(["a"])
+    feed.records.append(_stored(keys, tokens))
+    assert events.take() == []  # the other group's objects not reported yet
+    feed.records.append(_stored(window, tokens))
+    assert [e.hashes for e in events.take()] == [tuple(hashes[:PER]), tuple(hashes[PER:])]
+    feed.records.append(ChunksRemoved((window[0],), MEDIUM_CPU, LOCAL))  # a hit cannot load chunk 0 now
+    assert events.take() == [BlocksRemoved(tuple(hashes[:PER]), MEDIUM_CPU, LOCAL)]
+    feed.records.append(ChunksRemoved((keys[0],), MEDIUM_CPU, LOCAL))
+    assert events.take() == []  # removed once

@@ -68,6 +68,8 @@ def _run(engine: Any, prompts: list[list[int]]) -> dict[str, list[Any]]:
 def _check(engine: Any, prompts: list[list[int]], hashes: dict[str, list[Any]], deadline_s: float = 0.0) -> None:
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
+    group = 1 if len(engine.kv_cache_config.kv_cache_groups) > 1 else 0  # the hybrid's full-attention group
+
     per_chunk = CHUNK // BS
     until = time.monotonic() + deadline_s
     while True:
@@ -78,7 +80,7 @@ def _check(engine: Any, prompts: list[list[int]], hashes: dict[str, list[Any]], 
         if (len(announced) == PROMPTS * 4 * per_chunk and len(removed) >= 4 * per_chunk) or time.monotonic() > until:
             break
         engine.step()  # an idle step: the scheduler takes the connector's events as it publishes its own
-    assert all(e.medium == "CPU" and e.block_size == BS and e.group_idx == 0 for e in stored)
+    assert all(e.medium == "CPU" and e.block_size == BS and e.group_idx == group for e in stored)
     # every prompt's 4 whole chunks announced in vLLM's hashes, with their tokens and parent hashes
     tokens_of = {h: list(e.token_ids[i * BS : (i + 1) * BS]) for e in stored for i, h in enumerate(e.block_hashes)}
     parent_of = {e.block_hashes[0]: e.parent_block_hash for e in stored}
@@ -117,6 +119,7 @@ def _check_predictions(engine: Any, prompts: list[list[int]], deadline_s: float 
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
     from vllm.v1.request import Request
 
+    tail = 32 if len(engine.kv_cache_config.kv_cache_groups) == 1 else 0  # a hybrid model stores no tails
     last = prompts[-1]
     probes = [[*last, *_prompt(99)[:40]], [*last[:150], *_prompt(98)], [*prompts[0], *_prompt(97)[:40]]]
     side = engine.scheduler_side
@@ -136,7 +139,7 @@ def _check_predictions(engine: Any, prompts: list[list[int]], deadline_s: float 
         engine.run()
         hit = side.counters.lookup_hit_tokens - before
         assert predicted // CHUNK * CHUNK <= hit < predicted // CHUNK * CHUNK + CHUNK, (i, predicted, hit)
-        assert (predicted, hit) == [(4 * CHUNK, 4 * CHUNK + 32), (144, 2 * CHUNK), (0, 0)][i]
+        assert (predicted, hit) == [(4 * CHUNK, 4 * CHUNK + tail), (144, 2 * CHUNK), (0, 0)][i]
 
 
 @pytest.fixture
@@ -147,11 +150,12 @@ def engines() -> Iterator[list[Any]]:
         engine.shutdown()
 
 
-def test_embedded_kvferry_blocks_reach_vllms_kv_events(engines: list[Any], model: str) -> None:
+@pytest.mark.parametrize("hybrid", [False, True], ids=["one-group", "hybrid"])
+def test_embedded_kvferry_blocks_reach_vllms_kv_events(engines: list[Any], model: str, hybrid: bool) -> None:
     from tests.integrations.vllm_sim import SimEngine
 
     extra = {"mode": "embedded", "config": {"cache": {"chunk_size": CHUNK, "l1_size_gb": POOL_GB}}}
-    engine = SimEngine(model, extra, kv_events=True)
+    engine = SimEngine(model, extra, kv_events=True, hybrid=hybrid)
     engines.append(engine)
     prompts = [_prompt(seed) for seed in range(PROMPTS)]
     hashes = _run(engine, prompts)
@@ -163,7 +167,8 @@ def test_embedded_kvferry_blocks_reach_vllms_kv_events(engines: list[Any], model
     _check_predictions(engine, prompts)
 
 
-def test_server_mode_kvferry_blocks_reach_vllms_kv_events(engines: list[Any], model: str) -> None:
+@pytest.mark.parametrize("hybrid", [False, True], ids=["one-group", "hybrid"])
+def test_server_mode_kvferry_blocks_reach_vllms_kv_events(engines: list[Any], model: str, hybrid: bool) -> None:
     from kvferry.cache import CacheEngine
     from kvferry.config import KvferryConfig, ServerConfig
     from kvferry.server import KvferryServer
@@ -176,7 +181,7 @@ def test_server_mode_kvferry_blocks_reach_vllms_kv_events(engines: list[Any], mo
     try:
         extra = {"mode": "server", "server_url": f"tcp://127.0.0.1:{port}",
                  "events_url": f"tcp://127.0.0.1:{pub},tcp://127.0.0.1:{replay}"}  # fmt: skip
-        engine = SimEngine(model, extra, kv_events=True)
+        engine = SimEngine(model, extra, kv_events=True, hybrid=hybrid)
         engines.append(engine)
         prompts = [_prompt(seed) for seed in range(10, 10 + PROMPTS)]
         hashes = _run(engine, prompts)
@@ -187,3 +192,24 @@ def test_server_mode_kvferry_blocks_reach_vllms_kv_events(engines: list[Any], mo
     finally:
         server.stop()
         cache.close()
+
+
+@pytest.mark.parametrize("kind", ["mamba", "other-block-size"])
+def test_a_model_whose_hits_events_cannot_predict_is_not_announced(kind: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A Mamba group keeps states at some chunk boundaries only, and a group of another block size has blocks vLLM's
+    request hashes do not name: announcing either would promise hits kvferry cannot load. One warning instead."""
+    from types import SimpleNamespace
+
+    from kvferry.connector.kv_groups import KVGroup
+    from kvferry.connector.settings import ConnectorSettings
+    from kvferry.integrations.vllm.kv_events import kv_events_for
+
+    second = KVGroup(1, "mamba", BS, ("model.layers.1.mixer",)) if kind == "mamba" else \
+        KVGroup(1, "sliding_window", 2 * BS, ("model.layers.1.self_attn.attn",), window=32)  # fmt: skip
+    groups = [KVGroup(0, "full", BS, ("model.layers.0.self_attn.attn",)), second]
+    vllm_config = SimpleNamespace(kv_events_config=SimpleNamespace(enable_kv_cache_events=True))
+    settings = ConnectorSettings.from_extra_config({"mode": "embedded"})
+    with caplog.at_level("WARNING", logger="kvferry.integrations.vllm.kv_events"):
+        events = kv_events_for(vllm_config, settings, None, groups, block_size=BS, chunk_size=CHUNK)  # type: ignore[arg-type]
+    assert events is None
+    assert [r.levelname for r in caplog.records] == ["WARNING"] and "not among them" in caplog.text

@@ -105,8 +105,12 @@ class BlockEvents:
         wait_s: float = 30.0,
         max_pending: int = 4096,
         max_recent: int = 65536,
+        keys_per_chunk: int = 1,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``keys_per_chunk``: the objects the cache holds for each of the engine's chunks (a hybrid model's KV
+        cache groups, each in a key space of its own): a store's chunk is announced once that many keys hold it,
+        and its blocks go with the first of them to leave, so what is announced is what a hit can load."""
         if chunk_size % block_size:
             raise ValueError(f"chunk_size={chunk_size} must be a multiple of block_size={block_size}")
         self.feed = feed
@@ -115,6 +119,7 @@ class BlockEvents:
         self._wait_s = wait_s
         self._max_pending = max_pending
         self._max_recent = max_recent
+        self._keys_per_chunk = keys_per_chunk
         self._clock = clock
         self._children: dict[tuple[bytes | None, bytes], set[bytes]] = {}  # (parent key, tokens' digest) -> keys
         self._named: dict[bytes, tuple[bytes | None, bytes]] = {}  # key -> its (parent, digest) in _children
@@ -250,7 +255,7 @@ class BlockEvents:
         parents: set[bytes | None] = {None}
         for digest in store.digests:
             keys = set().union(*(self._children.get((p, digest), ()) for p in parents))
-            if not keys:
+            if len(keys) < max(1, self._keys_per_chunk):
                 break
             found.append(keys)
             parents = set(keys)

@@ -23,6 +23,7 @@ from kvferry.connector.kv_groups import GroupedLookups
 from kvferry.connector.server_backend import ServerBackend
 from kvferry.connector.server_link import ServerLink
 from kvferry.connector.settings import ConnectorSettings
+from kvferry.connector.window_groups import WindowedBackend
 from kvferry.connector.worker_backend import make_worker_backend
 from kvferry.formats import layer_split, select_layers
 
@@ -98,9 +99,11 @@ def make_backend(
 
 
 def engine_of(backend: Any) -> CacheEngine | None:
-    """The cache engine of an embedded backend (of its first part, for a split); None in server mode."""
-    first = backend.backends[0] if isinstance(backend, LayerSplitBackend) else backend
-    return first.engine if isinstance(first, EmbeddedBackend) else None
+    """The cache engine of an embedded backend (of its first part, for a split; of its first group, for a hybrid
+    model's, whose groups share it); None in server mode."""
+    while isinstance(backend, GroupedLookups | WindowedBackend):
+        backend = backend.backends[0] if isinstance(backend, GroupedLookups) else backend.backend
+    return backend.engine if isinstance(backend, EmbeddedBackend) else None
 
 
 def part_kv(kv: EngineKV, layers: Sequence[int]) -> EngineKV:

@@ -412,9 +412,10 @@ class KvferryConnector(SleepModeHooks, KVConnectorBase_V1, SupportsHMA):
                 self._scheduler_warned = True
             return None
         self._scheduler = scheduler_side_for(lookups, self._settings, self._groups, self._block_size, self._tp_size)
-        if isinstance(self._scheduler, SchedulerSide):  # a hybrid model's blocks are not announced
-            size = self._scheduler.chunk_size
+        if self._scheduler is not None:
+            single = self._scheduler.side if isinstance(self._scheduler, GroupedSchedulerSide) else self._scheduler
             self._events = kv_events_for(
-                self._vllm_config, self._settings, lookups, block_size=self._block_size, chunk_size=size
-            )
+                self._vllm_config, self._settings, lookups, self._groups,
+                block_size=self._block_size, chunk_size=single.chunk_size,
+            )  # fmt: skip
         return self._scheduler

@@ -12,13 +12,14 @@ keys to vLLM's hashes; this module only reads vLLM's objects and writes vLLM's e
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvferry.cache.events import OWNERSHIP
 from kvferry.connector.block_events import BlockEvent, BlockEvents, BlocksStored, RecordFeed
 from kvferry.connector.counters import EventCounters
 from kvferry.connector.event_feeds import CacheFeed, StreamFeed
+from kvferry.connector.kv_groups import KVGroup
 from kvferry.connector.layer_parts import engine_of
 from kvferry.connector.settings import ConnectorSettings
 from kvferry.integrations.vllm import vllm_versions
@@ -40,10 +41,13 @@ def events_enabled(vllm_config: VllmConfig) -> bool:
 class VllmKVEvents:
     """`BlockEvents` fed with vLLM's requests, giving vLLM's event objects."""
 
-    def __init__(self, events: BlockEvents) -> None:
+    def __init__(self, events: BlockEvents, group_idx: int = 0) -> None:
+        """``group_idx``: the KV cache group the blocks are announced in (a hybrid model's first full-attention
+        group: each chunk is announced while every group holds it, which is what a hit loads)."""
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
         self.events = events
+        self.group_idx = group_idx
         # vLLM's own events name a block as this does: its hash's bytes, or an int (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
         self._external: Callable[[bytes], Any] = maybe_convert_block_hash  # type: ignore[assignment]
         self._stored_fields, self._removed_fields = vllm_versions.block_event_fields()
@@ -72,30 +76,44 @@ class VllmKVEvents:
 
         hashes = [self._external(h) for h in event.hashes]
         if isinstance(event, BlocksStored):
-            optional = self._optional(self._stored_fields, event.locality)
+            optional = self._optional(self._stored_fields, event.locality, self.group_idx)
             return BlockStored(
                 block_hashes=hashes,
                 parent_block_hash=None if event.parent is None else self._external(event.parent),
                 token_ids=list(event.tokens), block_size=self.events.block_size, lora_id=None,
                 medium=event.medium, lora_name=None, **optional,
             )  # fmt: skip
-        return BlockRemoved(
-            block_hashes=hashes, medium=event.medium, **self._optional(self._removed_fields, event.locality)
-        )
+        optional = self._optional(self._removed_fields, event.locality, self.group_idx)
+        return BlockRemoved(block_hashes=hashes, medium=event.medium, **optional)
 
     @staticmethod
-    def _optional(fields: frozenset[str], locality: str) -> dict[str, Any]:
-        # group_idx 0: the one KV cache group's, as vLLM's own events for the same blocks name it
-        wanted = {"group_idx": 0, "locality": locality, "ownership": OWNERSHIP}
+    def _optional(fields: frozenset[str], locality: str, group_idx: int) -> dict[str, Any]:
+        wanted = {"group_idx": group_idx, "locality": locality, "ownership": OWNERSHIP}
         return {name: value for name, value in wanted.items() if name in fields}
 
 
 def kv_events_for(
-    vllm_config: VllmConfig, settings: ConnectorSettings, lookups: Any, *, block_size: int, chunk_size: int
+    vllm_config: VllmConfig,
+    settings: ConnectorSettings,
+    lookups: Any,
+    groups: Sequence[KVGroup] = (),
+    *,
+    block_size: int,
+    chunk_size: int,
 ) -> VllmKVEvents | None:
     """The scheduler's KV events of kvferry's blocks, when vLLM publishes KV events: from the cache engine behind
-    ``lookups`` (embedded mode) or the server's stream (server mode, ``settings.events_url``); None otherwise."""
+    ``lookups`` (embedded mode) or the server's stream (server mode, ``settings.events_url``); None otherwise.
+    ``groups``: a hybrid model's KV cache groups (none: one group). Not announced: a model with Mamba states
+    (kept at some chunk boundaries only: chunks announced past the last would promise a hit kvferry cannot load)
+    or whose groups' blocks are not vLLM's ``block_size`` (the hashes vLLM's requests carry)."""
     if not events_enabled(vllm_config):
+        return None
+    attention = [g.index for g in groups if not g.windowed and not g.holds_state]
+    if groups and (not attention or any(g.holds_state or g.block_size != block_size for g in groups)):
+        log.warning(
+            "kvferry: vLLM publishes KV events, but this model's blocks in kvferry are not among them (Mamba "
+            "states, or KV cache groups of another block size: docs/events.md)"
+        )
         return None
     feed: RecordFeed
     engine = engine_of(lookups)
@@ -114,4 +132,5 @@ def kv_events_for(
     except Exception as exc:  # events are an extra: the connector serves on without them
         log.error("kvferry: kvferry's blocks are not announced in vLLM's KV events: %s: %s", type(exc).__name__, exc)
         return None
-    return VllmKVEvents(BlockEvents(feed, block_size=block_size, chunk_size=chunk_size))
+    events = BlockEvents(feed, block_size=block_size, chunk_size=chunk_size, keys_per_chunk=max(1, len(groups)))
+    return VllmKVEvents(events, attention[0] if groups else 0)
