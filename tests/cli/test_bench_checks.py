@@ -250,3 +250,19 @@ def test_gpu_transfer_rows_check_their_last_timed_transfer() -> None:
     row(stores(wrong_call=2))  # the warm-up call and 3 timed ones: the second timed one is not checked
     with pytest.raises(BenchError, match="a row #1: its objects differ from the torch backend's"):
         row(stores(wrong_call=3))
+
+
+def test_bench_server_events_fail_a_stream_that_carried_nothing(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A subscriber that received no stored chunk (here: one that follows a stream nobody publishes on) fails the
+    run: a comparison with events off would measure nothing."""
+    from kvferry.bench import event_follower
+
+    class Elsewhere(event_follower.EventFollower):
+        def __init__(self, endpoint: str, replay_endpoint: str) -> None:
+            super().__init__("tcp://127.0.0.1:9", "tcp://127.0.0.1:9")  # discard port: nothing answers
+
+    monkeypatch.setattr("kvferry.bench.server_bench.EventFollower", Elsewhere)
+    assert main(["bench", "server", *TINY, "--events"]) == 1
+    assert "the subscriber received no stored chunk" in capsys.readouterr().err

@@ -106,6 +106,16 @@ def test_server_with_curve(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
     assert doc["results"]["cases"]["lookup"]["p50_us"] > 0 and doc["results"]["cases"]["store_16chunk"]["gbps"] > 0
 
 
+def test_server_with_events(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The server publishes its KV events over its Unix socket's run too; a subscriber in another process followed
+    them: the chunks it holds at the end are the pool's (the run's stores, less what LRU evicted)."""
+    args = ("--requests", "20", "--transfers", "2", "--pool-gb", "0.25", "--ipc", "--events")
+    doc, _ = run_bench(monkeypatch, tmp_path, "server", *args)
+    events = doc["results"]["events"]
+    assert doc["config"]["events"] is True and events["gaps"] == 0 and events["last_seq"] >= 0
+    assert events["held"]["server"]["CPU"] > 16  # the lookup case's 16 chunks at least
+
+
 def test_server_engines(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     args = ("--engines", "2", "--rounds", "3", "--think-ms", "0", "--pool-gb", "0.25", "--ipc")
     doc, _ = run_bench(monkeypatch, tmp_path, "server-engines", *args)

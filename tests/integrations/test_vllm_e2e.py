@@ -5,8 +5,9 @@ embedded (a miss, a hit, a hit with the loaded KV corrupted, a hit whose load fa
 per dtype; a 2 MiB pool over a disk tier serving a batch; two that share one kvferry server (the second in vLLM's
 usual multiprocess layout); a tensor-parallel engine (TP=2) and whole ones sharing prefixes through the
 server; one that starts before its server and outlives it; engines ended by SIGINT and SIGKILL;
-and one that must refuse a chunk size that is not a multiple of vLLM's block size. The pool's engine publishes KV
-events (--kv-events-config): what it announces for kvferry is checked against the prompts. vLLM's own prefix cache
+and one that must refuse a chunk size that is not a multiple of vLLM's block size. The pool's engine and the
+tensor-parallel one (following the server's event stream) publish KV events (--kv-events-config): what they
+announce for kvferry is checked against the prompts. vLLM's own prefix cache
 is off, so every reused token comes from kvferry. Finally the objects kvferry stored (read back from its disk tier) are
 checked against K (after RoPE) and V computed from the weights.
 """
@@ -143,8 +144,8 @@ def embedded(workdir: Path, model_dir: Path, prompt: list[int]) -> dict[str, Any
 
 @pytest.fixture(scope="module")
 def server_urls(workdir: Path) -> Any:
-    """A `kvferry server` process (the CLI, as users run it) on a free loopback port and a Unix socket: its tcp://
-    and ipc:// endpoints."""
+    """A `kvferry server` process (the CLI, as users run it) on a free loopback port and a Unix socket, publishing
+    its KV events: its tcp:// and ipc:// endpoints, and its event stream (PUB,REPLAY) as a connector's events_url."""
     from kvferry.client import KvferryClient
 
     port = free_port()
@@ -153,6 +154,8 @@ def server_urls(workdir: Path) -> Any:
     ipc_url = f"ipc://{sockets}/server.sock"
     flags = ["--port", str(port), "--no-http", "--chunk-size", str(CHUNK), "--l1-size-gb", "0.25"]
     flags += ["--ipc", ipc_url.removeprefix("ipc://")]
+    pub, replay = free_port(), free_port()
+    flags += ["--events-port", str(pub), "--events-replay-port", str(replay)]
     log = (workdir / "server.log").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "kvferry.cli", "server", *flags], stdout=log, stderr=log)
     try:
@@ -161,7 +164,7 @@ def server_urls(workdir: Path) -> Any:
             while not client.wait_available(timeout_s=1):  # ready once it answers
                 assert proc.poll() is None, f"kvferry server exited: {(workdir / 'server.log').read_text()[-3000:]}"
                 assert time.monotonic() < deadline, "kvferry server did not answer within 60 s"
-        yield url, ipc_url
+        yield url, ipc_url, f"tcp://127.0.0.1:{pub},tcp://127.0.0.1:{replay}"
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -170,7 +173,7 @@ def server_urls(workdir: Path) -> Any:
 
 
 @pytest.fixture(scope="module")
-def server_url(server_urls: tuple[str, str]) -> str:
+def server_url(server_urls: tuple[str, str, str]) -> str:
     return server_urls[0]
 
 
@@ -318,13 +321,17 @@ def test_a_tiny_pool_over_disk_serves_a_batch_without_failing_a_request(
         assert run["tokens"] == expected
     assert sum(report["runs"][-1]["cached"]) > 0  # later batches were served by kvferry, from the pool or disk
     assert_no_leak(report)
-    assert_kv_events_name_the_prompts_blocks(report["kv_events"], json.loads((workdir / "prompts.json").read_text()))
+    prompts = json.loads((workdir / "prompts.json").read_text())
+    assert_kv_events_name_the_prompts_blocks(report["kv_events"], prompts["batch"])
 
 
-def assert_kv_events_name_the_prompts_blocks(events: list[dict[str, Any]], prompts: dict[str, Any]) -> None:
+def assert_kv_events_name_the_prompts_blocks(
+    events: list[dict[str, Any]], prompts: list[list[int]], *, spilled: bool = True
+) -> dict[Any, list[int]]:
     """What vLLM published for kvferry (--kv-events-config, decoded with vLLM's classes): each block announced in
-    the pool (CPU) holds a batch prompt's tokens at its place (followed through its parent hashes); each block's
-    stays in a medium alternate stored, removed (a removal once); the 2 MiB pool evicted and spilled to disk."""
+    the pool (CPU) holds one of ``prompts``' tokens at its place (followed through its parent hashes); each block's
+    stays in a medium alternate stored, removed (a removal once); with ``spilled``, the pool evicted and spilled to
+    disk (medium STORAGE). Returns each announced block's prefix (its tokens and every block's before it)."""
     tokens: dict[Any, list[int]] = {}
     parent: dict[Any, Any] = {}
     last: dict[tuple[Any, str], str] = {}
@@ -336,14 +343,19 @@ def assert_kv_events_name_the_prompts_blocks(events: list[dict[str, Any]], promp
                 assert event["block_size"] == VLLM_BLOCK
                 tokens[h] = event["tokens"][i * VLLM_BLOCK : (i + 1) * VLLM_BLOCK]
                 parent[h] = event["hashes"][i - 1] if i else event["parent"]
-    assert tokens and {e["medium"] for e in events} == {"CPU", "STORAGE"}
-    assert any(e["type"] == "BlockRemoved" and e["medium"] == "CPU" for e in events)
-    for h in tokens:
+    assert tokens and {e["medium"] for e in events} == ({"CPU", "STORAGE"} if spilled else {"CPU"})
+    if spilled:
+        assert any(e["type"] == "BlockRemoved" and e["medium"] == "CPU" for e in events)
+    prefixes = {}
+    for block in tokens:
         prefix: list[int] = []
+        h = block
         while h is not None:
             prefix[:0] = tokens[h]
             h = parent[h]
-        assert any(p[: len(prefix)] == prefix for p in prompts["batch"]), prefix[:8]
+        assert any(p[: len(prefix)] == prefix for p in prompts), prefix[:8]
+        prefixes[block] = prefix
+    return prefixes
 
 
 def test_a_chunk_that_is_not_whole_blocks_is_refused_at_start(workdir: Path, model_dir: Path) -> None:
@@ -356,9 +368,9 @@ def test_a_chunk_that_is_not_whole_blocks_is_refused_at_start(workdir: Path, mod
 
 
 def test_two_engines_share_one_server(
-    workdir: Path, model_dir: Path, prompt: list[int], reference: dict[str, Any], server_urls: tuple[str, str]
+    workdir: Path, model_dir: Path, prompt: list[int], reference: dict[str, Any], server_urls: tuple[str, str, str]
 ) -> None:
-    tcp_url, ipc_url = server_urls
+    tcp_url, ipc_url, _ = server_urls
     first = run_driver("server", workdir, model_dir, "--server-url", tcp_url)
     # vLLM's default process layout: engine core and CPU worker in processes of their own, so the connector's
     # scheduler half looks up in the server by itself, in the key space its worker reported; over the server's
@@ -372,14 +384,17 @@ def test_two_engines_share_one_server(
 
 
 def test_a_tensor_parallel_engine_shares_prefixes_with_whole_engines(
-    workdir: Path, model_dir: Path, prompt: list[int], server_url: str
+    workdir: Path, model_dir: Path, prompt: list[int], server_urls: tuple[str, str, str]
 ) -> None:
     """TP=2 ranks (processes of their own) each store and load their half of the KV heads through the server; a
     TP=1 engine reads what they stored and they read what it stored. fp32, so the ranks' all-reduce rounds as the
-    TP=1 engine's GEMM does and a hit's tokens can be compared with a miss's of the other engine."""
+    TP=1 engine's GEMM does and a hit's tokens can be compared with a miss's of the other engine. The TP=2 engine
+    publishes KV events (following the server's stream): one emitter whatever the ranks, each block once."""
+    server_url, _, events_url = server_urls
     fp32 = ("--server-url", server_url, "--dtype", "float32")
     first = run_driver("server", workdir, model_dir, *fp32, "--runs", "tp1")
-    ranks = run_driver("server", workdir, model_dir, *fp32, "--tp", "2", "--runs", "tp1,tp2,tp2")
+    with_events = ("--events-url", events_url)
+    ranks = run_driver("server", workdir, model_dir, *fp32, *with_events, "--tp", "2", "--runs", "tp1,tp2,tp2")
     last = run_driver("server", workdir, model_dir, *fp32, "--runs", "tp2")
     hit_of_whole, miss, hit = ranks["runs"]
     assert cached_of(first["runs"][0]) == 0
@@ -388,6 +403,14 @@ def test_a_tensor_parallel_engine_shares_prefixes_with_whole_engines(
     assert cached_of(hit) == HIT and tokens_of(hit) == tokens_of(miss)
     assert cached_of(last["runs"][0]) == HIT and tokens_of(last["runs"][0]) == tokens_of(miss)
     assert "kvferry connector active" in ranks["output"]
+    prompts = json.loads((workdir / "prompts.json").read_text())
+    events = ranks["kv_events"]
+    prefixes = assert_kv_events_name_the_prompts_blocks(events, [prompts["tp1"], prompts["tp2"]], spilled=False)
+    assert not [e for e in events if e["type"] == "BlockRemoved"]  # nothing evicted from the 256 MiB pool
+    # the tp2 prompt's whole chunks, stored by the two ranks together and announced once
+    assert sorted(len(p) for p in prefixes.values() if p == prompts["tp2"][: len(p)]) == list(
+        range(VLLM_BLOCK, CHUNKS + 1, VLLM_BLOCK)
+    )
 
 
 def shm_entries() -> set[str]:

@@ -10,7 +10,8 @@ PHASE
   isa         embedded, the main prompt as a miss then a hit (for --isa / --dtype variants).
   pool        embedded with a 2 MiB pool over a disk tier: the batch of prompts, three times, as one batch.
   bad-chunk   embedded with a chunk size that is not a multiple of vLLM's block size: must refuse to start.
-  server      a kvferry server at --server-url: the main prompt once (--runs: the named prompts, in order).
+  server      a kvferry server at --server-url: the main prompt once (--runs: the named prompts, in order);
+              with --events-url (the server's stream), vLLM publishes KV events and the report holds kvferry's.
   resilience  server mode with no server at start: misses; then the driver starts a server, waits for the
               connector to reconnect, stores, hits; then kills the server (SIGKILL) and goes on (misses).
   hold        server mode: the main prompt once, then writes --out and waits to be killed by the test.
@@ -275,6 +276,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--runs", help="server phase: comma-separated prompt names to run in turn")
+    parser.add_argument("--events-url", help="server phase: the server's KV event stream (vLLM publishes events)")
     args = parser.parse_args()
     if args.phase == "hold":
         # Ctrl-C as from a terminal: a process started in the background by a non-interactive shell (CI, nohup)
@@ -295,7 +297,7 @@ def main() -> None:
     out = Path(args.out)
     report: dict[str, Any] = {"phase": args.phase}
 
-    events, replay = kv_events_config() if args.phase == "pool" else (None, "")
+    events, replay = kv_events_config() if args.phase == "pool" or args.events_url else (None, "")
 
     def llm_factory(extra: dict[str, Any] | None) -> Any:
         return make_llm(args.model, extra, args.dtype, args.tp, events)
@@ -340,7 +342,8 @@ def main() -> None:
                     "tiers": [f"disk:{args.tier_dir}?size=1GB"],
                 },
             },
-            "server": {"mode": "server", "server_url": args.server_url},
+            "server": {"mode": "server", "server_url": args.server_url}
+            | ({"events_url": args.events_url} if args.events_url else {}),
             "hold": {"mode": "server", "server_url": args.server_url},
             "chat": (
                 {"mode": "server", "server_url": args.server_url}

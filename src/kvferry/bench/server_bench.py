@@ -40,6 +40,7 @@ import numpy as np
 import torch
 import zmq
 
+from kvferry.bench.event_follower import EventFollower
 from kvferry.bench.harness import (
     BenchError,
     Outcome,
@@ -75,6 +76,7 @@ examples:
   kvferry bench server --requests 500 --transfers 50 --json bench-out/server.json
   kvferry bench server --device cuda --model llama3-8b --requests 300 --transfers 50
   kvferry bench server --curve                             # CURVE on the request socket: what it costs
+  kvferry bench server --events                            # the server publishes KV events: what they cost
 """
 
 
@@ -88,20 +90,25 @@ class ServerProcess:
         ipc_path: str | None = None,
         chunk_size: int = CHUNK,
         security: dict[str, str] | None = None,
+        events: bool = False,
     ) -> None:
-        """`security`: KVFERRY_SECURITY__ variables of the server (its CURVE keys)."""
+        """`security`: KVFERRY_SECURITY__ variables of the server (its CURVE keys); `events`: it publishes its KV
+        events (`events_endpoints`: PUB, REPLAY)."""
         cmd = [sys.executable, "-m", "kvferry.server", "--port", "0", "--no-http", "--chunk-size", str(chunk_size)]
         cmd += ["--l1-size-gb", str(pool_gb), "--busy-poll-us", str(busy_poll_us), "--log-level", "INFO"]
         cmd += ["--ipc", ipc_path] if ipc_path else []
+        cmd += ["--events-port", "0", "--events-replay-port", "0"] if events else []
         self.proc = subprocess.Popen(cmd, env=child_env(security), stderr=subprocess.PIPE, text=True)
         assert self.proc.stderr is not None
         watchdog = threading.Timer(READY_TIMEOUT_S, self.proc.kill)  # a server never ready ends the loop below
         watchdog.start()
         try:
             for line in self.proc.stderr:
-                match = re.search(r"ready: zmq=(tcp://\S+).*?( ipc=(ipc://\S+))?$", line.rstrip())
-                if match:
-                    self.endpoint = match.group(3) or match.group(1)
+                ready = line.partition("kvferry server ready: ")[2]
+                if ready:
+                    fields = dict(re.findall(r"(\w+)=(\S+)", ready))
+                    self.endpoint = fields.get("ipc") or fields["zmq"]
+                    self.events_endpoints = (fields.get("events"), fields.get("events_replay"))
                     break
             else:
                 self.proc.wait()
@@ -228,6 +235,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "and encryption cost; the floor stays a bare socket",
     )
     parser.add_argument(
+        "--events",
+        action="store_true",
+        help="the server publishes its KV events, followed by a subscriber in another process (as a router "
+        "would): what events cost; a run whose subscriber received no stored chunk fails",
+    )
+    parser.add_argument(
         "--busy-poll-us",
         type=int,
         default=0,
@@ -309,13 +322,21 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
         ipc_path = os.path.join(socket_dir, "server.sock") if socket_dir else None
         security, curve = _throwaway_curve() if args.curve else (None, None)
         server = ServerProcess(
-            pool_gb=args.pool_gb, busy_poll_us=args.busy_poll_us, ipc_path=ipc_path, security=security
+            pool_gb=args.pool_gb,
+            busy_poll_us=args.busy_poll_us,
+            ipc_path=ipc_path,
+            security=security,
+            events=args.events,
         )
+        follower = EventFollower(*server.events_endpoints) if args.events else None  # type: ignore[arg-type]
         steps.done("server started")
         try:
             floor = transport_floor(args.requests, os.path.join(socket_dir, "echo.sock") if socket_dir else None)
             cases = _server_cases(server.endpoint, kv, floor, args, new_tokens, steps, ceiling, curve)
+            events = follower.finish() if follower is not None else None
         finally:
+            if follower is not None:
+                follower.close()
             server.stop()
     config = KvferryConfig.load(env={}, overrides={"cache": {"chunk_size": CHUNK, "l1_size_gb": args.pool_gb}})
     with CacheEngine(config, name="bench-embedded") as engine:
@@ -341,7 +362,9 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
             cases[name]["engine_ratio"] = row["ratio"]
     results: dict[str, Any] = {"chunk_bytes": chunk_bytes}
     results["cases"] = cases
-    keys = ("model", "device", "requests", "transfers", "pool_gb", "busy_poll_us", "ipc", "curve")
+    if events is not None:
+        results["events"] = events
+    keys = ("model", "device", "requests", "transfers", "pool_gb", "busy_poll_us", "ipc", "curve", "events")
     config_json = {key: getattr(args, key) for key in keys}
     return Outcome(config_json | {"chunk_size": CHUNK}, results, _show(args, results), device=args.device)
 
@@ -378,8 +401,13 @@ def _show(args: argparse.Namespace, results: dict[str, Any]) -> list[Any]:
             else "",
         )
     ceiling = "a pinned host <-> GPU copy_" if args.device == "cuda" else "the faster of numpy.copyto and torch copy_"
-    return [
+    shown: list[Any] = [
         table,
         f"one chunk = {results['chunk_bytes'] / 2**20:.2f} MiB; ratio: the same bytes copied by {ceiling}, timed "
         "after each request (median) over the request's p50 (client call to reply)",
     ]
+    if "events" in results:
+        got = results["events"]
+        shown.append(f"KV events on: a subscriber followed {got['last_seq'] + 1} batches ({got['gaps']} gaps), "
+                     f"holding {got['held']['server']} chunks at the end")  # fmt: skip
+    return shown
