@@ -4,7 +4,10 @@ Needs the vllm extra. A random-weight Llama (no download) in three engines, one 
 its own: vLLM alone, with kvferry embedded, and with kvferry in a `kvferry server` (over its Unix socket). Each
 runs --rounds rounds of --prompts unique prompts submitted at once (nothing is ever a hit: every full chunk is a
 store), and reports each round's wall time and the process's CPU seconds; the ratios are to vLLM alone. A store
-that held up vLLM's step would show as wall time at the same CPU seconds.
+that held up vLLM's step would show as wall time at the same CPU seconds. With --events every engine publishes KV
+events (vLLM's ZMQ publisher; the server its stream, which the connector follows), vLLM alone included: the ratios
+are then kvferry's cost with its events against vLLM's with its own, and a kvferry engine whose published events
+hold none of kvferry's stored blocks fails the run.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from kvferry.bench.harness import BenchError, Outcome, Steps, add_json_argument,
 from kvferry.bench.report import new_table
 from kvferry.bench.server_bench import ServerProcess
 from kvferry.bench.vllm_child import VOCAB, connector_config, engine_env, llama_shape, run_child, write_shaped_llama
+from kvferry.bench.vllm_events import kvferry_blocks_stored, vllm_events_config
 
 MODES = ("vLLM alone", "embedded", "server")
 
@@ -32,6 +36,7 @@ EXAMPLES = """\
 examples:
   kvferry bench vllm-batch                                 # 16 prompts of 1500 tokens at once, 3 rounds
   kvferry bench vllm-batch --prompts 8 --rounds 5 --json bench-out/vllm_batch.json
+  kvferry bench vllm-batch --events                        # every engine publishes KV events
 """
 
 
@@ -43,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=int, default=512, help="model width, a multiple of 256 (default: %(default)s)")
     parser.add_argument("--chunk-size", type=int, default=256, help="kvferry's chunk, in tokens (default: %(default)s)")
     parser.add_argument("--modes", default=",".join(MODES), help="which engines to run (default: all three)")
+    parser.add_argument("--events", action="store_true", help="every engine publishes KV events (--kv-events-config)")
     add_json_argument(parser)
 
 
@@ -64,11 +70,14 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
     try:
         for mode in modes:
             payload = {"model_dir": str(workdir / "model"), "model": model, "mode": mode}
-            payload |= {name: getattr(args, name) for name in ("prompt_tokens", "prompts", "rounds", "chunk_size")}
+            names = ("prompt_tokens", "prompts", "rounds", "chunk_size", "events")
+            payload |= {name: getattr(args, name) for name in names}
             server = None
             if mode == "server":
-                server = ServerProcess(pool_gb=2, ipc_path=str(workdir / "kvferry.sock"), chunk_size=args.chunk_size)
+                socket = str(workdir / "kvferry.sock")
+                server = ServerProcess(pool_gb=2, ipc_path=socket, chunk_size=args.chunk_size, events=args.events)
                 payload["server_url"] = server.endpoint
+                payload["events_url"] = ",".join(e for e in server.events_endpoints if e)
             try:
                 measured[mode] = run_child("kvferry.bench.vllm_batch_bench:measure", payload, engine_env(), steps)
             finally:
@@ -86,15 +95,17 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
             results[mode]["wall_ratio"] = wall / statistics.median(base["round_wall_s"])
             results[mode]["cpu_ratio"] = cpu / statistics.median(base["round_cpu_s"])
     config = {"model": model, "dtype": "float32", "prompt_tokens": args.prompt_tokens, "prompts": args.prompts}
-    config |= {"rounds": args.rounds, "chunk_size": args.chunk_size}
+    config |= {"rounds": args.rounds, "chunk_size": args.chunk_size, "events": args.events}
     return Outcome(config, results, _show(args, results))
 
 
 def _show(args: argparse.Namespace, results: dict[str, Any]) -> list[Any]:
+    events = ", KV events on" if args.events else ""
     table = new_table(
-        f"vLLM CPU backend, {args.prompts} unique {args.prompt_tokens}-token prompts at once, {args.rounds} rounds "
-        "(medians of the rounds; ratios to vLLM alone)",
-        ("engine", "wall s", "ratio", "CPU s (engine process)", "ratio", "tokens stored per round"),
+        f"vLLM CPU backend, {args.prompts} unique {args.prompt_tokens}-token prompts at once, {args.rounds} rounds"
+        f"{events} (medians of the rounds; ratios to vLLM alone)",
+        ("engine", "wall s", "ratio", "CPU s (engine process)", "ratio", "tokens stored per round")
+        + (("kvferry blocks announced",) if args.events else ()),
     )
     for mode, r in results.items():
         table.add_row(
@@ -104,6 +115,7 @@ def _show(args: argparse.Namespace, results: dict[str, Any]) -> list[Any]:
             f"{r['cpu_s']:.2f}",
             f"{r.get('cpu_ratio', float('nan')):.2f}",
             str(r["tokens_stored_per_round"]),
+            *([str(r["kvferry_blocks_announced"])] if args.events else []),
         )
     return [table]
 
@@ -128,7 +140,9 @@ def measure(payload: dict[str, Any], step: Callable[[str], None]) -> dict[str, A
     if mode == "embedded":
         transfer = connector_config(config={"cache": {"chunk_size": payload["chunk_size"], "l1_size_gb": 2}})
     elif mode == "server":
-        transfer = connector_config(mode="server", server_url=payload["server_url"])
+        follow = {"events_url": payload["events_url"]} if payload["events"] else {}
+        transfer = connector_config(mode="server", server_url=payload["server_url"], **follow)
+    events = vllm_events_config() if payload["events"] else None
     llm = vllm.LLM(
         model=payload["model_dir"],
         skip_tokenizer_init=True,
@@ -137,6 +151,7 @@ def measure(payload: dict[str, Any], step: Callable[[str], None]) -> dict[str, A
         enforce_eager=True,
         max_model_len=tokens + 16,
         kv_transfer_config=transfer,
+        kv_events_config=events,
     )
     step(f"{mode}: vLLM engine started")
     rng = random.Random(0)  # the same prompts in every mode
@@ -152,5 +167,12 @@ def measure(payload: dict[str, Any], step: Callable[[str], None]) -> dict[str, A
         cpus.append(_cpu_s() - cpu)
         step(f"{mode}: round {r + 1}")
     chunks = tokens // payload["chunk_size"] * payload["prompts"] if transfer is not None else 0
+    result = {"round_wall_s": walls, "round_cpu_s": cpus, "tokens_stored_per_round": chunks * payload["chunk_size"]}
+    if events is not None:
+        time.sleep(1.0)  # the last stores' events: published with the engine's next steps
+        llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], params, use_tqdm=False)
+        result["kvferry_blocks_announced"] = kvferry_blocks_stored(events.replay_endpoint)
+        if transfer is not None and not result["kvferry_blocks_announced"]:
+            raise BenchError(f"{mode}: vLLM published no BlockStored of kvferry's (--events)")
     llm.llm_engine.engine_core.shutdown()
-    return {"round_wall_s": walls, "round_cpu_s": cpus, "tokens_stored_per_round": chunks * payload["chunk_size"]}
+    return result

@@ -1,0 +1,46 @@
+"""KV events in the vLLM benchmarks (`--events`): vLLM's ZMQ publisher on loopback, and what it published of
+kvferry's, read back from its replay socket as a router that joined late would."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+REPLAY_TIMEOUT_MS = 10_000
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def vllm_events_config() -> Any:
+    """``--kv-events-config``: vLLM publishes its KV events on a free loopback port, with a replay socket."""
+    from vllm.config.kv_events import KVEventsConfig
+
+    pub, replay = (f"tcp://127.0.0.1:{_free_port()}" for _ in range(2))
+    return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=pub, replay_endpoint=replay)
+
+
+def kvferry_blocks_stored(replay: str) -> int:
+    """Blocks in the ``BlockStored`` events vLLM published for kvferry (``ownership``) so far, replayed from the
+    publisher's first batch and decoded with vLLM's own ``KVEventBatch``."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+    decoder = msgspec.msgpack.Decoder(KVEventBatch)
+    blocks = 0
+    with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as sock:
+        sock.setsockopt(zmq.RCVTIMEO, REPLAY_TIMEOUT_MS)
+        sock.connect(replay)
+        sock.send_multipart((b"", (0).to_bytes(8, "big")))
+        while True:
+            _, _, seq, payload = sock.recv_multipart()
+            if int.from_bytes(seq, "big", signed=True) == -1:
+                return blocks
+            for event in decoder.decode(payload).events:
+                if isinstance(event, BlockStored) and getattr(event, "ownership", None) == "kvferry":
+                    blocks += len(event.block_hashes)
