@@ -146,3 +146,24 @@ def test_a_hybrid_models_chunk_is_announced_while_every_group_holds_it() -> None
     assert events.take() == [BlocksRemoved(tuple(hashes[:PER]), MEDIUM_CPU, LOCAL)]
     feed.records.append(ChunksRemoved((keys[0],), MEDIUM_CPU, LOCAL))
     assert events.take() == []  # removed once
+
+
+def test_a_store_reported_after_its_chunks_moved_is_announced_where_they_are() -> None:
+    """A busy pool spills a store's chunks to a tier (or drops them) before the worker reports the store done: its
+    blocks are announced where they are then, and a chunk held nowhere ends the announcement."""
+    events, feed, _ = _ledger()
+    tokens, hashes, keys = _request(6, 3)
+    events.finished("a", tokens, hashes)
+    feed.records += [
+        _stored(keys, tokens),
+        ChunksStored((keys[0],), None, b"", MEDIUM_STORAGE, LOCAL),  # chunk 0 spilled to the disk tier
+        ChunksRemoved((keys[0],), MEDIUM_CPU, LOCAL),
+        ChunksRemoved((keys[2],), MEDIUM_CPU, LOCAL),  # chunk 2 dropped: held nowhere
+    ]
+    assert events.take() == []  # not reported done yet
+    events.stores_done(["a"])
+    got = events.take()
+    blocks = [tuple(hashes[:PER]), tuple(hashes[PER : 2 * PER])]
+    assert [(e.hashes, e.medium) for e in got] == [(blocks[0], MEDIUM_STORAGE), (blocks[1], MEDIUM_CPU)]  # at once
+    feed.records.append(ChunksRemoved((keys[0],), MEDIUM_STORAGE, LOCAL))
+    assert events.take() == [BlocksRemoved(tuple(hashes[:PER]), MEDIUM_STORAGE, LOCAL)]

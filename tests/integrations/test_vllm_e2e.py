@@ -323,6 +323,14 @@ def test_a_tiny_pool_over_disk_serves_a_batch_without_failing_a_request(
     assert_no_leak(report)
     prompts = json.loads((workdir / "prompts.json").read_text())
     assert_kv_events_name_the_prompts_blocks(report["kv_events"], prompts["batch"])
+    # An index of the blocks the events say kvferry holds (pool or disk) predicts the hit vLLM reports for probes:
+    # rounded down to whole chunks (what kvferry loads), short of it by less than a chunk (a tail, not announced).
+    for probe in report["probes"]:
+        whole = probe["predicted"] // CHUNK * CHUNK
+        assert whole <= probe["cached"] < whole + CHUNK, probe
+    continued, left = report["probes"]
+    assert continued["predicted"] == 2 * CHUNK  # the first batch prompt's two whole chunks, held on disk or in the pool
+    assert left["predicted"] == 3 * VLLM_BLOCK and left["cached"] == CHUNK  # left inside chunk 2: one block too many
 
 
 def assert_kv_events_name_the_prompts_blocks(

@@ -8,7 +8,8 @@ PHASE
               from): the main prompt as a miss, a hit, a hit whose loaded KV the test hook corrupts, and a hit
               whose load fails (vLLM must recompute it).
   isa         embedded, the main prompt as a miss then a hit (for --isa / --dtype variants).
-  pool        embedded with a 2 MiB pool over a disk tier: the batch of prompts, three times, as one batch.
+  pool        embedded with a 2 MiB pool over a disk tier: the batch of prompts, three times, as one batch;
+              then two probes, each with what an index of the engine's KV events predicts for it.
   bad-chunk   embedded with a chunk size that is not a multiple of vLLM's block size: must refuse to start.
   server      a kvferry server at --server-url: the main prompt once (--runs: the named prompts, in order);
               with --events-url (the server's stream), vLLM publishes KV events and the report holds kvferry's.
@@ -131,6 +132,31 @@ def kvferry_events(replay: str) -> list[dict[str, Any]]:
 
 def _hash(value: Any) -> Any:
     return value.hex() if isinstance(value, bytes) else value
+
+
+def probe_predictions(llm: Any, events: list[dict[str, Any]], probes: list[list[int]]) -> list[dict[str, Any]]:
+    """What a router following the engine's events alone predicts for each probe prompt (its leading blocks held in
+    some medium, in tokens), then the probe run: vLLM's count of the tokens the connector loaded for it. The
+    probes' block hashes are the engine's own (its block hasher, in this process)."""
+    from vllm import SamplingParams
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+    from vllm.v1.request import Request
+
+    held: set[tuple[Any, str]] = set()
+    for event in events:
+        for h in event["hashes"]:
+            (held.add if event["type"] == "BlockStored" else held.discard)((h, event["medium"]))
+    blocks = {h for h, _ in held}
+    block_size = llm.llm_engine.vllm_config.cache_config.block_size
+    hasher = llm.llm_engine.engine_core.engine_core.request_block_hasher
+    answers = []
+    for tokens in probes:
+        request = Request("probe", tokens, SamplingParams(), None, block_hasher=hasher)
+        hashes = [_hash(maybe_convert_block_hash(h)) for h in request.block_hashes]
+        leading = next((i for i, h in enumerate(hashes) if h not in blocks), len(hashes))
+        (cached,) = generate(llm, [tokens])["cached"]
+        answers.append({"predicted": leading * block_size, "cached": cached})
+    return answers
 
 
 def generate(llm: Any, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
@@ -387,6 +413,10 @@ def main() -> None:
         report.update(connector_state(llm))
     if events is not None:
         report["kv_events"] = kvferry_events(replay)
+    if args.phase == "pool":  # a stored prompt continued, and one that leaves it inside its second chunk
+        first = prompts["batch"][0]
+        probes = [first + list(range(7, 57)), first[:400] + list(range(7, 207))]
+        report["probes"] = probe_predictions(llm, report["kv_events"], probes)
     # Shut the engine down (the connector waits for its loads and stores and flushes its tiers), then exit
     # without running interpreter teardown, which vLLM's background threads can stall.
     llm.llm_engine.engine_core.shutdown()

@@ -10,9 +10,11 @@ engine's blocks:
 - The cache's records (`feed`: the cache's own queue in this process, or a server's event stream) carry each new
   chunk's key, its parent's key and its token ids. A store done is matched to chunk keys by walking its chunks
   from the first: (parent key, the chunk's tokens) names the chunk's key, in every key space that holds it (a
-  split model's parts, another engine's model). Its blocks are then announced in the engine's hashes, once per
-  medium, and the keys remembered: a key leaving a medium removes its blocks there (once, whichever key of the
-  blocks leaves first), a key entering another (a spill to a tier, a promotion back) announces them there.
+  split model's parts, another engine's model). Its blocks are then announced in the engine's hashes in each
+  medium that holds them by then (a busy pool may have spilled them to a tier before the worker reported the store;
+  chunks held nowhere end the announcement), and the keys remembered: a key leaving a medium removes its blocks
+  there (once, whichever key of the blocks leaves first), a key entering another (a spill to a tier, a promotion
+  back) announces them there.
 - A store whose chunks the cache never reports (refused, or held since before this engine followed the cache, whose
   re-announcements carry no tokens) is announced as far as its leading chunks matched, once ``wait_s`` passed.
 - ``AllCleared`` (the cache dropped records, or the stream lost some): the announcement after it lists what is held
@@ -34,7 +36,7 @@ from typing import Protocol
 
 import numpy as np
 
-from kvferry.cache.events import LOCAL, MEDIUM_CPU, AllCleared, ChunksStored, Record
+from kvferry.cache.events import MEDIUM_CPU, AllCleared, ChunksStored, Record
 
 Where = tuple[str, str]  # (medium, locality)
 
@@ -122,7 +124,10 @@ class BlockEvents:
         self._keys_per_chunk = keys_per_chunk
         self._clock = clock
         self._children: dict[tuple[bytes | None, bytes], set[bytes]] = {}  # (parent key, tokens' digest) -> keys
-        self._named: dict[bytes, tuple[bytes | None, bytes]] = {}  # key -> its (parent, digest) in _children
+        # key -> its (parent, digest) in _children, the latest ``max_recent`` keys: a name outlives the key's stay
+        # in the pool (a store may be reported done after its chunks moved to a tier, or left)
+        self._named: OrderedDict[bytes, tuple[bytes | None, bytes]] = OrderedDict()
+        self._media: dict[bytes, set[Where]] = {}  # a named key -> where it is held now
         self._chunks: dict[bytes, _Chunk] = {}  # key -> the engine's blocks it holds, while held somewhere
         self._recent: OrderedDict[bytes, _Chunk] = OrderedDict()  # keys held nowhere lately (a spill in flight)
         self._stores: OrderedDict[str, _Store] = OrderedDict()
@@ -165,7 +170,7 @@ class BlockEvents:
                 if cleared is not None:  # a second one: the first's announcement ended before it
                     self._remember(cleared.removals(out))
                 cleared = _Cleared(self._chunks, self._named)
-                self._chunks, self._named, self._children = {}, {}, {}
+                self._chunks, self._named, self._children, self._media = {}, OrderedDict(), {}, {}
             elif isinstance(record, ChunksStored):
                 self._stored(record, out, cleared)
             else:
@@ -187,6 +192,8 @@ class BlockEvents:
                     self._name(key, parent, _digest(record.tokens[i * step : (i + 1) * step]))
                 elif cleared is not None and key in cleared.named:
                     self._name(key, *cleared.named[key])  # re-announced: its tokens are the ones seen before
+            if key in self._named:
+                self._media.setdefault(key, set()).add(where)
             revived = cleared.revive(key, where) if cleared is not None else None
             if revived is not None:  # announced before the AllCleared and held still: nothing to say
                 self._chunks[key] = revived
@@ -198,14 +205,9 @@ class BlockEvents:
 
     def _removed(self, keys: Iterable[bytes], where: Where, out: list[BlockEvent]) -> None:
         for key in keys:
-            if where[0] == MEDIUM_CPU:
-                named = self._named.pop(key, None)
-                if named is not None:
-                    children = self._children.get(named)
-                    if children is not None:
-                        children.discard(key)
-                        if not children:
-                            del self._children[named]
+            media = self._media.get(key)
+            if media is not None:
+                media.discard(where)
             chunk = self._chunks.get(key)
             if chunk is None:
                 continue
@@ -221,7 +223,16 @@ class BlockEvents:
 
     def _name(self, key: bytes, parent: bytes | None, digest: bytes) -> None:
         self._named[key] = (parent, digest)
+        self._named.move_to_end(key)
         self._children.setdefault((parent, digest), set()).add(key)
+        if len(self._named) > self._max_recent:
+            old, named = self._named.popitem(last=False)
+            self._media.pop(old, None)
+            children = self._children.get(named)
+            if children is not None:
+                children.discard(old)
+                if not children:
+                    del self._children[named]
 
     def _remember(self, chunks: Iterable[tuple[bytes, _Chunk]]) -> None:
         for key, chunk in chunks:
@@ -253,13 +264,16 @@ class BlockEvents:
             store.digests = [_digest(ids[i * step : (i + 1) * step]) for i in range(n)]
         found: list[set[bytes]] = []
         parents: set[bytes | None] = {None}
+        gone = False  # a chunk the cache reported and let go: what a hit loads ends before it, whatever comes later
         for digest in store.digests:
             keys = set().union(*(self._children.get((p, digest), ()) for p in parents))
-            if len(keys) < max(1, self._keys_per_chunk):
+            held = {key for key in keys if self._media.get(key)}
+            if len(held) < max(1, self._keys_per_chunk):
+                gone = len(keys) >= max(1, self._keys_per_chunk)
                 break
-            found.append(keys)
+            found.append(held)
             parents = set(keys)
-        if len(found) < n and not final:
+        if len(found) < n and not (final or gone):
             return False
         for i, keys in enumerate(found):
             hashes = tuple(store.hashes[i * per_chunk : (i + 1) * per_chunk])
@@ -269,7 +283,8 @@ class BlockEvents:
                 chunk = _Chunk(hashes, parent, tuple(store.tokens[i * self.chunk_size : (i + 1) * self.chunk_size]))
             for key in keys:
                 self._chunks[key] = chunk
-                self._hold(chunk, key, (MEDIUM_CPU, LOCAL), out)
+                for where in sorted(self._media[key]):
+                    self._hold(chunk, key, where, out)
         return True
 
     def _hold(self, chunk: _Chunk, key: bytes, where: Where, out: list[BlockEvent]) -> None:
