@@ -86,48 +86,31 @@ def make_llm(model: str, extra: dict[str, Any] | None, dtype: str, tp: int = 1, 
     )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def kv_events_config() -> tuple[Any, str]:
     """``--kv-events-config`` publishing on loopback (vLLM's ZMQ publisher), and its replay endpoint."""
-    from vllm.config.kv_events import KVEventsConfig
+    from kvferry.bench.vllm_events import vllm_events_config
 
-    pub, replay = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
-    return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=pub, replay_endpoint=replay), replay
+    config = vllm_events_config()
+    return config, config.replay_endpoint
 
 
 def kvferry_events(replay: str) -> list[dict[str, Any]]:
-    """Every event vLLM's publisher sent so far that kvferry reported (``ownership``), replayed from its first batch
-    and decoded with vLLM's own ``KVEventBatch``: the events a router following the engine received."""
-    import msgspec
-    import zmq
-    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+    """Every event vLLM's publisher sent so far that kvferry reported, as a router following the engine received
+    them (`kvferry.bench.vllm_events.kvferry_events`)."""
+    from vllm.distributed.kv_events import BlockStored
 
-    decoder = msgspec.msgpack.Decoder(KVEventBatch)
+    from kvferry.bench import vllm_events
+
     events: list[dict[str, Any]] = []
-    with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as sock:
-        sock.setsockopt(zmq.RCVTIMEO, 10_000)
-        sock.connect(replay)
-        sock.send_multipart((b"", (0).to_bytes(8, "big")))
-        while True:
-            _, _, seq, payload = sock.recv_multipart()
-            if int.from_bytes(seq, "big", signed=True) == -1:
-                return events
-            for event in decoder.decode(payload).events:
-                if getattr(event, "ownership", None) != "kvferry":
-                    continue
-                stored = isinstance(event, BlockStored)
-                events.append({
-                    "type": type(event).__name__, "hashes": [_hash(h) for h in event.block_hashes],
-                    "medium": event.medium, "block_size": event.block_size if stored else None,
-                    "parent": _hash(event.parent_block_hash) if stored else None,
-                    "tokens": list(event.token_ids) if stored else None,
-                })  # fmt: skip
+    for event in vllm_events.kvferry_events(replay):
+        stored = isinstance(event, BlockStored)
+        events.append({
+            "type": type(event).__name__, "hashes": [_hash(h) for h in event.block_hashes],
+            "medium": event.medium, "block_size": event.block_size if stored else None,
+            "parent": _hash(event.parent_block_hash) if stored else None,
+            "tokens": list(event.token_ids) if stored else None,
+        })  # fmt: skip
+    return events
 
 
 def _hash(value: Any) -> Any:

@@ -4,6 +4,7 @@ kvferry's, read back from its replay socket as a router that joined late would."
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterator
 from typing import Any
 
 REPLAY_TIMEOUT_MS = 10_000
@@ -24,15 +25,14 @@ def vllm_events_config() -> Any:
     return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=pub, replay_endpoint=replay)
 
 
-def kvferry_blocks_stored(replay: str) -> int:
-    """Blocks in the ``BlockStored`` events vLLM published for kvferry (``ownership``) so far, replayed from the
-    publisher's first batch and decoded with vLLM's own ``KVEventBatch``."""
+def kvferry_events(replay: str) -> Iterator[Any]:
+    """The events vLLM's publisher sent so far that kvferry reported (``ownership``), replayed from its first batch
+    and decoded with vLLM's own ``KVEventBatch``: what a router that joined late receives."""
     import msgspec
     import zmq
-    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+    from vllm.distributed.kv_events import KVEventBatch
 
     decoder = msgspec.msgpack.Decoder(KVEventBatch)
-    blocks = 0
     with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as sock:
         sock.setsockopt(zmq.RCVTIMEO, REPLAY_TIMEOUT_MS)
         sock.connect(replay)
@@ -40,7 +40,12 @@ def kvferry_blocks_stored(replay: str) -> int:
         while True:
             _, _, seq, payload = sock.recv_multipart()
             if int.from_bytes(seq, "big", signed=True) == -1:
-                return blocks
-            for event in decoder.decode(payload).events:
-                if isinstance(event, BlockStored) and getattr(event, "ownership", None) == "kvferry":
-                    blocks += len(event.block_hashes)
+                return
+            yield from (e for e in decoder.decode(payload).events if getattr(e, "ownership", None) == "kvferry")
+
+
+def kvferry_blocks_stored(replay: str) -> int:
+    """Blocks in the ``BlockStored`` events vLLM published for kvferry so far (`kvferry_events`)."""
+    from vllm.distributed.kv_events import BlockStored
+
+    return sum(len(e.block_hashes) for e in kvferry_events(replay) if isinstance(e, BlockStored))
