@@ -303,12 +303,11 @@ def test_a_state_vllm_computed_while_generating_is_stored_under_the_tokens_it_fo
     assert grouped.build_plan(decode).stores == []  # vLLM has not appended the tokens up to the boundary yet
     tokens += [7] * (3 * CHUNK - len(prompt))  # what the request generated up to the boundary
     (store,) = grouped.build_plan(decode).stores  # only the request whose tokens are known
-    assert (store.req_id, store.tokens, store.block_ids, store.skip_tokens, store.group) == (
-        "r", tokens[: 3 * CHUNK], [31], 0, 0)  # fmt: skip
+    assert store == StoreSpec("r", tokens[: 3 * CHUNK], [31], 0, group=0)
     tokens += [8] * 5
     assert grouped.request_finished("r", tokens[:-1], tables)
     (finish,) = grouped.build_plan(_step()).stores  # the attention chunks up to the boundary too
-    assert (finish.group, finish.tokens, finish.block_ids) == (1, tokens[: 3 * CHUNK], [11, 12, 13])
+    assert (finish.group, list(finish.tokens), finish.block_ids) == (1, tokens[: 3 * CHUNK], [11, 12, 13])
 
 
 def test_a_hybrid_with_a_state_group_looks_up_the_state_at_the_hit_s_end_only() -> None:

@@ -9,7 +9,6 @@ import random
 import socket
 import time
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -23,13 +22,6 @@ CHUNK = 64
 BS = 16
 POOL_GB = 0.0008  # 6 chunks of the stand-in model (128 KiB each): a few prompts evict
 PROMPTS = 6  # of 4 whole chunks each
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from tests.integrations import vllm_sim
-
-    return vllm_sim.write_model(tmp_path_factory.mktemp("model"))
 
 
 def _prompt(seed: int) -> list[int]:
@@ -140,14 +132,6 @@ def _check_predictions(engine: Any, prompts: list[list[int]], deadline_s: float 
         hit = side.counters.lookup_hit_tokens - before
         assert predicted // CHUNK * CHUNK <= hit < predicted // CHUNK * CHUNK + CHUNK, (i, predicted, hit)
         assert (predicted, hit) == [(4 * CHUNK, 4 * CHUNK + tail), (144, 2 * CHUNK), (0, 0)][i]
-
-
-@pytest.fixture
-def engines() -> Iterator[list[Any]]:
-    made: list[Any] = []
-    yield made
-    for engine in made:
-        engine.shutdown()
 
 
 @pytest.mark.parametrize("hybrid", [False, True], ids=["one-group", "hybrid"])

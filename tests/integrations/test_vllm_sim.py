@@ -10,7 +10,6 @@ import os
 import random
 import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,22 +24,6 @@ pytestmark = [
 
 CHUNK = 64
 EMBEDDED = {"mode": "embedded", "config": {"cache": {"chunk_size": CHUNK, "l1_size_gb": 0.02}}}
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from tests.integrations import vllm_sim
-
-    return vllm_sim.write_model(tmp_path_factory.mktemp("model"))
-
-
-@pytest.fixture
-def engines() -> Iterator[list[Any]]:
-    """Engines a test makes, shut down after it (their connectors wait for what is in flight)."""
-    made: list[Any] = []
-    yield made
-    for engine in made:
-        engine.shutdown()
 
 
 def make(engines: list[Any], model: str, extra: dict[str, Any] = EMBEDDED, **kwargs: Any) -> Any:

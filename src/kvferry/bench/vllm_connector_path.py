@@ -17,11 +17,13 @@ import random
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvferry.bench.block_check import BlockCheck, check_count
 from kvferry.bench.harness import BenchError
 from kvferry.bench.vllm_views import Case, replay
+from kvferry.cache.keys import token_array
 from kvferry.connector.engine_kv import EngineKV
 from kvferry.connector.plan import LoadSpec, StepPlan, StoreSpec
 from kvferry.connector.settings import ConnectorSettings
@@ -66,9 +68,10 @@ class ConnectorPath:
         self.tokens = self.next_prefix()
         self._loaded_before = 0
 
-    def next_prefix(self) -> list[int]:
-        """A prefix no earlier store stored (its first token differs): every store copies."""
-        return [next(self._prefixes), *range(1, self.prefix_tokens)]
+    def next_prefix(self) -> np.ndarray:
+        """A prefix no earlier store stored (its first token differs): every store copies. As the scheduler half
+        hands a prompt's tokens to the worker side: a slice of the array it converted once for its lookups."""
+        return token_array([next(self._prefixes), *range(1, self.prefix_tokens)])
 
     def next_round(self) -> None:
         self.tokens = self.next_prefix()

@@ -39,6 +39,7 @@ import torch
 
 from kvferry.cache import CacheEngine, CacheNamespace
 from kvferry.cache.call_options import TransferOptions
+from kvferry.cache.keys import TokenIds
 from kvferry.cache.request import dtype_name, layout_name
 from kvferry.connector.engine_kv import EngineKV
 from kvferry.connector.state_rows import row_bytes
@@ -138,7 +139,7 @@ class Lookups(Protocol):
         """The cache's chunk size; None while a server was never reached."""
         ...
 
-    def lookup(self, tokens: list[int]) -> Hit | None:
+    def lookup(self, tokens: TokenIds) -> Hit | None:
         """The cached prefix of ``tokens``, locked against eviction; None while chunks right after it are still
         coming up from a lower tier (ask again later). Never raises: a failure is a miss."""
         ...
@@ -151,18 +152,18 @@ class Lookups(Protocol):
 class Transfers(Protocol):
     """What the worker half needs of a backend: moving KV between the engine's registered blocks and the cache."""
 
-    def retrieve_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
+    def retrieve_async(self, tokens: TokenIds, block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
         """Load the cached prefix of ``tokens`` into ``block_ids`` (the first ``skip_prefix_tokens`` are already
         there); resolves to how many leading tokens the blocks then hold (the skipped prefix included), a multiple
         of the chunk size or ``len(tokens)``."""
         ...
 
-    def retrieve(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> int:
+    def retrieve(self, tokens: TokenIds, block_ids: list[int], skip_prefix_tokens: int) -> int:
         """`retrieve_async` to the end, for a caller that waits for it anyway (a foreground load): a backend may
         run it on the calling thread, ordered after its current stream, without a hand-off to a worker thread."""
         ...
 
-    def store_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
+    def store_async(self, tokens: TokenIds, block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
         """Store the KV of ``tokens`` held in ``block_ids``: full chunks, and the tokens after them (whole blocks)
         as a tail object; the caller keeps the blocks unchanged until the future is done."""
         ...
@@ -171,12 +172,12 @@ class Transfers(Protocol):
 class Backend(Lookups, Transfers, Protocol):
     """Both halves, and what only an in-process backend or a server can do besides."""
 
-    def lookup(self, tokens: list[int], first_chunk: int = 0) -> Hit | None:
+    def lookup(self, tokens: TokenIds, first_chunk: int = 0) -> Hit | None:
         """As `Lookups.lookup`; ``first_chunk``: the caller needs the chunks from this one on only (a backend may
         still ask for every chunk from token 0)."""
         ...
 
-    def demote(self, tokens: list[int], chunks: range) -> None:
+    def demote(self, tokens: TokenIds, chunks: range) -> None:
         """Chunks ``chunks`` of ``tokens``'s prefix go first when the cache evicts (see `CacheEngine.demote`)."""
         ...
 
@@ -202,7 +203,7 @@ class EmbeddedBackend:
         self.scheduler_block_size = kv.block_size * kv.split  # a tail hit counts in these blocks
         self._on_gpu = self.geometry.device.type == "cuda"
 
-    def lookup(self, tokens: list[int], first_chunk: int = 0) -> Hit | None:
+    def lookup(self, tokens: TokenIds, first_chunk: int = 0) -> Hit | None:
         try:
             status = self.engine.lookup_status(
                 tokens,
@@ -223,16 +224,16 @@ class EmbeddedBackend:
     def free_lock(self, lock: Any) -> None:
         self.engine.free_lookup_locks(lock)
 
-    def demote(self, tokens: list[int], chunks: range) -> None:
+    def demote(self, tokens: TokenIds, chunks: range) -> None:
         self.engine.demote(tokens, chunks, namespace=self.namespace)
 
-    def retrieve_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
+    def retrieve_async(self, tokens: TokenIds, block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
         written = self.engine.retrieve_async(
             *self._request(tokens, block_ids), **self._options(skip_prefix_tokens), after=self._callers_stream()
         )
         return plus(written, skip_prefix_tokens)
 
-    def retrieve(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> int:
+    def retrieve(self, tokens: TokenIds, block_ids: list[int], skip_prefix_tokens: int) -> int:
         """On a GPU, on the calling thread: the copy is ordered after its current stream (vLLM's) by the transfer
         itself, and the load saves two thread hand-offs (~0.3 ms of a 16-chunk load on the H200 host). On the CPU
         through the worker threads, whose torch runs on one thread (`cpu_threads`)."""
@@ -241,14 +242,14 @@ class EmbeddedBackend:
         written = self.engine.retrieve(*self._request(tokens, block_ids), **self._options(skip_prefix_tokens))
         return skip_prefix_tokens + written
 
-    def _request(self, tokens: list[int], block_ids: list[int]) -> tuple[Any, ...]:
+    def _request(self, tokens: TokenIds, block_ids: list[int]) -> tuple[Any, ...]:
         """A transfer's positional arguments: the tokens, vLLM's tensors, their block ids, the format."""
         return tokens, self.kv.paged, self.kv.kernel_block_ids(block_ids), self.kv.fmt
 
     def _options(self, skip_prefix_tokens: int) -> TransferOptions:
         return {"namespace": self.namespace, "skip_prefix_tokens": skip_prefix_tokens, "geometry": self.geometry}
 
-    def store_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
+    def store_async(self, tokens: TokenIds, block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
         return self.engine.store_async(
             *self._request(tokens, block_ids),
             **self._options(skip_prefix_tokens),

@@ -34,9 +34,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import numpy as np
-
 from kvferry.cache.events import MEDIUM_CPU, AllCleared, ChunksStored, Record
+from kvferry.cache.keys import TokenIds, token_array
 
 Where = tuple[str, str]  # (medium, locality)
 
@@ -88,7 +87,7 @@ class _Chunk:
 
 @dataclass(slots=True)
 class _Store:
-    tokens: list[int]
+    tokens: TokenIds
     hashes: list[bytes]
     since: float
     done: bool = False
@@ -259,7 +258,7 @@ class BlockEvents:
         per_chunk = self.chunk_size // self.block_size
         n = len(store.tokens) // self.chunk_size
         if store.digests is None:  # the cache's records carry token ids as little-endian uint32
-            ids = np.asarray(store.tokens, dtype="<u4").tobytes()
+            ids = token_array(store.tokens).tobytes()
             step = self.chunk_size * 4
             store.digests = [_digest(ids[i * step : (i + 1) * step]) for i in range(n)]
         found: list[set[bytes]] = []
@@ -280,7 +279,8 @@ class BlockEvents:
             chunk = next((self._chunks[k] for k in keys if k in self._chunks), None)
             if chunk is None:
                 parent = store.hashes[i * per_chunk - 1] if i else None
-                chunk = _Chunk(hashes, parent, tuple(store.tokens[i * self.chunk_size : (i + 1) * self.chunk_size]))
+                own = token_array(store.tokens)[i * self.chunk_size : (i + 1) * self.chunk_size]
+                chunk = _Chunk(hashes, parent, tuple(own.tolist()))  # plain ints: the events are msgpack'd
             for key in keys:
                 self._chunks[key] = chunk
                 for where in sorted(self._media[key]):

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kvferry.cache.keys import TokenIds
 from kvferry.connector.backends import Backend, Hit
 from kvferry.connector.engine_kv import UnsupportedKVLayout
 
@@ -118,7 +119,7 @@ class GroupedLookups:
         sizes = {backend.chunk_size for backend in self.backends}
         return sizes.pop() if len(sizes) == 1 else None
 
-    def lookup(self, tokens: list[int], first_chunk: int = 0) -> Hit | None:
+    def lookup(self, tokens: TokenIds, first_chunk: int = 0) -> Hit | None:
         """``first_chunk``: passed on to the groups asked from token 0 (a windowed group over layer parts asks its
         parts for its window only)."""
         if self.state_groups:
@@ -157,7 +158,7 @@ class GroupedLookups:
         return Hit(reach, tuple(locks))
 
     def _window_reach(
-        self, i: int, group: KVGroup, tokens: list[int], end: int, chunk: int, locks: list[Any]
+        self, i: int, group: KVGroup, tokens: TokenIds, end: int, chunk: int, locks: list[Any]
     ) -> int | None:
         """The longest boundary up to ``end`` at which windowed group ``i`` holds the chunks a hit loads for it
         (its lock put in ``locks``); 0: none; None: one is still coming up from a lower tier."""
@@ -172,7 +173,7 @@ class GroupedLookups:
             end = reach
         return 0
 
-    def _states_at(self, tokens: list[int], end: int, chunk: int, locks: list[Any]) -> int | None:
+    def _states_at(self, tokens: TokenIds, end: int, chunk: int, locks: list[Any]) -> int | None:
         """The longest boundary up to ``end`` at which every state group holds its state (their locks put in
         ``locks``); 0: none; None: one is still coming up from a lower tier."""
         for boundary in range(end, 0, -chunk):

@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from kvferry.cache import CacheEngine
+from kvferry.cache.keys import TokenIds
 from kvferry.connector.backends import Backend, EmbeddedBackend, KeySpace
 from kvferry.connector.engine_kv import EngineKV
 from kvferry.connector.kv_groups import GroupedLookups
@@ -37,16 +38,16 @@ class LayerSplitBackend(GroupedLookups):
     def __init__(self, parts: Sequence[Backend]) -> None:
         super().__init__(parts, whole_chunks=False)
 
-    def retrieve_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
+    def retrieve_async(self, tokens: TokenIds, block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
         return _fewest([part.retrieve_async(tokens, block_ids, skip_prefix_tokens) for part in self.backends])
 
-    def retrieve(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> int:
+    def retrieve(self, tokens: TokenIds, block_ids: list[int], skip_prefix_tokens: int) -> int:
         return self.retrieve_async(tokens, block_ids, skip_prefix_tokens).result()
 
-    def store_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
+    def store_async(self, tokens: TokenIds, block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
         return _fewest([part.store_async(tokens, block_ids, skip_prefix_tokens) for part in self.backends])
 
-    def demote(self, tokens: list[int], chunks: range) -> None:
+    def demote(self, tokens: TokenIds, chunks: range) -> None:
         for part in self.backends:
             part.demote(tokens, chunks)
 

@@ -1,16 +1,37 @@
 """What the scheduler side tells the worker side to do in one engine step (vLLM's connector metadata payload).
 
-Plain dataclasses of ints and lists: vLLM may carry them to a worker in another process, and the worker-side
-logic can be tested with hand-made plans.
+Plain dataclasses of ints, lists and token arrays: vLLM may carry them to a worker in another process, and the
+worker-side logic can be tested with hand-made plans.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+
+from kvferry.cache.keys import TokenIds
 
 
-@dataclass(frozen=True)
-class LoadSpec:
+class _ByValue:
+    """Equal field by field, the tokens by value (an array from the scheduler half equals a list of the same ids)."""
+
+    tokens: TokenIds
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        rest = [f.name for f in fields(self) if f.name != "tokens"]  # type: ignore[arg-type]
+        if any(getattr(self, name) != getattr(other, name) for name in rest):
+            return False
+        mine, theirs = np.asarray(self.tokens), np.asarray(other.tokens)
+        return mine.shape == theirs.shape and bool((mine == theirs).all())
+
+    __hash__ = None  # type: ignore[assignment]  # tokens may be an array
+
+
+@dataclass(frozen=True, eq=False)
+class LoadSpec(_ByValue):
     """Copy the cached KV of ``tokens`` into ``block_ids``, except the first ``skip_tokens`` tokens.
 
     ``tokens`` is a block-aligned prefix of the prompt that the cache reported as a hit; ``block_ids`` holds one
@@ -22,21 +43,21 @@ class LoadSpec:
     """
 
     req_id: str
-    tokens: list[int]
+    tokens: TokenIds  # from the scheduler half: a slice of its uint32 array (`kvferry.cache.keys.token_array`)
     block_ids: list[int]
     skip_tokens: int
     in_background: bool = False
     group: int = 0
 
 
-@dataclass(frozen=True)
-class StoreSpec:
+@dataclass(frozen=True, eq=False)
+class StoreSpec(_ByValue):
     """Copy the KV of ``tokens`` (a prefix of what the request computed: whole chunks of its prompt, or at its
     finish whole blocks, the last partial chunk a tail object) out of ``block_ids`` into the cache, except the
     first ``skip_tokens`` tokens, which the cache already holds (``group``: as in `LoadSpec`)."""
 
     req_id: str
-    tokens: list[int]
+    tokens: TokenIds  # as in `LoadSpec`
     block_ids: list[int]
     skip_tokens: int
     group: int = 0

@@ -38,13 +38,16 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from kvferry.cache.keys import TokenIds, token_array
 from kvferry.connector.backends import Hit
 from kvferry.connector.counters import SchedulerCounters
 from kvferry.connector.plan import LoadSpec, StepPlan, StoreSpec
 
 log = logging.getLogger(__name__)
 
-Lookup = Callable[[list[int]], Hit | None]
+Lookup = Callable[[TokenIds], Hit | None]
 FreeLock = Callable[[Any], None]
 Tables = tuple[list[int], ...]  # a request's block ids, one list per KV cache group (one group: a 1-tuple)
 
@@ -86,7 +89,10 @@ class StepFacts:
 class _Request:
     """What this side knows of one request, from its first lookup until the engine finished it (and its load ran)."""
 
-    prompt: list[int] = field(default_factory=list)
+    # Its tokens as one uint32 array (`token_array`), converted once: the loads and stores planned hand on slices
+    # of it, which the workers hash and send without converting again.
+    prompt: np.ndarray = field(default_factory=lambda: _NO_TOKENS)
+    looked_up: np.ndarray | None = None  # the prompt as last looked up (the same request's prompt, converted)
     hit: int = 0  # the cache's hit at the last lookup (block-aligned)
     skip: int = 0  # the engine's own computed tokens at the last lookup
     lock: Any = None
@@ -103,6 +109,9 @@ class _Request:
     block_ids: list[int] = field(default_factory=list)
     stored_upto: int = 0
     stores_planned: bool = False
+
+
+_NO_TOKENS: np.ndarray = np.empty(0, dtype="<u4")
 
 
 class SchedulerCore:
@@ -142,7 +151,7 @@ class SchedulerCore:
         self._requests: dict[str, _Request] = {}
         self._finishing: list[StoreSpec] = []  # stores of finished requests, for the next step's plan
         # Finished requests' stores not reported done yet: their tokens, and until when a lookup waits for them
-        self._saving: dict[str, tuple[list[int], float]] = {}
+        self._saving: dict[str, tuple[np.ndarray, float]] = {}
         self.counters = SchedulerCounters()
 
     def num_new_matched_tokens(
@@ -168,7 +177,8 @@ class SchedulerCore:
             if self._saving and self._extends_a_store_in_flight(prompt):
                 return None, False
             self._release(req)
-            found = self._lookup(list(prompt))
+            req.looked_up = token_array(prompt)
+            found = self._lookup(req.looked_up)
             if found is None:
                 return None, False
             req.hit = min(found.tokens, len(prompt)) // self.block_size * self.block_size
@@ -196,7 +206,7 @@ class SchedulerCore:
                 f"the engine accepted {num_external} external tokens for request {req_id!r} "
                 f"but the last lookup found {hit} (already computed: {skip})"
             )
-        req.prompt = list(prompt)
+        req.prompt = _prompt_of(req, prompt)
         req.accepted = True
         self.counters.hit_tokens_taken += num_external
         if self.in_background:
@@ -238,11 +248,11 @@ class SchedulerCore:
             # The prefill recomputes its prompt and what it generated: chunks of both are stored as computed.
             tokens = scheduled.tokens if scheduled.tokens is not None else scheduled.prompt
             if tokens is not None and len(tokens) > len(req.prompt):
-                req.prompt = list(tokens)
+                req.prompt = token_array(tokens)
             req.preempted = False
             self.counters.requests_resumed += 1
         elif scheduled.starts:
-            req.prompt = list(scheduled.prompt or [])
+            req.prompt = _prompt_of(req, scheduled.prompt or ())
         if scheduled.starts:
             req.block_ids = blocks
             self._start_running(req)
@@ -289,18 +299,19 @@ class SchedulerCore:
         table = list(block_ids) if block_ids is not None else req.block_ids
         needed = end // self.block_size
         if req.running and not req.uncacheable and end > req.stored_upto and len(table) >= needed:
-            self._finishing.append(StoreSpec(req_id, list(computed[:end]), table[:needed], req.stored_upto))
-            self._saving[req_id] = (list(computed[:end]), self._clock() + self._refresh_s)
+            tokens = token_array(computed[:end])
+            self._finishing.append(StoreSpec(req_id, tokens, table[:needed], req.stored_upto))
+            self._saving[req_id] = (tokens, self._clock() + self._refresh_s)
             req.stores_planned = True
         return req.stores_planned
 
-    def plan_state_store(self, req_id: str, boundary: int, tokens: Sequence[int] = ()) -> list[int] | None:
+    def plan_state_store(self, req_id: str, boundary: int, tokens: Sequence[int] = ()) -> np.ndarray | None:
         """The tokens up to ``boundary`` when a state computed there (a Mamba group's) is to be stored: the request
         runs, is cacheable and ``boundary`` is a chunk boundary of its prompt, or of ``tokens`` (its tokens as the
         engine knows them now: prompt and output so far, for a state computed while generating); else None. The
         engine then keeps the request's blocks at its finish until the worker reports its stores done."""
         req = self._requests.get(req_id)
-        if req is None or not req.running or req.uncacheable or not req.prompt:  # no token ids: nothing keys it
+        if req is None or not req.running or req.uncacheable or not len(req.prompt):  # no token ids: nothing keys it
             return None
         if boundary <= 0 or boundary % self.chunk_size:
             return None
@@ -308,7 +319,7 @@ class SchedulerCore:
         if boundary > len(known):
             return None
         req.stores_planned = True
-        return list(known[:boundary])
+        return token_array(known[:boundary])
 
     def stores_done(self, req_ids: Iterable[str]) -> None:
         """The worker finished the stores of these (finished) requests: lookups need not wait for them."""
@@ -343,7 +354,7 @@ class SchedulerCore:
                 del self._saving[req_id]
                 continue
             n = min(len(tokens), len(prompt))
-            if n >= self.block_size and tokens[0] == prompt[0] and list(prompt[:n]) == tokens[:n]:
+            if n >= self.block_size and tokens[0] == prompt[0] and np.array_equal(token_array(prompt[:n]), tokens[:n]):
                 return True
         return False
 
@@ -381,3 +392,12 @@ class SchedulerCore:
             plan.stores.append(StoreSpec(req_id, req.prompt[:end], req.block_ids[:needed], req.stored_upto))
             req.stored_upto = end
             req.stores_planned = True
+
+
+def _prompt_of(req: _Request, prompt: Sequence[int]) -> np.ndarray:
+    """The request's prompt as an array: the one its lookup converted where the lengths agree (an engine sends one
+    request's prompt alike each time), else converted now."""
+    looked_up = req.looked_up
+    if looked_up is not None and len(looked_up) == len(prompt):
+        return looked_up
+    return token_array(prompt)

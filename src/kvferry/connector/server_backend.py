@@ -11,6 +11,7 @@ import logging
 from concurrent.futures import Future
 from typing import Any
 
+from kvferry.cache.keys import TokenIds
 from kvferry.connector.backends import Hit, KeySpace, plus
 from kvferry.connector.engine_kv import EngineKV
 from kvferry.connector.server_link import ServerDown, ServerLink
@@ -38,7 +39,7 @@ class ServerBackend:
     def chunk_size(self) -> int | None:
         return None if self.link.incompatible else self.link.chunk_size
 
-    def lookup(self, tokens: list[int], first_chunk: int = 0) -> Hit | None:
+    def lookup(self, tokens: TokenIds, first_chunk: int = 0) -> Hit | None:
         try:
             generation = self.link.generation
             found = self.link.wait(
@@ -69,7 +70,7 @@ class ServerBackend:
         except Exception as exc:  # an expired lock, or the server went away: nothing to free any more
             log.debug("kvferry: freeing lookup lock %s: %s", lock_id, exc)
 
-    def retrieve_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
+    def retrieve_async(self, tokens: TokenIds, block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
         ids = self._kernel_block_ids(block_ids)
         written = self.link.submit(
             lambda client, reg: client.retrieve_async(
@@ -78,7 +79,7 @@ class ServerBackend:
         )
         return plus(written, skip_prefix_tokens)
 
-    def retrieve(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> int:
+    def retrieve(self, tokens: TokenIds, block_ids: list[int], skip_prefix_tokens: int) -> int:
         """Sent and waited for on this thread: it reads the server's answer and watches the transfer's done flag
         itself (the asynchronous form's future passes through the client's threads on the way back)."""
         ids = self._kernel_block_ids(block_ids)
@@ -87,7 +88,7 @@ class ServerBackend:
         )
         return skip_prefix_tokens + written
 
-    def store_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
+    def store_async(self, tokens: TokenIds, block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
         # Sent from vLLM's thread: the client records the STORE's ready event on vLLM's current stream, after the
         # forward pass that wrote the blocks, and the server's copy waits for it on the GPU.
         ids = self._kernel_block_ids(block_ids)
@@ -97,7 +98,7 @@ class ServerBackend:
             )
         )
 
-    def demote(self, tokens: list[int], chunks: range) -> None:
+    def demote(self, tokens: TokenIds, chunks: range) -> None:
         """Sent without waiting (a store's callback calls it): a demotion that fails, or a server that predates
         DEMOTE, leaves only the plain eviction order."""
         if not chunks:

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
+from kvferry.cache.keys import TokenIds
 from kvferry.connector.plan import LoadSpec, StepPlan
 
 log = logging.getLogger(__name__)
@@ -126,7 +127,7 @@ def serving_hook(
 
 @dataclass
 class _AwaitedLoad:
-    tokens: list[int]  # the prompt's tokens up to the hit's end
+    tokens: TokenIds  # the prompt's tokens up to the hit's end
     skip_tokens: int  # the engine's own prefix hit
     block_ids: Sequence[Sequence[int]] = ()  # per KV cache group, once the engine allocated them
 

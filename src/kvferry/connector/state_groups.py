@@ -32,7 +32,7 @@ import blake3
 import numpy as np
 import torch
 
-from kvferry.cache.keys import token_view
+from kvferry.cache.keys import TokenIds, token_view
 from kvferry.connector.backends import Backend, Hit
 from kvferry.connector.engine_kv import EngineKV, UnsupportedKVLayout
 from kvferry.connector.state_rows import row_bytes
@@ -63,7 +63,7 @@ def state_kv(layers: Sequence[torch.Tensor], names: Sequence[str], page_bytes: i
     return EngineKV(EngineKVFormat.NL_X_NB_NH_BS_CS, rows, rows, list(names), chunk_size, "uint8")
 
 
-def state_key_tokens(tokens: Sequence[int], chunk_size: int) -> list[int]:
+def state_key_tokens(tokens: TokenIds, chunk_size: int) -> list[int]:
     """The token ids that key the state after ``tokens``: one chunk, a digest of the whole prefix (blake3 read out
     to ``chunk_size`` 32-bit ids). Two prefixes share it only if they are equal."""
     digest = blake3.blake3(token_view(tokens), derive_key_context=_KEY_CONTEXT.decode()).digest(4 * chunk_size)
@@ -85,9 +85,9 @@ class StateBackend:
     def chunk_size(self) -> int | None:
         return self.backend.chunk_size
 
-    def lookup(self, tokens: list[int], first_chunk: int = 0) -> Hit | None:
+    def lookup(self, tokens: TokenIds, first_chunk: int = 0) -> Hit | None:
         chunk = self.chunk_size
-        if chunk is None or not tokens or len(tokens) % chunk:
+        if chunk is None or not len(tokens) or len(tokens) % chunk:
             return Hit(0)
         found = self.backend.lookup(state_key_tokens(tokens, chunk))
         if found is None:  # coming up from a lower tier
@@ -101,7 +101,7 @@ class StateBackend:
     def free_lock(self, lock: Any) -> None:
         self.backend.free_lock(lock)
 
-    def store_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
+    def store_async(self, tokens: TokenIds, block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
         """Resolves to ``chunk_size`` once stored, 0 when it was present already (or found no room). The state at
         the boundary before (the same prefix's) is then superseded: only a lookup ending exactly there needs it,
         so it goes first when the cache evicts (``demote``), not at once."""
@@ -112,10 +112,10 @@ class StateBackend:
             stored.add_done_callback(lambda _: self.backend.demote(earlier, range(1)))
         return stored
 
-    def demote(self, tokens: list[int], chunks: range) -> None:
+    def demote(self, tokens: TokenIds, chunks: range) -> None:
         """Nothing: a state is demoted by the store of the next boundary's (`store_async`)."""
 
-    def retrieve_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
+    def retrieve_async(self, tokens: TokenIds, block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
         """Resolves to ``len(tokens)`` once the state is in place, else to ``skip_prefix_tokens`` (a miss)."""
         chunk = self._boundary_chunk(tokens, block_ids)
         loaded = self.backend.retrieve_async(state_key_tokens(tokens, chunk), block_ids[-1:], 0)
@@ -131,17 +131,17 @@ class StateBackend:
         loaded.add_done_callback(settle)
         return out
 
-    def retrieve(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> int:
+    def retrieve(self, tokens: TokenIds, block_ids: list[int], skip_prefix_tokens: int) -> int:
         return self.retrieve_async(tokens, block_ids, skip_prefix_tokens).result()
 
     def close(self) -> None:
         self.backend.close()
 
-    def _boundary_chunk(self, tokens: list[int], block_ids: list[int]) -> int:
+    def _boundary_chunk(self, tokens: TokenIds, block_ids: list[int]) -> int:
         chunk = self.chunk_size
         if chunk is None:
             raise RuntimeError("the cache's chunk size is not known yet")
-        if not tokens or len(tokens) % chunk:
+        if not len(tokens) or len(tokens) % chunk:
             raise ValueError(f"a Mamba state is kept at chunk boundaries: {len(tokens)} tokens is not one")
         if not block_ids or block_ids[-1] == 0:
             raise ValueError("a Mamba state moves in and out of a real block, never vLLM's null block 0")

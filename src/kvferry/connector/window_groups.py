@@ -15,6 +15,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Any
 
+from kvferry.cache.keys import TokenIds
 from kvferry.connector.backends import Backend, Hit
 from kvferry.connector.kv_groups import KVGroup
 
@@ -31,19 +32,19 @@ class WindowedBackend:
     def chunk_size(self) -> int | None:
         return self.backend.chunk_size
 
-    def lookup(self, tokens: list[int], first_chunk: int = 0) -> Hit | None:
+    def lookup(self, tokens: TokenIds, first_chunk: int = 0) -> Hit | None:
         return self.backend.lookup(tokens, first_chunk)
 
     def free_lock(self, lock: Any) -> None:
         self.backend.free_lock(lock)
 
-    def retrieve_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
+    def retrieve_async(self, tokens: TokenIds, block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
         return self.backend.retrieve_async(tokens, block_ids, skip_prefix_tokens)
 
-    def retrieve(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> int:
+    def retrieve(self, tokens: TokenIds, block_ids: list[int], skip_prefix_tokens: int) -> int:
         return self.backend.retrieve(tokens, block_ids, skip_prefix_tokens)
 
-    def store_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
+    def store_async(self, tokens: TokenIds, block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
         """Store, then demote the chunks before the window at the store's end that the window at its start (what
         earlier stores of the request reached) still needed."""
         stored = self.backend.store_async(tokens, block_ids, skip_prefix_tokens)
@@ -55,7 +56,7 @@ class WindowedBackend:
                 stored.add_done_callback(lambda _: self.backend.demote(tokens, superseded))
         return stored
 
-    def demote(self, tokens: list[int], chunks: range) -> None:
+    def demote(self, tokens: TokenIds, chunks: range) -> None:
         self.backend.demote(tokens, chunks)
 
     def close(self) -> None:

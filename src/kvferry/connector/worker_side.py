@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_all
 
+from kvferry.cache.keys import TokenIds
 from kvferry.connector.backends import Transfers
 from kvferry.connector.counters import WorkerCounters
 from kvferry.connector.plan import LoadSpec, StepPlan, StoreSpec
@@ -284,13 +285,13 @@ class ConnectorOff(ServerDown):
 class _Refusing:
     """A backend that starts nothing: each transfer is a future failed with `ConnectorOff`."""
 
-    def retrieve_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
+    def retrieve_async(self, tokens: TokenIds, block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
         return self._refused()
 
-    def retrieve(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> int:
+    def retrieve(self, tokens: TokenIds, block_ids: list[int], skip_prefix_tokens: int) -> int:
         raise ConnectorOff("the kvferry connector is off")
 
-    def store_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
+    def store_async(self, tokens: TokenIds, block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
         return self._refused()
 
     @staticmethod
