@@ -89,9 +89,7 @@ class StepFacts:
 class _Request:
     """What this side knows of one request, from its first lookup until the engine finished it (and its load ran)."""
 
-    # Its tokens as one uint32 array (`token_array`), converted once: the loads and stores planned hand on slices
-    # of it, which the workers hash and send without converting again.
-    prompt: np.ndarray = field(default_factory=lambda: _NO_TOKENS)
+    prompt: np.ndarray = field(default_factory=lambda: _NO_TOKENS)  # `token_array`: plans hand on its slices
     looked_up: np.ndarray | None = None  # the prompt as last looked up (the same request's prompt, converted)
     hit: int = 0  # the cache's hit at the last lookup (block-aligned)
     skip: int = 0  # the engine's own computed tokens at the last lookup
@@ -395,9 +393,6 @@ class SchedulerCore:
 
 
 def _prompt_of(req: _Request, prompt: Sequence[int]) -> np.ndarray:
-    """The request's prompt as an array: the one its lookup converted where the lengths agree (an engine sends one
-    request's prompt alike each time), else converted now."""
+    """The request's prompt as an array: its lookup's where the lengths agree (an engine sends it alike each time)."""
     looked_up = req.looked_up
-    if looked_up is not None and len(looked_up) == len(prompt):
-        return looked_up
-    return token_array(prompt)
+    return looked_up if looked_up is not None and len(looked_up) == len(prompt) else token_array(prompt)
