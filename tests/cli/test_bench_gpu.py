@@ -97,11 +97,13 @@ def test_vllm_gpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
         assert (r["vllm_dma_pages"], r["vllm_dma_page_kib"]) == (pages, kib)
         assert r["mib"] == pytest.approx(pages * kib / 1024)
         # No faster than a plain copy of the same bytes by much: the GPU tests' other workers share the card and the
-        # host, so two rounds' medians only catch gross errors here (a ratio built from the wrong samples).
+        # host, so two rounds' medians only catch gross errors here: a call timed before its bytes moved (~0.1 ms
+        # against the memcpy's ~10 ms: a ratio near 100). The figures' own checks are the CPU tests' (wrong samples,
+        # wrong transfers fed to the bench); a memcpy slowed by another worker gave 1.503 here once.
         for path in ("", "vllm_dma_"):
             for op, memcpy in (("store", "d2h"), ("load", "h2d")):
                 assert r[f"{path}{op}_ratio"] == pytest.approx(r[f"{memcpy}_memcpy_us"] / r[f"{path}{op}_us"])
-                assert 0 < r[f"{path}{op}_ratio"] < 1.5
+                assert 0 < r[f"{path}{op}_ratio"] < 3
 
 
 @pytest.mark.gpu
@@ -115,7 +117,7 @@ def test_vllm_gpu_over_driver_mapped_kv(monkeypatch: pytest.MonkeyPatch, tmp_pat
     assert [(r["mode"], r["case"]) for r in rows] == [(m, c.name) for m in modes for c in BENCH_CASES]
     for r in rows:
         assert r["checked_rounds"] == 3
-        assert 0 < r["store_ratio"] < 1.5 and 0 < r["load_ratio"] < 1.5
+        assert 0 < r["store_ratio"] < 3 and 0 < r["load_ratio"] < 3  # as in test_vllm_gpu: gross errors only
 
 
 def _load_into_rotated_blocks(path: ConnectorPath) -> None:

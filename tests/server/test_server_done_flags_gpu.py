@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -24,10 +24,22 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 FMT = EngineKVFormat.NL_X_TWO_NB_BS_NH_HS
 CHUNK, BS, NB = 256, 16, 640
 PER_CHUNK = CHUNK // BS
-# GPU work queued before a transfer: ~0.5 s on the H200, far longer than an answer even while the GPU tests' other
-# workers keep every core busy (at ~0.1 s one answer in six came after its copy there).
+# GPU work queued before a transfer: ~0.5 s on the H200, far longer than an answer but on a host the GPU tests' other
+# workers keep busy (at ~0.1 s one answer in six came after its copy there; at 0.5 s, one in six in one run of nine).
 SLEEP_CYCLES = 1_000_000_000
 NS = {"model": "tests/done-flags"}
+CONCLUSIVE, MAX_TRIES = 6, 16  # answers that must come while the work queued before them runs; transfers at most
+
+
+def gpu_seconds(work: Callable[[], None]) -> float:
+    """How long ``work`` runs on the GPU (alone: the stream waits for nothing else first)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    work()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
 
 
 @pytest.fixture(scope="module")
@@ -77,12 +89,18 @@ def test_a_transfer_is_answered_before_its_copy_ends_and_the_flag_shows_the_end(
     endpoint: str, kv: list[torch.Tensor]
 ) -> None:
     """Each transfer follows GPU work queued on this process's stream (a sleep, and before a RETRIEVE a write of the
-    blocks it loads into), which its copy waits for on the GPU: every one is answered while its copy has yet to
-    start, and the flag shows the end of a copy that came after that work (the blocks hold the retrieved bytes)."""
+    blocks it loads into), which its copy waits for on the GPU: an answer that came back while that work was still
+    running came before the copy (and its flag is not set then: a set one means the copy did not wait), and the flag
+    shows the end of a copy that came after that work (the blocks hold the retrieved bytes).
+
+    An answer that took longer than the queued work tells nothing of the order (the GPU tests' other workers can
+    starve this host for longer than any sleep): such a try is repeated, and CONCLUSIVE tries must be answered in
+    time out of MAX_TRIES."""
     src, dst = list(range(0, 16 * PER_CHUNK)), list(range(16 * PER_CHUNK, 32 * PER_CHUNK))
     for layer in kv:
         layer[:, src] = torch.randn_like(layer[:, src])
     expected = blocks(kv, src)
+    sleep_s = gpu_seconds(lambda: torch.cuda._sleep(SLEEP_CYCLES))
     with KvferryClient(endpoint, timeout_s=60) as client:
         reg = client.register_kv_cache(kv, FMT, block_size=BS, namespace=NS)
         flags = client._gpu[reg].flags
@@ -91,26 +109,33 @@ def test_a_transfer_is_answered_before_its_copy_ends_and_the_flag_shows_the_end(
         warm = tokens_at(9 * 10**6 + _apart(endpoint), 16)
         assert client.store(tokens=warm, registration=reg, block_ids=src) == 16 * CHUNK
         assert client.retrieve(reg, warm, dst) == 16 * CHUNK
-        early = 0
-        for attempt in range(3):
-            tokens = tokens_at(10**6 * (attempt + 1) + _apart(endpoint), 16)
-            torch.cuda._sleep(SLEEP_CYCLES)
-            result, slot, seq = raw_transfer(client, Op.STORE, reg, tokens, src)
+
+        def transfer(op: Op, tokens: list[int], ids: list[int], queued_at: float) -> bool:
+            """Send it, check its answer, wait for its flag; whether it was answered while the work before it ran."""
+            result, slot, seq = raw_transfer(client, op, reg, tokens, ids)
+            in_time = time.monotonic() - queued_at < sleep_s / 2  # half: the GPU's clock may vary between sleeps
             assert result == {"tokens": 16 * CHUNK, "signalled": True}
-            early += not flags.is_set(slot, seq)  # answered while the GPU still sleeps before the copy
+            assert not (in_time and flags.is_set(slot, seq)), f"{op.value}'s copy did not wait for the work before it"
             flags.wait(slot, seq, time.monotonic() + 30, client._check_up)
             flags.release(slot)
+            return in_time
+
+        in_time = 0
+        for attempt in range(MAX_TRIES // 2):
+            tokens = tokens_at(10**6 * (attempt + 1) + _apart(endpoint), 16)
+            queued_at = time.monotonic()
+            torch.cuda._sleep(SLEEP_CYCLES)
+            in_time += transfer(Op.STORE, tokens, src, queued_at)
             assert client.lookup(tokens, registration=reg).tokens == 16 * CHUNK  # its chunks are hits at once
+            queued_at = time.monotonic()
             torch.cuda._sleep(SLEEP_CYCLES)
             for layer in kv:  # lands after the copy unless the copy waits for it: then these bytes would show
                 layer[:, dst] = torch.randn_like(layer[:, dst])
-            result, slot, seq = raw_transfer(client, Op.RETRIEVE, reg, tokens, dst)
-            assert result == {"tokens": 16 * CHUNK, "signalled": True}
-            early += not flags.is_set(slot, seq)
-            flags.wait(slot, seq, time.monotonic() + 30, client._check_up)
-            flags.release(slot)
+            in_time += transfer(Op.RETRIEVE, tokens, dst, queued_at)
             assert torch.equal(blocks(kv, dst), expected)  # read right after the flag: every byte is there
-        assert early == 6, "a transfer was answered only after its copy ended"
+            if in_time >= CONCLUSIVE:
+                break
+        assert in_time >= CONCLUSIVE, f"{in_time} of {2 * (attempt + 1)} answers came within {sleep_s / 2:.2f} s"
 
 
 def test_plain_and_async_calls_through_flags_are_bit_exact(endpoint: str, kv: list[torch.Tensor]) -> None:
