@@ -39,6 +39,7 @@ from kvferry.connector.chunk_choice import follow_block_size
 from kvferry.connector.counters import SchedulerCounters, WorkerCounters
 from kvferry.connector.kv_groups import KVGroup, UnsupportedGroups
 from kvferry.connector.plan import StepPlan
+from kvferry.connector.scheduler_lookups import ServerLookups, loads_in_background, server_lookups
 from kvferry.connector.serving_guard import guard_for, serving_hook
 from kvferry.connector.settings import ConnectorSettings
 from kvferry.connector.worker_backend import StateViews
@@ -53,14 +54,7 @@ from kvferry.integrations.vllm.kv_layout import (
     refused_cache_dtype,
     tensor_parallel_rank,
 )
-from kvferry.integrations.vllm.scheduler_side import (
-    GroupedSchedulerSide,
-    SchedulerSide,
-    ServerLookups,
-    loads_in_background,
-    scheduler_side_for,
-    server_lookups,
-)
+from kvferry.integrations.vllm.scheduler_side import GroupedSchedulerSide, SchedulerSide, scheduler_side_for
 from kvferry.integrations.vllm.sleep_mode import SleepModeHooks
 from kvferry.integrations.vllm.state_settings import restore_scheduler_block_size, warn_of_sparse_state_retention
 from kvferry.integrations.vllm.vllm_groups import hybrid_groups

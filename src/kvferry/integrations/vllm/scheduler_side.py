@@ -10,30 +10,22 @@ connector's hooks of those names, less the connector's guard.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from kvferry.connector import hybrid_worker, layer_parts
 from kvferry.connector.backends import Lookups
 from kvferry.connector.hybrid_scheduler import GroupedSchedulerCore
-from kvferry.connector.kv_groups import GroupedLookups, KVGroup
-from kvferry.connector.layer_parts import KeySpaceFields, LayerSplitBackend
+from kvferry.connector.kv_groups import KVGroup
 from kvferry.connector.plan import StepPlan
 from kvferry.connector.scheduler_core import FreeLock, Lookup, SchedulerCore, Tables
-from kvferry.connector.server_backend import ServerBackend
-from kvferry.connector.server_link import ServerLink
+from kvferry.connector.scheduler_lookups import loads_in_background
 from kvferry.connector.settings import ConnectorSettings
 from kvferry.integrations.vllm import vllm_versions
 from kvferry.integrations.vllm.vllm_versions import SchedulerStep, VllmFacts
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
-
-log = logging.getLogger(__name__)
-
-ServerLookups = ServerBackend | LayerSplitBackend | GroupedLookups  # a scheduler half's own server session's
 
 
 class SchedulerSide(SchedulerCore):
@@ -119,39 +111,6 @@ def scheduler_side_for(
         tails=not groups,
     )
     return GroupedSchedulerSide(side, groups) if groups else side
-
-
-def loads_in_background(settings: ConnectorSettings, groups: Sequence[KVGroup]) -> bool:
-    """Whether loads run in the background: as set, but always for a model of several KV cache groups, whose
-    failed load vLLM takes only by request and only from a load it waits for (the connector's
-    ``get_transfer_results``)."""
-    return settings.async_load or len(groups) > 1
-
-
-def server_lookups(
-    settings: ConnectorSettings,
-    key_space: KeySpaceFields,
-    group_key_spaces: Sequence[KeySpaceFields] | None,
-    groups: Sequence[KVGroup],
-    *,
-    block_size: int,
-    check_chunk_size: Callable[[int], None],
-) -> ServerLookups:
-    """A scheduler half's lookups through a server session of its own, in the key space(s) the worker reported
-    (``group_key_spaces``: a hybrid model's, one per group; their lookups share the session). Connected now: a
-    server whose chunk size fails ``check_chunk_size`` turns the lookups off (each a miss)."""
-    link = ServerLink(settings.server_url, timeout_s=settings.timeout_s, curve=settings.client_curve())
-    lookups: ServerLookups
-    if group_key_spaces is not None:
-        lookups = hybrid_worker.lookups_from_handshake(link, group_key_spaces, groups)
-    else:
-        lookups = layer_parts.lookups_from_fields(link, key_space, block_size)
-    try:
-        link.connect(check_chunk_size=check_chunk_size)
-    except ValueError as exc:
-        log.error("kvferry connector disabled: %s", exc)
-        link.close()
-    return lookups
 
 
 def _asked(request: Request) -> tuple[str, Sequence[int], int]:

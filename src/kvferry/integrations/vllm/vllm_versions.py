@@ -15,7 +15,7 @@ Other differences need nothing of the connector: ``ModelRunnerOutput.req_id_to_i
 ``KVCacheSpec.is_draft`` (new in 0.33) are not read; ``CacheHitSource`` (a ``StrEnum`` in 0.34) is used by
 member; ``may_load_async`` and ``supports_lookahead_block_hashes`` (new in 0.34) keep vLLM's defaults (no load
 admitted past a full batch under ``--max-num-inflight-kv-loads``; no lookahead hashing); a prompt's token ids
-(an int32 buffer in 0.34) are copied into lists wherever they are kept.
+(an int32 buffer in 0.34) are converted once into a uint32 array (`token_array`) wherever they are kept.
 
 KV events (`kv_events`): ``BlockStored`` gained ``lookahead_token_ids`` in 0.33 (left at its default); the
 optional fields kvferry sets (``group_idx``, ``locality``, ``ownership``) are set where the installed vLLM's
