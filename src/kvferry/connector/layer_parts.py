@@ -26,6 +26,7 @@ from kvferry.connector.server_link import ServerLink
 from kvferry.connector.settings import ConnectorSettings
 from kvferry.connector.window_groups import WindowedBackend
 from kvferry.connector.worker_backend import make_worker_backend
+from kvferry.connector.worker_side import WorkerSide
 from kvferry.formats import layer_split, select_layers
 
 # What a worker tells a scheduler half in another process: one key space's fields, or a split's, one per part.
@@ -115,6 +116,29 @@ def part_kv(kv: EngineKV, layers: Sequence[int]) -> EngineKV:
         layers=[kv.layers[i] for i in layers],
         layer_names=[kv.layer_names[i] for i in layers],
     )
+
+
+@dataclasses.dataclass
+class StartedWorker:
+    """One KV cache group's worker half, as `start_worker` made it."""
+
+    backend: EmbeddedBackend | ServerBackend | LayerSplitBackend  # what a scheduler half in this process looks up
+    key_space: KeySpaceFields  # for a scheduler half in another process
+    worker: WorkerSide
+    exact_layers: list[int]  # positions of the layers kept exact beside the codec
+
+
+def start_worker(
+    settings: ConnectorSettings, kv: EngineKV, *, model: str, block_size: int, name: str, engine: CacheEngine | None
+) -> StartedWorker:
+    """The backend and worker half of an engine's one KV cache group ``kv`` (``engine``: embedded mode's cache engine
+    to register into; None: a new one). The settings' load hook sees every loaded block's layers."""
+    exact = exact_positions(kv, kv.layer_names, settings.objects_exact_layers())
+    made = make_backend(settings, kv, exact_layers=exact, model=model, block_size=block_size, name=name, engine=engine)
+    hook = settings.load_after_load_hook()
+    after_load = None if hook is None else lambda ids: hook(kv.layers, list(kv.kernel_block_ids(ids)))
+    worker = WorkerSide(made, block_size=block_size, after_load=after_load)
+    return StartedWorker(made, key_space_fields(made), worker, exact)
 
 
 def exact_positions(kv: EngineKV, model_layers: Sequence[str], exact_layers: Sequence[int]) -> list[int]:

@@ -164,26 +164,16 @@ class KvferryConnector(SleepModeHooks, KVConnectorBase_V1, SupportsHMA):
         except UnsupportedKVLayout as exc:
             log.error("kvferry connector disabled (every lookup is a miss): %s", exc)
             return
-        exact = layer_parts.exact_positions(kv, kv.layer_names, self._settings.objects_exact_layers())
-        backend = layer_parts.make_backend(
-            self._settings,
-            kv,
-            exact_layers=exact,
-            model=self._settings.model_id or served_model_name(self._vllm_config),
-            block_size=self._block_size,
-            name=f"vllm-{self._engine_id[:8]}",
+        model = self._settings.model_id or served_model_name(self._vllm_config)
+        started = layer_parts.start_worker(
+            self._settings, kv, model=model, block_size=self._block_size, name=f"vllm-{self._engine_id[:8]}",
             engine=self._kept_engine,
-        )
-        backends.publish(self._engine_id, backend)
-        self._handshake = KvferryHandshake(layer_parts.key_space_fields(backend))
-        hook = self._settings.load_after_load_hook()
-        self._worker = WorkerSide(
-            backend,
-            block_size=self._block_size,
-            after_load=None if hook is None else lambda ids: hook(kv.layers, list(kv.kernel_block_ids(ids))),
-        )
+        )  # fmt: skip
+        backends.publish(self._engine_id, started.backend)
+        self._handshake, self._worker = KvferryHandshake(started.key_space), started.worker
+        settings, exact = self._settings, started.exact_layers
         log.info(
-            "%s", describe(self._settings, self._vllm_config, kv_caches, kv, isa, backend, exact, self._block_size)
+            "%s", describe(settings, self._vllm_config, kv_caches, kv, isa, started.backend, exact, self._block_size)
         )
 
     @serving_hook(off.nothing)
