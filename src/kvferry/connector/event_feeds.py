@@ -6,11 +6,15 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 from kvferry.cache import CacheEngine
 from kvferry.cache.event_queue import EventQueue
 from kvferry.cache.events import AllCleared, Record
 from kvferry.client.event_index import EventIndex, EventSubscriber, Stream
+from kvferry.connector.block_events import BlockEvents, RecordFeed
+from kvferry.connector.layer_parts import engine_of
+from kvferry.connector.settings import ConnectorSettings
 from kvferry.security import ClientCurve
 
 log = logging.getLogger(__name__)
@@ -108,3 +112,32 @@ class StreamFeed:
     def close(self) -> None:
         self._stopping.set()
         self._thread.join()
+
+
+def block_events_for(
+    settings: ConnectorSettings, lookups: Any, *, block_size: int, chunk_size: int, keys_per_chunk: int = 1
+) -> BlockEvents | None:
+    """A scheduler half's `BlockEvents` (an engine's ``block_size``, the cache's ``chunk_size``, ``keys_per_chunk``:
+    the KV cache groups a chunk is held in): from the cache engine behind ``lookups`` (embedded mode) or the server's
+    stream (server mode, ``settings.events_url``); None, with the reason logged, where there is neither or the
+    stream cannot be followed (events are an extra: the connector serves on without them)."""
+    feed: RecordFeed
+    engine = engine_of(lookups)
+    if engine is None and not (settings.mode == "server" and settings.events_url):
+        log.warning(
+            "kvferry: the engine publishes KV events, but kvferry's blocks are not among them: server mode needs the "
+            "server's event stream in the connector's events_url (docs/events.md)"
+        )
+        return None
+    try:
+        if engine is not None:
+            feed = CacheFeed(engine)
+        else:
+            endpoint, _, replay = str(settings.events_url).partition(",")
+            feed = StreamFeed(endpoint, replay or None, settings.client_curve())
+    except Exception as exc:
+        log.error(
+            "kvferry: kvferry's blocks are not announced in the engine's KV events: %s: %s", type(exc).__name__, exc
+        )
+        return None
+    return BlockEvents(feed, block_size=block_size, chunk_size=chunk_size, keys_per_chunk=keys_per_chunk)

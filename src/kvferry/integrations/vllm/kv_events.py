@@ -16,11 +16,10 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvferry.cache.events import OWNERSHIP
-from kvferry.connector.block_events import BlockEvent, BlockEvents, BlocksStored, RecordFeed
+from kvferry.connector.block_events import BlockEvent, BlockEvents, BlocksStored
 from kvferry.connector.counters import EventCounters
-from kvferry.connector.event_feeds import CacheFeed, StreamFeed
+from kvferry.connector.event_feeds import block_events_for
 from kvferry.connector.kv_groups import KVGroup
-from kvferry.connector.layer_parts import engine_of
 from kvferry.connector.settings import ConnectorSettings
 from kvferry.integrations.vllm import vllm_versions
 
@@ -115,22 +114,6 @@ def kv_events_for(
             "states, or KV cache groups of another block size: docs/events.md)"
         )
         return None
-    feed: RecordFeed
-    engine = engine_of(lookups)
-    if engine is None and not (settings.mode == "server" and settings.events_url):
-        log.warning(
-            "kvferry: vLLM publishes KV events, but kvferry's blocks are not among them: server mode needs the "
-            "server's event stream in the connector's events_url (docs/events.md)"
-        )
-        return None
-    try:
-        if engine is not None:
-            feed = CacheFeed(engine)
-        else:
-            endpoint, _, replay = str(settings.events_url).partition(",")
-            feed = StreamFeed(endpoint, replay or None, settings.client_curve())
-    except Exception as exc:  # events are an extra: the connector serves on without them
-        log.error("kvferry: kvferry's blocks are not announced in vLLM's KV events: %s: %s", type(exc).__name__, exc)
-        return None
-    events = BlockEvents(feed, block_size=block_size, chunk_size=chunk_size, keys_per_chunk=max(1, len(groups)))
-    return VllmKVEvents(events, attention[0] if groups else 0)
+    events = block_events_for(settings, lookups, block_size=block_size, chunk_size=chunk_size,
+                              keys_per_chunk=max(1, len(groups)))  # fmt: skip
+    return None if events is None else VllmKVEvents(events, attention[0] if groups else 0)
