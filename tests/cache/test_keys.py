@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvferry.cache.keys import _KEY_SCHEMA, CacheNamespace, ChunkHasher, token_bytes
+from kvferry.cache.keys import _KEY_SCHEMA, CacheNamespace, ChunkHasher, token_array, token_bytes
 
 ALGOS = ("sha256", "blake3")
 NS = CacheNamespace("llama-3-8b", "bfloat16", "NL_X_TWO_NB_BS_NH_HS:2x32x256x1024", world_size=2, rank=1)
@@ -155,6 +155,24 @@ def test_iter_keys_is_lazy_and_matches_keys() -> None:
     tokens = _random_tokens(16 * 4)
     it = hasher.iter_keys(tokens, NS)
     assert next(it) == hasher.keys(tokens, NS)[0]
+
+
+@pytest.mark.parametrize("kind", ["list", "int64", "int32", "tensor"])
+def test_a_token_array_holds_the_bytes_hashed_and_is_kept_as_it_is(kind: str) -> None:
+    ids = [0, 1, 7, 2**31, 2**32 - 1]
+    given = {"list": ids, "int64": np.array(ids, dtype=np.int64), "int32": np.array(ids[:3], dtype=np.int32),
+             "tensor": torch.tensor(ids, dtype=torch.int64)}[kind]  # fmt: skip
+    array = token_array(given)
+    assert array.dtype == np.dtype("<u4") and array.tobytes() == token_bytes(given)
+    assert token_array(array) is array and np.shares_memory(token_array(array[1:3]), array)  # no copy, slices too
+    hasher = ChunkHasher(2)
+    assert hasher.keys(array, NS) == hasher.keys(list(array.tolist()), NS)
+
+
+@pytest.mark.parametrize("bad", [[-1, 2], [2**32], np.array([-3], dtype=np.int64), np.array([1.5])])
+def test_a_token_array_refuses_ids_out_of_range(bad: object) -> None:
+    with pytest.raises((ValueError, TypeError), match="tokens must"):
+        token_array(bad)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

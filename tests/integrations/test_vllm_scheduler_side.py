@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+import numpy as np
 import pytest
 
 from kvferry.connector.backends import Hit
@@ -125,6 +126,7 @@ def test_hit_is_loaded_and_not_stored_again_and_its_lock_goes_when_the_load_ran(
     side.after_alloc("a", toks, ids, 256)
     plan = side.build_plan(Step([NewReq("a", toks, (ids,), 256)], num_scheduled_tokens={"a": 44}))
     assert plan.loads == [LoadSpec("a", toks[:256], ids[:8], skip_tokens=0)]
+    assert np.shares_memory(plan.loads[0].tokens, cache.calls[0])  # the prompt converted once, for the lookup
     assert plan.stores == []
     assert cache.held  # still pinned: the worker has not run the load yet
     side.loads_done({"a"})
