@@ -257,8 +257,9 @@ class BlockEvents:
         """Announce ``store``'s chunks held now (all of them, or with ``final`` its leading ones); whether done."""
         per_chunk = self.chunk_size // self.block_size
         n = len(store.tokens) // self.chunk_size
+        tokens = token_array(store.tokens)
         if store.digests is None:  # the cache's records carry token ids as little-endian uint32
-            ids = token_array(store.tokens).tobytes()
+            ids = tokens.tobytes()
             step = self.chunk_size * 4
             store.digests = [_digest(ids[i * step : (i + 1) * step]) for i in range(n)]
         found: list[set[bytes]] = []
@@ -279,8 +280,8 @@ class BlockEvents:
             chunk = next((self._chunks[k] for k in keys if k in self._chunks), None)
             if chunk is None:
                 parent = store.hashes[i * per_chunk - 1] if i else None
-                own = token_array(store.tokens)[i * self.chunk_size : (i + 1) * self.chunk_size]
-                chunk = _Chunk(hashes, parent, tuple(own.tolist()))  # plain ints: the events are msgpack'd
+                own = tokens[i * self.chunk_size : (i + 1) * self.chunk_size].tolist()  # plain ints: msgpack'd
+                chunk = _Chunk(hashes, parent, tuple(own))
             for key in keys:
                 self._chunks[key] = chunk
                 for where in sorted(self._media[key]):

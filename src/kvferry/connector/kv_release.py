@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvferry.cache import CacheEngine
-from kvferry.connector.backends import EmbeddedBackend
+from kvferry.connector.layer_parts import engine_of
 from kvferry.connector.worker_side import WorkerSide
 
 
@@ -25,7 +25,7 @@ def fall_asleep(worker: WorkerSide, backend: Any, *, server_mode: bool) -> Cache
     if server_mode:
         backend.close()  # each session ends: the server unmaps the engine's KV and frees its locks
         return None
-    return engine_in(backend)
+    return engine_of(backend)
 
 
 def wake(worker: WorkerSide, backend: Any, new_worker: WorkerSide, new_backend: Any) -> None:
@@ -41,13 +41,3 @@ def adopt(old: Any, new: Any) -> None:
     if type(old) is not type(new):
         raise TypeError(f"registered again as {type(new).__name__}, not {type(old).__name__}")
     vars(old).update(vars(new))
-
-
-def engine_in(backend: Any) -> CacheEngine | None:
-    """The cache engine under an embedded backend (a layer split's, a hybrid model's groups': they share one)."""
-    if isinstance(backend, EmbeddedBackend):
-        return backend.engine
-    for inner in [*getattr(backend, "backends", ()), getattr(backend, "backend", None)]:
-        if inner is not None:
-            return engine_in(inner)
-    return None

@@ -24,7 +24,6 @@ from kvferry.connector.kv_groups import GroupedLookups
 from kvferry.connector.server_backend import ServerBackend
 from kvferry.connector.server_link import ServerLink
 from kvferry.connector.settings import ConnectorSettings
-from kvferry.connector.window_groups import WindowedBackend
 from kvferry.connector.worker_backend import make_worker_backend
 from kvferry.connector.worker_side import WorkerSide
 from kvferry.formats import layer_split, select_layers
@@ -102,10 +101,11 @@ def make_backend(
 
 def engine_of(backend: Any) -> CacheEngine | None:
     """The cache engine of an embedded backend (of its first part, for a split; of its first group, for a hybrid
-    model's, whose groups share it); None in server mode."""
-    while isinstance(backend, GroupedLookups | WindowedBackend):
-        backend = backend.backends[0] if isinstance(backend, GroupedLookups) else backend.backend
-    return backend.engine if isinstance(backend, EmbeddedBackend) else None
+    model's, whose groups share it; under a window's or a Mamba state's backend); None in server mode."""
+    if isinstance(backend, EmbeddedBackend):
+        return backend.engine
+    inner = [*getattr(backend, "backends", ()), getattr(backend, "backend", None)]
+    return engine_of(inner[0]) if inner[0] is not None else None
 
 
 def part_kv(kv: EngineKV, layers: Sequence[int]) -> EngineKV:
