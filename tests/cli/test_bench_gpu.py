@@ -21,6 +21,9 @@ from kvferry.connector.plan import LoadSpec, StepPlan
 from tests.cli.benchkit import run_bench
 
 SEPARATE_RUNS_SPREAD = 0.1  # of one request's wall time, between medians of separate runs of it
+# Each bench holds a model-sized KV and its checks' clones (GiBs): they run one after another on one worker, so
+# that `.ci/gpu-tests`' workers do not take the GPU's memory all at once (8 GiB short, seen with 14 workers).
+pytestmark = pytest.mark.xdist_group("gpu-benches")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no CUDA device")

@@ -69,7 +69,7 @@ def test_transfers_inside_ordered_after_wait_for_its_event() -> None:
 
     class Recorder:
         def submit(self, *args: object) -> None:
-            seen.append(args[-1])  # type: ignore[arg-type]
+            seen.append(args[7])  # type: ignore[arg-type]  # `after`
 
     paged = torch.zeros(2, 2, 8, 4, 1, 8)  # one layer, vLLM's flash-attention layout
     geom = describe(EngineKVFormat.NL_X_TWO_NB_BS_NH_HS, [paged[0]], block_size=4)

@@ -19,12 +19,12 @@ from kvferry.transfer.block_ids import CheckedBlockIds, PendingBlockIds, check_b
 from kvferry.transfer.request import check_pool_objects
 from tests.conftest import engine_bytes
 from tests.transfer.test_backends import _engine
-from tests.transfer.test_engine_on_cpu import _logged_launches, cpu_engine  # noqa: F401  # the fixture
+from tests.transfer.test_engine_on_cpu import _logged_launches
 
 FMT, CHUNK, BS, NB, OBJECTS = EngineKVFormat.NL_X_TWO_NB_BS_NH_HS, 16, 4, 24, 4
 
 
-def _setup(cpu_engine, monkeypatch):  # type: ignore[no-untyped-def]  # noqa: F811
+def _setup(cpu_engine, monkeypatch):  # type: ignore[no-untyped-def]
     """An engine whose slices are one object each over two slots, 4 random objects, and a random engine KV."""
     geom = describe(FMT, _engine(FMT, torch.bfloat16, 3, False, nb=NB), block_size=BS)
     pool = HostPool(1 << 20, alignment=256, pin=False)
@@ -44,7 +44,7 @@ def _retrieve(engine: Any, geom: Any, objs: list[torch.Tensor], kv: Any, check: 
     engine.submit(plan, objs, checked, False, CHUNK, 0).wait()
 
 
-def test_the_first_dma_into_each_slot_goes_before_the_check(cpu_engine, monkeypatch) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
+def test_the_first_dma_into_each_slot_goes_before_the_check(cpu_engine, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     engine, geom, objs, kv = _setup(cpu_engine, monkeypatch)
     drv = engine._driver
     ids = torch.randperm(NB)[: OBJECTS * CHUNK // BS].tolist()
@@ -66,7 +66,7 @@ def test_the_first_dma_into_each_slot_goes_before_the_check(cpu_engine, monkeypa
     assert next(e for e in log[at:] if e[0] == "htod")[2] < object_bytes  # the ids' upload, after the check
 
 
-def test_a_failed_check_writes_no_block_and_the_lane_goes_on(cpu_engine, monkeypatch) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
+def test_a_failed_check_writes_no_block_and_the_lane_goes_on(cpu_engine, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     engine, geom, objs, kv = _setup(cpu_engine, monkeypatch)
     before = [t.clone() for t in engine_bytes(kv)]
     repeated = [1, 2, 3, 1, *range(4, 4 + OBJECTS * CHUNK // BS - 4)]

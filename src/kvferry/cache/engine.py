@@ -328,7 +328,8 @@ class CacheEngine:
         geometry: KVGeometry | None = None,
     ) -> Steps[int]:
         """``retrieve`` as steps (`kvferry.cache.steps`): it yields once its copy is in flight, a miss returns at
-        once. ``lock_id`` (from ``lookup_status(lock=True)``) is released once the copy is done, whatever happens.
+        once. ``lock_id`` (from ``lookup_status(lock=True)``) is released once the copy is enqueued (the copy then
+        holds its chunks), or at its end whatever happens.
         """
         try:
             ns = self._ns(namespace)

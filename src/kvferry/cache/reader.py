@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -20,7 +20,11 @@ from kvferry.cache.tails import find_tail
 from kvferry.cache.writer import copies_in_background, copy_chunks
 from kvferry.formats import KVGeometry
 from kvferry.transfer import Direction
+from kvferry.transfer.api import lead_pool_retrieve
 from kvferry.transfer.block_ids import BlockIds, PendingBlockIds, check_block_ids
+
+if TYPE_CHECKING:
+    from kvferry.transfer.lane import LeadDMA
 
 
 class ChunkReader:
@@ -52,6 +56,7 @@ class ChunkReader:
     ) -> Steps[int]:
         """See `CacheEngine.retrieve_steps`: the tokens written, the lock ended whatever happens."""
         held: list[Entry] = []
+        early: tuple[Entry, LeadDMA] | None = None
         try:
             bs, chunk = geom.bs, self._chunk_size
             skip = check_skip(skip_prefix_tokens, token_count(tokens))
@@ -60,6 +65,8 @@ class ChunkReader:
             needed = self._hasher.num_chunks(tokens) * per_chunk
             prefix, index = self._hasher.prefix(tokens, ns), self._res.index
             removals = index.removals
+            if skip == first * chunk and copies_in_background(geom, self._res.pool):
+                early = self._lead(prefix.key(first), geom, prefix.n - first)
             run = readable_run(index.get, prefix, first)  # reads only: nothing is held or counted yet
             if len(run) == prefix.n - first and index.has_tails:  # every full chunk: then the longest tail
                 tail = find_tail(index, prefix, prefix.n, token_count(tokens), bs)
@@ -89,24 +96,64 @@ class ChunkReader:
             skip_blocks = (skip - first * chunk) // bs
             part = slice(first * per_chunk, end_tokens // bs)
             copied = ids[part] if ids is not None else PendingBlockIds(part.stop - part.start, lambda: check()[part])
-            in_flight = copy_chunks(self._res.pool, chunk, paged, geom, objects, copied, Direction.H2D, skip_blocks)
+            lead = early[1] if early is not None and entries[0] is early[0] else None
+            in_flight = copy_chunks(
+                self._res.pool, chunk, paged, geom, objects, copied, Direction.H2D, skip_blocks, lead
+            )
+            # What needs no copy to have ended runs while it moves: the readers now hold what the lock held.
+            if lock_id is not None:
+                self._res.release_lock(lock_id)
+                lock_id = None
+            moved = sum(e.nbytes for e in entries) * geom.width // geom.object_width
             try:
                 yield Enqueued(in_flight, end_tokens - skip, in_flight is not None)
             finally:
                 if in_flight is not None:
                     in_flight.wait()
             seconds = time.perf_counter() - started
-            with self._res.lock:
+            with self._res.lock:  # counted, and the readers let go, under one hold of the lock
                 c = self._counters
                 c.retrieves += 1
                 c.retrieved_chunks += len(entries)
-                c.retrieved_bytes += sum(e.nbytes for e in entries) * geom.width // geom.object_width
+                c.retrieved_bytes += moved
                 c.retrieve_seconds += seconds
+                for entry in held:
+                    self._res.release_reader_locked(entry)
+                held = []
             return end_tokens - skip
         finally:
-            self._res.release_readers(held)
+            if early is not None:
+                early[1].release()
+                held.append(early[0])
+            if held:
+                self._res.release_readers(held)
             if lock_id is not None:
                 self._res.release_lock(lock_id)
+
+    def _lead(self, key: bytes, geom: KVGeometry, n_chunks: int) -> tuple[Entry, LeadDMA] | None:
+        """The first DMA of a GPU retrieve of up to ``n_chunks`` chunks from the one under ``key``, started before
+        the others are looked up (a 16-chunk load's hashing, index walk and checks then overlap it), with a reader
+        held on that chunk until the retrieve ends; None where it does not apply (a miss there, a tail, a slice of
+        the heads, coded objects). The retrieve uses it only if that chunk is still its first."""
+        entry = self._res.index.get(key)
+        obj = entry.obj if entry is not None else None
+        if entry is None or obj is None or entry.tail or geom.partial_heads or geom.codec is not None:
+            return None
+        if geom.device.type != "cuda":  # a GPU engine's DMA
+            return None
+        held = self._res.acquire_readers([entry])
+        if not held:
+            return None
+        try:
+            shape = obj.shape
+            lead = lead_pool_retrieve(geom, obj.data_ptr(), obj.nbytes, shape[0] * shape[1], n_chunks)
+        except BaseException:
+            self._res.release_readers(held)
+            raise
+        if lead is None:
+            self._res.release_readers(held)
+            return None
+        return entry, lead
 
     def _verified(self, entries: list[Entry]) -> list[Entry]:
         """The leading ``entries`` whose checksum matches; the first that fails is dropped from the cache."""

@@ -31,6 +31,7 @@ from kvferry.transfer.block_ids import CheckedBlockIds, PendingBlockIds
 if TYPE_CHECKING:
     from kvferry.cache.tiering import TierLink
     from kvferry.transfer.handle import TransferHandle
+    from kvferry.transfer.lane import LeadDMA
 
 
 def copy_chunks(
@@ -42,16 +43,18 @@ def copy_chunks(
     ids: CheckedBlockIds | PendingBlockIds[CheckedBlockIds],
     direction: Direction,
     skip: int,
+    lead: LeadDMA | None = None,
 ) -> TransferHandle | None:
     """The one place the cache moves bytes: a GPU engine's transfer is returned in flight (its handle), anything
     else has moved when this returns (None). The last object may be a tail (fewer tokens, whole blocks). Pending
-    ids are checked by the GPU engine after its first DMAs into staging, anywhere else first."""
+    ids are checked by the GPU engine after its first DMAs into staging, anywhere else first. `lead`: a GPU
+    retrieve's first DMA, already started (`lead_pool_retrieve`); the caller releases it if this raises."""
     if _gpu_with_pinned_pool(geom, pool) and objects[-1].shape[2] == chunk_size:  # whole pool objects: lighter check
-        return transfer_pool_async(geom, objects, ids, direction, chunk_size, skip)
+        return transfer_pool_async(geom, objects, ids, direction, chunk_size, skip, lead)
     if isinstance(ids, PendingBlockIds):
         ids = ids.check()
     if geom.device.type == "cuda" and objects[0].is_cpu:  # an unpinned pool: transfer_async explains
-        return transfer_async(paged, objects, ids, direction, geom.fmt, chunk_size, skip, geometry=geom)
+        return transfer_async(paged, objects, ids, direction, geom.fmt, chunk_size, skip, geometry=geom, lead=lead)
     transfer(paged, objects, ids, direction, geom.fmt, chunk_size, skip, geometry=geom)
     return None
 

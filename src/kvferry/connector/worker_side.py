@@ -250,9 +250,10 @@ class WorkerSide:
         if not counted:
             return
         self.counters.tokens_loaded += max(0, min(got, target) - spec.skip_tokens)
-        written = spec.block_ids[spec.skip_tokens // block_size : -(-min(got, target) // block_size)]
-        if self._after_load is not None and written:
-            self._after_load(written)
+        if self._after_load is not None:
+            written = spec.block_ids[spec.skip_tokens // block_size : -(-min(got, target) // block_size)]
+            if written:
+                self._after_load(written)
 
     def _store(self, spec: StoreSpec) -> Future[int]:
         try:

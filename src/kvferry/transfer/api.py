@@ -31,6 +31,7 @@ from kvferry.transfer.request import (
 if TYPE_CHECKING:
     from kvferry.transfer.gpu_engine import EngineConfig, TransferEngine
     from kvferry.transfer.handle import TransferHandle
+    from kvferry.transfer.lane import LeadDMA
 
 Backend = Literal["auto", "reference", "torch", "triton"]
 BACKENDS = ("auto", "reference", "torch", "triton")
@@ -119,6 +120,7 @@ def transfer_async(
     geometry: KVGeometry | None = None,
     engine: TransferEngine | None = None,
     mode: str | None = None,
+    lead: LeadDMA | None = None,
 ) -> TransferHandle:
     """Enqueue a transfer between GPU blocks and pinned host objects; returns at once with a handle.
 
@@ -135,7 +137,7 @@ def transfer_async(
     if not checked.on_host:
         raise ValueError("transfer_async needs chunk objects in pinned host memory")
     check_pinned(objs, checked)
-    return _submit(geom, objs, checked, direction is Direction.D2H, chunk_size, skip_prefix_blocks, engine, mode)
+    return _submit(geom, objs, checked, direction is Direction.D2H, chunk_size, skip_prefix_blocks, engine, mode, lead)
 
 
 @contextlib.contextmanager
@@ -182,6 +184,7 @@ def transfer_pool_async(
     direction: Direction,
     chunk_size: int,
     skip_prefix_blocks: int,
+    lead: LeadDMA | None = None,
 ) -> TransferHandle:
     """`transfer_async` for whole chunk objects carved from a pinned `HostPool` (what the cache moves): checked by
     `check_pool_objects`, which skips what the pool guarantees (and leaves `PendingBlockIds` to the engine, which
@@ -190,7 +193,16 @@ def transfer_pool_async(
     if geom.device.type != "cuda":
         raise ValueError(f"transfer_pool_async moves GPU KV; the engine's KV is on {geom.device}")
     checked = check_pool_objects(geom, objects, block_ids, direction, chunk_size, skip_prefix_blocks)
-    return _submit(geom, objects, checked, direction is Direction.D2H, chunk_size, skip_prefix_blocks, None, None)
+    return _submit(geom, objects, checked, direction is Direction.D2H, chunk_size, skip_prefix_blocks, None, None, lead)
+
+
+def lead_pool_retrieve(geom: KVGeometry, host: int, object_bytes: int, rows: int, n_objects: int) -> LeadDMA | None:
+    """Start the first DMA of a GPU retrieve of `n_objects` whole pool objects (`object_bytes`, `rows` rows each)
+    from the first one's pinned address, before the request is known whole (`TransferEngine.lead`): pass it to
+    the request's `transfer_pool_async` / `transfer_async` (`lead=`), or `release()` it. None where the request
+    would not start with such a DMA. Its caller keeps that object from being freed until the request has run."""
+    engine: TransferEngine = _gpu_engine().default_engine(geom.device, _gpu_config)
+    return engine.lead(host, object_bytes, rows, n_objects)
 
 
 def transfer_pool_at_async(
@@ -219,10 +231,11 @@ def _submit(
     skip: int,
     engine: TransferEngine | None,
     mode: str | None,
+    lead: LeadDMA | None = None,
 ) -> TransferHandle:
     engine = engine or _gpu_engine().default_engine(geom.device, _gpu_config)
     after = getattr(_order, "event", None)
-    return engine.submit(_plans.triton(geom), objs, checked, to_objects, chunk_size, skip, mode, after)
+    return engine.submit(_plans.triton(geom), objs, checked, to_objects, chunk_size, skip, mode, after, lead)
 
 
 @functools.cache

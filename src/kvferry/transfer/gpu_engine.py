@@ -37,8 +37,8 @@ from kvferry.kernels.page_dma import PagePlan, page_copies
 from kvferry.transfer.block_ids import PendingBlockIds
 from kvferry.transfer.graphed import ObjectGraph, tables_bytes
 from kvferry.transfer.handle import Completion, TransferHandle
-from kvferry.transfer.lane import Lane
-from kvferry.transfer.schedule import MiB, Ring, Schedule, Step, dma_runs, schedule
+from kvferry.transfer.lane import Lane, LeadDMA
+from kvferry.transfer.schedule import MiB, Ring, Schedule, Step, dma_runs, lead_bytes, schedule
 
 if TYPE_CHECKING:
     from kvferry.transfer.request import Checked
@@ -124,10 +124,13 @@ class TransferEngine:
         skip_prefix_blocks: int,
         mode: str | None = None,
         after: int | None = None,
+        lead: LeadDMA | None = None,
     ) -> TransferHandle:
         """Enqueue a validated request (`kvferry.transfer.request.check`) on pinned host objects. `request` is the
         `Checked` result, or just the block ids of a list of objects (their addresses are then read here). The
-        request's kernels wait for the caller's current stream, or for the CUDA event `after` when given."""
+        request's kernels wait for the caller's current stream, or for the CUDA event `after` when given. `lead`:
+        this retrieve's first DMA, started by `lead` (used where it is this request's first DMA; released either
+        way)."""
         ids: np.ndarray | PendingBlockIds[np.ndarray]
         if isinstance(request, torch.Tensor):
             assert not isinstance(objects, torch.Tensor)
@@ -142,6 +145,9 @@ class TransferEngine:
         req = _Request(plan, objects, known, ptrs, caps, rows, one_allocation, to_objects, chunk_size,
                        skip_prefix_blocks)  # fmt: skip
         lane = self._store if to_objects else self._retrieve
+        if lead is not None and (lead.lane is not lane or not lead.held):  # another engine's, or a store
+            lead.release()
+            lead = None
         nbytes = (len(ids) - skip_prefix_blocks) * plan.bs * plan.bytes_per_token
         mode = mode or self.config.mode
         pages = plan.pages if self._batch else None
@@ -165,35 +171,66 @@ class TransferEngine:
                     raise ValueError(f"objects[{i}] is not {plan.word}-byte aligned (allocate from kvferry's pool)")
         d = self._driver
         # the GPU work first: bookkeeping after it costs no latency
-        with d.current(self._context), lane.lock:
-            done = Completion(d, self._context, lane.ref)
-            end: int | None = None  # the stream the request ends on
-            if after is None:  # what the request's kernels wait for (its DMAs to and from staging do not)
-                end = torch._C._cuda_getCurrentRawStream(self.device.index)
-                d.record(lane.start, end)
-                start = lane.start
+        if lead is None:
+            lane.lock.acquire()
+        try:
+            with d.current(self._context):
+                done = Completion(d, self._context, lane.ref)
+                end: int | None = None  # the stream the request ends on
+                if after is None:  # what the request's kernels wait for (its DMAs to and from staging do not)
+                    end = torch._C._cuda_getCurrentRawStream(self.device.index)
+                    d.record(lane.start, end)
+                    start = lane.start
+                else:
+                    start = after
+                keep: object = None
+                graph = graphed and self._graph(lane, req)
+                if graph:
+                    meta, keep = lane.upload([req.ids, [0, caps[0]]], len(ids) + 2, done, graph.stream, to_device=False)
+                    graph.launch(ptrs[0], meta, start)
+                    keep, end = (keep, graph), graph.stream  # the graph stays until the request has run
+                elif nbytes and mode == "page_dma":
+                    assert pages is not None
+                    keep, end = self._pages(lane, req, pages, start)
+                elif nbytes and mode == "zero_copy":
+                    keep, end = self._zero_copy(lane, req, done, start)
+                elif nbytes:
+                    keep, end = self._staged(lane, req, done, start, pending, lead)
+                if end is None:  # nothing to copy, and no caller's stream: done once `after` is
+                    end = lane.handles[lane.next_slot]
+                    d.wait(end, start, 0)
+                d.record(done.event, end)  # also frees its metadata slot (`Lane.upload`)
+                lane.retire()
+                lane.inflight.append((done, (objects, keep)))
+        finally:
+            if lead is None:
+                lane.lock.release()
             else:
-                start = after
-            keep: object = None
-            graph = graphed and self._graph(lane, req)
-            if graph:
-                meta, keep = lane.upload([req.ids, [0, caps[0]]], len(ids) + 2, done, graph.stream, to_device=False)
-                graph.launch(ptrs[0], meta, start)
-                keep, end = (keep, graph), graph.stream  # the graph stays until the request has run
-            elif nbytes and mode == "page_dma":
-                assert pages is not None
-                keep, end = self._pages(lane, req, pages, start)
-            elif nbytes and mode == "zero_copy":
-                keep, end = self._zero_copy(lane, req, done, start)
-            elif nbytes:
-                keep, end = self._staged(lane, req, done, start, pending)
-            if end is None:  # nothing to copy, and no caller's stream: done once `after` is
-                end = lane.handles[lane.next_slot]
-                d.wait(end, start, 0)
-            d.record(done.event, end)  # also frees its metadata slot (`Lane.upload`)
-            lane.retire()
-            lane.inflight.append((done, (objects, keep)))
+                lead.release()
         return TransferHandle(done, nbytes, mode)
+
+    def lead(self, host: int, object_bytes: int, rows: int, n_objects: int) -> LeadDMA | None:
+        """Start the first DMA of a retrieve of `n_objects` whole pool objects of `object_bytes` (`rows` rows each)
+        from the first one's pinned address `host`, into the retrieve lane's next staging slot, before the request
+        is known whole (its other objects looked up, its block ids checked): it touches no KV and waits for
+        nothing. The lane stays held until the request's `submit(..., lead=)` (which skips that DMA where its
+        first slice is this one) or `LeadDMA.release`. None where the request would not start with such a DMA."""
+        cfg, lane = self.config, self._retrieve
+        small = cfg.mode == "auto" and n_objects * object_bytes < cfg.zero_copy_below
+        if cfg.mode not in ("auto", "staged") or n_objects < 2 or small:
+            return None  # zero-copy, page DMA, or a one-object (graphed) request: no staged first slice
+        nbytes = lead_bytes(n_objects, object_bytes, rows, lane.slot_bytes, cfg.slice_bytes)
+        if nbytes is None:
+            return None
+        lane.lock.acquire()
+        try:
+            slot = lane.next_slot
+            with self._driver.current(self._context):
+                self._driver.htod(lane.staging_ptr + slot * lane.slot_bytes, host, nbytes, lane.handles[slot])
+        except BaseException:
+            lane.lock.release()
+            raise
+        return LeadDMA(lane, slot, host, nbytes)
 
     def _graph(self, lane: Lane, req: _Request) -> ObjectGraph | None:
         """The lane's graph for this request shape (one whole object), captured now if new; None where graphs cannot
@@ -255,14 +292,21 @@ class TransferEngine:
         return keep, stream
 
     def _staged(
-        self, lane: Lane, req: _Request, done: Completion, start: int, pending: PendingBlockIds[np.ndarray] | None
+        self,
+        lane: Lane,
+        req: _Request,
+        done: Completion,
+        start: int,
+        pending: PendingBlockIds[np.ndarray] | None,
+        early: LeadDMA | None,
     ) -> tuple[object, int]:
         """Each slice runs on its slot's stream: gather then DMA (a store), or DMA then scatter (a retrieve). The
         next slice, on the next slot's stream, overlaps it; the slice after that waits for it by stream order.
 
         A retrieve's first slice on each slot is DMA'd into staging before anything else (its block ids checked
         when `pending`, the metadata uploaded): those DMAs touch no KV and wait for nothing, and the host work after
-        them overlaps them. A pending check that fails then leaves only staging written."""
+        them overlaps them. A pending check that fails then leaves only staging written. `early`: the first of
+        those DMAs, already enqueued (`lead`) where it is exactly this request's first slice."""
         plan, ptrs, caps, rows = req.plan, req.ptrs, req.caps, req.rows
         to_objects, chunk_size, skip = req.to_objects, req.chunk_size, req.skip
         key = (tuple(caps), skip, rows, chunk_size, plan.bs, plan.bytes_per_token, plan.word, to_objects,
@@ -289,9 +333,11 @@ class TransferEngine:
         home = handles[lane.next_slot]  # the request's first slice (the schedule starts there)
         lane.next_slot = sched.next_slot
         lead = () if to_objects else sched.lead  # a retrieve's steps whose DMA goes first
+        done_early = 0 if early is not None and sched.steps and early.is_first(sched.steps[0], ptrs) else -1
         for i in lead:
             step = sched.steps[i]
-            self._dma(handles[step.slot], step, req, False)
+            if i != done_early:
+                self._dma(handles[step.slot], step, req, False)
         if pending is not None:
             req.ids = pending.check()
         ids = req.ids

@@ -13,12 +13,14 @@ import struct
 import threading
 import weakref
 from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kvferry.cuda.driver import Driver
 from kvferry.transfer.handle import Completion
+from kvferry.transfer.schedule import Step
 
 
 class Lane:
@@ -131,6 +133,33 @@ class Lane:
                 self._driver.destroy(e)
         except Exception:  # a CudaError, __init__ failed half way, or interpreter exit (module globals gone)
             pass
+
+
+@dataclass(slots=True)
+class LeadDMA:
+    """A retrieve's first DMA into staging, started before the rest of the request is known
+    (`TransferEngine.lead`): it holds its lane until the request's `submit` takes it over, or until `release`, so
+    that no other request uses its slot meanwhile. It touches no KV and waits for nothing."""
+
+    lane: Lane
+    slot: int
+    host: int  # the host address it copies from
+    nbytes: int
+    held: bool = True
+
+    def is_first(self, step: Step, ptrs: list[int]) -> bool:
+        """Whether this DMA is exactly `step`'s (a request's first slice, its objects at `ptrs`): same slot, host
+        bytes and staging address. Its slot's stream runs it before anything of the request. (A lead DMA of other
+        bytes only wrote staging, which the first slice's own DMA, after it on that stream, overwrites.)"""
+        o, offset, n, dev = step.parts[0]
+        return (len(step.parts) == 1 and step.slot == self.slot and n == self.nbytes and ptrs[o] + offset == self.host
+                and dev == self.lane.staging_ptr + self.slot * self.lane.slot_bytes)  # fmt: skip
+
+    def release(self) -> None:
+        """Give the lane back (again: nothing); a submit that took the lead over releases it itself."""
+        if self.held:
+            self.held = False
+            self.lane.lock.release()
 
 
 @functools.lru_cache(maxsize=64)

@@ -125,6 +125,17 @@ def default_target(total: int, slot_bytes: int) -> int:
     return min(slot_bytes // 2, max(8 * MiB, total // 4))
 
 
+def lead_bytes(n_objects: int, object_bytes: int, rows: int, slot_bytes: int, slice_bytes: int | None) -> int | None:
+    """The first DMA of a retrieve of `n_objects` whole objects of `object_bytes` (`rows` rows each, none skipped),
+    as `cut_slices` cuts it: the first object, or its first row range; None when its first slice joins several
+    objects (a DMA that needs their addresses too)."""
+    target = slice_bytes or default_target(n_objects * object_bytes, slot_bytes)
+    if object_bytes > target:
+        row_bytes = object_bytes // rows
+        return None if row_bytes > slot_bytes else min(rows, max(1, target // row_bytes)) * row_bytes
+    return None if n_objects > 1 and 2 * object_bytes <= target else object_bytes
+
+
 def cut_slices(sizes: list[int], first: int, rows: int, slot_bytes: int, target: int) -> list[Slice]:
     """Cut objects `first..` (of `sizes` bytes, `rows` rows each) into slices of about `target` bytes: consecutive
     whole objects, or row ranges of one object larger than the target."""

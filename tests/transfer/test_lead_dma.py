@@ -1,0 +1,106 @@
+"""A retrieve's first DMA started before the request is known whole (`TransferEngine.lead`), on the engine run on
+the CPU (`cpu_engine.py`): the request skips that DMA only where it is exactly its first slice's, redoes it
+otherwise, and the lane is free again however the lead ends (used, released, handed to a store)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvferry
+from kvferry import Direction
+from kvferry.formats import EngineKVFormat, describe
+from kvferry.formats.synthetic import random_fill
+from kvferry.kernels import triton_plan
+from kvferry.memory import HostPool
+from kvferry.transfer.schedule import lead_bytes
+from tests.conftest import engine_bytes
+from tests.transfer.test_backends import _engine
+
+F = EngineKVFormat
+CHUNK, BS, OBJECTS = 16, 4, 3
+
+
+def _case(cpu_engine, slot_objects: float):  # type: ignore[no-untyped-def]
+    """An engine whose staging slots hold `slot_objects` objects, three scattered pool objects, block ids."""
+    fmt = F.NL_X_TWO_NB_BS_NH_HS
+    paged = _engine(fmt, torch.bfloat16, 3, False, nb=12)
+    geom = describe(fmt, paged, block_size=BS)
+    shape = geom.object_shape(CHUNK)
+    pool = HostPool(1 << 20, alignment=256, pin=False)
+    objs = []
+    for _ in range(OBJECTS):
+        objs.append(random_fill(pool.alloc(shape, geom.dtype)))
+        pool.alloc((256,), torch.uint8)  # not adjacent: one DMA per object
+    engine, _ = cpu_engine(pool, int(slot_objects * objs[0].nbytes))
+    ids = torch.randperm(OBJECTS * CHUNK // BS, generator=torch.Generator().manual_seed(1))
+    return fmt, geom, engine, objs, ids, shape[0] * shape[1]
+
+
+def _load(engine, fmt, geom, objs, ids, lead) -> None:  # type: ignore[no-untyped-def]
+    """Retrieve the objects into fresh KV with `lead`; the KV must equal the reference backend's."""
+    got, want = (_engine(fmt, torch.bfloat16, 7, False, nb=12) for _ in range(2))
+    plan = triton_plan.build_plan(describe(fmt, got, block_size=BS))
+    engine.submit(plan, objs, ids, False, CHUNK, 0, lead=lead).wait()
+    kvferry.transfer(want, objs, ids, Direction.H2D, fmt, CHUNK, backend="reference", block_size=BS)
+    assert all(torch.equal(a, b) for a, b in zip(engine_bytes(got), engine_bytes(want), strict=True))
+
+
+def _dmas_from(engine, since: int, host: int) -> int:  # type: ignore[no-untyped-def]
+    """Copies the fake driver made since its `since`-th from host address `host`."""
+    return sum(1 for _, _, src in engine._driver.copied[since:] if src == host)
+
+
+@pytest.mark.parametrize("slot_objects", [2.5, 1.0], ids=["whole-objects", "row-slices"])
+def test_a_lead_of_the_first_slice_replaces_its_dma(cpu_engine, slot_objects: float) -> None:  # type: ignore[no-untyped-def]
+    fmt, geom, engine, objs, ids, rows = _case(cpu_engine, slot_objects)
+    nbytes = objs[0].nbytes
+    assert lead_bytes(OBJECTS, nbytes, rows, engine._retrieve.slot_bytes, None) == (
+        nbytes if slot_objects > 2 else nbytes // rows * (rows // 2)
+    )
+    for _ in range(3):  # the ring turns: each slot in turn
+        since = len(engine._driver.copied)
+        lead = engine.lead(objs[0].data_ptr(), nbytes, rows, OBJECTS)
+        assert lead is not None and not engine._retrieve.lock.acquire(blocking=False)  # the lane is held
+        _load(engine, fmt, geom, objs, ids, lead)
+        assert _dmas_from(engine, since, objs[0].data_ptr()) == 1  # the lead's DMA, not again
+        assert not lead.held and engine._retrieve.lock.acquire(blocking=False)
+        engine._retrieve.lock.release()
+
+
+def test_a_lead_of_other_bytes_is_overwritten_by_the_first_slice(cpu_engine) -> None:  # type: ignore[no-untyped-def]
+    fmt, geom, engine, objs, ids, rows = _case(cpu_engine, 2.5)
+    since = len(engine._driver.copied)
+    lead = engine.lead(objs[1].data_ptr(), objs[1].nbytes, rows, OBJECTS)  # not the request's first object
+    assert lead is not None
+    _load(engine, fmt, geom, objs, ids, lead)
+    assert _dmas_from(engine, since, objs[1].data_ptr()) == 2  # the lead's, and its slice's own
+    assert _dmas_from(engine, since, objs[0].data_ptr()) == 1  # the first slice's, after the lead in its slot
+    assert not lead.held
+
+
+def test_the_lane_is_free_after_a_lead_is_released_or_given_to_a_store(cpu_engine) -> None:  # type: ignore[no-untyped-def]
+    fmt, geom, engine, objs, ids, rows = _case(cpu_engine, 2.5)
+    lead = engine.lead(objs[0].data_ptr(), objs[0].nbytes, rows, OBJECTS)
+    assert lead is not None
+    lead.release()
+    lead.release()  # twice: nothing
+    _load(engine, fmt, geom, objs, ids, None)  # would wait forever on a held lane
+
+    lead = engine.lead(objs[0].data_ptr(), objs[0].nbytes, rows, OBJECTS)
+    stored = [torch.empty_like(o) for o in objs]
+    pool_objs = objs  # the store writes the pool objects back from the KV they were loaded into above
+    paged = _engine(fmt, torch.bfloat16, 9, False, nb=12)
+    plan = triton_plan.build_plan(describe(fmt, paged, block_size=BS))
+    engine.submit(plan, pool_objs, ids, True, CHUNK, 0, lead=lead).wait()
+    kvferry.transfer(paged, stored, ids, Direction.D2H, fmt, CHUNK, backend="reference", block_size=BS)
+    assert all(torch.equal(a, b) for a, b in zip(pool_objs, stored, strict=True))
+    assert lead is not None and not lead.held
+    _load(engine, fmt, geom, objs, ids, None)
+
+
+def test_no_lead_where_the_first_slice_joins_objects(cpu_engine) -> None:  # type: ignore[no-untyped-def]
+    _, _, engine, objs, _, rows = _case(cpu_engine, 5.0)  # two objects fit half a slot: one slice
+    assert engine.lead(objs[0].data_ptr(), objs[0].nbytes, rows, OBJECTS) is None
+    assert engine.lead(objs[0].data_ptr(), objs[0].nbytes, rows, 1) is None  # one object: not staged in slices
+    assert engine._retrieve.lock.acquire(blocking=False)
