@@ -1,6 +1,7 @@
-"""kvferry's HiCache storage backend under SGLang 0.5.23's own classes (`sglang_hicache_checks`): the release's
-Python files (`.ci/fetch-sglang-release` unpacks them, without compiled files) first on the path of a child pytest,
-whose process alone holds the stand-in for torchvision that SGLang's host pool import needs (`sglang_standin`)."""
+"""kvferry's HiCache storage backend (`sglang_hicache_checks`) and unified-cache linker (`sglang_linker_checks`)
+under SGLang 0.5.23's own classes: the release's Python files (`.ci/fetch-sglang-release` unpacks them, without
+compiled files) first on the path of a child pytest, whose process alone holds the stand-in for torchvision that
+SGLang's KV pool imports need (`sglang_standin`)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,15 @@ REQUIRED = os.environ.get("KVF_TEST_SGLANG_RELEASE_REQUIRED") == "1"
 
 
 def test_the_hicache_storage_backend_under_sglang() -> None:
+    run_checks("tests/integrations/sglang_hicache_checks.py")
+
+
+def test_the_unified_cache_linker_under_sglang() -> None:
+    run_checks("tests/integrations/sglang_linker_checks.py")
+
+
+def run_checks(path: str) -> None:
+    """The checks in ``path``, in a child pytest with SGLang's release first on the path; all of them pass."""
     if not (TREE / "sglang" / "__init__.py").is_file():
         message = f"SGLang {VERSION}'s Python files are not in {TREE} (run .ci/fetch-sglang-release)"
         if REQUIRED:
@@ -29,8 +39,7 @@ def test_the_hicache_storage_backend_under_sglang() -> None:
         "PYTHONPATH": os.pathsep.join([str(TREE), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
     }
     child = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", "-W", "ignore::UserWarning",
-         "tests/integrations/sglang_hicache_checks.py"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", "-W", "ignore::UserWarning", path],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     tail = child.stdout[-6000:] + child.stderr[-3000:]
