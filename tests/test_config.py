@@ -84,7 +84,7 @@ def test_sections_are_frozen() -> None:
 
 
 def test_transfer_section_gives_the_gpu_engine_settings(tmp_path: Path) -> None:
-    from kvferry.transfer.gpu_engine import EngineConfig
+    from kvferry.transfer.engine_config import EngineConfig
 
     path = tmp_path / "kvferry.yaml"
     path.write_text("transfer:\n  staging_slots: 3\n  slice_mib: 8\n  mode: staged\n")

@@ -104,7 +104,7 @@ class CacheConfig(BaseModel):
 
 
 class TransferConfig(BaseModel):
-    """The GPU data path's engines (`kvferry.transfer.gpu_engine.EngineConfig`), one per GPU, process-wide."""
+    """The GPU data path's engines (`kvferry.transfer.engine_config.EngineConfig`), one per GPU, process-wide."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -8,6 +8,7 @@ import torch
 from kvferry.kernels import triton_copy
 from kvferry.memory import HostPool
 from kvferry.transfer import gpu_engine
+from kvferry.transfer.engine_config import EngineConfig
 from tests.transfer.cpu_engine import CopyingDriver, World, completion_init, engine_on
 
 
@@ -21,7 +22,7 @@ def cpu_engine(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
     def make(pool: HostPool, slot_bytes: int, mode: str = "staged", batch: bool = True):  # type: ignore[no-untyped-def]
         world = World(pool, slot_bytes)
         monkeypatch.setattr(triton_copy, "launch_raw", world.launch_raw)
-        config = gpu_engine.EngineConfig(slot_bytes=slot_bytes, mode=mode, batch_dma=batch)
+        config = EngineConfig(slot_bytes=slot_bytes, mode=mode, batch_dma=batch)
         return engine_on(world, CopyingDriver(), config), world
 
     return make

@@ -21,6 +21,7 @@ import torch
 from kvferry.kernels import triton_copy
 from kvferry.memory import HostPool
 from kvferry.transfer import gpu_engine
+from kvferry.transfer.engine_config import EngineConfig
 from kvferry.transfer.lane import Lane
 from tests.conftest import poisoned
 
@@ -141,7 +142,7 @@ def completion_init(self: Any, drv: Any, context: int, lane: Any = None) -> None
     self.lane, self.meta, self.fired = lane, -1, False
 
 
-def engine_on(world: World, driver: CopyingDriver, config: gpu_engine.EngineConfig) -> gpu_engine.TransferEngine:
+def engine_on(world: World, driver: CopyingDriver, config: EngineConfig) -> gpu_engine.TransferEngine:
     """A TransferEngine over `world`'s memory. The caller patches `torch._C._cuda_getCurrentRawStream`,
     `triton_copy.launch_raw` (to `world.launch_raw`) and `Completion.__init__`/`__del__` (see `completion_init`)."""
     slot_bytes = world.staging.numel() // 2

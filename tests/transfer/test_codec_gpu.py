@@ -11,7 +11,8 @@ from kvferry.formats import EngineKVFormat, describe, with_codec
 from kvferry.formats.synthetic import ModelDims, make_paged
 from kvferry.memory import HostPool
 from kvferry.transfer import transfer, transfer_async
-from kvferry.transfer.gpu_engine import EngineConfig, TransferEngine
+from kvferry.transfer.engine_config import EngineConfig
+from kvferry.transfer.gpu_engine import TransferEngine
 from tests.conftest import POISON, poisoned
 
 pytestmark = pytest.mark.gpu

@@ -15,7 +15,8 @@ from kvferry.config import KvferryConfig
 from kvferry.formats import EngineKVFormat, describe
 from kvferry.memory import HostPool
 from kvferry.transfer import api, configure_gpu, gpu_engine, ordered_after
-from kvferry.transfer.gpu_engine import EngineConfig, default_engine
+from kvferry.transfer.engine_config import EngineConfig
+from kvferry.transfer.gpu_engine import default_engine
 
 
 class _Engine:

@@ -25,6 +25,7 @@ from kvferry.formats.synthetic import random_fill
 from kvferry.kernels import triton_copy, triton_plan
 from kvferry.memory import HostPool
 from kvferry.transfer import gpu_engine
+from kvferry.transfer.engine_config import EngineConfig
 from kvferry.transfer.graphed import pieces_for, tables_bytes
 from tests.conftest import engine_bytes
 from tests.transfer.cpu_engine import CopyingDriver, World, completion_init, engine_on
@@ -65,7 +66,7 @@ def graph_engine(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-de
                 self.launches += 1
 
         monkeypatch.setattr(gpu_engine, "ObjectGraph", StandInGraph)
-        engine = engine_on(world, CopyingDriver(), gpu_engine.EngineConfig(slot_bytes=slot_bytes, **config))
+        engine = engine_on(world, CopyingDriver(), EngineConfig(slot_bytes=slot_bytes, **config))
         engine._graphs_failed = not engine.config.graph_max_bytes
         return engine, world, made
 

@@ -13,7 +13,8 @@ from kvferry.formats import EngineKVFormat, describe
 from kvferry.formats.synthetic import MODELS, ModelDims, make_paged, random_fill
 from kvferry.kernels.page_dma import page_plan
 from kvferry.memory import HostPool
-from kvferry.transfer.gpu_engine import EngineConfig, TransferEngine
+from kvferry.transfer.engine_config import EngineConfig
+from kvferry.transfer.gpu_engine import TransferEngine
 from tests.conftest import kv_dtype_for, leaves
 
 pytestmark = pytest.mark.gpu

@@ -16,7 +16,8 @@ from kvferry.formats.synthetic import MODELS, ModelDims, make_paged, random_fill
 from kvferry.kernels import triton_copy
 from kvferry.memory import HostPool
 from kvferry.transfer.api import _plans
-from kvferry.transfer.gpu_engine import EngineConfig, TransferEngine
+from kvferry.transfer.engine_config import EngineConfig
+from kvferry.transfer.gpu_engine import TransferEngine
 from tests.conftest import kv_dtype_for, leaves
 from tests.transfer.test_gpu import _to_cpu
 

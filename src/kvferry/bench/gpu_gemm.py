@@ -21,7 +21,8 @@ from kvferry import Direction
 from kvferry.bench.harness import Steps
 from kvferry.bench.report import new_table
 from kvferry.bench.timing import PinnedCopy
-from kvferry.transfer.gpu_engine import EngineConfig, TransferEngine
+from kvferry.transfer.engine_config import EngineConfig
+from kvferry.transfer.gpu_engine import TransferEngine
 
 if TYPE_CHECKING:
     from kvferry.bench.gpu_setup import Setup

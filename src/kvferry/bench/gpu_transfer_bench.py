@@ -44,7 +44,8 @@ from kvferry.bench.harness import BenchError, Outcome, Steps, add_json_argument,
 from kvferry.bench.report import new_table
 from kvferry.bench.timing import PinnedCopy
 from kvferry.formats import EngineKVFormat, layout_of
-from kvferry.transfer.gpu_engine import EngineConfig, TransferEngine
+from kvferry.transfer.engine_config import EngineConfig
+from kvferry.transfer.gpu_engine import TransferEngine
 
 F = EngineKVFormat
 SECTIONS = ("bulk", "formats", "formats-run", "onechunk", "calls", "bidir", "gemm", "crossover")

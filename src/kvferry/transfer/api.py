@@ -29,7 +29,8 @@ from kvferry.transfer.request import (
 )
 
 if TYPE_CHECKING:
-    from kvferry.transfer.gpu_engine import EngineConfig, TransferEngine
+    from kvferry.transfer.engine_config import EngineConfig
+    from kvferry.transfer.gpu_engine import TransferEngine
     from kvferry.transfer.handle import TransferHandle
     from kvferry.transfer.lane import LeadDMA
 
@@ -255,7 +256,7 @@ def configure_gpu(**settings: Any) -> None:
     process-wide, for the requests that follow. `kvferry.config.TransferConfig.engine_settings()` gives them from a
     config file; a `CacheEngine` applies its config's `transfer` section when it is made."""
     global _gpu_config
-    from kvferry.transfer.gpu_engine import EngineConfig
+    from kvferry.transfer.engine_config import EngineConfig
 
     _gpu_config = EngineConfig(**settings)  # a bad name or value fails here, not on the first transfer
 
