@@ -155,15 +155,21 @@ def _check_vllm(words: list[str]) -> None:
 
 
 def _check_sglang(page: str, words: list[str]) -> None:
-    """An SGLang launch: its kvferry extra config loads as kvferry's settings and names kvferry's backend class.
-    Its flags go through SGLang's own parser in tests/integrations/sglang_hicache_checks.py (docs/sglang.md's
-    commands only: SGLang takes seconds to import)."""
+    """An SGLang launch: its kvferry extra config (the HiCache backend's, or the linker's) loads as kvferry's settings
+    and names a kvferry class. Its flags go through SGLang's own parser in tests/integrations/sglang_hicache_checks.py
+    and sglang_linker_checks.py (docs/sglang.md's commands only: SGLang takes seconds to import)."""
     assert page == "docs/sglang.md", f"{page}: SGLang commands go in docs/sglang.md, whose flags SGLang's parser checks"
-    extra = json.loads(words[words.index("--hicache-storage-backend-extra-config") + 1])
-    storage_settings(extra)
-    spec = importlib.util.find_spec(extra["module_path"])
-    assert spec is not None and spec.origin is not None, extra["module_path"]
-    assert f"class {extra['class_name']}(" in Path(spec.origin).read_text(), extra
+    if "--unified-cache-external-linker-config" in words:
+        config = json.loads(words[words.index("--unified-cache-external-linker-config") + 1])
+        ConnectorSettings.from_extra_config(config["linker_extra_config"])
+        module, name = config["linker_module_path"], config["linker"]
+    else:
+        extra = json.loads(words[words.index("--hicache-storage-backend-extra-config") + 1])
+        storage_settings(extra)
+        module, name = extra["module_path"], extra["class_name"]
+    spec = importlib.util.find_spec(module)
+    assert spec is not None and spec.origin is not None, module
+    assert f"class {name}(" in Path(spec.origin).read_text(), (module, name)
 
 
 def _check_pip(words: list[str]) -> None:

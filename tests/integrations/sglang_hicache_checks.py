@@ -230,13 +230,12 @@ def test_the_documented_launch_goes_through_sglangs_parser_and_factory() -> None
     import argparse
     import json
     import shlex
-    from pathlib import Path
 
     from sglang.srt.server_args import ServerArgs
 
-    from tests.cli.test_doc_commands import _block_commands
+    from tests.integrations.sglang_docs import documented_launch
 
-    commands = _block_commands((Path(__file__).resolve().parents[2] / "docs" / "sglang.md").read_text())
+    commands = documented_launch("--enable-hierarchical-cache")
     (launch,) = [shlex.split(c)[3:] for c in commands if c.startswith("python -m sglang.launch_server")]
     (server,) = [shlex.split(c) for c in commands if c.startswith("kvferry server")]
     parser = argparse.ArgumentParser()

@@ -395,23 +395,19 @@ def test_sglangs_radix_tree_offloads_through_the_linker_and_another_engine_loads
 
 
 def test_the_documented_linker_launch_goes_through_sglangs_parser_and_factory_config() -> None:
-    """docs/sglang.md's linker commands (a ``sh`` block: tests/cli/test_doc_commands.py knows the HiCache launch
-    only) as SGLang's own argument parser and linker config read them: the config names kvferry's linker class, its
-    extra config is kvferry's settings, and the page size is the documented server's chunk size."""
+    """docs/sglang.md's linker commands as SGLang's own argument parser and linker config read them: the config
+    names kvferry's linker class, its extra config is kvferry's settings, and the page size is the documented
+    server's chunk size."""
     import argparse
     import json
-    import re
     import shlex
-    from pathlib import Path
 
     from sglang.srt.mem_cache.unified_cache.linker_config import UnifiedCacheLinkerConfig
 
     from kvferry.connector.settings import ConnectorSettings
-    from tests.cli.test_doc_commands import _block_commands
+    from tests.integrations.sglang_docs import documented_launch
 
-    text = (Path(__file__).resolve().parents[2] / "docs" / "sglang.md").read_text()
-    (block,) = re.findall(r"```sh\n(.*?)```", text, flags=re.S)
-    lines = [shlex.split(command) for command in _block_commands(f"```bash\n{block}```")]  # as the docs tests join
+    lines = [shlex.split(command) for command in documented_launch("--enable-unified-cache-external-linker")]
     (server,) = [words for words in lines if words[:2] == ["kvferry", "server"]]
     (launch,) = [words[3:] for words in lines if words[:3] == ["python", "-m", "sglang.launch_server"]]
     parser = argparse.ArgumentParser()
