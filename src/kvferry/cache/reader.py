@@ -96,7 +96,10 @@ class ChunkReader:
             skip_blocks = (skip - first * chunk) // bs
             part = slice(first * per_chunk, end_tokens // bs)
             copied = ids[part] if ids is not None else PendingBlockIds(part.stop - part.start, lambda: check()[part])
-            lead = early[1] if early is not None and entries[0] is early[0] else None
+            # The lead goes with the request whatever its first chunk turned out to be: the engine uses it only where
+            # it is exactly the first slice's DMA (another first chunk has another address: the held one's memory
+            # cannot be reused meanwhile), and a lead that is not handed on would keep the lane from this request.
+            lead = early[1] if early is not None else None
             in_flight = copy_chunks(
                 self._res.pool, chunk, paged, geom, objects, copied, Direction.H2D, skip_blocks, lead
             )

@@ -55,6 +55,8 @@ def copy_chunks(
         ids = ids.check()
     if geom.device.type == "cuda" and objects[0].is_cpu:  # an unpinned pool: transfer_async explains
         return transfer_async(paged, objects, ids, direction, geom.fmt, chunk_size, skip, geometry=geom, lead=lead)
+    if lead is not None:  # no GPU engine moves these: the lane goes back before the copy
+        lead.release()
     transfer(paged, objects, ids, direction, geom.fmt, chunk_size, skip, geometry=geom)
     return None
 
