@@ -16,19 +16,23 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from queue import Empty, Queue
 from typing import Any, Protocol
 
-from kvferry.cache import CacheEngine
-from kvferry.config import TransferConfig
-from kvferry.connector.backends import Backend, EmbeddedBackend, KeySpace
+from kvferry.connector.backends import Backend, EmbeddedBackend
 from kvferry.connector.engine_kv import EngineKV
 from kvferry.connector.server_backend import ServerBackend
-from kvferry.connector.server_link import ServerLink
 from kvferry.connector.settings import ConnectorSettings
-from kvferry.integrations.sglang.page_store import KEY_TOKENS, PageKeySpace, page_tokens
-from kvferry.transfer import configure_gpu
+from kvferry.integrations.sglang.page_store import (
+    PageKeySpace,
+    check_page_size,
+    page_tokens,
+    pages_engine,
+    pages_key_space,
+    pages_namespace,
+    pages_server_link,
+)
 
 log = logging.getLogger(__name__)
 
@@ -277,45 +281,20 @@ def open_linker_store(
     is the page size, or the server at ``settings.server_url`` (whose ``--chunk-size`` must be the page size), with
     which ``kv`` is registered (CPU tensors move into shared memory in place, GPU ones are shared by CUDA IPC)."""
     page_size = kv.block_size
-    if page_size < KEY_TOKENS:
-        raise ValueError(
-            f"kvferry's SGLang linker needs SGLang's --page-size >= {KEY_TOKENS} (a page's key is stored as "
-            f"{KEY_TOKENS} token ids); got {page_size}"
-        )
-    key_space = replace(
-        KeySpace.of(kv, model=keys.model, salt=settings.salt, codec=settings.codec),
-        world_size=keys.world_size,
-        rank=keys.rank,
-    )
+    user = "kvferry's SGLang linker"
+    check_page_size(page_size, user)
+    key_space = pages_key_space(kv, keys, settings)
     backend: Backend
     if settings.mode == "server":
-        deployment: dict[str, str | int] = {**key_space.deployment(), "world_size": keys.world_size, "rank": keys.rank}
-        link = ServerLink(
-            settings.server_url,
-            timeout_s=settings.timeout_s,
-            curve=settings.client_curve(),
-            register=lambda client: client.register_kv_cache(
-                kv.paged, kv.fmt, block_size=page_size, namespace=deployment
-            ),
-        )
-        try:
-            link.connect(check_chunk_size=lambda chunk: _check_chunk_size(chunk, page_size))
-        except BaseException:
-            link.close()
-            raise
+        link = pages_server_link(settings, kv, keys, key_space, user)
         backend, closing = ServerBackend(link, key_space, kv), link.close
     else:
-        config = settings.kvferry_config()
-        config = config.model_copy(update={"cache": config.cache.model_copy(update={"chunk_size": page_size})})
-        if config.transfer != TransferConfig():  # the GPU data path is process-wide: changed only when asked to
-            configure_gpu(**config.transfer.engine_settings())
-        engine = CacheEngine(config, name=name)
+        engine = pages_engine(settings, page_size, name)
         try:
-            namespace = engine.namespace_for(
-                keys.model, kv.fmt, kv.paged, world_size=keys.world_size, rank=keys.rank, salt=settings.salt,
-                block_size=page_size, codec=settings.codec,
-            )  # fmt: skip
-            backend, closing = EmbeddedBackend(engine, kv, namespace, key_space), engine.close
+            backend, closing = (
+                EmbeddedBackend(engine, kv, pages_namespace(engine, kv, keys, settings), key_space),
+                engine.close,
+            )
         except BaseException:
             engine.close()
             raise
@@ -324,11 +303,3 @@ def open_linker_store(
     except BaseException:
         closing()
         raise
-
-
-def _check_chunk_size(chunk_size: int, page_size: int) -> None:
-    if chunk_size != page_size:
-        raise ValueError(
-            f"kvferry's SGLang linker stores one SGLang page per chunk: the server's chunk size ({chunk_size}) must "
-            f"be SGLang's --page-size ({page_size}); start the server with --chunk-size {page_size}"
-        )

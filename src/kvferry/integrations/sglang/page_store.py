@@ -20,9 +20,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from kvferry.cache import CacheEngine
+from kvferry.cache import CacheEngine, CacheNamespace
 from kvferry.config import TransferConfig
 from kvferry.connector.backends import Backend, EmbeddedBackend, KeySpace
+from kvferry.connector.engine_kv import EngineKV
 from kvferry.connector.server_backend import ServerBackend
 from kvferry.connector.server_link import ServerLink
 from kvferry.connector.settings import ConnectorSettings
@@ -160,58 +161,87 @@ def _outcomes(futures: list[Future[int]]) -> list[bool]:
 def open_page_store(settings: ConnectorSettings, host: HostPages, keys: PageKeySpace, *, name: str) -> PageStore:
     """The page store of ``host`` in ``settings``' mode: a cache engine in this process whose chunk size is the page
     size, or the server at ``settings.server_url``, whose ``--chunk-size`` must be the page size."""
-    if host.page_size < KEY_TOKENS:
-        raise ValueError(
-            f"kvferry's HiCache storage needs SGLang's --page-size >= {KEY_TOKENS} (a page's key is stored as "
-            f"{KEY_TOKENS} token ids); got {host.page_size}"
-        )
+    user = "kvferry's HiCache storage"
+    check_page_size(host.page_size, user)
     # Embedded mode stages the generic calls' single pages only; server mode every page, in rounds.
     stage = host.staging(min(STAGING_PAGES, host.num_pages) if settings.mode == "server" else 1)
     stage_kv = stage.engine_kv()
-    codec = settings.codec
-    key_space = replace(
-        KeySpace.of(stage_kv, model=keys.model, salt=settings.salt, codec=codec),
-        world_size=keys.world_size,
-        rank=keys.rank,
-    )
+    key_space = pages_key_space(stage_kv, keys, settings)
     if settings.mode == "server":
-        deployment: dict[str, str | int] = {**key_space.deployment(), "world_size": keys.world_size, "rank": keys.rank}
-        link = ServerLink(
-            settings.server_url,
-            timeout_s=settings.timeout_s,
-            curve=settings.client_curve(),
-            register=lambda client: client.register_kv_cache(
-                stage_kv.paged, stage_kv.fmt, block_size=host.page_size, namespace=deployment
-            ),
-        )
-        try:
-            link.connect(check_chunk_size=lambda chunk: _check_chunk_size(chunk, host.page_size, "the server's"))
-        except BaseException:
-            link.close()
-            raise
+        link = pages_server_link(settings, stage_kv, keys, key_space, user)
         return PageStore(host, stage, ServerBackend(link, key_space, stage_kv), None, link.close)
-    config = settings.kvferry_config()
-    config = config.model_copy(update={"cache": config.cache.model_copy(update={"chunk_size": host.page_size})})
-    if config.transfer != TransferConfig():  # the GPU data path is process-wide: changed only when asked to
-        configure_gpu(**config.transfer.engine_settings())
-    engine = CacheEngine(config, name=name)
+    engine = pages_engine(settings, host.page_size, name)
     try:
-        backends = []
-        for kv in (stage_kv, host.engine_kv()):
-            namespace = engine.namespace_for(
-                keys.model, kv.fmt, kv.paged, world_size=keys.world_size, rank=keys.rank, salt=settings.salt,
-                block_size=host.page_size, codec=codec,
-            )  # fmt: skip
-            backends.append(EmbeddedBackend(engine, kv, namespace, key_space))
+        staged, direct = (
+            EmbeddedBackend(engine, kv, pages_namespace(engine, kv, keys, settings), key_space)
+            for kv in (stage_kv, host.engine_kv())
+        )
     except BaseException:
         engine.close()
         raise
-    return PageStore(host, stage, backends[0], backends[1], engine.close)
+    return PageStore(host, stage, staged, direct, engine.close)
 
 
-def _check_chunk_size(chunk_size: int, page_size: int, whose: str) -> None:
+# What SGLang's two ways in (this page store, and the linker's: `linker_store`) set up alike: pages of SGLang's
+# page size as one-chunk prefixes (`page_tokens`), in the key space of the model and this rank's shard.
+
+
+def check_page_size(page_size: int, user: str) -> None:
+    if page_size < KEY_TOKENS:
+        raise ValueError(
+            f"{user} needs SGLang's --page-size >= {KEY_TOKENS} (a page's key is stored as {KEY_TOKENS} token ids); "
+            f"got {page_size}"
+        )
+
+
+def pages_key_space(kv: EngineKV, keys: PageKeySpace, settings: ConnectorSettings) -> KeySpace:
+    """The key space of pages of ``kv`` (``kv.block_size``: SGLang's page size) for this rank's shard."""
+    key_space = KeySpace.of(kv, model=keys.model, salt=settings.salt, codec=settings.codec)
+    return replace(key_space, world_size=keys.world_size, rank=keys.rank)
+
+
+def pages_server_link(
+    settings: ConnectorSettings, kv: EngineKV, keys: PageKeySpace, key_space: KeySpace, user: str
+) -> ServerLink:
+    """A link to ``settings``' server, connected, with ``kv`` registered in ``key_space``; the server's chunk size
+    must be the page size."""
+    page_size = kv.block_size
+    deployment: dict[str, str | int] = {**key_space.deployment(), "world_size": keys.world_size, "rank": keys.rank}
+    link = ServerLink(
+        settings.server_url,
+        timeout_s=settings.timeout_s,
+        curve=settings.client_curve(),
+        register=lambda client: client.register_kv_cache(kv.paged, kv.fmt, block_size=page_size, namespace=deployment),
+    )
+    try:
+        link.connect(check_chunk_size=lambda chunk: _check_chunk_size(chunk, page_size, user))
+    except BaseException:
+        link.close()
+        raise
+    return link
+
+
+def pages_engine(settings: ConnectorSettings, page_size: int, name: str) -> CacheEngine:
+    """A cache engine in this process for ``settings``, its chunk size the page size."""
+    config = settings.kvferry_config()
+    config = config.model_copy(update={"cache": config.cache.model_copy(update={"chunk_size": page_size})})
+    if config.transfer != TransferConfig():  # the GPU data path is process-wide: changed only when asked to
+        configure_gpu(**config.transfer.engine_settings())
+    return CacheEngine(config, name=name)
+
+
+def pages_namespace(
+    engine: CacheEngine, kv: EngineKV, keys: PageKeySpace, settings: ConnectorSettings
+) -> CacheNamespace:
+    return engine.namespace_for(
+        keys.model, kv.fmt, kv.paged, world_size=keys.world_size, rank=keys.rank, salt=settings.salt,
+        block_size=kv.block_size, codec=settings.codec,
+    )  # fmt: skip
+
+
+def _check_chunk_size(chunk_size: int, page_size: int, user: str) -> None:
     if chunk_size != page_size:
         raise ValueError(
-            f"kvferry's HiCache storage stores one SGLang page per chunk: {whose} chunk size ({chunk_size}) must be "
-            f"SGLang's --page-size ({page_size}); start the server with --chunk-size {page_size}"
+            f"{user} stores one SGLang page per chunk: the server's chunk size ({chunk_size}) must be SGLang's "
+            f"--page-size ({page_size}); start the server with --chunk-size {page_size}"
         )
