@@ -116,6 +116,12 @@ def test_pack_ids_accepts_lists_arrays_and_tensors() -> None:
     assert pack_ids(np.array([0, 5, 2**32 - 1], dtype=np.uint64), "tokens") == expected
     assert pack_ids(torch.tensor([0, 5, 2**32 - 1]), "tokens") == expected
     assert pack_ids([], "tokens") == b""
+    # uint32 arrays (how prompts are kept) as they are: a slice, a strided view, another byte order
+    ids = np.arange(40, dtype="<u4") * 7919
+    for view in (ids, ids[3:17], ids[::3], ids.astype(">u4")):
+        assert unpack_ids(pack_ids(view, "tokens"), "tokens").tolist() == view.tolist()
+    with pytest.raises(ValueError, match="one-dimensional"):
+        pack_ids(ids.reshape(4, 10), "tokens")
 
 
 @pytest.mark.parametrize(

@@ -204,6 +204,8 @@ def pack_ids(values: Any, name: str) -> bytes:
             if sys.byteorder == "big":
                 packed.byteswap()
             return packed.tobytes()
+    if type(values) is np.ndarray and values.dtype == _ID_DTYPE and values.ndim == 1:  # what a prompt is kept as
+        return values.tobytes()  # (`kvferry.cache.keys.token_array`): uint32 ids need no range check
     if hasattr(values, "detach"):  # a torch tensor: avoid importing torch just for isinstance
         values = values.detach().cpu().numpy()
     arr = np.asarray(values)
