@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
@@ -220,6 +221,10 @@ class EmbeddedBackend:
                 self.engine.free_lookup_locks(status.lock_id)
             return None
         return Hit(status.hit_tokens, status.lock_id)
+
+    def lookup_each(self, prompts: Sequence[TokenIds]) -> list[Hit | None]:
+        """`lookup` of each of ``prompts`` (as `ServerBackend.lookup_each`, which sends them together)."""
+        return [self.lookup(tokens) for tokens in prompts]
 
     def free_lock(self, lock: Any) -> None:
         self.engine.free_lookup_locks(lock)

@@ -8,10 +8,13 @@ newer boundary supersedes are demoted on the server (DEMOTE), as in embedded mod
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
 from kvferry.cache.keys import TokenIds
+from kvferry.client.records import LookupResult
 from kvferry.connector.backends import Hit, KeySpace, plus
 from kvferry.connector.engine_kv import EngineKV
 from kvferry.connector.server_link import ServerDown, ServerLink
@@ -53,6 +56,39 @@ class ServerBackend:
         except Exception as exc:
             log.warning("kvferry: lookup at %s failed (a miss): %s: %s", self.link.url, type(exc).__name__, exc)
             return Hit(0)
+        return self._hit(found, generation)
+
+    def lookup_each(self, prompts: Sequence[TokenIds]) -> list[Hit | None]:
+        """`lookup` of each of ``prompts`` (SGLang's pages, say), sent together: the replies come in one round trip's
+        time, not one each. A lookup that fails is a miss, the others stand."""
+        try:
+            generation, namespace = self.link.generation, self._namespace()
+            futures = self.link.call(
+                lambda client, _: [
+                    client.lookup_async(tokens, namespace=namespace, lock=True, block_size=self._block_size)
+                    for tokens in prompts
+                ]
+            )
+        except ServerDown:
+            return [Hit(0)] * len(prompts)
+        except Exception as exc:
+            log.warning("kvferry: lookups at %s failed (misses): %s: %s", self.link.url, type(exc).__name__, exc)
+            return [Hit(0)] * len(prompts)
+        deadline = time.monotonic() + self.link.timeout_s
+        hits: list[Hit | None] = []
+        for future in futures:
+            try:
+                found = future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception as exc:
+                log.warning("kvferry: lookup at %s failed (a miss): %s: %s", self.link.url, type(exc).__name__, exc)
+                hits.append(Hit(0))
+            else:
+                hits.append(self._hit(found, generation))
+        return hits
+
+    def _hit(self, found: LookupResult, generation: int) -> Hit | None:
+        """A server's lookup result as a hit (its lock tagged with the link's generation); None while chunks after
+        it are still coming up from a tier (its lock freed)."""
         lock = None if found.lock is None else (generation, found.lock)
         if found.pending:
             self.free_lock(lock)

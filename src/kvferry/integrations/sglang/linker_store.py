@@ -20,13 +20,15 @@ from dataclasses import dataclass, field
 from queue import Empty, Queue
 from typing import Any, Protocol
 
-from kvferry.connector.backends import Backend, EmbeddedBackend
+from kvferry.connector.backends import EmbeddedBackend
 from kvferry.connector.engine_kv import EngineKV
 from kvferry.connector.server_backend import ServerBackend
 from kvferry.connector.settings import ConnectorSettings
 from kvferry.integrations.sglang.page_store import (
+    PageBackend,
     PageKeySpace,
     check_page_size,
+    leading_pages,
     page_tokens,
     pages_engine,
     pages_key_space,
@@ -72,7 +74,7 @@ class LinkerStore:
 
     def __init__(
         self,
-        backend: Backend,
+        backend: PageBackend,
         page_size: int,
         num_layers: int,
         counter: LayerCounter,
@@ -106,19 +108,11 @@ class LinkerStore:
         """The restorable prefix lengths of ``keys`` in pages, ``[1, ..., n]`` for the ``n`` leading pages the
         cache holds, locked for the load that may follow. A failed lookup is a miss."""
         self._free(self._looked_up.pop(rid, []))
-        locks: list[Any] = []
-        found = 0
-        for key in keys:
-            try:
-                hit = self.backend.lookup(page_tokens(key, self.page_size))
-            except Exception as exc:  # the backends miss rather than raise; a miss all the same if one does
-                log.warning("kvferry: a linker lookup failed (a miss): %s: %s", type(exc).__name__, exc)
-                hit = None
-            if hit is not None and hit.lock is not None:
-                locks.append(hit.lock)
-            if hit is None or hit.tokens < self.page_size:
-                break
-            found += 1
+        try:
+            found, locks = leading_pages(self.backend, keys, self.page_size)
+        except Exception as exc:  # the backends miss rather than raise; a miss all the same if one does
+            log.warning("kvferry: a linker lookup failed (a miss): %s: %s", type(exc).__name__, exc)
+            found, locks = 0, []
         if found:
             self._looked_up[rid] = locks
         else:
@@ -284,7 +278,7 @@ def open_linker_store(
     user = "kvferry's SGLang linker"
     check_page_size(page_size, user)
     key_space = pages_key_space(kv, keys, settings)
-    backend: Backend
+    backend: PageBackend
     if settings.mode == "server":
         link = pages_server_link(settings, kv, keys, key_space, user)
         backend, closing = ServerBackend(link, key_space, kv), link.close

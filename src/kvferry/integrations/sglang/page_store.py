@@ -13,16 +13,18 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from kvferry.cache import CacheEngine, CacheNamespace
+from kvferry.cache.keys import TokenIds
 from kvferry.config import TransferConfig
-from kvferry.connector.backends import Backend, EmbeddedBackend, KeySpace
+from kvferry.connector.backends import Backend, EmbeddedBackend, Hit, KeySpace
 from kvferry.connector.engine_kv import EngineKV
 from kvferry.connector.server_backend import ServerBackend
 from kvferry.connector.server_link import ServerLink
@@ -53,6 +55,23 @@ class PageKeySpace:
     rank: int
 
 
+class PageBackend(Backend, Protocol):
+    """A backend the page stores use: an in-process cache's or a server's, which both look pages up together."""
+
+    def lookup_each(self, prompts: Sequence[TokenIds]) -> list[Hit | None]: ...
+
+
+def leading_pages(backend: PageBackend, keys: Sequence[str], page_size: int) -> tuple[int, list[Any]]:
+    """How many leading ``keys`` the cache holds whole, looked up together, and their locks (those of the pages
+    found after the first miss are freed: SGLang uses a leading run)."""
+    hits = backend.lookup_each([page_tokens(key, page_size) for key in keys])
+    found = next((i for i, hit in enumerate(hits) if hit is None or hit.tokens < page_size), len(hits))
+    for hit in hits[found:]:
+        if hit is not None and hit.lock is not None:
+            backend.free_lock(hit.lock)
+    return found, [hit.lock for hit in hits[:found] if hit is not None and hit.lock is not None]
+
+
 class PageStore:
     """Pages of SGLang's host pool moved to and from kvferry's cache.
 
@@ -61,7 +80,12 @@ class PageStore:
     which server mode (the server maps only memory kvferry shares with it) and the generic get / set go."""
 
     def __init__(
-        self, host: HostPages, stage: HostPages, staged: Backend, direct: Backend | None, closing: Callable[[], None]
+        self,
+        host: HostPages,
+        stage: HostPages,
+        staged: PageBackend,
+        direct: PageBackend | None,
+        closing: Callable[[], None],
     ) -> None:
         self.host, self.stage, self.staged, self.direct = host, stage, staged, direct
         self._closing = closing
@@ -73,13 +97,10 @@ class PageStore:
 
     def exists(self, keys: list[str]) -> int:
         """How many leading ``keys`` the cache holds (a failed lookup is a miss)."""
-        for found, key in enumerate(keys):
-            hit = self.staged.lookup(page_tokens(key, self.page_size))
-            if hit is not None:
-                self.staged.free_lock(hit.lock)
-            if hit is None or hit.tokens < self.page_size:
-                return found
-        return len(keys)
+        found, locks = leading_pages(self.staged, keys, self.page_size)
+        for lock in locks:
+            self.staged.free_lock(lock)
+        return found
 
     def store(self, keys: list[str], pages: torch.Tensor) -> list[bool]:
         """Host pages ``pages`` stored under ``keys``; per key whether it is (already) in the cache."""

@@ -1,0 +1,95 @@
+"""Pages looked up together (`ServerBackend.lookup_each`, `page_store.leading_pages`): SGLang's two ways in look up
+a request's pages in one call, and a server's lookups go out together. A scripted link and client (no server)."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any
+
+from kvferry.client.records import LookupResult
+from kvferry.connector.backends import Hit, KeySpace
+from kvferry.connector.server_backend import ServerBackend
+from kvferry.integrations.sglang.page_store import leading_pages, page_tokens
+
+PAGE = 16
+KEY_SPACE = KeySpace("m", "", "NL_X_TWO_NB_BS_NH_HS", "bfloat16", 2, 1, 8)
+
+
+class ScriptedClient:
+    """Answers each LOOKUP from ``answers`` in order (a LookupResult, or an exception to fail its future); records
+    what was sent before the first answer was asked for, and the locks freed."""
+
+    def __init__(self, answers: list[LookupResult | Exception]) -> None:
+        self.answers = answers
+        self.sent: list[Any] = []
+        self.futures: list[Future[LookupResult]] = []
+        self.freed: list[int] = []
+
+    def lookup_async(self, tokens: Any, **kwargs: Any) -> Future[LookupResult]:
+        future: Future[LookupResult] = Future()
+        self.sent.append(tokens)
+        self.futures.append(future)
+        return future
+
+    def answer(self) -> None:
+        for future, answer in zip(self.futures, self.answers, strict=True):
+            if isinstance(answer, Exception):
+                future.set_exception(answer)
+            else:
+                future.set_result(answer)
+
+    def free_lookup_locks(self, lock: int) -> bool:
+        self.freed.append(lock)
+        return True
+
+
+class ScriptedLink:
+    generation, timeout_s, url, chunk_size = 3, 5.0, "tcp://127.0.0.1:1", PAGE
+
+    def __init__(self, client: ScriptedClient) -> None:
+        self.client = client
+
+    def call(self, fn: Any) -> Any:
+        result = fn(self.client, None)
+        if isinstance(result, list):  # the lookups are all sent before any reply is awaited
+            assert len(self.client.sent) == len(self.client.answers) and not any(f.done() for f in result)
+            self.client.answer()
+        return result
+
+
+def test_a_servers_lookups_go_out_together_and_each_stands_alone() -> None:
+    client = ScriptedClient(
+        [LookupResult(PAGE, 0, 11), LookupResult(0, PAGE, 12), ConnectionError("lost"), LookupResult(0, 0, None)]
+    )
+    backend = ServerBackend(ScriptedLink(client), KEY_SPACE, block_size=PAGE)  # type: ignore[arg-type]
+    prompts = [page_tokens(f"{i:064x}", PAGE) for i in range(4)]
+    hits = backend.lookup_each(prompts)
+    assert client.sent == prompts
+    # a hit keeps its lock (tagged with the link's generation); chunks still coming up: None, its lock freed;
+    # a failed lookup: a miss
+    assert hits == [Hit(PAGE, (3, 11)), None, Hit(0), Hit(0, None)]
+    assert client.freed == [12]
+
+
+class ScriptedPages:
+    """A page backend answering `lookup_each` from ``hits``, recording the locks freed."""
+
+    def __init__(self, hits: list[Hit | None]) -> None:
+        self.hits = hits
+        self.freed: list[Any] = []
+
+    def lookup_each(self, prompts: list[Any]) -> list[Hit | None]:
+        assert len(prompts) == len(self.hits)
+        return self.hits
+
+    def free_lock(self, lock: Any) -> None:
+        self.freed.append(lock)
+
+
+def test_the_leading_pages_keep_their_locks_and_those_after_a_miss_are_freed() -> None:
+    pages = ScriptedPages([Hit(PAGE, "a"), Hit(PAGE, "b"), Hit(PAGE // 2, "c"), Hit(PAGE, "d"), None])
+    assert leading_pages(pages, ["k"] * 5, PAGE) == (2, ["a", "b"])  # type: ignore[arg-type]
+    assert pages.freed == ["c", "d"]
+    pages = ScriptedPages([Hit(PAGE, "a"), Hit(PAGE, None)])
+    assert leading_pages(pages, ["k"] * 2, PAGE) == (2, ["a"])  # type: ignore[arg-type]
+    assert leading_pages(ScriptedPages([]), [], PAGE) == (0, [])  # type: ignore[arg-type]
