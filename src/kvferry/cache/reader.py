@@ -137,7 +137,7 @@ class ChunkReader:
         """The first DMA of a GPU retrieve of up to ``n_chunks`` chunks from the one under ``key``, started before
         the others are looked up (a 16-chunk load's hashing, index walk and checks then overlap it), with a reader
         held on that chunk until the retrieve ends; None where it does not apply (a miss there, a tail, a slice of
-        the heads, coded objects). The retrieve uses it only if that chunk is still its first."""
+        the heads, coded objects). The engine uses it only where it is exactly the request's first slice's DMA."""
         entry = self._res.index.get(key)
         obj = entry.obj if entry is not None else None
         if entry is None or obj is None or entry.tail or geom.partial_heads or geom.codec is not None:
