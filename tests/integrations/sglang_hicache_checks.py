@@ -24,13 +24,10 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E40
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
-from kvferry.cache import CacheEngine  # noqa: E402
-from kvferry.config import KvferryConfig, ServerConfig  # noqa: E402
 from kvferry.connector.engine_kv import UnsupportedKVLayout  # noqa: E402
 from kvferry.integrations.sglang import page_store  # noqa: E402
 from kvferry.integrations.sglang.hicache_storage import KvferryHiCacheStorage  # noqa: E402
-from kvferry.memory import HostPool  # noqa: E402
-from kvferry.server import KvferryServer  # noqa: E402
+from tests.integrations.sglangkit import documented_launch, page_server, url_of  # noqa: E402
 
 PAGE, LAYERS, TOKENS = 16, 3, 256
 SRC, DST = [3, 7, 1, 5, 11], [10, 2, 12, 8, 0]
@@ -103,13 +100,8 @@ EMBEDDED = {"mode": "embedded", "config": {"cache": {"l1_size_gb": 0.01}}}
 
 @pytest.fixture(scope="module")
 def server_url() -> Iterator[str]:
-    config = KvferryConfig.load(env={}, overrides={"cache": {"chunk_size": PAGE}})
-    engine = CacheEngine(config, pool=HostPool(16 << 20, pin=False))
-    server = KvferryServer(ServerConfig(port=0, http_port=0), engine)
-    server.start()
-    yield f"tcp://127.0.0.1:{server.port}"
-    server.stop()
-    engine.close()
+    with page_server(PAGE) as server:
+        yield url_of(server)
 
 
 def store_then_load(pool: Any, writer: Any, reader: Any, seed: int) -> None:
@@ -212,16 +204,8 @@ def test_bad_settings_pools_and_chunk_sizes_refuse_to_start() -> None:
             backend.register_mem_host_pool_v2(pool, PoolName.MAMBA)
     finally:
         backend.close()
-    config = KvferryConfig.load(env={}, overrides={"cache": {"chunk_size": 2 * PAGE}})
-    engine = CacheEngine(config, pool=HostPool(1 << 20, pin=False))
-    server = KvferryServer(ServerConfig(port=0, http_port=0), engine)
-    server.start()
-    try:
-        with pytest.raises(ValueError, match=f"--chunk-size {PAGE}"):
-            load_backend(pool, {"mode": "server", "server_url": f"tcp://127.0.0.1:{server.port}"})
-    finally:
-        server.stop()
-        engine.close()
+    with page_server(2 * PAGE) as server, pytest.raises(ValueError, match=f"--chunk-size {PAGE}"):
+        load_backend(pool, {"mode": "server", "server_url": url_of(server)})
 
 
 def test_the_documented_launch_goes_through_sglangs_parser_and_factory() -> None:
@@ -232,8 +216,6 @@ def test_the_documented_launch_goes_through_sglangs_parser_and_factory() -> None
     import shlex
 
     from sglang.srt.server_args import ServerArgs
-
-    from tests.integrations.sglang_docs import documented_launch
 
     commands = documented_launch("--enable-hierarchical-cache")
     (launch,) = [shlex.split(c)[3:] for c in commands if c.startswith("python -m sglang.launch_server")]

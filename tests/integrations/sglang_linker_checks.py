@@ -34,12 +34,10 @@ from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
 from sglang.srt.runtime_context import get_parallel  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
 
-from kvferry.cache import CacheEngine  # noqa: E402
-from kvferry.config import KvferryConfig, ServerConfig  # noqa: E402
 from kvferry.connector.engine_kv import UnsupportedKVLayout  # noqa: E402
 from kvferry.integrations.sglang.linker import KvferryLinker  # noqa: E402
-from kvferry.memory import HostPool  # noqa: E402
 from kvferry.server import KvferryServer  # noqa: E402
+from tests.integrations.sglangkit import page_server, url_of  # noqa: E402
 
 PAGE, LAYERS, TOKENS, MODEL = 16, 3, 256, "org/tiny-model"
 EMBEDDED = {"mode": "embedded", "config": {"cache": {"l1_size_gb": 0.01}}}
@@ -155,13 +153,8 @@ def check_round_trip(writer_device: Device, writer: Any, reader_device: Device, 
 
 @pytest.fixture(scope="module")
 def server_url() -> Iterator[str]:
-    config = KvferryConfig.load(env={}, overrides={"cache": {"chunk_size": PAGE}})
-    engine = CacheEngine(config, pool=HostPool(16 << 20, pin=False))
-    server = KvferryServer(ServerConfig(port=0, http_port=0), engine)
-    server.start()
-    yield f"tcp://127.0.0.1:{server.port}"
-    server.stop()
-    engine.close()
+    with page_server(PAGE) as server:
+        yield url_of(server)
 
 
 @pytest.mark.parametrize("kind", ["mha", "mla"])
@@ -282,39 +275,35 @@ def test_bad_settings_pools_and_chunk_sizes_refuse_to_start() -> None:
     hnd.pool.kv_cache_layout = "hnd"
     with pytest.raises(UnsupportedKVLayout, match="'hnd'"):
         make_linker(hnd, EMBEDDED)
-    config = KvferryConfig.load(env={}, overrides={"cache": {"chunk_size": 2 * PAGE}})
-    engine = CacheEngine(config, pool=HostPool(1 << 20, pin=False))
-    server = KvferryServer(ServerConfig(port=0, http_port=0), engine)
-    server.start()
-    try:
-        with pytest.raises(ValueError, match=f"--chunk-size {PAGE}"):
-            make_linker(device, {"mode": "server", "server_url": f"tcp://127.0.0.1:{server.port}"})
-    finally:
-        server.stop()
-        engine.close()
+    with page_server(2 * PAGE) as server, pytest.raises(ValueError, match=f"--chunk-size {PAGE}"):
+        make_linker(device, {"mode": "server", "server_url": url_of(server)})
 
 
 def test_a_server_that_goes_away_is_a_miss_and_a_failed_load() -> None:
-    config = KvferryConfig.load(env={}, overrides={"cache": {"chunk_size": PAGE}})
-    engine = CacheEngine(config, pool=HostPool(1 << 20, pin=False))
-    server = KvferryServer(ServerConfig(port=0, http_port=0), engine)
-    server.start()
-    device = Device("mha", seed=60)
-    linker = make_linker(device, {"mode": "server", "server_url": f"tcp://127.0.0.1:{server.port}", "timeout_s": 0.5})
-    try:
-        keys = page_keys(2, 61)
-        assert offload(linker, keys, device.alloc(2))
-        assert lookup(linker, keys) == [1, 2]
-        server.stop()
-        assert lookup(linker, keys) == []
-        assert not load(device, linker, keys, device.alloc(2))
-        assert not offload(linker, keys, device.alloc(2))
-    finally:
-        linker.close()
-        engine.close()
+    with page_server(PAGE, 1 << 20) as server:
+        device = Device("mha", seed=60)
+        linker = make_linker(device, {"mode": "server", "server_url": url_of(server), "timeout_s": 0.5})
+        try:
+            keys = page_keys(2, 61)
+            assert offload(linker, keys, device.alloc(2))
+            assert lookup(linker, keys) == [1, 2]
+            server.stop()
+            assert lookup(linker, keys) == []
+            assert not load(device, linker, keys, device.alloc(2))
+            assert not offload(linker, keys, device.alloc(2))
+        finally:
+            linker.close()
 
 
-def test_sglangs_radix_tree_offloads_through_the_linker_and_another_engine_loads_back() -> None:
+@pytest.fixture
+def tree_server() -> Iterator[KvferryServer]:
+    with page_server(PAGE, 4 << 20) as server:
+        yield server
+
+
+def test_sglangs_radix_tree_offloads_through_the_linker_and_another_engine_loads_back(
+    tree_server: KvferryServer,
+) -> None:
     """SGLang's own tree flow (`UnifiedRadixCache` with the linker wrapper): an engine inserts a computed prompt,
     its write-through offloads the pages and commits them; a second engine's prefix match finds them in kvferry,
     loads them back into request-private slots, its forward waits for the layers and the load is confirmed,
@@ -328,11 +317,8 @@ def test_sglangs_radix_tree_offloads_through_the_linker_and_another_engine_loads
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
     from sglang.srt.runtime_context import get_context
 
-    config = KvferryConfig.load(env={}, overrides={"cache": {"chunk_size": PAGE}})
-    engine = CacheEngine(config, pool=HostPool(4 << 20, pin=False))
-    server = KvferryServer(ServerConfig(port=0, http_port=0), engine)
-    server.start()
-    settings = {"mode": "server", "server_url": f"tcp://127.0.0.1:{server.port}"}
+    server = tree_server
+    settings = {"mode": "server", "server_url": url_of(server)}
     caches: list[Any] = []
 
     def tree(device: Device) -> Any:
@@ -383,15 +369,13 @@ def test_sglangs_radix_tree_offloads_through_the_linker_and_another_engine_loads
         assert forward(reader_tree, reader, req) == [] and torch.equal(reader.read(target), expected)
         late_tree = tree(late)
         req, _ = load_back(late_tree, tokens, "lost")
-        engine.clear()  # the server loses the pages (and the lookup's locks) after the match
+        server.engine.clear()  # the server loses the pages (and the lookup's locks) after the match
         assert forward(late_tree, late, req) == [req]
         assert req.skip_radix_cache_insert  # SGLang drops the request's output and never inserts its slots
     finally:
         for cache in caches:
             cache.linker.close()
         published.restore()
-        server.stop()
-        engine.close()
 
 
 def test_the_documented_linker_launch_goes_through_sglangs_parser_and_factory_config() -> None:
@@ -405,7 +389,7 @@ def test_the_documented_linker_launch_goes_through_sglangs_parser_and_factory_co
     from sglang.srt.mem_cache.unified_cache.linker_config import UnifiedCacheLinkerConfig
 
     from kvferry.connector.settings import ConnectorSettings
-    from tests.integrations.sglang_docs import documented_launch
+    from tests.integrations.sglangkit import documented_launch
 
     lines = [shlex.split(command) for command in documented_launch("--enable-unified-cache-external-linker")]
     (server,) = [words for words in lines if words[:2] == ["kvferry", "server"]]
