@@ -54,6 +54,26 @@ def test_every_single_bit_flip_in_header_or_payload_is_caught() -> None:
             _decode(bytes(flipped))
 
 
+def test_a_header_only_checksum_catches_every_header_bit_and_no_payload_bit() -> None:
+    """For stores that guarantee whole reads (the Mooncake tier's default): the checksum covers the header, and a
+    flipped flag (which would skip or demand the payload's sum) is caught like any other header bit."""
+    obj = random_tensor((1, 2, 4, 8), torch.bfloat16, seed=1)
+    data = bytearray(encode_header(KEY, obj, tensor_bytes(obj), payload_checksum=False) + bytes(tensor_bytes(obj)))
+    header = decode_header(KEY, data)
+    assert not header.payload_checksum and same_bits(_decode(bytes(data)), obj)
+    for bit in range(header.header_len * 8):
+        flipped = bytearray(data)
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        with pytest.raises(CorruptObject):
+            _decode(bytes(flipped))
+    flipped = bytearray(data)
+    flipped[header.header_len + 5] ^= 1
+    assert not same_bits(_decode(bytes(flipped)), obj)  # what it trades: a damaged payload is read as stored
+    struct.pack_into("<H", data, 10, 0x8001)
+    with pytest.raises(CorruptObject, match="unknown flags 0x8001"):
+        decode_header(KEY, data)
+
+
 def test_truncated_object_is_corrupt_at_every_length() -> None:
     data = _object(random_tensor((2, 1, 4, 16), torch.float16, seed=2))
     for length in range(len(data)):

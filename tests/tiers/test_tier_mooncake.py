@@ -10,11 +10,15 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from kvferry.cli.main import main
 from kvferry.tiers import MooncakeTier, make_tier
+from kvferry.tiers.base import resolved
+from kvferry.tiers.header import encode_header, tensor_bytes
 from kvferry.tiers.mooncake_tier import HEADER_BYTES
 from tests.cli.benchkit import run_bench
 from tests.tiers.mooncakekit import MooncakeStore, need_mooncake
@@ -29,6 +33,7 @@ class SlabAlloc:
     def __init__(self, nbytes: int) -> None:
         self.slab = torch.empty(nbytes, dtype=torch.uint8)
         self._next = 0
+        self.allocated = 0
         self.freed = 0
 
     def __call__(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
@@ -36,6 +41,7 @@ class SlabAlloc:
         if self._next + nbytes > self.slab.numel():
             return None
         start, self._next = self._next, self._next + -(-nbytes // 64) * 64
+        self.allocated += 1
         return self.slab[start : start + nbytes].view(dtype).view(shape)
 
     def free(self, tensor: torch.Tensor) -> None:
@@ -114,27 +120,63 @@ def test_two_nodes_share_objects_and_two_writers_of_a_key_both_succeed(nodes: li
         assert same_bits(tier.get(key("from-a"), slab, slab.free).result(30), mine)
 
 
-def test_an_object_damaged_in_the_store_is_a_miss_and_removed(nodes: list[MooncakeTier]) -> None:
+@pytest.mark.parametrize(
+    ("name", "payload_checksum", "damaged_byte"),
+    [("header", False, 40), ("payload", True, HEADER_BYTES + 200)],  # byte 40: the shape; past the header: payload
+)
+def test_an_object_damaged_in_the_store_is_a_miss_and_removed(
+    nodes: list[MooncakeTier], name: str, payload_checksum: bool, damaged_byte: int
+) -> None:
+    """A reader checks whatever checksum an object carries: one written with ``checksum=payload`` (here by hand,
+    as another node's tier writes it) is checked to its last byte by a tier set to ``header``."""
     writer, reader = nodes
-    good = random_tensor((4096,), torch.uint8, seed=3)
-    stored = bytearray(_raw_object(writer, key("damaged"), good))
-    stored[200] ^= 0x10  # one bit of the payload
-    raw = writer._connect()  # the tier's own client, used as any Mooncake user could: replace the value
-    assert raw.remove(key("damaged").hex(), True) == 0
-    assert raw.put(key("damaged").hex(), bytes(stored)) == 0
+    k, good = key(f"damaged-{name}"), random_tensor((4096,), torch.uint8, seed=3)
+    header = encode_header(k, good, tensor_bytes(good), align=HEADER_BYTES, payload_checksum=payload_checksum)
+    stored = bytearray(header + bytes(good.numpy()))
+    stored[damaged_byte] ^= 0x10
+    assert writer.store().put(k.hex(), bytes(stored)) == 0  # the tier's own client, used as any Mooncake user could
     slab = SlabAlloc(1 << 20)
     corrupt = reader.stats()["ops"].get("get", {}).get("corrupt", 0)
-    assert reader.get(key("damaged"), slab, slab.free).result(30) is None
-    assert reader.stats()["ops"]["get"]["corrupt"] == corrupt + 1 and slab.freed == 1
-    assert not reader.contains(key("damaged"))
+    assert reader.get(k, slab, slab.free).result(30) is None
+    assert reader.stats()["ops"]["get"]["corrupt"] == corrupt + 1 and slab.freed == slab.allocated
+    assert not reader.contains(k)
 
 
-def _raw_object(tier: MooncakeTier, k: bytes, obj: torch.Tensor) -> bytes:
-    """What the tier stores for ``obj`` under ``k`` (header + bytes), read back through the raw client."""
-    assert tier.put(k, obj).result(30)
-    buffer = torch.empty(HEADER_BYTES + obj.numel() * obj.element_size(), dtype=torch.uint8)
-    assert tier._connect().get_into(k.hex(), buffer.data_ptr(), buffer.numel()) == buffer.numel()
-    return bytes(buffer.numpy())
+def test_reads_of_the_usual_shape_take_one_call_and_other_shapes_are_read_after_their_header(
+    nodes: list[MooncakeTier], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = nodes[0]
+    slab = SlabAlloc(16 << 20)
+    tier.use_memory(slab.slab)
+    usual = {key(f"usual{i}"): random_tensor((4, 3, 1001), torch.bfloat16, seed=i) for i in range(6)}
+    others = {
+        key("same-bytes"): random_tensor((3, 4, 1001), torch.float16, seed=20),  # as many bytes, another shape
+        key("smaller"): random_tensor((7, 9), torch.float32, seed=21),
+        key("larger"): random_tensor((5, 3, 1001), torch.bfloat16, seed=22),
+    }
+    assert all(f.result(30) for f in [tier.put(k, o) for k, o in [*others.items(), *usual.items()]])
+    calls: list[str] = []
+    store = tier.store()
+
+    class Counting:  # the client as the tier's reads see it, counting its calls
+        def __getattr__(self, name: str) -> Any:
+            calls.append(name)
+            return getattr(store, name)
+
+    monkeypatch.setattr(tier._reads, "_client", type("C", (), {"client": lambda _: Counting(),
+                                                                "headers": tier._client.headers})())  # fmt: skip
+    for k, obj in usual.items():
+        assert same_bits(tier.get(k, slab, slab.free).result(30), obj)
+    assert calls == ["batch_get_replica_desc", "batch_get_into_multi_buffers"] * len(usual)  # no header read
+    calls.clear()
+    for k, obj in others.items():
+        assert same_bits(tier.get(k, slab, slab.free).result(30), obj)
+    assert calls.count("get_into_ranges") == len(others)  # each read after its header
+    assert slab.freed == 1  # the tensor of the usual shape given to "same-bytes" went back
+    calls.clear()
+    no_free = tier.get(key("usual0"), slab).result(30)  # without a free: straight to the header read
+    assert same_bits(no_free, usual[key("usual0")])
+    assert calls == ["batch_get_replica_desc", "get_into_ranges", "batch_get_into_multi_buffers"]
 
 
 def test_a_full_store_refuses_puts_but_stays_healthy(nodes: list[MooncakeTier]) -> None:
@@ -238,6 +280,56 @@ def test_bench_tiers_puts_the_tier_beside_the_raw_client(
     assert [r["op"] for r in rows] == ["write", "read"] and "qwen2.5-0.5b: mooncake pass 1/1" in progress.done
     assert all(r["tier_GBps"] > 0 and r["plain_1_thread_GBps"] > 0 for r in rows)
     assert doc["config"]["mooncake"] == store.url(segment="32MiB")
+
+
+@pytest.mark.parametrize("wrong", ["tier read", "raw read"])
+def test_bench_tiers_fails_on_a_wrong_transfer(
+    store: MooncakeStore,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    wrong: str,
+) -> None:
+    """A tier read that flips a bit, or a raw read that reports its bytes without moving them, fails the bench."""
+    if wrong == "tier read":
+        get = MooncakeTier.get
+
+        def flipped(self: MooncakeTier, *args: Any, **kwargs: Any) -> Any:
+            got = get(self, *args, **kwargs).result()
+            if got is not None:
+                got.view(-1).view(torch.uint8)[7] ^= 1
+            return resolved(got)
+
+        monkeypatch.setattr(MooncakeTier, "get", flipped)
+    else:
+        real = MooncakeTier.store
+
+        class NoRead:  # the client, but its batch_get_into claims the bytes and moves none
+            def __init__(self, store: Any) -> None:
+                self._store = store
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(self._store, name)
+
+            def batch_get_into(self, keys: list[str], pointers: list[int], sizes: list[int]) -> list[int]:
+                return list(sizes)
+
+        monkeypatch.setattr(MooncakeTier, "store", lambda self: NoRead(real(self)))
+    args = (
+        "--total-mib",
+        "4",
+        "--reps",
+        "2",
+        "--objects",
+        "qwen2.5-0.5b",
+        "--dir",
+        str(tmp_path),
+        "--json",
+        str(tmp_path / "out.json"),
+    )
+    assert main(["bench", "tiers", *args, "--mooncake", store.url(segment="32MiB")]) == 1
+    said = {"tier read": "the Mooncake tier returned wrong bytes", "raw read": "the raw Mooncake client failed"}
+    assert said[wrong] in capsys.readouterr().err
 
 
 def test_urls_name_the_master_and_refuse_what_they_do_not_know() -> None:

@@ -2,9 +2,9 @@
 
 Layout (little-endian), shared by every tier so that any process can read what another wrote:
 
-    body     magic "KVFO" | version u16 | header_len u16 | dtype u8 | ndim u8 | reserved u16 |
+    body     magic "KVFO" | version u16 | header_len u16 | dtype u8 | ndim u8 | flags u16 |
              payload_len u64 | key_tag 16 B | shape ndim x u64
-    checksum 16 B xxh3-128(body || payload)
+    checksum 16 B xxh3-128(body || payload), or xxh3-128(body) where flags has HEADER_ONLY
     padding  zeros up to header_len (the disk tier pads to 4096 so the payload starts block-aligned)
     payload  payload_len bytes
 
@@ -12,6 +12,11 @@ The checksum covers the body as well as the payload, so a flipped bit in the sha
 and the key tag (a hash of the key) catches an object stored under the wrong name. The checksum guards against
 corruption (torn writes, bit rot, truncation), not against an adversary who can write the tier: xxh3-128 runs at
 >10 GB/s on one core, where blake3 (~1.5-3 GB/s here) made verification slower than the disk (version 1).
+
+A tier whose store already guarantees that a read returns the whole object as written (Mooncake Store) may write
+objects whose checksum covers the header only (`encode_header(..., payload_checksum=False)`): summing the payload
+is one more pass over memory, a third of the work where the copy itself is memory-bound. Readers verify whatever
+an object carries, so writers with either setting share a store.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ CHECKSUM_BYTES = 16
 KEY_TAG_BYTES = 16
 MAX_NDIM = 8
 KEY_NOTE = b"KEY:"  # starts the key written into a header's padding (`note_key`)
+HEADER_ONLY = 0x1  # flags: the checksum covers the body, not the payload
 
 _BODY = struct.Struct("<4sHHBBHQ16s")
 MAX_HEADER_BYTES = _BODY.size + 8 * MAX_NDIM + CHECKSUM_BYTES
@@ -63,6 +69,7 @@ class ObjectHeader:
     header_len: int
     body: bytes
     checksum: bytes
+    payload_checksum: bool = True  # False: the checksum covers the body only (flags HEADER_ONLY)
 
 
 def key_tag(key: bytes) -> bytes:
@@ -104,15 +111,20 @@ def destination_bytes(tensor: object, header: ObjectHeader) -> memoryview:
     return tensor.detach().reshape(-1).view(torch.uint8).numpy().data
 
 
-def encode_header(key: bytes, obj: torch.Tensor, payload: memoryview, *, align: int = 1) -> bytes:
-    """Header bytes for `obj` (whose bytes are `payload`), padded to a multiple of `align`."""
+def encode_header(
+    key: bytes, obj: torch.Tensor, payload: memoryview, *, align: int = 1, payload_checksum: bool = True
+) -> bytes:
+    """Header bytes for `obj` (whose bytes are `payload`), padded to a multiple of `align`; its checksum covers the
+    payload unless `payload_checksum` is False."""
     shape = tuple(obj.shape)
     header_len = _round_up(_BODY.size + 8 * len(shape) + CHECKSUM_BYTES, align)
+    flags = 0 if payload_checksum else HEADER_ONLY
     body = _BODY.pack(
-        MAGIC, FORMAT_VERSION, header_len, _DTYPE_CODES[obj.dtype], len(shape), 0, len(payload), key_tag(key)
+        MAGIC, FORMAT_VERSION, header_len, _DTYPE_CODES[obj.dtype], len(shape), flags, len(payload), key_tag(key)
     ) + struct.pack(f"<{len(shape)}Q", *shape)
     hasher = xxhash.xxh3_128(body)
-    hasher.update(payload)
+    if payload_checksum:
+        hasher.update(payload)
     checksum = hasher.digest()
     return body + checksum + bytes(header_len - len(body) - CHECKSUM_BYTES)
 
@@ -121,13 +133,15 @@ def decode_header(key: bytes, data: bytes | bytearray | memoryview) -> ObjectHea
     """Parse and sanity-check a header (not yet the payload); raises CorruptObject naming what is wrong."""
     if len(data) < _BODY.size:
         raise CorruptObject(f"object is {len(data)} bytes, shorter than a header")
-    magic, version, header_len, code, ndim, _, payload_len, tag = _BODY.unpack_from(data)
+    magic, version, header_len, code, ndim, flags, payload_len, tag = _BODY.unpack_from(data)
     if magic != MAGIC:
         raise CorruptObject(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
     if version != FORMAT_VERSION:
         raise CorruptObject(f"format version {version}, this build reads {FORMAT_VERSION}")
     if code not in _CODE_DTYPES:
         raise CorruptObject(f"unknown dtype code {code}")
+    if flags & ~HEADER_ONLY:
+        raise CorruptObject(f"unknown flags {flags:#x}")
     if not 1 <= ndim <= MAX_NDIM:
         raise CorruptObject(f"ndim={ndim} out of range 1..{MAX_NDIM}")
     body_len = _BODY.size + 8 * ndim
@@ -147,6 +161,7 @@ def decode_header(key: bytes, data: bytes | bytearray | memoryview) -> ObjectHea
         header_len=header_len,
         body=bytes(data[:body_len]),
         checksum=bytes(data[body_len : body_len + CHECKSUM_BYTES]),
+        payload_checksum=not flags & HEADER_ONLY,
     )
 
 
@@ -179,7 +194,8 @@ def verify_payload(header: ObjectHeader, payload: bytes | bytearray | memoryview
     if len(payload) != header.payload_len:
         raise CorruptObject(f"payload is {len(payload)} bytes, header says {header.payload_len}")
     hasher = xxhash.xxh3_128(header.body)
-    hasher.update(payload)
+    if header.payload_checksum:
+        hasher.update(payload)
     if hasher.digest() != header.checksum:
         raise CorruptObject("checksum mismatch")
 

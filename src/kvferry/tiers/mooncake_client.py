@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import importlib.util
 import socket
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
+
+import torch
 
 from kvferry.tiers.base import TierFull, TierUnavailable
 
@@ -79,3 +82,57 @@ class Deadline:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class LazyStore:
+    """A `MooncakeDistributedStore` set up on first use (mounting this node's segment), with the memory registered
+    that transfers go from and into, and per-thread registered room for headers."""
+
+    def __init__(self, config: dict[str, Any], header_bytes: int) -> None:
+        self._config = config
+        self._header_bytes = header_bytes
+        self._store: Any = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self._memory: list[torch.Tensor] = []  # registered with the client (kept alive here)
+        self._scratch = threading.local()
+
+    def client(self) -> Any:
+        with self._lock:
+            if self._closed:
+                raise TierUnavailable("closed")
+            if self._store is None:
+                store = open_store(self._config)
+                for memory in self._memory:
+                    _register(store, memory)
+                self._store = store
+            return self._store
+
+    def use_memory(self, memory: torch.Tensor) -> None:
+        with self._lock:
+            self._memory.append(memory)
+            if self._store is not None:
+                _register(self._store, memory)
+
+    def headers(self, count: int) -> torch.Tensor:
+        """This thread's registered room for at least ``count`` headers."""
+        room: torch.Tensor | None = getattr(self._scratch, "room", None)
+        if room is None or room.numel() < count * self._header_bytes:
+            room = torch.empty(max(count, 32) * self._header_bytes, dtype=torch.uint8)
+            self.use_memory(room)  # kept alive while the client may touch it
+            self._scratch.room = room
+        return room
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            store, self._store = self._store, None
+        if store is not None:
+            store.close()
+
+
+def _register(store: Any, memory: torch.Tensor) -> None:
+    nbytes = memory.numel() * memory.element_size()
+    code = store.register_buffer(memory.data_ptr(), nbytes)
+    if code != 0:
+        raise TierUnavailable(f"register_buffer of {nbytes} bytes failed ({code})")

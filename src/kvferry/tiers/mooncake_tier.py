@@ -5,9 +5,16 @@ Every node's client contributes a memory segment (``segment=``) where the master
 over TCP or RDMA straight from and into host-pool memory (`use_memory` registers the pool with the client):
 
     put  one `batch_put_from_multi_buffers` per batch: [header, tensor] of each object, no copy in Python
-    get  one `get_into_ranges` for the batch's headers (the shape to allocate), then one
-         `batch_get_into_multi_buffers` of [header, pool tensor]; the header is compared with the first read and
-         the payload checked against its checksum in the pool before the tensor is returned
+    get  the batch's sizes from the master, then one `batch_get_into_multi_buffers` of [header, pool tensor] for
+         the objects of the size the tier last stored or read; the others are read after their headers
+         (mooncake_reads.py). Each header is checked (checksum, key tag, shape, dtype, size) before its tensor is
+         returned
+
+Checksums (``checksum=``): by default a header's checksum covers the header only. Mooncake guarantees that a get
+returns the whole object as written (the master holds a lease on it while it is read and the transports check
+what they carry); summing every payload byte on both sides is one more pass over memory, a third of the work
+where the copy is memory-bound. ``checksum=payload`` covers the payload too. Readers verify whatever an object
+carries, so nodes with either setting share a store.
 
 Consistency: keys name content, so a key holds the same bytes whoever wrote it; the first put of a key wins and a
 second writer's put is a success. A reader sees a whole object or a miss. The master keeps its index in memory
@@ -23,7 +30,6 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -31,18 +37,19 @@ import torch
 
 from kvferry.tiers.base import Alloc, Free, Tier, TierUnavailable, resolved
 from kvferry.tiers.batching import Batcher
-from kvferry.tiers.header import CorruptObject, decode_header, destination_bytes, encode_header, verify_payload
+from kvferry.tiers.header import CorruptObject, encode_header
 from kvferry.tiers.mooncake_client import (
     MISSING_WHEEL,
     OBJECT_ALREADY_EXISTS,
     OBJECT_NOT_FOUND,
     TRANSFER_FAIL,
     Deadline,
+    LazyStore,
     local_address,
-    open_store,
     status_error,
     wheel_installed,
 )
+from kvferry.tiers.mooncake_reads import ObjectReads, ReadOutcomes, Request
 
 log = logging.getLogger(__name__)
 
@@ -50,20 +57,7 @@ HEADER_BYTES = 128  # every header padded to this, so a reader knows how many by
 _PROBE_KEY = "kvferry-probe"
 # A batch may take `timeout` plus its bytes at this rate before its requests are misses (a frozen master).
 _SLOWEST_BYTES_PER_S = 100e6
-
-
-@dataclass(eq=False)
-class _Request:
-    key: bytes
-    nbytes: int
-    miss: object
-    submitted: float
-    future: Future = field(default_factory=Future)
-    obj: torch.Tensor | None = None  # put
-    payload: memoryview | None = None  # put: obj's bytes
-    alloc: Alloc | None = None  # get
-    free: Free | None = None  # get
-    claimed: bool = False  # someone is resolving the future (see MooncakeTier._claim)
+CHECKSUMS = ("header", "payload")
 
 
 class MooncakeTier(Tier):
@@ -83,20 +77,24 @@ class MooncakeTier(Tier):
         max_batch: int = 16,
         max_batch_bytes: int = 64 << 20,
         timeout_s: float = 2.0,
+        checksum: str = "header",
         name: str | None = None,
         backoff_s: float = 1.0,
         backoff_max_s: float = 60.0,
     ) -> None:
         """`master`: the master's (host, RPC port); `metadata`: the metadata server's URL (http://host:port/metadata).
         `segment_bytes`: the memory this node gives the store; `timeout_s` bounds the calls made on a caller's
-        thread (contains, delete, the health probe). Batches of at most `max_batch_bytes` let the two workers
-        overlap one batch's checksums with the other's transfer."""
+        thread (contains, delete, the health probe). Batches of at most `max_batch_bytes` let the workers overlap
+        one batch's Python with another's transfer. `checksum`: what an object's checksum covers, "header" or
+        "payload" (the module's docstring says why the header is enough here)."""
         if not wheel_installed():
             raise ValueError(MISSING_WHEEL)
         if protocol not in ("tcp", "rdma"):
             raise ValueError(f"protocol={protocol!r} must be tcp or rdma")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s} must be > 0")
+        if checksum not in CHECKSUMS:
+            raise ValueError(f"checksum={checksum!r} must be one of {', '.join(CHECKSUMS)}")
         host, port = master
         super().__init__(name or f"mooncake://{host}:{port}", backoff_s=backoff_s, backoff_max_s=backoff_max_s)
         self._config: dict[str, Any] = {
@@ -108,15 +106,13 @@ class MooncakeTier(Tier):
             "rdma_devices": device,
             "master_server_addr": f"{host}:{port}",
         }
-        self._max_batch = max_batch
-        self._store: Any = None
-        self._store_lock = threading.Lock()
-        self._memory: list[torch.Tensor] = []  # registered with the client (kept alive here)
-        self._scratch = threading.local()  # per worker: registered room for a batch's headers
+        self._client = LazyStore(self._config, HEADER_BYTES)
+        self._payload_checksum = checksum == "payload"
+        outcomes = ReadOutcomes(self._hit, self._no_memory, self._corrupt, self._read_failed)
+        self._reads = ObjectReads(self._client, outcomes, HEADER_BYTES)
         self._failed_at = float("-inf")  # when an operation last found the store unreachable
         self._finish_lock = threading.Lock()
         self._timeout_s = timeout_s
-        self._typical_bytes = 0
         self._deadline = Deadline(timeout_s, "kvferry-mooncake")
         self._batcher = Batcher(
             self._run_batch, workers=workers, max_items=max_batch, max_bytes=max_batch_bytes, name="kvferry-mooncake"
@@ -143,18 +139,18 @@ class MooncakeTier(Tier):
     def use_memory(self, memory: torch.Tensor) -> None:
         """Register ``memory`` (the host pool's slab) with the client, so transfers go from and into it directly
         (RDMA needs it; over TCP it saves the client's staging copy)."""
-        self._memory.append(memory)
-        if self._store is not None:
-            self._register(self._store, memory)
+        self._client.use_memory(memory)
+
+    def store(self) -> Any:
+        """The tier's `MooncakeDistributedStore`, set up on first call with the registered memory: for tools that
+        set the tier beside the raw client (``kvferry bench tiers``) or look into the store."""
+        return self._client.client()
 
     def close(self) -> None:
         super().close()
         self._batcher.close()
         self._deadline.close()
-        with self._store_lock:
-            store, self._store = self._store, None
-        if store is not None:
-            store.close()
+        self._client.close()
 
     # --- calls on the caller's thread -------------------------------------------------------------------------
 
@@ -172,11 +168,11 @@ class MooncakeTier(Tier):
         self._deadline.call(self._remove, key.hex())  # a missing key: nothing more to do
 
     def _exists(self, names: list[str]) -> list[int]:
-        return list(self._connect().batch_is_exist(names))
+        return list(self._client.client().batch_is_exist(names))
 
     def _remove(self, name: str) -> int:
         # force: past a reader's lease (a node mid-read of a removed object fails its checksum: a miss)
-        return int(self._connect().remove(name, True))
+        return int(self._client.client().remove(name, True))
 
     def _unreachable_if(self, failed: bool, what: str) -> None:
         if failed:
@@ -186,14 +182,15 @@ class MooncakeTier(Tier):
     # --- batches on the tier's workers ------------------------------------------------------------------------
 
     def _submit_put(self, key: bytes, obj: torch.Tensor, payload: memoryview) -> Future[bool]:
-        request = _Request(key, len(payload), False, time.monotonic(), obj=obj, payload=payload)
+        request = Request(key, len(payload), False, time.monotonic(), obj=obj, payload=payload)
         return request.future if self._batcher.submit(request) else resolved(False)
 
     def _submit_get(self, key: bytes, alloc: Alloc, free: Free | None) -> Future[torch.Tensor | None]:
-        request = _Request(key, self._typical_bytes, None, time.monotonic(), alloc=alloc, free=free)
+        nbytes = self._reads.usual[2] if self._reads.usual is not None else 0
+        request = Request(key, nbytes, None, time.monotonic(), alloc=alloc, free=free)
         return request.future if self._batcher.submit(request) else resolved(None)
 
-    def _run_batch(self, batch: list[_Request]) -> None:
+    def _run_batch(self, batch: list[Request]) -> None:
         # Queued before an operation found the store gone: each would block in the client for seconds. A request
         # admitted since then is the health gate's probe and goes ahead.
         for request in [r for r in batch if r.submitted < self._failed_at]:
@@ -220,7 +217,7 @@ class MooncakeTier(Tier):
                 watchdog.cancel()
                 watchdog.join()  # an expiry under way completes before the batcher looks at the futures
 
-    def _expire(self, requests: list[_Request], seconds: float) -> None:
+    def _expire(self, requests: list[Request], seconds: float) -> None:
         error = TierUnavailable(f"no answer within {seconds:.1f}s")
         for request in requests:
             if self._claim(request):
@@ -228,7 +225,7 @@ class MooncakeTier(Tier):
                 self._record_failure(_op(request), error)
                 request.future.set_result(request.miss)
 
-    def _claim(self, request: _Request) -> bool:
+    def _claim(self, request: Request) -> bool:
         """Take the right to resolve ``request`` (the worker and the watchdog race for it); True if this call did."""
         with self._finish_lock:
             if request.claimed:
@@ -236,7 +233,7 @@ class MooncakeTier(Tier):
             request.claimed = True
             return True
 
-    def _finish(self, request: _Request, result: object, record: Callable[[], object] | None = None) -> bool:
+    def _finish(self, request: Request, result: object, record: Callable[[], object] | None = None) -> bool:
         """Resolve ``request`` unless the watchdog has, after ``record`` (counting the outcome, dropping a bad
         object): whoever the result wakes sees the tier's state after it."""
         if not self._claim(request):
@@ -246,91 +243,43 @@ class MooncakeTier(Tier):
         request.future.set_result(result)
         return True
 
-    def _corrupt(self, request: _Request, exc: CorruptObject) -> None:
-        self._finish(request, None, partial(self._record_corrupt, request.key, exc))
-
-    def _put_batch(self, batch: list[_Request]) -> None:
+    def _put_batch(self, batch: list[Request]) -> None:
         started = time.perf_counter()
-        store = self._connect()
-        headers = self._headers(store, len(batch))
+        store = self._client.client()
+        headers = self._client.headers(len(batch))
         pointers, sizes = [], []
         for i, request in enumerate(batch):
             assert request.obj is not None and request.payload is not None  # a put holds its object
-            header = encode_header(request.key, request.obj, request.payload, align=HEADER_BYTES)
+            header = encode_header(
+                request.key, request.obj, request.payload, align=HEADER_BYTES, payload_checksum=self._payload_checksum
+            )
             headers[i * HEADER_BYTES : (i + 1) * HEADER_BYTES] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
             pointers.append([headers.data_ptr() + i * HEADER_BYTES, request.obj.data_ptr()])
             sizes.append([HEADER_BYTES, request.nbytes])
         codes = store.batch_put_from_multi_buffers([r.key.hex() for r in batch], pointers, sizes)
         for request, code in zip(batch, codes, strict=True):
             if code in (0, OBJECT_ALREADY_EXISTS):
-                self._typical_bytes = request.nbytes
+                assert request.obj is not None
+                self._reads.usual = (tuple(request.obj.shape), request.obj.dtype, request.nbytes)
                 self._finish(request, True, partial(self._record_success, "put", "stored", request.nbytes, started))
             else:
                 self._finish(request, False, partial(self._unreachable_or, code, "put"))
 
-    def _get_batch(self, batch: list[_Request]) -> None:
-        started = time.perf_counter()
-        store = self._connect()
-        headers = self._headers(store, 2 * len(batch))  # first read, then the second read's copy
-        names = [r.key.hex() for r in batch]
-        first = store.get_into_ranges(
-            [headers.data_ptr()],
-            [names],
-            [[[i * HEADER_BYTES] for i in range(len(batch))]],
-            [[[0] for _ in batch]],
-            [[[HEADER_BYTES] for _ in batch]],
-        )[0]
-        ready: list[tuple[_Request, torch.Tensor, bytes, int]] = []
-        for i, (request, got) in enumerate(zip(batch, first, strict=True)):
-            code = got[0] if got else OBJECT_NOT_FOUND
-            if request.claimed:  # expired while the headers were read
-                continue
-            if code != HEADER_BYTES:
-                self._finish_unread(request, code)
-                continue
-            raw = bytes(headers[i * HEADER_BYTES : (i + 1) * HEADER_BYTES].numpy())
-            try:
-                header = decode_header(request.key, raw)
-            except CorruptObject as exc:
-                self._corrupt(request, exc)
-                continue
-            assert request.alloc is not None  # every get gives its allocator
-            tensor = request.alloc(header.shape, header.dtype)
-            if tensor is None:
-                self._finish(request, None, partial(self._record_success, "get", "no_memory"))
-                continue
-            destination_bytes(tensor, header)  # checks alloc gave what was asked for
-            ready.append((request, tensor, raw, header.payload_len))
-        if not ready:
-            return
-        second = len(batch) * HEADER_BYTES
-        codes = store.batch_get_into_multi_buffers(
-            [r.key.hex() for r, *_ in ready],
-            [[headers.data_ptr() + second + i * HEADER_BYTES, t.data_ptr()] for i, (_, t, *_) in enumerate(ready)],
-            [[HEADER_BYTES, n] for *_, n in ready],
-        )
-        for i, ((request, tensor, raw, nbytes), code) in enumerate(zip(ready, codes, strict=True)):
-            if code != HEADER_BYTES + nbytes:
-                self._give_back(request, tensor)
-                self._finish_unread(request, code)
-                continue
-            again = bytes(headers[second + i * HEADER_BYTES : second + (i + 1) * HEADER_BYTES].numpy())
-            try:
-                if again != raw:
-                    raise CorruptObject("the object changed between the header read and the payload read")
-                header = decode_header(request.key, raw)
-                verify_payload(header, tensor.detach().reshape(-1).view(torch.uint8).numpy().data)
-            except CorruptObject as exc:
-                self._give_back(request, tensor)
-                self._corrupt(request, exc)
-                continue
-            self._typical_bytes = nbytes
-            if not self._finish(
-                request, tensor, partial(self._record_success, "get", "hit", nbytes, started)
-            ):  # expired: the caller has its miss, and the memory goes back now that the client is done
-                self._give_back(request, tensor)
+    def _get_batch(self, batch: list[Request]) -> None:
+        self._reads.read(batch)
 
-    def _finish_unread(self, request: _Request, code: int) -> None:
+    # --- how reads end (ReadOutcomes) ---------------------------------------------------------------------------
+
+    def _hit(self, request: Request, tensor: torch.Tensor, nbytes: int, started: float) -> bool:
+        return self._finish(request, tensor, partial(self._record_success, "get", "hit", nbytes, started))
+
+    def _no_memory(self, request: Request) -> None:
+        self._finish(request, None, partial(self._record_success, "get", "no_memory"))
+
+    def _corrupt(self, request: Request, exc: CorruptObject) -> None:
+        self._finish(request, None, partial(self._record_corrupt, request.key, exc))
+
+    def _read_failed(self, request: Request, code: int) -> None:
         """A read that did not return the object: absent (a miss), in a segment that cannot be reached (its node
         died: a counted error, the object dropped, the tier still healthy), or a failed call (the store is down)."""
         self._finish(request, None, partial(self._unread, request.key, code))
@@ -362,40 +311,6 @@ class MooncakeTier(Tier):
         except Exception as exc:
             self._record_failure("delete", exc)
 
-    @staticmethod
-    def _give_back(request: _Request, tensor: torch.Tensor) -> None:
-        if request.free is not None:
-            request.free(tensor)
 
-    # --- client -----------------------------------------------------------------------------------------------
-
-    def _connect(self) -> Any:
-        """The client, set up on first use (mounting this node's segment), with the pool's memory registered."""
-        with self._store_lock:
-            if self._closed:
-                raise TierUnavailable("closed")
-            if self._store is None:
-                store = open_store(self._config)
-                for memory in self._memory:
-                    self._register(store, memory)
-                self._store = store
-            return self._store
-
-    def _register(self, store: Any, memory: torch.Tensor) -> None:
-        code = store.register_buffer(memory.data_ptr(), memory.numel() * memory.element_size())
-        if code != 0:
-            raise TierUnavailable(f"register_buffer of {memory.numel() * memory.element_size()} bytes failed ({code})")
-
-    def _headers(self, store: Any, count: int) -> torch.Tensor:
-        """This worker's registered header room for ``count`` headers."""
-        room: torch.Tensor | None = getattr(self._scratch, "room", None)
-        if room is None or room.numel() < count * HEADER_BYTES:
-            room = torch.empty(max(count, 2 * self._max_batch) * HEADER_BYTES, dtype=torch.uint8)
-            self._register(store, room)
-            self._memory.append(room)  # kept alive while the client may touch it
-            self._scratch.room = room
-        return room
-
-
-def _op(request: _Request) -> str:
+def _op(request: Request) -> str:
     return "put" if request.obj is not None else "get"

@@ -53,7 +53,9 @@ _BOOLS = {
 _COMMON = ("name", "backoff", "backoff_max")
 _DISK_PARAMS = ("size", "workers", "direct", "fsync", *_COMMON)
 _REDIS_PARAMS = ("workers", "timeout", "connect_timeout", "prefix", "batch", *_COMMON)
-_MOONCAKE_OWN = ("metadata", "segment", "buffer", "protocol", "device", "local", "workers", "batch", "timeout")
+_MOONCAKE_OWN = (
+    "metadata", "segment", "buffer", "protocol", "device", "local", "workers", "batch", "timeout", "checksum",
+)  # fmt: skip
 _MOONCAKE_PARAMS = (*_MOONCAKE_OWN, *_COMMON)
 _REDIS_SCHEMES = {"redis": False, "valkey": False, "redis+cluster": True, "valkey+cluster": True}
 EXAMPLES = (
@@ -196,10 +198,13 @@ def _mooncake(shown: str, location: str, params: dict[str, str]) -> TierSpec:
             "workers": _int(params.pop("workers", "2"), "workers"),
             "max_batch": _int(params.pop("batch", "16"), "batch"),
             "timeout_s": parse_duration(params.pop("timeout", "2")),
+            "checksum": params.pop("checksum", "header").lower(),
             **_common(params),
         }
         if kwargs["protocol"] not in ("tcp", "rdma"):
             raise ValueError(f"protocol={kwargs['protocol']!r} must be tcp or rdma")
+        if kwargs["checksum"] not in ("header", "payload"):
+            raise ValueError(f"checksum={kwargs['checksum']!r} must be header or payload")
         return TierSpec(MooncakeTier, (master, metadata), kwargs, shown)
 
 
