@@ -75,7 +75,7 @@ class MooncakeTier(Tier):
         local_host: str | None = None,
         workers: int = 2,
         max_batch: int = 16,
-        max_batch_bytes: int = 64 << 20,
+        max_batch_bytes: int = 512 << 20,
         timeout_s: float = 2.0,
         checksum: str = "header",
         name: str | None = None,
@@ -84,9 +84,10 @@ class MooncakeTier(Tier):
     ) -> None:
         """`master`: the master's (host, RPC port); `metadata`: the metadata server's URL (http://host:port/metadata).
         `segment_bytes`: the memory this node gives the store; `timeout_s` bounds the calls made on a caller's
-        thread (contains, delete, the health probe). Batches of at most `max_batch_bytes` let the workers overlap
-        one batch's Python with another's transfer. `checksum`: what an object's checksum covers, "header" or
-        "payload" (the module's docstring says why the header is enough here)."""
+        thread (contains, delete, the health probe). A batch (up to `max_batch` objects and `max_batch_bytes`) is
+        one call of the client: over TCP, 16 objects a call went 0.93-0.98 of the raw client's rate, 2 a call
+        0.79-0.93. `checksum`: what an object's checksum covers, "header" or "payload" (the module's docstring
+        says why the header is enough here)."""
         if not wheel_installed():
             raise ValueError(MISSING_WHEEL)
         if protocol not in ("tcp", "rdma"):
