@@ -28,13 +28,8 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvferry.config import SecurityConfig, ServerConfig
 from kvferry.protocol.fd_passing import fd_socket_path
-from kvferry.protocol.messages import (
-    PROTOCOL_VERSION,
-    ErrorCode,
-    ProtocolError,
-    decode_request,
-    encode_error,
-)
+from kvferry.protocol.messages import PROTOCOL_VERSION, ErrorCode
+from kvferry.server.admission import Admission
 from kvferry.server.auth import RequestAuth, check_exposure
 from kvferry.server.cache_service import CacheService
 from kvferry.server.event_stream import EventStream
@@ -101,6 +96,7 @@ class KvferryServer:
         self._stopping = threading.Event()
         self._stop_deadline = 0.0  # set by stop(), before _stopping
         self._loop_thread: threading.Thread | None = None
+        self._admission = Admission(config, self._sessions, self.metrics, clock, self._stopping)
         self._runner = RequestRunner(
             self._handlers, self.metrics, clock, self._workers, self._tier_workers, self._send_from_worker
         )
@@ -126,7 +122,7 @@ class KvferryServer:
         host = self.config.host
         with contextlib.ExitStack() as undo:  # what is open so far, closed again when a later listener fails
             if self.security.curve:
-                self._auth = RequestAuth(self._ctx, self.security)
+                self._auth = self._admission.auth = RequestAuth(self._ctx, self.security)
                 undo.callback(self._close_auth)
             router = self._ctx.socket(zmq.ROUTER)
             undo.callback(router.close, linger=0)
@@ -255,7 +251,7 @@ class KvferryServer:
     def _close_auth(self) -> None:
         if self._auth is not None:
             self._auth.close()
-            self._auth = None
+            self._auth = self._admission.auth = None
 
     def _loop(
         self, router: zmq.Socket, monitor: zmq.Socket, replies_in: zmq.Socket, unix_listener: socket.socket | None
@@ -313,7 +309,7 @@ class KvferryServer:
                 return True
             identity = frames[0].bytes
             if len(frames) != 2:
-                reply: bytes | None = self._refuse(
+                reply: bytes | None = self._admission.refuse(
                     None, ErrorCode.MALFORMED, f"a request is one frame, got {len(frames) - 1}"
                 )
             else:
@@ -353,7 +349,7 @@ class KvferryServer:
             return self._accept(identity, payload, source, monitor, user)
         except Exception as exc:  # a bug must cost one request, never the socket loop
             log.exception("request from %s could not be handled", identity.hex())
-            return self._refuse(None, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            return self._admission.refuse(None, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
     def _accept(
         self,
@@ -363,57 +359,18 @@ class KvferryServer:
         monitor: zmq.Socket | None,
         user: str | None,
     ) -> bytes | None:
-        """Parse one request (from ZMQ frame `source`, or from the Unix socket: None; `user`: the client key CURVE
-        authenticated it with); returns the reply now, or None when a worker will send it."""
-        received = self._clock()
-        session = self._sessions.touch(identity)
-        if session is not None and session.user != user:
-            # Another key under a session's id (learnt somehow): never its registrations or locks.
-            log.warning("a request under session %s came with another client key: refused", identity.hex())
-            return self._refuse(None, ErrorCode.SESSION_ENDED, "this session belongs to another client")
-        if session is None:
-            if source is not None and monitor is not None:
-                # A new client may sit on the descriptor of one that just left: end that one first (its
-                # disconnect event was queued before the descriptor could be reused).
-                self._drain_monitor(monitor)
-            if self._sessions.was_ended(identity):  # frames queued by a client that is gone: never reopen
-                return self._refuse_ended(identity, payload)
-            # A Unix socket client's session ends with its connection (not found by descriptor: -1).
-            grants = self._auth.grants(user) if self._auth is not None and source is not None else None
-            session = self._sessions.open(identity, -1 if source is None else source.get(zmq.SRCFD), user, grants)
-        if len(payload) > self.config.max_message_bytes:
-            return self._refuse(
-                None,
-                ErrorCode.TOO_LARGE,
-                f"request of {len(payload)} bytes exceeds max_message_bytes={self.config.max_message_bytes}",
-            )
-        try:
-            request = decode_request(payload)
-        except ProtocolError as exc:
-            return self._refuse(exc.request_id, exc.code, exc.message)
-        if self._stopping.is_set():
-            return self._refuse(request.id, ErrorCode.SHUTTING_DOWN, "the server is shutting down")
-        reply, self._to_finish = self._runner.dispatch(identity, session, request, received)
+        """Take up one request; returns the reply now, or None when a worker will send it."""
+        drain = (lambda: self._drain_monitor(monitor)) if monitor is not None else (lambda: None)
+        admitted = self._admission.admit(identity, payload, source, user, drain)
+        if isinstance(admitted, bytes):
+            return admitted
+        reply, self._to_finish = self._runner.dispatch(identity, admitted.session, admitted.request, admitted.received)
         return reply
 
     def _send_from_worker(self, identity: bytes, reply: bytes) -> None:
         with self._reply_lock:
             if not self._replies_out.closed:  # closed: the server stopped without waiting for this worker
                 self._replies_out.send_multipart([identity, reply])
-
-    def _refuse_ended(self, identity: bytes, payload: memoryview | bytes) -> bytes:
-        request_id = None
-        if len(payload) <= self.config.max_message_bytes:
-            try:
-                request_id = decode_request(payload).id
-            except ProtocolError as exc:
-                request_id = exc.request_id
-        message = f"session {identity.hex()} was ended by the server; connect under a new id and register again"
-        return self._refuse(request_id, ErrorCode.SESSION_ENDED, message)
-
-    def _refuse(self, request_id: int | None, code: ErrorCode, message: str) -> bytes:
-        self.metrics.record("?", code.value, None)
-        return encode_error(request_id, code, message)
 
     def _forward_replies(self, replies_in: zmq.Socket, router: zmq.Socket) -> None:
         while True:
