@@ -28,10 +28,9 @@ from kvferry.cache.metrics import GAUGES, CacheCounters, counters_dict, gbps, ma
 from kvferry.cache.policies import make_policy
 from kvferry.cache.pool_sizing import host_pool
 from kvferry.cache.reader import ChunkReader
-from kvferry.cache.request import check_skip, dtype_name, token_count
+from kvferry.cache.request import dtype_name
 from kvferry.cache.residency import Residency
 from kvferry.cache.steps import Steps, run_steps
-from kvferry.cache.tails import superseded
 from kvferry.cache.tiering import TierLink
 from kvferry.cache.writer import ChunkWriter
 from kvferry.config import KvferryConfig
@@ -41,7 +40,7 @@ from kvferry.memory import HostPool
 from kvferry.tiers import Tier, make_tier
 from kvferry.tiers.metrics import TierCollector
 from kvferry.transfer import ordered_after
-from kvferry.transfer.block_ids import BlockIds, check_block_ids
+from kvferry.transfer.block_ids import BlockIds
 
 
 def _ordered(after: torch.cuda.Event | None, call: Callable[..., int], args: tuple, kwargs: dict[str, Any]) -> int:
@@ -263,40 +262,11 @@ class CacheEngine:
         """
         ns = self._ns(namespace)
         geom = self._geometries.checked(fmt, paged, block_size, geometry, ns)
-        n_tokens = token_count(tokens)
-        skip = check_skip(skip_prefix_tokens, n_tokens)
-        first = skip // self.chunk_size
-        per_chunk = self.chunk_size // geom.bs
-        n_full = self._hasher.num_chunks(tokens)
-        tail_len = (n_tokens - n_full * self.chunk_size) // geom.bs * geom.bs if tail else 0
-        # Whether or not a chunk turns out to need a copy, every block a copy could read is checked now (once: the
-        # transfer takes the checked ids as they are).
-        needed = n_full * per_chunk + tail_len // geom.bs
-        ids = check_block_ids(block_ids, geom.nb, geom.bs, needed=needed, start=first * per_chunk, distinct=False)
-        with_tail = bool(tail_len) and n_full * self.chunk_size + tail_len > skip
-        entries, seconds = yield from self._writer.write_steps(
-            tokens, ns, paged, geom, ids, first, valid_until, more_after=with_tail
-        )
-        stored_tail = None
-        if with_tail:
-            stored_tail, more = self._writer.write_tail(
-                tokens, ns, paged, geom, ids, tail_len, valid_until, parent_skipped=first >= n_full > 0
+        return (
+            yield from self._writer.store_steps(
+                tokens, ns, paged, geom, block_ids, skip_prefix_tokens, valid_until, tail
             )
-            seconds += more
-        if self._res.index.has_tails:  # tails the chunks and tail just stored supersede go first
-            self._res.demote(superseded(self._res.index, self._hasher.prefix(tokens, ns), first, tail_len))
-        share = geom.width / geom.object_width  # this engine's heads
-        tail_tokens = stored_tail.tail if stored_tail is not None else 0
-        with self._res.lock:
-            self.counters.stores += 1
-            if entries or tail_tokens:
-                self.counters.stored_chunks += len(entries) + (tail_tokens > 0)
-                self.counters.stored_tail_tokens += tail_tokens
-                self.counters.stored_bytes += int(
-                    geom.bytes_per_token * (len(entries) * self.chunk_size + tail_tokens) * share
-                )
-                self.counters.store_seconds += seconds
-        return len(entries) * self.chunk_size + tail_tokens
+        )
 
     def retrieve(
         self,

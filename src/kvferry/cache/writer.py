@@ -19,14 +19,15 @@ import torch
 from kvferry.cache.event_hooks import StoreTokens
 from kvferry.cache.index import Entry
 from kvferry.cache.keys import CacheNamespace, ChunkHasher, TokenIds, token_view
-from kvferry.cache.request import select_blocks
+from kvferry.cache.request import check_skip, select_blocks, token_count
 from kvferry.cache.residency import Residency
 from kvferry.cache.steps import Enqueued, Steps
+from kvferry.cache.tails import superseded
 from kvferry.formats import KVGeometry
 from kvferry.memory import HostPool
 from kvferry.transfer import Direction, transfer, transfer_async
 from kvferry.transfer.api import transfer_pool_async, transfer_pool_at_async
-from kvferry.transfer.block_ids import CheckedBlockIds, PendingBlockIds
+from kvferry.transfer.block_ids import BlockIds, CheckedBlockIds, PendingBlockIds, check_block_ids
 
 if TYPE_CHECKING:
     from kvferry.cache.tiering import TierLink
@@ -113,6 +114,56 @@ class ChunkWriter:
         self._checksum = checksum
         self._tiers = tiers
         self._ahead_pause = 0  # stores left to make in order (a plain int: a lost update under a race is harmless)
+
+    def store_steps(
+        self,
+        tokens: TokenIds,
+        ns: CacheNamespace,
+        paged: Any,
+        geom: KVGeometry,
+        block_ids: BlockIds,
+        skip_prefix_tokens: int,
+        valid_until: float | None,
+        tail: bool,
+    ) -> Steps[int]:
+        """A store request (`CacheEngine.store_steps`, its geometry checked): its block ids checked, its new full
+        chunks written, then its tail where asked for; the tails they supersede dropped; the counters. Returns the
+        tokens stored."""
+        n_tokens = token_count(tokens)
+        skip = check_skip(skip_prefix_tokens, n_tokens)
+        first = skip // self._chunk_size
+        per_chunk = self._chunk_size // geom.bs
+        n_full = self._hasher.num_chunks(tokens)
+        tail_len = (n_tokens - n_full * self._chunk_size) // geom.bs * geom.bs if tail else 0
+        # Whether or not a chunk turns out to need a copy, every block a copy could read is checked now (once: the
+        # transfer takes the checked ids as they are).
+        needed = n_full * per_chunk + tail_len // geom.bs
+        ids = check_block_ids(block_ids, geom.nb, geom.bs, needed=needed, start=first * per_chunk, distinct=False)
+        with_tail = bool(tail_len) and n_full * self._chunk_size + tail_len > skip
+        entries, seconds = yield from self.write_steps(
+            tokens, ns, paged, geom, ids, first, valid_until, more_after=with_tail
+        )
+        stored_tail = None
+        if with_tail:
+            stored_tail, more = self.write_tail(
+                tokens, ns, paged, geom, ids, tail_len, valid_until, parent_skipped=first >= n_full > 0
+            )
+            seconds += more
+        if self._res.index.has_tails:  # tails the chunks and tail just stored supersede go first
+            self._res.demote(superseded(self._res.index, self._hasher.prefix(tokens, ns), first, tail_len))
+        share = geom.width / geom.object_width  # this engine's heads
+        tail_tokens = stored_tail.tail if stored_tail is not None else 0
+        counters = self._res.counters
+        with self._res.lock:
+            counters.stores += 1
+            if entries or tail_tokens:
+                counters.stored_chunks += len(entries) + (tail_tokens > 0)
+                counters.stored_tail_tokens += tail_tokens
+                counters.stored_bytes += int(
+                    geom.bytes_per_token * (len(entries) * self._chunk_size + tail_tokens) * share
+                )
+                counters.store_seconds += seconds
+        return len(entries) * self._chunk_size + tail_tokens
 
     def write_steps(
         self,
