@@ -1,0 +1,133 @@
+"""kvferry's SGLang linker store over SGLang's device pools as its allocation code builds them, replayed from their
+recording (`kvferry.bench.sglang_pools`; no SGLang needed): pages stored from one set of slots and loaded into
+another, every copied byte equal to a torch gather of the source and every other byte unchanged, in process and
+through a server. On the CPU with the small recorded pools; with the gpu marker, the model-sized ones (Llama-3-8B's
+MHA, DeepSeek-V3's MLA latent, 64-token pages) on the GPU, where an SGLang worker keeps them."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from typing import Any
+
+import pytest
+import torch
+
+from kvferry.bench.sglang_pools import BENCH_TAG, load_fixtures, replay
+from kvferry.cache import CacheEngine
+from kvferry.config import KvferryConfig, ServerConfig
+from kvferry.connector.settings import ConnectorSettings
+from kvferry.integrations.sglang.device_pages import device_kv
+from kvferry.integrations.sglang.linker_store import open_linker_store
+from kvferry.integrations.sglang.page_store import PageKeySpace
+from kvferry.memory import HostPool
+from kvferry.server import KvferryServer
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+class Counter:
+    """SGLang's layer-wise load counter as the store uses it: each batch's layers done, or its failure."""
+
+    def __init__(self, layers: int) -> None:
+        self.layers, self.batches = layers, 0
+        self.done: dict[int, Future[None]] = {}
+        self._landed: dict[int, set[int]] = {}
+        self._lock = threading.Lock()
+
+    def update_producer(self) -> int:
+        with self._lock:
+            self.batches += 1
+            self.done[self.batches - 1], self._landed[self.batches - 1] = Future(), set()
+            return self.batches - 1
+
+    def complete(self, index: int, layer: int) -> None:
+        with self._lock:
+            self._landed[index].add(layer)
+            if len(self._landed[index]) == self.layers:
+                self.done[index].set_result(None)
+
+    def fail(self, index: int, error: BaseException) -> None:
+        self.done[index].set_exception(error)
+
+    def reset(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def settings_for(mode: str, device: str, page_size: int, pool_bytes: int) -> Iterator[ConnectorSettings]:
+    cache = {"l1_size_gb": pool_bytes / 1e9, "chunk_size": page_size}
+    if mode == "embedded":
+        yield ConnectorSettings.from_extra_config({"mode": "embedded", "config": {"cache": cache}})
+        return
+    config = KvferryConfig.load(env={}, overrides={"cache": {"chunk_size": page_size}})
+    engine = CacheEngine(config, pool=HostPool(pool_bytes, pin=device == "cuda"))
+    server = KvferryServer(ServerConfig(port=0, http_port=0), engine)
+    server.start()
+    try:
+        yield ConnectorSettings.from_extra_config({"mode": "server", "server_url": f"tcp://127.0.0.1:{server.port}"})
+    finally:
+        server.stop()
+        engine.close()
+
+
+def _buffers(pool: Any) -> list[torch.Tensor]:
+    return [*pool.k_buffer, *pool.v_buffer] if hasattr(pool, "k_buffer") else list(pool.kv_buffer)
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["embedded", "server"])
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_pages_go_out_and_come_back_bit_exact(device: str, mode: str, kind: str) -> None:
+    tag = BENCH_TAG if device == "cuda" else ""
+    fixture = next(f for f in load_fixtures() if f["case"]["kind"] == kind and f["case"]["tag"] == tag)
+    pool = replay(fixture, device)
+    buffers = _buffers(pool)
+    generator = torch.Generator(device=device).manual_seed(7)
+    for buffer in buffers:
+        buffer.view(torch.uint8).copy_(torch.randint(0, 256, _bits(buffer).shape, generator=generator, device=device))
+    kv = device_kv(pool)
+    page, slots = kv.block_size, buffers[0].shape[0]
+    count = min(16, (slots // page - 1) // 2)  # page 0 is SGLang's padding page
+    source, dest = list(range(1, count + 1)), list(range(count + 1, 2 * count + 1))
+    keys = [f"{i:064x}" for i in range(1000, 1000 + count)]
+    page_bytes = sum(b[:page].numel() * b.element_size() for b in buffers)
+    counter = Counter(len(kv.layers))
+    with settings_for(mode, device, page, 2 * count * page_bytes + (8 << 20)) as settings:
+        store = open_linker_store(settings, kv, PageKeySpace("org/replayed", 1, 0), counter, name="replayed")
+        try:
+            ready = [torch.cuda.Event()] if device == "cuda" else []
+            for event in ready:
+                event.record()
+            store.offload(keys, source, ready)
+            deadline = time.monotonic() + 60
+            while store.completed_offloads() == 0:
+                assert time.monotonic() < deadline, "the offload did not end"
+                time.sleep(0.01)
+            assert store.pop_offload()
+            rows = lambda pages: torch.tensor([p * page + t for p in pages for t in range(page)], device=device)  # noqa: E731
+            expected = [_bits(b[rows(source)]) for b in buffers]
+            for buffer in buffers:  # the destination pages poisoned; the rest of each buffer is kept to compare
+                buffer[rows(dest)] = buffer[rows(dest)].view(torch.uint8).fill_(0xA5).view(buffer.dtype)
+            before = [_bits(b).clone() for b in buffers]
+            assert store.lookup("r", keys) == list(range(1, count + 1))
+            assert store.queue_load("r", keys, dest)
+            index = store.start_loads([])
+            counter.done[index].result(60)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            landed = rows(dest)
+            for buffer, want, old in zip(buffers, expected, before, strict=True):
+                assert torch.equal(_bits(buffer[landed]), want)
+                untouched = torch.ones(buffer.shape[0], dtype=torch.bool, device=device)
+                untouched[landed] = False
+                assert torch.equal(_bits(buffer)[untouched], old[untouched])
+        finally:
+            store.close()
