@@ -61,6 +61,7 @@ FLAGS = {
     "gpu-transfer": ("--reps", "--sections"),
     "cache-gpu": (),
     "vllm-gpu": ("--repeats", "--no-server", "--no-gemm", "--steps"),
+    "sglang-gpu": ("--repeats", "--no-server"),
     "codec": ("--repeats", "--chunks", "--models", "--gemm-seconds", "--no-gemm", "--sweep"),
     "codec-accuracy": ("--seed",),
     "codec-greedy": ("--codec", "--exact-layers", "--layers", "--prompts", "--tokens"),

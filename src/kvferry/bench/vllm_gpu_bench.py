@@ -25,14 +25,12 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
-from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from kvferry.bench.gpu_gemm import gemm_tflops
 from kvferry.bench.harness import BenchError, Outcome, Steps, add_json_argument, description_of, positive, require_cuda
 from kvferry.bench.report import cell, new_table
-from kvferry.bench.samples import Samples
+from kvferry.bench.rounds import measure
 from kvferry.bench.server_bench import ServerProcess
 from kvferry.bench.timing import PinnedCopy
 from kvferry.bench.vllm_connector_path import CHUNK, CHUNKS, ConnectorPath
@@ -77,71 +75,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def check(args: argparse.Namespace) -> None:
     positive(args, "repeats")
     require_cuda("this benchmark")
-
-
-class CheckedPath(Protocol):
-    """A way of storing the source blocks' bytes and loading them into the destination blocks, checked."""
-
-    def store(self) -> None: ...
-    def before_load(self) -> None: ...
-    def load(self) -> None: ...
-    def check_load(self) -> None: ...
-
-
-class ConnectorRounds(CheckedPath, Protocol):
-    nbytes: int
-
-    def next_round(self) -> None: ...
-
-
-def measure(
-    connector: ConnectorRounds,
-    memcpy: Callable[[bool], None],
-    dma: CheckedPath | None,
-    repeats: int,
-    clock: Callable[[], float] = time.perf_counter,
-) -> dict[str, Any]:
-    """One warm-up round and ``repeats`` timed ones, each: a new prefix and source bytes, the connector's store, the
-    D2H memcpy, the connector's load (checked), the H2D memcpy, then vLLM's page DMA store and load (checked).
-    ``memcpy(to_host)``: a plain pinned copy of the same bytes, to its end."""
-    samples = Samples(clock)
-    for i in range(repeats + 1):
-        if i == 1:
-            samples.clear()  # the warm-up round's (checked all the same)
-        connector.next_round()
-        samples.timed("store", connector.store)
-        samples.timed("d2h memcpy", lambda: memcpy(True))
-        connector.before_load()
-        samples.timed("load", connector.load)
-        connector.check_load()
-        samples.timed("h2d memcpy", lambda: memcpy(False))
-        if dma is not None:
-            samples.timed("page DMA store", dma.store)
-            dma.before_load()
-            samples.timed("page DMA load", dma.load)
-            dma.check_load()
-    return results(samples, connector.nbytes, repeats + 1, dma is not None)
-
-
-def results(samples: Samples, nbytes: int, checked_rounds: int, dma: bool) -> dict[str, Any]:
-    """The medians in microseconds, the ratios to the memcpy of the same direction, and the connector's GB/s."""
-    us = {name: samples.median(name) * 1e6 for name in samples.names}
-    return {
-        "mib": nbytes / 2**20,
-        "checked_rounds": checked_rounds,
-        "store_us": us["store"],
-        "load_us": us["load"],
-        "d2h_memcpy_us": us["d2h memcpy"],
-        "h2d_memcpy_us": us["h2d memcpy"],
-        "store_ratio": samples.ratio("d2h memcpy", "store"),
-        "load_ratio": samples.ratio("h2d memcpy", "load"),
-        "store_gbps": nbytes / us["store"] / 1e3,
-        "load_gbps": nbytes / us["load"] / 1e3,
-        "vllm_dma_store_us": us["page DMA store"] if dma else None,
-        "vllm_dma_load_us": us["page DMA load"] if dma else None,
-        "vllm_dma_store_ratio": samples.ratio("d2h memcpy", "page DMA store") if dma else None,
-        "vllm_dma_load_ratio": samples.ratio("h2d memcpy", "page DMA load") if dma else None,
-    }
 
 
 def gemm_beside(path: ConnectorPath) -> dict[str, float]:

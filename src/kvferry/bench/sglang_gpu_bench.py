@@ -1,0 +1,102 @@
+"""`kvferry bench sglang-gpu`: the SGLang unified-cache linker on a GPU, over SGLang's device KV pools as its
+allocation code builds them, beside a plain memcpy of the same bytes.
+
+The pools are the recorded ones of `kvferry.bench.sglang_pools` (Llama-3-8B's MHA K and V, DeepSeek-V3's MLA latent;
+64-token pages), replayed on the GPU and seen by the linker's own code. Each mode (embedded: the cache in this
+process; server: a ``kvferry server`` holding the pool, the KV registered by CUDA IPC, over loopback TCP and over its
+Unix socket) stores a prefix of pages from pages scattered over the pool and loads it into other scattered pages, as
+SGLang's unified radix cache drives a linker (`kvferry.bench.sglang_linker_path`): each timed from the call to the
+bytes in place, beside a pinned memcpy of the same bytes timed alternately (`kvferry.bench.rounds`). Every load of
+the timed rounds and the warm-up is checked outside its timed region (each destination page holding its source
+page's bytes, every other byte unchanged); a failed check ends the run with an error (exit status 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from typing import Any
+
+from kvferry.bench.harness import Outcome, Steps, add_json_argument, description_of, positive, require_cuda
+from kvferry.bench.report import new_table
+from kvferry.bench.rounds import measure
+from kvferry.bench.server_bench import ServerProcess
+from kvferry.bench.sglang_linker_path import LinkerPath
+from kvferry.bench.sglang_pools import BENCH_TAG, case_of, load_fixtures
+from kvferry.bench.timing import PinnedCopy
+from kvferry.connector.settings import ConnectorSettings
+
+POOL_GB = 4.0
+PAGES = 64  # a 4096-token prefix in 64-token pages
+DEVICE = "cuda"
+CASES_TAG = BENCH_TAG
+MODES = ["embedded", "server tcp", "server ipc"]
+DESCRIPTION = description_of(__doc__)
+EXAMPLES = """\
+examples:
+  kvferry bench sglang-gpu                                # on a machine with CUDA
+  kvferry bench sglang-gpu --repeats 15 --json bench-out/sglang_gpu.json
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--repeats", type=int, default=9, help="timed rounds per pool and mode (medians), after a warm-up round"
+    )
+    parser.add_argument("--no-server", action="store_true", help="embedded mode only")
+    add_json_argument(parser)
+
+
+def check(args: argparse.Namespace) -> None:
+    positive(args, "repeats")
+    require_cuda("this benchmark")
+
+
+def run(args: argparse.Namespace, steps: Steps) -> Outcome:
+    fixtures = [f for f in load_fixtures() if f["case"]["tag"] == CASES_TAG]
+    modes = ["embedded"] if args.no_server else MODES
+    steps.expect(len(fixtures) * len(modes))
+    rows: list[dict[str, Any]] = []
+    for mode in modes:
+        for fixture in fixtures:  # a server per pool: its chunk size is the pool's page size
+            page = case_of(fixture).page_size
+            ipc = tempfile.TemporaryDirectory(prefix="kvferry-bench-") if mode == "server ipc" else None
+            ipc_path = None if ipc is None else f"{ipc.name}/server.sock"
+            server = ServerProcess(POOL_GB, chunk_size=page, ipc_path=ipc_path) if mode != "embedded" else None
+            try:
+                settings = _settings(mode, page, None if server is None else server.endpoint)
+                path = LinkerPath(fixture, settings, DEVICE, PAGES)
+                try:
+                    rows.append({"mode": mode, "pool": path.case.name, **measure(path, PinnedCopy(path.nbytes), None,
+                                                                                 args.repeats)})  # fmt: skip
+                finally:
+                    path.close()
+                steps.done(f"{mode}: {path.case.name}")
+            finally:
+                if server is not None:
+                    server.stop()
+                if ipc is not None:
+                    ipc.cleanup()
+    config = {"pages": PAGES, "repeats": args.repeats, "pool_gb": POOL_GB}
+    return Outcome(config, {"rows": rows}, _show(rows), device="cuda")
+
+
+def _settings(mode: str, page: int, endpoint: str | None) -> ConnectorSettings:
+    if mode != "embedded":
+        return ConnectorSettings(mode="server", server_url=str(endpoint), timeout_s=30.0)
+    return ConnectorSettings(mode="embedded", config={"cache": {"chunk_size": page, "l1_size_gb": POOL_GB}})
+
+
+def _show(rows: list[dict[str, Any]]) -> list[Any]:
+    table = new_table(
+        f"a {PAGES}-page prefix through kvferry's SGLang linker, against a same-run pinned memcpy (ratio: the memcpy's"
+        " time over the transfer's; every load checked)",
+        ("mode", "SGLang pool", "MiB", "store us", "ratio", "GB/s", "load us", "ratio", "GB/s"),
+        names=2,
+    )
+    for r in rows:
+        table.add_row(
+            r["mode"], r["pool"], f"{r['mib']:.0f}", f"{r['store_us']:.0f}", f"{r['store_ratio']:.3f}",
+            f"{r['store_gbps']:.1f}", f"{r['load_us']:.0f}", f"{r['load_ratio']:.3f}", f"{r['load_gbps']:.1f}",
+        )  # fmt: skip
+    return [table]

@@ -1,0 +1,159 @@
+"""A prefix of pages through kvferry's SGLang linker, as SGLang's unified radix cache drives it, checked.
+
+The pool is a recorded SGLang device pool replayed on the device (`kvferry.bench.sglang_pools`: the buffers an SGLang
+worker allocates, no SGLang needed), seen by the linker's own code (`device_kv`), linked to the cache through the
+linker's own store (`open_linker_store`: in this process, or a ``kvferry server``). Each round gives the source pages
+new random bytes and the prefix new page hashes; a store is an offload of the source pages to its completion; a load
+is the scheduler's lookup (untimed, as SGLang's prefix match runs before the batch), then the queued load started
+with the batch and waited for through the layer counter, to the bytes in place. `check_load` compares every
+destination page with its source page in every buffer and every other byte with what it held before the load.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from kvferry.bench.harness import BenchError
+from kvferry.bench.sglang_pools import case_of, replay
+from kvferry.connector.settings import ConnectorSettings
+from kvferry.integrations.sglang.device_pages import device_kv
+from kvferry.integrations.sglang.linker_store import open_linker_store
+from kvferry.integrations.sglang.page_store import PageKeySpace
+
+POISON = 0xA5
+_WAIT_S = 60.0
+
+
+class LayerCounter:
+    """SGLang's layer-wise load counter as the linker store feeds it: a batch is done when every layer is."""
+
+    def __init__(self, layers: int) -> None:
+        self.layers = layers
+        self._batches: dict[int, tuple[Future[None], set[int]]] = {}
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def update_producer(self) -> int:
+        with self._lock:
+            index, self._next = self._next, self._next + 1
+            self._batches[index] = (Future(), set())
+            return index
+
+    def complete(self, index: int, layer: int) -> None:
+        with self._lock:
+            done, landed = self._batches[index]
+            landed.add(layer)
+            if len(landed) == self.layers:
+                done.set_result(None)
+
+    def fail(self, index: int, error: BaseException) -> None:
+        self._batches[index][0].set_exception(error)
+
+    def reset(self) -> None:
+        """Nothing to drop: every batch is waited for."""
+
+    def wait(self, index: int) -> None:
+        """Until batch ``index`` has landed in every layer; its failure raised."""
+        try:
+            self._batches[index][0].result(_WAIT_S)
+        finally:
+            with self._lock:
+                self._batches.pop(index)
+
+
+class LinkerPath:
+    """``pages`` pages of a replayed pool stored from scattered source pages and loaded into scattered others."""
+
+    def __init__(self, fixture: dict[str, Any], settings: ConnectorSettings, device: str, pages: int) -> None:
+        self.case = case_of(fixture)
+        self.pool = replay(fixture, device)
+        self.device = device
+        self.buffers = [*self.pool.k_buffer, *self.pool.v_buffer] if self.case.kind == "mha" else self.pool.kv_buffer
+        self.kv = device_kv(self.pool)
+        self.page = self.kv.block_size
+        usable = self.buffers[0].shape[0] // self.page - 1  # page 0 is SGLang's padding page
+        if 2 * pages > usable:
+            raise BenchError(f"{self.case.name}: {pages} pages stored and {pages} loaded need {2 * pages} of {usable}")
+        order = (torch.randperm(usable, generator=torch.Generator().manual_seed(1)) + 1).tolist()
+        self.src, self.dst = order[:pages], order[pages : 2 * pages]
+        self._src_rows, self._dst_rows = self._rows(self.src), self._rows(self.dst)
+        self.nbytes = sum(b[: self.page].numel() * b.element_size() for b in self.buffers) * pages
+        self.counter = LayerCounter(len(self.kv.layers))
+        space = PageKeySpace(f"bench/{self.case.name}", 1, 0)
+        self.store_ = open_linker_store(settings, self.kv, space, self.counter, name="bench")
+        self._generator = torch.Generator(device=device).manual_seed(7)
+        self._round = 0
+        self.keys: list[str] = []
+        self._before: list[torch.Tensor] = []
+
+    def _rows(self, pages: list[int]) -> torch.Tensor:
+        slots = [p * self.page + t for p in pages for t in range(self.page)]
+        return torch.tensor(slots, dtype=torch.int64, device=self.device)
+
+    def _ready(self) -> list[Any]:
+        if self.device != "cuda":
+            return []
+        event = torch.cuda.Event()
+        event.record()
+        return [event]
+
+    def next_round(self) -> None:
+        """New page hashes for the prefix and new bytes in its source pages."""
+        self._round += 1
+        self.keys = [f"{self._round:032x}{i:032x}" for i in range(len(self.src))]
+        for buffer in self.buffers:
+            rows = buffer[self._src_rows]
+            noise = torch.randint(0, 256, (rows.numel() * rows.element_size(),), generator=self._generator,
+                                  dtype=torch.uint8, device=self.device)  # fmt: skip
+            buffer[self._src_rows] = noise.view(buffer.dtype).view(rows.shape)
+
+    def store(self) -> None:
+        self.store_.offload(self.keys, self.src, self._ready())
+        deadline = time.monotonic() + _WAIT_S
+        while self.store_.completed_offloads() == 0:
+            if time.monotonic() > deadline:
+                raise BenchError(f"{self.case.name}: an offload did not end within {_WAIT_S:.0f} s")
+            time.sleep(0)
+        if not self.store_.pop_offload():
+            raise BenchError(f"{self.case.name}: the linker did not store the prefix")
+
+    def before_load(self) -> None:
+        """The scheduler's part: the destination pages poisoned, the prefix looked up (and locked)."""
+        for buffer in self.buffers:
+            buffer[self._dst_rows] = torch.full_like(buffer[self._dst_rows].view(torch.uint8), POISON).view(
+                buffer.dtype
+            )
+        self._before = [buffer.view(torch.uint8).clone() for buffer in self.buffers]
+        found = self.store_.lookup("bench", self.keys)
+        if len(found) != len(self.keys):
+            raise BenchError(f"{self.case.name}: {len(found)} of {len(self.keys)} pages found after they were stored")
+
+    def load(self) -> None:
+        if not self.store_.queue_load("bench", self.keys, self.dst):
+            raise BenchError(f"{self.case.name}: the linker refused a load")
+        index = self.store_.start_loads(self._ready())
+        try:
+            self.counter.wait(index)
+        except Exception as exc:
+            raise BenchError(f"{self.case.name}: a load failed: {type(exc).__name__}: {exc}") from exc
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def check_load(self) -> None:
+        """Every destination page holds its source page's bytes, in every buffer; every other byte is unchanged."""
+        for i, (buffer, before) in enumerate(zip(self.buffers, self._before, strict=True)):
+            got = buffer.view(torch.uint8)
+            if not torch.equal(got[self._dst_rows], got[self._src_rows]):
+                raise BenchError(f"{self.case.name}: buffer {i}: a destination page does not hold its source's bytes")
+            got[self._dst_rows] = before[self._dst_rows]
+            if not torch.equal(got, before):
+                raise BenchError(f"{self.case.name}: buffer {i}: the load wrote outside its destination pages")
+            got[self._dst_rows] = got[self._src_rows]
+
+    def close(self) -> None:
+        self.store_.close()
