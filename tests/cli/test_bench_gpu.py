@@ -1,5 +1,5 @@
-"""`kvferry bench gpu-transfer`, `cache-gpu`, `codec` and `vllm-gpu`: a clear refusal without CUDA; on a GPU, end to
-end in small configurations, and `vllm-gpu` failing on a transfer made wrong on purpose."""
+"""`kvferry bench gpu-transfer`, `cache-gpu`, `codec`, `vllm-gpu` and `sglang-gpu`: a clear refusal without CUDA; on a
+GPU, end to end in small configurations, and `vllm-gpu` failing on a transfer made wrong on purpose."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.xdist_group("gpu-benches")
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no CUDA device")
 @pytest.mark.parametrize(
-    "args", [["gpu-transfer"], ["cache-gpu"], ["codec"], ["server", "--device", "cuda"], ["vllm-gpu"]]
+    "args", [["gpu-transfer"], ["cache-gpu"], ["codec"], ["server", "--device", "cuda"], ["vllm-gpu"], ["sglang-gpu"]]
 )
 def test_without_cuda_exit_2_saying_so(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", *args]) == 2
@@ -107,6 +107,21 @@ def test_vllm_gpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
             for op, memcpy in (("store", "d2h"), ("load", "h2d")):
                 assert r[f"{path}{op}_ratio"] == pytest.approx(r[f"{memcpy}_memcpy_us"] / r[f"{path}{op}_us"])
                 assert 0 < r[f"{path}{op}_ratio"] < 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sglang_gpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Every mode, both recorded model-sized SGLang pools; each load checked, the ratios from their own samples."""
+    doc, progress = run_bench(monkeypatch, tmp_path, "sglang-gpu", "--repeats", "2")
+    rows = doc["results"]["rows"]
+    assert [r["mode"] for r in rows] == [m for m in MODES for _ in range(2)]
+    assert progress.done == [f"{r['mode']}: {r['pool']}" for r in rows]
+    for r in rows:
+        assert r["checked_rounds"] == 3 and r["mib"] == pytest.approx(512 if r["pool"].startswith("mha") else 274.5)
+        for op, memcpy in (("store", "d2h"), ("load", "h2d")):
+            assert r[f"{op}_ratio"] == pytest.approx(r[f"{memcpy}_memcpy_us"] / r[f"{op}_us"])
+            assert 0 < r[f"{op}_ratio"] < 3  # gross errors only: the GPU tests' workers share the card (see above)
 
 
 @pytest.mark.gpu
