@@ -166,13 +166,19 @@ class FakeEngine:
         skip_prefix_tokens: int = 0,
         lock_id: int | None = None,
         geometry: KVGeometry | None = None,
+        pages: bool = False,
     ) -> Steps[int]:
         self.in_transfer.set()
         self.retrieve_gate.wait()
         per = self.chunk_size // paged[0].shape[1]
         ids = _block_tensor(block_ids)
         done = 0
-        for i, key in enumerate(self._keys(tokens, namespace)):
+        if pages:  # each chunk keyed alone
+            c = self.chunk_size
+            keys = [k for i in range(len(tokens) // c) for k in self._keys(tokens[i * c : (i + 1) * c], namespace)]
+        else:
+            keys = list(self._keys(tokens, namespace))
+        for i, key in enumerate(keys):
             if key not in self.objects:
                 break
             paged[0][ids[i * per : (i + 1) * per]] = self.objects[key]

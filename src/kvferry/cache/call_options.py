@@ -26,3 +26,4 @@ class StoreOptions(TransferOptions, total=False):
 
 class RetrieveOptions(TransferOptions, total=False):
     lock_id: int | None
+    pages: bool

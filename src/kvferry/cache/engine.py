@@ -296,10 +296,15 @@ class CacheEngine:
         skip_prefix_tokens: int = 0,
         lock_id: int | None = None,
         geometry: KVGeometry | None = None,
+        pages: bool = False,
     ) -> Steps[int]:
         """``retrieve`` as steps (`kvferry.cache.steps`): it yields once its copy is in flight, a miss returns at
         once. ``lock_id`` (from ``lookup_status(lock=True)``) is released once the copy is enqueued (the copy then
         holds its chunks), or at its end whatever happens.
+
+        ``pages=True``: each chunk of ``tokens`` is a page, keyed as a one-chunk prefix of its own (an engine that
+        hands over pages keyed by a hash of all before them, as SGLang does); the leading pages the cache holds are
+        loaded, one into each chunk's blocks, in one copy (``skip_prefix_tokens`` 0, no tail).
         """
         try:
             ns = self._ns(namespace)
@@ -308,7 +313,9 @@ class CacheEngine:
             if lock_id is not None:
                 self._res.release_lock(lock_id)
             raise
-        return (yield from self._reader.read_steps(tokens, ns, paged, geom, block_ids, skip_prefix_tokens, lock_id))
+        return (
+            yield from self._reader.read_steps(tokens, ns, paged, geom, block_ids, skip_prefix_tokens, lock_id, pages)
+        )
 
     def store_async(
         self,

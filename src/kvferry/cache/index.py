@@ -10,7 +10,7 @@ from enum import Enum
 import torch
 import xxhash
 
-from kvferry.cache.keys import PrefixKeys
+from kvferry.cache.keys import PageKeys, PrefixKeys
 
 
 class State(Enum):
@@ -144,6 +144,18 @@ def readable_run(get: Callable[[bytes], Entry | None], keys: PrefixKeys, start: 
             hi = m - len(run)
         m = hi - 1 if first_probe else (good + hi - 1) // 2
         first_probe = False
+    return found
+
+
+def readable_pages(get: Callable[[bytes], Entry | None], keys: PageKeys) -> list[Entry]:
+    """Entries of pages ``0, 1, ...`` of ``keys``, up to the first page not readable (pages have no parent links
+    to walk: each is looked up). Reads the index without the lock, as `readable_run`."""
+    found: list[Entry] = []
+    for m in range(keys.n):
+        entry = get(keys.key(m))
+        if entry is None or (entry.state is not RESIDENT and entry.state is not SPILLING):
+            break
+        found.append(entry)
     return found
 
 

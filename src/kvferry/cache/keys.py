@@ -181,6 +181,30 @@ class PrefixKeys:
         return h
 
 
+class PageKeys:
+    """The keys of a sequence of pages: each chunk of the tokens a one-chunk prefix of its own (a page that an engine
+    keys by a hash of everything before it, as SGLang does), so chunk ``m``'s key is the key its tokens have alone.
+    The `PrefixKeys` interface a retrieve reads keys through."""
+
+    __slots__ = ("_data", "_seed", "_step", "n")
+
+    def __init__(self, data: memoryview, step: int, seed: _Hasher) -> None:
+        self.n = len(data) // step
+        self._data = data
+        self._step = step
+        self._seed = seed
+
+    def key(self, m: int) -> bytes:
+        if not 0 <= m < self.n:
+            raise IndexError(f"page {m} out of range [0, {self.n})")
+        h = self._seed.copy()
+        h.update(self._data[m * self._step : (m + 1) * self._step])
+        return h.digest()
+
+    def keys(self, first: int = 0) -> list[bytes]:
+        return [self.key(m) for m in range(first, self.n)]
+
+
 class ChunkHasher:
     """Computes the chunk keys of token sequences; safe to share between threads (the only hash states it holds
     are each namespace's seed, which it copies and never updates)."""
@@ -200,6 +224,10 @@ class ChunkHasher:
     def prefix(self, tokens: TokenIds, namespace: CacheNamespace) -> PrefixKeys:
         """Keys of ``tokens``'s full chunks on demand (validates and converts ``tokens`` now)."""
         return PrefixKeys(token_view(tokens), self.chunk_size * 4, self._seeded(namespace.digest))
+
+    def pages(self, tokens: TokenIds, namespace: CacheNamespace) -> PageKeys:
+        """Keys of ``tokens``'s full chunks, each chunk keyed as a prefix of its own (`PageKeys`)."""
+        return PageKeys(token_view(tokens), self.chunk_size * 4, self._seeded(namespace.digest))
 
     def keys_after(self, tokens: TokenIds, namespace: CacheNamespace, first: int) -> tuple[bytes | None, list[bytes]]:
         """The key of chunk ``first - 1`` (None when ``first`` is 0) and the keys of the full chunks from ``first``

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from kvferry.cache.index import Entry, readable_run
-from kvferry.cache.keys import CacheNamespace, ChunkHasher, TokenIds
+from kvferry.cache.index import Entry, readable_pages, readable_run
+from kvferry.cache.keys import CacheNamespace, ChunkHasher, PageKeys, PrefixKeys, TokenIds
 from kvferry.cache.metrics import CacheCounters
 from kvferry.cache.request import check_skip, token_count
 from kvferry.cache.residency import Residency
@@ -53,6 +53,7 @@ class ChunkReader:
         block_ids: BlockIds,
         skip_prefix_tokens: int,
         lock_id: int | None,
+        pages: bool = False,
     ) -> Steps[int]:
         """See `CacheEngine.retrieve_steps`: the tokens written, the lock ended whatever happens."""
         held: list[Entry] = []
@@ -63,12 +64,19 @@ class ChunkReader:
             first = skip // chunk
             per_chunk = chunk // bs
             needed = self._hasher.num_chunks(tokens) * per_chunk
-            prefix, index = self._hasher.prefix(tokens, ns), self._res.index
+            index = self._res.index
+            prefix = self._hasher.pages(tokens, ns) if pages else self._hasher.prefix(tokens, ns)
+            if pages and skip:
+                raise ValueError(f"skip_prefix_tokens={skip}: a retrieve of pages loads each of them")
             removals = index.removals
-            if skip == first * chunk and copies_in_background(geom, self._res.pool):
+            if skip == first * chunk and copies_in_background(geom, self._res.pool) and prefix.n > first:
                 early = self._lead(prefix.key(first), geom, prefix.n - first)
-            run = readable_run(index.get, prefix, first)  # reads only: nothing is held or counted yet
-            if len(run) == prefix.n - first and index.has_tails:  # every full chunk: then the longest tail
+            # Reads only: nothing is held or counted yet.
+            if isinstance(prefix, PageKeys):
+                run = readable_pages(index.get, prefix)
+            else:
+                run = readable_run(index.get, prefix, first)
+            if isinstance(prefix, PrefixKeys) and len(run) == prefix.n - first and index.has_tails:  # then a tail
                 tail = find_tail(index, prefix, prefix.n, token_count(tokens), bs)
                 if tail is not None:
                     needed += tail.tail // bs

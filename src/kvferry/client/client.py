@@ -243,11 +243,10 @@ class KvferryClient:
         *,
         skip_prefix_tokens: int = 0,
         lock: int | None = None,
+        pages: bool = False,
     ) -> int:
         """`retrieve_async`, waited for on this thread."""
-        args = transfer_args(registration, tokens, block_ids, skip_prefix_tokens)
-        if lock is not None:
-            args["lock"] = lock
+        args = _retrieve_args(registration, tokens, block_ids, skip_prefix_tokens, lock, pages)
         return self._transfer(Op.RETRIEVE, registration, args)
 
     def retrieve_async(
@@ -258,17 +257,17 @@ class KvferryClient:
         *,
         skip_prefix_tokens: int = 0,
         lock: int | None = None,
+        pages: bool = False,
     ) -> Future[int]:
         """Copy the cached KV of `tokens` into `block_ids`, leaving the blocks of the first
         `skip_prefix_tokens` tokens untouched; resolves to the tokens written, once the copy is complete
-        (GPU included). `lock` (from `lookup(lock=True)`) is released when the copy ends.
+        (GPU included). `lock` (from `lookup(lock=True)`) is released when the copy ends. `pages`: each chunk of
+        `tokens` is a page keyed alone (`CacheEngine.retrieve_steps`).
 
         For GPU KV the server's copy first waits, on the GPU, for the work queued so far on this thread's current
         CUDA stream, so the blocks may be handed to the load while kernels that still use them are queued there.
         """
-        args = transfer_args(registration, tokens, block_ids, skip_prefix_tokens)
-        if lock is not None:
-            args["lock"] = lock
+        args = _retrieve_args(registration, tokens, block_ids, skip_prefix_tokens, lock, pages)
         return self._transfer_async(Op.RETRIEVE, registration, args)
 
     def prefetch(self, tokens: Any, *, registration: int | None = None, namespace: Namespace | None = None) -> int:
@@ -412,3 +411,14 @@ def _first_tensor(paged: Any) -> torch.Tensor:
     while not isinstance(paged, torch.Tensor):
         paged = paged[0]
     return paged
+
+
+def _retrieve_args(
+    registration: int, tokens: Any, block_ids: Any, skip_prefix_tokens: int, lock: int | None, pages: bool
+) -> dict[str, Any]:
+    args = transfer_args(registration, tokens, block_ids, skip_prefix_tokens)
+    if lock is not None:
+        args["lock"] = lock
+    if pages:
+        args["pages"] = True
+    return args

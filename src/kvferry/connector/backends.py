@@ -238,6 +238,14 @@ class EmbeddedBackend:
         )
         return plus(written, skip_prefix_tokens)
 
+    def retrieve_pages_async(self, tokens: TokenIds, block_ids: list[int]) -> Future[int]:
+        """Load pages into ``block_ids``, one copy for all: each chunk of ``tokens`` a page keyed as a one-chunk
+        prefix of its own (`CacheEngine.retrieve_steps`' ``pages``); resolves to the tokens of the leading pages
+        the cache held, all of them loaded."""
+        return self.engine.retrieve_async(
+            *self._request(tokens, block_ids), **self._options(0), pages=True, after=self._callers_stream()
+        )
+
     def retrieve(self, tokens: TokenIds, block_ids: list[int], skip_prefix_tokens: int) -> int:
         """On a GPU, on the calling thread: the copy is ordered after its current stream (vLLM's) by the transfer
         itself, and the load saves two thread hand-offs (~0.3 ms of a 16-chunk load on the H200 host). On the CPU

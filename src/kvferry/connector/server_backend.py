@@ -115,6 +115,11 @@ class ServerBackend:
         )
         return plus(written, skip_prefix_tokens)
 
+    def retrieve_pages_async(self, tokens: TokenIds, block_ids: list[int]) -> Future[int]:
+        """As `EmbeddedBackend.retrieve_pages_async`, in one RETRIEVE."""
+        ids = self._kernel_block_ids(block_ids)
+        return self.link.submit(lambda client, reg: client.retrieve_async(_registered(reg), tokens, ids, pages=True))
+
     def retrieve(self, tokens: TokenIds, block_ids: list[int], skip_prefix_tokens: int) -> int:
         """Sent and waited for on this thread: it reads the server's answer and watches the transfer's done flag
         itself (the asynchronous form's future passes through the client's threads on the way back)."""

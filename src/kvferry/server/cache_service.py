@@ -54,6 +54,7 @@ class CacheTransfers(Protocol):
         skip_prefix_tokens: int = 0,
         lock_id: int | None = None,
         geometry: KVGeometry | None = None,
+        pages: bool = False,
     ) -> Steps[int]: ...
 
 

@@ -209,19 +209,12 @@ class LinkerStore:
         try:
             for event in ready:
                 event.synchronize()
-            futures = [
-                self.backend.retrieve_async(page_tokens(key, self.page_size), [page], 0)
-                for load in loads
-                for key, page in zip(load.keys, load.pages, strict=True)
-            ]
-            short = 0
-            for future in futures:
-                try:
-                    short += future.result() != self.page_size
-                except Exception as exc:
-                    error = exc
-            if error is None and short:
-                error = RuntimeError(f"{short} of {len(futures)} pages were not in kvferry's cache any more")
+            keys = [key for load in loads for key in load.keys]
+            pages = [page for load in loads for page in load.pages]
+            tokens = [token for key in keys for token in page_tokens(key, self.page_size)]
+            loaded = self.backend.retrieve_pages_async(tokens, pages).result() // self.page_size  # one copy for all
+            if loaded != len(keys):
+                error = RuntimeError(f"{len(keys) - loaded} of {len(keys)} pages were not in kvferry's cache any more")
         except BaseException as exc:
             error = exc
         finally:

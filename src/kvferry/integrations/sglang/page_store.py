@@ -60,6 +60,8 @@ class PageBackend(Backend, Protocol):
 
     def lookup_each(self, prompts: Sequence[TokenIds]) -> list[Hit | None]: ...
 
+    def retrieve_pages_async(self, tokens: TokenIds, block_ids: list[int]) -> Future[int]: ...
+
 
 def leading_pages(backend: PageBackend, keys: Sequence[str], page_size: int) -> tuple[int, list[Any]]:
     """How many leading ``keys`` the cache holds whole, looked up together, and their locks (those of the pages
@@ -117,22 +119,20 @@ class PageStore:
 
     def load(self, keys: list[str], pages: torch.Tensor) -> list[bool]:
         """Host pages ``pages`` loaded from ``keys``; per key whether it was. SGLang uses the leading pages loaded
-        only: the staged path stops at the first miss (the pages after it are left as they were)."""
+        only: a load stops at the first miss (the pages after it are left as they were), one copy for all."""
         if self.direct is not None:
-            futures = [self._load(self.direct, key, int(page)) for key, page in zip(keys, pages, strict=True)]
-            return self._loaded(futures)
-        done: list[bool] = []
+            whole = self._load_run(self.direct, keys, [int(page) for page in pages])
+            return [True] * whole + [False] * (len(keys) - whole)
+        done = 0
         for start in range(0, len(keys), self.stage.num_pages):
             batch = pages[start : start + self.stage.num_pages]
             with self._stage_lock:
-                futures = [self._load(self.staged, key, i) for i, key in enumerate(keys[start : start + len(batch)])]
-                loaded = self._loaded(futures)
-                whole = loaded.index(False) if False in loaded else len(loaded)
+                whole = self._load_run(self.staged, keys[start : start + len(batch)], list(range(len(batch))))
                 self.host.fill_pages(batch[:whole], self.stage)
-            done += [True] * whole
-            if whole < len(batch):  # SGLang uses the leading pages loaded only
+            done += whole
+            if whole < len(batch):
                 break
-        return done + [False] * (len(keys) - len(done))
+        return [True] * done + [False] * (len(keys) - done)
 
     def store_page(self, key: str, page: torch.Tensor) -> bool:
         """One page given in SGLang's flat data page order (`HostPages.page`)."""
@@ -142,7 +142,7 @@ class PageStore:
 
     def load_page(self, key: str, page: torch.Tensor) -> bool:
         with self._stage_lock:
-            if not self._loaded([self._load(self.staged, key, 0)])[0]:
+            if not self._load_run(self.staged, [key], [0]):
                 return False
             page.view(self.stage.page(0).shape).copy_(self.stage.page(0))
             return True
@@ -150,18 +150,15 @@ class PageStore:
     def _store(self, backend: Backend, key: str, page: int) -> Future[int]:
         return backend.store_async(page_tokens(key, self.page_size), [page], 0)
 
-    def _load(self, backend: Backend, key: str, page: int) -> Future[int]:
-        return backend.retrieve_async(page_tokens(key, self.page_size), [page], 0)
-
-    def _loaded(self, futures: list[Future[int]]) -> list[bool]:
-        loaded = []
-        for future in futures:
-            try:
-                loaded.append(future.result() == self.page_size)
-            except Exception as exc:  # a failed load is a miss: SGLang stops its prefetch there
-                log.warning("kvferry: loading a HiCache page failed (a miss): %s: %s", type(exc).__name__, exc)
-                loaded.append(False)
-        return loaded
+    def _load_run(self, backend: PageBackend, keys: list[str], pages: list[int]) -> int:
+        """How many leading ``keys`` landed in backend pages ``pages``, in one copy (a failed load is a miss:
+        SGLang stops its prefetch there)."""
+        tokens = [token for key in keys for token in page_tokens(key, self.page_size)]
+        try:
+            return backend.retrieve_pages_async(tokens, pages).result() // self.page_size
+        except Exception as exc:
+            log.warning("kvferry: loading HiCache pages failed (a miss): %s: %s", type(exc).__name__, exc)
+            return 0
 
     def close(self) -> None:
         self._closing()
