@@ -48,3 +48,29 @@ def test_store_then_retrieve_into_other_blocks_is_bit_exact(fmt: EngineKVFormat)
         for objs, ids in zip(read, (source, target), strict=True):
             transfer(paged, objs, ids[:12], Direction.D2H, fmt, CHUNK, backend="reference", geometry=geom)
         assert all(torch.equal(a, b) for a, b in zip(*read, strict=True))
+
+
+def test_a_prompt_shorter_than_a_chunk_loads_its_tail_and_pages_load_in_one_retrieve() -> None:
+    """A GPU retrieve starts its first DMA from the first chunk's key: a prompt with no full chunk has none (its tail
+    is all it holds), and a retrieve of pages finds each page's key alone."""
+    fmt = EngineKVFormat.NL_X_TWO_NB_BS_NH_HS
+    paged = make_paged(fmt, ModelDims(nl=4, nh=2, hs=64), 64, BS, device="cuda")
+    for tensor in leaves(paged):
+        random_fill(tensor)
+    geom = describe(fmt, paged)
+    with CacheEngine(KvferryConfig.load(overrides={"cache": {"chunk_size": CHUNK, "l1_size_gb": 0.0625}})) as cache:
+        ns = cache.namespace_for("m", fmt, paged, geometry=geom)
+        short = list(range(7000, 7000 + 2 * BS + 3))  # two blocks of tail, no full chunk
+        assert cache.store(short, paged, [5, 6, 7], fmt, namespace=ns, geometry=geom, tail=True) == 2 * BS
+        assert cache.retrieve(short, paged, [40, 41, 42], fmt, namespace=ns, geometry=geom) == 2 * BS
+        pages = [list(range(8000 + i * CHUNK, 8000 + (i + 1) * CHUNK)) for i in range(3)]
+        per = CHUNK // BS
+        for i, page in enumerate(pages):
+            assert cache.store(page, paged, list(range(8 + i * per, 8 + (i + 1) * per)), fmt, namespace=ns) == CHUNK
+        target = list(range(44, 44 + 3 * per))
+        tokens = [t for page in pages for t in page]
+        assert cache.retrieve(tokens, paged, target, fmt, namespace=ns, geometry=geom, pages=True) == 3 * CHUNK
+        torch.cuda.synchronize()
+        for layer in paged:
+            assert torch.equal(layer[:, [40, 41]], layer[:, [5, 6]])
+            assert torch.equal(layer[:, target], layer[:, list(range(8, 8 + 3 * per))])
