@@ -70,3 +70,22 @@ def test_pages_are_loaded_whole() -> None:
     with cache_engine(paged=src) as engine, pytest.raises(ValueError, match="a retrieve of pages loads each"):
         engine.retrieve(_pages(2, seed=1)[0] * 2, src, random_blocks(2 * PER, seed=5), FMT, skip_prefix_tokens=CHUNK,
                         pages=True)  # fmt: skip
+
+
+def test_pages_stored_in_one_store_are_the_pages_stored_alone() -> None:
+    src, dst = make_paged(FMT, NB, seed=1), make_paged(FMT, NB, seed=2)
+    pages = _pages(4, seed=20)
+    src_ids, dst_ids = random_blocks(4 * PER, seed=5), random_blocks(4 * PER, seed=6)
+    tokens = [t for page in pages for t in page]
+    with cache_engine(paged=src) as engine:
+        stores = engine.stats()["stores"]
+        assert engine.store(tokens[: 3 * CHUNK], src, src_ids[: 3 * PER], FMT, pages=True) == 3 * CHUNK
+        assert engine.stats()["stores"] == stores + 1
+        assert [engine.lookup(page) for page in pages] == [CHUNK, CHUNK, CHUNK, 0]  # each a one-chunk prefix
+        assert engine.lookup(tokens) == CHUNK  # as one prefix, only its first chunk is a page's key
+        # Stored again with a new page after them: only that one is new.
+        assert engine.store(tokens, src, src_ids, FMT, pages=True) == CHUNK
+        assert engine.retrieve(tokens, dst, dst_ids, FMT, pages=True) == 4 * CHUNK
+        assert_blocks_equal(src, src_ids, dst, dst_ids, FMT)
+        with pytest.raises(ValueError, match="a store of pages stores each of them"):
+            engine.store(tokens, src, src_ids, FMT, pages=True, tail=True)

@@ -83,6 +83,11 @@ class FakeEngine:
         step = self.chunk_size * 4
         return [(namespace.digest, data[: end + step]) for end in range(0, len(data) // step * step, step)]
 
+    def _page_keys(self, tokens: TokenIds, namespace: CacheNamespace | None) -> list[tuple[bytes, bytes]]:
+        """Each chunk keyed alone (a retrieve or store of pages)."""
+        c = self.chunk_size
+        return [k for i in range(len(tokens) // c) for k in self._keys(tokens[i * c : (i + 1) * c], namespace)]
+
     def lookup_status(
         self, tokens: TokenIds, *, namespace: CacheNamespace | None = None, lock: bool = False
     ) -> LookupResult:
@@ -139,12 +144,13 @@ class FakeEngine:
         geometry: KVGeometry | None = None,
         valid_until: float | None = None,
         tail: bool = False,  # the fake keeps full chunks only
+        pages: bool = False,
     ) -> Steps[int]:
         """Copies on its first step and ends there, as a CPU copy does (`kvferry.cache.steps`)."""
         self.in_transfer.set()
         self.gate.wait()
         self.stores += 1
-        keys = self._keys(tokens, namespace)
+        keys = self._page_keys(tokens, namespace) if pages else self._keys(tokens, namespace)
         per = self.chunk_size // paged[0].shape[1]
         if len(block_ids) < len(keys) * per:
             raise ValueError(f"block_ids has {len(block_ids)} entries, need {len(keys) * per}")
@@ -173,11 +179,7 @@ class FakeEngine:
         per = self.chunk_size // paged[0].shape[1]
         ids = _block_tensor(block_ids)
         done = 0
-        if pages:  # each chunk keyed alone
-            c = self.chunk_size
-            keys = [k for i in range(len(tokens) // c) for k in self._keys(tokens[i * c : (i + 1) * c], namespace)]
-        else:
-            keys = list(self._keys(tokens, namespace))
+        keys = self._page_keys(tokens, namespace) if pages else self._keys(tokens, namespace)
         for i, key in enumerate(keys):
             if key not in self.objects:
                 break

@@ -27,7 +27,6 @@ from tests.server.serverkit import (
     REAL_NS,
     FakeEngine,
     ServerProcess,
-    raw_request,
     real_kv,
     wait_for,
 )
@@ -198,9 +197,9 @@ def test_a_client_with_bad_block_ids_cannot_flush_the_cache() -> None:
         assert server.stop() == 0
 
 
-def test_a_retrieve_of_pages_loads_pages_stored_alone_in_one_request() -> None:
-    """Through a real server: pages stored one at a time come back in one RETRIEVE (``pages``), each into its own
-    blocks, up to the first page the cache lacks; a STORE of pages is refused."""
+def test_pages_stored_and_retrieved_in_one_request_each() -> None:
+    """Through a real server: pages (each chunk keyed alone) stored in one STORE come back, with a page stored on
+    its own, in one RETRIEVE (``pages``), each into its own blocks, up to the first page the cache lacks."""
     server = ServerProcess("--chunk-size", str(REAL_CHUNK))
     try:
         with KvferryClient(server.endpoint) as client:
@@ -208,22 +207,19 @@ def test_a_retrieve_of_pages_loads_pages_stored_alone_in_one_request() -> None:
             reg_src = client.register_kv_cache(src, FMT_REAL, namespace=REAL_NS)
             reg_dst = client.register_kv_cache(dst, FMT_REAL, namespace=REAL_NS)
             pages = [list(range(i * 1000, i * 1000 + REAL_CHUNK)) for i in range(4)]
-            for i in (0, 1, 3):  # page 2 is never stored
-                assert client.store(reg_src, pages[i], list(range(i * PER_CHUNK, (i + 1) * PER_CHUNK))) == REAL_CHUNK
+            assert client.store(reg_src, pages[0] + pages[1], list(range(2 * PER_CHUNK)), pages=True) == 2 * REAL_CHUNK
+            assert client.store(reg_src, pages[3], list(range(3 * PER_CHUNK, 4 * PER_CHUNK))) == REAL_CHUNK  # alone
+            assert client.lookup(pages[1], registration=reg_src).tokens == REAL_CHUNK  # a one-chunk prefix
             blocks = list(range(40, 40 + 4 * PER_CHUNK))
             untouched = [layer[:, blocks[2 * PER_CHUNK :]].clone() for layer in dst]
-            tokens = [t for page in pages for t in page]
+            tokens = [t for page in pages for t in page]  # page 2 was never stored
             assert client.retrieve(reg_dst, tokens, blocks, pages=True) == 2 * REAL_CHUNK
             for layer_src, layer_dst in zip(src, dst, strict=True):
                 assert torch.equal(layer_dst[:, blocks[: 2 * PER_CHUNK]], layer_src[:, : 2 * PER_CHUNK])
             assert all(torch.equal(d[:, blocks[2 * PER_CHUNK :]], u) for d, u in zip(dst, untouched, strict=True))
-        args = {
-            "registration": 0,
-            "tokens": pack_ids(tokens, "tokens"),
-            "block_ids": pack_ids(blocks, "block_ids"),
-            "pages": True,
-        }
-        reply = raw_request(server.endpoint, "STORE", args)  # what the client library would not send
-        assert reply["error"]["code"] == "BAD_ARGUMENT" and "'pages' belongs to RETRIEVE" in reply["error"]["message"]
+            swapped = pages[3] + pages[0]
+            assert client.retrieve(reg_dst, swapped, blocks[: 2 * PER_CHUNK], pages=True) == 2 * REAL_CHUNK
+            for layer_src, layer_dst in zip(src, dst, strict=True):
+                assert torch.equal(layer_dst[:, blocks[:PER_CHUNK]], layer_src[:, 3 * PER_CHUNK : 4 * PER_CHUNK])
     finally:
         assert server.stop() == 0

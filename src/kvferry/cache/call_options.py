@@ -22,6 +22,7 @@ class TransferOptions(TypedDict, total=False):
 class StoreOptions(TransferOptions, total=False):
     valid_until: float | None
     tail: bool
+    pages: bool
 
 
 class RetrieveOptions(TransferOptions, total=False):

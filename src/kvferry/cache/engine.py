@@ -241,6 +241,7 @@ class CacheEngine:
         geometry: KVGeometry | None = None,
         valid_until: float | None = None,
         tail: bool = False,
+        pages: bool = False,
     ) -> Steps[int]:
         """``store`` as steps (`kvferry.cache.steps`): it yields once, when its copy is in flight (or done, on the
         CPU).
@@ -259,12 +260,15 @@ class CacheEngine:
 
         ``tail=True`` also stores the tokens after the last full chunk, as many as fill whole blocks, as a tail
         object (`kvferry.cache.tails`): a later lookup of a prompt that goes on from them hits them too.
+
+        ``pages=True``: each chunk of ``tokens`` is a page, stored under its key as a one-chunk prefix of its own
+        (see ``retrieve_steps``), all in one copy (``skip_prefix_tokens`` 0, no tail).
         """
         ns = self._ns(namespace)
         geom = self._geometries.checked(fmt, paged, block_size, geometry, ns)
         return (
             yield from self._writer.store_steps(
-                tokens, ns, paged, geom, block_ids, skip_prefix_tokens, valid_until, tail
+                tokens, ns, paged, geom, block_ids, skip_prefix_tokens, valid_until, tail, pages
             )
         )
 

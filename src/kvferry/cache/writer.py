@@ -125,12 +125,15 @@ class ChunkWriter:
         skip_prefix_tokens: int,
         valid_until: float | None,
         tail: bool,
+        pages: bool = False,
     ) -> Steps[int]:
         """A store request (`CacheEngine.store_steps`, its geometry checked): its block ids checked, its new full
         chunks written, then its tail where asked for; the tails they supersede dropped; the counters. Returns the
         tokens stored."""
         n_tokens = token_count(tokens)
         skip = check_skip(skip_prefix_tokens, n_tokens)
+        if pages and (skip or tail):
+            raise ValueError("a store of pages stores each of them, with no tail (skip_prefix_tokens 0, tail False)")
         first = skip // self._chunk_size
         per_chunk = self._chunk_size // geom.bs
         n_full = self._hasher.num_chunks(tokens)
@@ -141,7 +144,7 @@ class ChunkWriter:
         ids = check_block_ids(block_ids, geom.nb, geom.bs, needed=needed, start=first * per_chunk, distinct=False)
         with_tail = bool(tail_len) and n_full * self._chunk_size + tail_len > skip
         entries, seconds = yield from self.write_steps(
-            tokens, ns, paged, geom, ids, first, valid_until, more_after=with_tail
+            tokens, ns, paged, geom, ids, first, valid_until, more_after=with_tail, pages=pages
         )
         stored_tail = None
         if with_tail:
@@ -149,7 +152,7 @@ class ChunkWriter:
                 tokens, ns, paged, geom, ids, tail_len, valid_until, parent_skipped=first >= n_full > 0
             )
             seconds += more
-        if self._res.index.has_tails:  # tails the chunks and tail just stored supersede go first
+        if self._res.index.has_tails and not pages:  # tails the chunks and tail just stored supersede go first
             self._res.demote(superseded(self._res.index, self._hasher.prefix(tokens, ns), first, tail_len))
         share = geom.width / geom.object_width  # this engine's heads
         tail_tokens = stored_tail.tail if stored_tail is not None else 0
@@ -175,21 +178,23 @@ class ChunkWriter:
         first: int,
         valid_until: float | None = None,
         more_after: bool = False,
+        pages: bool = False,
     ) -> Steps[tuple[list[Entry], float]]:
         """Store the full chunks of ``tokens`` from chunk ``first`` on that are not present; returns the new
         (now readable) entries and the seconds their copy took. ``block_ids`` was checked to cover them. A copy
         that ends after ``valid_until`` (time.time()) is dropped: see ``CacheEngine.store``. Yields once, when the
         copy is enqueued (`kvferry.cache.steps`); its count is final unless chunks in flight for a concurrent
-        store of the same prefix must be waited for, or ``more_after`` (the caller writes a tail after them)."""
+        store of the same prefix must be waited for, or ``more_after`` (the caller writes a tail after them).
+        ``pages``: each chunk is keyed as a one-chunk prefix of its own (`_keys_after`)."""
         n_full = self._hasher.num_chunks(tokens)
         write = None
         if first < n_full and copies_in_background(geom, self._pool) and not geom.partial_heads:
             if self._ahead_pause:
                 self._ahead_pause -= 1
             else:
-                write = self._ahead(tokens, ns, geom, block_ids, first, n_full)
+                write = self._ahead(tokens, ns, geom, block_ids, first, n_full, pages)
         if write is None:
-            write = self._in_order(tokens, ns, paged, geom, block_ids, first)
+            write = self._in_order(tokens, ns, paged, geom, block_ids, first, pages)
         stored: list[Entry] = []
         seconds = 0.0
         try:
@@ -199,7 +204,7 @@ class ChunkWriter:
                 stored, seconds = self._finish(write, valid_until, tokens)
         if not write.others:
             return stored, seconds
-        taken, more = self._take_over(tokens, ns, paged, geom, block_ids, write.others, valid_until)
+        taken, more = self._take_over(tokens, ns, paged, geom, block_ids, write.others, valid_until, pages)
         return stored + taken, seconds + more
 
     def _take_over(
@@ -211,6 +216,7 @@ class ChunkWriter:
         block_ids: CheckedBlockIds,
         others: list[tuple[int, Entry]],
         valid_until: float | None,
+        pages: bool,
     ) -> tuple[list[Entry], float]:
         """Chunks this store found in flight for a concurrent store of the same prefix: wait for them (up to
         ``in_flight_wait_s``), and store from its own blocks those whose store failed meanwhile. Otherwise the
@@ -222,7 +228,7 @@ class ChunkWriter:
             lost = self._res.await_written(others, deadline)
             if not lost:
                 break
-            write = self._in_order(tokens, ns, paged, geom, block_ids, min(lost))
+            write = self._in_order(tokens, ns, paged, geom, block_ids, min(lost), pages)
             if write.entries:
                 kept, more = self._finish(write, valid_until, tokens)
                 stored += kept
@@ -238,6 +244,7 @@ class ChunkWriter:
         block_ids: CheckedBlockIds,
         first: int,
         n_full: int,
+        pages: bool,
     ) -> _Write | None:
         """The copy of chunks ``first..n_full-1`` enqueued before their keys are made, into objects from the pool's
         free room (None: not enough of it; store in order). A chunk found present gives its object back after the
@@ -259,7 +266,7 @@ class ChunkWriter:
             raise
         try:
             objects = self._pool.views(addresses, shape, geom.object_dtype)
-            parent, keys = self._hasher.keys_after(tokens, ns, first)  # validates tokens
+            parent, keys = self._keys_after(tokens, ns, first, pages)  # validates tokens
             nbytes = geom.bytes_per_token * self._chunk_size
             new, spare, others = self._res.index_written(keys, parent, objects, nbytes)
         except BaseException:
@@ -275,10 +282,17 @@ class ChunkWriter:
         return _Write(entries, chunks, in_flight, spare, started, [(first + i, e) for i, e in others])
 
     def _in_order(
-        self, tokens: TokenIds, ns: CacheNamespace, paged: Any, geom: KVGeometry, block_ids: CheckedBlockIds, first: int
+        self,
+        tokens: TokenIds,
+        ns: CacheNamespace,
+        paged: Any,
+        geom: KVGeometry,
+        block_ids: CheckedBlockIds,
+        first: int,
+        pages: bool,
     ) -> _Write:
         """Keys, then objects for the chunks not present, then their copy (done on return unless on a GPU)."""
-        parent, keys = self._hasher.keys_after(tokens, ns, first)  # validates tokens, even when nothing is stored
+        parent, keys = self._keys_after(tokens, ns, first, pages)  # validates tokens, even when nothing is stored
         nbytes = geom.bytes_per_token * self._chunk_size
         shape = geom.object_shape(self._chunk_size)
         heads = head_masks(geom)
@@ -332,6 +346,18 @@ class ChunkWriter:
             assert tiers is not None
             tiers.write_through(kept)
         return entries, seconds
+
+    def _keys_after(
+        self, tokens: TokenIds, ns: CacheNamespace, first: int, pages: bool
+    ) -> tuple[bytes | None, list[bytes]]:
+        """The key of chunk ``first - 1`` (None for chunk 0) and the keys from ``first`` on: a prefix's chained
+        keys, or with ``pages`` each page's key alone (`ChunkHasher.pages`). Entries link each to the one before
+        either way: a store's pages are consecutive pages of one sequence (what lookups of pages never walk, and
+        what KV events report)."""
+        if not pages:
+            return self._hasher.keys_after(tokens, ns, first)
+        keys = self._hasher.pages(tokens, ns)
+        return (keys.key(first - 1) if first else None), keys.keys(first)
 
     def write_tail(
         self,

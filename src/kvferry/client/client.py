@@ -212,27 +212,38 @@ class KvferryClient:
         return self._conn.submit(Op.DEMOTE, args, lambda r: int(r["chunks"]))
 
     def store(
-        self, registration: int, tokens: Any, block_ids: Any, *, skip_prefix_tokens: int = 0, tail: bool = False
+        self,
+        registration: int,
+        tokens: Any,
+        block_ids: Any,
+        *,
+        skip_prefix_tokens: int = 0,
+        tail: bool = False,
+        pages: bool = False,
     ) -> int:
         """`store_async`, waited for on this thread."""
-        args = transfer_args(registration, tokens, block_ids, skip_prefix_tokens)
-        if tail:
-            args["tail"] = True
-        return self._transfer(Op.STORE, registration, args)
+        return self._transfer(Op.STORE, registration, _store_args(registration, tokens, block_ids, skip_prefix_tokens,
+                                                                  tail, pages))  # fmt: skip
 
     def store_async(
-        self, registration: int, tokens: Any, block_ids: Any, *, skip_prefix_tokens: int = 0, tail: bool = False
+        self,
+        registration: int,
+        tokens: Any,
+        block_ids: Any,
+        *,
+        skip_prefix_tokens: int = 0,
+        tail: bool = False,
+        pages: bool = False,
     ) -> Future[int]:
         """Copy the KV of `tokens` (held in `block_ids`) into the cache; resolves to the tokens stored, once the
         blocks may be reused. `tail`: the tokens after the last full chunk too, in whole blocks, as a tail object
-        that a longer prompt's lookup hits (`kvferry.cache.tails`).
+        that a longer prompt's lookup hits (`kvferry.cache.tails`). `pages`: each chunk of `tokens` is a page keyed
+        alone (`CacheEngine.store_steps`).
 
         For GPU KV the server first waits for the work queued so far on this thread's current CUDA stream,
         so the store may be issued right after the forward pass that wrote the blocks.
         """
-        args = transfer_args(registration, tokens, block_ids, skip_prefix_tokens)
-        if tail:
-            args["tail"] = True
+        args = _store_args(registration, tokens, block_ids, skip_prefix_tokens, tail, pages)
         return self._transfer_async(Op.STORE, registration, args)
 
     def retrieve(
@@ -411,6 +422,17 @@ def _first_tensor(paged: Any) -> torch.Tensor:
     while not isinstance(paged, torch.Tensor):
         paged = paged[0]
     return paged
+
+
+def _store_args(
+    registration: int, tokens: Any, block_ids: Any, skip_prefix_tokens: int, tail: bool, pages: bool
+) -> dict[str, Any]:
+    args = transfer_args(registration, tokens, block_ids, skip_prefix_tokens)
+    if tail:
+        args["tail"] = True
+    if pages:
+        args["pages"] = True
+    return args
 
 
 def _retrieve_args(

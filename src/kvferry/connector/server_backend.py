@@ -120,6 +120,11 @@ class ServerBackend:
         ids = self._kernel_block_ids(block_ids)
         return self.link.submit(lambda client, reg: client.retrieve_async(_registered(reg), tokens, ids, pages=True))
 
+    def store_pages_async(self, tokens: TokenIds, block_ids: list[int]) -> Future[int]:
+        """As `EmbeddedBackend.store_pages_async`, in one STORE."""
+        ids = self._kernel_block_ids(block_ids)
+        return self.link.submit(lambda client, reg: client.store_async(_registered(reg), tokens, ids, pages=True))
+
     def retrieve(self, tokens: TokenIds, block_ids: list[int], skip_prefix_tokens: int) -> int:
         """Sent and waited for on this thread: it reads the server's answer and watches the transfer's done flag
         itself (the asynchronous form's future passes through the client's threads on the way back)."""

@@ -40,6 +40,7 @@ class CacheTransfers(Protocol):
         geometry: KVGeometry | None = None,
         valid_until: float | None = None,
         tail: bool = False,
+        pages: bool = False,
     ) -> Steps[int]: ...
 
     def retrieve_steps(

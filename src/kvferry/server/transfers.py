@@ -175,8 +175,9 @@ class Transfers:
         }
         if store:
             return self._engine.store_steps(
-                tokens, reg.kv.paged, block_ids, reg.format, valid_until=deadline, tail=args.tail, **where
-            )
+                tokens, reg.kv.paged, block_ids, reg.format, valid_until=deadline, tail=args.tail, pages=args.pages,
+                **where,
+            )  # fmt: skip
         return self._engine.retrieve_steps(
             tokens, reg.kv.paged, block_ids, reg.format, lock_id=args.lock, pages=args.pages, **where
         )
@@ -188,8 +189,6 @@ def _ids(args: TransferArgs, store: bool) -> tuple[Any, Any]:
     block_ids = unpack_ids(args.block_ids, "block_ids")
     if store and args.lock is not None:
         raise ProtocolError(ErrorCode.BAD_ARGUMENT, "'lock' belongs to RETRIEVE, not STORE")
-    if store and args.pages:
-        raise ProtocolError(ErrorCode.BAD_ARGUMENT, "'pages' belongs to RETRIEVE, not STORE")
     if (args.done_slot is None) != (args.done_seq is None):
         raise ProtocolError(ErrorCode.BAD_ARGUMENT, "give both 'done_slot' and 'done_seq', or neither")
     return tokens, block_ids

@@ -232,16 +232,8 @@ class LinkerStore:
         try:
             for event in ready:
                 event.synchronize()
-            futures = [
-                self.backend.store_async(page_tokens(key, self.page_size), [page], 0)
-                for key, page in zip(keys, pages, strict=True)
-            ]
-            for future in futures:
-                try:
-                    future.result()
-                except Exception as exc:
-                    log.warning("kvferry: storing a linker page failed: %s: %s", type(exc).__name__, exc)
-                    stored = False
+            tokens = [token for key in keys for token in page_tokens(key, self.page_size)]
+            self.backend.store_pages_async(tokens, pages).result()  # one copy for all
         except Exception as exc:
             log.warning("kvferry: a linker offload failed: %s: %s", type(exc).__name__, exc)
             stored = False

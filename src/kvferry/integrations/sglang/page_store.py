@@ -62,6 +62,8 @@ class PageBackend(Backend, Protocol):
 
     def retrieve_pages_async(self, tokens: TokenIds, block_ids: list[int]) -> Future[int]: ...
 
+    def store_pages_async(self, tokens: TokenIds, block_ids: list[int]) -> Future[int]: ...
+
 
 def leading_pages(backend: PageBackend, keys: Sequence[str], page_size: int) -> tuple[int, list[Any]]:
     """How many leading ``keys`` the cache holds whole, looked up together, and their locks (those of the pages
@@ -107,14 +109,14 @@ class PageStore:
     def store(self, keys: list[str], pages: torch.Tensor) -> list[bool]:
         """Host pages ``pages`` stored under ``keys``; per key whether it is (already) in the cache."""
         if self.direct is not None:
-            return _outcomes([self._store(self.direct, key, int(page)) for key, page in zip(keys, pages, strict=True)])
+            return [self._store_run(self.direct, keys, [int(page) for page in pages])] * len(keys)
         done: list[bool] = []
         for start in range(0, len(keys), self.stage.num_pages):
             batch = pages[start : start + self.stage.num_pages]
             with self._stage_lock:
                 self.host.copy_pages(batch, self.stage)
-                futures = [self._store(self.staged, key, i) for i, key in enumerate(keys[start : start + len(batch)])]
-                done += _outcomes(futures)
+                stored = self._store_run(self.staged, keys[start : start + len(batch)], list(range(len(batch))))
+            done += [stored] * len(batch)
         return done
 
     def load(self, keys: list[str], pages: torch.Tensor) -> list[bool]:
@@ -138,7 +140,7 @@ class PageStore:
         """One page given in SGLang's flat data page order (`HostPages.page`)."""
         with self._stage_lock:
             self.stage.page(0).copy_(page.view(self.stage.page(0).shape))
-            return _outcomes([self._store(self.staged, key, 0)])[0]
+            return self._store_run(self.staged, [key], [0])
 
     def load_page(self, key: str, page: torch.Tensor) -> bool:
         with self._stage_lock:
@@ -147,8 +149,16 @@ class PageStore:
             page.view(self.stage.page(0).shape).copy_(self.stage.page(0))
             return True
 
-    def _store(self, backend: Backend, key: str, page: int) -> Future[int]:
-        return backend.store_async(page_tokens(key, self.page_size), [page], 0)
+    def _store_run(self, backend: PageBackend, keys: list[str], pages: list[int]) -> bool:
+        """Backend pages ``pages`` stored under ``keys`` in one copy (each is then in the cache, or already was);
+        False where the store failed."""
+        tokens = [token for key in keys for token in page_tokens(key, self.page_size)]
+        try:
+            backend.store_pages_async(tokens, pages).result()
+            return True
+        except Exception as exc:
+            log.warning("kvferry: storing HiCache pages failed: %s: %s", type(exc).__name__, exc)
+            return False
 
     def _load_run(self, backend: PageBackend, keys: list[str], pages: list[int]) -> int:
         """How many leading ``keys`` landed in backend pages ``pages``, in one copy (a failed load is a miss:
@@ -162,18 +172,6 @@ class PageStore:
 
     def close(self) -> None:
         self._closing()
-
-
-def _outcomes(futures: list[Future[int]]) -> list[bool]:
-    done = []
-    for future in futures:
-        try:
-            future.result()
-            done.append(True)
-        except Exception as exc:
-            log.warning("kvferry: storing a HiCache page failed: %s: %s", type(exc).__name__, exc)
-            done.append(False)
-    return done
 
 
 def open_page_store(settings: ConnectorSettings, host: HostPages, keys: PageKeySpace, *, name: str) -> PageStore:
