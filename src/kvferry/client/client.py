@@ -222,8 +222,8 @@ class KvferryClient:
         pages: bool = False,
     ) -> int:
         """`store_async`, waited for on this thread."""
-        return self._transfer(Op.STORE, registration, _store_args(registration, tokens, block_ids, skip_prefix_tokens,
-                                                                  tail, pages))  # fmt: skip
+        args = _store_args(registration, tokens, block_ids, skip_prefix_tokens, tail, pages)
+        return self._transfer(Op.STORE, registration, args)
 
     def store_async(
         self,
