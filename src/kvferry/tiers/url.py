@@ -22,7 +22,7 @@ from urllib.parse import parse_qsl, unquote
 
 from kvferry.tiers.base import Tier
 from kvferry.tiers.disk import DiskTier
-from kvferry.tiers.mooncake_tier import MooncakeTier
+from kvferry.tiers.mooncake_tier import CHECKSUMS, MooncakeTier
 from kvferry.tiers.redis_tier import RedisTier
 
 _SIZE_UNITS = {
@@ -203,8 +203,8 @@ def _mooncake(shown: str, location: str, params: dict[str, str]) -> TierSpec:
         }
         if kwargs["protocol"] not in ("tcp", "rdma"):
             raise ValueError(f"protocol={kwargs['protocol']!r} must be tcp or rdma")
-        if kwargs["checksum"] not in ("header", "payload"):
-            raise ValueError(f"checksum={kwargs['checksum']!r} must be header or payload")
+        if kwargs["checksum"] not in CHECKSUMS:
+            raise ValueError(f"checksum={kwargs['checksum']!r} must be one of {', '.join(CHECKSUMS)}")
         return TierSpec(MooncakeTier, (master, metadata), kwargs, shown)
 
 
