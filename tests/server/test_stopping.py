@@ -49,6 +49,7 @@ class FrozenTierEngine(FakeEngine):
         return missed, never_answers
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_server_stop_gives_up_on_a_tier_lookup_that_never_ends() -> None:
     engine = FrozenTierEngine()
     server = KvferryServer(ServerConfig(port=0, http_port=None, tier_workers=1), engine)
@@ -64,6 +65,10 @@ def test_a_server_stop_gives_up_on_a_tier_lookup_that_never_ends() -> None:
                 pending.result(timeout=40)
     finally:
         engine.release.set()
+    loop = server._loop_thread
+    assert loop is not None
+    loop.join(30)  # the loop left behind ends quietly once the lookup does, its context gone
+    assert not loop.is_alive()
 
 
 def test_a_client_of_a_frozen_server_closes_without_waiting_for_it() -> None:

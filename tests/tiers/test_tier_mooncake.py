@@ -154,7 +154,10 @@ def test_reads_of_the_usual_shape_take_one_call_and_other_shapes_are_read_after_
         key("smaller"): random_tensor((7, 9), torch.float32, seed=21),
         key("larger"): random_tensor((5, 3, 1001), torch.bfloat16, seed=22),
     }
-    assert all(f.result(30) for f in [tier.put(k, o) for k, o in [*others.items(), *usual.items()]])
+    # the usual shape is the last one stored: the others first, then the usual ones (puts of one call may end in
+    # any order across the tier's workers)
+    assert all(f.result(30) for f in [tier.put(k, o) for k, o in others.items()])
+    assert all(f.result(30) for f in [tier.put(k, o) for k, o in usual.items()])
     calls: list[str] = []
     store = tier.store()
 

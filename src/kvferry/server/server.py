@@ -293,6 +293,8 @@ class KvferryServer:
             shut_down_pool(self._workers, self._stop_deadline)
             shut_down_pool(self._tier_workers, self._stop_deadline)
             self._forward_replies(replies_in, router)
+        except zmq.ContextTerminated:
+            pass  # left behind by a stop that gave up on it: the context is gone, and nobody is left to answer
         finally:
             if self._unix is not None:
                 self._unix.close()
