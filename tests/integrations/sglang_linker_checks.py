@@ -267,10 +267,10 @@ def test_bad_settings_pools_and_chunk_sizes_refuse_to_start() -> None:
     device = Device("mha", seed=0)
     with pytest.raises(ValueError, match=r"linker_extra_config: .*mdoe"):
         make_linker(device, {"mdoe": "server"})
-    with pytest.raises(UnsupportedKVLayout, match="also has mamba components"):
+    with pytest.raises(UnsupportedKVLayout, match=r"the pools \['kv', 'mamba'\] and its device cache \['kv'\]"):
         make_linker(device, EMBEDDED, components={ComponentType.FULL, ComponentType.MAMBA})
-    with pytest.raises(UnsupportedKVLayout, match="also has swa components"):
-        make_linker(device, EMBEDDED, components={ComponentType.FULL, ComponentType.SWA})
+    with pytest.raises(UnsupportedKVLayout, match="also has auxiliary_swa components"):
+        make_linker(device, EMBEDDED, components={ComponentType.FULL, ComponentType.AUXILIARY_SWA})
     hnd = Device("mha", seed=0)
     hnd.pool.kv_cache_layout = "hnd"
     with pytest.raises(UnsupportedKVLayout, match="'hnd'"):

@@ -21,6 +21,8 @@ from kvferry.cache import CacheEngine
 from kvferry.config import KvferryConfig, ServerConfig
 from kvferry.connector.settings import ConnectorSettings
 from kvferry.integrations.sglang.device_pages import device_kv
+from kvferry.integrations.sglang.device_pools import KV, kv_pool
+from kvferry.integrations.sglang.linker_pools import PoolPages, PoolPlan
 from kvferry.integrations.sglang.linker_store import open_linker_store
 from kvferry.integrations.sglang.page_store import PageKeySpace
 from kvferry.memory import HostPool
@@ -101,12 +103,13 @@ def test_pages_go_out_and_come_back_bit_exact(device: str, mode: str, kind: str)
     page_bytes = sum(b[:page].numel() * b.element_size() for b in buffers)
     counter = Counter(len(kv.layers))
     with settings_for(mode, device, page, 2 * count * page_bytes + (8 << 20)) as settings:
-        store = open_linker_store(settings, kv, PageKeySpace("org/replayed", 1, 0), counter, name="replayed")
+        plans = [PoolPlan(kv_pool(kv), PageKeySpace("org/replayed", 1, 0))]
+        store = open_linker_store(settings, plans, page, len(kv.layers), counter, name="replayed")
         try:
             ready = [torch.cuda.Event()] if device == "cuda" else []
             for event in ready:
                 event.record()
-            store.offload(keys, source, ready)
+            store.offload([PoolPages(KV, keys, source)], ready)
             deadline = time.monotonic() + 60
             while store.completed_offloads() == 0:
                 assert time.monotonic() < deadline, "the offload did not end"
@@ -118,7 +121,7 @@ def test_pages_go_out_and_come_back_bit_exact(device: str, mode: str, kind: str)
                 buffer[rows(dest)] = buffer[rows(dest)].view(torch.uint8).fill_(0xA5).view(buffer.dtype)
             before = [_bits(b).clone() for b in buffers]
             assert store.lookup("r", keys) == list(range(1, count + 1))
-            assert store.queue_load("r", keys, dest)
+            assert store.queue_load("r", [PoolPages(KV, keys, dest)])
             index = store.start_loads([])
             counter.done[index].result(60)
             if device == "cuda":

@@ -22,6 +22,8 @@ from kvferry.bench.harness import BenchError
 from kvferry.bench.sglang_pools import case_of, replay
 from kvferry.connector.settings import ConnectorSettings
 from kvferry.integrations.sglang.device_pages import device_kv
+from kvferry.integrations.sglang.device_pools import KV, kv_pool
+from kvferry.integrations.sglang.linker_pools import PoolPages, PoolPlan
 from kvferry.integrations.sglang.linker_store import open_linker_store
 from kvferry.integrations.sglang.page_store import PageKeySpace
 
@@ -85,7 +87,8 @@ class LinkerPath:
         self.nbytes = sum(b[: self.page].numel() * b.element_size() for b in self.buffers) * pages
         self.counter = LayerCounter(len(self.kv.layers))
         space = PageKeySpace(f"bench/{self.case.name}", 1, 0)
-        self.store_ = open_linker_store(settings, self.kv, space, self.counter, name="bench")
+        plans = [PoolPlan(kv_pool(self.kv), space)]
+        self.store_ = open_linker_store(settings, plans, self.page, len(self.kv.layers), self.counter, name="bench")
         self._generator = torch.Generator(device=device).manual_seed(7)
         self._round = 0
         self.keys: list[str] = []
@@ -113,7 +116,7 @@ class LinkerPath:
             buffer[self._src_rows] = noise.view(buffer.dtype).view(rows.shape)
 
     def store(self) -> None:
-        self.store_.offload(self.keys, self.src, self._ready())
+        self.store_.offload([PoolPages(KV, self.keys, self.src)], self._ready())
         deadline = time.monotonic() + _WAIT_S
         while self.store_.completed_offloads() == 0:
             if time.monotonic() > deadline:
@@ -134,7 +137,7 @@ class LinkerPath:
             raise BenchError(f"{self.case.name}: {len(found)} of {len(self.keys)} pages found after they were stored")
 
     def load(self) -> None:
-        if not self.store_.queue_load("bench", self.keys, self.dst):
+        if not self.store_.queue_load("bench", [PoolPages(KV, self.keys, self.dst)]):
             raise BenchError(f"{self.case.name}: the linker refused a load")
         index = self.store_.start_loads(self._ready())
         try:

@@ -18,6 +18,7 @@ shape, not the engine's format: a page either of them stored is the other's too.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -31,10 +32,11 @@ from kvferry.formats import EngineKVFormat
 POOLS = ("MHATokenToKVPool", "MLATokenToKVPool")
 
 
-def device_kv(pool: Any) -> EngineKV:
-    """kvferry's view of SGLang's device pool ``pool`` (no copy): its pages as blocks. UnsupportedKVLayout naming
-    what is not moved (another pool class, a layout other than ``nhd``, a quantised cache with scales, K and V of
-    different widths)."""
+def device_kv(pool: Any, layer_ids: Sequence[int] = ()) -> EngineKV:
+    """kvferry's view of SGLang's device pool ``pool`` (no copy): its pages as blocks, its layers named by the
+    model's ``layer_ids`` (default: the pool's own, from its first layer). UnsupportedKVLayout naming what is not
+    moved (another pool class, a layout other than ``nhd``, a quantised cache with scales, K and V of different
+    widths)."""
     kind = type(pool).__name__
     if kind not in POOLS:
         raise UnsupportedKVLayout(
@@ -63,7 +65,7 @@ def device_kv(pool: Any) -> EngineKV:
         fmt, paged = EngineKVFormat.NL_X_NBBS_ONE_HS, layers
     if not layers:
         raise UnsupportedKVLayout(f"SGLang's {kind} holds no layers")
-    names = [f"layer.{pool.start_layer + i}" for i in range(len(layers))]
+    names = [f"layer.{layer}" for layer in layer_ids or range(pool.start_layer, pool.start_layer + len(layers))]
     return EngineKV(fmt, paged, layers, names, page_size, dtype_name(layers[0].dtype))
 
 

@@ -14,9 +14,10 @@ page a one-chunk prefix whose tokens spell its hash, the chunk size SGLang's pag
 objects are not shared with vLLM engines: vLLM's keys hash the token ids of the whole prefix, which SGLang does not
 give, so the same prefix has different keys there even where the model and the object shape match.
 
-Only a model whose tree has the full-attention KV pool alone is linked (SGLang's MHA and MLA device pools, token
-major): a model with Mamba, sliding-window or other pools is refused at start, naming them. The device pool's
-layout: `device_pages`; the lookups, loads, offloads and their threads: `linker_store`.
+Models whose tree has sliding-window or Mamba components link those pools too (`device_pools`): a hit then needs
+the window's last pages, or the state at its end, as SGLang's hit policies say (`linker_pools`). Other components
+(DeepSeek's compressed pools, auxiliary SWA) are refused at start, naming them. The lookups, loads, offloads and
+their threads: `linker_store`.
 """
 
 from __future__ import annotations
@@ -32,15 +33,19 @@ from sglang.srt.utils import get_device_module
 
 from kvferry.connector.engine_kv import UnsupportedKVLayout
 from kvferry.connector.settings import ConnectorSettings
-from kvferry.integrations.sglang.device_pages import device_kv, slot_pages
+from kvferry.integrations.sglang.device_pages import slot_pages
+from kvferry.integrations.sglang.device_pools import KV, MAMBA, SWA, device_pools
+from kvferry.integrations.sglang.linker_pools import PoolPages, PoolPlan
 from kvferry.integrations.sglang.linker_store import LinkerStore, ReadyEvent, open_linker_store
 from kvferry.integrations.sglang.storage_settings import page_key_space
 
 log = logging.getLogger(__name__)
 
+_POOLS = {ComponentType.FULL: KV, ComponentType.SWA: SWA, ComponentType.MAMBA: MAMBA}  # the tree's, linked
+
 
 class KvferryLinker(UnifiedCacheLinker):
-    """SGLang's device KV pool linked to kvferry's cache; built by SGLang's linker factory once per worker.
+    """SGLang's device pools linked to kvferry's cache; built by SGLang's linker factory once per worker.
 
     Nothing raises into SGLang after start: a failed lookup is a miss, a transfer SGLang hands over in a shape
     kvferry does not take is a refused load or offload, a load that does not land fails its batch in the layer
@@ -55,51 +60,66 @@ class KvferryLinker(UnifiedCacheLinker):
         extra_config: dict[str, Any] | None = None,
         forward_stream: torch.cuda.Stream | None = None,
     ) -> None:
-        unsupported = set(components) - {ComponentType.FULL}
+        unsupported = set(components) - set(_POOLS)
         if unsupported:
             names = ", ".join(str(c) for c in sorted(unsupported, key=int))
             raise UnsupportedKVLayout(
-                f"kvferry's SGLang linker moves the full-attention KV pool only; this model's cache also has {names} "
-                "components (hybrid models' pools are not supported yet)"
+                f"kvferry's SGLang linker moves the full-attention, sliding-window and Mamba pools; this model's "
+                f"cache also has {names} components"
             )
         try:
             self.settings = ConnectorSettings.from_extra_config(dict(extra_config or {}))
         except ValueError as exc:
             raise ValueError(f"--unified-cache-external-linker-config's linker_extra_config: {exc}") from None
         self.forward_stream = forward_stream
+        self.page_size = params.page_size
         kvcache = params.token_to_kv_pool_allocator.get_kvcache()
-        kv = device_kv(kvcache)
-        if kv.block_size != params.page_size:
-            raise UnsupportedKVLayout(f"device pages of {kv.block_size} tokens, not --page-size {params.page_size}")
-        self.page_size = kv.block_size
-        self.pools = {PoolName.KV: kvcache}
-        self.layer_done_counter = LayerWiseLoadCounter(len(kv.layers))
-        mla = kv.fmt.name == "NL_X_NBBS_ONE_HS"
-        storage_config = _storage_config(server_args, params, mla)
-        self.keys = page_key_space(storage_config, self.settings)
-        self._on_device = kv.layers[0].device.type != "cpu"
-        # An MLA model's TP ranks hold the same pages in one key space: through a server, one of them stores.
-        owner = not mla or self.settings.mode != "server" or storage_config.tp_rank == 0
+        linked = device_pools(kvcache, params.req_to_token_pool, self.page_size)
+        wanted = {_POOLS[component] for component in components} | {KV}
+        if set(linked.pools) != wanted:
+            raise UnsupportedKVLayout(
+                f"SGLang's tree has the pools {sorted(wanted)} and its device cache {sorted(linked.pools)}"
+            )
+        self.pools = {PoolName(name): kvcache for name in linked.pools}
+        self.layer_done_counter = LayerWiseLoadCounter(linked.num_layers)
+        if MAMBA in linked.pools:  # the forward reads each Mamba layer's loaded state through this counter
+            params.req_to_token_pool.register_layer_transfer_counter(self.layer_done_counter)
+        # An MLA model's TP ranks hold the same pages in one key space (through a server, one of them stores
+        # them); states, and an MHA model's pages, are each rank's own.
+        sharded_config = _storage_config(server_args, params, False)
+        replicated = page_key_space(_storage_config(server_args, params, linked.mla), self.settings)
+        sharded = page_key_space(sharded_config, self.settings)
+        owner = self.settings.mode != "server" or sharded_config.tp_rank == 0
+        plans = [
+            PoolPlan(pool, replicated, owner) if linked.mla and not pool.objects[0].state else PoolPlan(pool, sharded)
+            for pool in linked.pools.values()
+        ]
+        self.keys = replicated
+        self._on_device = linked.pools[KV].objects[0].kv.layers[0].device.type != "cpu"
         self.store: LinkerStore = open_linker_store(
-            self.settings, kv, self.keys, self.layer_done_counter, offload_owner=owner, name=f"sglang-{self.keys.rank}"
-        )
+            self.settings, plans, self.page_size, linked.num_layers, self.layer_done_counter,
+            name=f"sglang-{sharded.rank}",
+        )  # fmt: skip
         log.info(
-            "kvferry linker active: %s, %s pages of %d tokens as %s, rank %d of %d",
-            self.settings.mode, "MLA" if mla else "MHA", self.page_size, kv.fmt.name, self.keys.rank,
-            self.keys.world_size,
+            "kvferry linker active: %s, pools %s of %s pages of %d tokens, rank %d of %d",
+            self.settings.mode, ", ".join(linked.pools), "MLA" if linked.mla else "MHA", self.page_size,
+            sharded.rank, sharded.world_size,
         )  # fmt: skip
 
     # --- loads ------------------------------------------------------------------------------------------------
 
     def lookup(self, rid: str, transfers: list[PoolTransfer]) -> list[int]:
-        kv = _kv_transfer(transfers)
+        kv = _transfer(transfers, KV)
         if kv is None or not kv.keys:
             return []
-        return self.store.lookup(rid, list(kv.keys))
+        trailing = {_name(t): len(t.keys or ()) for t in transfers if _name(t) != KV}
+        if not set(trailing) <= set(self.store.pools):
+            return []  # a pool not linked: nothing of it restorable
+        return self.store.lookup(rid, list(kv.keys), trailing)
 
     def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
-        pages = self._pages(_kv_transfer(transfers), "load")
-        return pages is not None and self.store.queue_load(rid, pages[0], pages[1])
+        pages = self._pages(transfers, "load")
+        return pages is not None and self.store.queue_load(rid, pages)
 
     def start_layer_wise_loading(self) -> int:
         return self.store.start_loads(self._ready([]))
@@ -113,10 +133,10 @@ class KvferryLinker(UnifiedCacheLinker):
     # --- offloads ---------------------------------------------------------------------------------------------
 
     def offload(self, transfers: list[PoolTransfer], session_id: str | None = None) -> bool:
-        pages = self._pages(_kv_transfer(transfers), "offload")
+        pages = self._pages(transfers, "offload")
         if pages is None:
             return False
-        self.store.offload(pages[0], pages[1], self.record_offload_ready() if self._on_device else [])
+        self.store.offload(pages, self.record_offload_ready() if self._on_device else [])
         return True
 
     def num_completed_offloads(self) -> int:
@@ -141,20 +161,31 @@ class KvferryLinker(UnifiedCacheLinker):
             events.append(event)
         return events
 
-    def _pages(self, kv: PoolTransfer | None, what: str) -> tuple[list[str], list[int]] | None:
-        """A KV transfer's keys and device pages; None (refused, logged) for one kvferry cannot take."""
-        if kv is None or not kv.keys or kv.device_indices is None:
-            log.warning("kvferry: a linker %s without KV pages (refused)", what)
-            return None
-        try:
-            return list(kv.keys), slot_pages(kv.device_indices, len(kv.keys), self.page_size)
-        except ValueError as exc:
-            log.warning("kvferry: a linker %s refused: %s", what, exc)
-            return None
+    def _pages(self, transfers: list[PoolTransfer], what: str) -> list[PoolPages] | None:
+        """Each transfer's keys and blocks; None (refused, logged) where one is of a pool this linker does not
+        move, or is not whole pages (or one state slot a key)."""
+        pages = []
+        for transfer in transfers:
+            name = _name(transfer)
+            pool = self.store.pools.get(name)
+            if pool is None or not transfer.keys or transfer.device_indices is None:
+                log.warning("kvferry: a linker %s of pool %s without keys or slots, or unlinked (refused)", what, name)
+                return None
+            try:
+                blocks = slot_pages(transfer.device_indices, len(transfer.keys), pool.indices_per_block)
+            except ValueError as exc:
+                log.warning("kvferry: a linker %s of pool %s refused: %s", what, name, exc)
+                return None
+            pages.append(PoolPages(name, list(transfer.keys), blocks))
+        return pages or None
 
 
-def _kv_transfer(transfers: list[PoolTransfer]) -> PoolTransfer | None:
-    return next((transfer for transfer in transfers if transfer.name == PoolName.KV), None)
+def _name(transfer: PoolTransfer) -> str:
+    return str(PoolName(transfer.name).value)
+
+
+def _transfer(transfers: list[PoolTransfer], name: str) -> PoolTransfer | None:
+    return next((transfer for transfer in transfers if _name(transfer) == name), None)
 
 
 def _shard(names: tuple[str, ...], defaults: tuple[int, ...]) -> tuple[int, ...]:

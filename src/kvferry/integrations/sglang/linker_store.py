@@ -1,5 +1,6 @@
-"""The unified-cache linker's work, without importing SGLang: pages of SGLang's device pool looked up, loaded and
-offloaded through kvferry's cache, keyed as the HiCache backend keys them (`page_store`).
+"""The unified-cache linker's work, without importing SGLang: pages of SGLang's device pools looked up, loaded and
+offloaded through kvferry's cache, keyed as the HiCache backend keys them (`page_store`), each pool's objects
+behind backends of their own (`linker_pools`).
 
 SGLang's scheduler thread calls in (`lookup`, `queue_load`, `start_loads`, `offload`); the copies run on two
 threads of this class's own, one for loads and one for offloads, so that a slow offload never holds back the load
@@ -20,21 +21,16 @@ from dataclasses import dataclass, field
 from queue import Empty, Queue
 from typing import Any, Protocol
 
-from kvferry.connector.backends import EmbeddedBackend
-from kvferry.connector.engine_kv import EngineKV
-from kvferry.connector.server_backend import ServerBackend
 from kvferry.connector.settings import ConnectorSettings
-from kvferry.integrations.sglang.page_store import (
-    PageBackend,
-    PageKeySpace,
-    check_page_size,
-    leading_pages,
-    page_tokens,
-    pages_engine,
-    pages_key_space,
-    pages_namespace,
-    pages_server_link,
+from kvferry.integrations.sglang.linker_pools import (
+    PoolBackends,
+    PoolPages,
+    PoolPlan,
+    free_locks,
+    open_pool_backends,
+    restorable_prefixes,
 )
+from kvferry.integrations.sglang.page_store import page_tokens
 
 log = logging.getLogger(__name__)
 
@@ -59,39 +55,34 @@ class LayerCounter(Protocol):
 
 @dataclass
 class _Load:
-    """One request's queued load: its pages' keys, the device pages they go to, the locks of its lookup."""
+    """One request's queued load: each pool's pages, and the locks of its lookup."""
 
-    keys: list[str]
-    pages: list[int]
-    locks: list[Any] = field(default_factory=list)
+    pages: list[PoolPages]
+    locks: list[tuple[Any, Any]] = field(default_factory=list)
 
 
 _STOP = None  # the threads' queues end with this
 
 
 class LinkerStore:
-    """Pages of one device pool (``backend``'s KV, one block per page) in kvferry's cache."""
+    """SGLang's device pools (``pools``, by SGLang's pool name; ``kv`` among them) in kvferry's cache."""
 
     def __init__(
         self,
-        backend: PageBackend,
+        pools: dict[str, PoolBackends],
         page_size: int,
         num_layers: int,
         counter: LayerCounter,
         closing: Callable[[], None],
         *,
-        offload_owner: bool = True,
         name: str = "sglang",
     ) -> None:
-        """``offload_owner``: False where another rank stores the same pages (an MLA model's TP ranks through one
-        server): offloads then succeed at once without copying."""
-        self.backend, self.page_size, self.num_layers, self.counter = backend, page_size, num_layers, counter
-        self.offload_owner = offload_owner
+        self.pools, self.page_size, self.num_layers, self.counter = pools, page_size, num_layers, counter
         self._closing = closing
-        self._looked_up: dict[str, list[Any]] = {}  # rid -> the locks of its last lookup (scheduler thread)
+        self._looked_up: dict[str, list[tuple[Any, Any]]] = {}  # rid -> the locks of its last lookup
         self._queued: dict[str, _Load] = {}  # loads waiting for the next start (scheduler thread)
         self._loads: Queue[tuple[int, list[_Load], Sequence[ReadyEvent]] | None] = Queue()
-        self._offloads: Queue[tuple[list[str], list[int], Sequence[ReadyEvent]] | None] = Queue()
+        self._offloads: Queue[tuple[list[PoolPages], Sequence[ReadyEvent]] | None] = Queue()
         self._offloaded: Queue[bool] = Queue()
         self._threads = [
             threading.Thread(target=self._serve, args=(self._loads, self._load), name=f"kvferry-{name}-load"),
@@ -104,35 +95,36 @@ class LinkerStore:
 
     # --- the scheduler's calls --------------------------------------------------------------------------------
 
-    def lookup(self, rid: str, keys: Sequence[str]) -> list[int]:
-        """The restorable prefix lengths of ``keys`` in pages, ``[1, ..., n]`` for the ``n`` leading pages the
-        cache holds, locked for the load that may follow. A failed lookup is a miss."""
-        self._free(self._looked_up.pop(rid, []))
+    def lookup(self, rid: str, keys: Sequence[str], trailing: dict[str, int] | None = None) -> list[int]:
+        """The prefix lengths of ``keys`` in pages that every pool can restore (the ``kv`` pool its leading
+        pages, each pool of ``trailing`` its last pages: see `linker_pools`), what they need locked for the load
+        that may follow. A failed lookup is a miss."""
+        free_locks(self._looked_up.pop(rid, []))
         try:
-            found, locks = leading_pages(self.backend, keys, self.page_size)
+            restorable, locks = restorable_prefixes(self.pools, keys, trailing or {}, self.page_size)
         except Exception as exc:  # the backends miss rather than raise; a miss all the same if one does
             log.warning("kvferry: a linker lookup failed (a miss): %s: %s", type(exc).__name__, exc)
-            found, locks = 0, []
-        if found:
+            restorable, locks = [], []
+        if restorable:
             self._looked_up[rid] = locks
         else:
-            self._free(locks)
-        return list(range(1, found + 1))
+            free_locks(locks)
+        return restorable
 
-    def queue_load(self, rid: str, keys: Sequence[str], pages: list[int]) -> bool:
-        """Load ``keys`` into device ``pages`` at the next `start_loads`; False (refused) for a request that has a
-        load queued already."""
+    def queue_load(self, rid: str, pages: list[PoolPages]) -> bool:
+        """Load each pool's ``pages`` at the next `start_loads`; False (refused) for a request that has a load
+        queued already."""
         if rid in self._queued:
             log.warning("kvferry: a second linker load for request %s before the first started (refused)", rid)
             return False
-        self._queued[rid] = _Load(list(keys), pages, self._looked_up.pop(rid, []))
+        self._queued[rid] = _Load(pages, self._looked_up.pop(rid, []))
         return True
 
     def cancel(self, rid: str) -> bool:
         """Drop ``rid``'s queued load; False where none is queued (it started, or never was)."""
         load = self._queued.pop(rid, None)
         if load is not None:
-            self._free(load.locks)
+            free_locks(load.locks)
         return load is not None
 
     def start_loads(self, ready: Sequence[ReadyEvent]) -> int:
@@ -140,7 +132,7 @@ class LinkerStore:
         readers of the slots); the layer counter's index of the batch, or -1 where none was queued. Lookups that
         no load followed are unlocked: their requests were not scheduled and look up again when they are."""
         for locks in self._looked_up.values():
-            self._free(locks)
+            free_locks(locks)
         self._looked_up.clear()
         if not self._queued:
             return -1
@@ -149,12 +141,14 @@ class LinkerStore:
         self._loads.put((index, loads, ready))
         return index
 
-    def offload(self, keys: Sequence[str], pages: list[int], ready: Sequence[ReadyEvent]) -> None:
-        """Store device ``pages`` under ``keys`` once ``ready`` has happened; its result comes in `pop_offload`."""
-        if not self.offload_owner:
+    def offload(self, pages: list[PoolPages], ready: Sequence[ReadyEvent]) -> None:
+        """Store each pool's ``pages`` once ``ready`` has happened (of the pools this rank owns: another's are
+        stored by the rank that does); its result comes in `pop_offload`."""
+        owned = [part for part in pages if self.pools[part.name].owner]
+        if not owned:
             self._offloaded.put(True)
             return
-        self._offloads.put((list(keys), pages, ready))
+        self._offloads.put((owned, ready))
 
     def completed_offloads(self) -> int:
         return self._offloaded.qsize()
@@ -170,7 +164,7 @@ class LinkerStore:
         for rid in list(self._queued):
             self.cancel(rid)
         for locks in self._looked_up.values():
-            self._free(locks)
+            free_locks(locks)
         self._looked_up.clear()
         self._loads.join()
         self._offloads.join()
@@ -209,17 +203,14 @@ class LinkerStore:
         try:
             for event in ready:
                 event.synchronize()
-            keys = [key for load in loads for key in load.keys]
-            pages = [page for load in loads for page in load.pages]
-            tokens = [token for key in keys for token in page_tokens(key, self.page_size)]
-            loaded = self.backend.retrieve_pages_async(tokens, pages).result() // self.page_size  # one copy for all
-            if loaded != len(keys):
-                error = RuntimeError(f"{len(keys) - loaded} of {len(keys)} pages were not in kvferry's cache any more")
+            missing = self._move([part for load in loads for part in load.pages], "retrieve_pages_async")
+            if missing:
+                error = RuntimeError(f"{missing} pages were not in kvferry's cache any more")
         except BaseException as exc:
             error = exc
         finally:
             for load in loads:
-                self._free(load.locks)
+                free_locks(load.locks)
         if error is not None:
             log.warning("kvferry: a linker load failed (SGLang aborts it): %s: %s", type(error).__name__, error)
             self.counter.fail(index, error)
@@ -227,58 +218,46 @@ class LinkerStore:
         for layer in range(self.num_layers):
             self.counter.complete(index, layer)
 
-    def _offload(self, keys: list[str], pages: list[int], ready: Sequence[ReadyEvent]) -> None:
+    def _offload(self, pages: list[PoolPages], ready: Sequence[ReadyEvent]) -> None:
         stored = True
         try:
             for event in ready:
                 event.synchronize()
-            tokens = [token for key in keys for token in page_tokens(key, self.page_size)]
-            self.backend.store_pages_async(tokens, pages).result()  # one copy for all
+            self._move(pages, "store_pages_async")
         except Exception as exc:
             log.warning("kvferry: a linker offload failed: %s: %s", type(exc).__name__, exc)
             stored = False
         self._offloaded.put(stored)
 
-    def _free(self, locks: list[Any]) -> None:
-        for lock in locks:
-            try:
-                self.backend.free_lock(lock)
-            except Exception as exc:  # an expired lock, or a server gone: nothing left to free
-                log.debug("kvferry: freeing a linker lookup lock: %s", exc)
+    def _move(self, parts: list[PoolPages], how: str) -> int:
+        """Each pool's pages of ``parts`` moved by each of its backends' ``how``, all in one copy per backend, all
+        of them under way together; how many pages a retrieve did not find (a store: 0)."""
+        by_pool: dict[str, tuple[list[str], list[int]]] = {}
+        for part in parts:
+            keys, blocks = by_pool.setdefault(part.name, ([], []))
+            keys += part.keys
+            blocks += part.blocks
+        moves = []
+        for name, (keys, blocks) in by_pool.items():
+            tokens = [token for key in keys for token in page_tokens(key, self.page_size)]
+            for backend in self.pools[name].backends:
+                moves.append((len(keys), getattr(backend, how)(tokens, blocks)))
+        # every move waited for before any result counts: none is left writing once this returns
+        results = [(pages, future.exception() or future.result()) for pages, future in moves]
+        for _, result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return sum(pages - int(done) // self.page_size for pages, done in results) if how.startswith("retrieve") else 0
 
 
 def open_linker_store(
-    settings: ConnectorSettings,
-    kv: EngineKV,
-    keys: PageKeySpace,
-    counter: LayerCounter,
-    *,
-    offload_owner: bool = True,
-    name: str,
-) -> LinkerStore:
-    """The linker store of device KV ``kv`` in ``settings``' mode: a cache engine in this process whose chunk size
-    is the page size, or the server at ``settings.server_url`` (whose ``--chunk-size`` must be the page size), with
-    which ``kv`` is registered (CPU tensors move into shared memory in place, GPU ones are shared by CUDA IPC)."""
-    page_size = kv.block_size
-    user = "kvferry's SGLang linker"
-    check_page_size(page_size, user)
-    key_space = pages_key_space(kv, keys, settings)
-    backend: PageBackend
-    if settings.mode == "server":
-        link = pages_server_link(settings, kv, keys, key_space, user)
-        backend, closing = ServerBackend(link, key_space, kv), link.close
-    else:
-        engine = pages_engine(settings, page_size, name)
-        try:
-            backend, closing = (
-                EmbeddedBackend(engine, kv, pages_namespace(engine, kv, keys, settings), key_space),
-                engine.close,
-            )
-        except BaseException:
-            engine.close()
-            raise
+    settings: ConnectorSettings, plans: Sequence[PoolPlan], page_size: int, num_layers: int, counter: LayerCounter,
+    *, name: str,
+) -> LinkerStore:  # fmt: skip
+    """The linker store of the planned pools in ``settings``' mode (`linker_pools.open_pool_backends`)."""
+    pools, closing = open_pool_backends(settings, plans, page_size, name)
     try:
-        return LinkerStore(backend, page_size, len(kv.layers), counter, closing, offload_owner=offload_owner, name=name)
+        return LinkerStore(pools, page_size, num_layers, counter, closing, name=name)
     except BaseException:
         closing()
         raise

@@ -210,9 +210,13 @@ def check_page_size(page_size: int, user: str) -> None:
         )
 
 
-def pages_key_space(kv: EngineKV, keys: PageKeySpace, settings: ConnectorSettings) -> KeySpace:
-    """The key space of pages of ``kv`` (``kv.block_size``: SGLang's page size) for this rank's shard."""
-    key_space = KeySpace.of(kv, model=keys.model, salt=settings.salt, codec=settings.codec)
+def pages_key_space(
+    kv: EngineKV, keys: PageKeySpace, settings: ConnectorSettings, group: str | None = None, *, state: bool = False
+) -> KeySpace:
+    """The key space of pages of ``kv`` (``kv.block_size``: SGLang's page size) for this rank's shard; ``group``
+    names a pool's objects apart from the KV pool's (`device_pools`); a ``state``'s bytes are kept exact."""
+    codec = "none" if state else settings.codec
+    key_space = KeySpace.of(kv, model=keys.model, salt=settings.salt, codec=codec, group=group)
     return replace(key_space, world_size=keys.world_size, rank=keys.rank)
 
 
@@ -247,11 +251,18 @@ def pages_engine(settings: ConnectorSettings, page_size: int, name: str) -> Cach
 
 
 def pages_namespace(
-    engine: CacheEngine, kv: EngineKV, keys: PageKeySpace, settings: ConnectorSettings
+    engine: CacheEngine,
+    kv: EngineKV,
+    keys: PageKeySpace,
+    settings: ConnectorSettings,
+    group: str | None = None,
+    *,
+    state: bool = False,
 ) -> CacheNamespace:
+    """`pages_key_space` in ``engine``."""
     return engine.namespace_for(
         keys.model, kv.fmt, kv.paged, world_size=keys.world_size, rank=keys.rank, salt=settings.salt,
-        block_size=kv.block_size, codec=settings.codec,
+        block_size=kv.block_size, codec="none" if state else settings.codec, group=group,
     )  # fmt: skip
 
 
