@@ -34,8 +34,9 @@ SRC, DST = [3, 7, 1, 5, 11], [10, 2, 12, 8, 0]
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
 
 
-def host_pool(kind: str, layout: str, seed: int) -> Any:
-    """SGLang's host pool of a small model (MHA: 2 KV heads of 8; MLA: rows of 24 + 8), random contents."""
+def host_pool(kind: str, layout: str, seed: int, allocator: str = "default") -> Any:
+    """SGLang's host pool of a small model (MHA: 2 KV heads of 8; MLA: rows of 24 + 8), random contents, its
+    buffer from SGLang's ``allocator`` (``shm``: a memfd mapped shared)."""
     if kind == "mha":
         device = MHATokenToKVPool(
             TOKENS, PAGE, torch.bfloat16, 2, 8, LAYERS, "cpu", False, start_layer=0, end_layer=LAYERS
@@ -44,6 +45,7 @@ def host_pool(kind: str, layout: str, seed: int) -> Any:
         pool = MHATokenToKVPoolHost(
             info, 2.0, 0, PAGE, layout, pin_memory=False, device_capacity_tokens=device.size,
             start_layer=0, end_layer=LAYERS, write_back_staging=device.hicache_write_back_staging,
+            allocator_type=allocator,
         )  # fmt: skip
     else:
         device = MLATokenToKVPool(
@@ -52,7 +54,7 @@ def host_pool(kind: str, layout: str, seed: int) -> Any:
         info = device.get_device_pool_infos()[0].buffer_info
         pool = MLATokenToKVPoolHost(
             info, 2.0, 0, PAGE, layout, pin_memory=False, device_capacity_tokens=device.size,
-            start_layer=0, end_layer=LAYERS, target_layer_num=LAYERS,
+            start_layer=0, end_layer=LAYERS, target_layer_num=LAYERS, allocator_type=allocator,
         )  # fmt: skip
     pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=torch.Generator().manual_seed(seed)))
     return pool
@@ -151,6 +153,27 @@ def test_a_second_backend_on_the_server_loads_what_the_first_stored(
         reader.close()
 
 
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_a_host_pool_in_shared_memory_is_mapped_by_the_server_as_it_is(kind: str, server_url: str) -> None:
+    """SGLang's ``"allocator": "shm"`` host pool (a memfd mapped shared): the server maps the pool itself and
+    copies pages straight in and out of it; no page goes through the staging buffer, which holds one page only
+    (the generic calls'), and the pool stays where SGLang put it."""
+    pool = host_pool(kind, "page_first", seed=40, allocator="shm")
+    address = pool.kv_buffer.data_ptr()
+    settings = {"mode": "server", "server_url": server_url, "allocator": "shm"}
+    writer, reader = load_backend(pool, settings), load_backend(pool, settings)
+    try:
+        for backend in (writer, reader):
+            assert backend.store.direct is not None and backend.store.stage.num_pages == 1
+            backend.store.stage.pages.fill_(3.0)
+        store_then_load(pool, writer, reader, seed=41 + (kind == "mla"))
+        assert pool.kv_buffer.data_ptr() == address
+        assert all(bool((b.store.stage.pages == 3.0).all()) for b in (writer, reader))  # nothing staged
+    finally:
+        writer.close()
+        reader.close()
+
+
 def test_tensor_parallel_ranks_keep_their_own_pages(server_url: str) -> None:
     settings = {"mode": "server", "server_url": server_url}
     pools = [host_pool("mha", "page_first_direct", seed=10 + rank) for rank in range(2)]
@@ -231,3 +254,15 @@ def test_the_documented_launch_goes_through_sglangs_parser_and_factory() -> None
     backend = StorageBackendFactory.create_backend("dynamic", config, None)  # the host pool comes later
     assert isinstance(backend, KvferryHiCacheStorage)
     assert backend.settings.mode == "server" and backend.keys.model == "org/tiny-model"
+    from sglang.srt.mem_cache.pool_host.common import get_allocator_type
+    from sglang.srt.runtime_context import get_context
+
+    published = get_context().override_server_args(
+        hicache_storage_backend="dynamic",
+        hicache_storage_backend_extra_config=args.hicache_storage_backend_extra_config,
+    )
+    published.install()
+    try:
+        assert get_allocator_type() == "shm"  # SGLang puts the host pool where the server can map it
+    finally:
+        published.restore()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import mmap
 import os
 from typing import Any
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from kvferry.client.kv_export import export_kv
+from kvferry.client.shared_files import shared_file
 from kvferry.protocol.messages import ProtocolError
 from kvferry.server.kv_mapping import map_kv
 from kvferry.server.requests import RegisterArgs
@@ -56,6 +58,56 @@ def test_separate_allocations_are_separate_storages() -> None:
     assert all(torch.equal(a, b) for a, b in zip(paged, mapped.paged, strict=True))
 
 
+def memfd_tensor(nbytes: int, offset: int = 0) -> tuple[torch.Tensor, int, mmap.mmap]:
+    """Host memory as SGLang's ``shm`` allocator makes it: a memfd mapped shared, a tensor over the mapping from
+    ``offset``; the descriptor and the mapping (the caller closes both)."""
+    fd = os.memfd_create("sglang_host_pool_test", os.MFD_CLOEXEC)
+    size = -(-(offset + nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE
+    os.ftruncate(fd, size)
+    mm = mmap.mmap(fd, size, mmap.MAP_SHARED)
+    return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=offset), fd, mm
+
+
+@pytest.mark.parametrize("offset", [0, 4096 + 64])
+def test_memory_shared_through_a_memfd_is_mapped_as_it_is(offset: int) -> None:
+    """A tensor over a shared memfd mapping is passed by its own descriptor and offset, with no copy: the server's
+    view and the engine's are one memory (a write through either shows in the other)."""
+    buffer, fd, mm = memfd_tensor(3 * 4096, offset)
+    try:
+        buffer.copy_(torch.randint(0, 256, buffer.shape, generator=torch.Generator().manual_seed(3), dtype=torch.uint8))
+        address = buffer.data_ptr()
+        paged = [buffer[:4096].view(torch.float32), buffer[4096:].view(2, -1)]
+        storages, kv = exported(paged)
+        assert buffer.data_ptr() == address  # not moved into a file of torch's
+        assert storages == [{"kind": "shm_fd", "pid": os.getpid(), "fd": fd, "offset_bytes": offset,
+                             "nbytes": 3 * 4096}]  # fmt: skip
+        mapped = map_kv(register_args(storages, kv))
+        assert torch.equal(mapped.paged[1].view(torch.uint8).flatten(), buffer[4096:])
+        mapped.paged[0].view(torch.uint8).fill_(0xA5)  # the server writes: the engine sees it
+        assert bool((buffer[:4096] == 0xA5).all()) and not bool((buffer[4096:] == 0xA5).all())
+        mapped.close()
+    finally:
+        del buffer
+        mm.close()
+        os.close(fd)
+
+
+def test_memory_not_shared_through_a_file_is_moved_into_torchs() -> None:
+    """A private mapping of a memfd (or plain memory) is not shared as it is: torch moves it into its own file."""
+    fd = os.memfd_create("private", os.MFD_CLOEXEC)
+    os.ftruncate(fd, 4096)
+    mm = mmap.mmap(fd, 4096, mmap.MAP_PRIVATE)
+    try:
+        assert shared_file(torch.frombuffer(mm, dtype=torch.uint8).data_ptr(), 4096) is None
+        plain = torch.zeros(4096, dtype=torch.uint8)
+        assert shared_file(plain.data_ptr(), 4096) is None
+        (storage,), _ = exported(plain)
+        assert storage["fd"] != fd and shm_name(plain)  # torch's unlinked /dev/shm file
+    finally:
+        mm.close()
+        os.close(fd)
+
+
 def test_export_rejects_what_cannot_be_shared() -> None:
     with pytest.raises(ValueError, match=r"paged\[1\] is an empty list"):
         export_kv([torch.randn(2), []])
@@ -84,8 +136,10 @@ def test_out_of_bounds_views_are_refused() -> None:
 
 
 def test_bad_storages_are_refused() -> None:
-    with open(__file__) as other_file:  # a descriptor of this process that is not torch's shared memory
-        assert "not torch's unlinked shared memory" in corrupt(lambda s, v: s.update(fd=other_file.fileno()))
+    with open(__file__) as other_file:  # a descriptor of this process that is not shared memory
+        assert "not shared memory (a memfd or a file in /dev/shm)" in corrupt(
+            lambda s, v: s.update(fd=other_file.fileno())
+        )
     assert "cannot read /proc/" in corrupt(lambda s, v: s.update(fd=1_000_000))
     assert "cannot read /proc/" in corrupt(lambda s, v: s.update(pid=2**22 + 1))
     assert "must be non-empty and inside" in corrupt(lambda s, v: s.update(nbytes=s["nbytes"] + 4096))

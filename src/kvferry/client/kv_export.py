@@ -1,7 +1,8 @@
 """Describe an engine's KV tensors so the server can map the same memory (the client half of registration).
 
 CPU tensors are moved into shared memory *in place* (`tensor.share_memory_()` with torch's file-descriptor
-strategy); every tensor viewing the storage, the engine's included, keeps working. GPU tensors are exported by
+strategy); every tensor viewing the storage, the engine's included, keeps working. Memory shared through a file
+already (`shared_files`: SGLang's ``shm`` host pool) is passed as it is, without a copy. GPU tensors are exported by
 CUDA IPC handle. Only plain msgpack fields leave the process: pids, fds, handles, offsets, shapes, strides,
 dtype names.
 
@@ -25,6 +26,7 @@ from typing import Any
 
 import torch
 
+from kvferry.client.shared_files import SharedMappings
 from kvferry.cuda.driver import driver, primary_context
 from kvferry.cuda.vmm import allocation_range, export_allocation, is_legacy_ipc_capable
 
@@ -39,13 +41,16 @@ def export_kv(paged: Any, fds: list[int] | None = None) -> tuple[list[dict[str, 
     """
     storages: list[dict[str, Any]] = []
     index_of: dict[tuple[str, int], int] = {}
+    shared: list[SharedMappings] = []  # read once, at the first CPU tensor
 
     def walk(node: Any, where: str) -> Any:
         if isinstance(node, torch.Tensor):
+            if node.device.type == "cpu" and not shared:
+                shared.append(SharedMappings())
             if node.device.type != "cuda":
-                return _view(node, where, storages, index_of)
+                return _view(node, where, storages, index_of, shared)
             try:  # torch's own sharing first: it also shares its allocator's driver-mapped (expandable) segments
-                return _view(node, where, storages, index_of)
+                return _view(node, where, storages, index_of, shared)
             except RuntimeError:  # memory torch's allocator did not hand out (vLLM 0.34's extensible KV cache)
                 with driver().current(primary_context(node.device)):  # the driver's calls need its context
                     if is_legacy_ipc_capable(node.data_ptr()):
@@ -62,13 +67,17 @@ def export_kv(paged: Any, fds: list[int] | None = None) -> tuple[list[dict[str, 
 
 
 def _view(
-    tensor: torch.Tensor, where: str, storages: list[dict[str, Any]], index_of: dict[tuple[str, int], int]
+    tensor: torch.Tensor,
+    where: str,
+    storages: list[dict[str, Any]],
+    index_of: dict[tuple[str, int], int],
+    shared: list[SharedMappings],
 ) -> dict[str, Any]:
     if tensor.layout != torch.strided or tensor.is_nested:
         raise TypeError(f"{where} must be a dense strided tensor, got layout {tensor.layout}")
     storage = tensor.untyped_storage()
     if tensor.device.type == "cpu":
-        desc = _share_cpu(storage)  # may move the storage: take data_ptr after
+        desc = _share_cpu(storage, shared[0])  # may move the storage: take data_ptr after
     elif tensor.device.type == "cuda":
         desc = _share_cuda(storage)
     else:
@@ -130,9 +139,15 @@ def _vmm_view(
     }
 
 
-def _share_cpu(storage: torch.UntypedStorage) -> dict[str, Any]:
-    # Moves the bytes into an unlinked shared-memory file once (a copy, then every view of the storage points
-    # there); later calls return the same descriptor, which torch keeps open as long as the storage lives.
+def _share_cpu(storage: torch.UntypedStorage, mappings: SharedMappings) -> dict[str, Any]:
+    # Memory shared through a file already (a memfd or /dev/shm mapping a descriptor holds open) is mapped by the
+    # server as it is. Other memory torch moves into an unlinked shared-memory file once (a copy, then every view
+    # of the storage points there); later calls return the same descriptor, which torch keeps open as long as the
+    # storage lives.
+    shared = mappings.of(storage.data_ptr(), storage.nbytes()) if storage.nbytes() else None
+    if shared is not None:
+        return {"kind": "shm_fd", "pid": os.getpid(), "fd": shared.fd, "offset_bytes": shared.offset_bytes,
+                "nbytes": storage.nbytes()}  # fmt: skip
     fd, nbytes = storage._share_fd_cpu_()
     return {"kind": "shm_fd", "pid": os.getpid(), "fd": fd, "offset_bytes": 0, "nbytes": nbytes}
 

@@ -10,7 +10,7 @@ Dropping every reference to a `MappedKV` (see `close`) unmaps its storages.
 from __future__ import annotations
 
 import os
-import re
+import stat
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -21,13 +21,13 @@ from kvferry.cuda.driver import CudaError, primary_context
 from kvferry.cuda.vmm import ImportedAllocation, as_byte_tensor
 from kvferry.protocol.fd_passing import close_all
 from kvferry.protocol.messages import ErrorCode, ProtocolError
+from kvferry.protocol.shared_memory import is_shared_memory
 from kvferry.server.fd_inbox import FdInbox
 from kvferry.server.requests import CudaIpcStorage, CudaVmmStorage, RegisterArgs, ShmStorage, TensorView
 
 # torch's fd strategy creates "/dev/shm/torch_<pid>_<random>_<counter>" (at::NewProcessWideShmHandle) and
 # unlinks it at once, so the client's descriptor reads as that name plus " (deleted)". Accepting nothing else
 # keeps a client from making the server map any other file it can name through /proc.
-_TORCH_SHM_FD_TARGET = re.compile(r"/dev/shm/torch_[0-9]+_[0-9]+_[0-9]+ \(deleted\)")
 _MAX_TENSORS = 65536
 _MAX_DEPTH = 4
 _MAX_DIMS = 8
@@ -190,7 +190,7 @@ def _map_cuda_vmm(desc: CudaVmmStorage, fds: list[int], where: str) -> torch.Unt
 
 def _map_shm(desc: ShmStorage, where: str) -> _Region:
     path = f"/proc/{desc.pid}/fd/{desc.fd}"
-    _check_torch_shm(path, where)  # before opening: never open a device or a pipe a client points at
+    _check_shared_memory(path, where)  # before opening: never open a device or a pipe a client points at
     try:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     except OSError as exc:
@@ -198,8 +198,11 @@ def _map_shm(desc: ShmStorage, where: str) -> _Region:
     try:
         # Checked again on this process's own descriptor: the client cannot swap the file before the map.
         own = f"/proc/self/fd/{fd}"
-        _check_torch_shm(own, where)
-        file_size = os.fstat(fd).st_size
+        _check_shared_memory(own, where)
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise _bad(f"'{where}': {path} is not a regular shared-memory file")
+        file_size = info.st_size
         end = desc.offset_bytes + desc.nbytes
         if desc.nbytes == 0 or end > file_size:
             raise _bad(
@@ -215,13 +218,13 @@ def _map_shm(desc: ShmStorage, where: str) -> _Region:
     return _Region(storage, desc.offset_bytes, desc.nbytes)
 
 
-def _check_torch_shm(path: str, where: str) -> None:
+def _check_shared_memory(path: str, where: str) -> None:
     try:
         target = os.readlink(path)
     except OSError as exc:
         raise _bad(f"'{where}': cannot read {path} ({exc.strerror}); is the client on this host?") from None
-    if not _TORCH_SHM_FD_TARGET.fullmatch(target):
-        raise _bad(f"'{where}': {path} is {target!r}, not torch's unlinked shared memory (/dev/shm/torch_*)")
+    if not is_shared_memory(target):
+        raise _bad(f"'{where}': {path} is {target!r}, not shared memory (a memfd or a file in /dev/shm)")
 
 
 def _map_cuda_ipc(desc: CudaIpcStorage, where: str) -> torch.UntypedStorage:

@@ -20,11 +20,13 @@ class NoArgs(_Args):
 
 
 class ShmStorage(_Args):
-    """A CPU storage in torch's file-descriptor shared memory (`UntypedStorage._share_fd_cpu_()`): an unlinked
-    /dev/shm file that the client holds open as descriptor `fd`; the server maps `/proc/<pid>/fd/<fd>`.
+    """A CPU storage in shared memory that the client holds open as descriptor `fd`, its bytes from `offset_bytes`:
+    torch's file-descriptor sharing (`UntypedStorage._share_fd_cpu_()`: an unlinked /dev/shm file), or memory the
+    engine allocated in a memfd or /dev/shm file (SGLang's ``shm`` host pool); the server maps
+    `/proc/<pid>/fd/<fd>`.
 
-    The file has no name, so nothing is left in /dev/shm however the client or the server ends: the memory
-    returns once the last process mapping it unmaps or exits.
+    An unlinked file or a memfd has no name, so nothing is left in /dev/shm however the client or the server ends:
+    the memory returns once the last process mapping it unmaps or exits.
     """
 
     kind: Literal["shm_fd"]

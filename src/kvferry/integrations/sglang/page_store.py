@@ -23,6 +23,7 @@ import torch
 
 from kvferry.cache import CacheEngine, CacheNamespace
 from kvferry.cache.keys import TokenIds
+from kvferry.client.shared_files import shared_file
 from kvferry.config import TransferConfig
 from kvferry.connector.backends import Backend, EmbeddedBackend, Hit, KeySpace
 from kvferry.connector.engine_kv import EngineKV
@@ -176,26 +177,53 @@ class PageStore:
 
 def open_page_store(settings: ConnectorSettings, host: HostPages, keys: PageKeySpace, *, name: str) -> PageStore:
     """The page store of ``host`` in ``settings``' mode: a cache engine in this process whose chunk size is the page
-    size, or the server at ``settings.server_url``, whose ``--chunk-size`` must be the page size."""
+    size, or the server at ``settings.server_url``, whose ``--chunk-size`` must be the page size. A server maps a
+    host pool in shared memory (SGLang's ``"allocator": "shm"``) as it is and moves its pages directly; another
+    pool's pages go through a staging buffer the server maps, in rounds."""
     user = "kvferry's HiCache storage"
     check_page_size(host.page_size, user)
-    # Embedded mode stages the generic calls' single pages only; server mode every page, in rounds.
-    stage = host.staging(min(STAGING_PAGES, host.num_pages) if settings.mode == "server" else 1)
+    server = settings.mode == "server"
+    direct_to_server = server and _in_shared_memory(host.pages)
+    # The generic calls' single pages are staged in every mode; server mode's other pages too, unless direct.
+    stage = host.staging(min(STAGING_PAGES, host.num_pages) if server and not direct_to_server else 1)
     stage_kv = stage.engine_kv()
     key_space = pages_key_space(stage_kv, keys, settings)
-    if settings.mode == "server":
-        link = pages_server_link(settings, stage_kv, keys, key_space, user)
-        return PageStore(host, stage, ServerBackend(link, key_space, stage_kv), None, link.close)
+    if server:
+        links: list[ServerLink] = []
+
+        def close_links() -> None:
+            for link in links:
+                link.close()
+
+        try:
+            links.append(pages_server_link(settings, stage_kv, keys, key_space, user))
+            staged: PageBackend = ServerBackend(links[0], key_space, stage_kv)
+            direct: PageBackend | None = None
+            if direct_to_server:
+                host_kv = host.engine_kv()
+                links.append(pages_server_link(settings, host_kv, keys, key_space, user))
+                direct = ServerBackend(links[1], key_space, host_kv)
+        except BaseException:
+            close_links()
+            raise
+        log.info("kvferry: SGLang's host pool %s", "mapped by the server" if direct else "staged for the server")
+        return PageStore(host, stage, staged, direct, close_links)
     engine = pages_engine(settings, host.page_size, name)
     try:
-        staged, direct = (
+        staged_here, direct_here = (
             EmbeddedBackend(engine, kv, pages_namespace(engine, kv, keys, settings), key_space)
             for kv in (stage_kv, host.engine_kv())
         )
     except BaseException:
         engine.close()
         raise
-    return PageStore(host, stage, staged, direct, engine.close)
+    return PageStore(host, stage, staged_here, direct_here, engine.close)
+
+
+def _in_shared_memory(buffer: torch.Tensor) -> bool:
+    """Whether ``buffer``'s memory is shared through a file already (`kvferry.client.shared_files`)."""
+    storage = buffer.untyped_storage()
+    return storage.nbytes() > 0 and shared_file(storage.data_ptr(), storage.nbytes()) is not None
 
 
 # What SGLang's two ways in (this page store, and the linker's: `linker_store`) set up alike: pages of SGLang's

@@ -8,7 +8,7 @@ from kvferry.connector.settings import ConnectorSettings
 from kvferry.integrations.sglang.page_store import PageKeySpace
 
 # The extra config's keys that are SGLang's (its factory's and controller's), not kvferry's settings.
-SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size"})
+SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size", "allocator"})
 
 
 def storage_settings(extra_config: dict[str, Any] | None) -> ConnectorSettings:
