@@ -297,6 +297,12 @@ def test_restorable_lengths_follow_the_pools_hit_policies(kind: str, published: 
         assert torch.equal(device.read_full(target_full), expected_full)
         for got, want_side in zip(device.read_side(target_side), expected_side, strict=True):
             assert torch.equal(got, want_side)
+        # transfers kvferry cannot take are refused, not raised: a side pool's slots that are not whole pages (a
+        # state: not one slot a key)
+        odd = target_side[:3] if kind == "swa" else torch.cat([target_side, target_side])
+        assert not linker.load(
+            "x", [_transfer(PoolName.KV, keys[:1], target_full[:PAGE]), _transfer(side_pool, window[-1:], odd)]
+        )
         # a side page never stored fails the load (SGLang aborts it), and the linker goes on
         unknown = page_keys(1, 92)
         side_page = target_side[:PAGE] if kind == "swa" else target_side

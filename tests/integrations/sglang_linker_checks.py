@@ -12,9 +12,10 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Iterator
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
@@ -31,7 +32,7 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType  # noqa: E402
 from sglang.srt.mem_cache.unified_cache.linker_factory import create_unified_cache_linker  # noqa: E402
 from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
-from sglang.srt.runtime_context import get_parallel  # noqa: E402
+from sglang.srt.runtime_context import get_flags, get_parallel  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
 
 from kvferry.connector.engine_kv import UnsupportedKVLayout  # noqa: E402
@@ -81,11 +82,25 @@ class Device:
             buffer.fill_(7.0)
 
 
-def make_linker(device: Device, extra: dict[str, Any], *, tp: tuple[int, int] | None = None, **kwargs: Any) -> Any:
-    """As SGLang's cache registry builds the linker (and hooks its layer counter into the device pool)."""
+def make_linker(
+    device: Device, extra: dict[str, Any], *, tp: tuple[int, int] | None = None, attn_tp: int = 0, **kwargs: Any
+) -> Any:
+    """As SGLang's cache registry builds the linker (and hooks its layer counter into the device pool). ``tp``: the
+    worker's (rank, size) among the tensor-parallel ranks; ``attn_tp``: with data-parallel attention, the size of
+    each attention group (the ranks that share a batch and split its heads)."""
     config = {"linker": "KvferryLinker", "linker_module_path": "kvferry.integrations.sglang.linker",
               "linker_extra_config": extra}  # fmt: skip
-    ranks = get_parallel().override(tp_rank=tp[0], tp_size=tp[1]) if tp else nullcontext()
+    ranks: Any = nullcontext()
+    if tp and attn_tp:  # as SGLang publishes a worker's place under --enable-dp-attention
+        dp = msgspec.structs.replace(get_flags().dp, enabled=True)
+        ranks = ExitStack()
+        ranks.enter_context(get_flags().override(dp=dp))
+        ranks.enter_context(get_parallel().override(
+            tp_rank=tp[0], tp_size=tp[1], attn_tp_rank=tp[0] % attn_tp, attn_tp_size=attn_tp,
+            attn_dp_size=tp[1] // attn_tp,
+        ))  # fmt: skip
+    elif tp:
+        ranks = get_parallel().override(tp_rank=tp[0], tp_size=tp[1])
     with ranks:
         linker = create_unified_cache_linker(
             ServerArgs(model_path=MODEL), device.params, backend="dynamic", config=config,
@@ -196,6 +211,30 @@ def test_tensor_parallel_ranks_keep_their_own_pages(server_url: str) -> None:
             target = device.alloc(3)
             assert load(device, linker, keys, target)
             assert torch.equal(device.read(target), pages)
+    finally:
+        for linker in ranks:
+            linker.close()
+
+
+def test_data_parallel_attention_groups_share_the_pages_of_their_head_shard(server_url: str) -> None:
+    """--enable-dp-attention, 4 TP ranks in 2 attention groups of 2: a rank holds the heads of its place in its
+    group (its attention-TP rank), so ranks 0 and 2 hold the same heads of different requests' pages. A page rank 0
+    offloaded is rank 2's hit and loads bit-exact there; rank 1 (other heads) misses it."""
+    settings = {"mode": "server", "server_url": server_url}
+    devices = [Device("mha", seed=40 + rank) for rank in range(3)]
+    ranks = [make_linker(devices[rank], settings, tp=(rank, 4), attn_tp=2) for rank in range(3)]
+    try:
+        assert [(linker.keys.rank, linker.keys.world_size) for linker in ranks] == [(0, 2), (1, 2), (0, 2)]
+        keys = page_keys(3, 41)
+        source = devices[0].alloc(3)
+        expected = devices[0].read(source)
+        assert offload(ranks[0], keys, source)
+        assert lookup(ranks[1], keys) == []
+        assert lookup(ranks[2], keys) == [1, 2, 3]
+        devices[2].poison()
+        target = devices[2].alloc(3)
+        assert load(devices[2], ranks[2], keys, target)
+        assert torch.equal(devices[2].read(target), expected)
     finally:
         for linker in ranks:
             linker.close()
