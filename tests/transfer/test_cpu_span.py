@@ -225,3 +225,41 @@ def test_vllm_cpu_layout_stores_fold_and_retrieves_fold_only_in_one_buffer(one_b
     stripes = frozenset(range(len(plan.span.entries)))
     assert plan.folded_stores == stripes
     assert plan.folded_retrieves == (stripes if one_buffer else frozenset())
+
+
+@pytest.mark.parametrize("direction", [Direction.D2H, Direction.H2D])
+@pytest.mark.parametrize("head_dim", [64, 8])
+def test_tokens_apart_are_rows_of_their_own_where_a_token_holds_a_long_run(direction: Direction, head_dim: int) -> None:
+    """SGLang's page_first host pool (``[2, tokens, layers, heads, head]``): a block's tokens lie a whole token of
+    every layer apart, each token's heads one run. Runs of 256 bytes or more are copied as rows of their own, one per
+    token (a block piece at once would be copied element by element); shorter ones stay in the block's piece. The
+    bytes equal the reference's both ways, whatever the rows, and nothing else is written."""
+    layers, heads, nb = 3, 2, 12
+    buffer = torch.empty((2, nb * BS, layers, heads, head_dim), dtype=torch.bfloat16)
+    random_fill(buffer)
+    fmt = F.TWO_X_NL_X_NB_BS_NH_HS
+    paged = [[buffer[kv, :, layer].unflatten(0, (nb, BS)) for layer in range(layers)] for kv in range(2)]
+    geom = describe(fmt, paged, block_size=BS)
+    plan = cpu_span.build_span(geom)
+    assert plan is not None
+    token_rows = head_dim * heads * 2 >= 256
+    assert {e.token_stride for e in plan.entries} == {layers * heads * head_dim if token_rows else 0}
+    assert torch_copy.build_plan(geom).folded_stores == (
+        frozenset() if token_rows else frozenset(range(len(geom.stripes)))
+    )
+    ids, shape = [7, 2, 11, 0, 5, 9, 3, 1], geom.object_shape(CHUNK)
+    if direction is Direction.D2H:
+        got, want = (
+            [poisoned(shape, torch.bfloat16) for _ in range(4)],
+            [poisoned(shape, torch.bfloat16) for _ in range(4)],
+        )
+        kvferry.transfer(paged, got, ids, direction, fmt, CHUNK, backend="torch", block_size=BS)
+        kvferry.transfer(paged, want, ids, direction, fmt, CHUNK, backend="reference", block_size=BS)
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want, strict=True))
+    else:
+        objects = _back_to_back(shape, 4, fill=True)
+        reference = buffer.clone()
+        ref_paged = [[reference[kv, :, layer].unflatten(0, (nb, BS)) for layer in range(layers)] for kv in range(2)]
+        kvferry.transfer(paged, objects, ids, direction, fmt, CHUNK, backend="torch", block_size=BS)
+        kvferry.transfer(ref_paged, objects, ids, direction, fmt, CHUNK, backend="reference", block_size=BS)
+        assert torch.equal(buffer.view(torch.uint8), reference.view(torch.uint8))

@@ -35,6 +35,7 @@ BENCHMARKS = (
     Benchmark("cache-gpu", "cache_gpu_bench", "one chunk through CacheEngine on a GPU engine", "GPU"),
     Benchmark("vllm-gpu", "vllm_gpu_bench", "the vLLM connector on a GPU, in the views vLLM builds", "GPU"),
     Benchmark("sglang-gpu", "sglang_gpu_bench", "the SGLang linker on a GPU, in the pools SGLang builds", "GPU"),
+    Benchmark("sglang-host", "sglang_host_bench", "the SGLang HiCache backend's pages against a host memcpy", "CPU"),
     Benchmark("codec", "codec_bench", "fp8 objects' store and retrieve against bf16 and the link", "GPU"),
     Benchmark("codec-accuracy", "codec_accuracy", "fp8 objects' error on heavy-tailed KV, per scale layout", "CPU"),
     Benchmark("vllm-ttft", "vllm_ttft_bench", "vLLM time to first token with and without a kvferry hit", "CPU, vLLM"),

@@ -62,6 +62,7 @@ class _Entries:
     runs_np: np.ndarray | None
     piece_strides: tuple[int, ...]  # a piece's strides (words), in the object's order of its dims
     in_order: bool  # a piece's elements are in the object's order (token-major)
+    token_stride: int = 0  # words between a piece's tokens where each token is a row of its own (0: a piece a row)
 
 
 @dataclass(frozen=True)
@@ -138,8 +139,10 @@ def copy_span(
             view = batch[:, e.planes, e.layers, tokens, e.w]
             view = view.unflatten(3, (run_ids.shape[1], *e.tokens)).unflatten(-1, e.features)
             offsets = e.first[None, :, :, None] + run_ids[:, None, None, :] * e.block_stride
+            if e.token_stride:  # a row per token: [objects, P', L', blocks, tokens]
+                offsets = offsets[..., None] + np.arange(plan.bs, dtype=np.int64) * e.token_stride
             try:  # one row axis over the run's pieces (not where the stripe holds some of an object's planes or tokens)
-                rows = view.view(-1, *view.shape[4:])
+                rows = view.view(-1, *view.shape[4 + (e.token_stride > 0) :])
             except RuntimeError:
                 rows = None
             if e.runs is not None and rows is not None:
@@ -249,6 +252,13 @@ def _entries(geom: KVGeometry, stripe: Stripe, low: int, words: int) -> _Entries
     in_order = strides == _row_major(sizes)
     dense = 1 + sum((n - 1) * s for n, s in zip(sizes, strides, strict=True)) == numel
     runs_np = np.asarray(_Memory(low, (words - numel + 1, numel), (es, es), es)) if dense and not in_order else None
+    token_stride = 0
+    if not in_order and runs_np is None and _token_rows(sizes, strides, len(tokens), es):
+        # Tokens apart, each token's features one run (SGLang's page_first host pool: a token holds every layer):
+        # each token a row of its own, copied whole, instead of a block piece copied element by element.
+        token_stride, sizes, strides, in_order = strides[0], sizes[1:], strides[1:], True
+        n_rows = words - sum((n - 1) * s for n, s in zip(sizes, strides, strict=True))
+        rows_np = np.asarray(_Memory(low, (n_rows, *sizes), (es, *(s * es for s in strides)), es))
     return _Entries(
         rows=torch.from_numpy(rows_np),
         rows_np=rows_np,
@@ -263,6 +273,22 @@ def _entries(geom: KVGeometry, stripe: Stripe, low: int, words: int) -> _Entries
         runs_np=runs_np,
         piece_strides=tuple(strides),
         in_order=in_order,
+        token_stride=token_stride,
+    )
+
+
+_MIN_TOKEN_ROW_BYTES = 256  # a token row shorter than this copies slower alone than within its block's piece
+
+
+def _token_rows(sizes: list[int], strides: list[int], token_dims: int, element_size: int) -> bool:
+    """Whether a piece's tokens are better rows of their own: one token axis, each token's features in the object's
+    order and long enough, no two tokens overlapping."""
+    features = sizes[1:]
+    return (
+        token_dims == 1
+        and strides[1:] == _row_major(features)
+        and strides[0] >= math.prod(features)
+        and math.prod(features) * element_size >= _MIN_TOKEN_ROW_BYTES
     )
 
 
