@@ -62,6 +62,7 @@ FLAGS = {
     "cache-gpu": (),
     "vllm-gpu": ("--repeats", "--no-server", "--no-gemm", "--steps"),
     "sglang-gpu": ("--repeats", "--no-server"),
+    "sglang-host": ("--pages", "--page-size", "--layers", "--heads", "--head-dim", "--repeats", "--no-server"),
     "codec": ("--repeats", "--chunks", "--models", "--gemm-seconds", "--no-gemm", "--sweep"),
     "codec-accuracy": ("--seed",),
     "codec-greedy": ("--codec", "--exact-layers", "--layers", "--prompts", "--tokens"),
