@@ -36,7 +36,7 @@ from kvferry.client.errors import ServerError, ServerUnavailable
 from kvferry.client.fd_deposit import export_kv_to
 from kvferry.client.ready_events import ReadyEvents
 from kvferry.client.records import GpuRegistration, LookupResult, PrefetchStatus
-from kvferry.client.request_args import Namespace, demote_args, key_space_args, transfer_args
+from kvferry.client.request_args import Namespace, demote_args, key_space_args, retrieve_args, store_args
 from kvferry.protocol.messages import Op, pack_ids
 from kvferry.security import ClientCurve
 
@@ -222,7 +222,7 @@ class KvferryClient:
         pages: bool = False,
     ) -> int:
         """`store_async`, waited for on this thread."""
-        args = _store_args(registration, tokens, block_ids, skip_prefix_tokens, tail, pages)
+        args = store_args(registration, tokens, block_ids, skip_prefix_tokens, tail, pages)
         return self._transfer(Op.STORE, registration, args)
 
     def store_async(
@@ -243,7 +243,7 @@ class KvferryClient:
         For GPU KV the server first waits for the work queued so far on this thread's current CUDA stream,
         so the store may be issued right after the forward pass that wrote the blocks.
         """
-        args = _store_args(registration, tokens, block_ids, skip_prefix_tokens, tail, pages)
+        args = store_args(registration, tokens, block_ids, skip_prefix_tokens, tail, pages)
         return self._transfer_async(Op.STORE, registration, args)
 
     def retrieve(
@@ -257,7 +257,7 @@ class KvferryClient:
         pages: bool = False,
     ) -> int:
         """`retrieve_async`, waited for on this thread."""
-        args = _retrieve_args(registration, tokens, block_ids, skip_prefix_tokens, lock, pages)
+        args = retrieve_args(registration, tokens, block_ids, skip_prefix_tokens, lock, pages)
         return self._transfer(Op.RETRIEVE, registration, args)
 
     def retrieve_async(
@@ -278,7 +278,7 @@ class KvferryClient:
         For GPU KV the server's copy first waits, on the GPU, for the work queued so far on this thread's current
         CUDA stream, so the blocks may be handed to the load while kernels that still use them are queued there.
         """
-        args = _retrieve_args(registration, tokens, block_ids, skip_prefix_tokens, lock, pages)
+        args = retrieve_args(registration, tokens, block_ids, skip_prefix_tokens, lock, pages)
         return self._transfer_async(Op.RETRIEVE, registration, args)
 
     def prefetch(self, tokens: Any, *, registration: int | None = None, namespace: Namespace | None = None) -> int:
@@ -422,25 +422,3 @@ def _first_tensor(paged: Any) -> torch.Tensor:
     while not isinstance(paged, torch.Tensor):
         paged = paged[0]
     return paged
-
-
-def _store_args(
-    registration: int, tokens: Any, block_ids: Any, skip_prefix_tokens: int, tail: bool, pages: bool
-) -> dict[str, Any]:
-    args = transfer_args(registration, tokens, block_ids, skip_prefix_tokens)
-    if tail:
-        args["tail"] = True
-    if pages:
-        args["pages"] = True
-    return args
-
-
-def _retrieve_args(
-    registration: int, tokens: Any, block_ids: Any, skip_prefix_tokens: int, lock: int | None, pages: bool
-) -> dict[str, Any]:
-    args = transfer_args(registration, tokens, block_ids, skip_prefix_tokens)
-    if lock is not None:
-        args["lock"] = lock
-    if pages:
-        args["pages"] = True
-    return args

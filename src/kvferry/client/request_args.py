@@ -34,3 +34,27 @@ def demote_args(tokens: Any, chunks: range, key_space: dict[str, Any]) -> dict[s
         raise ValueError(f"chunks={chunks!r} must be consecutive chunk indices from 0 on")
     args = {"tokens": pack_ids(tokens, "tokens"), "first_chunk": chunks.start, "num_chunks": len(chunks)}
     return {**args, **key_space}
+
+
+def store_args(
+    registration: int, tokens: Any, block_ids: Any, skip_prefix_tokens: int, tail: bool, pages: bool
+) -> dict[str, Any]:
+    """A STORE's arguments (``tail``: a request's last tokens short of a chunk; ``pages``: each chunk a page)."""
+    args = transfer_args(registration, tokens, block_ids, skip_prefix_tokens)
+    if tail:
+        args["tail"] = True
+    if pages:
+        args["pages"] = True
+    return args
+
+
+def retrieve_args(
+    registration: int, tokens: Any, block_ids: Any, skip_prefix_tokens: int, lock: int | None, pages: bool
+) -> dict[str, Any]:
+    """A RETRIEVE's arguments (``lock``: a lookup's, held for it; ``pages``: each chunk a page)."""
+    args = transfer_args(registration, tokens, block_ids, skip_prefix_tokens)
+    if lock is not None:
+        args["lock"] = lock
+    if pages:
+        args["pages"] = True
+    return args
