@@ -32,6 +32,8 @@ from kvferry.integrations.sglang.page_store import (
 
 log = logging.getLogger(__name__)
 
+Lock = tuple[PageBackend, Any]  # a lookup's lock, and the backend that holds it
+
 
 @dataclass(frozen=True)
 class PoolPlan:
@@ -103,7 +105,7 @@ def open_pool_backends(
 
 def restorable_prefixes(
     pools: dict[str, PoolBackends], keys: Sequence[str], trailing: dict[str, int], page_size: int
-) -> tuple[list[int], list[Any]]:
+) -> tuple[list[int], list[Lock]]:
     """The prefix lengths of ``keys`` (in pages) that every pool can restore, each pool of ``trailing`` its last
     pages; and the locks of what the cache holds below the longest of them (the others freed)."""
     kv = pools[KV].backends[0]
@@ -122,7 +124,7 @@ def restorable_prefixes(
         n for n in range(1, kv_pages + 1) if all(all(present[max(0, n - pages) : n]) for pages, present in held)
     ]
     top = restorable[-1] if restorable else 0
-    locks = []
+    locks: list[Lock] = []
     for backend, found in [(kv, hits), *side_hits]:
         for i, hit in enumerate(found):
             if hit is None or hit.lock is None:
@@ -134,7 +136,7 @@ def restorable_prefixes(
     return restorable, locks
 
 
-def free_locks(locks: Sequence[tuple[PageBackend, Any]]) -> None:
+def free_locks(locks: Sequence[Lock]) -> None:
     for backend, lock in locks:
         try:
             backend.free_lock(lock)

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 from kvferry.connector.settings import ConnectorSettings
 from kvferry.integrations.sglang.linker_pools import (
+    Lock,
     PoolBackends,
     PoolPages,
     PoolPlan,
@@ -58,7 +59,7 @@ class _Load:
     """One request's queued load: each pool's pages, and the locks of its lookup."""
 
     pages: list[PoolPages]
-    locks: list[tuple[Any, Any]] = field(default_factory=list)
+    locks: list[Lock] = field(default_factory=list)
 
 
 _STOP = None  # the threads' queues end with this
@@ -79,7 +80,7 @@ class LinkerStore:
     ) -> None:
         self.pools, self.page_size, self.num_layers, self.counter = pools, page_size, num_layers, counter
         self._closing = closing
-        self._looked_up: dict[str, list[tuple[Any, Any]]] = {}  # rid -> the locks of its last lookup
+        self._looked_up: dict[str, list[Lock]] = {}  # rid -> the locks of its last lookup
         self._queued: dict[str, _Load] = {}  # loads waiting for the next start (scheduler thread)
         self._loads: Queue[tuple[int, list[_Load], Sequence[ReadyEvent]] | None] = Queue()
         self._offloads: Queue[tuple[list[PoolPages], Sequence[ReadyEvent]] | None] = Queue()
