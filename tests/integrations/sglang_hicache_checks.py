@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,7 +28,7 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  
 from kvferry.connector.engine_kv import UnsupportedKVLayout  # noqa: E402
 from kvferry.integrations.sglang import page_store  # noqa: E402
 from kvferry.integrations.sglang.hicache_storage import KvferryHiCacheStorage  # noqa: E402
-from tests.integrations.sglangkit import documented_launch, page_server, url_of  # noqa: E402
+from tests.integrations.sglangkit import DOC, README, documented_launch, page_server, url_of  # noqa: E402
 
 PAGE, LAYERS, TOKENS = 16, 3, 256
 SRC, DST = [3, 7, 1, 5, 11], [10, 2, 12, 8, 0]
@@ -231,7 +232,8 @@ def test_bad_settings_pools_and_chunk_sizes_refuse_to_start() -> None:
         load_backend(pool, {"mode": "server", "server_url": url_of(server)})
 
 
-def test_the_documented_launch_goes_through_sglangs_parser_and_factory() -> None:
+@pytest.mark.parametrize("page", [DOC, README], ids=["docs/sglang.md", "README.md"])
+def test_the_documented_launch_goes_through_sglangs_parser_and_factory(page: Path) -> None:
     """docs/sglang.md's SGLang command as SGLang's own argument parser reads it: its extra config loads kvferry
     through the factory, and its page size is the documented server's chunk size."""
     import argparse
@@ -240,7 +242,7 @@ def test_the_documented_launch_goes_through_sglangs_parser_and_factory() -> None
 
     from sglang.srt.server_args import ServerArgs
 
-    commands = documented_launch("--enable-hierarchical-cache")
+    commands = documented_launch("--enable-hierarchical-cache", page)
     (launch,) = [shlex.split(c)[3:] for c in commands if c.startswith("python -m sglang.launch_server")]
     (server,) = [shlex.split(c) for c in commands if c.startswith("kvferry server")]
     parser = argparse.ArgumentParser()

@@ -1,5 +1,5 @@
-"""What the SGLang checks share: docs/sglang.md's commands (one bash block per way to run kvferry under SGLang), and
-a kvferry server in this process whose chunk size is a page size."""
+"""What the SGLang checks share: the documented commands (docs/sglang.md's, one bash block per way to run kvferry
+under SGLang; README.md's quick start), and a kvferry server in this process whose chunk size is a page size."""
 
 from __future__ import annotations
 
@@ -14,12 +14,16 @@ from kvferry.memory import HostPool
 from kvferry.server import KvferryServer
 from tests.cli.test_doc_commands import _block_commands
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "sglang.md"
+ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "docs" / "sglang.md"
+README = ROOT / "README.md"
 
 
-def documented_launch(flag: str) -> list[str]:
-    """The commands of docs/sglang.md's bash block whose SGLang launch has ``flag``."""
-    (block,) = [b for b in re.findall(r"```bash\n(.*?)```", DOC.read_text(), flags=re.S) if flag in b]
+def documented_launch(flag: str, page: Path = DOC) -> list[str]:
+    """The commands of ``page``'s bash block whose SGLang launch has ``flag``."""
+    (block,) = [
+        b for b in re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.S) if flag in b and "sglang" in b
+    ]
     return _block_commands(f"```bash\n{block}```")
 
 
