@@ -21,7 +21,9 @@ are then views at their offsets in the allocations.
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,12 +43,10 @@ def export_kv(paged: Any, fds: list[int] | None = None) -> tuple[list[dict[str, 
     """
     storages: list[dict[str, Any]] = []
     index_of: dict[tuple[str, int], int] = {}
-    shared: list[SharedMappings] = []  # read once, at the first CPU tensor
+    shared = functools.cache(SharedMappings)  # /proc/self/maps read once, at the first CPU tensor
 
     def walk(node: Any, where: str) -> Any:
         if isinstance(node, torch.Tensor):
-            if node.device.type == "cpu" and not shared:
-                shared.append(SharedMappings())
             if node.device.type != "cuda":
                 return _view(node, where, storages, index_of, shared)
             try:  # torch's own sharing first: it also shares its allocator's driver-mapped (expandable) segments
@@ -71,13 +71,13 @@ def _view(
     where: str,
     storages: list[dict[str, Any]],
     index_of: dict[tuple[str, int], int],
-    shared: list[SharedMappings],
+    shared: Callable[[], SharedMappings],
 ) -> dict[str, Any]:
     if tensor.layout != torch.strided or tensor.is_nested:
         raise TypeError(f"{where} must be a dense strided tensor, got layout {tensor.layout}")
     storage = tensor.untyped_storage()
     if tensor.device.type == "cpu":
-        desc = _share_cpu(storage, shared[0])  # may move the storage: take data_ptr after
+        desc = _share_cpu(storage, shared())  # may move the storage: take data_ptr after
     elif tensor.device.type == "cuda":
         desc = _share_cuda(storage)
     else:
