@@ -44,6 +44,17 @@ def test_sglang_gpu_runs_every_pool_and_mode_with_the_gpu_faked(
 
 
 @pytest.mark.usefixtures("on_the_cpu")
+def test_sglang_gpu_in_groups_of_layers_says_when_the_first_layers_landed(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    doc, _ = run_bench(monkeypatch, tmp_path, "sglang-gpu", "--repeats", "2", "--no-server", "--layer-groups", "3")
+    assert doc["config"]["layer_groups"] == 3
+    rows = doc["results"]["rows"]
+    assert len(rows) == 2 and all(0 < r["first_layers_us"] <= r["load_us"] for r in rows)
+    assert "first layers us" in capsys.readouterr().out
+
+
+@pytest.mark.usefixtures("on_the_cpu")
 @pytest.mark.parametrize("wrong", ["pages swapped", "a byte beside", "nothing stored"])
 def test_sglang_gpu_fails_on_a_wrong_transfer(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], wrong: str

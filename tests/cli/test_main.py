@@ -61,7 +61,7 @@ FLAGS = {
     "gpu-transfer": ("--reps", "--sections"),
     "cache-gpu": (),
     "vllm-gpu": ("--repeats", "--no-server", "--no-gemm", "--steps"),
-    "sglang-gpu": ("--repeats", "--no-server"),
+    "sglang-gpu": ("--repeats", "--no-server", "--layer-groups"),
     "sglang-host": ("--pages", "--page-size", "--layers", "--heads", "--head-dim", "--repeats", "--no-server"),
     "codec": ("--repeats", "--chunks", "--models", "--gemm-seconds", "--no-gemm", "--sweep"),
     "codec-accuracy": ("--seed",),

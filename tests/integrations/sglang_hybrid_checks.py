@@ -203,15 +203,17 @@ def _forward(cache: Any, device: HybridDevice, req: Any) -> list[Any]:
     return list(cache.finish_external_linker_loads([req]))
 
 
+@pytest.mark.parametrize("groups", [1, 3])
 @pytest.mark.parametrize("kind", ["swa", "mamba"])
 def test_sglangs_hybrid_tree_offloads_and_another_engine_loads_the_window_or_the_state(
-    kind: str, published: None, server: KvferryServer
+    kind: str, groups: int, published: None, server: KvferryServer
 ) -> None:
     """An engine inserts a computed prompt; SGLang's write-through offloads its full pages with its sliding
     window's pages (or its Mamba state); a second engine on the same server matches the prompt, loads the full
     pages, the window's last pages into its SWA pool (or the state into the request's state slot), bit-exact, and
-    nothing else. After the server lost them, the same flow fails the request (SGLang aborts it)."""
-    settings = {"mode": "server", "server_url": url_of(server)}
+    nothing else. After the server lost them, the same flow fails the request (SGLang aborts it). Also with the
+    loads in 3 groups of layers (each pool's layers in the groups of the forward's they belong to)."""
+    settings = {"mode": "server", "server_url": url_of(server), "layer_groups": groups}
     caches: list[Any] = []
     try:
         writer, reader, late = (HybridDevice(kind, seed) for seed in (80, 81, 82))

@@ -1,8 +1,8 @@
 """kvferry's HiCache storage backend (`sglang_hicache_checks`), unified-cache linker (`sglang_linker_checks`; over
-hybrid models' pools: `sglang_hybrid_checks`) and recorded device pools (`sglang_pool_checks`) under SGLang
-0.5.23's own classes: the release's Python files (`.ci/fetch-sglang-release` unpacks them, without compiled files)
-first on the path of a child pytest, whose process alone holds the stand-in for torchvision that SGLang's KV pool
-imports need (`sglang_standin`)."""
+hybrid models' pools: `sglang_hybrid_checks`; loads in groups of layers: `sglang_layer_group_checks`) and recorded
+device pools (`sglang_pool_checks`) under SGLang 0.5.23's own classes: the release's Python files
+(`.ci/fetch-sglang-release` unpacks them, without compiled files) first on the path of a child pytest, whose process
+alone holds the stand-in for torchvision that SGLang's KV pool imports need (`sglang_standin`)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,10 @@ def test_the_hicache_storage_backend_under_sglang() -> None:
 
 def test_the_unified_cache_linker_under_sglang() -> None:
     run_checks("tests/integrations/sglang_linker_checks.py")
+
+
+def test_the_unified_cache_linkers_loads_in_groups_of_layers_under_sglang() -> None:
+    run_checks("tests/integrations/sglang_layer_group_checks.py")
 
 
 def test_the_unified_cache_linker_under_sglangs_hybrid_models() -> None:

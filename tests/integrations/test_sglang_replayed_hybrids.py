@@ -38,8 +38,13 @@ def _named(kind: str, **attributes: Any) -> Any:
 def _swa(device: str) -> tuple[Any, Any]:
     full, window = _pool(device), _pool(device)
     layers = len(full.k_buffer)
-    full.model_layer_ids, window.model_layer_ids = tuple(range(1, 2 * layers, 2)), tuple(range(0, 2 * layers, 2))
-    return _named("SWAKVPool", full_kv_pool=full, swa_kv_pool=window, layer_num=2 * layers), None
+    full_ids, window_ids = range(1, 2 * layers, 2), range(0, 2 * layers, 2)
+    full.model_layer_ids, window.model_layer_ids = tuple(full_ids), tuple(window_ids)
+    # SGLang's map of a model layer to its index in its pool and whether that pool is the window's
+    mapping = {i: (n, False) for n, i in enumerate(full_ids)} | {i: (n, True) for n, i in enumerate(window_ids)}
+    return _named(
+        "SWAKVPool", full_kv_pool=full, swa_kv_pool=window, layer_num=2 * layers, start_layer=0, layers_mapping=mapping
+    ), None
 
 
 def _mamba(device: str) -> tuple[Any, Any]:
@@ -71,7 +76,8 @@ def _buffers(kvcache: Any, requests: Any) -> list[torch.Tensor]:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["embedded", "server"])
 @pytest.mark.parametrize("kind", ["swa", "mamba"])
-def test_a_hybrid_prefix_goes_out_and_comes_back_bit_exact(device: str, mode: str, kind: str) -> None:
+@pytest.mark.parametrize("groups", [1, 4])  # loads in groups of layers (the linker's layer_groups)
+def test_a_hybrid_prefix_goes_out_and_comes_back_bit_exact(device: str, mode: str, kind: str, groups: int) -> None:
     kvcache, requests = (_swa if kind == "swa" else _mamba)(device)
     buffers = _buffers(kvcache, requests)
     generator = torch.Generator(device=device).manual_seed(11)
@@ -93,7 +99,7 @@ def test_a_hybrid_prefix_goes_out_and_comes_back_bit_exact(device: str, mode: st
     counter = Counter(linked.num_layers)
     with settings_for(mode, device, page, 4 * count * page_bytes + (16 << 20)) as settings:
         plans = [PoolPlan(pool, PageKeySpace("org/replayed-hybrid", 1, 0)) for pool in linked.pools.values()]
-        store = open_linker_store(settings, plans, page, linked.num_layers, counter, name="replayed")
+        store = open_linker_store(settings, plans, page, linked.num_layers, counter, name="replayed", groups=groups)
         try:
             store.offload([PoolPages(KV, keys, source), PoolPages(side, side_keys, side_src)], [])
             deadline = time.monotonic() + 60

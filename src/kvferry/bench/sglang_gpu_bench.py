@@ -14,6 +14,7 @@ page's bytes, every other byte unchanged); a failed check ends the run with an e
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 from typing import Any
 
@@ -44,11 +45,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--repeats", type=int, default=9, help="timed rounds per pool and mode (medians), after a warm-up round"
     )
     parser.add_argument("--no-server", action="store_true", help="embedded mode only")
+    parser.add_argument(
+        "--layer-groups", type=int, default=1, help="loads handed over in this many groups of layers (the linker's "
+        "layer_groups); the table then says when the first layers landed",
+    )  # fmt: skip
     add_json_argument(parser)
 
 
 def check(args: argparse.Namespace) -> None:
     positive(args, "repeats")
+    positive(args, "layer_groups")
     require_cuda("this benchmark")
 
 
@@ -65,10 +71,11 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
             server = ServerProcess(POOL_GB, chunk_size=page, ipc_path=ipc_path) if mode != "embedded" else None
             try:
                 settings = _settings(mode, page, None if server is None else server.endpoint)
-                path = LinkerPath(fixture, settings, DEVICE, PAGES)
+                path = LinkerPath(fixture, settings, DEVICE, PAGES, args.layer_groups)
                 try:
-                    rows.append({"mode": mode, "pool": path.case.name, **measure(path, PinnedCopy(path.nbytes), None,
-                                                                                 args.repeats)})  # fmt: skip
+                    row = measure(path, PinnedCopy(path.nbytes), None, args.repeats)
+                    first = statistics.median(path.first_layer_s[1:])  # the timed rounds' (not the warm-up's)
+                    rows.append({"mode": mode, "pool": path.case.name, **row, "first_layers_us": first * 1e6})
                 finally:
                     path.close()
                 steps.done(f"{mode}: {path.case.name}")
@@ -77,8 +84,8 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
                     server.stop()
                 if ipc is not None:
                     ipc.cleanup()
-    config = {"pages": PAGES, "repeats": args.repeats, "pool_gb": POOL_GB}
-    return Outcome(config, {"rows": rows}, _show(rows), device="cuda")
+    config = {"pages": PAGES, "repeats": args.repeats, "pool_gb": POOL_GB, "layer_groups": args.layer_groups}
+    return Outcome(config, {"rows": rows}, _show(rows, args.layer_groups), device="cuda")
 
 
 def _settings(mode: str, page: int, endpoint: str | None) -> ConnectorSettings:
@@ -87,16 +94,19 @@ def _settings(mode: str, page: int, endpoint: str | None) -> ConnectorSettings:
     return ConnectorSettings(mode="embedded", config={"cache": {"chunk_size": page, "l1_size_gb": POOL_GB}})
 
 
-def _show(rows: list[dict[str, Any]]) -> list[Any]:
+def _show(rows: list[dict[str, Any]], groups: int) -> list[Any]:
+    first = ("first layers us",) if groups > 1 else ()
     table = new_table(
         f"a {PAGES}-page prefix through kvferry's SGLang linker, against a same-run pinned memcpy (ratio: the memcpy's"
-        " time over the transfer's; every load checked)",
-        ("mode", "SGLang pool", "MiB", "store us", "ratio", "GB/s", "load us", "ratio", "GB/s"),
+        " time over the transfer's; every load checked)"
+        + (f"; loads in {groups} groups of layers, the first landed after 'first layers us'" if groups > 1 else ""),
+        ("mode", "SGLang pool", "MiB", "store us", "ratio", "GB/s", "load us", "ratio", "GB/s", *first),
         names=2,
     )
     for r in rows:
         table.add_row(
             r["mode"], r["pool"], f"{r['mib']:.0f}", f"{r['store_us']:.0f}", f"{r['store_ratio']:.3f}",
             f"{r['store_gbps']:.1f}", f"{r['load_us']:.0f}", f"{r['load_ratio']:.3f}", f"{r['load_gbps']:.1f}",
+            *((f"{r['first_layers_us']:.0f}",) if groups > 1 else ()),
         )  # fmt: skip
     return [table]

@@ -36,6 +36,7 @@ class LayerCounter:
 
     def __init__(self, layers: int) -> None:
         self.layers = layers
+        self.first_landed: dict[int, float] = {}  # batch -> when its layer 0 landed (`time.perf_counter`)
         self._batches: dict[int, tuple[Future[None], set[int]]] = {}
         self._next = 0
         self._lock = threading.Lock()
@@ -49,6 +50,8 @@ class LayerCounter:
     def complete(self, index: int, layer: int) -> None:
         with self._lock:
             done, landed = self._batches[index]
+            if layer == 0:
+                self.first_landed[index] = time.perf_counter()
             landed.add(layer)
             if len(landed) == self.layers:
                 done.set_result(None)
@@ -71,7 +74,9 @@ class LayerCounter:
 class LinkerPath:
     """``pages`` pages of a replayed pool stored from scattered source pages and loaded into scattered others."""
 
-    def __init__(self, fixture: dict[str, Any], settings: ConnectorSettings, device: str, pages: int) -> None:
+    def __init__(
+        self, fixture: dict[str, Any], settings: ConnectorSettings, device: str, pages: int, layer_groups: int = 1
+    ) -> None:
         self.case = case_of(fixture)
         self.pool = replay(fixture, device)
         self.device = device
@@ -88,7 +93,10 @@ class LinkerPath:
         self.counter = LayerCounter(len(self.kv.layers))
         space = PageKeySpace(f"bench/{self.case.name}", 1, 0)
         plans = [PoolPlan(kv_pool(self.kv), space)]
-        self.store_ = open_linker_store(settings, plans, self.page, len(self.kv.layers), self.counter, name="bench")
+        self.store_ = open_linker_store(
+            settings, plans, self.page, len(self.kv.layers), self.counter, name="bench", groups=layer_groups
+        )
+        self.first_layer_s: list[float] = []  # each load's time from its call to its layer 0 landed
         self._generator = torch.Generator(device=device).manual_seed(7)
         self._round = 0
         self.keys: list[str] = []
@@ -137,6 +145,7 @@ class LinkerPath:
             raise BenchError(f"{self.case.name}: {len(found)} of {len(self.keys)} pages found after they were stored")
 
     def load(self) -> None:
+        start = time.perf_counter()
         if not self.store_.queue_load("bench", [PoolPages(KV, self.keys, self.dst)]):
             raise BenchError(f"{self.case.name}: the linker refused a load")
         index = self.store_.start_loads(self._ready())
@@ -146,6 +155,7 @@ class LinkerPath:
             raise BenchError(f"{self.case.name}: a load failed: {type(exc).__name__}: {exc}") from exc
         if self.device == "cuda":
             torch.cuda.synchronize()
+        self.first_layer_s.append(self.counter.first_landed.pop(index) - start)
 
     def check_load(self) -> None:
         """Every destination page holds its source page's bytes, in every buffer; every other byte is unchanged."""

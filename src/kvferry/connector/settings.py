@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -108,7 +108,7 @@ class ConnectorSettings(BaseModel):
     )
 
     @classmethod
-    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> Self:
         """Parse vLLM's extra config; ValueError naming each bad key."""
         try:
             return cls.model_validate(dict(extra or {}))

@@ -21,6 +21,7 @@ the pool, and for a state the tensor), beside the ``kv`` pool's, which is the Hi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,7 @@ class PoolObjects:
 
     kv: EngineKV
     group: str | None
+    positions: tuple[int, ...]  # each of ``kv.layers``' place in the forward's layer order (the layer counter's)
     state: bool = False  # opaque bytes: kept exact whatever the codec
 
 
@@ -65,22 +67,25 @@ def device_pools(kvcache: Any, req_to_token_pool: Any, page_size: int) -> Device
     """The pools of SGLang's device KV cache ``kvcache`` (``token_to_kv_pool_allocator.get_kvcache()``) and, for a
     Mamba hybrid, its request pool's states; UnsupportedKVLayout naming what is not moved."""
     kind = type(kvcache).__name__
+    start = int(getattr(kvcache, "start_layer", 0))  # the forward waits for layer ``id - start``
     if kind == "SWAKVPool":
-        full, swa = (
-            device_kv(pool, getattr(pool, "model_layer_ids", ()))
-            for pool in (kvcache.full_kv_pool, kvcache.swa_kv_pool)
-        )
-        pools = [_token_pool(KV, full, None, page_size), _token_pool(SWA, swa, SWA, page_size)]
+        in_pools = sorted(kvcache.layers_mapping.items(), key=lambda item: item[1])  # id -> (index in its pool, swa)
+        full_ids, swa_ids = ([i for i, (_, swa) in in_pools if swa == side] for side in (False, True))
+        full, swa = device_kv(kvcache.full_kv_pool, full_ids), device_kv(kvcache.swa_kv_pool, swa_ids)
+        pools = [
+            _token_pool(KV, full, None, page_size, [i - start for i in full_ids]),
+            _token_pool(SWA, swa, SWA, page_size, [i - start for i in swa_ids]),
+        ]
         return DevicePools({p.name: p for p in pools}, int(kvcache.layer_num), _mla(full))
     if kind == "HybridLinearKVPool":
         full_layers = sorted(kvcache.full_attention_layer_id_mapping, key=kvcache.full_attention_layer_id_mapping.get)
         full = device_kv(kvcache.full_kv_pool, full_layers)
-        states, state_layers = mamba_states(req_to_token_pool, page_size)
-        last = max([*full_layers, *state_layers]) + 1 - int(kvcache.start_layer)
-        pools = [_token_pool(KV, full, None, page_size), LinkedPool(MAMBA, states, 1)]
+        states = mamba_states(req_to_token_pool, page_size, start)
+        last = max([*full_layers, *req_to_token_pool.mamba_map]) + 1 - start
+        pools = [_token_pool(KV, full, None, page_size, [i - start for i in full_layers]), LinkedPool(MAMBA, states, 1)]
         return DevicePools({p.name: p for p in pools}, last, _mla(full))
     kv = device_kv(kvcache)
-    return DevicePools({KV: _token_pool(KV, kv, None, page_size)}, len(kv.layers), _mla(kv))
+    return DevicePools({KV: kv_pool(kv)}, len(kv.layers), _mla(kv))
 
 
 def _mla(kv: EngineKV) -> bool:
@@ -90,19 +95,19 @@ def _mla(kv: EngineKV) -> bool:
 
 def kv_pool(kv: EngineKV) -> LinkedPool:
     """The ``kv`` pool of a model whose cache is ``kv`` alone (SGLang's MHA or MLA device pool)."""
-    return _token_pool(KV, kv, None, kv.block_size)
+    return _token_pool(KV, kv, None, kv.block_size, range(len(kv.layers)))
 
 
-def _token_pool(name: str, kv: EngineKV, group: str | None, page_size: int) -> LinkedPool:
+def _token_pool(name: str, kv: EngineKV, group: str | None, page_size: int, positions: Sequence[int]) -> LinkedPool:
     if kv.block_size != page_size:
         raise UnsupportedKVLayout(f"{name} device pages of {kv.block_size} tokens, not --page-size {page_size}")
-    return LinkedPool(name, (PoolObjects(kv, group),), page_size)
+    return LinkedPool(name, (PoolObjects(kv, group, tuple(positions)),), page_size)
 
 
-def mamba_states(req_to_token_pool: Any, page_size: int) -> tuple[tuple[PoolObjects, ...], list[int]]:
-    """The state objects of SGLang's Mamba pool (each state tensor's layers as rows of one block a slot) and the
-    model layers they belong to. Refused: a pool whose slot ids are not its rows (unified memory), and the side
-    states kvferry does not move (int8 checkpoints, short-conv and n-gram states)."""
+def mamba_states(req_to_token_pool: Any, page_size: int, start_layer: int = 0) -> tuple[PoolObjects, ...]:
+    """The state objects of SGLang's Mamba pool (each state tensor's layers as rows of one block a slot; in the
+    forward, layer ``id - start_layer``). Refused: a pool whose slot ids are not its rows (unified memory), and the
+    side states kvferry does not move (int8 checkpoints, short-conv and n-gram states)."""
     kind = type(req_to_token_pool).__name__
     if kind != "HybridReqToTokenPool":
         raise UnsupportedKVLayout(f"kvferry's SGLang linker moves Mamba states of HybridReqToTokenPool, not {kind}")
@@ -122,8 +127,8 @@ def mamba_states(req_to_token_pool: Any, page_size: int) -> tuple[tuple[PoolObje
             continue
         views = [_slot_bytes(tensor[i], f"{name} of layer {layer}") for i, layer in enumerate(layers)]
         kv = state_kv(views, [f"layer.{layer}.{name}" for layer in layers], views[0].stride(0), page_size)
-        objects.append(PoolObjects(kv, f"{MAMBA}.{name}", state=True))
-    return tuple(objects), layers
+        objects.append(PoolObjects(kv, f"{MAMBA}.{name}", tuple(i - start_layer for i in layers), state=True))
+    return tuple(objects)
 
 
 def _slot_bytes(layer: torch.Tensor, what: str) -> torch.Tensor:

@@ -7,7 +7,8 @@ cache (in this process, or in a ``kvferry server``), with no host tier between. 
       "linker_extra_config": {"mode": "server", "server_url": "tcp://127.0.0.1:5555"}}'
 
 ``linker_extra_config`` takes the HiCache backend's kvferry keys (`ConnectorSettings`: ``mode``, ``server_url``,
-``config``, ``salt``, ``model_id``, ...). SGLang hands a linker no token ids, only each page's chained hash (64 hex
+``config``, ``salt``, ``model_id``, ...) and ``layer_groups`` (`LinkerSettings`: a load handed to SGLang's forward
+in groups of layers, each as it lands). SGLang hands a linker no token ids, only each page's chained hash (64 hex
 digits, covering every page before it), so pages are keyed as the HiCache backend keys them (`page_store`: each
 page a one-chunk prefix whose tokens spell its hash, the chunk size SGLang's page size), in the same key space
 (model, this rank's shard, dtype, object shape, salt): a page one of them stored is a hit for the other. These
@@ -32,12 +33,11 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import LayerWiseLoa
 from sglang.srt.utils import get_device_module
 
 from kvferry.connector.engine_kv import UnsupportedKVLayout
-from kvferry.connector.settings import ConnectorSettings
 from kvferry.integrations.sglang.device_pages import slot_pages
 from kvferry.integrations.sglang.device_pools import KV, MAMBA, SWA, device_pools
 from kvferry.integrations.sglang.linker_pools import PoolPages, PoolPlan
 from kvferry.integrations.sglang.linker_store import LinkerStore, ReadyEvent, open_linker_store
-from kvferry.integrations.sglang.storage_settings import page_key_space
+from kvferry.integrations.sglang.storage_settings import LinkerSettings, page_key_space
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class KvferryLinker(UnifiedCacheLinker):
                 f"cache also has {names} components"
             )
         try:
-            self.settings = ConnectorSettings.from_extra_config(dict(extra_config or {}))
+            self.settings = LinkerSettings.from_extra_config(dict(extra_config or {}))
         except ValueError as exc:
             raise ValueError(f"--unified-cache-external-linker-config's linker_extra_config: {exc}") from None
         self.forward_stream = forward_stream
@@ -98,7 +98,7 @@ class KvferryLinker(UnifiedCacheLinker):
         self._on_device = linked.pools[KV].objects[0].kv.layers[0].device.type != "cpu"
         self.store: LinkerStore = open_linker_store(
             self.settings, plans, self.page_size, linked.num_layers, self.layer_done_counter,
-            name=f"sglang-{sharded.rank}",
+            name=f"sglang-{sharded.rank}", groups=self.settings.layer_groups,
         )  # fmt: skip
         log.info(
             "kvferry linker active: %s, pools %s of %s pages of %d tokens, rank %d of %d",

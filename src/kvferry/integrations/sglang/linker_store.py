@@ -4,7 +4,9 @@ behind backends of their own (`linker_pools`).
 
 SGLang's scheduler thread calls in (`lookup`, `queue_load`, `start_loads`, `offload`); the copies run on two
 threads of this class's own, one for loads and one for offloads, so that a slow offload never holds back the load
-a forward pass waits for. Neither thread raises into SGLang: a load that does not land fails its batch in the layer
+a forward pass waits for. A load's groups of layers (`linker_pools`) are all under way at once, the first group
+started first, and each is completed in SGLang's layer counter as it lands, in order. Neither thread raises into
+SGLang: a load that does not land fails its batch in the layer
 counter (SGLang then aborts the batch's loading requests: their slots hold what was there), and an offload that
 does not land is a False result (SGLang keeps the pages out of its record of what the store holds).
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from queue import Empty, Queue
 from typing import Any, Protocol
@@ -28,6 +31,7 @@ from kvferry.integrations.sglang.linker_pools import (
     PoolPages,
     PoolPlan,
     free_locks,
+    layer_groups,
     open_pool_backends,
     restorable_prefixes,
 )
@@ -66,19 +70,21 @@ _STOP = None  # the threads' queues end with this
 
 
 class LinkerStore:
-    """SGLang's device pools (``pools``, by SGLang's pool name; ``kv`` among them) in kvferry's cache."""
+    """SGLang's device pools (``pools``, by SGLang's pool name; ``kv`` among them) in kvferry's cache; a load's
+    layers completed in the counter by ``groups`` (runs of the forward's layers, in order; the pools' backends
+    belong to one each)."""
 
     def __init__(
         self,
         pools: dict[str, PoolBackends],
         page_size: int,
-        num_layers: int,
+        groups: Sequence[range],
         counter: LayerCounter,
         closing: Callable[[], None],
         *,
         name: str = "sglang",
     ) -> None:
-        self.pools, self.page_size, self.num_layers, self.counter = pools, page_size, num_layers, counter
+        self.pools, self.page_size, self.layer_groups, self.counter = pools, page_size, list(groups), counter
         self._closing = closing
         self._looked_up: dict[str, list[Lock]] = {}  # rid -> the locks of its last lookup
         self._queued: dict[str, _Load] = {}  # loads waiting for the next start (scheduler thread)
@@ -198,67 +204,91 @@ class LinkerStore:
                 queue.task_done()
 
     def _load(self, index: int, loads: list[_Load], ready: Sequence[ReadyEvent]) -> None:
-        """A batch's loads: every page waited for (nothing writes the slots once the counter is told), then each
-        layer completed, or the batch failed."""
+        """A batch's loads: every page waited for (nothing writes the slots once the counter is told), each group
+        of layers completed as it lands, in order (the forward starts on the first), or the batch failed."""
         error: BaseException | None = None
+        moves: list[list[_Move]] = []
         try:
             for event in ready:
                 event.synchronize()
-            missing = self._move([part for load in loads for part in load.pages], "retrieve_pages_async")
-            if missing:
-                error = RuntimeError(f"{missing} pages were not in kvferry's cache any more")
+            moves = self._start([part for load in loads for part in load.pages], "retrieve_pages_async")
+            for layers, group in zip(self.layer_groups, moves, strict=True):
+                missing = _finish(group, self.page_size)
+                if missing:
+                    raise RuntimeError(f"{missing} pages were not in kvferry's cache any more")
+                for layer in layers:
+                    self.counter.complete(index, layer)
         except BaseException as exc:
             error = exc
         finally:
+            _settle(moves)  # none is left writing once the batch is failed
             for load in loads:
                 free_locks(load.locks)
         if error is not None:
             log.warning("kvferry: a linker load failed (SGLang aborts it): %s: %s", type(error).__name__, error)
             self.counter.fail(index, error)
-            return
-        for layer in range(self.num_layers):
-            self.counter.complete(index, layer)
 
     def _offload(self, pages: list[PoolPages], ready: Sequence[ReadyEvent]) -> None:
         stored = True
+        moves: list[list[_Move]] = []
         try:
             for event in ready:
                 event.synchronize()
-            self._move(pages, "store_pages_async")
+            moves = self._start(pages, "store_pages_async")
+            _finish([move for group in moves for move in group], self.page_size)
         except Exception as exc:
             log.warning("kvferry: a linker offload failed: %s: %s", type(exc).__name__, exc)
             stored = False
+        finally:
+            _settle(moves)
         self._offloaded.put(stored)
 
-    def _move(self, parts: list[PoolPages], how: str) -> int:
-        """Each pool's pages of ``parts`` moved by each of its backends' ``how``, all in one copy per backend, all
-        of them under way together; how many pages a retrieve did not find (a store: 0)."""
+    def _start(self, parts: list[PoolPages], how: str) -> list[list[_Move]]:
+        """Each pool's pages of ``parts`` moved by each of its backends' ``how``, one copy per backend, all of them
+        under way together; the moves by group of layers, the first group's started first."""
         by_pool: dict[str, tuple[list[str], list[int]]] = {}
         for part in parts:
             keys, blocks = by_pool.setdefault(part.name, ([], []))
             keys += part.keys
             blocks += part.blocks
-        moves = []
-        for name, (keys, blocks) in by_pool.items():
-            tokens = [token for key in keys for token in page_tokens(key, self.page_size)]
-            for backend in self.pools[name].backends:
-                moves.append((len(keys), getattr(backend, how)(tokens, blocks)))
-        # every move waited for before any result counts: none is left writing once this returns
-        results = [(pages, future.exception() or future.result()) for pages, future in moves]
-        for _, result in results:
-            if isinstance(result, BaseException):
-                raise result
-        return sum(pages - int(done) // self.page_size for pages, done in results) if how.startswith("retrieve") else 0
+        moves: list[list[_Move]] = [[] for _ in self.layer_groups]
+        for index, group in enumerate(moves):
+            for name, (keys, blocks) in by_pool.items():
+                pool = self.pools[name]
+                tokens = [token for key in keys for token in page_tokens(key, self.page_size)]
+                for backend, in_group in zip(pool.backends, pool.groups, strict=True):
+                    if in_group == index:
+                        group.append((len(keys), getattr(backend, how)(tokens, blocks)))
+        return moves
+
+
+_Move = tuple[int, "Future[int]"]  # a move's pages, and the tokens it moved
+
+
+def _finish(moves: list[_Move], page_size: int) -> int:
+    """Wait for every move of ``moves``; raise the first failure, else how many pages were not moved."""
+    for _, future in moves:
+        future.exception()
+    return sum(pages - future.result() // page_size for pages, future in moves)  # the first failure raises
+
+
+def _settle(moves: list[list[_Move]]) -> None:
+    """Wait for every move, whatever its outcome."""
+    for group in moves:
+        for _, future in group:
+            future.exception()
 
 
 def open_linker_store(
     settings: ConnectorSettings, plans: Sequence[PoolPlan], page_size: int, num_layers: int, counter: LayerCounter,
-    *, name: str,
+    *, name: str, groups: int = 1,
 ) -> LinkerStore:  # fmt: skip
-    """The linker store of the planned pools in ``settings``' mode (`linker_pools.open_pool_backends`)."""
-    pools, closing = open_pool_backends(settings, plans, page_size, name)
+    """The linker store of the planned pools in ``settings``' mode (`linker_pools.open_pool_backends`), its loads
+    landing in ``groups`` groups of layers."""
+    runs = layer_groups(num_layers, groups)
+    pools, closing = open_pool_backends(settings, plans, page_size, name, runs)
     try:
-        return LinkerStore(pools, page_size, num_layers, counter, closing, name=name)
+        return LinkerStore(pools, page_size, runs, counter, closing, name=name)
     except BaseException:
         closing()
         raise

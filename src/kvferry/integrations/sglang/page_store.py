@@ -239,12 +239,19 @@ def check_page_size(page_size: int, user: str) -> None:
 
 
 def pages_key_space(
-    kv: EngineKV, keys: PageKeySpace, settings: ConnectorSettings, group: str | None = None, *, state: bool = False
+    kv: EngineKV,
+    keys: PageKeySpace,
+    settings: ConnectorSettings,
+    group: str | None = None,
+    *,
+    state: bool = False,
+    split: str | None = None,
 ) -> KeySpace:
     """The key space of pages of ``kv`` (``kv.block_size``: SGLang's page size) for this rank's shard; ``group``
-    names a pool's objects apart from the KV pool's (`device_pools`); a ``state``'s bytes are kept exact."""
+    names a pool's objects apart from the KV pool's (`device_pools`), ``split`` a group of layers loaded apart
+    (`linker_pools`); a ``state``'s bytes are kept exact."""
     codec = "none" if state else settings.codec
-    key_space = KeySpace.of(kv, model=keys.model, salt=settings.salt, codec=codec, group=group)
+    key_space = KeySpace.of(kv, model=keys.model, salt=settings.salt, codec=codec, group=group, split=split)
     return replace(key_space, world_size=keys.world_size, rank=keys.rank)
 
 
@@ -286,11 +293,12 @@ def pages_namespace(
     group: str | None = None,
     *,
     state: bool = False,
+    split: str | None = None,
 ) -> CacheNamespace:
     """`pages_key_space` in ``engine``."""
     return engine.namespace_for(
         keys.model, kv.fmt, kv.paged, world_size=keys.world_size, rank=keys.rank, salt=settings.salt,
-        block_size=kv.block_size, codec="none" if state else settings.codec, group=group,
+        block_size=kv.block_size, codec="none" if state else settings.codec, group=group, split=split,
     )  # fmt: skip
 
 

@@ -4,11 +4,25 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import Field
+
 from kvferry.connector.settings import ConnectorSettings
 from kvferry.integrations.sglang.page_store import PageKeySpace
 
 # The extra config's keys that are SGLang's (its factory's and controller's), not kvferry's settings.
 SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size", "allocator"})
+
+
+class LinkerSettings(ConnectorSettings):
+    """The unified-cache linker's ``linker_extra_config``: the HiCache backend's keys, and how a load lands."""
+
+    layer_groups: int = Field(
+        1,
+        ge=1,
+        description="a load lands in this many groups of layers, each handed to SGLang's forward as it lands (the "
+        "forward starts on the first while the others move); above 1 each group's pages are objects of their own, "
+        "not the HiCache backend's",
+    )
 
 
 def storage_settings(extra_config: dict[str, Any] | None) -> ConnectorSettings:
