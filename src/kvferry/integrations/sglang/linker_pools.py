@@ -113,7 +113,7 @@ def open_pool_backends(
                         closers.append(link.close)
                         backends.append(ServerBackend(link, key_space, kv))
                     else:
-                        namespace = pages_namespace(engine, kv, plan.keys, settings, group, state=state, split=split)
+                        namespace = pages_namespace(engine, kv, key_space)
                         backends.append(EmbeddedBackend(engine, kv, namespace, key_space))
                     in_group.append(index)
             pools[plan.pool.name] = PoolBackends(

@@ -211,7 +211,7 @@ def open_page_store(settings: ConnectorSettings, host: HostPages, keys: PageKeyS
     engine = pages_engine(settings, host.page_size, name)
     try:
         staged_here, direct_here = (
-            EmbeddedBackend(engine, kv, pages_namespace(engine, kv, keys, settings), key_space)
+            EmbeddedBackend(engine, kv, pages_namespace(engine, kv, key_space), key_space)
             for kv in (stage_kv, host.engine_kv())
         )
     except BaseException:
@@ -285,20 +285,12 @@ def pages_engine(settings: ConnectorSettings, page_size: int, name: str) -> Cach
     return CacheEngine(config, name=name)
 
 
-def pages_namespace(
-    engine: CacheEngine,
-    kv: EngineKV,
-    keys: PageKeySpace,
-    settings: ConnectorSettings,
-    group: str | None = None,
-    *,
-    state: bool = False,
-    split: str | None = None,
-) -> CacheNamespace:
-    """`pages_key_space` in ``engine``."""
+def pages_namespace(engine: CacheEngine, kv: EngineKV, key_space: KeySpace) -> CacheNamespace:
+    """``key_space`` (`pages_key_space` of ``kv``) in ``engine``."""
     return engine.namespace_for(
-        keys.model, kv.fmt, kv.paged, world_size=keys.world_size, rank=keys.rank, salt=settings.salt,
-        block_size=kv.block_size, codec="none" if state else settings.codec, group=group, split=split,
+        key_space.model, kv.fmt, kv.paged, world_size=key_space.world_size, rank=key_space.rank,
+        salt=key_space.salt, block_size=kv.block_size, codec=key_space.codec, group=key_space.group,
+        split=key_space.split,
     )  # fmt: skip
 
 
