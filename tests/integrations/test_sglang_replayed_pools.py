@@ -27,6 +27,7 @@ from kvferry.integrations.sglang.linker_store import open_linker_store
 from kvferry.integrations.sglang.page_store import PageKeySpace
 from kvferry.memory import HostPool
 from kvferry.server import KvferryServer
+from tests.server.serverkit import ServerProcess
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -65,8 +66,15 @@ def settings_for(mode: str, device: str, page_size: int, pool_bytes: int) -> Ite
     if mode == "embedded":
         yield ConnectorSettings.from_extra_config({"mode": "embedded", "config": {"cache": cache}})
         return
+    if device == "cuda":  # CUDA IPC opens another process's memory only: the server runs in a process of its own
+        process = ServerProcess("--chunk-size", str(page_size), "--l1-size-gb", str(pool_bytes / 1e9))
+        try:
+            yield ConnectorSettings.from_extra_config({"mode": "server", "server_url": process.endpoint})
+        finally:
+            process.stop()
+        return
     config = KvferryConfig.load(env={}, overrides={"cache": {"chunk_size": page_size}})
-    engine = CacheEngine(config, pool=HostPool(pool_bytes, pin=device == "cuda"))
+    engine = CacheEngine(config, pool=HostPool(pool_bytes, pin=False))
     server = KvferryServer(ServerConfig(port=0, http_port=0), engine)
     server.start()
     try:
