@@ -62,7 +62,7 @@ def test_a_servers_lookups_go_out_together_and_each_stands_alone() -> None:
         [LookupResult(PAGE, 0, 11), LookupResult(0, PAGE, 12), ConnectionError("lost"), LookupResult(0, 0, None)]
     )
     backend = ServerBackend(ScriptedLink(client), KEY_SPACE, block_size=PAGE)  # type: ignore[arg-type]
-    prompts = [page_tokens(f"{i:064x}", PAGE) for i in range(4)]
+    prompts = list(page_tokens([f"{i:064x}" for i in range(4)], PAGE))
     hits = backend.lookup_each(prompts)
     assert client.sent == prompts
     # a hit keeps its lock (tagged with the link's generation); chunks still coming up: None, its lock freed;

@@ -130,7 +130,7 @@ def restorable_prefixes(
 ) -> tuple[list[int], list[Lock]]:
     """The prefix lengths of ``keys`` (in pages) that every pool can restore, each pool of ``trailing`` its last
     pages; and the locks of what the cache holds below the longest of them (the others freed)."""
-    tokens = [page_tokens(key, page_size) for key in keys]
+    tokens = list(page_tokens(keys, page_size))
     kv_pages = len(keys)
     found: list[tuple[PageBackend, list[Hit | None]]] = []
     for backend in pools[KV].backends:  # each group of layers looked up for what the groups before it hold

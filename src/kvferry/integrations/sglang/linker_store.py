@@ -255,7 +255,7 @@ class LinkerStore:
         for index, group in enumerate(moves):
             for name, (keys, blocks) in by_pool.items():
                 pool = self.pools[name]
-                tokens = [token for key in keys for token in page_tokens(key, self.page_size)]
+                tokens = page_tokens(keys, self.page_size).reshape(-1)
                 for backend, in_group in zip(pool.backends, pool.groups, strict=True):
                     if in_group == index:
                         group.append((len(keys), getattr(backend, how)(tokens, blocks)))

@@ -39,10 +39,13 @@ KEY_TOKENS = 8  # a page's key as token ids: sha256 of the key in 8 words of 31 
 STAGING_PAGES = 32  # pages of server mode's staging buffer: a call's pages go through it in rounds
 
 
-def page_tokens(key: str, page_size: int) -> list[int]:
-    """The token ids a page is stored under: its key's digest, then zeros to the page size."""
-    words = np.frombuffer(hashlib.sha256(key.encode()).digest(), dtype="<u4") & 0x7FFFFFFF
-    return [int(word) for word in words] + [0] * (page_size - KEY_TOKENS)
+def page_tokens(keys: Sequence[str], page_size: int) -> np.ndarray:
+    """The token ids each page of ``keys`` is stored under, a row a page: its key's digest, then zeros to the page
+    size. Little-endian uint32, the bytes the cache hashes as they are (a row, or the rows flattened)."""
+    digests = b"".join(hashlib.sha256(key.encode()).digest() for key in keys)
+    rows = np.zeros((len(keys), page_size), dtype="<u4")
+    rows[:, :KEY_TOKENS] = np.frombuffer(digests, dtype="<u4").reshape(len(keys), KEY_TOKENS) & 0x7FFFFFFF
+    return rows
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,7 @@ class PageBackend(Backend, Protocol):
 def leading_pages(backend: PageBackend, keys: Sequence[str], page_size: int) -> tuple[int, list[Any]]:
     """How many leading ``keys`` the cache holds whole, looked up together, and their locks (those of the pages
     found after the first miss are freed: SGLang uses a leading run)."""
-    hits = backend.lookup_each([page_tokens(key, page_size) for key in keys])
+    hits = backend.lookup_each(list(page_tokens(keys, page_size)))
     found = next((i for i, hit in enumerate(hits) if hit is None or hit.tokens < page_size), len(hits))
     for hit in hits[found:]:
         if hit is not None and hit.lock is not None:
@@ -153,7 +156,7 @@ class PageStore:
     def _store_run(self, backend: PageBackend, keys: list[str], pages: list[int]) -> bool:
         """Backend pages ``pages`` stored under ``keys`` in one copy (each is then in the cache, or already was);
         False where the store failed."""
-        tokens = [token for key in keys for token in page_tokens(key, self.page_size)]
+        tokens = page_tokens(keys, self.page_size).reshape(-1)
         try:
             backend.store_pages_async(tokens, pages).result()
             return True
@@ -164,7 +167,7 @@ class PageStore:
     def _load_run(self, backend: PageBackend, keys: list[str], pages: list[int]) -> int:
         """How many leading ``keys`` landed in backend pages ``pages``, in one copy (a failed load is a miss:
         SGLang stops its prefetch there)."""
-        tokens = [token for key in keys for token in page_tokens(key, self.page_size)]
+        tokens = page_tokens(keys, self.page_size).reshape(-1)
         try:
             return backend.retrieve_pages_async(tokens, pages).result() // self.page_size
         except Exception as exc:
