@@ -1,5 +1,6 @@
 """Pages looked up together (`ServerBackend.lookup_each`, `page_store.leading_pages`): SGLang's two ways in look up
-a request's pages in one call, and a server's lookups go out together. A scripted link and client (no server)."""
+a request's pages in one call, and a server's lookups (and the frees of their locks) go out together. A scripted
+link and client (no server)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ class ScriptedClient:
         self.sent: list[Any] = []
         self.futures: list[Future[LookupResult]] = []
         self.freed: list[int] = []
+        self.frees: list[Future[bool]] = []
+        self.calls = 0
 
     def lookup_async(self, tokens: Any, **kwargs: Any) -> Future[LookupResult]:
         future: Future[LookupResult] = Future()
@@ -38,9 +41,11 @@ class ScriptedClient:
             else:
                 future.set_result(answer)
 
-    def free_lookup_locks(self, lock: int) -> bool:
+    def free_lookup_locks_async(self, lock: int) -> Future[bool]:
         self.freed.append(lock)
-        return True
+        future: Future[bool] = Future()
+        self.frees.append(future)
+        return future
 
 
 class ScriptedLink:
@@ -50,8 +55,14 @@ class ScriptedLink:
         self.client = client
 
     def call(self, fn: Any) -> Any:
+        self.client.calls += 1
         result = fn(self.client, None)
-        if isinstance(result, list):  # the lookups are all sent before any reply is awaited
+        if self.client.frees:  # the frees are all sent before any reply is awaited
+            assert result == self.client.frees and not any(f.done() for f in result)
+            for future in self.client.frees:
+                future.set_result(True)
+            self.client.frees = []
+        elif isinstance(result, list):  # so are the lookups
             assert len(self.client.sent) == len(self.client.answers) and not any(f.done() for f in result)
             self.client.answer()
         return result
@@ -71,6 +82,15 @@ def test_a_servers_lookups_go_out_together_and_each_stands_alone() -> None:
     assert client.freed == [12]
 
 
+def test_a_servers_locks_are_freed_together() -> None:
+    client = ScriptedClient([])
+    backend = ServerBackend(ScriptedLink(client), KEY_SPACE, block_size=PAGE)  # type: ignore[arg-type]
+    backend.free_locks([(3, 21), None, (2, 22), (3, 23)])  # a lock of a server since gone went with it
+    assert client.freed == [21, 23] and client.calls == 1
+    backend.free_locks([None, (1, 24)])
+    assert client.freed == [21, 23] and client.calls == 1  # nothing to send
+
+
 class ScriptedPages:
     """A page backend answering `lookup_each` from ``hits``, recording the locks freed."""
 
@@ -82,8 +102,8 @@ class ScriptedPages:
         assert len(prompts) == len(self.hits)
         return self.hits
 
-    def free_lock(self, lock: Any) -> None:
-        self.freed.append(lock)
+    def free_locks(self, locks: list[Any]) -> None:
+        self.freed += locks
 
 
 def test_the_leading_pages_keep_their_locks_and_those_after_a_miss_are_freed() -> None:

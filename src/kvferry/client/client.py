@@ -298,7 +298,10 @@ class KvferryClient:
 
     def free_lookup_locks(self, lock: int) -> bool:
         """Release a lookup lock; False if the cache had already ended it (retrieve or timeout)."""
-        return self._call(lambda: self._conn.submit(Op.FREE_LOOKUP_LOCKS, {"lock": lock}, lambda r: bool(r["freed"])))
+        return self._call(lambda: self.free_lookup_locks_async(lock))
+
+    def free_lookup_locks_async(self, lock: int) -> Future[bool]:
+        return self._conn.submit(Op.FREE_LOOKUP_LOCKS, {"lock": lock}, lambda r: bool(r["freed"]))
 
     def end_session(self) -> dict[str, Any]:
         """Release everything this session holds on the server; the client stays usable (a new session)."""

@@ -229,6 +229,11 @@ class EmbeddedBackend:
     def free_lock(self, lock: Any) -> None:
         self.engine.free_lookup_locks(lock)
 
+    def free_locks(self, locks: Sequence[Any]) -> None:
+        for lock in locks:
+            if lock is not None:
+                self.engine.free_lookup_locks(lock)
+
     def demote(self, tokens: TokenIds, chunks: range) -> None:
         self.engine.demote(tokens, chunks, namespace=self.namespace)
 

@@ -150,23 +150,25 @@ def restorable_prefixes(
     ]
     top = restorable[-1] if restorable else 0
     locks: list[Lock] = []
+    unused: list[Lock] = []
     for backend, hits in found:
         for i, hit in enumerate(hits):
-            if hit is None or hit.lock is None:
-                continue
-            if i < top and _whole(hit, page_size):
-                locks.append((backend, hit.lock))
-            else:
-                free_locks([(backend, hit.lock)])
+            if hit is not None and hit.lock is not None:
+                (locks if i < top and _whole(hit, page_size) else unused).append((backend, hit.lock))
+    free_locks(unused)
     return restorable, locks
 
 
 def free_locks(locks: Sequence[Lock]) -> None:
+    """Each backend's locks of ``locks``, freed together."""
+    by_backend: dict[int, tuple[PageBackend, list[Any]]] = {}
     for backend, lock in locks:
+        by_backend.setdefault(id(backend), (backend, []))[1].append(lock)
+    for backend, held in by_backend.values():
         try:
-            backend.free_lock(lock)
+            backend.free_locks(held)
         except Exception as exc:  # an expired lock, or a server gone: nothing left to free
-            log.debug("kvferry: freeing a linker lookup lock: %s", exc)
+            log.debug("kvferry: freeing linker lookup locks: %s", exc)
 
 
 def _layer_parts(objects: PoolObjects, groups: Sequence[range]) -> Iterator[tuple[int, EngineKV, str | None]]:

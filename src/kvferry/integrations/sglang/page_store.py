@@ -64,6 +64,8 @@ class PageBackend(Backend, Protocol):
 
     def lookup_each(self, prompts: Sequence[TokenIds]) -> list[Hit | None]: ...
 
+    def free_locks(self, locks: Sequence[Any]) -> None: ...
+
     def retrieve_pages_async(self, tokens: TokenIds, block_ids: list[int]) -> Future[int]: ...
 
     def store_pages_async(self, tokens: TokenIds, block_ids: list[int]) -> Future[int]: ...
@@ -74,9 +76,7 @@ def leading_pages(backend: PageBackend, keys: Sequence[str], page_size: int) -> 
     found after the first miss are freed: SGLang uses a leading run)."""
     hits = backend.lookup_each(list(page_tokens(keys, page_size)))
     found = next((i for i, hit in enumerate(hits) if hit is None or hit.tokens < page_size), len(hits))
-    for hit in hits[found:]:
-        if hit is not None and hit.lock is not None:
-            backend.free_lock(hit.lock)
+    backend.free_locks([hit.lock for hit in hits[found:] if hit is not None and hit.lock is not None])
     return found, [hit.lock for hit in hits[:found] if hit is not None and hit.lock is not None]
 
 
@@ -106,8 +106,7 @@ class PageStore:
     def exists(self, keys: list[str]) -> int:
         """How many leading ``keys`` the cache holds (a failed lookup is a miss)."""
         found, locks = leading_pages(self.staged, keys, self.page_size)
-        for lock in locks:
-            self.staged.free_lock(lock)
+        self.staged.free_locks(locks)
         return found
 
     def store(self, keys: list[str], pages: torch.Tensor) -> list[bool]:
