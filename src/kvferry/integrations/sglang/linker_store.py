@@ -6,9 +6,9 @@ SGLang's scheduler thread calls in (`lookup`, `queue_load`, `start_loads`, `offl
 threads of this class's own, one for loads and one for offloads, so that a slow offload never holds back the load
 a forward pass waits for. A load's groups of layers (`linker_pools`) are all under way at once, the first group
 started first, and each is completed in SGLang's layer counter as it lands, in order. Neither thread raises into
-SGLang: a load that does not land fails its batch in the layer
-counter (SGLang then aborts the batch's loading requests: their slots hold what was there), and an offload that
-does not land is a False result (SGLang keeps the pages out of its record of what the store holds).
+SGLang: a load that does not land fails its batch in the layer counter (SGLang then aborts the batch's loading
+requests: their slots hold what was there), and an offload that does not land is a False result (SGLang keeps the
+pages out of its record of what the store holds).
 
 A lookup's hits stay locked in the cache (against eviction) until their load has run, or until the request looks
 up again, cancels, or is left out of the batch that started (it looks up anew when it is scheduled).
@@ -251,14 +251,14 @@ class LinkerStore:
             keys, blocks = by_pool.setdefault(part.name, ([], []))
             keys += part.keys
             blocks += part.blocks
+        tokens = {name: page_tokens(keys, self.page_size).reshape(-1) for name, (keys, _) in by_pool.items()}
         moves: list[list[_Move]] = [[] for _ in self.layer_groups]
         for index, group in enumerate(moves):
             for name, (keys, blocks) in by_pool.items():
                 pool = self.pools[name]
-                tokens = page_tokens(keys, self.page_size).reshape(-1)
                 for backend, in_group in zip(pool.backends, pool.groups, strict=True):
                     if in_group == index:
-                        group.append((len(keys), getattr(backend, how)(tokens, blocks)))
+                        group.append((len(keys), getattr(backend, how)(tokens[name], blocks)))
         return moves
 
 
