@@ -39,7 +39,6 @@ def _swa(device: str) -> tuple[Any, Any]:
     full, window = _pool(device), _pool(device)
     layers = len(full.k_buffer)
     full_ids, window_ids = range(1, 2 * layers, 2), range(0, 2 * layers, 2)
-    full.model_layer_ids, window.model_layer_ids = tuple(full_ids), tuple(window_ids)
     # SGLang's map of a model layer to its index in its pool and whether that pool is the window's
     mapping = {i: (n, False) for n, i in enumerate(full_ids)} | {i: (n, True) for n, i in enumerate(window_ids)}
     return _named(
