@@ -113,7 +113,7 @@ def test_a_hybrid_prefix_goes_out_and_comes_back_bit_exact(device: str, mode: st
             trailing = {side: len(side_keys)}
             assert store.lookup("r", keys, trailing) == [count]  # the window (state) exists at the end only
             assert store.queue_load("r", [PoolPages(KV, keys, dest), PoolPages(side, side_keys, side_dst)])
-            index = store.start_loads([])
+            index = store.start_loads()
             counter.done[index].result(60)
             if device == "cuda":
                 torch.cuda.synchronize()

@@ -130,7 +130,7 @@ def test_pages_go_out_and_come_back_bit_exact(device: str, mode: str, kind: str)
             before = [_bits(b).clone() for b in buffers]
             assert store.lookup("r", keys) == list(range(1, count + 1))
             assert store.queue_load("r", [PoolPages(KV, keys, dest)])
-            index = store.start_loads([])
+            index = store.start_loads()
             counter.done[index].result(60)
             if device == "cuda":
                 torch.cuda.synchronize()

@@ -148,7 +148,7 @@ class LinkerPath:
         start = time.perf_counter()
         if not self.store_.queue_load("bench", [PoolPages(KV, self.keys, self.dst)]):
             raise BenchError(f"{self.case.name}: the linker refused a load")
-        index = self.store_.start_loads(self._ready())
+        index = self.store_.start_loads()
         try:
             self.counter.wait(index)
         except Exception as exc:

@@ -30,7 +30,7 @@ from kvferry.cache.pool_sizing import host_pool
 from kvferry.cache.reader import ChunkReader
 from kvferry.cache.request import dtype_name
 from kvferry.cache.residency import Residency
-from kvferry.cache.steps import Steps, run_steps
+from kvferry.cache.steps import Steps, run_steps, started
 from kvferry.cache.tiering import TierLink
 from kvferry.cache.writer import ChunkWriter
 from kvferry.config import KvferryConfig
@@ -351,6 +351,30 @@ class CacheEngine:
         """``retrieve`` on the engine's worker threads; the blocks hold the KV once the future is done. ``after``:
         as for ``store_async`` (the last work that reads the blocks before they are written)."""
         return self._executor.submit(_ordered, after, self.retrieve, (tokens, paged, block_ids, fmt), dict(options))
+
+    def store_started(
+        self,
+        tokens: TokenIds,
+        paged: Any,
+        block_ids: BlockIds,
+        fmt: EngineKVFormat | int,
+        **options: Unpack[StoreOptions],
+    ) -> Future[int]:
+        """``store`` up to its copy in flight on this thread (ordered after this thread's current stream, with no
+        hand-off before its first GPU operation), the rest (the wait for the copy, the chunks made readable) on the
+        engine's worker threads. A failure before the copy is the future's."""
+        return started(self.store_steps(tokens, paged, block_ids, fmt, **options), self._executor)
+
+    def retrieve_started(
+        self,
+        tokens: TokenIds,
+        paged: Any,
+        block_ids: BlockIds,
+        fmt: EngineKVFormat | int,
+        **options: Unpack[RetrieveOptions],
+    ) -> Future[int]:
+        """``retrieve`` as `store_started`: enqueued here, waited for on the worker threads."""
+        return started(self.retrieve_steps(tokens, paged, block_ids, fmt, **options), self._executor)
 
     # --- administration -----------------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ bookkeeping (it waits for the copy), so no object or lock outlives an abandoned 
 from __future__ import annotations
 
 from collections.abc import Generator
+from concurrent.futures import Executor, Future
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 if TYPE_CHECKING:
@@ -63,3 +64,18 @@ def finish_steps(steps: Steps[T]) -> T:
         return stop.value
     steps.close()
     raise RuntimeError("a transfer's steps yield once")
+
+
+def started(steps: Steps[int], waiter: Executor) -> Future[int]:
+    """A transfer's steps run up to its copy in flight on this thread, the rest on ``waiter``; its result as a
+    future (a failure before the copy included)."""
+    done: Future[int] = Future()
+    try:
+        first = first_step(steps)
+    except BaseException as exc:
+        done.set_exception(exc)
+        return done
+    if isinstance(first, Finished):
+        done.set_result(int(first.result))
+        return done
+    return waiter.submit(finish_steps, steps)

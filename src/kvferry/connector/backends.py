@@ -246,17 +246,18 @@ class EmbeddedBackend:
     def retrieve_pages_async(self, tokens: TokenIds, block_ids: list[int]) -> Future[int]:
         """Load pages into ``block_ids``, one copy for all: each chunk of ``tokens`` a page keyed as a one-chunk
         prefix of its own (`CacheEngine.retrieve_steps`' ``pages``); resolves to the tokens of the leading pages
-        the cache held, all of them loaded."""
-        return self.engine.retrieve_async(
-            *self._request(tokens, block_ids), **self._options(0), pages=True, after=self._callers_stream()
-        )
+        the cache held, all of them loaded. On a GPU the copy is enqueued on the calling thread, after its current
+        stream (`CacheEngine.retrieve_started`: no thread hand-off before the first DMA)."""
+        if self._on_gpu:
+            return self.engine.retrieve_started(*self._request(tokens, block_ids), **self._options(0), pages=True)
+        return self.engine.retrieve_async(*self._request(tokens, block_ids), **self._options(0), pages=True)
 
     def store_pages_async(self, tokens: TokenIds, block_ids: list[int]) -> Future[int]:
         """Store pages held in ``block_ids``, one copy for all, each chunk of ``tokens`` under its key alone (the
-        pages `retrieve_pages_async` loads)."""
-        return self.engine.store_async(
-            *self._request(tokens, block_ids), **self._options(0), pages=True, after=self._callers_stream()
-        )
+        pages `retrieve_pages_async` loads); on a GPU enqueued as they are."""
+        if self._on_gpu:
+            return self.engine.store_started(*self._request(tokens, block_ids), **self._options(0), pages=True)
+        return self.engine.store_async(*self._request(tokens, block_ids), **self._options(0), pages=True)
 
     def retrieve(self, tokens: TokenIds, block_ids: list[int], skip_prefix_tokens: int) -> int:
         """On a GPU, on the calling thread: the copy is ordered after its current stream (vLLM's) by the transfer

@@ -30,13 +30,12 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName, PoolTransfer
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_cache.unified_cache_linker import LayerWiseLoadCounter, UnifiedCacheLinker
-from sglang.srt.utils import get_device_module
 
 from kvferry.connector.engine_kv import UnsupportedKVLayout
 from kvferry.integrations.sglang.device_pages import slot_pages
 from kvferry.integrations.sglang.device_pools import KV, MAMBA, SWA, device_pools
 from kvferry.integrations.sglang.linker_pools import PoolPages, PoolPlan
-from kvferry.integrations.sglang.linker_store import LinkerStore, ReadyEvent, open_linker_store
+from kvferry.integrations.sglang.linker_store import LinkerStore, open_linker_store
 from kvferry.integrations.sglang.storage_settings import LinkerSettings, page_key_space
 
 log = logging.getLogger(__name__)
@@ -122,7 +121,7 @@ class KvferryLinker(UnifiedCacheLinker):
         return pages is not None and self.store.queue_load(rid, pages)
 
     def start_layer_wise_loading(self) -> int:
-        return self.store.start_loads(self._ready([]))
+        return self.store.start_loads()
 
     def finish_layer_wise_loading(self, counter_index: int) -> bool:
         return self.layer_done_counter.finish(counter_index)
@@ -152,14 +151,6 @@ class KvferryLinker(UnifiedCacheLinker):
 
     def close(self) -> None:
         self.store.close()
-
-    def _ready(self, events: list[ReadyEvent]) -> list[ReadyEvent]:
-        """An event at the end of the current stream's work (on the device only): the slots' last readers."""
-        if self._on_device:
-            event = get_device_module().Event()
-            event.record()
-            events.append(event)
-        return events
 
     def _pages(self, transfers: list[PoolTransfer], what: str) -> list[PoolPages] | None:
         """Each transfer's keys and blocks; None (refused, logged) where one is of a pool this linker does not

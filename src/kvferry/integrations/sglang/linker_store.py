@@ -2,13 +2,15 @@
 offloaded through kvferry's cache, keyed as the HiCache backend keys them (`page_store`), each pool's objects
 behind backends of their own (`linker_pools`).
 
-SGLang's scheduler thread calls in (`lookup`, `queue_load`, `start_loads`, `offload`); the copies run on two
-threads of this class's own, one for loads and one for offloads, so that a slow offload never holds back the load
-a forward pass waits for. A load's groups of layers (`linker_pools`) are all under way at once, the first group
-started first, and each is completed in SGLang's layer counter as it lands, in order. Neither thread raises into
-SGLang: a load that does not land fails its batch in the layer counter (SGLang then aborts the batch's loading
-requests: their slots hold what was there), and an offload that does not land is a False result (SGLang keeps the
-pages out of its record of what the store holds).
+SGLang's scheduler thread calls in (`lookup`, `queue_load`, `start_loads`, `offload`). `start_loads` enqueues a
+batch's loads itself, after what the scheduler's current stream has queued (the slots' last readers): on the GPU no
+host wait and no thread hand-off comes before the first DMA. A thread of this class's own waits for them and
+completes SGLang's layer counter; another stores the offloads (their copies wait for SGLang's ready events on the
+GPU), so that a slow offload never holds back the load a forward pass waits for. A load's groups of layers
+(`linker_pools`) are all under way at once, the first group started first, and each is completed in the layer
+counter as it lands, in order. Nothing raises into SGLang: a load that does not land fails its batch in the layer
+counter (SGLang then aborts the batch's loading requests: their slots hold what was there), and an offload that
+does not land is a False result (SGLang keeps the pages out of its record of what the store holds).
 
 A lookup's hits stay locked in the cache (against eviction) until their load has run, or until the request looks
 up again, cancels, or is left out of the batch that started (it looks up anew when it is scheduled).
@@ -41,9 +43,11 @@ log = logging.getLogger(__name__)
 
 
 class ReadyEvent(Protocol):
-    """A device event the copies wait for on the host (SGLang's stream events); none on CPU tensors."""
+    """A device event an offload's copies wait for (SGLang's stream events); none on CPU tensors."""
 
-    def synchronize(self) -> None: ...
+    def wait(self) -> None:
+        """Make the calling thread's current stream wait for the event (on the device: the host goes on)."""
+        ...
 
 
 class LayerCounter(Protocol):
@@ -88,7 +92,7 @@ class LinkerStore:
         self._closing = closing
         self._looked_up: dict[str, list[Lock]] = {}  # rid -> the locks of its last lookup
         self._queued: dict[str, _Load] = {}  # loads waiting for the next start (scheduler thread)
-        self._loads: Queue[tuple[int, list[_Load], Sequence[ReadyEvent]] | None] = Queue()
+        self._loads: Queue[tuple[int, list[_Load], list[list[_Move]], BaseException | None] | None] = Queue()
         self._offloads: Queue[tuple[list[PoolPages], Sequence[ReadyEvent]] | None] = Queue()
         self._offloaded: Queue[bool] = Queue()
         self._threads = [
@@ -134,10 +138,10 @@ class LinkerStore:
             free_locks(load.locks)
         return load is not None
 
-    def start_loads(self, ready: Sequence[ReadyEvent]) -> int:
-        """Start the queued loads once ``ready`` has happened (what the engine's stream queued before: the last
-        readers of the slots); the layer counter's index of the batch, or -1 where none was queued. Lookups that
-        no load followed are unlocked: their requests were not scheduled and look up again when they are."""
+    def start_loads(self) -> int:
+        """Start the queued loads, after what the calling thread's current stream has queued (the slots' last
+        readers); the layer counter's index of the batch, or -1 where none was queued. Lookups that no load
+        followed are unlocked: their requests were not scheduled and look up again when they are."""
         for locks in self._looked_up.values():
             free_locks(locks)
         self._looked_up.clear()
@@ -145,7 +149,13 @@ class LinkerStore:
             return -1
         loads, self._queued = list(self._queued.values()), {}
         index = self.counter.update_producer()
-        self._loads.put((index, loads, ready))
+        moves: list[list[_Move]] = []
+        error: BaseException | None = None
+        try:
+            moves = self._start([part for load in loads for part in load.pages], "retrieve_pages_async")
+        except Exception as exc:  # before any move started (a move's own failure is its future's)
+            error = exc
+        self._loads.put((index, loads, moves, error))
         return index
 
     def offload(self, pages: list[PoolPages], ready: Sequence[ReadyEvent]) -> None:
@@ -203,15 +213,13 @@ class LinkerStore:
             finally:
                 queue.task_done()
 
-    def _load(self, index: int, loads: list[_Load], ready: Sequence[ReadyEvent]) -> None:
-        """A batch's loads: every page waited for (nothing writes the slots once the counter is told), each group
-        of layers completed as it lands, in order (the forward starts on the first), or the batch failed."""
-        error: BaseException | None = None
-        moves: list[list[_Move]] = []
+    def _load(self, index: int, loads: list[_Load], moves: list[list[_Move]], error: BaseException | None) -> None:
+        """A batch's loads under way: every page waited for (nothing writes the slots once the counter is told),
+        each group of layers completed as it lands, in order (the forward starts on the first), or the batch
+        failed."""
         try:
-            for event in ready:
-                event.synchronize()
-            moves = self._start([part for load in loads for part in load.pages], "retrieve_pages_async")
+            if error is not None:
+                raise error
             for layers, group in zip(self.layer_groups, moves, strict=True):
                 missing = _finish(group, self.page_size)
                 if missing:
@@ -233,7 +241,7 @@ class LinkerStore:
         moves: list[list[_Move]] = []
         try:
             for event in ready:
-                event.synchronize()
+                event.wait()
             moves = self._start(pages, "store_pages_async")
             _finish([move for group in moves for move in group], self.page_size)
         except Exception as exc:
@@ -258,11 +266,21 @@ class LinkerStore:
                 pool = self.pools[name]
                 for backend, in_group in zip(pool.backends, pool.groups, strict=True):
                     if in_group == index:
-                        group.append((len(keys), getattr(backend, how)(tokens[name], blocks)))
+                        group.append((len(keys), _call(getattr(backend, how), tokens[name], blocks)))
         return moves
 
 
 _Move = tuple[int, "Future[int]"]  # a move's pages, and the tokens it moved
+
+
+def _call(move: Callable[[Any, list[int]], Future[int]], tokens: Any, blocks: list[int]) -> Future[int]:
+    """``move(tokens, blocks)``; what it raises as its future's failure (the moves started before it go on)."""
+    try:
+        return move(tokens, blocks)
+    except Exception as exc:
+        failed: Future[int] = Future()
+        failed.set_exception(exc)
+        return failed
 
 
 def _finish(moves: list[_Move], page_size: int) -> int:
