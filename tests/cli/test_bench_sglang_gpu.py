@@ -27,6 +27,7 @@ def on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sglang_gpu_bench, "PAGES", 3)
     monkeypatch.setattr(sglang_gpu_bench, "POOL_GB", 0.02)
     monkeypatch.setattr(sglang_gpu_bench, "PinnedCopy", lambda nbytes: lambda to_host: None)
+    monkeypatch.setattr(sglang_gpu_bench, "synchronize", lambda: None)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "no GPU (faked)")
 
 

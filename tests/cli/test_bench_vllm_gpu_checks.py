@@ -109,6 +109,21 @@ def test_each_ratio_is_its_own_memcpy_over_its_own_transfer() -> None:
     assert dma.calls == ["store", "poison", "load", "check"] * 2
 
 
+def test_every_timed_call_starts_after_the_work_queued_before_it_settled() -> None:
+    """A GPU bench's new source bytes and its poison and snapshot of the KV are queued work the timed store and load
+    are ordered after: ``settle`` (a synchronize there) runs before each timed call, so none counts them as its own
+    (a load that waited for the snapshot read 0.81 of the link where it ran at 0.89)."""
+    clock = Clock()
+    connector, dma = FakePath(clock, store_s=2 * MS, load_s=3 * MS), FakePath(clock, store_s=2 * MS, load_s=3 * MS)
+    dma.calls = connector.calls
+    memcpy = fake_memcpy(clock, 1 * MS, 1 * MS)
+    measure(connector, lambda to_host: connector.calls.append("memcpy") or memcpy(to_host), dma, repeats=1,
+            clock=clock, settle=lambda: connector.calls.append("settle"))  # fmt: skip
+    connector_part = ["round", "settle", "store", "settle", "memcpy", "poison", "settle", "load", "check"]
+    one_round = [*connector_part, "settle", "memcpy", "settle", "store", "poison", "settle", "load", "check"]
+    assert connector.calls == one_round * 2
+
+
 def test_a_bench_with_store_and_load_swapped_shows_as_swapped() -> None:
     """The figures follow the calls, not the order of the samples: a store that does a load's work shows the load's
     time under "store" and against the D2H memcpy (1/6, not 0.5), and the other way round (0.75, not 0.25)."""
@@ -319,6 +334,7 @@ def test_vllm_gpu_control_flow_with_the_gpu_faked(
     monkeypatch.setattr(vllm_gpu_bench, "POOL_GB", 0.02)
     monkeypatch.setattr(vllm_gpu_bench, "ConnectorPath", partial(ConnectorPath, device="cpu", chunk=32, chunks=2))
     monkeypatch.setattr(vllm_gpu_bench, "PinnedCopy", lambda nbytes: no_memcpy)
+    monkeypatch.setattr(vllm_gpu_bench, "synchronize", lambda: None)
     monkeypatch.setattr(vllm_gpu_bench, "driver", lambda: SimpleNamespace(has_batch=False))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "no GPU (faked)")
     doc, progress = run_bench(monkeypatch, tmp_path, "vllm-gpu", "--repeats", "1", "--no-server", "--no-gemm")

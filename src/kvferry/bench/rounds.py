@@ -31,25 +31,33 @@ def measure(
     dma: CheckedPath | None,
     repeats: int,
     clock: Callable[[], float] = time.perf_counter,
+    settle: Callable[[], None] = lambda: None,
 ) -> dict[str, Any]:
     """One warm-up round and ``repeats`` timed ones, each: a new prefix and source bytes, the connector's store, the
     D2H memcpy, the connector's load (checked), the H2D memcpy, then vLLM's page DMA store and load (checked).
-    ``memcpy(to_host)``: a plain pinned copy of the same bytes, to its end."""
+    ``memcpy(to_host)``: a plain pinned copy of the same bytes, to its end. ``settle()``, before every timed call:
+    waits for the work queued outside the timed calls (on a GPU: a round's new source bytes, a load's poison and
+    snapshot of the KV), which a timed call ordered after it would otherwise wait for and count as its own."""
     samples = Samples(clock)
+
+    def timed(name: str, call: Callable[[], None]) -> None:
+        settle()
+        samples.timed(name, call)
+
     for i in range(repeats + 1):
         if i == 1:
             samples.clear()  # the warm-up round's (checked all the same)
         connector.next_round()
-        samples.timed("store", connector.store)
-        samples.timed("d2h memcpy", lambda: memcpy(True))
+        timed("store", connector.store)
+        timed("d2h memcpy", lambda: memcpy(True))
         connector.before_load()
-        samples.timed("load", connector.load)
+        timed("load", connector.load)
         connector.check_load()
-        samples.timed("h2d memcpy", lambda: memcpy(False))
+        timed("h2d memcpy", lambda: memcpy(False))
         if dma is not None:
-            samples.timed("page DMA store", dma.store)
+            timed("page DMA store", dma.store)
             dma.before_load()
-            samples.timed("page DMA load", dma.load)
+            timed("page DMA load", dma.load)
             dma.check_load()
     return results(samples, connector.nbytes, repeats + 1, dma is not None)
 

@@ -24,7 +24,7 @@ from kvferry.bench.rounds import measure
 from kvferry.bench.server_bench import ServerProcess
 from kvferry.bench.sglang_linker_path import LinkerPath
 from kvferry.bench.sglang_pools import BENCH_TAG, case_of, load_fixtures
-from kvferry.bench.timing import PinnedCopy
+from kvferry.bench.timing import PinnedCopy, synchronize
 from kvferry.connector.settings import ConnectorSettings
 
 POOL_GB = 4.0
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
                 settings = _settings(mode, page, None if server is None else server.endpoint)
                 path = LinkerPath(fixture, settings, DEVICE, PAGES, args.layer_groups)
                 try:
-                    row = measure(path, PinnedCopy(path.nbytes), None, args.repeats)
+                    row = measure(path, PinnedCopy(path.nbytes), None, args.repeats, settle=synchronize)
                     first = statistics.median(path.first_layer_s[1:])  # the timed rounds' (not the warm-up's)
                     rows.append({"mode": mode, "pool": path.case.name, **row, "first_layers_us": first * 1e6})
                 finally:

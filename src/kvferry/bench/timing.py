@@ -178,3 +178,8 @@ def measure_ceiling(device: str | torch.device, nbytes: int, direction: str, rep
     for _ in range(repeats):
         ceiling.time_once()
     return gbps(nbytes, ceiling.best()[1])
+
+
+def synchronize() -> None:
+    """Wait for the current CUDA device's queued work (`kvferry.bench.rounds.measure`'s ``settle``)."""
+    torch.cuda.synchronize()

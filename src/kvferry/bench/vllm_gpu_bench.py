@@ -32,7 +32,7 @@ from kvferry.bench.harness import BenchError, Outcome, Steps, add_json_argument,
 from kvferry.bench.report import cell, new_table
 from kvferry.bench.rounds import measure
 from kvferry.bench.server_bench import ServerProcess
-from kvferry.bench.timing import PinnedCopy
+from kvferry.bench.timing import PinnedCopy, synchronize
 from kvferry.bench.vllm_connector_path import CHUNK, CHUNKS, ConnectorPath
 from kvferry.bench.vllm_gpu_steps import describe_steps, step_stall
 from kvferry.bench.vllm_page_dma import PageDMA
@@ -139,7 +139,7 @@ def measure_case(path: ConnectorPath, repeats: int) -> dict[str, Any]:
     pages: dict[str, Any] = {"vllm_dma_pages": None, "vllm_dma_page_kib": None}
     if dma is not None:
         pages = {"vllm_dma_pages": dma.pages, "vllm_dma_page_kib": dma.nbytes / dma.pages / 1024}
-    return {**measure(path, copy, dma, repeats), **pages}
+    return {**measure(path, copy, dma, repeats, settle=synchronize), **pages}
 
 
 def _driver_mapped(nbytes: int) -> Any:

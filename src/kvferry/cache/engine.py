@@ -30,7 +30,7 @@ from kvferry.cache.pool_sizing import host_pool
 from kvferry.cache.reader import ChunkReader
 from kvferry.cache.request import dtype_name
 from kvferry.cache.residency import Residency
-from kvferry.cache.steps import Steps, run_steps, started
+from kvferry.cache.steps import Steps, finish_steps, run_steps, started
 from kvferry.cache.tiering import TierLink
 from kvferry.cache.writer import ChunkWriter
 from kvferry.config import KvferryConfig
@@ -358,12 +358,15 @@ class CacheEngine:
         paged: Any,
         block_ids: BlockIds,
         fmt: EngineKVFormat | int,
+        *,
+        after: torch.cuda.Event | None = None,
         **options: Unpack[StoreOptions],
     ) -> Future[int]:
         """``store`` up to its copy in flight on this thread (ordered after this thread's current stream, with no
-        hand-off before its first GPU operation), the rest (the wait for the copy, the chunks made readable) on the
-        engine's worker threads. A failure before the copy is the future's."""
-        return started(self.store_steps(tokens, paged, block_ids, fmt, **options), self._executor)
+        hand-off before its first GPU operation), the rest (the wait for the copy, the chunks made readable, a
+        tail's copy) on the engine's worker threads, whose copies wait for ``after`` (as for ``store_async``: an
+        event the caller recorded on its stream). A failure before the copy is the future's."""
+        return started(self.store_steps(tokens, paged, block_ids, fmt, **options), self._finisher(after))
 
     def retrieve_started(
         self,
@@ -371,10 +374,15 @@ class CacheEngine:
         paged: Any,
         block_ids: BlockIds,
         fmt: EngineKVFormat | int,
+        *,
+        after: torch.cuda.Event | None = None,
         **options: Unpack[RetrieveOptions],
     ) -> Future[int]:
         """``retrieve`` as `store_started`: enqueued here, waited for on the worker threads."""
-        return started(self.retrieve_steps(tokens, paged, block_ids, fmt, **options), self._executor)
+        return started(self.retrieve_steps(tokens, paged, block_ids, fmt, **options), self._finisher(after))
+
+    def _finisher(self, after: torch.cuda.Event | None) -> Callable[[Steps[int]], Future[int]]:
+        return lambda steps: self._executor.submit(_ordered, after, finish_steps, (steps,), {})
 
     # --- administration -----------------------------------------------------------------------------------
 

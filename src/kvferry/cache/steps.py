@@ -10,8 +10,8 @@ bookkeeping (it waits for the copy), so no object or lock outlives an abandoned 
 
 from __future__ import annotations
 
-from collections.abc import Generator
-from concurrent.futures import Executor, Future
+from collections.abc import Callable, Generator
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 if TYPE_CHECKING:
@@ -66,9 +66,9 @@ def finish_steps(steps: Steps[T]) -> T:
     raise RuntimeError("a transfer's steps yield once")
 
 
-def started(steps: Steps[int], waiter: Executor) -> Future[int]:
-    """A transfer's steps run up to its copy in flight on this thread, the rest on ``waiter``; its result as a
-    future (a failure before the copy included)."""
+def started(steps: Steps[int], finish: Callable[[Steps[int]], Future[int]]) -> Future[int]:
+    """A transfer's steps run up to its copy in flight on this thread, the rest by ``finish`` (on another thread:
+    its future); the result as a future, a failure before the copy included."""
     done: Future[int] = Future()
     try:
         first = first_step(steps)
@@ -78,4 +78,4 @@ def started(steps: Steps[int], waiter: Executor) -> Future[int]:
     if isinstance(first, Finished):
         done.set_result(int(first.result))
         return done
-    return waiter.submit(finish_steps, steps)
+    return finish(steps)

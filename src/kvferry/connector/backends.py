@@ -187,9 +187,10 @@ class EmbeddedBackend:
     """A `CacheEngine` owned by this worker process.
 
     On a GPU each load and store is ordered, on the GPU, after what vLLM's stream had queued when the connector
-    asked for it (an event recorded there: the forward pass that wrote the blocks a store reads, or the last
-    reader of the blocks a load writes); the copy then runs on kvferry's streams from the engine's worker thread,
-    whose own current stream is not vLLM's. Nothing waits on the CPU for the model."""
+    asked for it (the forward pass that wrote the blocks a store reads, or the last reader of the blocks a load
+    writes): a store's copy and a foreground load are enqueued on the calling thread, after its current stream;
+    what runs later on the engine's worker threads (a background load, a store's tail) waits for an event recorded
+    there. Nothing waits on the CPU for the model."""
 
     def __init__(
         self, engine: CacheEngine, kv: EngineKV, namespace: CacheNamespace, key_space: KeySpace | None = None
@@ -249,14 +250,18 @@ class EmbeddedBackend:
         the cache held, all of them loaded. On a GPU the copy is enqueued on the calling thread, after its current
         stream (`CacheEngine.retrieve_started`: no thread hand-off before the first DMA)."""
         if self._on_gpu:
-            return self.engine.retrieve_started(*self._request(tokens, block_ids), **self._options(0), pages=True)
+            return self.engine.retrieve_started(
+                *self._request(tokens, block_ids), **self._options(0), pages=True, after=self._callers_stream()
+            )
         return self.engine.retrieve_async(*self._request(tokens, block_ids), **self._options(0), pages=True)
 
     def store_pages_async(self, tokens: TokenIds, block_ids: list[int]) -> Future[int]:
         """Store pages held in ``block_ids``, one copy for all, each chunk of ``tokens`` under its key alone (the
         pages `retrieve_pages_async` loads); on a GPU enqueued as they are."""
         if self._on_gpu:
-            return self.engine.store_started(*self._request(tokens, block_ids), **self._options(0), pages=True)
+            return self.engine.store_started(
+                *self._request(tokens, block_ids), **self._options(0), pages=True, after=self._callers_stream()
+            )
         return self.engine.store_async(*self._request(tokens, block_ids), **self._options(0), pages=True)
 
     def retrieve(self, tokens: TokenIds, block_ids: list[int], skip_prefix_tokens: int) -> int:
@@ -276,12 +281,12 @@ class EmbeddedBackend:
         return {"namespace": self.namespace, "skip_prefix_tokens": skip_prefix_tokens, "geometry": self.geometry}
 
     def store_async(self, tokens: TokenIds, block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
-        return self.engine.store_async(
-            *self._request(tokens, block_ids),
-            **self._options(skip_prefix_tokens),
-            after=self._callers_stream(),
-            tail=True,
-        )
+        """On a GPU the chunks' copy is enqueued on the calling thread, after its current stream (vLLM's: the
+        forward that wrote the blocks), with no hand-off before its first DMA (`CacheEngine.store_started`)."""
+        request, options = self._request(tokens, block_ids), self._options(skip_prefix_tokens)
+        if self._on_gpu:
+            return self.engine.store_started(*request, **options, after=self._callers_stream(), tail=True)
+        return self.engine.store_async(*request, **options, tail=True)
 
     def _callers_stream(self) -> torch.cuda.Event | None:
         """An event at the end of what the calling thread's current stream (vLLM's) has queued; None on the CPU."""
