@@ -94,20 +94,22 @@ def test_steps_that_yield_twice_are_refused() -> None:
 
 
 def test_started_transfers_run_to_their_copy_here_and_finish_on_the_waiter() -> None:
-    """`CacheEngine.store_started` / `retrieve_started`: the copy is made on the calling thread (a GPU engine's is
-    then ordered after its current stream), the rest on the engine's workers; a failure before the copy and a
-    transfer with nothing to copy are futures too, never raised at the caller."""
+    """`CacheEngine.store_async` / `retrieve_async` with ``start_here``: the copy is made on the calling thread (a
+    GPU engine's is then ordered after its current stream), the rest on the engine's workers; a failure before the
+    copy and a transfer with nothing to copy are futures too, never raised at the caller."""
     src, dst = make_paged(FMT, NB, seed=6), make_paged(FMT, NB, seed=7)
     tokens, ids = random_tokens(2 * CHUNK, 6), list(range(2 * CHUNK // BS))
     with _engine() as engine:
         ns = engine.namespace_for("m", FMT, src)
-        assert engine.retrieve_started(tokens, dst, ids, FMT, namespace=ns).result() == 0  # a miss: no copy
-        stored = engine.store_started(tokens, src, ids, FMT, namespace=ns)
+        assert (
+            engine.retrieve_async(tokens, dst, ids, FMT, namespace=ns, start_here=True).result() == 0
+        )  # a miss: no copy
+        stored = engine.store_async(tokens, src, ids, FMT, namespace=ns, start_here=True)
         assert stored.result() == 2 * CHUNK
-        loaded = engine.retrieve_started(tokens, dst, ids[::-1], FMT, namespace=ns)
+        loaded = engine.retrieve_async(tokens, dst, ids[::-1], FMT, namespace=ns, start_here=True)
         assert loaded.result() == 2 * CHUNK
         assert_blocks_equal(src, ids, dst, ids[::-1], FMT)
-        bad = engine.retrieve_started(tokens, dst, [NB + 5] * len(ids), FMT, namespace=ns)
+        bad = engine.retrieve_async(tokens, dst, [NB + 5] * len(ids), FMT, namespace=ns, start_here=True)
         with pytest.raises(ValueError):
             bad.result()
         assert engine.stats()["pinned_objects"] == 0

@@ -329,14 +329,17 @@ class CacheEngine:
         fmt: EngineKVFormat | int,
         *,
         after: torch.cuda.Event | None = None,
+        start_here: bool = False,
         **options: Unpack[StoreOptions],
     ) -> Future[int]:
         """``store`` on the engine's worker threads; the engine must leave those blocks alone until done.
 
         ``after``: a CUDA event the caller recorded after the work that writes the blocks (its stream is not the
         worker thread's); the GPU copy waits for it on the GPU. Without one it is ordered after the worker
-        thread's current stream."""
-        return self._executor.submit(_ordered, after, self.store, (tokens, paged, block_ids, fmt), dict(options))
+        thread's current stream. ``start_here``: run up to the copy in flight on this thread instead, ordered
+        after its current stream (no hand-off before the first GPU operation); only what comes after (the wait,
+        a tail's copy) goes to the workers, after ``after``. A failure before the copy is the future's."""
+        return self._submit(self.store, self.store_steps, (tokens, paged, block_ids, fmt), options, after, start_here)
 
     def retrieve_async(
         self,
@@ -346,43 +349,29 @@ class CacheEngine:
         fmt: EngineKVFormat | int,
         *,
         after: torch.cuda.Event | None = None,
+        start_here: bool = False,
         **options: Unpack[RetrieveOptions],
     ) -> Future[int]:
-        """``retrieve`` on the engine's worker threads; the blocks hold the KV once the future is done. ``after``:
-        as for ``store_async`` (the last work that reads the blocks before they are written)."""
-        return self._executor.submit(_ordered, after, self.retrieve, (tokens, paged, block_ids, fmt), dict(options))
+        """``retrieve`` on the engine's worker threads; the blocks hold the KV once the future is done. ``after``,
+        ``start_here``: as for ``store_async`` (``after``: the last work that reads the blocks before they are
+        written)."""
+        request = (tokens, paged, block_ids, fmt)
+        return self._submit(self.retrieve, self.retrieve_steps, request, options, after, start_here)
 
-    def store_started(
+    def _submit(
         self,
-        tokens: TokenIds,
-        paged: Any,
-        block_ids: BlockIds,
-        fmt: EngineKVFormat | int,
-        *,
-        after: torch.cuda.Event | None = None,
-        **options: Unpack[StoreOptions],
+        call: Callable[..., int],
+        steps: Callable[..., Steps[int]],
+        request: tuple[Any, ...],
+        options: Any,
+        after: torch.cuda.Event | None,
+        start_here: bool,
     ) -> Future[int]:
-        """``store`` up to its copy in flight on this thread (ordered after this thread's current stream, with no
-        hand-off before its first GPU operation), the rest (the wait for the copy, the chunks made readable, a
-        tail's copy) on the engine's worker threads, whose copies wait for ``after`` (as for ``store_async``: an
-        event the caller recorded on its stream). A failure before the copy is the future's."""
-        return started(self.store_steps(tokens, paged, block_ids, fmt, **options), self._finisher(after))
-
-    def retrieve_started(
-        self,
-        tokens: TokenIds,
-        paged: Any,
-        block_ids: BlockIds,
-        fmt: EngineKVFormat | int,
-        *,
-        after: torch.cuda.Event | None = None,
-        **options: Unpack[RetrieveOptions],
-    ) -> Future[int]:
-        """``retrieve`` as `store_started`: enqueued here, waited for on the worker threads."""
-        return started(self.retrieve_steps(tokens, paged, block_ids, fmt, **options), self._finisher(after))
-
-    def _finisher(self, after: torch.cuda.Event | None) -> Callable[[Steps[int]], Future[int]]:
-        return lambda steps: self._executor.submit(_ordered, after, finish_steps, (steps,), {})
+        if not start_here:
+            return self._executor.submit(_ordered, after, call, request, dict(options))
+        return started(
+            steps(*request, **options), lambda rest: self._executor.submit(_ordered, after, finish_steps, (rest,), {})
+        )
 
     # --- administration -----------------------------------------------------------------------------------
 

@@ -248,21 +248,17 @@ class EmbeddedBackend:
         """Load pages into ``block_ids``, one copy for all: each chunk of ``tokens`` a page keyed as a one-chunk
         prefix of its own (`CacheEngine.retrieve_steps`' ``pages``); resolves to the tokens of the leading pages
         the cache held, all of them loaded. On a GPU the copy is enqueued on the calling thread, after its current
-        stream (`CacheEngine.retrieve_started`: no thread hand-off before the first DMA)."""
-        if self._on_gpu:
-            return self.engine.retrieve_started(
-                *self._request(tokens, block_ids), **self._options(0), pages=True, after=self._callers_stream()
-            )
-        return self.engine.retrieve_async(*self._request(tokens, block_ids), **self._options(0), pages=True)
+        stream (no thread hand-off before the first DMA)."""
+        return self.engine.retrieve_async(
+            *self._request(tokens, block_ids), **self._options(0), pages=True, **self._started_here()
+        )
 
     def store_pages_async(self, tokens: TokenIds, block_ids: list[int]) -> Future[int]:
         """Store pages held in ``block_ids``, one copy for all, each chunk of ``tokens`` under its key alone (the
         pages `retrieve_pages_async` loads); on a GPU enqueued as they are."""
-        if self._on_gpu:
-            return self.engine.store_started(
-                *self._request(tokens, block_ids), **self._options(0), pages=True, after=self._callers_stream()
-            )
-        return self.engine.store_async(*self._request(tokens, block_ids), **self._options(0), pages=True)
+        return self.engine.store_async(
+            *self._request(tokens, block_ids), **self._options(0), pages=True, **self._started_here()
+        )
 
     def retrieve(self, tokens: TokenIds, block_ids: list[int], skip_prefix_tokens: int) -> int:
         """On a GPU, on the calling thread: the copy is ordered after its current stream (vLLM's) by the transfer
@@ -282,11 +278,15 @@ class EmbeddedBackend:
 
     def store_async(self, tokens: TokenIds, block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
         """On a GPU the chunks' copy is enqueued on the calling thread, after its current stream (vLLM's: the
-        forward that wrote the blocks), with no hand-off before its first DMA (`CacheEngine.store_started`)."""
-        request, options = self._request(tokens, block_ids), self._options(skip_prefix_tokens)
-        if self._on_gpu:
-            return self.engine.store_started(*request, **options, after=self._callers_stream(), tail=True)
-        return self.engine.store_async(*request, **options, tail=True)
+        forward that wrote the blocks), with no hand-off before its first DMA."""
+        return self.engine.store_async(
+            *self._request(tokens, block_ids), **self._options(skip_prefix_tokens), tail=True, **self._started_here()
+        )
+
+    def _started_here(self) -> dict[str, Any]:
+        """On a GPU: a transfer started on the calling thread (after its current stream), its later copies after an
+        event there (`CacheEngine.store_async`'s ``start_here``); on the CPU, on the engine's workers."""
+        return {"start_here": True, "after": self._callers_stream()} if self._on_gpu else {}
 
     def _callers_stream(self) -> torch.cuda.Event | None:
         """An event at the end of what the calling thread's current stream (vLLM's) has queued; None on the CPU."""
