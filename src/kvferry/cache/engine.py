@@ -24,31 +24,21 @@ from kvferry.cache.geometry_checks import GeometryChecks
 from kvferry.cache.index import object_checksum
 from kvferry.cache.keys import CacheNamespace, ChunkHasher, TokenIds
 from kvferry.cache.lookup import LookupResult, PrefixLookup
-from kvferry.cache.metrics import GAUGES, CacheCounters, counters_dict, gbps, make_registry
+from kvferry.cache.metrics import CacheCounters, engine_values, make_registry
 from kvferry.cache.policies import make_policy
 from kvferry.cache.pool_sizing import host_pool
 from kvferry.cache.reader import ChunkReader
-from kvferry.cache.request import dtype_name
 from kvferry.cache.residency import Residency
-from kvferry.cache.steps import Steps, finish_steps, run_steps, started
+from kvferry.cache.steps import Steps, run_steps, submitted
 from kvferry.cache.tiering import TierLink
 from kvferry.cache.writer import ChunkWriter
 from kvferry.config import KvferryConfig
-from kvferry.formats import EngineKVFormat, KVGeometry, with_codec
+from kvferry.formats import EngineKVFormat, KVGeometry
 from kvferry.kernels.cpu_threads import torch_on_one_thread
 from kvferry.memory import HostPool
 from kvferry.tiers import Tier, make_tier
 from kvferry.tiers.metrics import TierCollector
-from kvferry.transfer import ordered_after
 from kvferry.transfer.block_ids import BlockIds
-
-
-def _ordered(after: torch.cuda.Event | None, call: Callable[..., int], args: tuple, kwargs: dict[str, Any]) -> int:
-    """``call(*args, **kwargs)`` with its GPU copies ordered after the CUDA event ``after`` (kept alive until then)."""
-    if after is None:
-        return call(*args, **kwargs)
-    with ordered_after(after.cuda_event):
-        return call(*args, **kwargs)
 
 
 class CacheEngine:
@@ -131,22 +121,8 @@ class CacheEngine:
         ``codec`` (default: the config's ``cache.codec``) is the codec of the objects this engine stores and reads:
         a ValueError saying why where its KV cache cannot take it."""
         codec = self.codec if codec is None else codec
-        geom = with_codec(self._geometries.checked(fmt, paged, block_size, geometry), codec)  # refused if it cannot be
-        if geom.partial_heads:
-            world_size, rank = 1, 0
-        layout = self._geometries.layout(geom)
-        return CacheNamespace(
-            model,
-            dtype_name(geom.dtype),
-            layout,
-            world_size,
-            rank,
-            salt,
-            codec,
-            kv_cache_dtype=kv_cache_dtype,
-            group=group,
-            split=split,
-        )
+        names = {"kv_cache_dtype": kv_cache_dtype, "group": group, "split": split}
+        return self._geometries.namespace(model, fmt, paged, block_size, geometry, codec, world_size, rank, salt, names)
 
     def chunk_keys(self, tokens: TokenIds, *, namespace: CacheNamespace | None = None) -> list[bytes]:
         """The keys of the full chunks of ``tokens`` (what tiers see)."""
@@ -339,7 +315,8 @@ class CacheEngine:
         thread's current stream. ``start_here``: run up to the copy in flight on this thread instead, ordered
         after its current stream (no hand-off before the first GPU operation); only what comes after (the wait,
         a tail's copy) goes to the workers, after ``after``. A failure before the copy is the future's."""
-        return self._submit(self.store, self.store_steps, (tokens, paged, block_ids, fmt), options, after, start_here)
+        request = (tokens, paged, block_ids, fmt)
+        return submitted(self._executor, self.store, self.store_steps, request, dict(options), after, start_here)
 
     def retrieve_async(
         self,
@@ -356,22 +333,7 @@ class CacheEngine:
         ``start_here``: as for ``store_async`` (``after``: the last work that reads the blocks before they are
         written)."""
         request = (tokens, paged, block_ids, fmt)
-        return self._submit(self.retrieve, self.retrieve_steps, request, options, after, start_here)
-
-    def _submit(
-        self,
-        call: Callable[..., int],
-        steps: Callable[..., Steps[int]],
-        request: tuple[Any, ...],
-        options: Any,
-        after: torch.cuda.Event | None,
-        start_here: bool,
-    ) -> Future[int]:
-        if not start_here:
-            return self._executor.submit(_ordered, after, call, request, dict(options))
-        return started(
-            steps(*request, **options), lambda rest: self._executor.submit(_ordered, after, finish_steps, (rest,), {})
-        )
+        return submitted(self._executor, self.retrieve, self.retrieve_steps, request, dict(options), after, start_here)
 
     # --- administration -----------------------------------------------------------------------------------
 
@@ -426,20 +388,7 @@ class CacheEngine:
         return ns
 
     def _metric_values(self) -> dict[str, float]:
-        with self._res.lock:
-            values: dict[str, float] = counters_dict(self.counters)
-            values["objects"] = len(self._res.index)
-            values["cached_tokens"] = values["objects"] * self.chunk_size
-            values["locks"] = len(self._res.leases)
-            values["pinned_objects"] = self._res.leases.pinned_objects
-        values["events_dropped"] = self._events.queue.dropped if self._events is not None else 0
-        values["pool_capacity_bytes"] = self.pool.capacity_bytes
-        values["pool_used_bytes"] = self.pool.used_bytes
-        values["pool_free_bytes"] = self.pool.free_bytes
-        values["store_gbps"] = gbps(values["stored_bytes"], values["store_seconds"])
-        values["retrieve_gbps"] = gbps(values["retrieved_bytes"], values["retrieve_seconds"])
-        assert set(GAUGES) <= set(values)
-        return values
+        return engine_values(self._res, self.chunk_size, self._events.queue.dropped if self._events else 0)
 
 
 __all__ = ["CacheEngine", "LookupResult"]

@@ -27,6 +27,29 @@ class GeometryChecks:
         self._matched: weakref.WeakValueDictionary[tuple[int, bytes], KVGeometry] = weakref.WeakValueDictionary()
         self._last_match: tuple[weakref.ref[KVGeometry], CacheNamespace] | None = None
 
+    def namespace(
+        self,
+        model: str,
+        fmt: EngineKVFormat | int,
+        paged: Any,
+        block_size: int | None,
+        geometry: KVGeometry | None,
+        codec: str,
+        world_size: int,
+        rank: int,
+        salt: str,
+        names: dict[str, str | None],
+    ) -> CacheNamespace:
+        """`CacheEngine.namespace_for`: the key space of ``model``'s KV cache ``paged`` in ``codec`` (refused where
+        it cannot take it); ``names``: `CacheNamespace`'s keyword fields. Ranks holding a slice of the heads share
+        the model's key space."""
+        geom = with_codec(self.checked(fmt, paged, block_size, geometry), codec)
+        if geom.partial_heads:
+            world_size, rank = 1, 0
+        return CacheNamespace(
+            model, dtype_name(geom.dtype), self.layout(geom), world_size, rank, salt, codec, **names
+        )  # fmt: skip
+
     def checked(
         self,
         fmt: EngineKVFormat | int,

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from kvferry.cache.residency import Residency
 
 _PREFIX = "kvferry_cache"
 
@@ -118,3 +122,23 @@ def make_registry(engine_label: str, snapshot: Callable[[], dict[str, float]]) -
 
 def counters_dict(counters: CacheCounters) -> dict[str, float]:
     return asdict(counters)
+
+
+def engine_values(res: Residency, chunk_size: int, events_dropped: int) -> dict[str, float]:
+    """A cache engine's counters and every gauge of ``GAUGES`` (what `make_registry`'s snapshot returns), from its
+    pool's contents ``res``."""
+    with res.lock:
+        values: dict[str, float] = counters_dict(res.counters)
+        values["objects"] = len(res.index)
+        values["cached_tokens"] = values["objects"] * chunk_size
+        values["locks"] = len(res.leases)
+        values["pinned_objects"] = res.leases.pinned_objects
+    values["events_dropped"] = events_dropped
+    pool = res.pool
+    values["pool_capacity_bytes"] = pool.capacity_bytes
+    values["pool_used_bytes"] = pool.used_bytes
+    values["pool_free_bytes"] = pool.free_bytes
+    values["store_gbps"] = gbps(values["stored_bytes"], values["store_seconds"])
+    values["retrieve_gbps"] = gbps(values["retrieved_bytes"], values["retrieve_seconds"])
+    assert set(GAUGES) <= set(values)
+    return values

@@ -11,10 +11,14 @@ bookkeeping (it waits for the copy), so no object or lock outlives an abandoned 
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from concurrent.futures import Future
+from concurrent.futures import Executor, Future
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
+from kvferry.transfer import ordered_after
+
 if TYPE_CHECKING:
+    import torch
+
     from kvferry.transfer.handle import TransferHandle
 
 T = TypeVar("T")
@@ -79,3 +83,28 @@ def started(steps: Steps[int], finish: Callable[[Steps[int]], Future[int]]) -> F
         done.set_result(int(first.result))
         return done
     return finish(steps)
+
+
+def submitted(
+    executor: Executor,
+    call: Callable[..., int],
+    steps: Callable[..., Steps[int]],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    after: torch.cuda.Event | None,
+    start_here: bool,
+) -> Future[int]:
+    """A transfer as a future: ``call(*args, **kwargs)`` on ``executor``, or with ``start_here`` its ``steps`` run
+    to the copy in flight on this thread (`started`) and the rest on ``executor``; whatever runs there has its GPU
+    copies ordered after the CUDA event ``after`` (when given)."""
+    if not start_here:
+        return executor.submit(_ordered, after, call, args, kwargs)
+    return started(steps(*args, **kwargs), lambda rest: executor.submit(_ordered, after, finish_steps, (rest,), {}))
+
+
+def _ordered(after: torch.cuda.Event | None, call: Callable[..., int], args: tuple, kwargs: dict[str, Any]) -> int:
+    """``call(*args, **kwargs)`` with its GPU copies ordered after the CUDA event ``after`` (kept alive until then)."""
+    if after is None:
+        return call(*args, **kwargs)
+    with ordered_after(after.cuda_event):
+        return call(*args, **kwargs)
