@@ -4,13 +4,16 @@ behind backends of their own (`linker_pools`).
 
 SGLang's scheduler thread calls in (`lookup`, `queue_load`, `start_loads`, `offload`). `start_loads` enqueues a
 batch's loads itself, after what the scheduler's current stream has queued (the slots' last readers): on the GPU no
-host wait and no thread hand-off comes before the first DMA. A thread of this class's own waits for them and
-completes SGLang's layer counter; another stores the offloads (their copies wait for SGLang's ready events on the
-GPU), so that a slow offload never holds back the load a forward pass waits for. A load's groups of layers
-(`linker_pools`) are all under way at once, the first group started first, and each is completed in the layer
-counter as it lands, in order. Nothing raises into SGLang: a load that does not land fails its batch in the layer
-counter (SGLang then aborts the batch's loading requests: their slots hold what was there), and an offload that
-does not land is a False result (SGLang keeps the pages out of its record of what the store holds).
+host wait and no thread hand-off comes before the first DMA. Whichever thread sees a move land (the cache engine's
+worker that waited for its copy, a server client's reader) completes SGLang's layer counter there, so a forward pass
+waiting on the counter wakes one thread hand-off after the copy ends (`_Batch`); a thread of this class's own then
+frees the load's locks (a server call). Another stores the offloads (their copies wait for SGLang's ready events on
+the GPU), so that a slow offload never holds back a load. A load's groups
+of layers (`linker_pools`) are all under way at once, the first group started first, and each is completed in the
+layer counter once it and every group before it landed. Nothing raises into SGLang: a load that does not land
+fails its batch in the layer counter (SGLang then aborts the batch's loading requests: their slots hold what was
+there), and an offload that does not land is a False result (SGLang keeps the pages out of its record of what the
+store holds).
 
 A lookup's hits stay locked in the cache (against eviction) until their load has run, or until the request looks
 up again, cancels, or is left out of the batch that started (it looks up anew when it is scheduled).
@@ -18,6 +21,7 @@ up again, cancels, or is left out of the batch that started (it looks up anew wh
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -92,11 +96,12 @@ class LinkerStore:
         self._closing = closing
         self._looked_up: dict[str, list[Lock]] = {}  # rid -> the locks of its last lookup
         self._queued: dict[str, _Load] = {}  # loads waiting for the next start (scheduler thread)
-        self._loads: Queue[tuple[int, list[_Load], list[list[_Move]], BaseException | None] | None] = Queue()
+        self._batches = _Batches()  # the loads under way
+        self._ended: Queue[tuple[_Batch] | None] = Queue()  # loads whose moves all ended
         self._offloads: Queue[tuple[list[PoolPages], Sequence[ReadyEvent]] | None] = Queue()
         self._offloaded: Queue[bool] = Queue()
         self._threads = [
-            threading.Thread(target=self._serve, args=(self._loads, self._load), name=f"kvferry-{name}-load"),
+            threading.Thread(target=self._serve, args=(self._ended, _Batch.end), name=f"kvferry-{name}-load"),
             threading.Thread(target=self._serve, args=(self._offloads, self._offload), name=f"kvferry-{name}-offload"),
         ]
         for thread in self._threads:
@@ -149,13 +154,13 @@ class LinkerStore:
             return -1
         loads, self._queued = list(self._queued.values()), {}
         index = self.counter.update_producer()
-        moves: list[list[_Move]] = []
-        error: BaseException | None = None
+        batch = _Batch(self, index, [lock for load in loads for lock in load.locks])
         try:
             moves = self._start([part for load in loads for part in load.pages], "retrieve_pages_async")
         except Exception as exc:  # before any move started (a move's own failure is its future's)
-            error = exc
-        self._loads.put((index, loads, moves, error))
+            batch.follow([[] for _ in self.layer_groups], exc)
+        else:
+            batch.follow(moves, None)
         return index
 
     def offload(self, pages: list[PoolPages], ready: Sequence[ReadyEvent]) -> None:
@@ -183,7 +188,7 @@ class LinkerStore:
         for locks in self._looked_up.values():
             free_locks(locks)
         self._looked_up.clear()
-        self._loads.join()
+        self._batches.wait_all()
         self._offloads.join()
         while not self._offloaded.empty():
             self._offloaded.get_nowait()
@@ -194,7 +199,7 @@ class LinkerStore:
             return
         self._closed = True
         self.reset()
-        self._loads.put(_STOP)
+        self._ended.put(_STOP)
         self._offloads.put(_STOP)
         for thread in self._threads:
             thread.join()
@@ -212,29 +217,6 @@ class LinkerStore:
                 work(*task)
             finally:
                 queue.task_done()
-
-    def _load(self, index: int, loads: list[_Load], moves: list[list[_Move]], error: BaseException | None) -> None:
-        """A batch's loads under way: every page waited for (nothing writes the slots once the counter is told),
-        each group of layers completed as it lands, in order (the forward starts on the first), or the batch
-        failed."""
-        try:
-            if error is not None:
-                raise error
-            for layers, group in zip(self.layer_groups, moves, strict=True):
-                missing = _finish(group, self.page_size)
-                if missing:
-                    raise RuntimeError(f"{missing} pages were not in kvferry's cache any more")
-                for layer in layers:
-                    self.counter.complete(index, layer)
-        except BaseException as exc:
-            error = exc
-        finally:
-            _settle(moves)  # none is left writing once the batch is failed
-            for load in loads:
-                free_locks(load.locks)
-        if error is not None:
-            log.warning("kvferry: a linker load failed (SGLang aborts it): %s: %s", type(error).__name__, error)
-            self.counter.fail(index, error)
 
     def _offload(self, pages: list[PoolPages], ready: Sequence[ReadyEvent]) -> None:
         stored = True
@@ -271,6 +253,90 @@ class LinkerStore:
 
 
 _Move = tuple[int, "Future[int]"]  # a move's pages, and the tokens it moved
+
+
+class _Batch:
+    """A started batch's moves, followed by their done callbacks: each group of layers completed in the counter
+    once it and every group before it landed whole (in order, under the lock), the batch failed once every move has
+    ended if one did not land (nothing writes the slots once the counter is told; the groups before the first that
+    failed are completed all the same), its lookup locks freed then."""
+
+    def __init__(self, store: LinkerStore, index: int, locks: list[Lock]) -> None:
+        self._store, self._index, self._locks = store, index, locks
+        self._lock = threading.Lock()
+        self._left: list[int] = []  # moves not landed, by group
+        self._next = 0  # the next group to complete
+        self._moves = 0  # moves not ended
+        self._error: BaseException | None = None
+        self._failed = 0  # the first group that failed (with `_error`)
+
+    def follow(self, moves: list[list[_Move]], error: BaseException | None) -> None:
+        """Follow ``moves`` (by group of layers), or fail the batch with ``error`` (raised before any started)."""
+        self._left = [len(group) for group in moves]
+        self._moves = sum(self._left) + 1  # + this call's own hold: no ending before every callback is added
+        self._error = error
+        self._store._batches.add(self)
+        for group, group_moves in enumerate(moves):
+            for pages, future in group_moves:
+                future.add_done_callback(functools.partial(self._landed, group, pages))
+        self._ended(None, None)
+
+    def _landed(self, group: int, pages: int, done: Future[int]) -> None:
+        error = done.exception()
+        if error is None:
+            missing = pages - done.result() // self._store.page_size
+            if missing:
+                error = RuntimeError(f"{missing} pages were not in kvferry's cache any more")
+        self._ended(group, error)
+
+    def _ended(self, group: int | None, error: BaseException | None) -> None:
+        """A move of ``group`` ended (None: `follow`'s own hold on the batch), with ``error`` if it did not land."""
+        counter, groups = self._store.counter, self._store.layer_groups
+        with self._lock:
+            if group is not None:
+                self._left[group] -= 1
+                if error is not None and (self._error is None or group < self._failed):
+                    self._error, self._failed = error, group
+            while self._next < len(self._left) and not self._left[self._next]:
+                if self._error is not None and self._next >= self._failed:
+                    break
+                for layer in groups[self._next]:
+                    counter.complete(self._index, layer)
+                self._next += 1
+            self._moves -= 1
+            if self._moves:
+                return
+        self._store._ended.put((self,))  # not here: a server's answers are read on the thread that may run this
+
+    def end(self) -> None:
+        """Every move ended: the lookup locks freed, the batch failed if a move did not land."""
+        free_locks(self._locks)
+        if self._error is not None:
+            err = self._error
+            log.warning("kvferry: a linker load failed (SGLang aborts it): %s: %s", type(err).__name__, err)
+            self._store.counter.fail(self._index, err)
+        self._store._batches.discard(self)
+
+
+class _Batches:
+    """The batches under way, for `LinkerStore.reset` to wait for."""
+
+    def __init__(self) -> None:
+        self._under_way: set[_Batch] = set()
+        self._changed = threading.Condition()
+
+    def add(self, batch: _Batch) -> None:
+        with self._changed:
+            self._under_way.add(batch)
+
+    def discard(self, batch: _Batch) -> None:
+        with self._changed:
+            self._under_way.discard(batch)
+            self._changed.notify_all()
+
+    def wait_all(self) -> None:
+        with self._changed:
+            self._changed.wait_for(lambda: not self._under_way)
 
 
 def _call(move: Callable[[Any, list[int]], Future[int]], tokens: Any, blocks: list[int]) -> Future[int]:
