@@ -8,12 +8,11 @@ host wait and no thread hand-off comes before the first DMA. Whichever thread se
 worker that waited for its copy, a server client's reader) completes SGLang's layer counter there, so a forward pass
 waiting on the counter wakes one thread hand-off after the copy ends (`_Batch`); a thread of this class's own then
 frees the load's locks (a server call). Another stores the offloads (their copies wait for SGLang's ready events on
-the GPU), so that a slow offload never holds back a load. A load's groups
-of layers (`linker_pools`) are all under way at once, the first group started first, and each is completed in the
-layer counter once it and every group before it landed. Nothing raises into SGLang: a load that does not land
-fails its batch in the layer counter (SGLang then aborts the batch's loading requests: their slots hold what was
-there), and an offload that does not land is a False result (SGLang keeps the pages out of its record of what the
-store holds).
+the GPU), so that a slow offload never holds back a load. A load's groups of layers (`linker_pools`) are all under
+way at once, the first group started first, and each is completed in the layer counter once it and every group
+before it landed. Nothing raises into SGLang: a load that does not land fails its batch in the layer counter (SGLang
+then aborts the batch's loading requests: their slots hold what was there), and an offload that does not land is a
+False result (SGLang keeps the pages out of its record of what the store holds).
 
 A lookup's hits stay locked in the cache (against eviction) until their load has run, or until the request looks
 up again, cancels, or is left out of the batch that started (it looks up anew when it is scheduled).
