@@ -54,9 +54,8 @@ class CacheConfig(BaseModel):
     )
     tier_write: Literal["on_evict", "on_store"] = Field(
         "on_evict",
-        description="on_evict: evicted objects are written to the first tier (write-behind); "
-        "on_store: every stored object is written to every tier right after the store (what a tier shared between "
-        "nodes, Redis or Mooncake, needs for other nodes to find it)",
+        description="on_evict: evicted objects are written to the first tier (write-behind); on_store: every "
+        "stored object to every tier at once (for a tier other nodes share: Redis, Mooncake)",
     )
     spill_wait_s: float = Field(
         1.0, ge=0, description="how long a store may wait for evicted objects' tier writes to free pool memory"
@@ -160,9 +159,8 @@ class ServerConfig(BaseModel):
     )
     ipc_path: str | None = Field(
         None,
-        description="Also listen on this Unix socket (clients connect to ipc://PATH): a lower-latency endpoint for "
-        "engines on this host; the socket file's mode and group (security.ipc_mode, security.ipc_group) decide who "
-        "may connect.",
+        description="Also listen on this Unix socket (ipc://PATH): lower latency for engines on this host; "
+        "security.ipc_mode and security.ipc_group decide who may connect.",
     )
     heartbeat_interval_s: float = Field(
         2.0, gt=0, description="How often clients are told to send a heartbeat when otherwise idle."
@@ -195,8 +193,8 @@ class ServerConfig(BaseModel):
         0,
         ge=0,
         le=1_000_000,
-        description="After each request, the socket thread polls without sleeping for this long (microseconds): "
-        "a request arriving meanwhile finds it awake, at the cost of a CPU core while requests keep coming.",
+        description="After each request, the socket thread polls without sleeping this long (microseconds): a "
+        "request arriving meanwhile finds it awake, at the cost of a CPU core.",
     )
     tier_check_interval_s: float = Field(
         5.0, gt=0, description="How often each tier is probed, so /health knows a tier is down before a request does."

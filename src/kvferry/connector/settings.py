@@ -51,17 +51,14 @@ class ConnectorSettings(BaseModel):
     )
     legacy_ipc: bool = Field(
         False,
-        description="server mode: share vLLM's KV cache with the server by legacy CUDA IPC even where file descriptors "
-        "could pass (vLLM 0.34 then turns its extensible KV cache off): for settings vLLM refuses that cache with, "
-        "which otherwise stop vLLM at start (kv_cache_memory_bytes, num_gpu_blocks_override, elastic EP, "
-        "--no-enable-extensible-kv-cache)",
+        description="server mode: share vLLM's KV cache by legacy CUDA IPC even where file descriptors could pass "
+        "(vLLM 0.34 then turns its extensible KV cache off): for settings vLLM refuses that cache with "
+        "(kv_cache_memory_bytes, num_gpu_blocks_override, elastic EP, --no-enable-extensible-kv-cache)",
     )
     async_load: bool = Field(
         True,
-        description="load a hit in the background while vLLM keeps running the other requests (vLLM's async-load "
-        "path); false: load before the forward pass of the step that schedules the request (not for a hybrid model of "
-        "several KV cache groups, which always loads in the background: vLLM takes such a model's failed load only "
-        "from a load it waits for)",
+        description="load a hit in the background while vLLM runs the other requests; false: before the forward pass "
+        "of the step that schedules it (a hybrid model of several KV cache groups always loads in the background)",
     )
     lock_refresh_s: float = Field(
         10.0,
@@ -92,14 +89,13 @@ class ConnectorSettings(BaseModel):
     curve: CurveKeyFiles | None = Field(
         None,
         description='server mode, tcp://: {"secret_key_file": this engine\'s NAME.key_secret, "server_key_file": the '
-        "server's NAME.key} for a server with CURVE (docs/security.md); default: the KVFERRY_SECURITY__CLIENT_* and "
-        "KVFERRY_SECURITY__SERVER_PUBLIC_KEY* variables, if set",
+        "server's NAME.key} for a server with CURVE (docs/security.md); default: the KVFERRY_SECURITY__* variables",
     )
     events_url: str | None = Field(
         None,
         description="server mode, with vLLM's --kv-events-config: the server's KV event stream, PUB[,REPLAY] "
-        "(its --events-port and --events-replay-port: tcp://HOST:5557,tcp://HOST:5558), from which the scheduler "
-        "learns kvferry's evictions; without it, kvferry's blocks are not announced in vLLM's events (docs/events.md)",
+        "(tcp://HOST:5557,tcp://HOST:5558), where the scheduler learns kvferry's evictions; without it kvferry's "
+        "blocks are not in vLLM's events (docs/events.md)",
     )
     after_load_hook: str | None = Field(
         None,
