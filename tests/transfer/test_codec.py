@@ -111,7 +111,10 @@ def test_quantise_rows_columns_and_layout() -> None:
     out = torch.zeros(3, codec.width, dtype=torch.bfloat16)
     dequantise_rows(rows, codec, out, codec.group, 2 * codec.group)
     assert bool((out[:, : codec.group] == 0).all())
-    q = (values[:, codec.group : 2 * codec.group].float() / want[:, None]).to(torch.float8_e4m3fn)
+    group = values[:, codec.group : 2 * codec.group].float()
+    # each value times 448 over its group's largest magnitude (dividing by the scale instead rounds differently in
+    # the last bit, which now and then lands a value on the other side of an e4m3 rounding boundary)
+    q = (group * (torch.full_like(want, 448.0) / group.abs().amax(-1))[:, None]).to(torch.float8_e4m3fn)
     assert torch.equal(rows[:, codec.group : 2 * codec.group], q.view(torch.uint8))
 
 
