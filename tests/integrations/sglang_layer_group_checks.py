@@ -9,6 +9,7 @@ Run by `test_sglang_release` in a child pytest with a released SGLang's Python f
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
@@ -124,6 +125,37 @@ def test_the_forward_reads_the_first_layers_before_the_last_group_lands(mode: st
             device.pool.get_key_buffer(layer)
         assert counter.futures[index][0].exception() is None  # layer 0 had landed
         assert not linker.finish_layer_wise_loading(index)
+    finally:
+        linker.close()
+
+
+def test_groups_that_land_before_the_first_complete_after_it() -> None:
+    """The first group's copy held back while the later ones land: no layer completes until it does (a forward
+    reading a later layer must not run before the layers before it), then every one, and the batch lands whole."""
+    device = Device("mha", seed=101)
+    linker = make_linker(device, _settings("embedded", ""))
+    try:
+        keys = page_keys(2, 102)
+        source = device.alloc(2)
+        expected = device.read(source)
+        assert offload(linker, keys, source)
+        first = linker.store.pools["kv"].backends[0]
+        gate = threading.Event()
+        first.retrieve_pages_async = _later(first.retrieve_pages_async, gate)
+        assert lookup(linker, keys) == [1, 2]
+        device.poison()
+        target = device.alloc(2)
+        assert linker.load("r", [PoolTransfer(name=PoolName.KV, device_indices=target, keys=keys)])
+        counter = linker.layer_done_counter
+        index = linker.start_layer_wise_loading()
+        counter.set_consumer(index)
+        time.sleep(0.2)  # the later groups' moves land meanwhile (done on return, on CPU tensors)
+        assert not any(future.done() for future in counter.futures[index])
+        gate.set()
+        for layer in range(LAYERS):
+            device.pool.get_key_buffer(layer)
+        assert linker.finish_layer_wise_loading(index)
+        assert torch.equal(device.read(target), expected)
     finally:
         linker.close()
 
