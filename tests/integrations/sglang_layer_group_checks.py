@@ -68,6 +68,26 @@ def _later(move: Callable[..., Future[int]], gate: threading.Event) -> Callable[
     return started
 
 
+def _load_held(
+    device: Device, linker: Any, keys: list[str], held: int
+) -> tuple[int, torch.Tensor, torch.Tensor, threading.Event]:
+    """``keys``' pages offloaded, then loaded into other slots (poisoned first) with group ``held``'s copy started
+    only once the returned gate opens; the batch's counter index, the slots, the bytes they must hold, the gate."""
+    source = device.alloc(len(keys))
+    expected = device.read(source)
+    assert offload(linker, keys, source)
+    backend = linker.store.pools["kv"].backends[held]
+    gate = threading.Event()
+    backend.retrieve_pages_async = _later(backend.retrieve_pages_async, gate)
+    assert lookup(linker, keys) == list(range(1, len(keys) + 1))
+    device.poison()
+    target = device.alloc(len(keys))
+    assert linker.load("r", [PoolTransfer(name=PoolName.KV, device_indices=target, keys=keys)])
+    index = linker.start_layer_wise_loading()
+    linker.layer_done_counter.set_consumer(index)
+    return index, target, expected, gate
+
+
 @pytest.mark.parametrize("kind", ["mha", "mla"])
 @pytest.mark.parametrize("mode", ["embedded", "server"])
 def test_grouped_pages_round_trip_bit_exact(kind: str, mode: str, server_url: str) -> None:
@@ -94,19 +114,8 @@ def test_the_forward_reads_the_first_layers_before_the_last_group_lands(mode: st
     linker = make_linker(device, _settings(mode, server_url))
     try:
         keys = page_keys(3, 94)
-        source = device.alloc(3)
-        expected = device.read(source)
-        assert offload(linker, keys, source)
-        last = linker.store.pools["kv"].backends[-1]
-        gate = threading.Event()
-        last.retrieve_pages_async = _later(last.retrieve_pages_async, gate)
-        assert lookup(linker, keys) == [1, 2, 3]
-        device.poison()
-        target = device.alloc(3)
-        assert linker.load("r", [PoolTransfer(name=PoolName.KV, device_indices=target, keys=keys)])
+        index, target, expected, gate = _load_held(device, linker, keys, held=LAYERS - 1)
         counter = linker.layer_done_counter
-        index = linker.start_layer_wise_loading()
-        counter.set_consumer(index)
         device.pool.get_key_buffer(0)  # SGLang's forward, layer 0: waits for the counter
         assert counter.futures[index][0].done() and not counter.futures[index][LAYERS - 1].done()
         gate.set()
@@ -135,22 +144,9 @@ def test_groups_that_land_before_the_first_complete_after_it() -> None:
     device = Device("mha", seed=101)
     linker = make_linker(device, _settings("embedded", ""))
     try:
-        keys = page_keys(2, 102)
-        source = device.alloc(2)
-        expected = device.read(source)
-        assert offload(linker, keys, source)
-        first = linker.store.pools["kv"].backends[0]
-        gate = threading.Event()
-        first.retrieve_pages_async = _later(first.retrieve_pages_async, gate)
-        assert lookup(linker, keys) == [1, 2]
-        device.poison()
-        target = device.alloc(2)
-        assert linker.load("r", [PoolTransfer(name=PoolName.KV, device_indices=target, keys=keys)])
-        counter = linker.layer_done_counter
-        index = linker.start_layer_wise_loading()
-        counter.set_consumer(index)
-        time.sleep(0.2)  # the later groups' moves land meanwhile (done on return, on CPU tensors)
-        assert not any(future.done() for future in counter.futures[index])
+        index, target, expected, gate = _load_held(device, linker, page_keys(2, 102), held=0)
+        time.sleep(0.2)  # the later groups' moves land meanwhile
+        assert not any(future.done() for future in linker.layer_done_counter.futures[index])
         gate.set()
         for layer in range(LAYERS):
             device.pool.get_key_buffer(layer)
