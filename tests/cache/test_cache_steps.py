@@ -4,10 +4,15 @@ finish their bookkeeping, so no object, reader or lock outlives them."""
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
 import pytest
 
 from kvferry.cache import CacheEngine
-from kvferry.cache.steps import Enqueued, Finished, finish_steps, first_step, run_steps
+from kvferry.cache.steps import Enqueued, Finished, Rest, Steps, finish_steps, first_step, run_steps
 from kvferry.config import KvferryConfig
 from kvferry.formats.kinds import EngineKVFormat as F
 from kvferry.memory import HostPool
@@ -113,3 +118,70 @@ def test_started_transfers_run_to_their_copy_here_and_finish_on_the_waiter() -> 
         with pytest.raises(ValueError):
             bad.result()
         assert engine.stats()["pinned_objects"] == 0
+
+
+def _stalled_executor() -> tuple[Any, threading.Event]:
+    """A one-thread executor whose worker is held until the returned event is set."""
+    executor = ThreadPoolExecutor(1)
+    go = threading.Event()
+    executor.submit(go.wait)
+    return executor, go
+
+
+def _store_steps(engine: CacheEngine, seed: int) -> tuple[Any, list[int], Any]:
+    src = make_paged(FMT, NB, seed=seed)
+    tokens, ids = random_tokens(2 * CHUNK, seed), list(range(2 * CHUNK // BS))
+    ns = engine.namespace_for("m", FMT, src)
+    steps = engine.store_steps(tokens, src, ids, FMT, namespace=ns)
+    assert isinstance(first_step(steps), Enqueued)
+    return tokens, ids, (steps, ns)
+
+
+def test_the_rest_of_a_transfer_runs_on_the_first_thread_that_waits_for_it() -> None:
+    executor, go = _stalled_executor()
+    with _engine() as engine:
+        tokens, _, (steps, ns) = _store_steps(engine, 5)
+        ran_on: list[str] = []
+        rest = Rest.submit(executor, None, steps)
+        rest.add_done_callback(lambda _: ran_on.append(threading.current_thread().name))
+        assert not rest.done() and rest.cancel() is False
+        release = threading.Timer(5.0, go.set)  # a rest left to the worker fails below rather than hangs
+        release.start()
+        assert rest.result() == 2 * CHUNK  # the worker is held: this thread ran the rest
+        release.cancel()
+        assert ran_on == [threading.current_thread().name]
+        assert engine.lookup(tokens, namespace=ns) == 2 * CHUNK
+        go.set()
+        executor.shutdown(wait=True)  # the worker then finds it taken: nothing runs twice
+        assert rest.result() == 2 * CHUNK and engine.stats()["stores"] == 1
+
+
+def test_a_waiter_with_a_timeout_leaves_the_rest_to_the_worker() -> None:
+    executor, go = _stalled_executor()
+    with _engine() as engine:
+        _, _, (steps, _) = _store_steps(engine, 6)
+        rest = Rest.submit(executor, None, steps)
+        with pytest.raises(FutureTimeout):
+            rest.result(timeout=0.05)
+        with pytest.raises(FutureTimeout):
+            rest.exception(timeout=0.05)
+        go.set()
+        assert rest.result(timeout=30) == 2 * CHUNK  # run by the worker
+        executor.shutdown(wait=True)
+
+
+def test_a_failing_rest_fails_its_future_once_whoever_runs_it() -> None:
+    def failing() -> Steps[int]:
+        yield Enqueued(None, CHUNK, True)
+        raise RuntimeError("the copy failed")
+
+    executor, go = _stalled_executor()
+    steps = failing()
+    next(steps)
+    rest = Rest.submit(executor, None, steps)
+    error = rest.exception()
+    assert isinstance(error, RuntimeError) and str(error) == "the copy failed"
+    go.set()
+    executor.shutdown(wait=True)
+    with pytest.raises(RuntimeError, match="the copy failed"):
+        rest.result()

@@ -15,8 +15,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Unpack
 
-import torch
-
 from kvferry.cache.call_options import RetrieveOptions, StoreOptions
 from kvferry.cache.event_hooks import EventSource
 from kvferry.cache.event_queue import EventQueue
@@ -29,7 +27,7 @@ from kvferry.cache.policies import make_policy
 from kvferry.cache.pool_sizing import host_pool
 from kvferry.cache.reader import ChunkReader
 from kvferry.cache.residency import Residency
-from kvferry.cache.steps import Steps, run_steps, submitted
+from kvferry.cache.steps import RecordedEvent, Steps, run_steps, submitted
 from kvferry.cache.tiering import TierLink
 from kvferry.cache.writer import ChunkWriter
 from kvferry.config import KvferryConfig
@@ -304,7 +302,7 @@ class CacheEngine:
         block_ids: BlockIds,
         fmt: EngineKVFormat | int,
         *,
-        after: torch.cuda.Event | None = None,
+        after: RecordedEvent | None = None,
         start_here: bool = False,
         **options: Unpack[StoreOptions],
     ) -> Future[int]:
@@ -325,7 +323,7 @@ class CacheEngine:
         block_ids: BlockIds,
         fmt: EngineKVFormat | int,
         *,
-        after: torch.cuda.Event | None = None,
+        after: RecordedEvent | None = None,
         start_here: bool = False,
         **options: Unpack[RetrieveOptions],
     ) -> Future[int]:

@@ -31,12 +31,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
-
-import torch
 
 from kvferry.cache import CacheEngine, CacheNamespace
 from kvferry.cache.call_options import TransferOptions
@@ -45,6 +43,7 @@ from kvferry.cache.request import dtype_name, layout_name
 from kvferry.connector.engine_kv import EngineKV
 from kvferry.connector.state_rows import row_bytes
 from kvferry.formats import EngineKVFormat, describe
+from kvferry.transfer.stream_marks import StreamMarks
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +203,7 @@ class EmbeddedBackend:
         self.geometry = describe(kv.fmt, kv.paged, kv.block_size, heads=kv.heads)
         self.scheduler_block_size = kv.block_size * kv.split  # a tail hit counts in these blocks
         self._on_gpu = self.geometry.device.type == "cuda"
+        self._marks = StreamMarks(self.geometry.device) if self._on_gpu else None
 
     def lookup(self, tokens: TokenIds, first_chunk: int = 0) -> Hit | None:
         try:
@@ -239,8 +239,8 @@ class EmbeddedBackend:
         self.engine.demote(tokens, chunks, namespace=self.namespace)
 
     def retrieve_async(self, tokens: TokenIds, block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
-        written = self.engine.retrieve_async(
-            *self._request(tokens, block_ids), **self._options(skip_prefix_tokens), after=self._callers_stream()
+        written = self._marked(
+            self.engine.retrieve_async, self._request(tokens, block_ids), self._options(skip_prefix_tokens), False
         )
         return plus(written, skip_prefix_tokens)
 
@@ -249,16 +249,14 @@ class EmbeddedBackend:
         prefix of its own (`CacheEngine.retrieve_steps`' ``pages``); resolves to the tokens of the leading pages
         the cache held, all of them loaded. On a GPU the copy is enqueued on the calling thread, after its current
         stream (no thread hand-off before the first DMA)."""
-        return self.engine.retrieve_async(
-            *self._request(tokens, block_ids), **self._options(0), pages=True, **self._started_here()
-        )
+        options = {**self._options(0), "pages": True}
+        return self._marked(self.engine.retrieve_async, self._request(tokens, block_ids), options, True)
 
     def store_pages_async(self, tokens: TokenIds, block_ids: list[int]) -> Future[int]:
         """Store pages held in ``block_ids``, one copy for all, each chunk of ``tokens`` under its key alone (the
         pages `retrieve_pages_async` loads); on a GPU enqueued as they are."""
-        return self.engine.store_async(
-            *self._request(tokens, block_ids), **self._options(0), pages=True, **self._started_here()
-        )
+        options = {**self._options(0), "pages": True}
+        return self._marked(self.engine.store_async, self._request(tokens, block_ids), options, True)
 
     def retrieve(self, tokens: TokenIds, block_ids: list[int], skip_prefix_tokens: int) -> int:
         """On a GPU, on the calling thread: the copy is ordered after its current stream (vLLM's) by the transfer
@@ -279,25 +277,31 @@ class EmbeddedBackend:
     def store_async(self, tokens: TokenIds, block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
         """On a GPU the chunks' copy is enqueued on the calling thread, after its current stream (vLLM's: the
         forward that wrote the blocks), with no hand-off before its first DMA."""
-        return self.engine.store_async(
-            *self._request(tokens, block_ids), **self._options(skip_prefix_tokens), tail=True, **self._started_here()
-        )
+        options = {**self._options(skip_prefix_tokens), "tail": True}
+        return self._marked(self.engine.store_async, self._request(tokens, block_ids), options, True)
 
-    def _started_here(self) -> dict[str, Any]:
-        """On a GPU: a transfer started on the calling thread (after its current stream), its later copies after an
-        event there (`CacheEngine.store_async`'s ``start_here``); on the CPU, on the engine's workers."""
-        return {"start_here": True, "after": self._callers_stream()} if self._on_gpu else {}
-
-    def _callers_stream(self) -> torch.cuda.Event | None:
-        """An event at the end of what the calling thread's current stream (vLLM's) has queued; None on the CPU."""
-        if not self._on_gpu:
-            return None
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.geometry.device))
-        return event
+    def _marked(
+        self, start: Callable[..., Future[int]], request: tuple[Any, ...], options: Mapping[str, Any], here: bool
+    ) -> Future[int]:
+        """``start(*request, **options)`` (the engine's `store_async` or `retrieve_async`). On a GPU ordered after
+        the calling thread's current stream (vLLM's): with ``here``, started on this thread up to its copy in flight
+        (`CacheEngine.store_async`'s ``start_here``), and whatever runs later on the engine's workers after a
+        mark of that stream, back to its pool once the transfer has ended. On the CPU on the engine's workers."""
+        if self._marks is None:
+            return start(*request, **options)
+        mark = self._marks.record()
+        try:
+            future = start(*request, **options, after=mark, start_here=here)
+        except BaseException:
+            mark.release()
+            raise
+        future.add_done_callback(mark.release)
+        return future
 
     def close(self) -> None:
         self.engine.close()
+        if self._marks is not None:
+            self._marks.close()
 
 
 def plus(future: Future[int], offset: int) -> Future[int]:

@@ -1,0 +1,83 @@
+"""Where a thread's current CUDA stream stands, as a pooled raw event: what a transfer's copies enqueued later, on
+another thread, wait for (`kvferry.transfer.ordered_after`).
+
+An engine's connector marks vLLM's stream on every store and load it starts, so that whatever part of the transfer
+runs later on a worker thread is ordered after the forward pass. A fresh `torch.cuda.Event` made and recorded
+for it cost ~40 us of host time on the H100 host, on the path to the store's first GPU operation; a pooled
+event's record costs a few. An event goes back to the pool once the transfer that waits for it has finished:
+by then every wait on it is enqueued (a wait takes the event's state when it is enqueued), so recording it again
+cannot reorder them.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from kvferry.cuda.driver import driver, primary_context
+
+
+class StreamMark:
+    """One recorded event (`cuda_event`, a raw `CUevent`, as `torch.cuda.Event.cuda_event`); `release` it once
+    the work ordered after it is enqueued."""
+
+    __slots__ = ("_marks", "cuda_event")
+
+    def __init__(self, marks: StreamMarks, event: int) -> None:
+        self._marks: StreamMarks | None = marks
+        self.cuda_event = event
+
+    def release(self, _: Any = None) -> None:
+        """Back to the pool (once; later calls do nothing). Takes and ignores one argument: a future's done
+        callback."""
+        marks, self._marks = self._marks, None
+        if marks is not None:
+            marks.give_back(self.cuda_event)
+
+
+class StreamMarks:
+    """A pool of timing-free events on one device's primary context (torch's)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._index = device.index if device.index is not None else torch.cuda.current_device()
+        self._driver = driver()
+        self._context = primary_context(torch.device("cuda", self._index))
+        self._free: list[int] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def record(self) -> StreamMark:
+        """An event recorded on the calling thread's current stream of the device."""
+        with self._lock:
+            event = self._free.pop() if self._free else 0
+        d = self._driver
+        with d.current(self._context):
+            if not event:
+                event = d.event()
+            try:
+                d.record(event, torch._C._cuda_getCurrentRawStream(self._index))
+            except BaseException:
+                self.give_back(event)
+                raise
+        return StreamMark(self, event)
+
+    def give_back(self, event: int) -> None:
+        with self._lock:
+            if not self._closed:
+                self._free.append(event)
+                return
+        self._destroy([event])
+
+    def close(self) -> None:
+        """Destroy the events in the pool (those still out are destroyed when they come back after this)."""
+        with self._lock:
+            free, self._free, self._closed = self._free, [], True
+        self._destroy(free)
+
+    def _destroy(self, events: list[int]) -> None:
+        d = self._driver
+        with d.current(self._context):
+            for event in events:
+                d.destroy(event)
