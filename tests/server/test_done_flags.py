@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvferry.client import KvferryClient, ServerError, ServerUnavailable, done_flags
-from kvferry.client.done_flags import DoneFlags, FlagWatch
+from kvferry.client.done_flags import DoneFlags, FlagFuture, FlagWatch
 from kvferry.client.records import GpuRegistration
 from kvferry.protocol.messages import Op, pack_ids
 from tests.server.serverkit import FakeEngine, random_kv
@@ -125,6 +125,45 @@ def test_flag_watch_resolves_futures_as_their_words_show() -> None:
         assert len(flags._free) == 4  # every slot back once seen
         for writer in writers:
             writer.join()
+    finally:
+        watch.close(time.monotonic() + 5)
+
+
+def test_a_waiter_sees_the_flag_itself_and_the_watch_then_lets_it_go() -> None:
+    flags = DoneFlags(slots=2)
+    watch = FlagWatch(lambda: None)
+    watch._run = lambda: None  # type: ignore[method-assign]  # a watch thread that never looks: only the waiter does
+    try:
+        outcome = FlagFuture()
+        slot, seq = flags.take()  # type: ignore[misc]
+        outcome.answered(watch.watch(flags, slot, seq, outcome, "done", time.monotonic() + 5))
+        assert outcome.cancel() is False
+        writer = write_later(flags, slot, seq, after_s=0.005)
+        assert outcome.result() == "done"  # seen on this thread
+        writer.join()
+        assert sorted(flags._free) == [0, 1]  # its slot given back, once
+        watch._items[0].settle(None)  # the watch thread seeing it later changes nothing
+        assert sorted(flags._free) == [0, 1]
+    finally:
+        watch.close(time.monotonic() + 5)
+
+
+def test_a_waiter_with_a_timeout_or_past_its_look_leaves_the_flag_to_the_watch() -> None:
+    flags = DoneFlags(slots=2)
+    watch = FlagWatch(lambda: None)
+    try:
+        outcome = FlagFuture()
+        slot, seq = flags.take()  # type: ignore[misc]
+        outcome.answered(watch.watch(flags, slot, seq, outcome, 7, time.monotonic() + 5))
+        writer = write_later(flags, slot, seq, after_s=0.1)  # after the waiter's look (20 ms)
+        assert outcome.result() == 7  # resolved by the watch thread
+        writer.join()
+        unanswered = FlagFuture()
+        with pytest.raises(TimeoutError):
+            unanswered.result(timeout=0.01)  # no answer yet: a waiter with a timeout does not wait for one
+        unanswered.set_result(1)
+        unanswered.answered(None)
+        assert unanswered.result() == 1
     finally:
         watch.close(time.monotonic() + 5)
 

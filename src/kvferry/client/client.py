@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from kvferry.client.connection import Connection
-from kvferry.client.done_flags import LOST_DRAIN_S, DoneFlags, FlagWatch, release_slot, take_slot
+from kvferry.client.done_flags import LOST_DRAIN_S, DoneFlags, FlagFuture, FlagWatch, release_slot, take_slot
 from kvferry.client.errors import ServerError, ServerUnavailable
 from kvferry.client.fd_deposit import export_kv_to
 from kvferry.client.ready_events import ReadyEvents
@@ -350,26 +350,31 @@ class KvferryClient:
         flags = self._flags(registration)
         slot = take_slot(flags, args)
         deadline = time.monotonic() + self.timeout_s
-        outcome: Future[int] = Future()
+        outcome = FlagFuture()
         reply = self._submit(op, registration, args)
 
         def replied(done: Future[dict[str, Any]]) -> None:
-            error = done.exception()
-            if error is not None:
-                if isinstance(error, ServerError):
-                    release_slot(flags, slot)
-                if isinstance(error, ServerUnavailable) and registration in self._gpu:
-                    _fail_later(outcome, error)  # see _lost_mid_copy
-                else:
-                    outcome.set_exception(error)
-                return
-            result = done.result()
-            if slot is not None and result["signalled"]:
-                assert flags is not None  # the slot was taken from them
-                self._flag_watch.watch(flags, slot, args["done_seq"], outcome, int(result["tokens"]), deadline)
-                return
-            release_slot(flags, slot)
-            outcome.set_result(int(result["tokens"]))
+            watched = None
+            try:
+                error = done.exception()
+                if error is not None:
+                    if isinstance(error, ServerError):
+                        release_slot(flags, slot)
+                    if isinstance(error, ServerUnavailable) and registration in self._gpu:
+                        _fail_later(outcome, error)  # see _lost_mid_copy
+                    else:
+                        outcome.set_exception(error)
+                    return
+                result = done.result()
+                if slot is not None and result["signalled"]:
+                    assert flags is not None  # the slot was taken from them
+                    tokens = int(result["tokens"])
+                    watched = self._flag_watch.watch(flags, slot, args["done_seq"], outcome, tokens, deadline)
+                    return
+                release_slot(flags, slot)
+                outcome.set_result(int(result["tokens"]))
+            finally:
+                outcome.answered(watched)
 
         reply.add_done_callback(replied)
         return outcome
