@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -141,21 +139,34 @@ def transfer_async(
     return _submit(geom, objs, checked, direction is Direction.D2H, chunk_size, skip_prefix_blocks, engine, mode, lead)
 
 
-@contextlib.contextmanager
-def ordered_after(event: int) -> Iterator[None]:
-    """GPU transfers this thread enqueues in the block wait, on the GPU, for the CUDA event `event` (a raw
-    `CUevent` handle, e.g. `torch.cuda.Event.cuda_event`, recorded by now) instead of for its current stream.
+def ordered_after(event: int) -> _OrderedAfter:
+    """`with ordered_after(event):` GPU transfers this thread enqueues in the block wait, on the GPU, for the CUDA
+    event `event` (a raw `CUevent` handle, e.g. `torch.cuda.Event.cuda_event`, recorded by now) instead of for its
+    current stream.
 
     What a server does for a client's STORE: the client records an interprocess event after the work that writes
     the blocks, and the copy waits for that event itself. Making a stream current for it instead (a stream waiting
     on the event, `torch.cuda.set_stream`, the old stream put back) cost a STORE through the server ~70-110 us on
     the H200 host."""
-    previous = getattr(_order, "event", None)
-    _order.event = event
-    try:
-        yield
-    finally:
-        _order.event = previous
+    return _OrderedAfter(event)
+
+
+class _OrderedAfter:
+    """`ordered_after`'s block. A class, not a generator: it is entered twice per server transfer, once on the
+    socket thread before the answer leaves (0.3 us against 1 us a generator's; CPU machine)."""
+
+    __slots__ = ("_event", "_previous")
+
+    def __init__(self, event: int) -> None:
+        self._event = event
+        self._previous: int | None = None
+
+    def __enter__(self) -> None:
+        self._previous = getattr(_order, "event", None)
+        _order.event = self._event
+
+    def __exit__(self, *exc: object) -> None:
+        _order.event = self._previous
 
 
 _order = threading.local()  # `ordered_after`'s event, per thread
