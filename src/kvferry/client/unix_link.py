@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from kvferry.client.link import Link
-from kvferry.protocol.unix_framing import frame, take_frames
+from kvferry.protocol.unix_framing import HEADER, frame, take_frames
 
 if TYPE_CHECKING:
     from kvferry.client.connection import Connection
@@ -106,9 +106,17 @@ class UnixLink(Link):
         sock = self._sock
         if sock is None:
             return False
-        view = memoryview(frame(request.bytes if isinstance(request, zmq.Frame) else request))
+        payload = request.bytes if isinstance(request, zmq.Frame) else request
         deadline = None  # set once the socket's buffer is full: a request fits unless the server stopped reading
         try:
+            # Header and payload in one call, not joined first: a STORE's 16 KB of token ids copied once less
+            try:
+                sent = sock.sendmsg((HEADER.pack(len(payload)), payload))
+            except BlockingIOError:
+                sent = 0
+            if sent == HEADER.size + len(payload):
+                return True
+            view = memoryview(frame(payload))[sent:]  # the rest, as the server reads it (rare: a full buffer)
             while view:
                 try:
                     view = view[sock.send(view) :]
