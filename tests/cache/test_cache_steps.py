@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 
 from kvferry.cache import CacheEngine
-from kvferry.cache.steps import Enqueued, Finished, Rest, Steps, finish_steps, first_step, run_steps
+from kvferry.cache.steps import Enqueued, Finished, Rest, Steps, finish_steps, first_step, run_steps, submitted
 from kvferry.config import KvferryConfig
 from kvferry.formats.kinds import EngineKVFormat as F
 from kvferry.memory import HostPool
+from kvferry.transfer import api
 from tests.cache.cachekit import BS, CHUNK, assert_blocks_equal, make_paged, random_tokens
 
 FMT = F.NL_X_TWO_NB_BS_NH_HS
@@ -185,3 +186,46 @@ def test_a_failing_rest_fails_its_future_once_whoever_runs_it() -> None:
     executor.shutdown(wait=True)
     with pytest.raises(RuntimeError, match="the copy failed"):
         rest.result()
+
+
+class _Marker:
+    """Stand-in `StreamMarker`: marks numbered from 100, and when each was recorded and released."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def record(self) -> _Mark:
+        self.log.append("marked")
+        return _Mark(self.log, 100 + self.log.count("marked"))
+
+
+class _Mark:
+    def __init__(self, log: list[str], event: int) -> None:
+        self.log, self.cuda_event = log, event
+
+    def release(self, _: Any = None) -> None:
+        self.log.append(f"released {self.cuda_event}")
+
+
+def test_a_transfer_started_here_marks_the_callers_stream_once_its_copy_is_in_flight() -> None:
+    log: list[str] = []
+
+    def steps() -> Steps[int]:
+        log.append("enqueued")
+        yield Enqueued(None, CHUNK, True)
+        log.append(f"rest after {api._order.event}")  # what the rest's GPU copies would wait for
+        return CHUNK
+
+    with ThreadPoolExecutor(1) as executor:
+        future = submitted(executor, lambda: 0, steps, (), {}, None, True, _Marker(log))
+        assert future.result() == CHUNK
+    assert log == ["enqueued", "marked", "rest after 101", "released 101"]
+    log.clear()
+
+    def failing() -> Steps[int]:
+        raise ValueError("bad block ids")
+        yield Enqueued(None, 0, True)
+
+    with ThreadPoolExecutor(1) as executor:
+        failed = submitted(executor, lambda: 0, failing, (), {}, None, True, _Marker(log))
+        assert isinstance(failed.exception(), ValueError) and log == []  # nothing in flight: no mark

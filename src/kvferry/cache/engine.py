@@ -27,7 +27,7 @@ from kvferry.cache.policies import make_policy
 from kvferry.cache.pool_sizing import host_pool
 from kvferry.cache.reader import ChunkReader
 from kvferry.cache.residency import Residency
-from kvferry.cache.steps import RecordedEvent, Steps, run_steps, submitted
+from kvferry.cache.steps import RecordedEvent, Steps, StreamMarker, run_steps, submitted
 from kvferry.cache.tiering import TierLink
 from kvferry.cache.writer import ChunkWriter
 from kvferry.config import KvferryConfig
@@ -304,6 +304,7 @@ class CacheEngine:
         *,
         after: RecordedEvent | None = None,
         start_here: bool = False,
+        marks: StreamMarker | None = None,
         **options: Unpack[StoreOptions],
     ) -> Future[int]:
         """``store`` on the engine's worker threads; the engine must leave those blocks alone until done.
@@ -312,9 +313,10 @@ class CacheEngine:
         worker thread's); the GPU copy waits for it on the GPU. Without one it is ordered after the worker
         thread's current stream. ``start_here``: run up to the copy in flight on this thread instead, ordered
         after its current stream (no hand-off before the first GPU operation); only what comes after (the wait,
-        a tail's copy) goes to the workers, after ``after``. A failure before the copy is the future's."""
+        a tail's copy) goes to the workers, after ``after``, or, with ``marks``, after a mark of this thread's
+        stream recorded once the copy is in flight. A failure before the copy is the future's."""
         request = (tokens, paged, block_ids, fmt)
-        return submitted(self._executor, self.store, self.store_steps, request, dict(options), after, start_here)
+        return submitted(self._executor, self.store, self.store_steps, request, dict(options), after, start_here, marks)
 
     def retrieve_async(
         self,
@@ -325,13 +327,14 @@ class CacheEngine:
         *,
         after: RecordedEvent | None = None,
         start_here: bool = False,
+        marks: StreamMarker | None = None,
         **options: Unpack[RetrieveOptions],
     ) -> Future[int]:
         """``retrieve`` on the engine's worker threads; the blocks hold the KV once the future is done. ``after``,
-        ``start_here``: as for ``store_async`` (``after``: the last work that reads the blocks before they are
-        written)."""
-        request = (tokens, paged, block_ids, fmt)
-        return submitted(self._executor, self.retrieve, self.retrieve_steps, request, dict(options), after, start_here)
+        ``start_here``, ``marks``: as for ``store_async`` (``after``: the last work that reads the blocks before
+        they are written)."""
+        request, steps = (tokens, paged, block_ids, fmt), self.retrieve_steps
+        return submitted(self._executor, self.retrieve, steps, request, dict(options), after, start_here, marks)
 
     # --- administration -----------------------------------------------------------------------------------
 

@@ -284,14 +284,17 @@ class EmbeddedBackend:
         self, start: Callable[..., Future[int]], request: tuple[Any, ...], options: Mapping[str, Any], here: bool
     ) -> Future[int]:
         """``start(*request, **options)`` (the engine's `store_async` or `retrieve_async`). On a GPU ordered after
-        the calling thread's current stream (vLLM's): with ``here``, started on this thread up to its copy in flight
-        (`CacheEngine.store_async`'s ``start_here``), and whatever runs later on the engine's workers after a
-        mark of that stream, back to its pool once the transfer has ended. On the CPU on the engine's workers."""
+        the calling thread's current stream (vLLM's): with ``here`` started on this thread up to its copy in flight
+        (`CacheEngine.store_async`'s ``start_here``), the rest on the engine's workers after a mark of that stream
+        made once the copy is in flight; else all on the workers, after a mark made now (back to its pool once the
+        transfer has ended). On the CPU on the engine's workers."""
         if self._marks is None:
             return start(*request, **options)
+        if here:
+            return start(*request, **options, start_here=True, marks=self._marks)
         mark = self._marks.record()
         try:
-            future = start(*request, **options, after=mark, start_here=here)
+            future = start(*request, **options, after=mark)
         except BaseException:
             mark.release()
             raise
