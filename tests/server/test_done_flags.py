@@ -390,3 +390,40 @@ def test_ending_the_session_forgets_every_gpu_registration(client: KvferryClient
     client._gpu[reg] = GpuRegistration(torch.device("cuda"), FakeRing(), DoneFlags(slots=2))
     client.end_session()
     assert client._gpu == {} and client._flags(reg) is None
+
+
+def _resolved_in_thread(resolve: Any) -> bool:
+    """Whether `resolve()` returned within 10 s on a thread of its own (False: it hung)."""
+    thread = threading.Thread(target=resolve, daemon=True)
+    thread.start()
+    thread.join(10)
+    return not thread.is_alive()
+
+
+def test_done_callbacks_may_ask_a_flag_future_for_its_result() -> None:
+    """A future's done callbacks run on the thread resolving it, before the answer is marked handled: a callback
+    that asks for the result (as `plus`, or a server link's outage check, does) gets it rather than waiting for
+    the answer it is part of."""
+    seen: list[Any] = []
+    outcome = FlagFuture()
+    outcome.add_done_callback(lambda done: seen.append((done.exception(), done.result())))
+    assert _resolved_in_thread(lambda: outcome.set_result(8))
+    failed = FlagFuture()
+    failed.add_done_callback(lambda done: seen.append(type(done.exception()).__name__))
+    assert _resolved_in_thread(lambda: failed.set_exception(ConnectionError("gone")))
+    assert seen == [(None, 8), "ConnectionError"]
+
+
+def test_an_asynchronous_store_answered_after_its_copy_resolves_with_callbacks_that_read_it(
+    client: KvferryClient,
+) -> None:
+    reg = client.register_kv_cache(random_kv(7), FMT, namespace=NS)
+    seen: list[Any] = []
+    stored = client.store_async(reg, list(range(8)), [0, 1, 2, 3])  # CPU KV: answered after the copy, no flag
+    stored.add_done_callback(lambda done: seen.append(done.result()))
+    assert stored.result(timeout=10) == 8
+    deadline = time.monotonic() + 10
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert seen == [8]
+    assert client.retrieve_async(reg, list(range(8)), [4, 5, 6, 7]).exception(timeout=10) is None

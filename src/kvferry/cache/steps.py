@@ -7,10 +7,8 @@ are a generator that yields once, an `Enqueued`, when the copy is in flight (a t
 returns without yielding); its return value is the transfer's result. Closing it early still finishes the copy's
 bookkeeping (it waits for the copy), so no object or lock outlives an abandoned transfer.
 
-A transfer started on the caller's thread leaves the rest to a worker, as a `Rest`: a future that a thread asking
-for its result before the worker took it runs itself. A caller that waits anyway (a store whose blocks are about to
-be reused) then waits for the copy on its own thread, and neither the worker's wake-up nor the hand-back of the
-result (~0.1-0.2 ms each on the H100 host) lies between the copy's end and its return.
+A transfer started on the caller's thread leaves the rest to a worker, as a `Rest`: a future that a thread waiting
+for its result before the worker took it runs itself (`kvferry.futures`).
 """
 
 from __future__ import annotations
@@ -20,6 +18,7 @@ from collections.abc import Callable, Generator
 from concurrent.futures import Executor, Future
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
+from kvferry.futures import HelpedFuture
 from kvferry.transfer import ordered_after
 
 if TYPE_CHECKING:
@@ -143,10 +142,9 @@ def submitted(
     return started(steps(*args, **kwargs), marked)
 
 
-class Rest(Future[int]):
+class Rest(HelpedFuture[int]):
     """The rest of a started transfer (`finish_steps`), run once: by a worker of the executor, or by the first
-    thread that waits for its result (`result`, `exception` without a timeout) before a worker took it. Not
-    cancellable: its copy is in flight either way."""
+    thread that waits for its result before a worker took it (`kvferry.futures`)."""
 
     def __init__(self, after: RecordedEvent | None, steps: Steps[int]) -> None:
         super().__init__()
@@ -173,18 +171,7 @@ class Rest(Future[int]):
         else:
             self.set_result(value)
 
-    def result(self, timeout: float | None = None) -> int:
-        if timeout is None:  # a waiter with a deadline only waits: the rest waits for the copy, however long
-            self.run()
-        return super().result(timeout)
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        if timeout is None:
-            self.run()
-        return super().exception(timeout)
-
-    def cancel(self) -> bool:
-        return False
+    _help = run
 
 
 def _ordered(after: RecordedEvent | None, call: Callable[..., int], args: tuple, kwargs: dict[str, Any]) -> int:

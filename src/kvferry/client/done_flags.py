@@ -26,10 +26,12 @@ from typing import Any
 import torch
 
 from kvferry.client.kv_export import export_kv
+from kvferry.futures import HelpedFuture
 from kvferry.stopping import join_thread
 
 SLOTS = 64
 LOST_DRAIN_S = 1.0  # a lost server's copy in flight ends within this (a 16-chunk llama3-8b copy takes ~10 ms)
+LOOK_S = 0.02  # how long a waiter of a `FlagFuture` looks at its flag itself before leaving it to the watch thread
 _PAGE_WORDS = 1024  # one 4 KiB page: what the server registers with the driver
 
 
@@ -137,11 +139,10 @@ class _Watched:
             self.future.set_exception(error)
 
 
-class FlagFuture(Future[Any]):
+class FlagFuture(HelpedFuture[Any]):
     """An asynchronous transfer's outcome, resolved by its done flag: by the watch thread (`FlagWatch`), or by a
-    thread that waits for it without a timeout (`result`, `exception`), which looks at the flag itself for a while
-    once the server's answer is in: the watch thread's wake-up and the hand-back of the result (~0.1-0.2 ms on the
-    H100 host) then do not lie between the copy's end and the waiter's return."""
+    thread that waits for it (`kvferry.futures`), which looks at the flag itself for a while once the server's
+    answer is in."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -153,27 +154,14 @@ class FlagFuture(Future[Any]):
         self._watched = watched
         self._answered.set()
 
-    def result(self, timeout: float | None = None) -> Any:
-        if timeout is None:
-            self._look()
-        return super().result(timeout)
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        if timeout is None:
-            self._look()
-        return super().exception(timeout)
-
-    def cancel(self) -> bool:
-        return False  # the copy may be enqueued: it ends as it would
-
-    def _look(self, spin_s: float = 0.02) -> None:
-        """Look at the flag, yielding the CPU between looks, for up to `spin_s` (then wait for the watch thread,
+    def _help(self) -> None:
+        """Look at the flag, yielding the CPU between looks, for up to `LOOK_S` (then wait for the watch thread,
         which also tells a lost server and a timeout)."""
         self._answered.wait()  # the connection answers or fails every request (its own timeout included)
         item = self._watched
         if item is None:
             return
-        until = time.monotonic() + spin_s
+        until = time.monotonic() + LOOK_S
         while not self.done():
             if item.flags.is_set(item.slot, item.seq):
                 item.settle(None)

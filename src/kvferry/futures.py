@@ -1,0 +1,37 @@
+"""Futures whose waiter may do the last of the work that resolves them.
+
+A transfer in flight is resolved by a background thread (a worker that waits for the copy, a thread that watches
+done flags). A caller that blocks on its result anyway (a store whose blocks are about to be reused) would then
+wait for that thread to wake up and hand the result back (~0.1-0.2 ms each on the H100 host, after the copy has
+ended); doing the rest itself costs it nothing. Waits with a timeout only wait: the work may take longer.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+class HelpedFuture(Future[T]):
+    """A future that `result` and `exception` without a timeout, while it is pending, first try to resolve on the
+    calling thread (`_help`). Not cancellable: what resolves it is already under way. A done future only answers:
+    its own done callbacks may ask it for its result, on the thread that is resolving it."""
+
+    def _help(self) -> None:
+        """Resolve the future here where that is possible now; else return and leave it to its thread."""
+        raise NotImplementedError
+
+    def result(self, timeout: float | None = None) -> T:
+        if timeout is None and not self.done():
+            self._help()
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if timeout is None and not self.done():
+            self._help()
+        return super().exception(timeout)
+
+    def cancel(self) -> bool:
+        return False
