@@ -229,3 +229,13 @@ def test_a_transfer_started_here_marks_the_callers_stream_once_its_copy_is_in_fl
     with ThreadPoolExecutor(1) as executor:
         failed = submitted(executor, lambda: 0, failing, (), {}, None, True, _Marker(log))
         assert isinstance(failed.exception(), ValueError) and log == []  # nothing in flight: no mark
+
+
+def test_the_rest_of_a_transfer_an_executor_shut_down_refuses_runs_on_the_callers_thread() -> None:
+    executor = ThreadPoolExecutor(1)
+    executor.shutdown()
+    with _engine() as engine:
+        tokens, _, (steps, ns) = _store_steps(engine, 7)
+        rest = Rest.submit(executor, None, steps)
+        assert rest.done() and rest.result() == 2 * CHUNK
+        assert engine.lookup(tokens, namespace=ns) == 2 * CHUNK

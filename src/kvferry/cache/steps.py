@@ -155,7 +155,10 @@ class Rest(HelpedFuture[int]):
     @classmethod
     def submit(cls, executor: Executor, after: RecordedEvent | None, steps: Steps[int]) -> Rest:
         rest = cls(after, steps)
-        executor.submit(rest.run)
+        try:
+            executor.submit(rest.run)
+        except RuntimeError:  # the executor is shutting down: the copy in flight is waited for and settled here
+            rest.run()
         return rest
 
     def run(self) -> None:
