@@ -62,8 +62,12 @@ class MooncakeStore:
         log = open(self.workdir / "metadata.log", "ab")  # noqa: SIM115 -- the child writes it until killed
         cmd = [METADATA, "--host", "127.0.0.1", "--port", str(self.metadata_port), "--log-level", "WARNING"]
         self.metadata = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        _wait_listening(self.metadata_port, self.metadata, "mooncake_http_metadata_server")
-        return self.start_master()
+        try:
+            _wait_listening(self.metadata_port, self.metadata, "mooncake_http_metadata_server")
+            return self.start_master()
+        except BaseException:  # no caller gets the store to kill: what was started goes now
+            self.kill()
+            raise
 
     def start_master(self) -> MooncakeStore:
         assert MASTER is not None
