@@ -2,9 +2,10 @@
 another thread, wait for (`kvferry.transfer.ordered_after`).
 
 An engine's connector marks vLLM's stream on every store and load it starts, so that whatever part of the transfer
-runs later on a worker thread is ordered after the forward pass. A fresh `torch.cuda.Event` made and recorded
-for it cost ~40 us of host time on the H100 host, on the path to the store's first GPU operation; a pooled
-event's record costs a few. An event goes back to the pool once the transfer that waits for it has finished:
+runs later on a worker thread is ordered after the forward pass. Pooled: no event is made per transfer. The record
+itself took ~40 us of the H100 host's time on vLLM's stream (a torch event made and recorded there, the same),
+which is why a transfer started on the caller's thread records its mark once its copy is in flight
+(`kvferry.cache.steps.submitted`). An event goes back to the pool once the transfer that waits for it has finished:
 by then every wait on it is enqueued (a wait takes the event's state when it is enqueued), so recording it again
 cannot reorder them.
 """
