@@ -4,8 +4,11 @@ link and client (no server)."""
 
 from __future__ import annotations
 
+import hashlib
 from concurrent.futures import Future
 from typing import Any
+
+import numpy as np
 
 from kvferry.client.records import LookupResult
 from kvferry.connector.backends import Hit, KeySpace
@@ -113,3 +116,23 @@ def test_the_leading_pages_keep_their_locks_and_those_after_a_miss_are_freed() -
     pages = ScriptedPages([Hit(PAGE, "a"), Hit(PAGE, None)])
     assert leading_pages(pages, ["k"] * 2, PAGE) == (2, ["a"])  # type: ignore[arg-type]
     assert leading_pages(ScriptedPages([]), [], PAGE) == (0, [])  # type: ignore[arg-type]
+
+
+def test_a_page_hash_is_stored_under_its_own_digits_and_any_other_key_under_its_sha256() -> None:
+    page_hash = hashlib.sha256(b"page 0").hexdigest()
+    other = ["not a page hash", "ab " * 21 + "a", page_hash.upper()[:63] + "g"]  # 64 characters, not 32 bytes
+    rows = page_tokens([page_hash, *other], PAGE)
+    words = np.frombuffer(bytes.fromhex(page_hash), dtype="<u4") & 0x7FFFFFFF
+    assert rows.shape == (4, PAGE) and rows.dtype == np.dtype("<u4")
+    assert rows[0, :8].tolist() == words.tolist()
+    for row, key in zip(rows[1:], other, strict=True):
+        assert row[:8].tolist() == (np.frombuffer(hashlib.sha256(key.encode()).digest(), "<u4") & 0x7FFFFFFF).tolist()
+    assert not rows[:, 8:].any()
+
+
+def test_a_key_s_tokens_do_not_depend_on_the_keys_beside_it() -> None:
+    hashes = [hashlib.sha256(bytes([i])).hexdigest() for i in range(5)]
+    alone = [page_tokens([key], PAGE)[0].tolist() for key in [*hashes, "x"]]
+    assert page_tokens(hashes, PAGE).tolist() == alone[:5]  # all page hashes: decoded together
+    assert page_tokens([*hashes, "x"], PAGE).tolist() == alone  # one that is not: each on its own
+    assert len({tuple(row) for row in alone}) == 6
