@@ -1,0 +1,68 @@
+"""The SGLang linker's offload outcomes (`offload_outcomes`): taken in the order the offloads started, whatever order
+their copies end in, as SGLang pairs the n-th outcome it takes with its n-th offload."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+
+from kvferry.integrations.sglang.offload_outcomes import Move, OffloadOutcomes, stored, when_all
+
+
+def _moves(n: int) -> list[Move]:
+    return [(4, Future()) for _ in range(n)]
+
+
+def _offload(outcomes: OffloadOutcomes, moves: list[Move]) -> Future[bool]:
+    outcome = outcomes.add()
+    when_all(moves, lambda: outcome.set_result(stored(moves)))
+    return outcome
+
+
+def test_an_offload_that_ends_first_waits_for_the_one_started_before_it() -> None:
+    outcomes = OffloadOutcomes()
+    first, second = _moves(2), _moves(1)
+    _offload(outcomes, first)
+    _offload(outcomes, second)
+    second[0][1].set_exception(RuntimeError("the pool is full"))
+    assert outcomes.ended() == 0 and outcomes.take() is False  # the first has not ended: nothing to take
+    first[0][1].set_result(64)
+    assert outcomes.ended() == 0  # one of its two moves is still running
+    first[1][1].set_result(64)
+    assert outcomes.ended() == 2
+    assert outcomes.take() is True and outcomes.take() is False  # stored, then failed
+    assert outcomes.ended() == 0 and outcomes.take() is False  # none left
+
+
+def test_an_offload_with_nothing_to_move_ends_at_once_in_its_turn() -> None:
+    outcomes = OffloadOutcomes()
+    running = _moves(1)
+    _offload(outcomes, running)
+    _offload(outcomes, [])
+    assert outcomes.ended() == 0
+    running[0][1].set_result(0)  # stored nothing new (the cache held the pages): stored all the same
+    assert outcomes.ended() == 2 and outcomes.take() is True and outcomes.take() is True
+
+
+def test_clear_waits_for_the_offloads_under_way_and_drops_their_outcomes() -> None:
+    outcomes = OffloadOutcomes()
+    running = _moves(3)
+    _offload(outcomes, running)
+    ends = threading.Timer(0.05, lambda: [future.set_result(64) for _, future in running])
+    ends.start()
+    outcomes.clear()
+    assert all(future.done() for _, future in running)
+    assert outcomes.ended() == 0 and outcomes.take() is False
+    ends.join()
+
+
+def test_moves_ending_on_several_threads_end_their_offload_once() -> None:
+    moves = _moves(64)
+    calls: list[bool] = []
+    when_all(moves, lambda: calls.append(True))
+    threads = [threading.Thread(target=future.set_result, args=(64,)) for _, future in moves]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert calls == [True]
