@@ -24,7 +24,7 @@ from kvferry.bench.rounds import measure
 from kvferry.bench.server_bench import ServerProcess
 from kvferry.bench.sglang_linker_path import LinkerPath
 from kvferry.bench.sglang_pools import BENCH_TAG, case_of, load_fixtures
-from kvferry.bench.timing import PinnedCopy, synchronize
+from kvferry.bench.timing import PinnedCopy, synchronize, wake_up_line, wake_up_us
 from kvferry.connector.settings import ConnectorSettings
 
 POOL_GB = 4.0
@@ -63,6 +63,7 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
     modes = ["embedded"] if args.no_server else MODES
     steps.expect(len(fixtures) * len(modes))
     rows: list[dict[str, Any]] = []
+    wake = wake_up_us()  # before any server: nothing else running
     for mode in modes:
         for fixture in fixtures:  # a server per pool: its chunk size is the pool's page size
             page = case_of(fixture).page_size
@@ -85,7 +86,8 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
                 if ipc is not None:
                     ipc.cleanup()
     config = {"pages": PAGES, "repeats": args.repeats, "pool_gb": POOL_GB, "layer_groups": args.layer_groups}
-    return Outcome(config, {"rows": rows}, _show(rows, args.layer_groups), device="cuda")
+    shown = [*_show(rows, args.layer_groups), wake_up_line(wake, ", and a load one more: SGLang's forward waits")]
+    return Outcome(config, {"rows": rows, "wake_up_us": wake}, shown, device="cuda")
 
 
 def _settings(mode: str, page: int, endpoint: str | None) -> ConnectorSettings:

@@ -32,7 +32,7 @@ from kvferry.bench.harness import BenchError, Outcome, Steps, add_json_argument,
 from kvferry.bench.report import cell, new_table
 from kvferry.bench.rounds import measure
 from kvferry.bench.server_bench import ServerProcess
-from kvferry.bench.timing import PinnedCopy, synchronize
+from kvferry.bench.timing import PinnedCopy, synchronize, wake_up_line, wake_up_us
 from kvferry.bench.vllm_connector_path import CHUNK, CHUNKS, ConnectorPath
 from kvferry.bench.vllm_gpu_steps import describe_steps, step_stall
 from kvferry.bench.vllm_page_dma import PageDMA
@@ -100,6 +100,7 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
     rows: list[dict[str, Any]] = []
     gemm: dict[str, Any] | None = None
     stalls: dict[str, Any] = {}
+    wake = wake_up_us()  # before any server: nothing else running
     for mode in modes:
         ipc = tempfile.TemporaryDirectory(prefix="kvferry-bench-") if mode == "server ipc" else None
         ipc_path = None if ipc is None else f"{ipc.name}/server.sock"
@@ -125,8 +126,9 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
             if ipc is not None:
                 ipc.cleanup()
     config = {"chunk_tokens": CHUNK, "chunks": CHUNKS, "repeats": args.repeats, "pool_gb": POOL_GB, "vmm": args.vmm}
-    shown = [*_show(rows, gemm), *(describe_steps(mode, s) for mode, s in stalls.items())]
-    return Outcome(config, {"rows": rows, "gemm": gemm, "steps": stalls}, shown, device="cuda")
+    shown = [*_show(rows, gemm), *(describe_steps(mode, s) for mode, s in stalls.items()), wake_up_line(wake)]
+    results = {"rows": rows, "gemm": gemm, "steps": stalls, "wake_up_us": wake}
+    return Outcome(config, results, shown, device="cuda")
 
 
 def measure_case(path: ConnectorPath, repeats: int) -> dict[str, Any]:
