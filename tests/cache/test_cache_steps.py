@@ -52,7 +52,7 @@ def test_steps_closed_after_the_enqueue_still_settle_their_chunks() -> None:
         assert engine.lookup(tokens, namespace=ns) == 2 * CHUNK
         lock = engine.lookup_status(tokens, namespace=ns, lock=True).lock_id
         steps = engine.retrieve_steps(tokens, dst, ids[::-1], FMT, namespace=ns, lock_id=lock)
-        assert first_step(steps) == Enqueued(None, 2 * CHUNK, False)
+        assert first_step(steps) == Enqueued(None, 2 * CHUNK, False, landed=True)
         steps.close()
         assert engine.free_lookup_locks(lock) is False  # the retrieve's end released it
         assert engine.stats()["pinned_objects"] == 0  # and its readers
@@ -239,3 +239,65 @@ def test_the_rest_of_a_transfer_an_executor_shut_down_refuses_runs_on_the_caller
         rest = Rest.submit(executor, None, steps)
         assert rest.done() and rest.result() == 2 * CHUNK
         assert engine.lookup(tokens, namespace=ns) == 2 * CHUNK
+
+
+class _Copy:
+    """Stand-in `TransferHandle` of a GPU copy that ends when ``ended`` is set, or fails with ``error``."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.ended = threading.Event()
+        self.error = error
+
+    def wait(self) -> None:
+        self.ended.wait(5.0)
+        if self.error is not None:
+            raise self.error
+
+
+def _load_steps(copy: _Copy, after_copy: threading.Event, log: list[str]) -> Steps[int]:
+    """A load's steps as the reader yields them: its copy in flight, then (the readers let go) once it ended."""
+    try:
+        yield Enqueued(copy, 3 * CHUNK, True, landed=True)  # type: ignore[arg-type]  # a stand-in handle
+    finally:
+        copy.wait()
+        log.append("copy waited")
+        after_copy.wait(5.0)
+        log.append("readers let go")
+    return 3 * CHUNK
+
+
+def test_a_load_s_rest_resolves_when_its_copy_ends_and_lets_go_of_its_readers_after() -> None:
+    copy, after_copy, log = _Copy(), threading.Event(), []
+    steps = _load_steps(copy, after_copy, log)
+    first = first_step(steps)
+    assert isinstance(first, Enqueued)
+    with ThreadPoolExecutor(1) as executor:
+        rest = Rest.submit(executor, None, steps, first)
+        assert not rest.done()
+        copy.ended.set()
+        assert rest.result(timeout=5) == 3 * CHUNK  # before the readers were let go
+        assert "readers let go" not in log
+        after_copy.set()
+    assert log == ["copy waited", "readers let go"]
+
+
+def test_a_load_whose_copy_fails_fails_its_rest_after_settling() -> None:
+    copy, after_copy, log = _Copy(RuntimeError("an illegal address")), threading.Event(), []
+    after_copy.set()
+    steps = _load_steps(copy, after_copy, log)
+    first = first_step(steps)
+    with ThreadPoolExecutor(1) as executor:
+        rest = Rest.submit(executor, None, steps, first)  # type: ignore[arg-type]
+        copy.ended.set()
+        with pytest.raises(RuntimeError, match="an illegal address"):
+            rest.result(timeout=5)
+    assert log == []  # the steps' own wait raised before their bookkeeping: nothing reported as moved
+
+
+def test_a_store_s_rest_resolves_only_once_its_chunks_are_readable() -> None:
+    with _engine() as engine:
+        tokens, _, (steps, ns) = _store_steps(engine, 9)
+        with ThreadPoolExecutor(1) as executor:
+            rest = Rest.submit(executor, None, steps, Enqueued(None, 2 * CHUNK, True))
+            assert rest.result(timeout=30) == 2 * CHUNK
+            assert engine.lookup(tokens, namespace=ns) == 2 * CHUNK

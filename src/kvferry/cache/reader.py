@@ -117,7 +117,7 @@ class ChunkReader:
                 lock_id = None
             moved = sum(e.nbytes for e in entries) * geom.width // geom.object_width
             try:
-                yield Enqueued(in_flight, end_tokens - skip, in_flight is not None)
+                yield Enqueued(in_flight, end_tokens - skip, in_flight is not None, landed=True)
             finally:
                 if in_flight is not None:
                     in_flight.wait()

@@ -13,6 +13,7 @@ for its result before the worker took it runs itself (`kvferry.futures`).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Generator
 from concurrent.futures import Executor, Future
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from kvferry.transfer.handle import TransferHandle
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class RecordedEvent(Protocol):
@@ -50,11 +52,15 @@ class StreamMarker(Protocol):
 class Enqueued(NamedTuple):
     """A transfer's copy is in flight (`handle`: None when it was done on return, as on the CPU). `final`: the
     copy is all that is left of the transfer and `tokens` is its result, so it may be reported now (a store whose
-    copy then ends after its `valid_until` still drops its chunks: its caller had stopped waiting)."""
+    copy then ends after its `valid_until` still drops its chunks: its caller had stopped waiting). `landed`: what
+    comes after the copy changes nothing its caller sees (a retrieve's readers let go, its counters), so a `Rest`
+    resolves to `tokens` as soon as the copy has ended and does that after (a store's chunks become readable
+    after it: a store's future waits for that)."""
 
     handle: TransferHandle | None
     tokens: int
     final: bool
+    landed: bool = False
 
 
 class Finished(NamedTuple):
@@ -93,14 +99,14 @@ def finish_steps(steps: Steps[T]) -> T:
     raise RuntimeError("a transfer's steps yield once")
 
 
-def started(steps: Steps[int], finish: Callable[[Steps[int]], Future[int]]) -> Future[int]:
+def started(steps: Steps[int], finish: Callable[[Steps[int], Enqueued], Future[int]]) -> Future[int]:
     """A transfer's steps run up to its copy in flight on this thread, the rest by ``finish`` (on another thread:
     its future); the result as a future, a failure before the copy (or in ``finish``) included."""
     done: Future[int] = Future()
     try:
         first = first_step(steps)
         if not isinstance(first, Finished):
-            return finish(steps)
+            return finish(steps, first)
     except BaseException as exc:
         done.set_exception(exc)
         return done
@@ -127,15 +133,15 @@ def submitted(
     if not start_here:
         return executor.submit(_ordered, after, call, args, kwargs)
     if after is not None or marks is None:
-        return started(steps(*args, **kwargs), lambda rest: Rest.submit(executor, after, rest))
+        return started(steps(*args, **kwargs), lambda rest, first: Rest.submit(executor, after, rest, first))
 
-    def marked(rest: Steps[int]) -> Future[int]:
+    def marked(rest: Steps[int], first: Enqueued) -> Future[int]:
         try:
             mark = marks.record()
         except BaseException:
             rest.close()  # the copy in flight is waited for and settled; nothing after it runs unordered
             raise
-        future = Rest.submit(executor, mark, rest)
+        future = Rest.submit(executor, mark, rest, first)
         future.add_done_callback(mark.release)
         return future
 
@@ -144,17 +150,22 @@ def submitted(
 
 class Rest(HelpedFuture[int]):
     """The rest of a started transfer (`finish_steps`), run once: by a worker of the executor, or by the first
-    thread that waits for its result before a worker took it (`kvferry.futures`)."""
+    thread that waits for its result before a worker took it (`kvferry.futures`). Where its first step says the
+    copy's end is its result (`Enqueued.landed`), resolved then, before the rest: a load's waiter (SGLang's forward)
+    wakes while the readers are let go."""
 
-    def __init__(self, after: RecordedEvent | None, steps: Steps[int]) -> None:
+    def __init__(self, after: RecordedEvent | None, steps: Steps[int], first: Enqueued | None = None) -> None:
         super().__init__()
         self._after = after
         self._steps: Steps[int] | None = steps
+        self._landed = first if first is not None and first.landed and first.handle is not None else None
         self._claim = threading.Lock()
 
     @classmethod
-    def submit(cls, executor: Executor, after: RecordedEvent | None, steps: Steps[int]) -> Rest:
-        rest = cls(after, steps)
+    def submit(
+        cls, executor: Executor, after: RecordedEvent | None, steps: Steps[int], first: Enqueued | None = None
+    ) -> Rest:
+        rest = cls(after, steps, first)
         try:
             executor.submit(rest.run)
         except RuntimeError:  # the executor is shutting down: the copy in flight is waited for and settled here
@@ -168,11 +179,27 @@ class Rest(HelpedFuture[int]):
         steps, self._steps = self._steps, None
         assert steps is not None  # taken once, under the claim
         try:
+            if self._landed is not None:
+                self._resolve_landed(self._landed)
             value = _ordered(self._after, finish_steps, (steps,), {})
         except BaseException as exc:
-            self.set_exception(exc)
+            if not self.done():
+                self.set_exception(exc)
+            else:  # resolved at the copy's end: what failed after it is the cache's own business
+                log.warning("after a transfer's copy ended: %s: %s", type(exc).__name__, exc)
         else:
-            self.set_result(value)
+            if not self.done():
+                self.set_result(value)
+
+    def _resolve_landed(self, first: Enqueued) -> None:
+        """Resolve to ``first.tokens`` once its copy has ended; a copy that failed is left to the steps, whose own
+        wait raises it (and settles what the copy held)."""
+        assert first.handle is not None
+        try:
+            first.handle.wait()
+        except Exception:
+            return
+        self.set_result(first.tokens)
 
     _help = run
 

@@ -49,6 +49,8 @@ class Completion:
         return fired
 
     def synchronize(self) -> None:
+        if self.fired:  # seen already (a load's rest waits once to resolve, and again in its steps)
+            return
         d = self._driver
         with d.current(self.context):
             d.synchronize(self.event)  # ctypes lets go of the GIL while it blocks
