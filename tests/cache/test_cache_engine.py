@@ -285,6 +285,21 @@ def test_a_locked_object_is_never_evicted_until_unlocked() -> None:
         assert engine.lookup(precious) == 0
 
 
+def test_lookup_locks_freed_together_unpin_what_each_held() -> None:
+    fmt = F.NL_X_TWO_NB_BS_NH_HS
+    src = make_paged(fmt, NB)
+    prompts = [random_tokens(CHUNK, seed) for seed in range(3)]
+    with cache_engine(paged=src) as engine:
+        for prompt in prompts:
+            engine.store(prompt, src, random_blocks(2, 0), fmt)
+        locks = [engine.lookup_status(prompt, lock=True).lock_id for prompt in prompts]
+        assert None not in locks and engine.stats()["pinned_objects"] == 3
+        assert engine.free_lookup_locks(locks[0])
+        assert engine.free_lookup_locks_many([locks[0], locks[1], locks[2], 12345]) == 2  # one freed, one unknown
+        assert engine.stats()["locks"] == 0 and engine.stats()["pinned_objects"] == 0
+        assert engine.free_lookup_locks_many([]) == 0
+
+
 def test_a_lookup_lock_times_out() -> None:
     fmt = F.NL_X_TWO_NB_BS_NH_HS
     src = make_paged(fmt, NB)

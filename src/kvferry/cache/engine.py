@@ -11,7 +11,7 @@ The engine is the API over its parts: lookups in `kvferry.cache.lookup`, stores 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Unpack
 
@@ -187,6 +187,12 @@ class CacheEngine:
     def free_lookup_locks(self, lock_id: int) -> bool:
         """End a lookup lock without retrieving; False if it already ended (retrieved, freed or timed out)."""
         return self._res.release_lock(lock_id)
+
+    def free_lookup_locks_many(self, lock_ids: Iterable[int]) -> int:
+        """`free_lookup_locks` of each of ``lock_ids``, under one hold of the cache's lock (a lookup of pages takes
+        one per page: 64 frees one by one cost an SGLang load ~0.1 ms of the H100 host's time); how many were
+        still held."""
+        return self._res.release_locks(lock_ids)
 
     # --- store / retrieve ---------------------------------------------------------------------------------
 

@@ -75,6 +75,10 @@ class Residency(TierTraffic):
         with self.lock:
             return self.leases.release(lock_id)
 
+    def release_locks(self, lock_ids: Iterable[int]) -> int:
+        with self.lock:
+            return sum(map(self.leases.release, lock_ids))
+
     def expire_locks_locked(self) -> None:
         now = time.monotonic()
         self.counters.lock_timeouts += self.leases.expire(now)

@@ -231,9 +231,7 @@ class EmbeddedBackend:
         self.engine.free_lookup_locks(lock)
 
     def free_locks(self, locks: Sequence[Any]) -> None:
-        for lock in locks:
-            if lock is not None:
-                self.engine.free_lookup_locks(lock)
+        self.engine.free_lookup_locks_many(lock for lock in locks if lock is not None)
 
     def demote(self, tokens: TokenIds, chunks: range) -> None:
         self.engine.demote(tokens, chunks, namespace=self.namespace)
