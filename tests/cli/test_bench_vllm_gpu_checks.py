@@ -18,6 +18,7 @@ import torch
 
 from kvferry.bench.block_check import BlockCheck
 from kvferry.bench.harness import BenchError
+from kvferry.bench.rounds import stray_ceilings
 from kvferry.bench.samples import Samples
 from kvferry.bench.vllm_connector_path import ConnectorPath, scattered_blocks
 from kvferry.bench.vllm_gpu_bench import measure
@@ -132,6 +133,22 @@ def test_a_bench_with_store_and_load_swapped_shows_as_swapped() -> None:
     r = measure(swapped, fake_memcpy(clock, 1 * MS, 1.5 * MS), None, repeats=3, clock=clock)
     assert (r["store_ratio"], r["load_ratio"]) == pytest.approx((1 / 6, 0.75))
     assert r["vllm_dma_store_ratio"] is None and r["vllm_dma_load_us"] is None
+
+
+def test_a_row_whose_ceiling_strayed_from_the_runs_is_flagged() -> None:
+    """A D2H memcpy 8% slow in one row (a server's copies beside it) makes that row's store ratio 1.08: flagged, the
+    other rows and that row's load left alone; a row of half the bytes compared by rate, not by time."""
+    clock = Clock()
+    rows = []
+    for case, (mib, d2h_ms) in enumerate([(64, 1.0), (64, 1.0), (64, 1.08), (32, 0.5)]):
+        connector = FakePath(clock, store_s=MS * mib / 64, load_s=1.1 * MS * mib / 64)
+        connector.nbytes = mib << 20
+        r = measure(connector, fake_memcpy(clock, d2h_ms * MS, MS * mib / 64), None, repeats=1, clock=clock)
+        rows.append({"mode": "m", "case": f"c{case}", **r})
+    assert rows[2]["store_ratio"] == pytest.approx(1.08)
+    lines = stray_ceilings(rows, lambda row: f"{row['mode']} {row['case']}")
+    assert [row["strayed"] for row in rows] == [[], [], ["d2h"], []]
+    assert len(lines) == 1 and lines[0].startswith("m c2: its D2H memcpy ran at") and "store ratio" in lines[0]
 
 
 def test_samples_by_name() -> None:

@@ -3,6 +3,7 @@ GPU connector benches (`vllm-gpu`, `sglang-gpu`) measure, whatever engine's path
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -81,3 +82,27 @@ def results(samples: Samples, nbytes: int, checked_rounds: int, dma: bool) -> di
         "vllm_dma_store_ratio": samples.ratio("d2h memcpy", "page DMA store") if dma else None,
         "vllm_dma_load_ratio": samples.ratio("h2d memcpy", "page DMA load") if dma else None,
     }
+
+
+STRAY = 0.03  # a ceiling whose rate is this far from the run's others was disturbed
+
+
+def stray_ceilings(rows: list[dict[str, Any]], name: Callable[[dict[str, Any]], str]) -> list[str]:
+    """Flag the rows whose same-run memcpy ran more than `STRAY` off the median rate of the run's rows in that
+    direction (a ratio of 1.08 once came from a memcpy 20% slow beside a server's copies: the ceiling moved, not
+    the transfer): each such row's ``strayed`` lists the directions, and a line per row says which ratio is not
+    comparable (``name(row)``: the row as the table names it)."""
+    lines = []
+    for row in rows:
+        row["strayed"] = []
+    for direction, what in (("d2h", "store"), ("h2d", "load")):
+        rates = [row["mib"] / row[f"{direction}_memcpy_us"] for row in rows]
+        middle = statistics.median(rates)
+        for row, rate in zip(rows, rates, strict=True):
+            if abs(rate / middle - 1) > STRAY:
+                row["strayed"].append(direction)
+                lines.append(
+                    f"{name(row)}: its {direction.upper()} memcpy ran at {rate * 2**20 / 1e3:.1f} GB/s against the"
+                    f" run's {middle * 2**20 / 1e3:.1f}: its {what} ratio is not comparable (a disturbed ceiling)"
+                )
+    return lines

@@ -20,7 +20,7 @@ from typing import Any
 
 from kvferry.bench.harness import Outcome, Steps, add_json_argument, description_of, positive, require_cuda
 from kvferry.bench.report import new_table
-from kvferry.bench.rounds import measure
+from kvferry.bench.rounds import measure, stray_ceilings
 from kvferry.bench.server_bench import ServerProcess
 from kvferry.bench.sglang_linker_path import LinkerPath
 from kvferry.bench.sglang_pools import BENCH_TAG, case_of, load_fixtures
@@ -86,7 +86,9 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
                 if ipc is not None:
                     ipc.cleanup()
     config = {"pages": PAGES, "repeats": args.repeats, "pool_gb": POOL_GB, "layer_groups": args.layer_groups}
-    shown = [*_show(rows, args.layer_groups), wake_up_line(wake, ", and a load one more: SGLang's forward waits")]
+    strayed = stray_ceilings(rows, lambda row: f"{row['mode']} {row['pool']}")
+    wake_line = wake_up_line(wake, ", and a load one more: SGLang's forward waits")
+    shown = [*_show(rows, args.layer_groups), *strayed, wake_line]
     return Outcome(config, {"rows": rows, "wake_up_us": wake}, shown, device="cuda")
 
 

@@ -30,7 +30,7 @@ from typing import Any
 from kvferry.bench.gpu_gemm import gemm_tflops
 from kvferry.bench.harness import BenchError, Outcome, Steps, add_json_argument, description_of, positive, require_cuda
 from kvferry.bench.report import cell, new_table
-from kvferry.bench.rounds import measure
+from kvferry.bench.rounds import measure, stray_ceilings
 from kvferry.bench.server_bench import ServerProcess
 from kvferry.bench.timing import PinnedCopy, synchronize, wake_up_line, wake_up_us
 from kvferry.bench.vllm_connector_path import CHUNK, CHUNKS, ConnectorPath
@@ -126,7 +126,8 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
             if ipc is not None:
                 ipc.cleanup()
     config = {"chunk_tokens": CHUNK, "chunks": CHUNKS, "repeats": args.repeats, "pool_gb": POOL_GB, "vmm": args.vmm}
-    shown = [*_show(rows, gemm), *(describe_steps(mode, s) for mode, s in stalls.items()), wake_up_line(wake)]
+    strayed = stray_ceilings(rows, lambda row: f"{row['mode']} {row['case']}")
+    shown = [*_show(rows, gemm), *strayed, *(describe_steps(mode, s) for mode, s in stalls.items()), wake_up_line(wake)]
     results = {"rows": rows, "gemm": gemm, "steps": stalls, "wake_up_us": wake}
     return Outcome(config, results, shown, device="cuda")
 
