@@ -1,4 +1,5 @@
-"""Futures whose waiter may do the last of the work that resolves them.
+"""Futures whose waiter may do the last of the work that resolves them, and a future of what comes once several are
+done (`when_all`).
 
 A transfer in flight is resolved by a background thread (a worker that waits for the copy, a thread that watches
 done flags). A caller that blocks on its result anyway (a store whose blocks are about to be reused) would then
@@ -8,8 +9,10 @@ ended); doing the rest itself costs it nothing. Waits with a timeout only wait: 
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -35,3 +38,30 @@ class HelpedFuture(Future[T]):
 
     def cancel(self) -> bool:
         return False
+
+
+def when_all(futures: Sequence[Future[Any]], then: Callable[[], T]) -> Future[T]:
+    """A future of ``then()`` (or of what it raises), computed once every future in ``futures`` is done, on the
+    thread that saw the last one end (here, for none); no thread waits for them."""
+    result: Future[T] = Future()
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def finish() -> None:
+        try:
+            result.set_result(then())
+        except BaseException as exc:
+            result.set_exception(exc)
+
+    def one_done(_: Future[Any]) -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            finish()
+
+    if not futures:
+        finish()
+    for future in futures:
+        future.add_done_callback(one_done)
+    return result

@@ -6,17 +6,17 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future
 
-from kvferry.integrations.sglang.offload_outcomes import Move, OffloadOutcomes, stored, when_all
+from kvferry.futures import when_all
+from kvferry.integrations.sglang.offload_outcomes import Move, OffloadOutcomes, stored
 
 
 def _moves(n: int) -> list[Move]:
     return [(4, Future()) for _ in range(n)]
 
 
-def _offload(outcomes: OffloadOutcomes, moves: list[Move]) -> Future[bool]:
-    outcome = outcomes.add()
-    when_all(moves, lambda: outcome.set_result(stored(moves)))
-    return outcome
+def _offload(outcomes: OffloadOutcomes, moves: list[Move]) -> None:
+    """As `LinkerStore.offload` follows an offload's moves."""
+    outcomes.add(when_all([future for _, future in moves], lambda: stored(moves)))
 
 
 def test_an_offload_that_ends_first_waits_for_the_one_started_before_it() -> None:
@@ -59,7 +59,7 @@ def test_clear_waits_for_the_offloads_under_way_and_drops_their_outcomes() -> No
 def test_moves_ending_on_several_threads_end_their_offload_once() -> None:
     moves = _moves(64)
     calls: list[bool] = []
-    when_all(moves, lambda: calls.append(True))
+    when_all([future for _, future in moves], lambda: calls.append(True))
     threads = [threading.Thread(target=future.set_result, args=(64,)) for _, future in moves]
     for thread in threads:
         thread.start()

@@ -11,7 +11,8 @@ from kvferry.cache.index import readable_run
 from kvferry.cache.keys import CacheNamespace, ChunkHasher, TokenIds
 from kvferry.cache.residency import Residency
 from kvferry.cache.tails import find_tail
-from kvferry.cache.tiering import TierLink, when_all
+from kvferry.cache.tiering import TierLink
+from kvferry.futures import when_all
 
 
 class LookupResult(NamedTuple):

@@ -7,7 +7,6 @@ verifies what it reads; a write that fails drops the object), counted in the cac
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from functools import partial
@@ -125,30 +124,3 @@ class TierLink:
         obj = read.result() if read.exception() is None else None
         checksum = self._checksum(obj) if self._checksum is not None and obj is not None else None
         self._residency.end_promotion(entry, obj, checksum)
-
-
-def when_all(futures: list[Future[None]], then: Callable[[], int]) -> Future[int]:
-    """A future of ``then()``, computed once every future in ``futures`` (promotions, say) is done; no thread
-    waits for them."""
-    result: Future[int] = Future()
-    remaining = [len(futures)]
-    lock = threading.Lock()
-
-    def finish() -> None:
-        try:
-            result.set_result(then())
-        except BaseException as exc:
-            result.set_exception(exc)
-
-    def one_done(_: Future[None]) -> None:
-        with lock:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if last:
-            finish()
-
-    if not futures:
-        finish()
-    for future in futures:
-        future.add_done_callback(one_done)
-    return result

@@ -11,7 +11,6 @@ tokens every part moved.
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -27,6 +26,7 @@ from kvferry.connector.settings import ConnectorSettings
 from kvferry.connector.worker_backend import make_worker_backend
 from kvferry.connector.worker_side import WorkerSide
 from kvferry.formats import layer_split, select_layers
+from kvferry.futures import when_all
 
 # What a worker tells a scheduler half in another process: one key space's fields, or a split's, one per part.
 KeySpaceFields = dict[str, Any] | list[dict[str, Any]]
@@ -176,21 +176,4 @@ def _fields(backend: Any) -> dict[str, Any]:
 
 def _fewest(futures: list[Future[int]]) -> Future[int]:
     """A future of the fewest tokens of ``futures`` once all are done; the first failure fails it."""
-    out: Future[int] = Future()
-    left = [len(futures)]
-    lock = threading.Lock()
-
-    def one_done(_: Future[int]) -> None:
-        with lock:
-            left[0] -= 1
-            if left[0]:
-                return
-        errors = [f.exception() for f in futures if f.exception() is not None]
-        if errors:
-            out.set_exception(errors[0])
-        else:
-            out.set_result(min(f.result() for f in futures))
-
-    for future in futures:
-        future.add_done_callback(one_done)
-    return out
+    return when_all(futures, lambda: min(future.result() for future in futures))

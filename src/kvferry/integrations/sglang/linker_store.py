@@ -34,6 +34,7 @@ from typing import Any, Protocol
 import torch
 
 from kvferry.connector.settings import ConnectorSettings
+from kvferry.futures import when_all
 from kvferry.integrations.sglang.linker_pools import (
     Lock,
     PoolBackends,
@@ -44,7 +45,7 @@ from kvferry.integrations.sglang.linker_pools import (
     open_pool_backends,
     restorable_prefixes,
 )
-from kvferry.integrations.sglang.offload_outcomes import Move, OffloadOutcomes, stored, when_all
+from kvferry.integrations.sglang.offload_outcomes import Move, OffloadOutcomes, stored
 from kvferry.integrations.sglang.page_store import page_tokens
 
 log = logging.getLogger(__name__)
@@ -166,18 +167,12 @@ class LinkerStore:
         """Store each pool's ``pages`` once ``ready`` has happened (of the pools this rank owns: another's are
         stored by the rank that does), started here; its result comes in `pop_offload`, after those of the
         offloads before it."""
-        outcome = self._offloads.add()
         owned = [part for part in pages if self.pools[part.name].owner]
-        if not owned:
-            outcome.set_result(True)
-            return
         try:
-            moves = [move for group in self._start_after(ready, owned) for move in group]
+            moves = [move for group in self._start_after(ready, owned) for move in group] if owned else []
         except Exception as exc:  # before any move started (a move's own failure is its future's)
-            log.warning("kvferry: a linker offload failed: %s: %s", type(exc).__name__, exc)
-            outcome.set_result(False)
-            return
-        when_all(moves, lambda: outcome.set_result(stored(moves)))
+            moves = [(0, _failed(exc))]
+        self._offloads.add(when_all([future for _, future in moves], lambda: stored(moves)))
 
     def completed_offloads(self) -> int:
         """How many offloads have ended, counted from the oldest not taken (one still running ends the count)."""
@@ -338,9 +333,13 @@ def _call(move: Callable[[Any, list[int]], Future[int]], tokens: Any, blocks: li
     try:
         return move(tokens, blocks)
     except Exception as exc:
-        failed: Future[int] = Future()
-        failed.set_exception(exc)
-        return failed
+        return _failed(exc)
+
+
+def _failed(error: BaseException) -> Future[int]:
+    failed: Future[int] = Future()
+    failed.set_exception(error)
+    return failed
 
 
 def open_linker_store(

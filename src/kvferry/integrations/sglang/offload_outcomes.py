@@ -1,37 +1,16 @@
 """The unified-cache linker's offloads as SGLang takes their outcomes: in the order the offloads started (it pairs
-the n-th outcome it takes with its n-th offload), each ended once every copy of it (a move) has."""
+the n-th outcome it takes with its n-th offload), each ended once every copy of it (a move) has (`stored`)."""
 
 from __future__ import annotations
 
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import Future
 
 log = logging.getLogger(__name__)
 
 Move = tuple[int, "Future[int]"]  # a move's pages, and the tokens it moved
-
-
-def when_all(moves: list[Move], then: Callable[[], None]) -> None:
-    """Call ``then()`` once every move of ``moves`` has ended, on the thread that saw the last one end (here, for
-    none)."""
-    if not moves:
-        then()
-        return
-    left = [len(moves)]
-    lock = threading.Lock()
-
-    def ended(_: Future[int]) -> None:
-        with lock:
-            left[0] -= 1
-            if left[0]:
-                return
-        then()
-
-    for _, future in moves:
-        future.add_done_callback(ended)
 
 
 def stored(moves: list[Move]) -> bool:
@@ -52,11 +31,10 @@ class OffloadOutcomes:
         self._outcomes: deque[Future[bool]] = deque()
         self._lock = threading.Lock()
 
-    def add(self) -> Future[bool]:
-        outcome: Future[bool] = Future()
+    def add(self, outcome: Future[bool]) -> None:
+        """The next offload's outcome (it may be done already)."""
         with self._lock:
             self._outcomes.append(outcome)
-        return outcome
 
     def ended(self) -> int:
         with self._lock:
