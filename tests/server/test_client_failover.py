@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import tempfile
@@ -32,9 +33,22 @@ KEY_SPACE = {"model": "m", "kv_dtype": "bfloat16", "layout": "fake:3"}
 
 
 def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    """A free port below the ephemeral range. The servers of other tests bind ports the kernel picks from that range:
+    one took a restarting server's port once, and a client waiting for the restart stayed up talking to it. (A
+    client reconnecting to a free port in that range may also connect to itself, by Linux's TCP self-connect.)"""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            low = int(f.read().split()[0])
+    except OSError:  # not Linux: any free port
+        low = 0
+    for port in [*random.sample(range(10_000, low), min(200, max(low - 10_000, 0))), 0]:
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return probe.getsockname()[1]
+    raise RuntimeError("no free port")
 
 
 class Restartable:
