@@ -33,9 +33,9 @@ KEY_SPACE = {"model": "m", "kv_dtype": "bfloat16", "layout": "fake:3"}
 
 
 def _free_port() -> int:
-    """A free port below the ephemeral range. The servers of other tests bind ports the kernel picks from that range:
-    one took a restarting server's port once, and a client waiting for the restart stayed up talking to it. (A
-    client reconnecting to a free port in that range may also connect to itself, by Linux's TCP self-connect.)"""
+    """A free port below the ephemeral range, where neither a port the kernel picks for another test's server nor a
+    reconnecting client's own (Linux's TCP self-connect) can take it while a restarting server is down: a client
+    once stayed up through such a restart in CI, as one answered by something else on the port would."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
             low = int(f.read().split()[0])
