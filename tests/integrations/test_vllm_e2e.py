@@ -2,7 +2,7 @@
 
 Each engine runs in a process of its own (see vllm_driver.py): a reference without kvferry; one with the cache
 embedded (a miss, a hit, a hit with the loaded KV corrupted, a hit whose load fails); one per CPU attention ISA and
-per dtype; a 2 MiB pool over a disk tier serving a batch; two that share one kvferry server (the second in vLLM's
+per dtype; a 4 MiB pool over a disk tier serving a batch; two that share one kvferry server (the second in vLLM's
 usual multiprocess layout); a tensor-parallel engine (TP=2) and whole ones sharing prefixes through the
 server; one that starts before its server and outlives it; engines ended by SIGINT and SIGKILL;
 and one that must refuse a chunk size that is not a multiple of vLLM's block size. The pool's engine and the
@@ -53,7 +53,7 @@ HIT = PROMPT_TOKENS // VLLM_BLOCK * VLLM_BLOCK
 # A conversation: a 400-token first prompt, then 150 new tokens a turn after the previous turn's 12 generated ones
 CHAT_SEGMENTS = [400, 150, 150, 150]
 GENERATED = 12  # the driver's max_tokens
-BATCH, BATCH_TOKENS = 6, 600  # 12 chunk objects of 256 KiB: more than the 2 MiB pool holds
+BATCH, BATCH_TOKENS = 6, 600  # 12 chunk objects of 512 KiB (fp32): more than the 4 MiB pool holds
 DRIVER_TIMEOUT_S = 300
 LAYERS, KV_HEADS, HEAD_SIZE = 2, 2, 64
 
@@ -314,13 +314,19 @@ def test_an_mla_model_on_the_cpu_computes_every_prompt_itself(
 
 
 def test_a_tiny_pool_over_disk_serves_a_batch_without_failing_a_request(
-    workdir: Path, model_dir: Path, reference: dict[str, Any]
+    workdir: Path, model_dir: Path, prompt: list[int]
 ) -> None:
-    report = run_driver("pool", workdir, model_dir, "--tier-dir", str(workdir / "pool-tier"))
-    expected = reference["runs"][0]["tokens"][1:]
+    """fp32, and the tokens compared with the same engine's first run (all misses, one batch): the later runs'
+    requests wait for chunks coming up from disk, so they start at different steps, and a batch of another make-up
+    rounds differently. In bf16 that flips this random model's greedy choice where its two best logits lie one
+    rounding step apart (vLLM alone gives another continuation of one of these prompts run by itself)."""
+    report = run_driver("pool", workdir, model_dir, "--tier-dir", str(workdir / "pool-tier"), "--dtype", "float32")
+    first, *hits = report["runs"]
+    assert first["cached"] == [0] * BATCH and all(len(set(tokens)) > 1 for tokens in first["tokens"])
     for run in report["runs"]:
         assert run["finish"] == ["length"] * BATCH
-        assert run["tokens"] == expected
+    for run in hits:
+        assert run["tokens"] == first["tokens"]
     assert sum(report["runs"][-1]["cached"]) > 0  # later batches were served by kvferry, from the pool or disk
     assert_no_leak(report)
     prompts = json.loads((workdir / "prompts.json").read_text())

@@ -8,8 +8,9 @@ PHASE
               from): the main prompt as a miss, a hit, a hit whose loaded KV the test hook corrupts, and a hit
               whose load fails (vLLM must recompute it).
   isa         embedded, the main prompt as a miss then a hit (for --isa / --dtype variants).
-  pool        embedded with a 2 MiB pool over a disk tier: the batch of prompts, three times, as one batch;
-              then two probes, each with what an index of the engine's KV events predicts for it.
+  pool        embedded with a 4 MiB pool over a disk tier (8 objects of the test's fp32 KV): the batch of prompts,
+              three times, as one batch; then two probes, each with what an index of the engine's KV events
+              predicts for it.
   bad-chunk   embedded with a chunk size that is not a multiple of vLLM's block size: must refuse to start.
   server      a kvferry server at --server-url: the main prompt once (--runs: the named prompts, in order);
               with --events-url (the server's stream), vLLM publishes KV events and the report holds kvferry's.
@@ -347,7 +348,7 @@ def main() -> None:
             "pool": {
                 "mode": "embedded",
                 "config": {
-                    "cache": {"chunk_size": CHUNK_SIZE, "l1_size_gb": 2 / 1024},  # 2 MiB: 8 chunk objects
+                    "cache": {"chunk_size": CHUNK_SIZE, "l1_size_gb": 4 / 1024},  # 4 MiB: 8 fp32 chunk objects
                     "tiers": [f"disk:{args.tier_dir}?size=1GB"],
                 },
             },
