@@ -1,6 +1,7 @@
 """A retrieve's first DMA started before the request is known whole (`TransferEngine.lead`), on the engine run on
-the CPU (`cpu_engine.py`): the request skips that DMA only where it is exactly its first slice's, redoes it
-otherwise, and the lane is free again however the lead ends (used, released, handed to a store)."""
+the CPU (`cpu_engine.py`): the request skips that DMA only where it is exactly its first slice's first part (the
+slice's other objects then follow), redoes it otherwise, and the lane is free again however the lead ends (used,
+released, handed to a store)."""
 
 from __future__ import annotations
 
@@ -99,8 +100,14 @@ def test_the_lane_is_free_after_a_lead_is_released_or_given_to_a_store(cpu_engin
     _load(engine, fmt, geom, objs, ids, None)
 
 
-def test_no_lead_where_the_first_slice_joins_objects(cpu_engine) -> None:  # type: ignore[no-untyped-def]
-    _, _, engine, objs, _, rows = _case(cpu_engine, 5.0)  # two objects fit half a slot: one slice
-    assert engine.lead(objs[0].data_ptr(), objs[0].nbytes, rows, OBJECTS) is None
+def test_a_lead_of_a_slice_of_several_objects_dmas_its_first_only(cpu_engine) -> None:  # type: ignore[no-untyped-def]
+    fmt, geom, engine, objs, ids, rows = _case(cpu_engine, 5.0)  # two objects fit half a slot: one slice of three
+    assert lead_bytes(OBJECTS, objs[0].nbytes, rows, engine._retrieve.slot_bytes, None) == objs[0].nbytes
+    since = len(engine._driver.copied)
+    lead = engine.lead(objs[0].data_ptr(), objs[0].nbytes, rows, OBJECTS)
+    assert lead is not None
+    _load(engine, fmt, geom, objs, ids, lead)
+    assert [_dmas_from(engine, since, o.data_ptr()) for o in objs] == [1, 1, 1]  # the lead's, then the others'
+    assert not lead.held
     assert engine.lead(objs[0].data_ptr(), objs[0].nbytes, rows, 1) is None  # one object: not staged in slices
     assert engine._retrieve.lock.acquire(blocking=False)

@@ -46,6 +46,9 @@ class PoolFullError(MemoryError):
         )
 
 
+_new_tuple = tuple.__new__  # a NamedTuple from its fields without its __new__'s keyword handling
+
+
 class Allocation(NamedTuple):
     """Where one live allocation sits in the slab."""
 
@@ -280,11 +283,10 @@ class HostPool:
         offsets: list[int] = []
         with self._lock:
             run = self._extents.reserve(units * count) if count > 1 else None
-            if run is not None:
-                for k in range(count):
-                    offset = (run + k * units) << self._unit_shift
-                    self._live[self._base_ptr + offset] = Allocation(offset, nbytes, units << self._unit_shift)
-                    offsets.append(offset)
+            if run is not None:  # one run: its allocations built in one pass (a 64-page store's are ~0.4 us each)
+                step, start, base = units << self._unit_shift, run << self._unit_shift, self._base_ptr
+                offsets = list(range(start, start + count * step, step))
+                self._live.update({base + o: _new_tuple(Allocation, (o, nbytes, step)) for o in offsets})
                 self._requested_bytes += count * nbytes
             else:
                 for _ in range(count):

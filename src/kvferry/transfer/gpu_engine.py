@@ -39,7 +39,7 @@ from kvferry.transfer.engine_config import EngineConfig
 from kvferry.transfer.graphed import ObjectGraph, tables_bytes
 from kvferry.transfer.handle import Completion, TransferHandle
 from kvferry.transfer.lane import Lane, LeadDMA
-from kvferry.transfer.schedule import Ring, Schedule, Step, dma_runs, lead_bytes, schedule
+from kvferry.transfer.schedule import Ring, Schedule, dma_runs, lead_bytes, schedule
 
 if TYPE_CHECKING:
     from kvferry.transfer.request import Checked
@@ -310,7 +310,9 @@ class TransferEngine:
         for i in lead:
             step = sched.steps[i]
             if i != done_early:
-                self._dma(handles[step.slot], step, req, False)
+                self._dma(handles[step.slot], step.parts, req, False)
+            elif len(step.parts) > 1:  # the lead DMA'd the slice's first object: its others follow
+                self._dma(handles[step.slot], step.parts[1:], req, False)
         if pending is not None:
             req.ids = pending.check()
         ids = req.ids
@@ -337,7 +339,7 @@ class TransferEngine:
         for i, step in enumerate(sched.steps):
             stream = handles[step.slot]
             if not to_objects and i not in lead:  # into staging: touches no KV, waits only for the slot's last scatter
-                self._dma(stream, step, req, False)
+                self._dma(stream, step.parts, req, False)
             if stream not in ordered:  # a gather sees what the model wrote; a scatter waits until the model is done
                 wait(stream, start, 0)
                 if stream != home:
@@ -349,7 +351,7 @@ class TransferEngine:
                 d.record(lane.meta_ready, home)
                 ready = True
             if to_objects:
-                self._dma(stream, step, req, True)
+                self._dma(stream, step.parts, req, True)
         # The request ends on its last slice's stream, once its other streams' parts have run too.
         end = handles[sched.steps[-1].slot] if sched.steps else home
         for slot in sched.slots:
@@ -358,26 +360,26 @@ class TransferEngine:
                 wait(end, lane.joined[slot], 0)
         return keep, end
 
-    def _dma(self, stream: int, step: Step, req: _Request, to_host: bool) -> None:
-        """Copy a slice between its slot and host memory on the slot's stream.
+    def _dma(self, stream: int, parts: tuple[tuple[int, int, int, int], ...], req: _Request, to_host: bool) -> None:
+        """Copy a slice's ``parts`` (a `Step`'s) between its slot and host memory on the slot's stream.
 
         Scattered objects cost a DMA each: ~1.3 us apart and each ~3% slower than one long copy, so a slice of
         3 MiB objects loses ~5% (2 MiB ones ~9%). Where the driver has cuMemcpyBatchAsync they go as one batch.
         (Same-direction DMAs of two streams run one after another on the copy engine, measured.)"""
         d = self._driver
-        if len(step.parts) == 1:  # one object, or a row range of one
-            o, offset, n, dev = step.parts[0]
+        if len(parts) == 1:  # one object, or a row range of one
+            o, offset, n, dev = parts[0]
             host = req.ptrs[o] + offset
             d.dtoh(host, dev, n, stream) if to_host else d.htod(dev, host, n, stream)
             return
         # addresses alone (list[int]) come from one pool allocation: never compared by storage
         objects = cast("list[torch.Tensor] | torch.Tensor", req.objects)
-        parts = dma_runs(objects, step, req.ptrs, req.one_allocation)
-        if len(parts) > 1 and self._batch:  # scattered objects: one batch for the copy engine
-            hosts, devs, sizes = zip(*parts, strict=True)
+        runs = dma_runs(objects, parts, req.ptrs, req.one_allocation)
+        if len(runs) > 1 and self._batch:  # scattered objects: one batch for the copy engine
+            hosts, devs, sizes = zip(*runs, strict=True)
             d.copy_batch(hosts, devs, sizes, stream) if to_host else d.copy_batch(devs, hosts, sizes, stream)
             return
-        for host, dev, n in parts:
+        for host, dev, n in runs:
             d.dtoh(host, dev, n, stream) if to_host else d.htod(dev, host, n, stream)
 
 

@@ -148,11 +148,12 @@ class LeadDMA:
     held: bool = True
 
     def is_first(self, step: Step, ptrs: list[int]) -> bool:
-        """Whether this DMA is exactly `step`'s (a request's first slice, its objects at `ptrs`): same slot, host
-        bytes and staging address. Its slot's stream runs it before anything of the request. (A lead DMA of other
-        bytes only wrote staging, which the first slice's own DMA, after it on that stream, overwrites.)"""
+        """Whether this DMA is exactly `step`'s first part (a request's first slice, its objects at `ptrs`): same
+        slot, host bytes and staging address. Its slot's stream runs it before anything of the request; the
+        slice's other parts follow it there. (A lead DMA of other bytes only wrote staging, which the first
+        slice's own DMAs, after it on that stream, overwrite.)"""
         o, offset, n, dev = step.parts[0]
-        return (len(step.parts) == 1 and step.slot == self.slot and n == self.nbytes and ptrs[o] + offset == self.host
+        return (step.slot == self.slot and n == self.nbytes and ptrs[o] + offset == self.host
                 and dev == self.lane.staging_ptr + self.slot * self.lane.slot_bytes)  # fmt: skip
 
     def release(self) -> None:

@@ -127,13 +127,14 @@ def default_target(total: int, slot_bytes: int) -> int:
 
 def lead_bytes(n_objects: int, object_bytes: int, rows: int, slot_bytes: int, slice_bytes: int | None) -> int | None:
     """The first DMA of a retrieve of `n_objects` whole objects of `object_bytes` (`rows` rows each, none skipped),
-    as `cut_slices` cuts it: the first object, or its first row range; None when its first slice joins several
-    objects (a DMA that needs their addresses too)."""
+    as `cut_slices` cuts it: its first row range where an object is larger than a slice, else the first object
+    (all of a slice of one object, the first part of one that joins several: its other objects' DMAs follow it
+    on the slot's stream); None where a row does not fit a slot."""
     target = slice_bytes or default_target(n_objects * object_bytes, slot_bytes)
     if object_bytes > target:
         row_bytes = object_bytes // rows
         return None if row_bytes > slot_bytes else min(rows, max(1, target // row_bytes)) * row_bytes
-    return None if n_objects > 1 and 2 * object_bytes <= target else object_bytes
+    return object_bytes
 
 
 def cut_slices(sizes: list[int], first: int, rows: int, slot_bytes: int, target: int) -> list[Slice]:
@@ -162,15 +163,18 @@ def cut_slices(sizes: list[int], first: int, rows: int, slot_bytes: int, target:
 
 
 def dma_runs(
-    objects: list[torch.Tensor] | torch.Tensor, step: Step, ptrs: list[int], one_slab: bool
+    objects: list[torch.Tensor] | torch.Tensor,
+    parts: tuple[tuple[int, int, int, int], ...],
+    ptrs: list[int],
+    one_slab: bool,
 ) -> list[tuple[int, int, int]]:
-    """A slice's DMAs: (host address, staging address, bytes), one per run of objects adjacent in host memory.
+    """A slice's DMAs (``parts``: a `Step`'s, or those after a lead DMA took its first): (host address, staging
+    address, bytes), one per run of objects adjacent in host memory.
 
     A run may only extend across objects of one pinned allocation: `one_slab` says they are one (a registered
     pinned slab, the pool's, holds them all, or they came as one tensor: `Checked.one_allocation`); otherwise
     each pair is compared by storage. This part depends on the objects' addresses, so it runs per request, not
     in the cached schedule."""
-    parts = step.parts
     last, offset, n, dev = parts[0]
     host = ptrs[last] + offset
     runs = []
