@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from tests.integrations.page_view_roundtrip import (
     kernel_index,
     two_workers,
 )
+from tests.ports import port_for_a_restart
 from tests.server.serverkit import ServerProcess
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -140,15 +140,9 @@ def test_a_hit_stays_locked_until_loaded_and_an_evicted_one_is_recomputed() -> N
             thing.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_the_worker_registers_again_with_a_restarted_server() -> None:
     case = case_of(BASE)
-    port = _free_port()
+    port = port_for_a_restart()
     flags = ("--port", str(port), "--chunk-size", str(2 * case.block_size), "--l1-size-gb", "0.1")
     first = ServerProcess(*flags)
     settings = ConnectorSettings(mode="server", server_url=f"tcp://127.0.0.1:{port}", timeout_s=5.0)

@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -45,6 +44,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # so vLLM can import the hooks module by name
+sys.path.insert(1, str(HERE.parents[1]))  # the repository, for `tests.ports`
 
 ENGINE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -222,10 +222,9 @@ def wait_until(condition: Any, timeout_s: float, what: str) -> float:
 
 def resilience(llm_factory: Any, prompt: list[int], report: dict[str, Any], out_dir: Path) -> Any:
     from kvferry.connector import backends
+    from tests.ports import port_for_a_restart
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = port_for_a_restart()  # the engine's client connects long before the server listens
     url = f"tcp://127.0.0.1:{port}"
     started = time.perf_counter()
     llm = llm_factory({"mode": "server", "server_url": url, "timeout_s": 2.0})

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import os
-import random
 import signal
-import socket
 import tempfile
 import time
 from collections.abc import Iterator
@@ -15,6 +13,7 @@ import pytest
 from kvferry.client import KvferryClient, RegistrationLost, ServerError, ServerUnavailable
 from kvferry.config import ServerConfig
 from kvferry.server import KvferryServer
+from tests.ports import port_for_a_restart
 from tests.server.serverkit import (
     FMT_REAL,
     REAL_CHUNK,
@@ -32,30 +31,11 @@ NS = {"model": "fake-model"}
 KEY_SPACE = {"model": "m", "kv_dtype": "bfloat16", "layout": "fake:3"}
 
 
-def _free_port() -> int:
-    """A free port below the ephemeral range, where neither a port the kernel picks for another test's server nor a
-    reconnecting client's own (Linux's TCP self-connect) can take it while a restarting server is down: a client
-    once stayed up through such a restart in CI, as one answered by something else on the port would."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
-            low = int(f.read().split()[0])
-    except OSError:  # not Linux: any free port
-        low = 0
-    for port in [*random.sample(range(10_000, low), min(200, max(low - 10_000, 0))), 0]:
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return probe.getsockname()[1]
-    raise RuntimeError("no free port")
-
-
 class Restartable:
     """In-process servers over fresh fake engines, one after another on one port (a server restart)."""
 
     def __init__(self) -> None:
-        self.port = _free_port()
+        self.port = port_for_a_restart()
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
         self.server: KvferryServer | None = None
         self.engine = FakeEngine()
