@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 import pytest
 
 from tests.integrations.shm import in_use_elsewhere
+from tests.ports import port_for_a_restart
 
 pytestmark = [
     pytest.mark.vllm,
@@ -185,13 +185,6 @@ def test_a_hybrid_models_hit_loads_each_group(engines: list[Any], model: str) ->
     assert_nothing_held(engine)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def test_server_mode_reconnects_lazily_hits_and_leaves_no_shared_memory(engines: list[Any], model: str) -> None:
     from kvferry.cache import CacheEngine
     from kvferry.config import KvferryConfig, ServerConfig
@@ -199,7 +192,7 @@ def test_server_mode_reconnects_lazily_hits_and_leaves_no_shared_memory(engines:
     from kvferry.server import KvferryServer
 
     before = set(os.listdir("/dev/shm"))
-    port = _free_port()
+    port = port_for_a_restart()  # the connector connects before the server listens
     engine = make(engines, model, {"mode": "server", "server_url": f"tcp://127.0.0.1:{port}", "timeout_s": 2.0})
     first = prompt(300, seed=8)
     engine.add("a", first)
