@@ -283,7 +283,7 @@ class HostPool:
         offsets: list[int] = []
         with self._lock:
             run = self._extents.reserve(units * count) if count > 1 else None
-            if run is not None:  # one run: its allocations built in one pass (a 64-page store's are ~0.4 us each)
+            if run is not None:  # one run: its records made in one pass, on a store's path to its first DMA
                 step, start, base = units << self._unit_shift, run << self._unit_shift, self._base_ptr
                 offsets = list(range(start, start + count * step, step))
                 self._live.update({base + o: _new_tuple(Allocation, (o, nbytes, step)) for o in offsets})
