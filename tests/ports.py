@@ -6,6 +6,13 @@ import random
 import socket
 
 
+def free_port() -> int:
+    """A loopback port free now, for a server started right away."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def port_for_a_restart() -> int:
     """A free loopback port below the ephemeral range, for a server that is down while a client waits for it (one
     that starts late, or restarts): there neither a port the kernel picks for another test's server or client nor

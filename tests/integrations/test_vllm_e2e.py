@@ -21,7 +21,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ import pytest
 import torch
 
 from tests.integrations.shm import in_use_elsewhere
+from tests.ports import free_port
 
 pytestmark = [
     pytest.mark.slow,
@@ -85,12 +85,6 @@ def assert_no_leak(report: dict[str, Any]) -> None:
     assert report["requests_held"] == 0  # a stored request's blocks went back once its stores were done
     assert report["tracked"] == 0 and report["scheduler_locks"] == 0  # every request forgotten, every lock freed
     assert report.get("cache_locks", 0) == 0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ import pytest
 
 from kvferry.client import KvferryClient
 from tests.integrations.vllm_driver import start_server
+from tests.ports import free_port
 
 pytestmark = [
     pytest.mark.slow,
@@ -66,12 +66,6 @@ def run_driver(phase: str, tmp: Path, *extra: str) -> dict[str, Any]:
     report = json.loads(out.read_text())
     report["output"] = proc.stdout + proc.stderr
     return report
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import importlib.util
 import random
-import socket
 import time
 from collections import Counter
 from typing import Any
 
 import pytest
+
+from tests.ports import free_port
 
 pytestmark = [
     pytest.mark.vllm,
@@ -27,13 +28,6 @@ PROMPTS = 6  # of 4 whole chunks each
 def _prompt(seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, 1000) for _ in range(300)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _kvferry_events(engine: Any) -> list[Any]:
@@ -158,7 +152,7 @@ def test_server_mode_kvferry_blocks_reach_vllms_kv_events(engines: list[Any], mo
     from kvferry.server import KvferryServer
     from tests.integrations.vllm_sim import SimEngine
 
-    port, pub, replay = _free_port(), _free_port(), _free_port()
+    port, pub, replay = free_port(), free_port(), free_port()
     cache = CacheEngine(KvferryConfig.load(env={}, overrides={"cache": {"chunk_size": CHUNK, "l1_size_gb": POOL_GB}}))
     server = KvferryServer(ServerConfig(port=port, http_port=0, events_port=pub, events_replay_port=replay), cache)
     server.start()
