@@ -1,7 +1,8 @@
 """The linker's loads in groups of layers (``"layer_groups"``), driven by SGLang's own classes as in
 `sglang_linker_checks`: each group of the forward's layers is handed to SGLang's layer counter as it lands, so the
 forward reads the first layers while the last are still moving; each group's pages are objects of their own, and a
-page is a hit only where every group holds it.
+page is a hit only where every group holds it. The linker's counter answers SGLang's calls on the CPU as SGLang's own
+counter does.
 
 Run by `test_sglang_release` in a child pytest with a released SGLang's Python first on the path.
 """
@@ -22,7 +23,9 @@ from tests.integrations import sglang_standin
 sglang_standin.install()
 
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer  # noqa: E402
+from sglang.srt.mem_cache.unified_cache.unified_cache_linker import LayerWiseLoadCounter  # noqa: E402
 
+from kvferry.integrations.sglang.load_counter import LoadCounter  # noqa: E402
 from tests.integrations.sglang_linker_checks import (  # noqa: E402
     EMBEDDED,
     LAYERS,
@@ -191,3 +194,22 @@ def _failed(error: BaseException) -> Future[int]:
     future: Future[int] = Future()
     future.set_exception(error)
     return future
+
+
+@pytest.mark.parametrize("counter_class", [LayerWiseLoadCounter, LoadCounter])
+def test_the_linkers_counter_answers_on_the_cpu_as_sglangs_does(counter_class: type) -> None:
+    """The calls SGLang makes of a linker's counter, on a load waited for on the CPU (through a server, into CPU
+    tensors), answered by kvferry's counter as by SGLang's own: a forward's wait blocks until the layer is
+    completed and never raises, `finish` says whether every layer landed and forgets the batch, `reset` starts
+    the indices over."""
+    counter = counter_class(LAYERS)
+    index = counter.update_producer()
+    counter.set_consumer(index)
+    threading.Timer(0.05, counter.complete, (index, 0)).start()
+    counter.wait_until(0)
+    assert counter.futures[index][0].done() and counter.consumer_index == index and counter.num_layers == LAYERS
+    counter.fail(index, RuntimeError("a copy that did not land"))
+    counter.wait_until(LAYERS - 1)  # a failed layer: the forward goes on
+    assert counter.finish(index) is False and counter.finish(index) is True
+    counter.reset()
+    assert counter.update_producer() == 0 and counter.consumer_index == -1

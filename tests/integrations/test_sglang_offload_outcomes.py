@@ -66,3 +66,45 @@ def test_moves_ending_on_several_threads_end_their_offload_once() -> None:
     for thread in threads:
         thread.join()
     assert calls == [True]
+
+
+class CopyEnd:
+    """An offload's copy on the GPU, faked: ended when told, or failing when queried."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.ended, self.error = False, error
+
+    def done(self) -> bool:
+        if self.error is not None:
+            raise self.error
+        return self.ended
+
+    def wait_on(self, stream: object = None) -> None:
+        raise AssertionError("an offload's end is polled, not waited for")
+
+
+def test_an_offload_on_the_gpu_ends_with_its_copies_before_its_pages_are_readable() -> None:
+    outcomes = OffloadOutcomes()
+    first, second = _moves(1), _moves(2)
+    ends = [CopyEnd(), CopyEnd()]
+    outcomes.add(when_all([f for _, f in first], lambda: stored(first)), [ends[0]])
+    outcomes.add(when_all([f for _, f in second], lambda: stored(second)), [ends[1]])
+    ends[1].ended = True
+    assert outcomes.ended() == 0  # the first has not: its outcome comes first
+    ends[0].ended = True
+    assert outcomes.ended() == 2  # neither future resolved: the workers have not made the pages readable yet
+    assert outcomes.take() is True
+    second[0][1].set_exception(RuntimeError("the pool is full"))  # after its copy: the pages are a miss
+    second[1][1].set_result(64)
+    assert outcomes.take() is False  # its outcome had come meanwhile: it is what is taken
+    first[0][1].set_result(64)
+    assert outcomes.ended() == 0
+
+
+def test_an_offload_whose_copy_end_cannot_be_queried_ends_with_its_future() -> None:
+    outcomes = OffloadOutcomes()
+    moves = _moves(1)
+    outcomes.add(when_all([f for _, f in moves], lambda: stored(moves)), [CopyEnd(RuntimeError("an illegal address"))])
+    assert outcomes.ended() == 0 and outcomes.take() is False
+    moves[0][1].set_exception(RuntimeError("an illegal address"))
+    assert outcomes.ended() == 1 and outcomes.take() is False

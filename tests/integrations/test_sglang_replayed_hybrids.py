@@ -19,8 +19,9 @@ from kvferry.bench.sglang_pools import BENCH_TAG, load_fixtures, replay
 from kvferry.integrations.sglang.device_pools import KV, MAMBA, SWA, device_pools
 from kvferry.integrations.sglang.linker_pools import PoolPages, PoolPlan
 from kvferry.integrations.sglang.linker_store import open_linker_store
+from kvferry.integrations.sglang.load_counter import LoadCounter
 from kvferry.integrations.sglang.page_store import PageKeySpace
-from tests.integrations.test_sglang_replayed_pools import DEVICES, Counter, settings_for
+from tests.integrations.test_sglang_replayed_pools import DEVICES, settings_for
 
 STATE_SLOTS = 8
 
@@ -95,7 +96,7 @@ def test_a_hybrid_prefix_goes_out_and_comes_back_bit_exact(device: str, mode: st
     side_keys = [f"{1000 + i:064x}" for i in (window if kind == "swa" else [count - 1])]
     keys = [f"{1000 + i:064x}" for i in range(count)]
     page_bytes = sum(b[0].numel() * b.element_size() for b in buffers) * page
-    counter = Counter(linked.num_layers)
+    counter = LoadCounter(linked.num_layers)
     with settings_for(mode, device, page, 4 * count * page_bytes + (16 << 20)) as settings:
         plans = [PoolPlan(pool, PageKeySpace("org/replayed-hybrid", 1, 0)) for pool in linked.pools.values()]
         store = open_linker_store(settings, plans, page, linked.num_layers, counter, name="replayed", groups=groups)
@@ -111,12 +112,16 @@ def test_a_hybrid_prefix_goes_out_and_comes_back_bit_exact(device: str, mode: st
                 buffer.view(torch.uint8)[rows_to] = 0xA5
             before = [buffer.view(torch.uint8).clone() for buffer, _, _ in moves]
             trailing = {side: len(side_keys)}
-            assert store.lookup("r", keys, trailing) == [count]  # the window (state) exists at the end only
+            while store.lookup("r", keys, trailing) != [count]:  # the window (state) exists at the end only
+                assert time.monotonic() < deadline, "the offloaded pages were not found"  # (readable just after)
+                time.sleep(0.001)
             assert store.queue_load("r", [PoolPages(KV, keys, dest), PoolPages(side, side_keys, side_dst)])
             index = store.start_loads()
-            counter.done[index].result(60)
+            counter.set_consumer(index)  # as SGLang's forward waits for the last layer
+            counter.wait_until(linked.num_layers - 1)
             if device == "cuda":
                 torch.cuda.synchronize()
+            assert counter.finish(index)
             for (buffer, rows_from, rows_to), old in zip(moves, before, strict=True):
                 bits = buffer.view(torch.uint8)
                 assert torch.equal(bits[rows_to], bits[rows_from])

@@ -7,10 +7,8 @@ MHA, DeepSeek-V3's MLA latent, 64-token pages) on the GPU, where an SGLang worke
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future
 from typing import Any
 
 import pytest
@@ -24,40 +22,13 @@ from kvferry.integrations.sglang.device_pages import device_kv
 from kvferry.integrations.sglang.device_pools import KV, kv_pool
 from kvferry.integrations.sglang.linker_pools import PoolPages, PoolPlan
 from kvferry.integrations.sglang.linker_store import open_linker_store
+from kvferry.integrations.sglang.load_counter import LoadCounter
 from kvferry.integrations.sglang.page_store import PageKeySpace
 from kvferry.memory import HostPool
 from kvferry.server import KvferryServer
 from tests.server.serverkit import ServerProcess
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-
-
-class Counter:
-    """SGLang's layer-wise load counter as the store uses it: each batch's layers done, or its failure."""
-
-    def __init__(self, layers: int) -> None:
-        self.layers, self.batches = layers, 0
-        self.done: dict[int, Future[None]] = {}
-        self._landed: dict[int, set[int]] = {}
-        self._lock = threading.Lock()
-
-    def update_producer(self) -> int:
-        with self._lock:
-            self.batches += 1
-            self.done[self.batches - 1], self._landed[self.batches - 1] = Future(), set()
-            return self.batches - 1
-
-    def complete(self, index: int, layer: int) -> None:
-        with self._lock:
-            self._landed[index].add(layer)
-            if len(self._landed[index]) == self.layers:
-                self.done[index].set_result(None)
-
-    def fail(self, index: int, error: BaseException) -> None:
-        self.done[index].set_exception(error)
-
-    def reset(self) -> None:
-        pass
 
 
 @contextlib.contextmanager
@@ -109,7 +80,7 @@ def test_pages_go_out_and_come_back_bit_exact(device: str, mode: str, kind: str)
     source, dest = list(range(1, count + 1)), list(range(count + 1, 2 * count + 1))
     keys = [f"{i:064x}" for i in range(1000, 1000 + count)]
     page_bytes = sum(b[:page].numel() * b.element_size() for b in buffers)
-    counter = Counter(len(kv.layers))
+    counter = LoadCounter(len(kv.layers))
     with settings_for(mode, device, page, 2 * count * page_bytes + (8 << 20)) as settings:
         plans = [PoolPlan(kv_pool(kv), PageKeySpace("org/replayed", 1, 0))]
         store = open_linker_store(settings, plans, page, len(kv.layers), counter, name="replayed")
@@ -128,15 +99,24 @@ def test_pages_go_out_and_come_back_bit_exact(device: str, mode: str, kind: str)
             for buffer in buffers:  # the destination pages poisoned; the rest of each buffer is kept to compare
                 buffer[rows(dest)] = buffer[rows(dest)].view(torch.uint8).fill_(0xA5).view(buffer.dtype)
             before = [_bits(b).clone() for b in buffers]
-            assert store.lookup("r", keys) == list(range(1, count + 1))
+            while store.lookup("r", keys) != list(range(1, count + 1)):  # readable just after the offload's end
+                assert time.monotonic() < deadline, "the offloaded pages were not found"
+                time.sleep(0.001)
             assert store.queue_load("r", [PoolPages(KV, keys, dest)])
             index = store.start_loads()
-            counter.done[index].result(60)
-            if device == "cuda":
-                torch.cuda.synchronize()
             landed = rows(dest)
-            for buffer, want, old in zip(buffers, expected, before, strict=True):
-                assert torch.equal(_bits(buffer[landed]), want)
+            # SGLang's forward, on a stream of its own: it waits for the last layer through the counter, then reads
+            # the pages there (in process on a GPU the stream waits for the copy; no thread waits for it)
+            forward = torch.cuda.Stream() if device == "cuda" else None
+            with torch.cuda.stream(forward) if forward is not None else contextlib.nullcontext():
+                counter.set_consumer(index)
+                counter.wait_until(len(kv.layers) - 1)
+                read = [_bits(b[landed]) for b in buffers]
+            if forward is not None:
+                forward.synchronize()
+            assert counter.finish(index)
+            for buffer, got, want, old in zip(buffers, read, expected, before, strict=True):
+                assert torch.equal(got, want)
                 untouched = torch.ones(buffer.shape[0], dtype=torch.bool, device=device)
                 untouched[landed] = False
                 assert torch.equal(_bits(buffer)[untouched], old[untouched])

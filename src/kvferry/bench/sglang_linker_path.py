@@ -5,15 +5,15 @@ worker allocates, no SGLang needed), seen by the linker's own code (`device_kv`)
 linker's own store (`open_linker_store`: in this process, or a ``kvferry server``). Each round gives the source pages
 new random bytes and the prefix new page hashes; a store is an offload of the source pages to its completion; a load
 is the scheduler's lookup (untimed, as SGLang's prefix match runs before the batch), then the queued load started
-with the batch and waited for through the layer counter, to the bytes in place. `check_load` compares every
+with the batch and waited for through the linker's layer counter as SGLang's forward waits for it (`wait_until` of
+its last layer: on the GPU, the stream waits), to the bytes in place; the counter's `finish` (after the forward in
+SGLang) must then say it landed. `check_load` compares every
 destination page with its source page in every buffer and every other byte with what it held before the load.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -23,59 +23,21 @@ from kvferry.bench.sglang_pools import case_of, replay
 from kvferry.connector.settings import ConnectorSettings
 from kvferry.integrations.sglang.device_pages import device_kv
 from kvferry.integrations.sglang.device_pools import KV, kv_pool
-from kvferry.integrations.sglang.linker_pools import PoolPages, PoolPlan
+from kvferry.integrations.sglang.linker_pools import PoolPages, PoolPlan, layer_groups
 from kvferry.integrations.sglang.linker_store import open_linker_store
+from kvferry.integrations.sglang.load_counter import LoadCounter
 from kvferry.integrations.sglang.page_store import PageKeySpace
 
 POISON = 0xA5
 _WAIT_S = 60.0
-
-
-class LayerCounter:
-    """SGLang's layer-wise load counter as the linker store feeds it: a batch is done when every layer is."""
-
-    def __init__(self, layers: int) -> None:
-        self.layers = layers
-        self.first_landed: dict[int, float] = {}  # batch -> when its layer 0 landed (`time.perf_counter`)
-        self._batches: dict[int, tuple[Future[None], set[int]]] = {}
-        self._next = 0
-        self._lock = threading.Lock()
-
-    def update_producer(self) -> int:
-        with self._lock:
-            index, self._next = self._next, self._next + 1
-            self._batches[index] = (Future(), set())
-            return index
-
-    def complete(self, index: int, layer: int) -> None:
-        with self._lock:
-            done, landed = self._batches[index]
-            if layer == 0:
-                self.first_landed[index] = time.perf_counter()
-            landed.add(layer)
-            if len(landed) == self.layers:
-                done.set_result(None)
-
-    def fail(self, index: int, error: BaseException) -> None:
-        self._batches[index][0].set_exception(error)
-
-    def reset(self) -> None:
-        """Nothing to drop: every batch is waited for."""
-
-    def wait(self, index: int) -> None:
-        """Until batch ``index`` has landed in every layer; its failure raised."""
-        try:
-            self._batches[index][0].result(_WAIT_S)
-        finally:
-            with self._lock:
-                self._batches.pop(index)
+_READABLE_S = 1.0  # an offload ends at its copy's end; its pages become readable just after (`offload_outcomes`)
 
 
 class LinkerPath:
     """``pages`` pages of a replayed pool stored from scattered source pages and loaded into scattered others."""
 
     def __init__(
-        self, fixture: dict[str, Any], settings: ConnectorSettings, device: str, pages: int, layer_groups: int = 1
+        self, fixture: dict[str, Any], settings: ConnectorSettings, device: str, pages: int, groups: int = 1
     ) -> None:
         self.case = case_of(fixture)
         self.pool = replay(fixture, device)
@@ -90,13 +52,15 @@ class LinkerPath:
         self.src, self.dst = order[:pages], order[pages : 2 * pages]
         self._src_rows, self._dst_rows = self._rows(self.src), self._rows(self.dst)
         self.nbytes = sum(b[: self.page].numel() * b.element_size() for b in self.buffers) * pages
-        self.counter = LayerCounter(len(self.kv.layers))
+        self.counter = LoadCounter(len(self.kv.layers))
+        self._first_group_ends = layer_groups(len(self.kv.layers), groups)[0][-1]
         space = PageKeySpace(f"bench/{self.case.name}", 1, 0)
         plans = [PoolPlan(kv_pool(self.kv), space)]
         self.store_ = open_linker_store(
-            settings, plans, self.page, len(self.kv.layers), self.counter, name="bench", groups=layer_groups
+            settings, plans, self.page, len(self.kv.layers), self.counter, name="bench", groups=groups
         )
-        self.first_layer_s: list[float] = []  # each load's time from its call to its layer 0 landed
+        self.first_layer_s: list[float] = []  # each load's time from its call to its first group landed
+        self._index = -1  # the counter's index of the last load
         self._generator = torch.Generator(device=device).manual_seed(7)
         self._round = 0
         self.keys: list[str] = []
@@ -140,25 +104,38 @@ class LinkerPath:
                 buffer.dtype
             )
         self._before = [buffer.view(torch.uint8).clone() for buffer in self.buffers]
-        found = self.store_.lookup("bench", self.keys)
-        if len(found) != len(self.keys):
-            raise BenchError(f"{self.case.name}: {len(found)} of {len(self.keys)} pages found after they were stored")
+        deadline = time.monotonic() + _READABLE_S
+        while len(found := self.store_.lookup("bench", self.keys)) != len(self.keys):
+            if time.monotonic() > deadline:
+                raise BenchError(
+                    f"{self.case.name}: {len(found)} of {len(self.keys)} pages found after they were stored"
+                )
+            time.sleep(0.001)
 
     def load(self) -> None:
+        """As SGLang's scheduler starts a batch's loads and its forward waits for the first group's layers, then
+        the last layer, to the bytes in place; on a GPU when the first group landed by the GPU's clock."""
+        on_gpu = self.device == "cuda"
         start = time.perf_counter()
+        began = _event(on_gpu)
         if not self.store_.queue_load("bench", [PoolPages(KV, self.keys, self.dst)]):
             raise BenchError(f"{self.case.name}: the linker refused a load")
-        index = self.store_.start_loads()
-        try:
-            self.counter.wait(index)
-        except Exception as exc:
-            raise BenchError(f"{self.case.name}: a load failed: {type(exc).__name__}: {exc}") from exc
-        if self.device == "cuda":
+        self._index = self.store_.start_loads()
+        self.counter.set_consumer(self._index)
+        self.counter.wait_until(self._first_group_ends)
+        first = _event(on_gpu)
+        first_s = time.perf_counter() - start
+        self.counter.wait_until(self.counter.num_layers - 1)
+        if on_gpu:
             torch.cuda.synchronize()
-        self.first_layer_s.append(self.counter.first_landed.pop(index) - start)
+            first_s = began.elapsed_time(first) / 1e3
+        self.first_layer_s.append(first_s)
 
     def check_load(self) -> None:
-        """Every destination page holds its source page's bytes, in every buffer; every other byte is unchanged."""
+        """The load landed (the counter's `finish`), every destination page holds its source page's bytes, in every
+        buffer, and every other byte is unchanged."""
+        if not self.counter.finish(self._index):
+            raise BenchError(f"{self.case.name}: a load failed (the layer counter's finish)")
         for i, (buffer, before) in enumerate(zip(self.buffers, self._before, strict=True)):
             got = buffer.view(torch.uint8)
             if not torch.equal(got[self._dst_rows], got[self._src_rows]):
@@ -170,3 +147,12 @@ class LinkerPath:
 
     def close(self) -> None:
         self.store_.close()
+
+
+def _event(on_gpu: bool) -> Any:
+    """A timing event recorded on the current stream (on a GPU; None on the CPU)."""
+    if not on_gpu:
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event

@@ -152,13 +152,18 @@ class Rest(HelpedFuture[int]):
     """The rest of a started transfer (`finish_steps`), run once: by a worker of the executor, or by the first
     thread that waits for its result before a worker took it (`kvferry.futures`). Where its first step says the
     copy's end is its result (`Enqueued.landed`), resolved then, before the rest: a load's waiter (SGLang's forward)
-    wakes while the readers are let go."""
+    wakes while the readers are let go. `copy_end`: that copy, where its end is all its caller needs (a retrieve's,
+    a store's final copy), for a caller that orders its stream after it or polls it rather than wait for a worker
+    to resolve the future (`copy_end`)."""
 
     def __init__(self, after: RecordedEvent | None, steps: Steps[int], first: Enqueued | None = None) -> None:
         super().__init__()
         self._after = after
         self._steps: Steps[int] | None = steps
-        self._landed = first if first is not None and first.landed and first.handle is not None else None
+        in_flight = first if first is not None and first.handle is not None else None
+        self._landed = in_flight if in_flight is not None and in_flight.landed else None
+        ends = in_flight is not None and (in_flight.landed or in_flight.final)
+        self.copy_end: TransferHandle | None = in_flight.handle if in_flight is not None and ends else None
         self._claim = threading.Lock()
 
     @classmethod
@@ -202,6 +207,14 @@ class Rest(HelpedFuture[int]):
         self.set_result(first.tokens)
 
     _help = run
+
+
+def copy_end(future: Future[Any]) -> TransferHandle | None:
+    """The GPU copy whose end is all that ``future``'s caller waits for (`Rest.copy_end`): a retrieve's, whose
+    bytes are then in the engine's blocks, or a store's final copy, whose blocks the engine may then reuse (its
+    chunks become readable just after, on a worker). None for a future without one: done on return, on the CPU,
+    through a server, or a store with more to write after its copy."""
+    return future.copy_end if isinstance(future, Rest) else None
 
 
 def _ordered(after: RecordedEvent | None, call: Callable[..., int], args: tuple, kwargs: dict[str, Any]) -> int:

@@ -29,13 +29,14 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName, PoolTransfer
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
-from sglang.srt.mem_cache.unified_cache.unified_cache_linker import LayerWiseLoadCounter, UnifiedCacheLinker
+from sglang.srt.mem_cache.unified_cache.unified_cache_linker import UnifiedCacheLinker
 
 from kvferry.connector.engine_kv import UnsupportedKVLayout
 from kvferry.integrations.sglang.device_pages import slot_pages
 from kvferry.integrations.sglang.device_pools import KV, MAMBA, SWA, device_pools
 from kvferry.integrations.sglang.linker_pools import PoolPages, PoolPlan
 from kvferry.integrations.sglang.linker_store import LinkerStore, open_linker_store
+from kvferry.integrations.sglang.load_counter import LoadCounter
 from kvferry.integrations.sglang.storage_settings import LinkerSettings, page_key_space
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ class KvferryLinker(UnifiedCacheLinker):
                 f"SGLang's tree has the pools {sorted(wanted)} and its device cache {sorted(linked.pools)}"
             )
         self.pools = {PoolName(name): kvcache for name in linked.pools}
-        self.layer_done_counter = LayerWiseLoadCounter(linked.num_layers)
+        self.layer_done_counter = LoadCounter(linked.num_layers)  # SGLang's calls; waits on the GPU in process
         if MAMBA in linked.pools:  # the forward reads each Mamba layer's loaded state through this counter
             params.req_to_token_pool.register_layer_transfer_counter(self.layer_done_counter)
         # An MLA model's TP ranks hold the same pages in one key space (through a server, one of them stores

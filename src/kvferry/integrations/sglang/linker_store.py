@@ -2,18 +2,19 @@
 offloaded through kvferry's cache, keyed as the HiCache backend keys them (`page_store`), each pool's objects
 behind backends of their own (`linker_pools`).
 
-SGLang's scheduler thread calls in (`lookup`, `queue_load`, `start_loads`, `offload`). `start_loads` enqueues a
-batch's loads itself, after what the scheduler's current stream has queued (the slots' last readers): on the GPU no
-host wait and no thread hand-off comes before the first DMA. Whichever thread sees a move land (the cache engine's
-worker that waited for its copy, a server client's reader) completes SGLang's layer counter there, so a forward pass
-waiting on the counter wakes one thread hand-off after the copy ends (`_Batch`); a thread of this class's own then
+SGLang's scheduler thread calls in (`lookup`, `queue_load`, `start_loads`, `offload`). `start_loads` enqueues a batch's
+loads itself, after what the scheduler's current stream has queued (the slots' last readers): on the GPU no host wait
+and no thread hand-off comes before the first DMA. Where the copies run on this process's GPU, the forward's stream
+waits for their end on the GPU (`load_counter`); whichever thread sees a move land (the cache engine's worker that
+waited for its copy, a server client's reader) completes the layer counter there, which is what a load through a server
+waits for, and what tells SGLang after the forward whether the load landed (`_Batch`); a thread of this class's own then
 frees the load's locks (a server call). An offload starts on the scheduler's thread too, its copies ordered after
 SGLang's ready events on the GPU (no host wait and no thread hand-off: ~0.2-0.3 ms of a 64-page offload on the H100
 host), and its outcome is kept in the order of the offloads (SGLang pairs the n-th outcome it takes with its n-th
-offload). A load's groups of layers (`linker_pools`) are all under way at once, the first group started first, and
-each is completed in the layer counter once it and every group before it landed. Nothing raises into SGLang: a load
-that does not land fails its batch in the layer counter (SGLang then aborts the batch's loading requests: their
-slots hold what was there), and an offload that does not land is a False result (SGLang keeps the pages out of its
+offload; `offload_outcomes`). A load's groups of layers (`linker_pools`) are all under way at once, the first group
+started first, and each is completed in the layer counter once it and every group before it landed. Nothing raises into
+SGLang: a load that does not land fails its batch in the layer counter (SGLang then aborts the batch's loading requests:
+their slots hold what was there), and an offload that does not land is a False result (SGLang keeps the pages out of its
 record of what the store holds).
 
 A lookup's hits stay locked in the cache (against eviction) until their load has run, or until the request looks
@@ -33,6 +34,7 @@ from typing import Any, Protocol
 
 import torch
 
+from kvferry.cache.steps import copy_end
 from kvferry.connector.settings import ConnectorSettings
 from kvferry.futures import when_all
 from kvferry.integrations.sglang.linker_pools import (
@@ -45,6 +47,7 @@ from kvferry.integrations.sglang.linker_pools import (
     open_pool_backends,
     restorable_prefixes,
 )
+from kvferry.integrations.sglang.load_counter import CopyEnd, LoadCounter
 from kvferry.integrations.sglang.offload_outcomes import Move, OffloadOutcomes, stored
 from kvferry.integrations.sglang.page_store import page_tokens
 
@@ -57,18 +60,6 @@ class ReadyEvent(Protocol):
     def wait(self) -> None:
         """Make the calling thread's current stream wait for the event (on the device: the host goes on)."""
         ...
-
-
-class LayerCounter(Protocol):
-    """SGLang's ``LayerWiseLoadCounter``: what a forward pass waits on, layer by layer."""
-
-    def update_producer(self) -> int: ...
-
-    def complete(self, index: int, layer: int) -> None: ...
-
-    def fail(self, index: int, error: BaseException) -> None: ...
-
-    def reset(self) -> None: ...
 
 
 @dataclass
@@ -92,7 +83,7 @@ class LinkerStore:
         pools: dict[str, PoolBackends],
         page_size: int,
         groups: Sequence[range],
-        counter: LayerCounter,
+        counter: LoadCounter,
         closing: Callable[[], None],
         *,
         name: str = "sglang",
@@ -160,6 +151,9 @@ class LinkerStore:
         except Exception as exc:  # before any move started (a move's own failure is its future's)
             batch.follow([[] for _ in self.layer_groups], exc)
         else:
+            ends = [_copy_ends(group) for group in moves]
+            if any(ends):  # a copy on this process's GPU: the forward's stream waits for it there
+                self.counter.on_device(index, self.layer_groups, ends)
             batch.follow(moves, None)
         return index
 
@@ -172,7 +166,7 @@ class LinkerStore:
             moves = [move for group in self._start_after(ready, owned) for move in group] if owned else []
         except Exception as exc:  # before any move started (a move's own failure is its future's)
             moves = [(0, _failed(exc))]
-        self._offloads.add(when_all([future for _, future in moves], lambda: stored(moves)))
+        self._offloads.add(when_all([future for _, future in moves], lambda: stored(moves)), _copy_ends(moves))
 
     def completed_offloads(self) -> int:
         """How many offloads have ended, counted from the oldest not taken (one still running ends the count)."""
@@ -328,6 +322,19 @@ class _Batches:
             self._changed.wait_for(lambda: not self._under_way)
 
 
+def _copy_ends(moves: list[Move]) -> list[CopyEnd] | None:
+    """The GPU ends of a group's moves (`copy_end`), where each move has one or has ended (a miss, a failure
+    before its copy); None where one is to be waited for on the CPU (through a server, into CPU tensors)."""
+    ends: list[CopyEnd] = []
+    for _, future in moves:
+        end = copy_end(future)
+        if end is not None:
+            ends.append(end)
+        elif not future.done():
+            return None
+    return ends
+
+
 def _call(move: Callable[[Any, list[int]], Future[int]], tokens: Any, blocks: list[int]) -> Future[int]:
     """``move(tokens, blocks)``; what it raises as its future's failure (the moves started before it go on)."""
     try:
@@ -343,7 +350,7 @@ def _failed(error: BaseException) -> Future[int]:
 
 
 def open_linker_store(
-    settings: ConnectorSettings, plans: Sequence[PoolPlan], page_size: int, num_layers: int, counter: LayerCounter,
+    settings: ConnectorSettings, plans: Sequence[PoolPlan], page_size: int, num_layers: int, counter: LoadCounter,
     *, name: str, groups: int = 1,
 ) -> LinkerStore:  # fmt: skip
     """The linker store of the planned pools in ``settings``' mode (`linker_pools.open_pool_backends`), its loads
