@@ -69,7 +69,7 @@ def test_moves_ending_on_several_threads_end_their_offload_once() -> None:
 
 
 class CopyEnd:
-    """An offload's copy on the GPU, faked: ended when told, or failing when queried."""
+    """An offload's copy (on the GPU, or through a server), faked: ended when told, or failing when queried."""
 
     def __init__(self, error: Exception | None = None) -> None:
         self.ended, self.error = False, error
@@ -79,16 +79,13 @@ class CopyEnd:
             raise self.error
         return self.ended
 
-    def wait_on(self, stream: object = None) -> None:
-        raise AssertionError("an offload's end is polled, not waited for")
 
-
-def test_an_offload_on_the_gpu_ends_with_its_copies_before_its_pages_are_readable() -> None:
+def test_an_offload_ends_with_its_copies_before_its_future_resolves() -> None:
     outcomes = OffloadOutcomes()
     first, second = _moves(1), _moves(2)
     ends = [CopyEnd(), CopyEnd()]
-    outcomes.add(when_all([f for _, f in first], lambda: stored(first)), [ends[0]])
-    outcomes.add(when_all([f for _, f in second], lambda: stored(second)), [ends[1]])
+    outcomes.add(when_all([f for _, f in first], lambda: stored(first)), [ends[0].done])
+    outcomes.add(when_all([f for _, f in second], lambda: stored(second)), [ends[1].done])
     ends[1].ended = True
     assert outcomes.ended() == 0  # the first has not: its outcome comes first
     ends[0].ended = True
@@ -104,7 +101,8 @@ def test_an_offload_on_the_gpu_ends_with_its_copies_before_its_pages_are_readabl
 def test_an_offload_whose_copy_end_cannot_be_queried_ends_with_its_future() -> None:
     outcomes = OffloadOutcomes()
     moves = _moves(1)
-    outcomes.add(when_all([f for _, f in moves], lambda: stored(moves)), [CopyEnd(RuntimeError("an illegal address"))])
+    failing = CopyEnd(RuntimeError("an illegal address"))
+    outcomes.add(when_all([f for _, f in moves], lambda: stored(moves)), [failing.done])
     assert outcomes.ended() == 0 and outcomes.take() is False
     moves[0][1].set_exception(RuntimeError("an illegal address"))
     assert outcomes.ended() == 1 and outcomes.take() is False

@@ -148,6 +148,26 @@ def test_a_waiter_sees_the_flag_itself_and_the_watch_then_lets_it_go() -> None:
         watch.close(time.monotonic() + 5)
 
 
+def test_a_flag_future_says_its_copy_ended_as_the_word_shows_before_it_resolves() -> None:
+    flags = DoneFlags(slots=2)
+    watch = FlagWatch(lambda: None)
+    watch._run = lambda: None  # type: ignore[method-assign]  # a watch thread that never looks
+    try:
+        outcome = FlagFuture()
+        slot, seq = flags.take()  # type: ignore[misc]
+        assert not outcome.copied()  # no answer yet
+        outcome.answered(watch.watch(flags, slot, seq, outcome, 64, time.monotonic() + 5))
+        assert not outcome.copied()
+        write_later(flags, slot, seq, after_s=0).join()
+        assert outcome.copied() and not outcome.done()  # the copy has ended; nothing has resolved it yet
+        answered_after = FlagFuture()
+        answered_after.set_result(64)
+        answered_after.answered(None)
+        assert not answered_after.copied()  # no flag: its answer came after the copy, and resolved it
+    finally:
+        watch.close(time.monotonic() + 5)
+
+
 def test_a_waiter_with_a_timeout_or_past_its_look_leaves_the_flag_to_the_watch() -> None:
     flags = DoneFlags(slots=2)
     watch = FlagWatch(lambda: None)

@@ -154,6 +154,12 @@ class FlagFuture(HelpedFuture[Any]):
         self._watched = watched
         self._answered.set()
 
+    def copied(self) -> bool:
+        """Whether the flag shows: the server's copy has ended, and the watch thread resolves the future just after.
+        False before the server's answer is in, and for a transfer answered after its copy (done on its answer)."""
+        item = self._watched
+        return item is not None and item.flags.is_set(item.slot, item.seq)
+
     def _help(self) -> None:
         """Look at the flag, yielding the CPU between looks, for up to `LOOK_S` (then wait for the watch thread,
         which also tells a lost server and a timeout)."""

@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 import torch
 
-from kvferry.cache.steps import copy_end
+from kvferry.connector.copy_ends import copied_probe, copy_end
 from kvferry.connector.settings import ConnectorSettings
 from kvferry.futures import when_all
 from kvferry.integrations.sglang.linker_pools import (
@@ -166,7 +166,7 @@ class LinkerStore:
             moves = [move for group in self._start_after(ready, owned) for move in group] if owned else []
         except Exception as exc:  # before any move started (a move's own failure is its future's)
             moves = [(0, _failed(exc))]
-        self._offloads.add(when_all([future for _, future in moves], lambda: stored(moves)), _copy_ends(moves))
+        self._offloads.add(when_all([future for _, future in moves], lambda: stored(moves)), _copied_probes(moves))
 
     def completed_offloads(self) -> int:
         """How many offloads have ended, counted from the oldest not taken (one still running ends the count)."""
@@ -333,6 +333,19 @@ def _copy_ends(moves: list[Move]) -> list[CopyEnd] | None:
         elif not future.done():
             return None
     return ends
+
+
+def _copied_probes(moves: list[Move]) -> list[Callable[[], bool]] | None:
+    """Whether each of an offload's moves has copied its pages (`copied_probe`), where each has a probe or has
+    ended; None where one of them is known to have ended only when its future resolves."""
+    probes: list[Callable[[], bool]] = []
+    for _, future in moves:
+        probe = copied_probe(future)
+        if probe is not None:
+            probes.append(probe)
+        elif not future.done():
+            return None
+    return probes
 
 
 def _call(move: Callable[[Any, list[int]], Future[int]], tokens: Any, blocks: list[int]) -> Future[int]:

@@ -24,10 +24,6 @@ import torch
 class CopyEnd(Protocol):
     """The end of a copy on this process's GPU (`kvferry.transfer.TransferHandle`, from `copy_end`)."""
 
-    def done(self) -> bool:
-        """Whether the copy has ended (a query; raises for a copy that failed)."""
-        ...
-
     def wait_on(self, stream: Any = None) -> None:
         """Make ``stream`` wait for the copy's end on the GPU (the CPU goes on)."""
         ...

@@ -1,10 +1,10 @@
 """The unified-cache linker's offloads as SGLang takes their outcomes: in the order the offloads started (it pairs
 the n-th outcome it takes with its n-th offload), each ended once every copy of it (a move) has (`stored`).
 
-An offload whose copies run on this process's GPU ends when the GPU has copied them (`copy_end`): SGLang may then
-reuse the pages, and the poll that tells it so queries the copies' ends itself instead of waiting for the worker that
-saw them end to resolve the offload's future and make its pages readable (0.1-0.4 ms more of a 64-page offload on
-a GPU host). A lookup in that short while misses them (as through a server, which answers at the copy's end too).
+An offload ends when its copies have (`kvferry.connector.copy_ends`): SGLang may then reuse the pages, and the poll
+that tells it so looks at the copies' ends itself (a CUDA event in process, a done flag through a server) instead of
+waiting for the thread that saw them end to resolve the offload's future (in process, after making the pages
+readable: 0.1-0.4 ms more of a 64-page offload on a GPU host). A lookup in that short while misses them.
 """
 
 from __future__ import annotations
@@ -12,10 +12,9 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-
-from kvferry.integrations.sglang.load_counter import CopyEnd
 
 log = logging.getLogger(__name__)
 
@@ -36,17 +35,17 @@ def stored(moves: list[Move]) -> bool:
 @dataclass
 class _Offload:
     outcome: Future[bool]
-    ends: list[CopyEnd] | None  # its copies on this process's GPU, where all of it is
+    copied_probes: list[Callable[[], bool]] | None  # whether each of its copies has ended (`copied_probe`)
     copied: bool = False  # every one of them seen ended
 
     def ended(self) -> bool:
         if self.outcome.done() or self.copied:
             return True
-        if not self.ends:
+        if not self.copied_probes:
             return False
         try:
-            self.copied = all(end.done() for end in self.ends)
-        except Exception:  # a failed copy's end: its future says how it went
+            self.copied = all(copied() for copied in self.copied_probes)
+        except Exception:  # a copy that failed on the GPU: its future says how it went
             log.debug("kvferry: querying an offload's copy", exc_info=True)
         return self.copied
 
@@ -58,12 +57,11 @@ class OffloadOutcomes:
         self._offloads: deque[_Offload] = deque()
         self._lock = threading.Lock()
 
-    def add(self, outcome: Future[bool], ends: list[CopyEnd] | None = None) -> None:
-        """The next offload's outcome (it may be done already), and ``ends``: the ends of its copies on this
-        process's GPU, when it has some and every move of it is one of them or has ended (its outcome then comes
-        once they have)."""
+    def add(self, outcome: Future[bool], copied_probes: list[Callable[[], bool]] | None = None) -> None:
+        """The next offload's outcome (it may be done already), and ``copied_probes``: whether each of its copies
+        has ended, where every move of it has one or has ended (it then ends once they say so)."""
         with self._lock:
-            self._offloads.append(_Offload(outcome, ends or None))
+            self._offloads.append(_Offload(outcome, copied_probes or None))
 
     def ended(self) -> int:
         with self._lock:

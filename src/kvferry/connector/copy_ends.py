@@ -1,0 +1,30 @@
+"""A transfer's copy seen to end before its future resolves: for a caller that only needs the bytes moved (an
+engine that reuses the blocks a store read, a forward that reads the blocks a load wrote), not what the transfer
+does after its copy (a store's chunks made readable, a load's readers let go) or the thread that resolves it.
+
+In process on a GPU the copy's end is a CUDA event (`kvferry.cache.steps.copy_end`): a stream can wait for it and a
+query sees it. Through a server it is the transfer's done flag (`kvferry.client.done_flags`): a load of a word.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from kvferry.cache.steps import copy_end
+from kvferry.client.done_flags import FlagFuture
+
+__all__ = ["copied_probe", "copy_end"]
+
+
+def copied_probe(future: Future[Any]) -> Callable[[], bool] | None:
+    """A call that tells whether the copy of the transfer ``future`` stands for has ended (raising for one that
+    failed on the GPU), where there is one: in process on a GPU, or through a server that answered before the copy
+    ended; None otherwise (the future resolves with the copy, or the transfer has more to do after it)."""
+    end = copy_end(future)
+    if end is not None:
+        return end.done
+    if isinstance(future, FlagFuture):
+        return future.copied
+    return None
