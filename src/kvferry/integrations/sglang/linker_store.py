@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from queue import Queue
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -52,6 +52,7 @@ from kvferry.integrations.sglang.offload_outcomes import Move, OffloadOutcomes, 
 from kvferry.integrations.sglang.page_store import page_tokens
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class ReadyEvent(Protocol):
@@ -151,7 +152,7 @@ class LinkerStore:
         except Exception as exc:  # before any move started (a move's own failure is its future's)
             batch.follow([[] for _ in self.layer_groups], exc)
         else:
-            ends = [_copy_ends(group) for group in moves]
+            ends: list[list[CopyEnd] | None] = [_of_each(group, copy_end) for group in moves]
             if any(ends):  # a copy on this process's GPU: the forward's stream waits for it there
                 self.counter.on_device(index, self.layer_groups, ends)
             batch.follow(moves, None)
@@ -166,7 +167,8 @@ class LinkerStore:
             moves = [move for group in self._start_after(ready, owned) for move in group] if owned else []
         except Exception as exc:  # before any move started (a move's own failure is its future's)
             moves = [(0, _failed(exc))]
-        self._offloads.add(when_all([future for _, future in moves], lambda: stored(moves)), _copied_probes(moves))
+        outcome = when_all([future for _, future in moves], lambda: stored(moves))
+        self._offloads.add(outcome, _of_each(moves, copied_probe))
 
     def completed_offloads(self) -> int:
         """How many offloads have ended, counted from the oldest not taken (one still running ends the count)."""
@@ -322,30 +324,18 @@ class _Batches:
             self._changed.wait_for(lambda: not self._under_way)
 
 
-def _copy_ends(moves: list[Move]) -> list[CopyEnd] | None:
-    """The GPU ends of a group's moves (`copy_end`), where each move has one or has ended (a miss, a failure
-    before its copy); None where one is to be waited for on the CPU (through a server, into CPU tensors)."""
-    ends: list[CopyEnd] = []
+def _of_each(moves: list[Move], of: Callable[[Future[int]], T | None]) -> list[T] | None:
+    """``of`` each move's future (`copy_end`: its copy's end on this process's GPU; `copied_probe`: whether its copy
+    has ended), those that have none left out where they have ended (a miss, a failure before the copy); None
+    where one has none and is still running (it ends when its future resolves: through a server, on the CPU)."""
+    found: list[T] = []
     for _, future in moves:
-        end = copy_end(future)
-        if end is not None:
-            ends.append(end)
+        one = of(future)
+        if one is not None:
+            found.append(one)
         elif not future.done():
             return None
-    return ends
-
-
-def _copied_probes(moves: list[Move]) -> list[Callable[[], bool]] | None:
-    """Whether each of an offload's moves has copied its pages (`copied_probe`), where each has a probe or has
-    ended; None where one of them is known to have ended only when its future resolves."""
-    probes: list[Callable[[], bool]] = []
-    for _, future in moves:
-        probe = copied_probe(future)
-        if probe is not None:
-            probes.append(probe)
-        elif not future.done():
-            return None
-    return probes
+    return found
 
 
 def _call(move: Callable[[Any, list[int]], Future[int]], tokens: Any, blocks: list[int]) -> Future[int]:
