@@ -27,7 +27,7 @@ from kvferry.cache.policies import make_policy
 from kvferry.cache.pool_sizing import host_pool
 from kvferry.cache.reader import ChunkReader
 from kvferry.cache.residency import Residency
-from kvferry.cache.steps import RecordedEvent, Steps, StreamMarker, run_steps, submitted
+from kvferry.cache.steps import RecordedEvent, Steps, StoredEarly, StreamMarker, run_steps, submitted
 from kvferry.cache.tiering import TierLink
 from kvferry.cache.writer import ChunkWriter
 from kvferry.config import KvferryConfig
@@ -79,6 +79,7 @@ class CacheEngine:
         self._geometries = GeometryChecks(cfg.chunk_size)
         # Its threads run torch on one thread each: a parallel op there would slow the engine's own (`cpu_threads`).
         self._executor = ThreadPoolExecutor(cfg.async_workers, f"kvferry-{name}", initializer=torch_on_one_thread)
+        self._stored_early = StoredEarly()  # stores seen done at their copy's end: settled before the cache is read
         # The cache's counters and its tiers' (`kvferry_tier_*`, labelled by tier): one registry to export.
         self.metrics_registry = make_registry(name, self._metric_values)
         self.metrics_registry.register(TierCollector(lambda: [tier.metrics for tier in self.tiers]))
@@ -170,11 +171,13 @@ class CacheEngine:
         ``first_chunk``: the caller needs the chunks from this one on only (a sliding-window layer's lookup needs
         the window before the hit's end); the hit then counts from token 0 as if the chunks before it were held,
         and is ``first_chunk`` chunks where that chunk is missing."""
+        self._stored_early.settle()
         return self._lookup.pool_then_tiers(tokens, self._ns(namespace), lock, block_size, first_chunk)
 
     def prefetch(self, tokens: TokenIds, *, namespace: CacheNamespace | None = None) -> Future[int]:
         """Start promoting the tier hits of ``tokens`` into the pool; the future gives the pool's prefix hit
         (as ``lookup`` would) once every promotion this prefix waits for has landed or missed."""
+        self._stored_early.settle()
         return self._lookup.prefetch(tokens, self._ns(namespace))
 
     def demote(self, tokens: TokenIds, chunks: range, *, namespace: CacheNamespace | None = None) -> None:
@@ -291,6 +294,7 @@ class CacheEngine:
         loaded, one into each chunk's blocks, in one copy (``skip_prefix_tokens`` 0, no tail).
         """
         try:
+            self._stored_early.settle()
             ns = self._ns(namespace)
             geom = self._geometries.checked(fmt, paged, block_size, geometry, ns)
         except BaseException:
@@ -322,7 +326,11 @@ class CacheEngine:
         a tail's copy) goes to the workers, after ``after``, or, with ``marks``, after a mark of this thread's
         stream recorded once the copy is in flight. A failure before the copy is the future's."""
         request = (tokens, paged, block_ids, fmt)
-        return submitted(self._executor, self.store, self.store_steps, request, dict(options), after, start_here, marks)
+        future = submitted(
+            self._executor, self.store, self.store_steps, request, dict(options), after, start_here, marks
+        )
+        self._stored_early.add(future)
+        return future
 
     def retrieve_async(
         self,

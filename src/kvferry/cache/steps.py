@@ -164,6 +164,7 @@ class Rest(HelpedFuture[int]):
         self._landed = in_flight if in_flight is not None and in_flight.landed else None
         ends = in_flight is not None and (in_flight.landed or in_flight.final)
         self.copy_end: TransferHandle | None = in_flight.handle if in_flight is not None and ends else None
+        self.copied_tokens = in_flight.tokens if in_flight is not None and ends else 0  # the result, at `copy_end`
         self._claim = threading.Lock()
 
     @classmethod
@@ -215,6 +216,51 @@ def copy_end(future: Future[Any]) -> TransferHandle | None:
     chunks become readable just after, on a worker). None for a future without one: done on return, on the CPU,
     through a server, or a store with more to write after its copy."""
     return future.copy_end if isinstance(future, Rest) else None
+
+
+class StoredEarly:
+    """Stores whose caller may take them as done at their copy's end (`copy_end`: the engine reuses the blocks then),
+    before the rest of them has made their chunks readable. `settle`, before the cache is read: the rest of each
+    whose copy has ended is run on the calling thread (or waited for where a worker runs it: it follows the copy by
+    microseconds), so that whoever saw one done finds its chunks, as a server does for the transfers it answers early
+    (`kvferry.server.sessions`). Stores still copying are left alone: nobody can have seen them done."""
+
+    def __init__(self) -> None:
+        self._rests: set[Rest] = set()
+        self._lock = threading.Lock()
+
+    def add(self, future: Future[int]) -> None:
+        """Follow ``future`` if it is a store's `Rest` that its caller may see done at its copy's end."""
+        if not isinstance(future, Rest) or future.copy_end is None:
+            return
+        with self._lock:
+            self._rests.add(future)
+        future.add_done_callback(self._discard)
+
+    def settle(self, timeout_s: float = 1.0) -> None:
+        if not self._rests:  # unlocked: a store added meanwhile is one its caller has not seen done yet
+            return
+        with self._lock:
+            rests = list(self._rests)
+        for rest in rests:
+            end = rest.copy_end
+            try:
+                if end is None or not end.done():
+                    continue
+            except Exception:  # a copy that failed: its rest settles what it held
+                log.debug("kvferry: a store's copy failed", exc_info=True)
+            rest.run()  # here, unless a worker took it
+            try:
+                rest.exception(timeout=timeout_s)
+            except TimeoutError:
+                log.warning("kvferry: a store's bookkeeping after its copy took over %.1f s", timeout_s)
+
+    def _discard(self, rest: Future[int]) -> None:
+        with self._lock:
+            self._rests.discard(rest)
+        error = rest.exception()
+        if error is not None:  # its caller may have taken it as done at its copy's end
+            log.warning("kvferry: a store's chunks were copied but not kept: %s: %s", type(error).__name__, error)
 
 
 def _ordered(after: RecordedEvent | None, call: Callable[..., int], args: tuple, kwargs: dict[str, Any]) -> int:

@@ -12,10 +12,10 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from kvferry.cache.steps import copy_end
+from kvferry.cache.steps import Rest, copy_end
 from kvferry.client.done_flags import FlagFuture
 
-__all__ = ["copied_probe", "copy_end"]
+__all__ = ["copied", "copied_probe", "copy_end"]
 
 
 def copied_probe(future: Future[Any]) -> Callable[[], bool] | None:
@@ -28,3 +28,15 @@ def copied_probe(future: Future[Any]) -> Callable[[], bool] | None:
     if isinstance(future, FlagFuture):
         return future.copied
     return None
+
+
+def copied(future: Future[int]) -> int:
+    """The tokens of the transfer ``future`` stands for, waited for to its copy's end where that is all its caller
+    needs (`copy_end`: in process, on a GPU; what comes after runs on a worker, and the cache settles it before it
+    is read), else to its end."""
+    end = copy_end(future)
+    if end is None or future.done():
+        return future.result()
+    end.wait()
+    assert isinstance(future, Rest)  # the only futures with a `copy_end`
+    return future.copied_tokens

@@ -34,6 +34,7 @@ from concurrent.futures import wait as wait_all
 
 from kvferry.cache.keys import TokenIds
 from kvferry.connector.backends import Transfers
+from kvferry.connector.copy_ends import copied, copied_probe
 from kvferry.connector.counters import WorkerCounters
 from kvferry.connector.plan import LoadSpec, StepPlan, StoreSpec
 from kvferry.connector.server_link import ServerDown
@@ -151,9 +152,9 @@ class WorkerSide:
         self._finished.update(r for r in finished_req_ids if r in self._saving)
         done = set()
         for req_id in list(self._finished):
-            if any(not future.done() for future, _, _ in self._inflight.get(req_id, [])):
+            if not all(_ended(future) for future, _, _ in self._inflight.get(req_id, [])):
                 continue
-            self._wait_for_stores(req_id)  # all done: collect their results and errors
+            self._wait_for_stores(req_id)  # all ended: collect their results and errors
             done.add(req_id)
         self._finished -= done
         self._saving -= done
@@ -267,7 +268,7 @@ class WorkerSide:
     def _wait_for_stores(self, req_id: str) -> None:
         for future, timer, counted in self._inflight.pop(req_id, []):
             try:
-                stored = future.result()
+                stored = copied(future)
             except Exception as exc:
                 self.counters.store_failures += 1
                 if not isinstance(exc, ServerDown):
@@ -277,6 +278,18 @@ class WorkerSide:
                 self.counters.tokens_stored += stored
                 self.counters.stores += 1
                 self.counters.store_seconds += timer.seconds
+
+
+def _ended(store: Future[int]) -> bool:
+    """Whether a store has ended for the engine: done, or its copy has ended (its blocks may be reused:
+    `kvferry.connector.copy_ends`); a copy that failed on the GPU has ended too (its future raises it)."""
+    if store.done():
+        return True
+    probe = copied_probe(store)
+    try:
+        return probe is not None and probe()
+    except Exception:
+        return True
 
 
 class ConnectorOff(ServerDown):

@@ -4,7 +4,8 @@ the n-th outcome it takes with its n-th offload), each ended once every copy of 
 An offload ends when its copies have (`kvferry.connector.copy_ends`): SGLang may then reuse the pages, and the poll
 that tells it so looks at the copies' ends itself (a CUDA event in process, a done flag through a server) instead of
 waiting for the thread that saw them end to resolve the offload's future (in process, after making the pages
-readable: 0.1-0.4 ms more of a 64-page offload on a GPU host). A lookup in that short while misses them.
+readable: 0.1-0.4 ms more of a 64-page offload on a GPU host). The cache finishes that bookkeeping before it is
+read (`kvferry.cache.steps.StoredEarly`), so a lookup after the offload ended finds the pages.
 """
 
 from __future__ import annotations

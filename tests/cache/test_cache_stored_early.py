@@ -1,0 +1,96 @@
+"""Stores their callers take as done at their copy's end (`Rest.copy_end`, `StoredEarly`, `connector.copy_ends`): the
+engine gets its blocks back when the GPU has copied them, and the cache, before it is read, finishes the bookkeeping
+of every such store whose copy has ended (on the reading thread, or waiting for the worker that runs it), so a store
+seen done is found. GPU copies stood in for (the GPU tests run the same through the vLLM connector and the SGLang
+linker)."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from kvferry.cache.steps import Enqueued, Rest, Steps, StoredEarly, copy_end, first_step
+from kvferry.connector.copy_ends import copied, copied_probe
+
+
+class Copy:
+    """Stand-in `TransferHandle` of a GPU copy that ends when ``ended`` is set."""
+
+    def __init__(self) -> None:
+        self.ended = threading.Event()
+
+    def done(self) -> bool:
+        return self.ended.is_set()
+
+    def wait(self) -> None:
+        assert self.ended.wait(5.0)
+
+
+def _store(copy: Copy, log: list[str], final: bool = True, hold: threading.Event | None = None) -> Rest:
+    """A store's `Rest`, its copy in flight: its rest makes the chunks readable (logged) once the copy ended."""
+
+    def steps() -> Steps[int]:
+        yield Enqueued(copy, 64, final)  # type: ignore[arg-type]  # a stand-in handle
+        copy.wait()
+        if hold is not None:
+            hold.wait(5.0)
+        log.append(f"readable on {threading.current_thread().name}")
+        return 64
+
+    started = steps()
+    first = first_step(started)
+    assert isinstance(first, Enqueued)
+    return Rest(None, started, first)
+
+
+def test_a_store_s_copy_end_and_tokens_come_before_its_bookkeeping() -> None:
+    copy, log = Copy(), []
+    rest = _store(copy, log)
+    assert copy_end(rest) is copy and copied_probe(rest) is not None
+    probe = copied_probe(rest)
+    assert probe is not None and not probe()
+    copy.ended.set()
+    assert probe() and copied(rest) == 64  # the engine's wait: the copy's end, the rest not run
+    assert log == [] and not rest.done()
+    rest.run()
+    assert rest.result() == 64 and log == [f"readable on {threading.current_thread().name}"]
+
+
+def test_the_cache_settles_stores_whose_copy_ended_and_leaves_the_copying_ones() -> None:
+    early, log = StoredEarly(), []
+    ended, copying = Copy(), Copy()
+    first, second = _store(ended, log), _store(copying, log)
+    early.add(first)
+    early.add(second)
+    ended.ended.set()
+    early.settle()  # before a lookup: the ended one made readable on this thread
+    assert log == [f"readable on {threading.current_thread().name}"] and first.done() and not second.done()
+    copying.ended.set()
+    early.settle()
+    assert second.done() and len(log) == 2
+    assert early._rests == set()  # forgotten once done
+
+
+def test_a_settle_waits_for_the_worker_that_runs_a_store_s_bookkeeping() -> None:
+    early, log, hold = StoredEarly(), [], threading.Event()
+    copy = Copy()
+    rest = _store(copy, log, hold=hold)
+    early.add(rest)
+    copy.ended.set()
+    with ThreadPoolExecutor(1, thread_name_prefix="worker") as executor:
+        executor.submit(rest.run)
+        threading.Timer(0.1, hold.set).start()
+        early.settle()  # the worker took it: waited for, not run twice
+        assert rest.done() and log == ["readable on worker_0"]
+
+
+def test_only_stores_seen_done_at_their_copy_end_are_followed() -> None:
+    early, log = StoredEarly(), []
+    not_final = _store(Copy(), log, final=False)  # a tail to write after: done only at its end
+    plain: Future[int] = Future()
+    early.add(not_final)
+    early.add(plain)
+    assert copy_end(not_final) is None and copied_probe(not_final) is None and copied_probe(plain) is None
+    assert early._rests == set()
+    plain.set_result(3)
+    assert copied(plain) == 3
