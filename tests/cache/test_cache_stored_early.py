@@ -26,7 +26,7 @@ class Copy:
         assert self.ended.wait(5.0)
 
 
-def _store(copy: Copy, log: list[str], final: bool = True, hold: threading.Event | None = None) -> Rest:
+def copying_store(copy: Copy, log: list[str], final: bool = True, hold: threading.Event | None = None) -> Rest:
     """A store's `Rest`, its copy in flight: its rest makes the chunks readable (logged) once the copy ended."""
 
     def steps() -> Steps[int]:
@@ -45,7 +45,7 @@ def _store(copy: Copy, log: list[str], final: bool = True, hold: threading.Event
 
 def test_a_store_s_copy_end_and_tokens_come_before_its_bookkeeping() -> None:
     copy, log = Copy(), []
-    rest = _store(copy, log)
+    rest = copying_store(copy, log)
     assert copy_end(rest) is copy and copied_probe(rest) is not None
     probe = copied_probe(rest)
     assert probe is not None and not probe()
@@ -59,7 +59,7 @@ def test_a_store_s_copy_end_and_tokens_come_before_its_bookkeeping() -> None:
 def test_the_cache_settles_stores_whose_copy_ended_and_leaves_the_copying_ones() -> None:
     early, log = StoredEarly(), []
     ended, copying = Copy(), Copy()
-    first, second = _store(ended, log), _store(copying, log)
+    first, second = copying_store(ended, log), copying_store(copying, log)
     early.add(first)
     early.add(second)
     ended.ended.set()
@@ -74,7 +74,7 @@ def test_the_cache_settles_stores_whose_copy_ended_and_leaves_the_copying_ones()
 def test_a_settle_waits_for_the_worker_that_runs_a_store_s_bookkeeping() -> None:
     early, log, hold = StoredEarly(), [], threading.Event()
     copy = Copy()
-    rest = _store(copy, log, hold=hold)
+    rest = copying_store(copy, log, hold=hold)
     early.add(rest)
     copy.ended.set()
     with ThreadPoolExecutor(1, thread_name_prefix="worker") as executor:
@@ -86,7 +86,7 @@ def test_a_settle_waits_for_the_worker_that_runs_a_store_s_bookkeeping() -> None
 
 def test_only_stores_seen_done_at_their_copy_end_are_followed() -> None:
     early, log = StoredEarly(), []
-    not_final = _store(Copy(), log, final=False)  # a tail to write after: done only at its end
+    not_final = copying_store(Copy(), log, final=False)  # a tail to write after: done only at its end
     plain: Future[int] = Future()
     early.add(not_final)
     early.add(plain)

@@ -176,3 +176,32 @@ def test_the_gil_changes_hands_quickly_only_while_loads_or_stores_run() -> None:
     worker.start_loads(StepPlan(loads=[LoadSpec("c", tokens(256), IDS, skip_tokens=0)]))  # done at once
     assert sys.getswitchinterval() == default
     assert worker.finished_loading() == {"a"}
+
+
+class CopyingBackend(ScriptedBackend):
+    """Stores as in process on a GPU: each a `Rest` whose copy's end comes before its bookkeeping."""
+
+    def __init__(self, stores: list[Future[int]]) -> None:
+        super().__init__()
+        self.pending = list(stores)
+
+    def store_async(self, tokens: list[int], block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
+        return self.pending.pop(0)
+
+
+def test_a_store_is_done_for_vllm_at_its_copy_s_end_before_its_bookkeeping() -> None:
+    """The request is reported (and a preempted one let go) once its store's copy ended, its tokens counted, while
+    its chunks are still being made readable (the cache settles that before it is read: `test_cache_stored_early`)."""
+    from tests.cache.test_cache_stored_early import Copy, copying_store
+
+    copies, log = [Copy(), Copy()], []
+    stores = [copying_store(copy, log) for copy in copies]
+    worker = WorkerSide(CopyingBackend(list(stores)), block_size=BS)
+    worker.start_stores(StepPlan(stores=[StoreSpec("a", tokens(256), IDS, 0), StoreSpec("b", tokens(256), IDS, 0)]))
+    assert worker.finished_sending({"a"}) == set()
+    copies[0].ended.set()
+    assert worker.finished_sending(set()) == {"a"} and not stores[0].done() and log == []
+    threading.Timer(0.05, copies[1].ended.set).start()
+    worker.preempted(["b"])  # waits for its copy only
+    assert copies[1].ended.is_set() and not stores[1].done()
+    assert worker.counters.tokens_stored == 128 and worker.counters.stores == 2  # each stand-in store: 64 tokens
