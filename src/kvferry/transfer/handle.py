@@ -40,6 +40,8 @@ class Completion:
         self.fired = False  # seen fired: the lane retires it without a driver query
 
     def query(self) -> bool:
+        if self.fired:  # seen already: polled again by whoever watches the copy's end (`kvferry.cache.steps`)
+            return True
         d = self._driver
         with d.current(self.context):
             fired = d.query(self.event)
