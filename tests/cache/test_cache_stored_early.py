@@ -9,8 +9,17 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import pytest
+
+from kvferry.cache import CacheEngine
 from kvferry.cache.steps import Enqueued, Rest, Steps, StoredEarly, copy_end, first_step
+from kvferry.config import KvferryConfig
 from kvferry.connector.copy_ends import copied, copied_probe
+from kvferry.formats.kinds import EngineKVFormat
+from kvferry.memory import HostPool
+from tests.cache.cachekit import BS, CHUNK, make_paged, random_tokens
+
+FMT = EngineKVFormat.NL_X_TWO_NB_BS_NH_HS
 
 
 class Copy:
@@ -94,3 +103,22 @@ def test_only_stores_seen_done_at_their_copy_end_are_followed() -> None:
     assert early._rests == set()
     plain.set_result(3)
     assert copied(plain) == 3
+
+
+@pytest.mark.parametrize("read", ["lookup", "lookup_status", "prefetch", "retrieve"])
+def test_the_cache_settles_them_before_each_read(read: str) -> None:
+    config = KvferryConfig.load(env={}, overrides={"cache": {"chunk_size": CHUNK}})
+    with CacheEngine(config, pool=HostPool(64 * 4096, pin=False)) as engine:
+        copy, log = Copy(), []
+        rest = copying_store(copy, log)
+        engine._stored_early.add(rest)
+        copy.ended.set()
+        tokens, paged = random_tokens(2 * CHUNK, 3), make_paged(FMT, 8, seed=3)
+        ns = engine.namespace_for("m", FMT, paged)
+        if read == "retrieve":
+            engine.retrieve(tokens, paged, list(range(2 * CHUNK // BS)), FMT, namespace=ns)
+        elif read == "prefetch":
+            engine.prefetch(tokens, namespace=ns).result(5)
+        else:
+            getattr(engine, read)(tokens, namespace=ns)
+        assert rest.done() and len(log) == 1
