@@ -3,12 +3,12 @@
 The pool is a recorded SGLang device pool replayed on the device (`kvferry.bench.sglang_pools`: the buffers an SGLang
 worker allocates, no SGLang needed), seen by the linker's own code (`device_kv`), linked to the cache through the
 linker's own store (`open_linker_store`: in this process, or a ``kvferry server``). Each round gives the source pages
-new random bytes and the prefix new page hashes; a store is an offload of the source pages to its completion; a load
-is the scheduler's lookup (untimed, as SGLang's prefix match runs before the batch), then the queued load started
-with the batch and waited for through the linker's layer counter as SGLang's forward waits for it (`wait_until` of
-its last layer: on the GPU, the stream waits), to the bytes in place; the counter's `finish` (after the forward in
-SGLang) must then say it landed. `check_load` compares every
-destination page with its source page in every buffer and every other byte with what it held before the load.
+new random bytes and the prefix new page hashes; a store is an offload of the source pages to its completion; a load is
+the scheduler's lookup (untimed, as SGLang's prefix match runs before the batch), then the queued load started with the
+batch and waited for through the linker's layer counter as SGLang's forward waits for it (`wait_until` of its last
+layer: on the GPU, the stream waits), to the bytes in place; the counter's `finish` (after the forward in SGLang) must
+then say it landed. `check_load` compares every destination page with its source page in every buffer and every other
+byte with what it held before the load.
 """
 
 from __future__ import annotations
