@@ -4,6 +4,7 @@ outside them, or miss."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -56,7 +57,7 @@ def test_sglang_gpu_in_groups_of_layers_says_when_the_first_layers_landed(
 
 
 @pytest.mark.usefixtures("on_the_cpu")
-@pytest.mark.parametrize("wrong", ["pages swapped", "a byte beside", "nothing stored"])
+@pytest.mark.parametrize("wrong", ["pages swapped", "a byte beside", "nothing stored", "a load that failed"])
 def test_sglang_gpu_fails_on_a_wrong_transfer(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], wrong: str
 ) -> None:
@@ -73,6 +74,16 @@ def test_sglang_gpu_fails_on_a_wrong_transfer(
         load(self)
         self.buffers[-1].view(torch.uint8)[0, 0, 0] ^= 1  # slot 0: the padding page, never a destination
 
+    def failed(self: LinkerPath) -> None:
+        backend = self.store_.pools["kv"].backends[0]
+        gone: Future[int] = Future()
+        gone.set_exception(RuntimeError("2 pages were not in kvferry's cache any more"))
+        backend.retrieve_pages_async = lambda tokens, blocks: gone  # type: ignore[method-assign]
+        try:
+            load(self)
+        finally:
+            del backend.retrieve_pages_async
+
     def nothing(self: LinkerPath) -> None:
         self.keys = [k[::-1] for k in self.keys]
         try:
@@ -83,11 +94,13 @@ def test_sglang_gpu_fails_on_a_wrong_transfer(
     if wrong == "nothing stored":
         monkeypatch.setattr(LinkerPath, "store", nothing)
     else:
-        monkeypatch.setattr(LinkerPath, "load", swapped if wrong == "pages swapped" else beside)
+        wrong_load = {"pages swapped": swapped, "a byte beside": beside, "a load that failed": failed}[wrong]
+        monkeypatch.setattr(LinkerPath, "load", wrong_load)
     assert main(["bench", "sglang-gpu", "--repeats", "1", "--no-server"]) == 1
     said = {
         "pages swapped": "a destination page does not hold its source's bytes",
         "a byte beside": "the load wrote outside its destination pages",
         "nothing stored": "pages found after they were stored",
+        "a load that failed": "a load failed (the layer counter's finish)",
     }
     assert said[wrong] in capsys.readouterr().err
