@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvferry.client import KvferryClient, RegistrationLost, ServerError, ServerUnavailable
+from kvferry.client.link import UP
 from kvferry.config import ServerConfig
 from kvferry.server import KvferryServer
 from tests.ports import port_for_a_restart
@@ -121,6 +122,20 @@ def test_after_a_server_restart_a_registration_is_reported_lost(restartable: Res
         assert lost.value.code == "UNKNOWN_REGISTRATION" and isinstance(lost.value, ServerError)
         again = client.register_kv_cache(kv, FMT, namespace=NS)
         assert again != reg and client.store(again, list(range(8)), [0, 1, 2, 3]) == 8
+
+
+def test_a_client_taken_up_by_a_reply_read_after_its_server_went_is_down_by_its_next_heartbeat(
+    restartable: Restartable,
+) -> None:
+    """A reply read after the connection dropped (the server's last answers, sent as it stopped) marks the client up
+    again; its next heartbeat, which no connection takes, puts it down (seen in CI: up for good, its server gone)."""
+    restartable.start()
+    with KvferryClient(restartable.endpoint, timeout_s=10) as client:
+        client.register_kv_cache(random_kv(4), FMT, namespace=NS)
+        restartable.stop()
+        wait_for(lambda: not client.available, "the client to see the server gone")
+        client._conn.set_state(UP)  # as a late reply does
+        wait_for(lambda: not client.available, "the next heartbeat to find no connection", timeout=5.0)
 
 
 def test_a_session_the_server_ended_continues_under_a_new_id(restartable: Restartable) -> None:

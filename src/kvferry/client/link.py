@@ -198,6 +198,8 @@ class Link(ABC):
             return
         probe_id = self.conn.next_id()
         if not self._send(encode_request(Op.PING, probe_id, {})):
+            if self.conn.state is UP:  # a live connection takes a heartbeat: up only by a reply read after the drop
+                self.down("not connected")
             return  # not connected (yet): ZMQ keeps reconnecting; the handshake event probes again
         self.probe_id, self.probe_sent, self.probe_wall = probe_id, time.monotonic(), time.time()
 
