@@ -4,6 +4,8 @@ outside them, or miss."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -18,6 +20,23 @@ from kvferry.integrations.sglang.page_store import KEY_TOKENS
 from tests.cli.benchkit import run_bench
 
 
+class NoCopy:
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+    def __call__(self, to_host: bool) -> None:
+        pass
+
+    def start(self, to_host: bool) -> None:
+        pass
+
+
+def host_span(call: Callable[[], object]) -> float:
+    began = time.perf_counter()
+    call()
+    return time.perf_counter() - began
+
+
 @pytest.fixture
 def on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sglang_gpu_bench, "require_cuda", lambda what: None)
@@ -27,7 +46,8 @@ def on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sglang_gpu_bench, "load_fixtures", lambda: small)
     monkeypatch.setattr(sglang_gpu_bench, "PAGES", 3)
     monkeypatch.setattr(sglang_gpu_bench, "POOL_GB", 0.02)
-    monkeypatch.setattr(sglang_gpu_bench, "PinnedCopy", lambda nbytes: lambda to_host: None)
+    monkeypatch.setattr(sglang_gpu_bench, "PinnedCopy", NoCopy)
+    monkeypatch.setattr(sglang_gpu_bench, "gpu_span", host_span)  # the loads' span, by the host's clock
     monkeypatch.setattr(sglang_gpu_bench, "synchronize", lambda: None)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "no GPU (faked)")
 

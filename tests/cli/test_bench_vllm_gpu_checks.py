@@ -125,6 +125,30 @@ def test_every_timed_call_starts_after_the_work_queued_before_it_settled() -> No
     assert connector.calls == one_round * 2
 
 
+def test_a_load_timed_by_a_span_and_its_memcpy_too_and_nothing_else() -> None:
+    """A load that ends on the caller's stream (SGLang's forward waits there) and the H2D memcpy are timed by the
+    span (the GPU's clock: here a fake one that runs 0.5 ms behind the host's for the load), the store and the D2H
+    memcpy by the host's clock as before; a span given without the memcpy it must time too is refused."""
+    clock = Clock()
+    connector = FakePath(clock, store_s=2 * MS, load_s=6 * MS)
+    spanned: list[str] = []
+
+    def span(call: Callable[[], None]) -> float:
+        began = clock.now
+        call()
+        spanned.append("load" if call == connector.load else "memcpy")
+        return clock.now - began - (0.5 * MS if spanned[-1] == "load" else 0)
+
+    r = measure(connector, fake_memcpy(clock, 1 * MS, 9 * MS), None, repeats=1, clock=clock, span=span,
+                h2d_enqueue=lambda: setattr(clock, "now", clock.now + 1.5 * MS))  # fmt: skip
+    assert spanned == ["load", "memcpy"] * 2
+    assert (r["store_us"], r["load_us"], r["d2h_memcpy_us"], r["h2d_memcpy_us"]) == pytest.approx(
+        (2000, 5500, 1000, 1500)
+    )
+    with pytest.raises(ValueError, match="come together"):
+        measure(connector, fake_memcpy(clock, 1 * MS, 1 * MS), None, repeats=1, clock=clock, span=span)
+
+
 def test_a_bench_with_store_and_load_swapped_shows_as_swapped() -> None:
     """The figures follow the calls, not the order of the samples: a store that does a load's work shows the load's
     time under "store" and against the D2H memcpy (1/6, not 0.5), and the other way round (0.75, not 0.25)."""

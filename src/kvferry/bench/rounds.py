@@ -33,17 +33,29 @@ def measure(
     repeats: int,
     clock: Callable[[], float] = time.perf_counter,
     settle: Callable[[], None] = lambda: None,
+    span: Callable[[Callable[[], None]], float] | None = None,
+    h2d_enqueue: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """One warm-up round and ``repeats`` timed ones, each: a new prefix and source bytes, the connector's store, the
     D2H memcpy, the connector's load (checked), the H2D memcpy, then vLLM's page DMA store and load (checked).
     ``memcpy(to_host)``: a plain pinned copy of the same bytes, to its end. ``settle()``, before every timed call:
     waits for the work queued outside the timed calls (on a GPU: a round's new source bytes, a load's poison and
-    snapshot of the KV), which a timed call ordered after it would otherwise wait for and count as its own."""
+    snapshot of the KV), which a timed call ordered after it would otherwise wait for and count as its own.
+
+    ``span`` (`kvferry.bench.timing.gpu_span`), for a load that leaves its end on the caller's stream (an engine's
+    forward waits for it there, not on the host): the load and the H2D memcpy (``h2d_enqueue``, its copy enqueued on
+    that stream) are timed by it instead of by ``clock``, both to the point where the stream may go on."""
+    if (span is None) != (h2d_enqueue is None):
+        raise ValueError("span= and h2d_enqueue= come together: the load and its memcpy are timed alike")
     samples = Samples(clock)
+    h2d = h2d_enqueue or (lambda: memcpy(False))
 
     def timed(name: str, call: Callable[[], None]) -> None:
         settle()
-        samples.timed(name, call)
+        if span is not None and name in ("load", "h2d memcpy"):
+            samples.record(name, span(call))
+        else:
+            samples.timed(name, call)
 
     for i in range(repeats + 1):
         if i == 1:
@@ -54,7 +66,7 @@ def measure(
         connector.before_load()
         timed("load", connector.load)
         connector.check_load()
-        timed("h2d memcpy", lambda: memcpy(False))
+        timed("h2d memcpy", h2d)
         if dma is not None:
             timed("page DMA store", dma.store)
             dma.before_load()

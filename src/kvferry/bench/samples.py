@@ -32,6 +32,10 @@ class Samples:
         self._seconds.setdefault(name, []).append(self._clock() - started)
         return result
 
+    def record(self, name: str, seconds: float) -> None:
+        """Record under ``name`` a time taken by another clock at the call (`kvferry.bench.timing.gpu_span`)."""
+        self._seconds.setdefault(name, []).append(seconds)
+
     def clear(self) -> None:
         """Forget every sample so far (a warm-up's)."""
         self._seconds.clear()

@@ -5,8 +5,11 @@ The pools are the recorded ones of `kvferry.bench.sglang_pools` (Llama-3-8B's MH
 64-token pages), replayed on the GPU and seen by the linker's own code. Each mode (embedded: the cache in this
 process; server: a ``kvferry server`` holding the pool, the KV registered by CUDA IPC, over loopback TCP and over its
 Unix socket) stores a prefix of pages from pages scattered over the pool and loads it into other scattered pages, as
-SGLang's unified radix cache drives a linker (`kvferry.bench.sglang_linker_path`): each timed from the call to the
-bytes in place, beside a pinned memcpy of the same bytes timed alternately (`kvferry.bench.rounds`). Every load of
+SGLang's unified radix cache drives a linker (`kvferry.bench.sglang_linker_path`), beside a pinned memcpy of the same
+bytes timed alternately (`kvferry.bench.rounds`). A store is timed by the host's clock from the call to SGLang's poll
+seeing it done. A load is timed as SGLang's forward sees it: by the GPU's clock (`timing.gpu_span`), from the call
+to the point where the forward's stream may go on (in process, a wait on the GPU; through a server, the host's wait
+returned), and its memcpy likewise to the end of the copy on the GPU. Every load of
 the timed rounds and the warm-up is checked outside its timed region (each destination page holding its source
 page's bytes, every other byte unchanged); a failed check ends the run with an error (exit status 1).
 """
@@ -14,6 +17,7 @@ page's bytes, every other byte unchanged); a failed check ends the run with an e
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import tempfile
 from typing import Any
@@ -24,7 +28,7 @@ from kvferry.bench.rounds import measure, stray_ceilings
 from kvferry.bench.server_bench import ServerProcess
 from kvferry.bench.sglang_linker_path import LinkerPath
 from kvferry.bench.sglang_pools import BENCH_TAG, case_of, load_fixtures
-from kvferry.bench.timing import PinnedCopy, synchronize, wake_up_line, wake_up_us
+from kvferry.bench.timing import PinnedCopy, gpu_span, synchronize, wake_up_line, wake_up_us
 from kvferry.connector.settings import ConnectorSettings
 
 POOL_GB = 4.0
@@ -74,7 +78,9 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
                 settings = _settings(mode, page, None if server is None else server.endpoint)
                 path = LinkerPath(fixture, settings, DEVICE, PAGES, args.layer_groups)
                 try:
-                    row = measure(path, PinnedCopy(path.nbytes), None, args.repeats, settle=synchronize)
+                    copy = PinnedCopy(path.nbytes)
+                    row = measure(path, copy, None, args.repeats, settle=synchronize, span=gpu_span,
+                                  h2d_enqueue=functools.partial(copy.start, False))  # fmt: skip
                     first = statistics.median(path.first_layer_s[1:])  # the timed rounds' (not the warm-up's)
                     rows.append({"mode": mode, "pool": path.case.name, **row, "first_layers_us": first * 1e6})
                 finally:
@@ -102,7 +108,8 @@ def _show(rows: list[dict[str, Any]], groups: int) -> list[Any]:
     first = ("first layers us",) if groups > 1 else ()
     table = new_table(
         f"a {PAGES}-page prefix through kvferry's SGLang linker, against a same-run pinned memcpy (ratio: the memcpy's"
-        " time over the transfer's; every load checked)"
+        " time over the transfer's; a load to where the forward's stream may go on, by the GPU's clock; every load"
+        " checked)"
         + (f"; loads in {groups} groups of layers, the first landed after 'first layers us'" if groups > 1 else ""),
         ("mode", "SGLang pool", "MiB", "store us", "ratio", "GB/s", "load us", "ratio", "GB/s", *first),
         names=2,

@@ -6,9 +6,9 @@ linker's own store (`open_linker_store`: in this process, or a ``kvferry server`
 new random bytes and the prefix new page hashes; a store is an offload of the source pages to its completion; a load is
 the scheduler's lookup (untimed, as SGLang's prefix match runs before the batch), then the queued load started with the
 batch and waited for through the linker's layer counter as SGLang's forward waits for it (`wait_until` of its last
-layer: on the GPU, the stream waits), to the bytes in place; the counter's `finish` (after the forward in SGLang) must
-then say it landed. `check_load` compares every destination page with its source page in every buffer and every other
-byte with what it held before the load.
+layer: in process on a GPU the forward's stream waits, and the load ends where that stream may go on); the
+counter's `finish` (after the forward in SGLang) must then say it landed. `check_load` compares every destination
+page with its source page in every buffer and every other byte with what it held before the load.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ class LinkerPath:
         )
         self.first_layer_s: list[float] = []  # each load's time from its call to its first group landed
         self._index = -1  # the counter's index of the last load
+        self._first: tuple[Any, Any] | float = 0.0  # the last load's first group landed: events (GPU), or seconds
         self._generator = torch.Generator(device=device).manual_seed(7)
         self._round = 0
         self.keys: list[str] = []
@@ -109,7 +110,8 @@ class LinkerPath:
 
     def load(self) -> None:
         """As SGLang's scheduler starts a batch's loads and its forward waits for the first group's layers, then
-        the last layer, to the bytes in place; on a GPU when the first group landed by the GPU's clock."""
+        the last layer: on a GPU in process the wait is the current stream's, and the load ends there (time it with
+        `kvferry.bench.timing.gpu_span`); else the host's, and it ends on return."""
         on_gpu = self.device == "cuda"
         start = time.perf_counter()
         began = _event(on_gpu)
@@ -119,18 +121,20 @@ class LinkerPath:
         self.counter.set_consumer(self._index)
         self.counter.wait_until(self._first_group_ends)
         first = _event(on_gpu)
-        first_s = time.perf_counter() - start
+        self._first = (began, first) if on_gpu else time.perf_counter() - start
         self.counter.wait_until(self.counter.num_layers - 1)
-        if on_gpu:
-            torch.cuda.synchronize()
-            first_s = began.elapsed_time(first) / 1e3
-        self.first_layer_s.append(first_s)
 
     def check_load(self) -> None:
         """The load landed (the counter's `finish`), every destination page holds its source page's bytes, in every
         buffer, and every other byte is unchanged."""
         if not self.counter.finish(self._index):
             raise BenchError(f"{self.case.name}: a load failed (the layer counter's finish)")
+        if isinstance(self._first, tuple):  # the first group's end on the forward's stream, by the GPU's clock
+            began, first = self._first
+            first.synchronize()
+            self.first_layer_s.append(began.elapsed_time(first) / 1e3)
+        else:
+            self.first_layer_s.append(self._first)
         for i, (buffer, before) in enumerate(zip(self.buffers, self._before, strict=True)):
             got = buffer.view(torch.uint8)
             if not torch.equal(got[self._dst_rows], got[self._src_rows]):

@@ -188,6 +188,19 @@ def synchronize() -> None:
     torch.cuda.synchronize()
 
 
+def gpu_span(call: Callable[[], object]) -> float:
+    """Seconds by the GPU's clock from an event recorded on the current stream before ``call`` to one recorded after
+    it: for a call that leaves its end on that stream (what is queued there next waits for its work), the time until
+    that work may go on, the host's work before it included (the GPU is idle when the call begins) and its wake-up
+    after it left out."""
+    began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    began.record()
+    call()
+    ended.record()
+    ended.synchronize()
+    return began.elapsed_time(ended) / 1e3
+
+
 def wake_up_us(samples: int = 200, gap_s: float = 0.002) -> float:
     """How long this host takes to wake a thread blocked on a socket: the median time from a send on a Unix socket
     pair to the receiving thread running again, each send ``gap_s`` after the last (the receiver asleep by then).
