@@ -120,7 +120,7 @@ def test_the_forward_reads_the_first_layers_before_the_last_group_lands(mode: st
         index, target, expected, gate = _load_held(device, linker, keys, held=LAYERS - 1)
         counter = linker.layer_done_counter
         device.pool.get_key_buffer(0)  # SGLang's forward, layer 0: waits for the counter
-        assert counter.futures[index][0].done() and not counter.futures[index][LAYERS - 1].done()
+        assert counter.landed(index, 0) and not counter.landed(index, LAYERS - 1)
         gate.set()
         for layer in range(LAYERS):
             device.pool.get_key_buffer(layer)
@@ -135,7 +135,7 @@ def test_the_forward_reads_the_first_layers_before_the_last_group_lands(mode: st
         counter.set_consumer(index)
         for layer in range(LAYERS):
             device.pool.get_key_buffer(layer)
-        assert counter.futures[index][0].exception() is None  # layer 0 had landed
+        assert counter.landed(index, 0)  # layer 0 had landed
         assert not linker.finish_layer_wise_loading(index)
     finally:
         linker.close()
@@ -149,7 +149,7 @@ def test_groups_that_land_before_the_first_complete_after_it() -> None:
     try:
         index, target, expected, gate = _load_held(device, linker, page_keys(2, 102), held=0)
         time.sleep(0.2)  # the later groups' moves land meanwhile
-        assert not any(future.done() for future in linker.layer_done_counter.futures[index])
+        assert not any(linker.layer_done_counter.landed(index, layer) for layer in range(LAYERS))
         gate.set()
         for layer in range(LAYERS):
             device.pool.get_key_buffer(layer)
@@ -205,9 +205,15 @@ def test_the_linkers_counter_answers_on_the_cpu_as_sglangs_does(counter_class: t
     counter = counter_class(LAYERS)
     index = counter.update_producer()
     counter.set_consumer(index)
-    threading.Timer(0.05, counter.complete, (index, 0)).start()
+    completing = threading.Event()  # set just before the layer is completed: a wait cannot return before it
+
+    def land() -> None:
+        completing.set()
+        counter.complete(index, 0)
+
+    threading.Timer(0.05, land).start()
     counter.wait_until(0)
-    assert counter.futures[index][0].done() and counter.consumer_index == index and counter.num_layers == LAYERS
+    assert completing.is_set() and counter.consumer_index == index and counter.num_layers == LAYERS
     counter.fail(index, RuntimeError("a copy that did not land"))
     counter.wait_until(LAYERS - 1)  # a failed layer: the forward goes on
     assert counter.finish(index) is False and counter.finish(index) is True

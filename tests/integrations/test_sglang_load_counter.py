@@ -58,7 +58,7 @@ def test_a_forward_on_the_gpu_waits_for_each_group_once_per_stream_and_never_on_
     streams.current = Stream(9)  # another stream reads a later layer: it waits for every group up to it
     counter.wait_until(5)
     assert [e.waited_by for group in ends for e in group] == [[7, 9], [7, 9], [7, 9], [9]]
-    assert not any(future.done() for future in counter.futures[index])
+    assert not any(counter.landed(index, layer) for layer in range(LAYERS))
 
 
 def test_a_group_copied_elsewhere_is_waited_for_on_the_cpu_with_the_groups_after_it() -> None:
@@ -73,7 +73,7 @@ def test_a_group_copied_elsewhere_is_waited_for_on_the_cpu_with_the_groups_after
     landed.start()
     began = time.monotonic()
     counter.wait_until(4)  # group 2 has no copy of its own, but comes after the CPU's group 1
-    assert time.monotonic() - began >= 0.05 and counter.futures[index][4].done()
+    assert time.monotonic() - began >= 0.05 and counter.landed(index, 4)
     landed.join()
     assert counter.finish(index)
 
@@ -106,5 +106,39 @@ def test_a_batch_without_copies_on_the_gpu_waits_on_the_cpu_and_reset_drops_ever
     other = counter.update_producer()
     counter.on_device(other, GROUPS, [[End("a")], [End("b")], [End("c")]])
     counter.reset()
-    assert counter.futures == {} and counter.producer_index == -1 and counter.consumer_index == -1
+    assert counter.producer_index == -1 and counter.consumer_index == -1
+    assert counter.finish(other) and counter.finish(index)  # dropped: nothing to wait for
     assert counter.update_producer() == 0
+
+
+def test_a_group_completed_at_once_wakes_every_waiter_and_finish_waits_for_the_last_layer() -> None:
+    counter = LoadCounter(LAYERS, Streams())
+    index = counter.update_producer()
+    counter.set_consumer(index)
+    woke: list[int] = []
+    waiters = [threading.Thread(target=lambda layer=layer: (counter.wait_until(layer), woke.append(layer)))
+               for layer in (0, 3, 5)]  # fmt: skip
+    for waiter in waiters:
+        waiter.start()
+    time.sleep(0.05)
+    assert woke == [] and not counter.landed(index, 0)
+    counter.complete_layers(index, range(0, 4))
+    finished: list[bool] = []
+    finisher = threading.Thread(target=lambda: finished.append(counter.finish(index)))
+    finisher.start()
+    for waiter in waiters[:2]:
+        waiter.join(timeout=5)
+    time.sleep(0.05)
+    assert sorted(woke) == [0, 3] and finished == [] and counter.landed(index, 3) and not counter.landed(index, 4)
+    counter.complete_layers(index, range(4, LAYERS))
+    waiters[2].join(timeout=5)
+    finisher.join(timeout=5)
+    assert sorted(woke) == [0, 3, 5] and finished == [True]
+
+
+def test_a_failure_after_every_layer_landed_changes_nothing() -> None:
+    counter = LoadCounter(LAYERS, Streams())
+    index = counter.update_producer()
+    counter.complete_layers(index, range(LAYERS))
+    counter.fail(index, RuntimeError("too late to matter"))
+    assert counter.finish(index)

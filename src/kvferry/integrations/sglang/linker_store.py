@@ -145,17 +145,19 @@ class LinkerStore:
         if not self._queued:
             return -1
         loads, self._queued = list(self._queued.values()), {}
-        index = self.counter.update_producer()
-        batch = _Batch(self, index, [lock for load in loads for lock in load.locks])
+        error: BaseException | None = None
         try:
             moves = self._start([part for load in loads for part in load.pages], "retrieve_pages_async")
         except Exception as exc:  # before any move started (a move's own failure is its future's)
-            batch.follow([[] for _ in self.layer_groups], exc)
-        else:
-            ends: list[list[CopyEnd] | None] = [_of_each(group, copy_end) for group in moves]
-            if any(ends):  # a copy on this process's GPU: the forward's stream waits for it there
-                self.counter.on_device(index, self.layer_groups, ends)
-            batch.follow(moves, None)
+            moves, error = [[] for _ in self.layer_groups], exc
+        # The batch enters the counter once its copies are under way, off the path to their first DMA; nothing
+        # completes it before `follow` (its moves' callbacks are added there).
+        index = self.counter.update_producer()
+        batch = _Batch(self, index, [lock for load in loads for lock in load.locks])
+        ends: list[list[CopyEnd] | None] = [_of_each(group, copy_end) for group in moves]
+        if any(ends):  # a copy on this process's GPU: the forward's stream waits for it there
+            self.counter.on_device(index, self.layer_groups, ends)
+        batch.follow(moves, error)
         return index
 
     def offload(self, pages: list[PoolPages], ready: Sequence[ReadyEvent]) -> None:
@@ -285,8 +287,7 @@ class _Batch:
             while self._next < len(self._left) and not self._left[self._next]:
                 if self._error is not None and self._next >= self._failed:
                     break
-                for layer in groups[self._next]:
-                    counter.complete(self._index, layer)
+                counter.complete_layers(self._index, groups[self._next])
                 self._next += 1
             self._moves -= 1
             if self._moves:
