@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvferry.cache import CacheNamespace
-from kvferry.cache.keys import ChunkHasher
+from kvferry.cache.keys import _PAGE_KEYS_KEPT, ChunkHasher
 from kvferry.formats.kinds import EngineKVFormat as F
 from tests.cache.cachekit import (
     BS,
@@ -40,6 +40,18 @@ def test_a_page_key_is_the_key_its_tokens_have_alone(pages: list[list[int]]) -> 
     assert keys.n == len(pages)
     assert keys.keys() == [hasher.keys(page, ns)[0] for page in pages]
     assert keys.keys(1) == keys.keys()[1:] and keys.key(len(pages) - 1) == keys.keys()[-1]
+
+
+def test_a_remembered_page_key_is_its_namespaces_and_stays_so_once_forgotten() -> None:
+    hasher = ChunkHasher(4)
+    one, other = CacheNamespace("m", "float16", "L", 1, 0), CacheNamespace("m", "float16", "L", 2, 0)
+    page = [5, 6, 7, 8]
+    first = hasher.pages(page, one).key(0)
+    assert hasher.pages(page, other).key(0) not in (first, hasher.pages(page, one).key(0))
+    assert hasher.pages(page, one).key(0) == first == hasher.keys(page, one)[0]
+    many = [t for i in range(_PAGE_KEYS_KEPT + 1) for t in (i, i + 1, i + 2, i + 3)]  # more pages than it keeps
+    hasher.pages(many, other).keys()
+    assert hasher.pages(page, one).key(0) == first
 
 
 def test_the_leading_pages_held_load_in_one_retrieve_each_into_its_blocks() -> None:
