@@ -7,11 +7,11 @@ process; server: a ``kvferry server`` holding the pool, the KV registered by CUD
 Unix socket) stores a prefix of pages from pages scattered over the pool and loads it into other scattered pages, as
 SGLang's unified radix cache drives a linker (`kvferry.bench.sglang_linker_path`), beside a pinned memcpy of the same
 bytes timed alternately (`kvferry.bench.rounds`). A store is timed by the host's clock from the call to SGLang's poll
-seeing it done. A load is timed as SGLang's forward sees it: by the GPU's clock (`timing.gpu_span`), from the call
-to the point where the forward's stream may go on (in process, a wait on the GPU; through a server, the host's wait
-returned), and its memcpy likewise to the end of the copy on the GPU. Every load of
-the timed rounds and the warm-up is checked outside its timed region (each destination page holding its source
-page's bytes, every other byte unchanged); a failed check ends the run with an error (exit status 1).
+seeing it done. A load is timed as SGLang's forward sees it: by the GPU's clock (`timing.gpu_span`), from the call to
+the point where the forward's stream may go on (in process, a wait on the GPU; through a server, the host's wait
+returned), and its memcpy likewise to the end of the copy on the GPU. Every load of the timed rounds and the warm-up
+is checked outside its timed region (each destination page holding its source page's bytes, every other byte
+unchanged); a failed check ends the run with an error (exit status 1).
 """
 
 from __future__ import annotations
