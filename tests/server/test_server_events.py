@@ -127,8 +127,39 @@ def test_the_consumer_follows_churn_and_a_restart(tmp_path: Path) -> None:
         _store(node, [list(range(50_000, 50_000 + 2 * REAL_CHUNK))], seed=2)  # a store: the stream moves on
         _settle(subscriber, lambda: index.keys(NODE, "CPU") == node.pool_keys() and len(node.pool_keys()) == 2)
         _settle(subscriber, lambda: index.keys(NODE, "STORAGE") == survivors == node.disk_keys())
-        assert stream.last_seq >= 1 and not index.stale
+        # Caught up with the new run to its last batch (from its replay, where it published before the consumer was
+        # back, or live).
+        _settle(subscriber, lambda: stream.last_seq == node.server.stats()["events"]["next_seq"] - 1)
+        assert not index.stale
         assert node.server.stats()["events"]["dropped"] == 0 and node.engine.stats()["events_dropped"] == 0
+    finally:
+        subscriber.close()
+        node.stop()
+
+
+@pytest.mark.timeout(120)
+def test_a_restart_that_published_everything_before_the_consumer_reconnected_is_caught_up(tmp_path: Path) -> None:
+    """The restarted server publishes its new run (its resync, a store) while the consumer is still away: nothing
+    more is published once it is back, and it learns the new run from the replay socket on reconnecting."""
+    node = Node(tmp_path / "disk")
+    events = node.server.stats()["events"]
+    stream = Stream(NODE, f"tcp://127.0.0.1:{events['port']}", f"tcp://127.0.0.1:{events['replay_port']}")
+    index = CountingIndex()
+    subscriber = EventSubscriber([stream], index, replay_timeout_s=10)
+    try:
+        _store(node, [list(range(2 * REAL_CHUNK))], seed=1)
+        _settle(subscriber, lambda: index.keys(NODE, "CPU") == node.pool_keys() and len(node.pool_keys()) == 2)
+        stream.sub.setsockopt(zmq.RECONNECT_IVL, 3000)  # back 3 s after the drop: the new run is published by then
+        stream.sub.disconnect(stream.endpoint)  # (a connection takes the interval when it is made)
+        stream.sub.connect(stream.endpoint)
+        time.sleep(0.5)
+        node.stop()
+        node = Node(tmp_path / "disk", events["port"], events["replay_port"])
+        _store(node, [list(range(70_000, 70_000 + 2 * REAL_CHUNK))], seed=2)
+        stored = node.pool_keys()
+        assert len(stored) == 2 and not stored & index.keys(NODE, "CPU")
+        _settle(subscriber, lambda: index.keys(NODE, "CPU") == stored, timeout=20.0)
+        assert not index.stale
     finally:
         subscriber.close()
         node.stop()

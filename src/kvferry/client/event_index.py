@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvferry.cache.events import LOCAL, AllCleared, ChunksStored, DecodedBatch, Record, decode_batch
 from kvferry.security import ClientCurve, curve_client
@@ -84,6 +85,8 @@ class Stream:
     last_ts: float = float("-inf")
     gaps: int = 0  # gaps seen in the sequence numbers
     sub: Any = field(default=None, repr=False)
+    monitor: Any = field(default=None, repr=False)  # the SUB socket's connections (`EventSubscriber.poll`)
+    connections: int = 0  # made by the SUB socket so far
 
 
 class EventSubscriber:
@@ -106,25 +109,33 @@ class EventSubscriber:
         self._ctx = zmq.Context()
         self._poller = zmq.Poller()
         self._by_socket: dict[Any, Stream] = {}
+        self._by_monitor: dict[Any, Stream] = {}
         for stream in self.streams:
             stream.sub = self._ctx.socket(zmq.SUB)
             stream.sub.setsockopt(zmq.LINGER, 0)
             stream.sub.setsockopt(zmq.SUBSCRIBE, topic)
             if curve is not None:
                 curve_client(stream.sub, curve)
+            if stream.replay_endpoint is not None:  # each (re)connection is caught up from the replay socket
+                stream.monitor = stream.sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+                self._poller.register(stream.monitor, zmq.POLLIN)
+                self._by_monitor[stream.monitor] = stream
             stream.sub.connect(stream.endpoint)
             self._poller.register(stream.sub, zmq.POLLIN)
             self._by_socket[stream.sub] = stream
             if stream.replay_endpoint is not None:  # what was published before this subscriber connected
                 got = self._fetch(stream, 0)
                 if got and got[0][0] == 0:
-                    self._apply_all(stream, got, got[0][0], got[0][1])
+                    self._apply_all(stream, got)
 
     def poll(self, timeout_s: float) -> int:
         """Receive for up to ``timeout_s`` (returning once something came); returns the batches applied."""
         applied = 0
         ready = dict(self._poller.poll(int(timeout_s * 1000)))
         for sock in ready:
+            if sock in self._by_monitor:
+                applied += self._reconnected(self._by_monitor[sock])
+                continue
             stream = self._by_socket[sock]
             while True:
                 try:
@@ -135,7 +146,32 @@ class EventSubscriber:
         return applied
 
     def close(self) -> None:
+        for stream in self.streams:
+            if stream.monitor is not None:
+                stream.sub.disable_monitor()
         self._ctx.destroy(linger=0)
+
+    def _reconnected(self, stream: Stream) -> int:
+        """The stream's SUB socket (re)connected: what the publisher sent while it was away is not coming, and may
+        be all it sends for a while (a restarted server's new run, published before this subscriber was back). Its
+        replay socket has it: a new run (a batch 0 that starts afresh, stamped after the last batch applied) is
+        followed from there, else the batches after the last applied are. Returns the batches applied."""
+        made = 0
+        while True:  # the connections made since the last look: one catch-up for all of them
+            try:
+                recv_monitor_message(stream.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            made += 1
+        stream.connections += made
+        if stream.connections <= 1:  # the first: what came before it was fetched when this subscriber started
+            return 0
+        got = self._fetch(stream, 0)
+        if got and got[0][0] == 0 and _afresh(got[0][1]) and got[0][1].ts > stream.last_ts:
+            if stream.last_seq >= 0:
+                log.info("KV events from %s: following its new run from sequence number 0", stream.node)
+            stream.last_seq, stream.last_ts = -1, float("-inf")
+        return self._apply_all(stream, got)
 
     def _receive(self, stream: Stream, frames: list[bytes]) -> int:
         parsed = _parse(stream, frames)
@@ -151,12 +187,12 @@ class EventSubscriber:
             if seq > stream.last_seq:
                 got = self._fetch(stream, stream.last_seq + 1)
                 if got and got[0][0] == stream.last_seq + 1:
-                    return self._apply_all(stream, got, seq, batch)
+                    return self._apply_all(stream, [*got, (seq, batch)])
             got = self._fetch(stream, 0)
             if got and got[0][0] == 0 and _afresh(got[0][1]):
                 log.info("KV events from %s: following its run from sequence number 0", stream.node)
                 stream.last_seq, stream.last_ts = -1, float("-inf")
-                return self._apply_all(stream, got, seq, batch)
+                return self._apply_all(stream, [*got, (seq, batch)])
         log.warning("KV events from %s: batches before %d lost; its entries are dropped", stream.node, seq)
         self.index.forget(stream.node)
         stream.last_seq, stream.last_ts = seq, batch.ts
@@ -167,13 +203,13 @@ class EventSubscriber:
         stream.last_seq, stream.last_ts = seq, batch.ts
         return 1
 
-    def _apply_all(self, stream: Stream, got: list[tuple[int, DecodedBatch]], seq: int, batch: DecodedBatch) -> int:
-        """Apply replayed batches in order from the one after the last applied, then the live ``batch`` if the
-        replay ended before it."""
+    def _apply_all(self, stream: Stream, got: list[tuple[int, DecodedBatch]]) -> int:
+        """Apply the batches of ``got`` (replayed, then perhaps a live one) in order from the one after the last
+        applied."""
         applied = 0
-        for item in [*got, (seq, batch)]:
-            if item[0] == stream.last_seq + 1:
-                applied += self._apply(stream, *item)
+        for seq, batch in got:
+            if seq == stream.last_seq + 1:
+                applied += self._apply(stream, seq, batch)
         return applied
 
     def _fetch(self, stream: Stream, start: int) -> list[tuple[int, DecodedBatch]]:
