@@ -76,6 +76,11 @@ class Node:
         return set(self.disk._held.keys())
 
 
+def _stream(events: dict[str, Any]) -> Stream:
+    """The stream of a server's ``stats()["events"]``, with its replay socket."""
+    return Stream(NODE, f"tcp://127.0.0.1:{events['port']}", f"tcp://127.0.0.1:{events['replay_port']}")
+
+
 def _settle(subscriber: EventSubscriber, condition: Callable[[], bool], timeout: float = 30.0) -> None:
     end = time.monotonic() + timeout
     while not condition():
@@ -104,7 +109,7 @@ def _quiet(node: Node) -> Callable[[], bool]:
 def test_the_consumer_follows_churn_and_a_restart(tmp_path: Path) -> None:
     node = Node(tmp_path / "disk")
     events = node.server.stats()["events"]
-    stream = Stream(NODE, f"tcp://127.0.0.1:{events['port']}", f"tcp://127.0.0.1:{events['replay_port']}")
+    stream = _stream(events)
     index = CountingIndex()
     subscriber = EventSubscriber([stream], index, replay_timeout_s=10)
     try:
@@ -143,7 +148,7 @@ def test_a_restart_that_published_everything_before_the_consumer_reconnected_is_
     more is published once it is back, and it learns the new run from the replay socket on reconnecting."""
     node = Node(tmp_path / "disk")
     events = node.server.stats()["events"]
-    stream = Stream(NODE, f"tcp://127.0.0.1:{events['port']}", f"tcp://127.0.0.1:{events['replay_port']}")
+    stream = _stream(events)
     index = CountingIndex()
     subscriber = EventSubscriber([stream], index, replay_timeout_s=10)
     try:
@@ -205,7 +210,7 @@ def test_kvferry_events_answers_the_longest_prefix_per_node(tmp_path: Path, caps
 def test_a_gap_is_filled_from_the_replay_socket(tmp_path: Path) -> None:
     node = Node(tmp_path / "disk")
     events = node.server.stats()["events"]
-    stream = Stream(NODE, f"tcp://127.0.0.1:{events['port']}", f"tcp://127.0.0.1:{events['replay_port']}")
+    stream = _stream(events)
     index = EventIndex()
     subscriber = EventSubscriber([stream], index, replay_timeout_s=10)
     try:

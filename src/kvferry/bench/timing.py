@@ -193,12 +193,7 @@ def gpu_span(call: Callable[[], object]) -> float:
     it: for a call that leaves its end on that stream (what is queued there next waits for its work), the time until
     that work may go on, the host's work before it included (the GPU is idle when the call begins) and its wake-up
     after it left out."""
-    began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    began.record()
-    call()
-    ended.record()
-    ended.synchronize()
-    return began.elapsed_time(ended) / 1e3
+    return time_call(call, torch.device("cuda", torch.cuda.current_device()))
 
 
 def wake_up_us(samples: int = 200, gap_s: float = 0.002) -> float:
