@@ -57,7 +57,7 @@ class ChunkReader:
     ) -> Steps[int]:
         """See `CacheEngine.retrieve_steps`: the tokens written, the lock ended whatever happens."""
         held: list[Entry] = []
-        early: tuple[Entry, LeadDMA] | None = None
+        early: tuple[list[Entry], LeadDMA] | None = None
         try:
             bs, chunk = geom.bs, self._chunk_size
             skip = check_skip(skip_prefix_tokens, token_count(tokens))
@@ -70,7 +70,7 @@ class ChunkReader:
                 raise ValueError(f"skip_prefix_tokens={skip}: a retrieve of pages loads each of them")
             removals = index.removals
             if skip == first * chunk and copies_in_background(geom, self._res.pool) and prefix.n > first:
-                early = self._lead(prefix.key(first), geom, prefix.n - first)
+                early = self._lead(prefix, first, geom)
             # Reads only: nothing is held or counted yet.
             if isinstance(prefix, PageKeys):
                 run = readable_pages(index.get, prefix)
@@ -135,18 +135,21 @@ class ChunkReader:
         finally:
             if early is not None:
                 early[1].release()
-                held.append(early[0])
+                held += early[0]
             if held:
                 self._res.release_readers(held)
             if lock_id is not None:
                 self._res.release_lock(lock_id)
 
-    def _lead(self, key: bytes, geom: KVGeometry, n_chunks: int) -> tuple[Entry, LeadDMA] | None:
-        """The first DMA of a GPU retrieve of up to ``n_chunks`` chunks from the one under ``key``, started before
-        the others are looked up (a 16-chunk load's hashing, index walk and checks then overlap it), with a reader
-        held on that chunk until the retrieve ends; None where it does not apply (a miss there, a tail, a slice of
-        the heads, coded objects). The engine uses it only where it is exactly the request's first slice's DMA."""
-        entry = self._res.index.get(key)
+    def _lead(self, prefix: PageKeys | PrefixKeys, first: int, geom: KVGeometry) -> tuple[list[Entry], LeadDMA] | None:
+        """The first DMA of a GPU retrieve of ``prefix``'s chunks from ``first`` on, started before the others are
+        looked up (a load's hashing, index walk and checks then overlap it): the chunk at ``first``, and where the
+        first slice joins several objects the chunks after it whose objects lie back to back with it (looked up
+        only then: pages a store wrote together), with a reader held on each until the retrieve ends; None where it
+        does not apply (a miss there, a tail, a slice of the heads, coded objects). The engine uses it only where it
+        is the start of the request's first slice."""
+        index = self._res.index
+        entry = index.get(prefix.key(first))
         obj = entry.obj if entry is not None else None
         if entry is None or obj is None or entry.tail or geom.partial_heads or geom.codec is not None:
             return None
@@ -155,16 +158,29 @@ class ChunkReader:
         held = self._res.acquire_readers([entry])
         if not held:
             return None
+        nbytes, n_chunks = obj.nbytes, prefix.n - first
+
+        def following(count: int) -> list[int]:
+            found = []
+            for i in range(first + 1, min(first + 1 + count, prefix.n)):
+                other = index.get(prefix.key(i))
+                if other is None or other.obj is None or other.tail or other.obj.nbytes != nbytes:
+                    break
+                found.append(other)
+            more = self._res.acquire_readers(found)
+            held.extend(more)
+            return [other.obj.data_ptr() for other in more if other.obj is not None]
+
         try:
             shape = obj.shape
-            lead = lead_pool_retrieve(geom, obj.data_ptr(), obj.nbytes, shape[0] * shape[1], n_chunks)
+            lead = lead_pool_retrieve(geom, obj.data_ptr(), nbytes, shape[0] * shape[1], n_chunks, following)
         except BaseException:
             self._res.release_readers(held)
             raise
         if lead is None:
             self._res.release_readers(held)
             return None
-        return entry, lead
+        return held, lead
 
     def _verified(self, entries: list[Entry]) -> list[Entry]:
         """The leading ``entries`` whose checksum matches; the first that fails is dropped from the cache."""

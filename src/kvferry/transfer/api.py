@@ -6,6 +6,7 @@ import functools
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -208,13 +209,22 @@ def transfer_pool_async(
     return _submit(geom, objects, checked, direction is Direction.D2H, chunk_size, skip_prefix_blocks, None, None, lead)
 
 
-def lead_pool_retrieve(geom: KVGeometry, host: int, object_bytes: int, rows: int, n_objects: int) -> LeadDMA | None:
+def lead_pool_retrieve(
+    geom: KVGeometry,
+    host: int,
+    object_bytes: int,
+    rows: int,
+    n_objects: int,
+    following: Callable[[int], Sequence[int]] | None = None,
+) -> LeadDMA | None:
     """Start the first DMA of a GPU retrieve of `n_objects` whole pool objects (`object_bytes`, `rows` rows each)
     from the first one's pinned address, before the request is known whole (`TransferEngine.lead`): pass it to
     the request's `transfer_pool_async` / `transfer_async` (`lead=`), or `release()` it. None where the request
-    would not start with such a DMA. Its caller keeps that object from being freed until the request has run."""
+    would not start with such a DMA. `following(k)`: the addresses of up to `k` of the request's next objects,
+    where its first slice joins several (those back to back with the first go in the same DMA). Its caller keeps
+    the objects it named from being freed until the request has run."""
     engine: TransferEngine = _gpu_engine().default_engine(geom.device, _gpu_config)
-    return engine.lead(host, object_bytes, rows, n_objects)
+    return engine.lead(host, object_bytes, rows, n_objects, following)
 
 
 def transfer_pool_at_async(

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
@@ -39,7 +40,7 @@ from kvferry.transfer.engine_config import EngineConfig
 from kvferry.transfer.graphed import ObjectGraph, tables_bytes
 from kvferry.transfer.handle import Completion, TransferHandle
 from kvferry.transfer.lane import Lane, LeadDMA
-from kvferry.transfer.schedule import Ring, Schedule, dma_runs, lead_bytes, schedule
+from kvferry.transfer.schedule import Ring, Schedule, dma_runs, lead_bytes, lead_objects, schedule
 
 if TYPE_CHECKING:
     from kvferry.transfer.request import Checked
@@ -182,17 +183,34 @@ class TransferEngine:
                 lead.release()
         return TransferHandle(done, nbytes, mode)
 
-    def lead(self, host: int, object_bytes: int, rows: int, n_objects: int) -> LeadDMA | None:
+    def lead(
+        self,
+        host: int,
+        object_bytes: int,
+        rows: int,
+        n_objects: int,
+        following: Callable[[int], Sequence[int]] | None = None,
+    ) -> LeadDMA | None:
         """Start the first DMA of a retrieve of `n_objects` whole pool objects of `object_bytes` (`rows` rows each)
         from the first one's pinned address `host`, into the retrieve lane's next staging slot, before the request
         is known whole (its other objects looked up, its block ids checked): it touches no KV and waits for
-        nothing. The lane stays held until the request's `submit(..., lead=)` (which skips that DMA where its
-        first slice is this one) or `LeadDMA.release`. None where the request would not start with such a DMA."""
+        nothing. Where the first slice joins several objects, `following(k)` gives the addresses of up to `k` of
+        the request's next objects (held by the caller until the request has run), and the DMA covers those that
+        lie back to back from `host` too. The lane stays held until the request's `submit(..., lead=)` (which skips
+        what it covered of its first slice) or `LeadDMA.release`. None where the request would not start with such
+        a DMA."""
         cfg, lane = self.config, self._retrieve
         small = cfg.mode == "auto" and n_objects * object_bytes < cfg.zero_copy_below
         if cfg.mode not in ("auto", "staged") or n_objects < 2 or small:
             return None  # zero-copy, page DMA, or a one-object (graphed) request: no staged first slice
-        nbytes = lead_bytes(n_objects, object_bytes, rows, lane.slot_bytes, cfg.slice_bytes)
+        run = 1
+        joined = lead_objects(n_objects, object_bytes, lane.slot_bytes, cfg.slice_bytes)
+        if joined > 1 and following is not None:
+            for address in following(joined - 1):
+                if address != host + run * object_bytes:
+                    break
+                run += 1
+        nbytes = lead_bytes(n_objects, object_bytes, rows, lane.slot_bytes, cfg.slice_bytes, run)
         if nbytes is None:
             return None
         lane.lock.acquire()
@@ -279,7 +297,7 @@ class TransferEngine:
         A retrieve's first slice on each slot is DMA'd into staging before anything else (its block ids checked
         when `pending`, the metadata uploaded): those DMAs touch no KV and wait for nothing, and the host work after
         them overlaps them. A pending check that fails then leaves only staging written. `early`: the first of
-        those DMAs, already enqueued (`lead`) where it is exactly this request's first slice."""
+        those DMAs, already enqueued (`lead`) where it is this request's first slice's first parts."""
         plan, ptrs, caps, rows = req.plan, req.ptrs, req.caps, req.rows
         to_objects, chunk_size, skip = req.to_objects, req.chunk_size, req.skip
         key = (tuple(caps), skip, rows, chunk_size, plan.bs, plan.bytes_per_token, plan.word, to_objects,
@@ -306,13 +324,12 @@ class TransferEngine:
         home = handles[lane.next_slot]  # the request's first slice (the schedule starts there)
         lane.next_slot = sched.next_slot
         lead = () if to_objects else sched.lead  # a retrieve's steps whose DMA goes first
-        done_early = 0 if early is not None and sched.steps and early.is_first(sched.steps[0], ptrs) else -1
+        covered = early.covered(sched.steps[0], ptrs) if early is not None and sched.steps else 0
         for i in lead:
             step = sched.steps[i]
-            if i != done_early:
-                self._dma(handles[step.slot], step.parts, req, False)
-            elif len(step.parts) > 1:  # the lead DMA'd the slice's first object: its others follow
-                self._dma(handles[step.slot], step.parts[1:], req, False)
+            parts = step.parts[covered:] if i == 0 else step.parts  # the first slice's: what the lead did not DMA
+            if parts:
+                self._dma(handles[step.slot], parts, req, False)
         if pending is not None:
             req.ids = pending.check()
         ids = req.ids

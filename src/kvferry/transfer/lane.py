@@ -147,14 +147,22 @@ class LeadDMA:
     nbytes: int
     held: bool = True
 
-    def is_first(self, step: Step, ptrs: list[int]) -> bool:
-        """Whether this DMA is exactly `step`'s first part (a request's first slice, its objects at `ptrs`): same
-        slot, host bytes and staging address. Its slot's stream runs it before anything of the request; the
-        slice's other parts follow it there. (A lead DMA of other bytes only wrote staging, which the first
-        slice's own DMAs, after it on that stream, overwrite.)"""
-        o, offset, n, dev = step.parts[0]
-        return (step.slot == self.slot and n == self.nbytes and ptrs[o] + offset == self.host
-                and dev == self.lane.staging_ptr + self.slot * self.lane.slot_bytes)  # fmt: skip
+    def covered(self, step: Step, ptrs: list[int]) -> int:
+        """How many of `step`'s leading parts this DMA copied, where `step` is a request's first slice (its objects
+        at `ptrs`): those whose host bytes and staging address it spanned, in the same slot, ending where one ends;
+        0 where it is not such a run. Its slot's stream runs it before anything of the request; the slice's other
+        parts follow it there. (A lead DMA of other bytes only wrote staging, which the first slice's own DMAs,
+        after it on that stream, overwrite.)"""
+        if step.slot != self.slot:
+            return 0
+        start, copied = self.lane.staging_ptr + self.slot * self.lane.slot_bytes, 0
+        for k, (o, offset, n, dev) in enumerate(step.parts):
+            if ptrs[o] + offset != self.host + copied or dev != start + copied:
+                return 0
+            copied += n
+            if copied >= self.nbytes:
+                return k + 1 if copied == self.nbytes else 0
+        return 0
 
     def release(self) -> None:
         """Give the lane back (again: nothing); a submit that took the lead over releases it itself."""

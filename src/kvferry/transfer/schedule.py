@@ -125,16 +125,25 @@ def default_target(total: int, slot_bytes: int) -> int:
     return min(slot_bytes // 2, max(8 * MiB, total // 4))
 
 
-def lead_bytes(n_objects: int, object_bytes: int, rows: int, slot_bytes: int, slice_bytes: int | None) -> int | None:
+def lead_objects(n_objects: int, object_bytes: int, slot_bytes: int, slice_bytes: int | None) -> int:
+    """How many whole objects the first slice of a retrieve of `n_objects` objects of `object_bytes` joins, as
+    `cut_slices` cuts it (1 where an object is cut into row ranges)."""
+    target = slice_bytes or default_target(n_objects * object_bytes, slot_bytes)
+    return 1 if object_bytes > target else max(1, min(n_objects, target // object_bytes))
+
+
+def lead_bytes(
+    n_objects: int, object_bytes: int, rows: int, slot_bytes: int, slice_bytes: int | None, run: int = 1
+) -> int | None:
     """The first DMA of a retrieve of `n_objects` whole objects of `object_bytes` (`rows` rows each, none skipped),
-    as `cut_slices` cuts it: its first row range where an object is larger than a slice, else the first object
-    (all of a slice of one object, the first part of one that joins several: its other objects' DMAs follow it
+    as `cut_slices` cuts it: its first row range where an object is larger than a slice, else as many of the first
+    slice's objects as lie back to back from the first (`run` of them do; the slice's other objects' DMAs follow it
     on the slot's stream); None where a row does not fit a slot."""
     target = slice_bytes or default_target(n_objects * object_bytes, slot_bytes)
     if object_bytes > target:
         row_bytes = object_bytes // rows
         return None if row_bytes > slot_bytes else min(rows, max(1, target // row_bytes)) * row_bytes
-    return object_bytes
+    return min(run, lead_objects(n_objects, object_bytes, slot_bytes, slice_bytes)) * object_bytes
 
 
 def cut_slices(sizes: list[int], first: int, rows: int, slot_bytes: int, target: int) -> list[Slice]:
