@@ -143,11 +143,12 @@ class ChunkReader:
 
     def _lead(self, prefix: PageKeys | PrefixKeys, first: int, geom: KVGeometry) -> tuple[list[Entry], LeadDMA] | None:
         """The first DMA of a GPU retrieve of ``prefix``'s chunks from ``first`` on, started before the others are
-        looked up (a load's hashing, index walk and checks then overlap it): the chunk at ``first``, and where the
-        first slice joins several objects the chunks after it whose objects lie back to back with it (looked up
-        only then: pages a store wrote together), with a reader held on each until the retrieve ends; None where it
-        does not apply (a miss there, a tail, a slice of the heads, coded objects). The engine uses it only where it
-        is the start of the request's first slice."""
+        looked up (a load's hashing, index walk and checks then overlap it): the chunk at ``first``, and for pages,
+        where the first slice joins several objects, the pages after it whose objects lie back to back with it
+        (looked up only then: pages a store wrote together; their keys are remembered from the lookup, where a
+        prefix's next keys would each be hashed first), with a reader held on each until the retrieve ends; None
+        where it does not apply (a miss there, a tail, a slice of the heads, coded objects). The engine uses it only
+        where it is the start of the request's first slice."""
         index = self._res.index
         entry = index.get(prefix.key(first))
         obj = entry.obj if entry is not None else None
@@ -173,7 +174,8 @@ class ChunkReader:
 
         try:
             shape = obj.shape
-            lead = lead_pool_retrieve(geom, obj.data_ptr(), nbytes, shape[0] * shape[1], n_chunks, following)
+            more = following if isinstance(prefix, PageKeys) else None
+            lead = lead_pool_retrieve(geom, obj.data_ptr(), nbytes, shape[0] * shape[1], n_chunks, more)
         except BaseException:
             self._res.release_readers(held)
             raise
