@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
+import numpy as np
+
 from kvferry.connector.backends import EmbeddedBackend, Hit
 from kvferry.connector.engine_kv import EngineKV
 from kvferry.connector.layer_parts import part_kv
@@ -30,7 +32,6 @@ from kvferry.integrations.sglang.page_store import (
     PageBackend,
     PageKeySpace,
     check_page_size,
-    page_tokens,
     pages_engine,
     pages_key_space,
     pages_namespace,
@@ -126,12 +127,13 @@ def open_pool_backends(
 
 
 def restorable_prefixes(
-    pools: dict[str, PoolBackends], keys: Sequence[str], trailing: dict[str, int], page_size: int
+    pools: dict[str, PoolBackends], rows: np.ndarray, trailing: dict[str, int], page_size: int
 ) -> tuple[list[int], list[Lock]]:
-    """The prefix lengths of ``keys`` (in pages) that every pool can restore, each pool of ``trailing`` its last
-    pages; and the locks of what the cache holds below the longest of them (the others freed)."""
-    tokens = list(page_tokens(keys, page_size))
-    kv_pages = len(keys)
+    """The prefix lengths (in pages) of the pages whose token ``rows`` are given (`page_tokens`) that every pool can
+    restore, each pool of ``trailing`` its last pages; and the locks of what the cache holds below the longest of
+    them (the others freed)."""
+    tokens = list(rows)
+    kv_pages = len(tokens)
     found: list[tuple[PageBackend, list[Hit | None]]] = []
     for backend in pools[KV].backends:  # each group of layers looked up for what the groups before it hold
         hits = backend.lookup_each(tokens[:kv_pages]) if kv_pages else []

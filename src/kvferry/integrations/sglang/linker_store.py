@@ -28,10 +28,11 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from queue import Queue
 from typing import Any, Protocol, TypeVar
 
+import numpy as np
 import torch
 
 from kvferry.connector.copy_ends import copied_probe, copy_end
@@ -63,12 +64,30 @@ class ReadyEvent(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class _LookedUp:
+    """A request's last lookup: the locks of its hits, its keys and their token rows (`page_tokens`), which a load
+    of those pages takes as they are (on its path to the first DMA)."""
+
+    locks: list[Lock]
+    keys: list[str]
+    rows: np.ndarray
+
+    def rows_of(self, keys: list[str]) -> np.ndarray | None:
+        """The token rows of ``keys`` where they are the lookup's first ones; else None."""
+        n = len(keys)
+        return self.rows[:n] if n <= len(self.keys) and keys == self.keys[:n] else None
+
+
+_NOT_LOOKED_UP = _LookedUp([], [], np.zeros((0, 0), dtype="<u4"))
+
+
 @dataclass
 class _Load:
-    """One request's queued load: each pool's pages, and the locks of its lookup."""
+    """One request's queued load: each pool's pages, and its lookup."""
 
     pages: list[PoolPages]
-    locks: list[Lock] = field(default_factory=list)
+    looked_up: _LookedUp = _NOT_LOOKED_UP
 
 
 _STOP = None  # the load thread's queue ends with this
@@ -91,7 +110,7 @@ class LinkerStore:
     ) -> None:
         self.pools, self.page_size, self.layer_groups, self.counter = pools, page_size, list(groups), counter
         self._closing = closing
-        self._looked_up: dict[str, list[Lock]] = {}  # rid -> the locks of its last lookup
+        self._looked_up: dict[str, _LookedUp] = {}  # rid -> its last lookup
         self._queued: dict[str, _Load] = {}  # loads waiting for the next start (scheduler thread)
         self._batches = _Batches()  # the loads under way
         self._ended: Queue[tuple[_Batch] | None] = Queue()  # loads whose moves all ended
@@ -107,14 +126,16 @@ class LinkerStore:
         """The prefix lengths of ``keys`` in pages that every pool can restore (the ``kv`` pool its leading
         pages, each pool of ``trailing`` its last pages: see `linker_pools`), what they need locked for the load
         that may follow. A failed lookup is a miss."""
-        free_locks(self._looked_up.pop(rid, []))
+        free_locks(self._looked_up.pop(rid, _NOT_LOOKED_UP).locks)
         try:
-            restorable, locks = restorable_prefixes(self.pools, keys, trailing or {}, self.page_size)
+            rows = page_tokens(keys, self.page_size)
+            restorable, locks = restorable_prefixes(self.pools, rows, trailing or {}, self.page_size)
         except Exception as exc:  # the backends miss rather than raise; a miss all the same if one does
             log.warning("kvferry: a linker lookup failed (a miss): %s: %s", type(exc).__name__, exc)
-            restorable, locks = [], []
+            return []
         if restorable:
-            self._looked_up[rid] = locks
+            rows.flags.writeable = False  # shared with the load that follows
+            self._looked_up[rid] = _LookedUp(locks, list(keys), rows)
         else:
             free_locks(locks)
         return restorable
@@ -125,35 +146,36 @@ class LinkerStore:
         if rid in self._queued:
             log.warning("kvferry: a second linker load for request %s before the first started (refused)", rid)
             return False
-        self._queued[rid] = _Load(pages, self._looked_up.pop(rid, []))
+        self._queued[rid] = _Load(pages, self._looked_up.pop(rid, _NOT_LOOKED_UP))
         return True
 
     def cancel(self, rid: str) -> bool:
         """Drop ``rid``'s queued load; False where none is queued (it started, or never was)."""
         load = self._queued.pop(rid, None)
         if load is not None:
-            free_locks(load.locks)
+            free_locks(load.looked_up.locks)
         return load is not None
 
     def start_loads(self) -> int:
         """Start the queued loads, after what the calling thread's current stream has queued (the slots' last
         readers); the layer counter's index of the batch, or -1 where none was queued. Lookups that no load
         followed are unlocked: their requests were not scheduled and look up again when they are."""
-        for locks in self._looked_up.values():
-            free_locks(locks)
+        for looked_up in self._looked_up.values():
+            free_locks(looked_up.locks)
         self._looked_up.clear()
         if not self._queued:
             return -1
         loads, self._queued = list(self._queued.values()), {}
         error: BaseException | None = None
         try:
-            moves = self._start([part for load in loads for part in load.pages], "retrieve_pages_async")
+            parts = [(part, load.looked_up) for load in loads for part in load.pages]
+            moves = self._start(parts, "retrieve_pages_async")
         except Exception as exc:  # before any move started (a move's own failure is its future's)
             moves, error = [[] for _ in self.layer_groups], exc
         # The batch enters the counter once its copies are under way, off the path to their first DMA; nothing
         # completes it before `follow` (its moves' callbacks are added there).
         index = self.counter.update_producer()
-        batch = _Batch(self, index, [lock for load in loads for lock in load.locks])
+        batch = _Batch(self, index, [lock for load in loads for lock in load.looked_up.locks])
         ends: list[list[CopyEnd] | None] = [_of_each(group, copy_end) for group in moves]
         if any(ends):  # a copy on this process's GPU: the forward's stream waits for it there
             self.counter.on_device(index, self.layer_groups, ends)
@@ -184,8 +206,8 @@ class LinkerStore:
         """Wait for the loads and offloads under way; drop the queued ones, the results and every lock."""
         for rid in list(self._queued):
             self.cancel(rid)
-        for locks in self._looked_up.values():
-            free_locks(locks)
+        for looked_up in self._looked_up.values():
+            free_locks(looked_up.locks)
         self._looked_up.clear()
         self._batches.wait_all()
         self._offloads.clear()
@@ -214,31 +236,34 @@ class LinkerStore:
         """`_start` of stores whose copies wait for ``ready`` on the GPU (none: on the CPU): begun from a stream of
         this store's that waits for them, so that the copies are ordered after it as they are after a caller's
         current stream (SGLang's own streams left as they are)."""
+        stores = [(part, _NOT_LOOKED_UP) for part in parts]
         if not ready:
-            return self._start(parts, "store_pages_async")
+            return self._start(stores, "store_pages_async")
         if self._order is None:
             self._order = torch.cuda.Stream()
         with torch.cuda.stream(self._order):
             for event in ready:
                 event.wait()
-            return self._start(parts, "store_pages_async")
+            return self._start(stores, "store_pages_async")
 
-    def _start(self, parts: list[PoolPages], how: str) -> list[list[Move]]:
-        """Each pool's pages of ``parts`` moved by each of its backends' ``how``, one copy per backend, all of them
-        under way together; the moves by group of layers, the first group's started first."""
-        by_pool: dict[str, tuple[list[str], list[int]]] = {}
-        for part in parts:
-            keys, blocks = by_pool.setdefault(part.name, ([], []))
-            keys += part.keys
+    def _start(self, parts: list[tuple[PoolPages, _LookedUp]], how: str) -> list[list[Move]]:
+        """Each pool's pages of ``parts`` (each with its request's lookup, whose token rows it reuses) moved by each
+        of its backends' ``how``, one copy per backend, all of them under way together; the moves by group of
+        layers, the first group's started first."""
+        by_pool: dict[str, tuple[list[np.ndarray], list[int]]] = {}
+        for part, looked_up in parts:
+            rows, blocks = by_pool.setdefault(part.name, ([], []))
+            known = looked_up.rows_of(part.keys)
+            rows.append(known if known is not None else page_tokens(part.keys, self.page_size))
             blocks += part.blocks
-        tokens = {name: page_tokens(keys, self.page_size).reshape(-1) for name, (keys, _) in by_pool.items()}
+        tokens = {name: _joined(rows).reshape(-1) for name, (rows, _) in by_pool.items()}
         moves: list[list[Move]] = [[] for _ in self.layer_groups]
         for index, group in enumerate(moves):
-            for name, (keys, blocks) in by_pool.items():
-                pool = self.pools[name]
+            for name, (_, blocks) in by_pool.items():
+                pool, pages = self.pools[name], len(tokens[name]) // self.page_size
                 for backend, in_group in zip(pool.backends, pool.groups, strict=True):
                     if in_group == index:
-                        group.append((len(keys), _call(getattr(backend, how), tokens[name], blocks)))
+                        group.append((pages, _call(getattr(backend, how), tokens[name], blocks)))
         return moves
 
 
@@ -337,6 +362,11 @@ def _of_each(moves: list[Move], of: Callable[[Future[int]], T | None]) -> list[T
         elif not future.done():
             return None
     return found
+
+
+def _joined(rows: list[np.ndarray]) -> np.ndarray:
+    """A pool's token rows of a batch's parts, as one array (a part's own, as it is, where it is the only one)."""
+    return rows[0] if len(rows) == 1 else np.concatenate(rows)
 
 
 def _call(move: Callable[[Any, list[int]], Future[int]], tokens: Any, blocks: list[int]) -> Future[int]:
