@@ -3,8 +3,10 @@ path's order), run on a CPU engine whose copy lands only when waited for (`cache
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import pytest
 
 from kvferry.cache import CacheEngine
@@ -63,6 +65,38 @@ def test_a_store_that_copied_a_present_chunk_pauses_ahead(ahead: AheadCopies, mo
         assert ahead.enqueued == 2
         assert engine.store(random_tokens(CHUNK, 3), src, random_blocks(PER_CHUNK, 3), FMT) == CHUNK
         assert ahead.enqueued == 3 and engine.pool.num_allocations == 4
+
+
+class TokensWhenRead(Sequence[int]):
+    """Token ids made when first read, through numpy's array protocol (as SGLang's linker hands over its pages'
+    tokens): logs how many copies had been enqueued by then."""
+
+    def __init__(self, tokens: list[int], ahead: AheadCopies) -> None:
+        self.tokens, self.ahead = tokens, ahead
+        self.read_after: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        self.read_after.append(self.ahead.enqueued)
+        return np.asarray(self.tokens, dtype=dtype or np.uint32)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.__array__()[index]
+
+
+def test_tokens_made_when_read_are_read_once_the_copy_is_enqueued(ahead: AheadCopies) -> None:
+    engine, src = _engine()
+    dst = make_paged(FMT, NB, seed=2)
+    tokens = random_tokens(2 * CHUNK)
+    ids, back = random_blocks(2 * PER_CHUNK, 0), random_blocks(2 * PER_CHUNK, 1)
+    when_read = TokensWhenRead(tokens, ahead)
+    with engine:
+        assert engine.store(when_read, src, ids, FMT) == 2 * CHUNK
+        assert when_read.read_after == [1]  # read once, for the keys, after the copy was enqueued
+        assert engine.retrieve(tokens, dst, back, FMT) == 2 * CHUNK  # the keys of the same ids as a list
+        assert_blocks_equal(src, ids, dst, back, FMT)
 
 
 def test_bad_tokens_found_after_the_copy_started_leave_nothing_behind(ahead: AheadCopies) -> None:

@@ -219,8 +219,22 @@ def test_token_containers_give_the_same_keys() -> None:
         np.repeat(np.array(tokens, dtype="<u4"), 2)[::2],  # strided
         torch.tensor(tokens, dtype=torch.int64),
         torch.tensor(tokens, dtype=torch.int32),
+        _ArrayLike(np.array(tokens, dtype=np.int64)),  # made when read (numpy's array protocol)
     ):
         assert hasher.keys(container, NS) == expected
+
+
+class _ArrayLike:
+    """Token ids behind numpy's array protocol only."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+
+    def __len__(self) -> int:
+        return len(self.array)
+
+    def __array__(self, dtype: object = None, copy: object = None) -> np.ndarray:
+        return self.array
 
 
 @pytest.mark.parametrize(
@@ -236,6 +250,8 @@ def test_token_containers_give_the_same_keys() -> None:
         (np.array([1.0, 2.0]), TypeError),
         (torch.zeros(2, 2, dtype=torch.int64), TypeError),
         (torch.tensor([1.0]), TypeError),
+        (_ArrayLike(np.array([1, -1])), ValueError),
+        (_ArrayLike(np.array([[1, 2]])), TypeError),
     ],
 )
 def test_bad_tokens_raise_naming_tokens(tokens: object, error: type[Exception]) -> None:

@@ -13,7 +13,7 @@ import torch
 from kvferry.bench.sglang_linker_path import LinkerPath
 from kvferry.bench.sglang_pools import load_fixtures
 from kvferry.connector.settings import ConnectorSettings
-from kvferry.integrations.sglang import linker_store
+from kvferry.integrations.sglang import linker_store, page_store
 from kvferry.integrations.sglang.device_pools import KV
 from kvferry.integrations.sglang.linker_pools import PoolPages
 from kvferry.integrations.sglang.page_store import KEY_TOKENS
@@ -43,7 +43,8 @@ def conversions(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         calls.append(len(keys))
         return convert(keys, page_size)
 
-    monkeypatch.setattr(linker_store, "page_tokens", counted)
+    monkeypatch.setattr(linker_store, "page_tokens", counted)  # the lookup's
+    monkeypatch.setattr(page_store, "page_tokens", counted)  # `PageTokens`' (the store's, and a load's own)
     return calls
 
 

@@ -295,6 +295,8 @@ def token_view(tokens: TokenIds) -> memoryview:
                 f"tokens must be a 1-D integer tensor, got dtype={tokens.dtype} shape={tuple(tokens.shape)}"
             )
         tokens = tokens.detach().cpu().numpy()
+    elif not isinstance(tokens, np.ndarray) and hasattr(tokens, "__array__"):  # an array-like made when read
+        tokens = np.asarray(tokens)
     if isinstance(tokens, np.ndarray):
         if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
             raise TypeError(f"tokens must be a 1-D integer array, got dtype={tokens.dtype} shape={tokens.shape}")

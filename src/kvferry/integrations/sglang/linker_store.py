@@ -30,11 +30,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from queue import Queue
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 import numpy as np
 import torch
 
+from kvferry.cache.keys import TokenIds
 from kvferry.connector.copy_ends import copied_probe, copy_end
 from kvferry.connector.settings import ConnectorSettings
 from kvferry.futures import when_all
@@ -50,7 +51,7 @@ from kvferry.integrations.sglang.linker_pools import (
 )
 from kvferry.integrations.sglang.load_counter import CopyEnd, LoadCounter
 from kvferry.integrations.sglang.offload_outcomes import Move, OffloadOutcomes, stored
-from kvferry.integrations.sglang.page_store import page_tokens
+from kvferry.integrations.sglang.page_store import PageTokens, page_tokens
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -250,21 +251,30 @@ class LinkerStore:
         """Each pool's pages of ``parts`` (each with its request's lookup, whose token rows it reuses) moved by each
         of its backends' ``how``, one copy per backend, all of them under way together; the moves by group of
         layers, the first group's started first."""
-        by_pool: dict[str, tuple[list[np.ndarray], list[int]]] = {}
+        by_pool: dict[str, tuple[list[str], list[int], list[np.ndarray | None]]] = {}
         for part, looked_up in parts:
-            rows, blocks = by_pool.setdefault(part.name, ([], []))
-            known = looked_up.rows_of(part.keys)
-            rows.append(known if known is not None else page_tokens(part.keys, self.page_size))
+            keys, blocks, rows = by_pool.setdefault(part.name, ([], [], []))
+            keys += part.keys
             blocks += part.blocks
-        tokens = {name: _joined(rows).reshape(-1) for name, (rows, _) in by_pool.items()}
+            rows.append(looked_up.rows_of(part.keys))
+        tokens = {name: self._tokens(keys, rows) for name, (keys, _, rows) in by_pool.items()}
         moves: list[list[Move]] = [[] for _ in self.layer_groups]
         for index, group in enumerate(moves):
-            for name, (_, blocks) in by_pool.items():
-                pool, pages = self.pools[name], len(tokens[name]) // self.page_size
+            for name, (keys, blocks, _) in by_pool.items():
+                pool, pages = self.pools[name], len(keys)
                 for backend, in_group in zip(pool.backends, pool.groups, strict=True):
                     if in_group == index:
                         group.append((pages, _call(getattr(backend, how), tokens[name], blocks)))
         return moves
+
+    def _tokens(self, keys: list[str], rows: list[np.ndarray | None]) -> TokenIds:
+        """The tokens a pool's ``keys`` are stored under: the rows their lookups made where every part has them (a
+        part's own, as they are, where it is the only one), else made when the cache first reads them
+        (`PageTokens`: a store's copy is enqueued first)."""
+        if any(part is None for part in rows):
+            return PageTokens(keys, self.page_size)
+        known = cast("list[np.ndarray]", rows)
+        return (known[0] if len(known) == 1 else np.concatenate(known)).reshape(-1)
 
 
 class _Batch:
@@ -362,11 +372,6 @@ def _of_each(moves: list[Move], of: Callable[[Future[int]], T | None]) -> list[T
         elif not future.done():
             return None
     return found
-
-
-def _joined(rows: list[np.ndarray]) -> np.ndarray:
-    """A pool's token rows of a batch's parts, as one array (a part's own, as it is, where it is the only one)."""
-    return rows[0] if len(rows) == 1 else np.concatenate(rows)
 
 
 def _call(move: Callable[[Any, list[int]], Future[int]], tokens: Any, blocks: list[int]) -> Future[int]:

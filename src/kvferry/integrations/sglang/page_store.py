@@ -60,6 +60,29 @@ def page_tokens(keys: Sequence[str], page_size: int) -> np.ndarray:
     return rows
 
 
+class PageTokens(Sequence[int]):
+    """`page_tokens` of ``keys``, flattened, made when first read (numpy's array protocol: the cache reads tokens
+    with `np.asarray`). A store needs only their count before its copy is enqueued and reads them for its keys
+    after: converting 64 keys first was 0.1 ms of a 64-page offload's path to its first DMA on the H100 host."""
+
+    __slots__ = ("_array", "_keys", "_page_size")
+
+    def __init__(self, keys: Sequence[str], page_size: int) -> None:
+        self._keys, self._page_size = keys, page_size
+        self._array: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self._keys) * self._page_size
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        if self._array is None:
+            self._array = page_tokens(self._keys, self._page_size).reshape(-1)
+        return self._array if dtype is None else self._array.astype(dtype)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.__array__()[index]
+
+
 def _key_bytes(key: str) -> bytes:
     """One key's 32 bytes, as `page_tokens` takes them."""
     if len(key) == _HEX_DIGITS:
