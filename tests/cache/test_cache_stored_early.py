@@ -7,11 +7,12 @@ linker)."""
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
-from kvferry.cache import CacheEngine
+from kvferry.cache import CacheEngine, steps
 from kvferry.cache.steps import Enqueued, Rest, Steps, StoredEarly, copy_end, first_step
 from kvferry.config import KvferryConfig
 from kvferry.connector.copy_ends import copied, copied_probe
@@ -35,21 +36,27 @@ class Copy:
         assert self.ended.wait(5.0)
 
 
-def copying_store(copy: Copy, log: list[str], final: bool = True, hold: threading.Event | None = None) -> Rest:
-    """A store's `Rest`, its copy in flight: its rest makes the chunks readable (logged) once the copy ended."""
+def copying_store_steps(
+    copy: Copy, log: list[str], final: bool = True, hold: threading.Event | None = None
+) -> Steps[int]:
+    """A store's steps, its copy in flight: its rest makes the chunks readable (logged) once the copy ended."""
+    yield Enqueued(copy, 64, final)  # type: ignore[arg-type]  # a stand-in handle
+    copy.wait()
+    if hold is not None:
+        hold.wait(5.0)
+    log.append(f"readable on {threading.current_thread().name}")
+    return 64
 
-    def steps() -> Steps[int]:
-        yield Enqueued(copy, 64, final)  # type: ignore[arg-type]  # a stand-in handle
-        copy.wait()
-        if hold is not None:
-            hold.wait(5.0)
-        log.append(f"readable on {threading.current_thread().name}")
-        return 64
 
-    started = steps()
-    first = first_step(started)
+def _started(steps: Steps[int]) -> tuple[Steps[int], Enqueued]:
+    first = first_step(steps)
     assert isinstance(first, Enqueued)
-    return Rest(None, started, first)
+    return steps, first
+
+
+def copying_store(copy: Copy, log: list[str], final: bool = True, hold: threading.Event | None = None) -> Rest:
+    """A store's `Rest` of `copying_store_steps`, not submitted."""
+    return Rest(None, *_started(copying_store_steps(copy, log, final, hold)))
 
 
 def test_a_store_s_copy_end_and_tokens_come_before_its_bookkeeping() -> None:
@@ -63,6 +70,27 @@ def test_a_store_s_copy_end_and_tokens_come_before_its_bookkeeping() -> None:
     assert log == [] and not rest.done()
     rest.run()
     assert rest.result() == 64 and log == [f"readable on {threading.current_thread().name}"]
+
+
+def test_a_worker_hands_the_gil_over_at_the_copy_s_end_before_the_bookkeeping(monkeypatch: pytest.MonkeyPatch) -> None:
+    log: list[str] = []
+    monkeypatch.setattr(steps, "_yield_gil", lambda: log.append("handed over"))
+    copy = Copy()
+    with ThreadPoolExecutor(1, thread_name_prefix="worker") as executor:
+        rest = Rest.submit(executor, None, *_started(copying_store_steps(copy, log)))
+        time.sleep(0.05)
+        assert log == []  # the worker waits for the copy's end
+        copy.ended.set()
+        assert rest.result(5) == 64
+    assert log == ["handed over", "readable on worker_0"]
+
+    helped: list[str] = []
+    monkeypatch.setattr(steps, "_yield_gil", lambda: helped.append("handed over"))
+    copy = Copy()
+    copy.ended.set()
+    rest = copying_store(copy, helped)
+    assert rest.result() == 64  # run by the thread that waits for it: nothing to hand over to
+    assert helped == [f"readable on {threading.current_thread().name}"]
 
 
 def test_the_cache_settles_stores_whose_copy_ended_and_leaves_the_copying_ones() -> None:
