@@ -142,3 +142,40 @@ def test_a_failure_after_every_layer_landed_changes_nothing() -> None:
     counter.complete_layers(index, range(LAYERS))
     counter.fail(index, RuntimeError("too late to matter"))
     assert counter.finish(index)
+
+
+def test_a_thread_about_to_wait_on_the_cpu_first_runs_the_batch_s_own_wait() -> None:
+    counter = LoadCounter(LAYERS, Streams())
+    index = counter.update_producer()
+    asked: list[int] = []
+
+    def before_waiting(layer: int) -> None:  # the linker's: the moves waited for here complete their layers
+        asked.append(layer)
+        counter.complete_layers(index, range(0, 4))
+
+    counter.on_host(index, before_waiting)
+    counter.set_consumer(index)
+    counter.wait_until(3)  # completed by the call: no other thread involved
+    counter.wait_until(1)  # settled: nothing more to run
+    assert asked == [3]
+
+    other = counter.update_producer()
+    counter.on_device(other, GROUPS, [[End("a")], [End("b")], [End("c")]])
+    counter.on_host(other, lambda layer: asked.append(-1))
+    counter.set_consumer(other)
+    counter.wait_until(5)  # ordered on the GPU: the CPU waits for nothing
+    assert asked == [3]
+
+
+def test_a_failure_of_the_batch_s_own_wait_is_not_raised_into_the_forward() -> None:
+    counter = LoadCounter(LAYERS, Streams())
+    index = counter.update_producer()
+
+    def broken(layer: int) -> None:
+        counter.fail(index, RuntimeError("the server went away"))
+        raise RuntimeError("the server went away")
+
+    counter.on_host(index, broken)
+    counter.set_consumer(index)
+    counter.wait_until(0)
+    assert not counter.finish(index)

@@ -71,6 +71,24 @@ class PoolPages:
     blocks: list[int]
 
 
+@dataclass(frozen=True)
+class LookedUp:
+    """A request's last lookup: the locks of its hits, its keys and their token rows (`page_tokens`), which a load
+    of those pages takes as they are (on its path to the first DMA)."""
+
+    locks: list[Lock]
+    keys: list[str]
+    rows: np.ndarray
+
+    def rows_of(self, keys: list[str]) -> np.ndarray | None:
+        """The token rows of ``keys`` where they are the lookup's first ones; else None."""
+        n = len(keys)
+        return self.rows[:n] if n <= len(self.keys) and keys == self.keys[:n] else None
+
+
+NOT_LOOKED_UP = LookedUp([], [], np.zeros((0, 0), dtype="<u4"))
+
+
 def layer_groups(num_layers: int, groups: int) -> list[range]:
     """The forward's layers ``[0, num_layers)`` in ``groups`` runs as even as they go (fewer runs than layers)."""
     groups = max(1, min(groups, num_layers))

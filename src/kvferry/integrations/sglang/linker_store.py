@@ -2,20 +2,20 @@
 offloaded through kvferry's cache, keyed as the HiCache backend keys them (`page_store`), each pool's objects
 behind backends of their own (`linker_pools`).
 
-SGLang's scheduler thread calls in (`lookup`, `queue_load`, `start_loads`, `offload`). `start_loads` enqueues a batch's
-loads itself, after what the scheduler's current stream has queued (the slots' last readers): on the GPU no host wait
-and no thread hand-off comes before the first DMA. Where the copies run on this process's GPU, the forward's stream
-waits for their end on the GPU (`load_counter`); whichever thread sees a move land (the cache engine's worker that
-waited for its copy, a server client's reader) completes the layer counter there, which is what a load through a server
-waits for, and what tells SGLang after the forward whether the load landed (`_Batch`); a thread of this class's own then
-frees the load's locks (a server call). An offload starts on the scheduler's thread too, its copies ordered after
-SGLang's ready events on the GPU (no host wait and no thread hand-off: ~0.2-0.3 ms of a 64-page offload on the H100
-host), and its outcome is kept in the order of the offloads (SGLang pairs the n-th outcome it takes with its n-th
-offload; `offload_outcomes`). A load's groups of layers (`linker_pools`) are all under way at once, the first group
-started first, and each is completed in the layer counter once it and every group before it landed. Nothing raises into
-SGLang: a load that does not land fails its batch in the layer counter (SGLang then aborts the batch's loading requests:
-their slots hold what was there), and an offload that does not land is a False result (SGLang keeps the pages out of its
-record of what the store holds).
+SGLang's scheduler thread calls in (`lookup`, `queue_load`, `start_loads`, `offload`). `start_loads` enqueues a
+batch's loads itself, after what the scheduler's current stream has queued (the slots' last readers): on the GPU no
+host wait and no thread hand-off comes before the first DMA. Where the copies run on this process's GPU, the forward's
+stream waits for their end on the GPU (`load_counter`); whichever thread sees a move land (the cache engine's worker
+that waited for its copy; through a server, the forward's thread about to wait, at the move's done flag) completes the
+layer counter there, and that tells SGLang after the forward whether the load landed (`_Batch`); a thread of this
+class's own then frees the load's locks (a server call). An offload starts on the scheduler's thread too, its copies
+ordered after SGLang's ready events on the GPU (no host wait and no thread hand-off: ~0.2-0.3 ms of a 64-page offload
+on the H100 host), and its outcome is kept in the order of the offloads (SGLang pairs the n-th outcome it takes with
+its n-th offload; `offload_outcomes`). A load's groups of layers (`linker_pools`) are all under way at once, the first
+group started first, and each is completed in the layer counter once it and every group before it landed. Nothing
+raises into SGLang: a load that does not land fails its batch in the layer counter (SGLang then aborts the batch's
+loading requests: their slots hold what was there), and an offload that does not land is a False result (SGLang keeps
+the pages out of its record of what the store holds).
 
 A lookup's hits stay locked in the cache (against eviction) until their load has run, or until the request looks
 up again, cancels, or is left out of the batch that started (it looks up anew when it is scheduled).
@@ -36,11 +36,13 @@ import numpy as np
 import torch
 
 from kvferry.cache.keys import TokenIds
-from kvferry.connector.copy_ends import copied_probe, copy_end
+from kvferry.connector.copy_ends import copied_probe, copy_end, wait_here
 from kvferry.connector.settings import ConnectorSettings
 from kvferry.futures import when_all
 from kvferry.integrations.sglang.linker_pools import (
+    NOT_LOOKED_UP,
     Lock,
+    LookedUp,
     PoolBackends,
     PoolPages,
     PoolPlan,
@@ -65,30 +67,12 @@ class ReadyEvent(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class _LookedUp:
-    """A request's last lookup: the locks of its hits, its keys and their token rows (`page_tokens`), which a load
-    of those pages takes as they are (on its path to the first DMA)."""
-
-    locks: list[Lock]
-    keys: list[str]
-    rows: np.ndarray
-
-    def rows_of(self, keys: list[str]) -> np.ndarray | None:
-        """The token rows of ``keys`` where they are the lookup's first ones; else None."""
-        n = len(keys)
-        return self.rows[:n] if n <= len(self.keys) and keys == self.keys[:n] else None
-
-
-_NOT_LOOKED_UP = _LookedUp([], [], np.zeros((0, 0), dtype="<u4"))
-
-
 @dataclass
 class _Load:
     """One request's queued load: each pool's pages, and its lookup."""
 
     pages: list[PoolPages]
-    looked_up: _LookedUp = _NOT_LOOKED_UP
+    looked_up: LookedUp = NOT_LOOKED_UP
 
 
 _STOP = None  # the load thread's queue ends with this
@@ -111,7 +95,7 @@ class LinkerStore:
     ) -> None:
         self.pools, self.page_size, self.layer_groups, self.counter = pools, page_size, list(groups), counter
         self._closing = closing
-        self._looked_up: dict[str, _LookedUp] = {}  # rid -> its last lookup
+        self._looked_up: dict[str, LookedUp] = {}  # rid -> its last lookup
         self._queued: dict[str, _Load] = {}  # loads waiting for the next start (scheduler thread)
         self._batches = _Batches()  # the loads under way
         self._ended: Queue[tuple[_Batch] | None] = Queue()  # loads whose moves all ended
@@ -127,7 +111,7 @@ class LinkerStore:
         """The prefix lengths of ``keys`` in pages that every pool can restore (the ``kv`` pool its leading
         pages, each pool of ``trailing`` its last pages: see `linker_pools`), what they need locked for the load
         that may follow. A failed lookup is a miss."""
-        free_locks(self._looked_up.pop(rid, _NOT_LOOKED_UP).locks)
+        free_locks(self._looked_up.pop(rid, NOT_LOOKED_UP).locks)
         try:
             rows = page_tokens(keys, self.page_size)
             restorable, locks = restorable_prefixes(self.pools, rows, trailing or {}, self.page_size)
@@ -136,7 +120,7 @@ class LinkerStore:
             return []
         if restorable:
             rows.flags.writeable = False  # shared with the load that follows
-            self._looked_up[rid] = _LookedUp(locks, list(keys), rows)
+            self._looked_up[rid] = LookedUp(locks, list(keys), rows)
         else:
             free_locks(locks)
         return restorable
@@ -147,7 +131,7 @@ class LinkerStore:
         if rid in self._queued:
             log.warning("kvferry: a second linker load for request %s before the first started (refused)", rid)
             return False
-        self._queued[rid] = _Load(pages, self._looked_up.pop(rid, _NOT_LOOKED_UP))
+        self._queued[rid] = _Load(pages, self._looked_up.pop(rid, NOT_LOOKED_UP))
         return True
 
     def cancel(self, rid: str) -> bool:
@@ -181,6 +165,7 @@ class LinkerStore:
         if any(ends):  # a copy on this process's GPU: the forward's stream waits for it there
             self.counter.on_device(index, self.layer_groups, ends)
         batch.follow(moves, error)
+        self.counter.on_host(index, batch.wait_here)
         return index
 
     def offload(self, pages: list[PoolPages], ready: Sequence[ReadyEvent]) -> None:
@@ -237,7 +222,7 @@ class LinkerStore:
         """`_start` of stores whose copies wait for ``ready`` on the GPU (none: on the CPU): begun from a stream of
         this store's that waits for them, so that the copies are ordered after it as they are after a caller's
         current stream (SGLang's own streams left as they are)."""
-        stores = [(part, _NOT_LOOKED_UP) for part in parts]
+        stores = [(part, NOT_LOOKED_UP) for part in parts]
         if not ready:
             return self._start(stores, "store_pages_async")
         if self._order is None:
@@ -247,7 +232,7 @@ class LinkerStore:
                 event.wait()
             return self._start(stores, "store_pages_async")
 
-    def _start(self, parts: list[tuple[PoolPages, _LookedUp]], how: str) -> list[list[Move]]:
+    def _start(self, parts: list[tuple[PoolPages, LookedUp]], how: str) -> list[list[Move]]:
         """Each pool's pages of ``parts`` (each with its request's lookup, whose token rows it reuses) moved by each
         of its backends' ``how``, one copy per backend, all of them under way together; the moves by group of
         layers, the first group's started first."""
@@ -286,6 +271,7 @@ class _Batch:
     def __init__(self, store: LinkerStore, index: int, locks: list[Lock]) -> None:
         self._store, self._index, self._locks = store, index, locks
         self._lock = threading.Lock()
+        self._by_group: list[list[Move]] = []  # the moves
         self._left: list[int] = []  # moves not landed, by group
         self._next = 0  # the next group to complete
         self._moves = 0  # moves not ended
@@ -294,6 +280,7 @@ class _Batch:
 
     def follow(self, moves: list[list[Move]], error: BaseException | None) -> None:
         """Follow ``moves`` (by group of layers), or fail the batch with ``error`` (raised before any started)."""
+        self._by_group = moves
         self._left = [len(group) for group in moves]
         self._moves = sum(self._left) + 1  # + this call's own hold: no ending before every callback is added
         self._error = error
@@ -302,6 +289,16 @@ class _Batch:
             for pages, future in group_moves:
                 future.add_done_callback(functools.partial(self._landed, group, pages))
         self._ended(None, None)
+
+    def wait_here(self, layer: int) -> None:
+        """Wait on this thread (the forward's, about to wait for ``layer`` on the CPU) for the moves of the groups up
+        to the one of ``layer`` that went through a server (`copy_ends.wait_here`): their ends complete the layers
+        here."""
+        for group, moves in zip(self._store.layer_groups, self._by_group, strict=True):
+            for _, future in moves:
+                wait_here(future)
+            if layer in group:
+                return
 
     def _landed(self, group: int, pages: int, done: Future[int]) -> None:
         error = done.exception()

@@ -8,17 +8,20 @@ their end on the GPU instead, as SGLang's HiCache counter does with its CUDA eve
 queueing kernels and no thread waits. The layers are still completed on the CPU as their copies end, and `finish`
 reports after the forward a load that did not land, as SGLang's does (SGLang then aborts the batch's loading
 requests; the forward ran on what the slots held, as with SGLang's counter). A load through a server, or into CPU
-tensors, is waited for on the CPU.
+tensors, is waited for on the CPU: a server's moves by the waiting thread itself where it can (`on_host`).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 class CopyEnd(Protocol):
@@ -41,11 +44,13 @@ class _OnDevice:
 
 @dataclass
 class _Batch:
-    """A batch's layers completed so far, the error that failed the rest, and its copies on the GPU."""
+    """A batch's layers completed so far, the error that failed the rest, its copies on the GPU, and what a thread
+    about to wait for a layer on the CPU does first (`on_host`)."""
 
     landed: list[bool]
     error: BaseException | None = None
     on_device: _OnDevice | None = None
+    before_waiting: Callable[[int], None] | None = None
 
     def settled(self, layer: int) -> bool:
         """``layer`` was completed, or the batch failed (SGLang's future of the layer is done)."""
@@ -88,6 +93,12 @@ class LoadCounter:
                 group_of[layer] = group
         self._batches[index].on_device = _OnDevice(group_of, list(ends))
 
+    def on_host(self, index: int, before_waiting: Callable[[int], None]) -> None:
+        """A thread that is to wait on the CPU for a layer of batch ``index`` first calls ``before_waiting(layer)``
+        (the linker's: the moves of that layer's group and those before it waited for on that thread, their done
+        flags looked at there, rather than for another thread to see them end and wake it)."""
+        self._batches[index].before_waiting = before_waiting
+
     def set_consumer(self, index: int) -> None:
         self.consumer_index = index
 
@@ -125,6 +136,11 @@ class LoadCounter:
         device = batch.on_device
         if device is not None and self._order(device, device.group_of[threshold]):
             return
+        if batch.before_waiting is not None and not batch.settled(threshold):
+            try:
+                batch.before_waiting(threshold)
+            except Exception:  # the batch's own outcome says how its moves went
+                log.debug("kvferry: waiting for a load's moves on the forward's thread", exc_info=True)
         with self._changed:
             self._changed.wait_for(lambda: batch.settled(threshold))
 
