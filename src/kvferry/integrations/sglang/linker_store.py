@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from queue import Queue
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -256,9 +256,9 @@ class LinkerStore:
         """The tokens a pool's ``keys`` are stored under: the rows their lookups made where every part has them (a
         part's own, as they are, where it is the only one), else made when the cache first reads them
         (`PageTokens`: a store's copy is enqueued first)."""
-        if any(part is None for part in rows):
+        known = [part for part in rows if part is not None]
+        if len(known) < len(rows):
             return PageTokens(keys, self.page_size)
-        known = cast("list[np.ndarray]", rows)
         return (known[0] if len(known) == 1 else np.concatenate(known)).reshape(-1)
 
 
