@@ -1,5 +1,5 @@
 """Futures whose waiter may do the last of the work that resolves them, and a future of what comes once several are
-done (`when_all`).
+done (`when_all`), and a failed one (`failed_future`).
 
 A transfer in flight is resolved by a background thread (a worker that waits for the copy, a thread that watches
 done flags). A caller that blocks on its result anyway (a store whose blocks are about to be reused) would then
@@ -65,3 +65,10 @@ def when_all(futures: Sequence[Future[Any]], then: Callable[[], T]) -> Future[T]
     for future in futures:
         future.add_done_callback(one_done)
     return result
+
+
+def failed_future(error: BaseException) -> Future[Any]:
+    """A future that has failed with ``error`` (a call that failed before its work started, as its future)."""
+    failed: Future[Any] = Future()
+    failed.set_exception(error)
+    return failed

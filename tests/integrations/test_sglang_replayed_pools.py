@@ -85,10 +85,8 @@ def test_pages_go_out_and_come_back_bit_exact(device: str, mode: str, kind: str)
         plans = [PoolPlan(kv_pool(kv), PageKeySpace("org/replayed", 1, 0))]
         store = open_linker_store(settings, plans, page, len(kv.layers), counter, name="replayed")
         try:
-            ready = [torch.cuda.Event()] if device == "cuda" else []
-            for event in ready:
-                event.record()
-            store.offload([PoolPages(KV, keys, source)], ready)
+            writers = [torch.cuda.current_stream().cuda_stream] if device == "cuda" else []
+            store.offload([PoolPages(KV, keys, source)], writers)
             deadline = time.monotonic() + 60
             while store.completed_offloads() == 0:
                 assert time.monotonic() < deadline, "the offload did not end"
@@ -120,3 +118,63 @@ def test_pages_go_out_and_come_back_bit_exact(device: str, mode: str, kind: str)
                 assert torch.equal(_bits(buffer)[untouched], old[untouched])
         finally:
             store.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["embedded", "server"])
+def test_an_offload_stores_what_the_forward_stream_was_still_writing(mode: str) -> None:
+    """SGLang's overlap scheduler offloads pages its forward stream may still be writing: the copies wait for that
+    stream and the scheduler's (the linker's `_writers`), and neither stream is made to wait."""
+    fixture = next(f for f in load_fixtures() if f["case"]["kind"] == "mha" and f["case"]["page_size"] == 16)
+    pool = replay(fixture, "cuda")
+    buffers, kv = _buffers(pool), device_kv(pool)
+    page = kv.block_size
+    source, dest, keys = [1, 2, 3], [4, 5, 6], [f"{i:064x}" for i in range(3)]
+    rows = torch.tensor([p * page + t for p in source for t in range(page)], device="cuda")
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    written = [
+        torch.randint(0, 256, _bits(b[rows]).shape, generator=generator, dtype=torch.uint8, device="cuda")
+        for b in buffers
+    ]
+    page_bytes = sum(b[:page].numel() * b.element_size() for b in buffers)
+    counter = LoadCounter(len(kv.layers))
+    with settings_for(mode, "cuda", page, 8 * page_bytes + (8 << 20)) as settings:
+        plans = [PoolPlan(kv_pool(kv), PageKeySpace("org/ordered", 1, 0))]
+        store = open_linker_store(settings, plans, page, len(kv.layers), counter, name="ordered")
+        forward = torch.cuda.Stream()
+        try:
+            warm = [f"{i:064x}" for i in range(10, 13)]  # a first offload loads the copy's kernels (untimed)
+            store.offload([PoolPages(KV, warm, dest)], [torch.cuda.current_stream().cuda_stream])
+            _ended(store)
+            for buffer in buffers:  # and the writes' kernels
+                buffer[rows] = buffer[rows]
+            torch.cuda.synchronize()
+            with torch.cuda.stream(forward):
+                torch.cuda._sleep(800_000_000)  # ~0.4 s: the copies would run before the writes if not ordered
+                for buffer, new in zip(buffers, written, strict=True):
+                    buffer[rows] = new.view(buffer.dtype).view(buffer[rows].shape)
+            store.offload([PoolPages(KV, keys, source)], [torch.cuda.current_stream().cuda_stream, forward.cuda_stream])
+            torch.cuda.current_stream().synchronize()
+            assert not forward.query()  # the scheduler's stream went on while the forward's still ran
+            _ended(store)
+            assert store.lookup("r", keys) == [1, 2, 3]
+            assert store.queue_load("r", [PoolPages(KV, keys, dest)])
+            index = store.start_loads()
+            counter.set_consumer(index)
+            counter.wait_until(len(kv.layers) - 1)
+            torch.cuda.synchronize()
+            assert counter.finish(index)
+            landed = torch.tensor([p * page + t for p in dest for t in range(page)], device="cuda")
+            for buffer, new in zip(buffers, written, strict=True):
+                assert torch.equal(_bits(buffer[landed]), new)
+        finally:
+            store.close()
+
+
+def _ended(store: Any) -> None:
+    """Wait for the store's next offload to end; it stored its pages."""
+    deadline = time.monotonic() + 60
+    while store.completed_offloads() == 0:
+        assert time.monotonic() < deadline, "the offload did not end"
+        time.sleep(0.01)
+    assert store.pop_offload()

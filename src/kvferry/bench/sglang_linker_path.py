@@ -62,6 +62,7 @@ class LinkerPath:
         self._index = -1  # the counter's index of the last load
         self._first: tuple[Any, Any] | float = 0.0  # the last load's first group landed: events (GPU), or seconds
         self._generator = torch.Generator(device=device).manual_seed(7)
+        self._forward = torch.cuda.Stream() if device == "cuda" else None  # SGLang's forward stream (overlap)
         self._round = 0
         self.keys: list[str] = []
         self._before: list[torch.Tensor] = []
@@ -70,12 +71,12 @@ class LinkerPath:
         slots = [p * self.page + t for p in pages for t in range(self.page)]
         return torch.tensor(slots, dtype=torch.int64, device=self.device)
 
-    def _ready(self) -> list[Any]:
-        if self.device != "cuda":
+    def _writers(self) -> list[int]:
+        """The streams an offload waits for, as the linker passes them under SGLang's overlap scheduler: the
+        current one and a forward stream of its own (`Linker._writers`)."""
+        if self._forward is None:
             return []
-        event = torch.cuda.Event()
-        event.record()
-        return [event]
+        return [torch.cuda.current_stream().cuda_stream, self._forward.cuda_stream]
 
     def next_round(self) -> None:
         """New page hashes for the prefix and new bytes in its source pages."""
@@ -88,7 +89,7 @@ class LinkerPath:
             buffer[self._src_rows] = noise.view(buffer.dtype).view(rows.shape)
 
     def store(self) -> None:
-        self.store_.offload([PoolPages(KV, self.keys, self.src)], self._ready())
+        self.store_.offload([PoolPages(KV, self.keys, self.src)], self._writers())
         deadline = time.monotonic() + _WAIT_S
         while self.store_.completed_offloads() == 0:
             if time.monotonic() > deadline:

@@ -381,9 +381,10 @@ class KvferryClient:
 
     def _submit(self, op: Op, registration: int, args: dict[str, Any]) -> Future[dict[str, Any]]:
         """Send a STORE or RETRIEVE; its future resolves to the server's result map. For GPU KV either one is sent
-        with a ready event recorded on this thread's current stream, which the server's copy waits for on the GPU:
-        a STORE reads the blocks after the work that writes them, a RETRIEVE writes them after the work queued
-        before it (kernels still reading or writing blocks a finished request just gave back)."""
+        with a ready event recorded on this thread's current stream (or after its `ordered_after` event), which the
+        server's copy waits for on the GPU: a STORE reads the blocks after the work that writes them, a RETRIEVE
+        writes them after the work queued before it (kernels still reading or writing blocks a finished request just
+        gave back)."""
         event = None
         gpu = self._gpu.get(registration)
         ready = gpu.ready if gpu is not None else None
@@ -391,8 +392,7 @@ class KvferryClient:
         if slot is not None:
             args["ready_slot"] = slot
         elif gpu is not None:  # every ready event of the ring in use: a fresh one
-            event = torch.cuda.Event(interprocess=True)
-            event.record(torch.cuda.current_stream(gpu.device))
+            event = gpu.ready.record_fresh()
             args["ready_event"] = bytes(event.ipc_handle())
         try:
             future = self._conn.submit(op, args, keepalive=event)

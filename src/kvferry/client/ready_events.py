@@ -10,7 +10,9 @@ server opens once; a transfer names the slot it recorded. A slot is reused only 
 transfer that used it (re-recording it earlier could move the wait to another stream). With every slot in use a
 transfer sends a fresh event of its own. The record is the driver's (`kvferry.cuda.driver`, on the raw handles):
 torch's `Event.record` on `current_stream` cost a one-chunk STORE ~20 us of the client's time before it was sent
-(H200 host).
+(H200 host). A transfer sent inside an `ordered_after` block is ordered after that block's event instead of the
+current stream, as a transfer in process is: its slot is recorded on a stream of the registration's that waits for
+the event.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import threading
 import torch
 
 from kvferry.cuda.driver import driver, primary_context
+from kvferry.transfer import ordering_event
 
 SLOTS = 16
 
@@ -36,21 +39,45 @@ class ReadyEvents:
         self._context = primary_context(device)
         self._free = list(range(slots))
         self._lock = threading.Lock()
+        self._ordered: torch.cuda.Stream | None = None  # where a slot waits for an `ordered_after` event
 
     def handles(self) -> list[bytes]:
         return list(self._handles)
 
     def record(self) -> int | None:
-        """Record a free slot's event on this thread's current stream on the KV's device; its index, or None
+        """Record a free slot's event where this thread's transfers are ordered (`stream`); its index, or None
         when every slot is held by a transfer still in flight."""
         with self._lock:
             if not self._free:
                 return None
             slot = self._free.pop()
         d = driver()
-        with d.current(self._context):
-            d.record(self._raw[slot], torch._C._cuda_getCurrentRawStream(self.device.index))
+        try:
+            with d.current(self._context):
+                d.record(self._raw[slot], self.stream())
+        except BaseException:
+            self.release(slot)
+            raise
         return slot
+
+    def record_fresh(self) -> torch.cuda.Event:
+        """A new interprocess event recorded where this thread's transfers are ordered (every slot in use)."""
+        event = torch.cuda.Event(interprocess=True)
+        with torch.cuda.device(self.device):
+            event.record(torch.cuda.ExternalStream(self.stream(), self.device))
+        return event
+
+    def stream(self) -> int:
+        """The raw stream where this thread's transfers are ordered: its current stream on the KV's device, or,
+        inside an `ordered_after` block, one of this registration's made to wait for that block's event now."""
+        after = ordering_event()
+        if after is None:
+            return torch._C._cuda_getCurrentRawStream(self.device.index)
+        if self._ordered is None:
+            self._ordered = torch.cuda.Stream(self.device)
+        with driver().current(self._context):
+            driver().wait(self._ordered.cuda_stream, after, 0)
+        return self._ordered.cuda_stream
 
     def release(self, slot: int) -> None:
         with self._lock:

@@ -26,6 +26,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
 from kvferry.client import KvferryClient, ServerError
+from kvferry.futures import failed_future
 from kvferry.security import ClientCurve
 
 log = logging.getLogger(__name__)
@@ -209,9 +210,7 @@ class ServerLink:
         except Exception as exc:
             if is_outage(exc) and not isinstance(exc, ServerDown):
                 self._went_down(self.generation, exc)
-            failed: Future[T] = Future()
-            failed.set_exception(exc)
-            return failed
+            return failed_future(exc)
 
         def check(done: Future[Any]) -> None:
             exc = done.exception()

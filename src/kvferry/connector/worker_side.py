@@ -38,6 +38,7 @@ from kvferry.connector.copy_ends import copied, copied_probe
 from kvferry.connector.counters import WorkerCounters
 from kvferry.connector.plan import LoadSpec, StepPlan, StoreSpec
 from kvferry.connector.server_link import ServerDown
+from kvferry.futures import failed_future
 
 log = logging.getLogger(__name__)
 
@@ -210,9 +211,7 @@ class WorkerSide:
             backend = self._backends[spec.group]
             return _HANDOFF.watch(backend.retrieve_async(spec.tokens, spec.block_ids, spec.skip_tokens))
         except Exception as exc:
-            failed: Future[int] = Future()
-            failed.set_exception(exc)
-            return failed
+            return failed_future(exc)
 
     def _retrieve_now(self, spec: LoadSpec) -> Future[int]:
         """A foreground load run to its end by the backend on this thread, as a done future."""
@@ -261,9 +260,7 @@ class WorkerSide:
             backend = self._backends[spec.group]
             return _HANDOFF.watch(backend.store_async(spec.tokens, spec.block_ids, spec.skip_tokens))
         except Exception as exc:  # a store is best effort: a failed one is a later cache miss
-            failed: Future[int] = Future()
-            failed.set_exception(exc)
-            return failed
+            return failed_future(exc)
 
     def _wait_for_stores(self, req_id: str) -> None:
         for future, timer, counted in self._inflight.pop(req_id, []):

@@ -14,6 +14,7 @@ from kvferry.transfer.api import (
     forget_plans,
     geometry_of,
     ordered_after,
+    ordering_event,
     transfer,
     transfer_async,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "forget_plans",
     "geometry_of",
     "ordered_after",
+    "ordering_event",
     "transfer",
     "transfer_async",
 ]

@@ -152,6 +152,13 @@ def ordered_after(event: int) -> _OrderedAfter:
     return _OrderedAfter(event)
 
 
+def ordering_event() -> int | None:
+    """The event of the `ordered_after` block the calling thread is in (None outside one): what its transfers wait
+    for instead of its current stream, and so what a mark of where it stands (`stream_marks`) or a server
+    transfer's ready event (`kvferry.client`) must come after."""
+    return getattr(_order, "event", None)
+
+
 class _OrderedAfter:
     """`ordered_after`'s block. A class, not a generator: it is entered twice per server transfer, once on the
     socket thread before the answer leaves (0.3 us against 1 us a generator's; CPU machine)."""
@@ -256,8 +263,7 @@ def _submit(
     lead: LeadDMA | None = None,
 ) -> TransferHandle:
     engine = engine or _gpu_engine().default_engine(geom.device, _gpu_config)
-    after = getattr(_order, "event", None)
-    return engine.submit(_plans.triton(geom), objs, checked, to_objects, chunk_size, skip, mode, after, lead)
+    return engine.submit(_plans.triton(geom), objs, checked, to_objects, chunk_size, skip, mode, ordering_event(), lead)
 
 
 @functools.cache

@@ -95,7 +95,8 @@ class KvferryLinker(UnifiedCacheLinker):
             for pool in linked.pools.values()
         ]
         self.keys = replicated
-        self._on_device = linked.pools[KV].objects[0].kv.layers[0].device.type != "cpu"
+        device = linked.pools[KV].objects[0].kv.layers[0].device
+        self._on_device, self._device_index = device.type != "cpu", device.index or 0
         self.store: LinkerStore = open_linker_store(
             self.settings, plans, self.page_size, linked.num_layers, self.layer_done_counter,
             name=f"sglang-{sharded.rank}", groups=self.settings.layer_groups,
@@ -136,8 +137,16 @@ class KvferryLinker(UnifiedCacheLinker):
         pages = self._pages(transfers, "offload")
         if pages is None:
             return False
-        self.store.offload(pages, self.record_offload_ready() if self._on_device else [])
+        self.store.offload(pages, self._writers() if self._on_device else [])
         return True
+
+    def _writers(self) -> list[int]:
+        """The streams whose work so far an offload's copies wait for, as SGLang's `record_offload_ready` has it:
+        the current one (it computed which pages go) and the forward's (it may still be writing them). Marked by
+        the store with pooled events (SGLang's method makes two torch events per offload)."""
+        current = torch._C._cuda_getCurrentRawStream(self._device_index)
+        forward = self.forward_stream.cuda_stream if self.forward_stream is not None else current
+        return [current] if forward == current else [current, forward]
 
     def num_completed_offloads(self) -> int:
         return self.store.completed_offloads()

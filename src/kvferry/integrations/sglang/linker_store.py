@@ -9,7 +9,7 @@ stream waits for their end on the GPU (`load_counter`); whichever thread sees a 
 that waited for its copy; through a server, the forward's thread about to wait, at the move's done flag) completes the
 layer counter there, and that tells SGLang after the forward whether the load landed (`_Batch`); a thread of this
 class's own then frees the load's locks (a server call). An offload starts on the scheduler's thread too, its copies
-ordered after SGLang's ready events on the GPU (no host wait and no thread hand-off: ~0.2-0.3 ms of a 64-page offload
+ordered after SGLang's streams on the GPU (no host wait and no thread hand-off: ~0.2-0.3 ms of a 64-page offload
 on the H100 host), and its outcome is kept in the order of the offloads (SGLang pairs the n-th outcome it takes with
 its n-th offload; `offload_outcomes`). A load's groups of layers (`linker_pools`) are all under way at once, the first
 group started first, and each is completed in the layer counter once it and every group before it landed. Nothing
@@ -30,15 +30,14 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from queue import Queue
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
-import torch
 
 from kvferry.cache.keys import TokenIds
 from kvferry.connector.copy_ends import copied_probe, copy_end, wait_here
 from kvferry.connector.settings import ConnectorSettings
-from kvferry.futures import when_all
+from kvferry.futures import failed_future, when_all
 from kvferry.integrations.sglang.linker_pools import (
     NOT_LOOKED_UP,
     Lock,
@@ -54,17 +53,11 @@ from kvferry.integrations.sglang.linker_pools import (
 from kvferry.integrations.sglang.load_counter import CopyEnd, LoadCounter
 from kvferry.integrations.sglang.offload_outcomes import Move, OffloadOutcomes, stored
 from kvferry.integrations.sglang.page_store import PageTokens, page_tokens
+from kvferry.transfer import ordered_after
+from kvferry.transfer.stream_marks import StreamMarks
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class ReadyEvent(Protocol):
-    """A device event an offload's copies wait for (SGLang's stream events); none on CPU tensors."""
-
-    def wait(self) -> None:
-        """Make the calling thread's current stream wait for the event (on the device: the host goes on)."""
-        ...
 
 
 @dataclass
@@ -92,6 +85,7 @@ class LinkerStore:
         closing: Callable[[], None],
         *,
         name: str = "sglang",
+        marks: StreamMarks | None = None,
     ) -> None:
         self.pools, self.page_size, self.layer_groups, self.counter = pools, page_size, list(groups), counter
         self._closing = closing
@@ -100,7 +94,7 @@ class LinkerStore:
         self._batches = _Batches()  # the loads under way
         self._ended: Queue[tuple[_Batch] | None] = Queue()  # loads whose moves all ended
         self._offloads = OffloadOutcomes()
-        self._order: torch.cuda.Stream | None = None  # where an offload's copies wait for SGLang's ready events
+        self._marks = marks  # of SGLang's streams that an offload's copies wait for (on a GPU)
         self._thread = threading.Thread(target=self._serve, name=f"kvferry-{name}-load", daemon=True)
         self._thread.start()
         self._closed = False
@@ -168,15 +162,16 @@ class LinkerStore:
         self.counter.on_host(index, batch.wait_here)
         return index
 
-    def offload(self, pages: list[PoolPages], ready: Sequence[ReadyEvent]) -> None:
-        """Store each pool's ``pages`` once ``ready`` has happened (of the pools this rank owns: another's are
-        stored by the rank that does), started here; its result comes in `pop_offload`, after those of the
-        offloads before it."""
+    def offload(self, pages: list[PoolPages], after: Sequence[int]) -> None:
+        """Store each pool's ``pages`` (of the pools this rank owns: another's are stored by the rank that does)
+        once the work queued so far on the streams ``after`` has run (raw CUDA streams of the pools' GPU, SGLang's
+        that write the pages; none on the CPU), started here; its result comes in `pop_offload`, after those of
+        the offloads before it."""
         owned = [part for part in pages if self.pools[part.name].owner]
         try:
-            moves = [move for group in self._start_after(ready, owned) for move in group] if owned else []
+            moves = [move for group in self._start_after(after, owned) for move in group] if owned else []
         except Exception as exc:  # before any move started (a move's own failure is its future's)
-            moves = [(0, _failed(exc))]
+            moves = [(0, failed_future(exc))]
         outcome = when_all([future for _, future in moves], lambda: stored(moves))
         self._offloads.add(outcome, _of_each(moves, copied_probe))
 
@@ -206,6 +201,8 @@ class LinkerStore:
         self.reset()
         self._ended.put(_STOP)
         self._thread.join()
+        if self._marks is not None:
+            self._marks.close()
         self._closing()
 
     # --- the threads ------------------------------------------------------------------------------------------
@@ -218,19 +215,22 @@ class LinkerStore:
                 return
             task[0].end()
 
-    def _start_after(self, ready: Sequence[ReadyEvent], parts: list[PoolPages]) -> list[list[Move]]:
-        """`_start` of stores whose copies wait for ``ready`` on the GPU (none: on the CPU): begun from a stream of
-        this store's that waits for them, so that the copies are ordered after it as they are after a caller's
-        current stream (SGLang's own streams left as they are)."""
+    def _start_after(self, after: Sequence[int], parts: list[PoolPages]) -> list[list[Move]]:
+        """`_start` of stores whose copies wait on the GPU for what the streams ``after`` queued so far: for one mark
+        of them (`StreamMarks.record_on`) as the start's `ordered_after` event (its stores' copies and rests wait
+        for it; through a server their ready events do). No stream of SGLang's changes, none is made current."""
         stores = [(part, NOT_LOOKED_UP) for part in parts]
-        if not ready:
+        if not after or self._marks is None:
             return self._start(stores, "store_pages_async")
-        if self._order is None:
-            self._order = torch.cuda.Stream()
-        with torch.cuda.stream(self._order):
-            for event in ready:
-                event.wait()
-            return self._start(stores, "store_pages_async")
+        mark = self._marks.record_on(after)
+        try:
+            with ordered_after(mark.cuda_event):
+                moves = self._start(stores, "store_pages_async")
+        except BaseException:
+            mark.release()
+            raise
+        when_all([future for group in moves for _, future in group], mark.release)  # each wait on it enqueued
+        return moves
 
     def _start(self, parts: list[tuple[PoolPages, LookedUp]], how: str) -> list[list[Move]]:
         """Each pool's pages of ``parts`` (each with its request's lookup, whose token rows it reuses) moved by each
@@ -376,13 +376,7 @@ def _call(move: Callable[[Any, list[int]], Future[int]], tokens: Any, blocks: li
     try:
         return move(tokens, blocks)
     except Exception as exc:
-        return _failed(exc)
-
-
-def _failed(error: BaseException) -> Future[int]:
-    failed: Future[int] = Future()
-    failed.set_exception(error)
-    return failed
+        return failed_future(exc)
 
 
 def open_linker_store(
@@ -394,7 +388,9 @@ def open_linker_store(
     runs = layer_groups(num_layers, groups)
     pools, closing = open_pool_backends(settings, plans, page_size, name, runs)
     try:
-        return LinkerStore(pools, page_size, runs, counter, closing, name=name)
+        device = plans[0].pool.objects[0].kv.layers[0].device
+        marks = StreamMarks(device) if device.type == "cuda" else None
+        return LinkerStore(pools, page_size, runs, counter, closing, name=name, marks=marks)
     except BaseException:
         closing()
         raise
