@@ -75,9 +75,10 @@ class ReadyEvents:
             return torch._C._cuda_getCurrentRawStream(self.device.index)
         if self._ordered is None:
             self._ordered = torch.cuda.Stream(self.device)
-        with driver().current(self._context):
-            driver().wait(self._ordered.cuda_stream, after, 0)
-        return self._ordered.cuda_stream
+        d, stream = driver(), self._ordered.cuda_stream
+        with d.current(self._context):
+            d.wait(stream, after, 0)
+        return stream
 
     def release(self, slot: int) -> None:
         with self._lock:
