@@ -182,6 +182,26 @@ def test_pages_offloaded_then_loaded_into_other_slots_embedded(kind: str) -> Non
         linker.close()
 
 
+def test_an_offload_on_a_gpu_waits_for_the_streams_sglangs_offload_events_mark(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang's `record_offload_ready` marks the current stream and, where it has one, the forward stream: the
+    linker hands its store those streams (the store marks them on the GPU: `test_sglang_replayed_pools`)."""
+    device = Device("mha", seed=1)
+    linker = make_linker(device, EMBEDDED)
+    handed: list[list[int]] = []
+    try:
+        monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 1000 + index, raising=False)
+        monkeypatch.setattr(linker, "_on_device", True)
+        monkeypatch.setattr(linker.store, "offload", lambda pages, after: handed.append(after))
+        slots = torch.arange(PAGE, 2 * PAGE)
+        for forward in (type("Stream", (), {"cuda_stream": 7})(), None, type("Stream", (), {"cuda_stream": 1000})()):
+            linker.forward_stream = forward
+            assert linker.offload([PoolTransfer(name=PoolName.KV, device_indices=slots, keys=page_keys(1, 3))])
+        assert handed == [[1000, 7], [1000], [1000]]  # the current stream once where the forward's is the same
+    finally:
+        monkeypatch.undo()
+        linker.close()
+
+
 @pytest.mark.parametrize("kind", ["mha", "mla"])
 def test_a_second_engine_on_the_server_loads_what_the_first_offloaded(kind: str, server_url: str) -> None:
     writer_device, reader_device = Device(kind, seed=2), Device(kind, seed=3)
