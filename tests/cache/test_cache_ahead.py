@@ -4,6 +4,7 @@ path's order), run on a CPU engine whose copy lands only when waited for (`cache
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 from kvferry.cache import CacheEngine
 from kvferry.cache.writer import ChunkWriter
 from kvferry.formats.kinds import EngineKVFormat as F
+from kvferry.tiers import make_tier
 from tests.cache.cachekit import (
     CHUNK,
     NB,
@@ -121,3 +123,38 @@ def test_without_room_for_every_chunk_the_store_goes_in_order(ahead: AheadCopies
     with engine:
         assert engine.store(random_tokens(3 * CHUNK), src, random_blocks(3 * PER_CHUNK, 0), FMT) == 2 * CHUNK
         assert ahead.enqueued == 0 and engine.stats()["skipped_chunks"] == 1
+
+
+def test_a_store_into_a_full_pool_evicts_for_its_objects_and_still_copies_ahead(ahead: AheadCopies) -> None:
+    # Room for 8 objects, kept at 6 or fewer once a store has landed: a 3-chunk store finds 2 free, so it evicts
+    # before its copy is enqueued (in order, it would hash its keys and evict object by object first).
+    engine, src = _engine(objects=8, watermark=0.75, eviction_batch=1)
+    dst = make_paged(FMT, NB, seed=2)
+    prompts = [random_tokens(3 * CHUNK, seed) for seed in range(5)]
+    ids = [random_blocks(3 * PER_CHUNK, seed) for seed in range(5)]
+    with engine:
+        for prompt, blocks in zip(prompts, ids, strict=True):
+            assert engine.store(prompt, src, blocks, FMT) == 3 * CHUNK
+        assert (ahead.enqueued, ahead.waited) == (5, 5)
+        stats = engine.stats()
+        assert stats["evictions"] == 9 and stats["skipped_chunks"] == 0 and stats["objects"] == 6
+        assert engine.lookup(prompts[-1]) == 3 * CHUNK and engine.lookup(prompts[0]) == 0
+        back = random_blocks(3 * PER_CHUNK, 9)
+        assert engine.retrieve(prompts[-1], dst, back, FMT) == 3 * CHUNK
+        assert_blocks_equal(src, ids[-1], dst, back, FMT)
+
+
+def test_a_store_whose_room_is_still_being_spilled_is_stored_whole(ahead: AheadCopies, tmp_path: Path) -> None:
+    tier = make_tier(f"disk:{tmp_path}/tier?size=1MiB")
+    src = make_paged(FMT, NB, seed=1)
+    first, second = random_tokens(2 * CHUNK, 1), random_tokens(2 * CHUNK, 2)
+    try:
+        with cache_engine(2, FMT, src, tiers=[tier], watermark=1.0, eviction_batch=1) as engine:
+            assert engine.store(first, src, random_blocks(2 * PER_CHUNK, 1), FMT) == 2 * CHUNK
+            # `first` is evicted to the tier for room, its memory free only once written there: the store copies
+            # ahead if that has happened by its reservation, else in order after waiting for it.
+            assert engine.store(second, src, random_blocks(2 * PER_CHUNK, 3), FMT) == 2 * CHUNK
+            assert engine.lookup(second) == 2 * CHUNK and engine.pool.num_allocations == 2
+            assert engine.stats()["tier_writes"] == 2 and engine.stats()["skipped_chunks"] == 0
+    finally:
+        tier.close()

@@ -56,6 +56,17 @@ class PoolEviction:
             to_spill = self._make_room_locked(0)
         self._spill(to_spill)
 
+    def make_room(self, nbytes: int) -> None:
+        """Evict batches until ``nbytes`` fit in the pool's free room, not just under the watermark: what a store
+        about to copy ahead of its keys needs (`ChunkWriter._ahead`). Bytes being spilled count as free (they are
+        on their way out); nothing is evicted for more than the pool holds."""
+        if nbytes > self.pool.capacity_bytes:
+            return
+        with self.lock:
+            self.expire_locks_locked()
+            to_spill = self._evict_bytes_locked(nbytes - self.pool.free_bytes - self._spilling_bytes)
+        self._spill(to_spill)
+
     def _make_room_locked(self, nbytes: int) -> list[Entry]:
         """Evict batches until ``nbytes`` more fit under the watermark (or nothing is evictable).
 
@@ -64,7 +75,11 @@ class PoolEviction:
         """
         self.expire_locks_locked()
         limit = self._config.watermark * self.pool.capacity_bytes
-        excess = self.pool.used_bytes - self._spilling_bytes + nbytes - limit
+        return self._evict_bytes_locked(self.pool.used_bytes - self._spilling_bytes + nbytes - limit)
+
+    def _evict_bytes_locked(self, excess: float) -> list[Entry]:
+        """Evict the policy's batches until ``excess`` bytes are out (or nothing is evictable); returns the entries
+        to spill."""
         to_spill: list[Entry] = []
         while excess > 0:
             victims = self.policy.evict(self._config.eviction_batch, self._evictable)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from kvferry.cache.chunk_copies import copies_in_background, copy_chunks
 from kvferry.cache.index import Entry, readable_pages, readable_run
 from kvferry.cache.keys import CacheNamespace, ChunkHasher, PageKeys, PrefixKeys, TokenIds
 from kvferry.cache.metrics import CacheCounters
@@ -17,7 +18,6 @@ from kvferry.cache.request import check_skip, token_count
 from kvferry.cache.residency import Residency
 from kvferry.cache.steps import Enqueued, Steps
 from kvferry.cache.tails import find_tail
-from kvferry.cache.writer import copies_in_background, copy_chunks
 from kvferry.formats import KVGeometry
 from kvferry.transfer import Direction
 from kvferry.transfer.api import lead_pool_retrieve

@@ -1,11 +1,10 @@
-"""How the cache's chunks move: one transfer per request (`copy_chunks`), and a store's two orders of work.
+"""A store's chunks into the pool, in one of two orders of work.
 
 In order: keys, then pool objects for the chunks not present, then their copy. Ahead (GPU engines with a pinned
 pool): the copy of every chunk after the skipped ones is enqueued first, and the keys and index entries are made
 while the bytes move. On the GPU host the CPU time before a store's first GPU operation was most of a one-chunk
 store's overhead, and after idling (or any other work) that CPU time is several times its warm cost: every module
-the path touches comes back from memory. Ahead takes the keys and
-the index off that path.
+the path touches comes back from memory. Ahead takes the keys and the index off that path.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 
+from kvferry.cache.chunk_copies import copies_in_background, copy_chunks, head_masks
 from kvferry.cache.event_hooks import StoreTokens
 from kvferry.cache.index import Entry
 from kvferry.cache.keys import CacheNamespace, ChunkHasher, TokenIds, token_view
@@ -24,59 +24,13 @@ from kvferry.cache.residency import Residency
 from kvferry.cache.steps import Enqueued, Steps
 from kvferry.cache.tails import superseded
 from kvferry.formats import KVGeometry
-from kvferry.memory import HostPool
-from kvferry.transfer import Direction, transfer, transfer_async
-from kvferry.transfer.api import transfer_pool_async, transfer_pool_at_async
-from kvferry.transfer.block_ids import BlockIds, CheckedBlockIds, PendingBlockIds, check_block_ids
+from kvferry.transfer import Direction
+from kvferry.transfer.api import transfer_pool_at_async
+from kvferry.transfer.block_ids import BlockIds, CheckedBlockIds, check_block_ids
 
 if TYPE_CHECKING:
     from kvferry.cache.tiering import TierLink
     from kvferry.transfer.handle import TransferHandle
-    from kvferry.transfer.lane import LeadDMA
-
-
-def copy_chunks(
-    pool: HostPool,
-    chunk_size: int,
-    paged: Any,
-    geom: KVGeometry,
-    objects: list[torch.Tensor],
-    ids: CheckedBlockIds | PendingBlockIds[CheckedBlockIds],
-    direction: Direction,
-    skip: int,
-    lead: LeadDMA | None = None,
-) -> TransferHandle | None:
-    """The one place the cache moves bytes: a GPU engine's transfer is returned in flight (its handle), anything
-    else has moved when this returns (None). The last object may be a tail (fewer tokens, whole blocks). Pending
-    ids are checked by the GPU engine after its first DMAs into staging, anywhere else first. `lead`: a GPU
-    retrieve's first DMA, already started (`lead_pool_retrieve`); the caller releases it if this raises."""
-    if _gpu_with_pinned_pool(geom, pool) and objects[-1].shape[2] == chunk_size:  # whole pool objects: lighter check
-        return transfer_pool_async(geom, objects, ids, direction, chunk_size, skip, lead)
-    if isinstance(ids, PendingBlockIds):
-        ids = ids.check()
-    if geom.device.type == "cuda" and objects[0].is_cpu:  # an unpinned pool: transfer_async explains
-        return transfer_async(paged, objects, ids, direction, geom.fmt, chunk_size, skip, geometry=geom, lead=lead)
-    if lead is not None:  # no GPU engine moves these: the lane goes back before the copy
-        lead.release()
-    transfer(paged, objects, ids, direction, geom.fmt, chunk_size, skip, geometry=geom)
-    return None
-
-
-def copies_in_background(geom: KVGeometry, pool: HostPool) -> bool:
-    """Whether `copy_chunks` returns with the copy still running (a GPU engine and a pinned pool), so work done
-    after enqueueing it overlaps it: the condition for storing ahead."""
-    return _gpu_with_pinned_pool(geom, pool)
-
-
-def _gpu_with_pinned_pool(geom: KVGeometry, pool: HostPool) -> bool:
-    return geom.device.type == "cuda" and pool.is_pinned
-
-
-def head_masks(geom: KVGeometry) -> tuple[int, int] | None:
-    """(the engine's heads, every head) as bit masks when it holds a slice of the model's heads; else None."""
-    if not geom.partial_heads:
-        return None
-    return ((1 << geom.nh) - 1) << geom.first_head, (1 << geom.total_heads) - 1
 
 
 class _Write(NamedTuple):
@@ -252,9 +206,8 @@ class ChunkWriter:
         otherwise copy it for nothing every time."""
         n = n_full - first
         shape = geom.object_shape(self._chunk_size)
-        addresses = self._pool.try_reserve_many(shape, geom.object_dtype, n)  # the views are carved after the enqueue
-        if len(addresses) < n:
-            self._free_addresses(addresses)
+        addresses = self._reserve(shape, geom.object_dtype, n)
+        if addresses is None:
             return None
         per_chunk = self._chunk_size // geom.bs
         started = time.perf_counter()
@@ -280,6 +233,19 @@ class ChunkWriter:
         entries = [entry for _, entry in new]
         chunks = [first + i for i, _ in new]
         return _Write(entries, chunks, in_flight, spare, started, [(first + i, e) for i, e in others])
+
+    def _reserve(self, shape: tuple[int, ...], dtype: torch.dtype, n: int) -> list[int] | None:
+        """Pool memory for ``n`` objects (their addresses: the views are carved after the enqueue), evicting first
+        where the pool's free room is short (None: still short). A full pool keeps free only what the watermark
+        leaves, less than one long prompt's store: without this every such store would go in order."""
+        needed = n * self._pool.allocation_bytes(shape, dtype)
+        if self._pool.free_bytes < needed:
+            self._res.make_room(needed)
+        addresses = self._pool.try_reserve_many(shape, dtype, n)
+        if len(addresses) < n:
+            self._free_addresses(addresses)
+            return None
+        return addresses
 
     def _in_order(
         self,

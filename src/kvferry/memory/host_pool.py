@@ -257,6 +257,11 @@ class HostPool:
         offsets, _ = self._reserve_many(self._layout(shape, dtype)[2], count)
         return [self._base_ptr + offset for offset in offsets]
 
+    def allocation_bytes(self, shape: Sequence[int], dtype: torch.dtype) -> int:
+        """The pool bytes an object of ``shape``/``dtype`` takes (its size rounded up to the alignment)."""
+        units = (self._layout(shape, dtype)[2] + self._alignment - 1) >> self._unit_shift
+        return units << self._unit_shift
+
     def views(self, addresses: Sequence[int], shape: Sequence[int], dtype: torch.dtype) -> list[torch.Tensor]:
         """Views of ``shape``/``dtype`` at live allocations' ``addresses`` (from ``try_reserve_many``)."""
         dims, strides, nbytes = self._layout(shape, dtype)
