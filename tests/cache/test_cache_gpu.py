@@ -6,6 +6,8 @@ Run on a CUDA machine: `.ci/gpu-tests 4 tests/cache/test_cache_gpu.py`.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -74,3 +76,41 @@ def test_a_prompt_shorter_than_a_chunk_loads_its_tail_and_pages_load_in_one_retr
         for layer in paged:
             assert torch.equal(layer[:, [40, 41]], layer[:, [5, 6]])
             assert torch.equal(layer[:, target], layer[:, list(range(8, 8 + 3 * per))])
+
+
+def test_stores_into_a_full_pinned_pool_evict_first_and_still_copy_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eight objects of room, kept at six once a store has landed: every 3-chunk store after the second finds two
+    free and evicts before its copy, which is still enqueued before its keys (`ChunkWriter._ahead`)."""
+    from kvferry.cache import writer
+
+    enqueued = []
+    enqueue = writer.transfer_pool_at_async
+
+    def counted(*args: Any) -> Any:
+        enqueued.append(args)
+        return enqueue(*args)
+
+    monkeypatch.setattr(writer, "transfer_pool_at_async", counted)
+    fmt = EngineKVFormat.NL_X_TWO_NB_BS_NH_HS
+    paged = make_paged(fmt, ModelDims(nl=4, nh=2, hs=64), 64, BS, device="cuda")
+    for tensor in leaves(paged):
+        random_fill(tensor)
+    geom = describe(fmt, paged)
+    room = 8 * geom.bytes_per_token * CHUNK / 2**30
+    cache_config = {"chunk_size": CHUNK, "l1_size_gb": room, "watermark": 0.75, "eviction_batch": 1}
+    with CacheEngine(KvferryConfig.load(overrides={"cache": cache_config})) as cache:
+        assert cache.pool.is_pinned
+        ns = cache.namespace_for("m", fmt, paged, geometry=geom)
+        prompts = [list(range(1000 * i, 1000 * i + 3 * CHUNK)) for i in range(1, 5)]
+        per = 3 * CHUNK // BS
+        for i, tokens in enumerate(prompts):
+            assert cache.store(tokens, paged, list(range(i * per, (i + 1) * per)), fmt, namespace=ns) == 3 * CHUNK
+        assert len(enqueued) == 4
+        stats = cache.stats()
+        assert stats["evictions"] == 6 and stats["skipped_chunks"] == 0 and stats["objects"] == 6
+        assert cache.lookup(prompts[0], namespace=ns) == 0
+        target = list(range(4 * per, 5 * per))
+        assert cache.retrieve(prompts[-1], paged, target, fmt, namespace=ns, geometry=geom) == 3 * CHUNK
+        torch.cuda.synchronize()
+        for layer in paged:
+            assert torch.equal(layer[:, target], layer[:, list(range(3 * per, 4 * per))])

@@ -3,25 +3,20 @@ kvferry's, read back from its replay socket as a router that joined late would."
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from typing import Any
+
+from kvferry.bench.ports import ports_bound_later
 
 REPLAY_TIMEOUT_MS = 10_000
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def vllm_events_config() -> Any:
-    """``--kv-events-config``: vLLM publishes its KV events on a free loopback port, with a replay socket."""
+    """``--kv-events-config``: vLLM publishes its KV events on a free loopback port, with a replay socket (both
+    bound once its engine has started: `ports_bound_later`)."""
     from vllm.config.kv_events import KVEventsConfig
 
-    pub, replay = (f"tcp://127.0.0.1:{_free_port()}" for _ in range(2))
+    pub, replay = (f"tcp://127.0.0.1:{port}" for port in ports_bound_later(2))
     return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=pub, replay_endpoint=replay)
 
 
