@@ -201,9 +201,9 @@ class ChunkWriter:
         pages: bool,
     ) -> _Write | None:
         """The copy of chunks ``first..n_full-1`` enqueued before their keys are made, into objects from the pool's
-        free room (None: not enough of it; store in order). A chunk found present gives its object back after the
-        copy, and pauses this for the next ``AHEAD_PAUSE`` stores: a caller that re-stores what is cached would
-        otherwise copy it for nothing every time."""
+        free room, evicted for where it is short (None: still short; store in order). A chunk found present gives
+        its object back after the copy, and pauses this for the next ``AHEAD_PAUSE`` stores: a caller that
+        re-stores what is cached would otherwise copy it for nothing every time (and evict for it)."""
         n = n_full - first
         shape = geom.object_shape(self._chunk_size)
         addresses = self._reserve(shape, geom.object_dtype, n)
