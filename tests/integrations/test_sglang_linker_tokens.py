@@ -1,6 +1,7 @@
 """The SGLang linker's token rows (`page_tokens`: a page's key as the tokens it is stored under): a load takes those
 its request's lookup made for the same pages (the conversion is on a load's path to its first DMA), and converts its
-own where its pages are not the lookup's first ones. Loads checked bit-exact, embedded, on CPU tensors."""
+own where its pages are not the lookup's first ones; an offload through a server sends its pages' keys and makes no
+rows at all. Loads checked bit-exact, on CPU tensors."""
 
 from __future__ import annotations
 
@@ -17,16 +18,20 @@ from kvferry.integrations.sglang import linker_store, page_store
 from kvferry.integrations.sglang.device_pools import KV
 from kvferry.integrations.sglang.linker_pools import PoolPages
 from kvferry.integrations.sglang.page_store import KEY_TOKENS
+from kvferry.protocol import messages
+from tests.integrations.sglangkit import page_server, url_of
 
 PAGES = 3
 
 
+FIXTURE = next(f for f in load_fixtures() if f["case"]["page_size"] >= KEY_TOKENS and f["case"]["kind"] == "mha")
+
+
 @pytest.fixture
 def path() -> Iterator[LinkerPath]:
-    fixture = next(f for f in load_fixtures() if f["case"]["page_size"] >= KEY_TOKENS and f["case"]["kind"] == "mha")
-    page = fixture["case"]["page_size"]
+    page = FIXTURE["case"]["page_size"]
     settings = ConnectorSettings(mode="embedded", config={"cache": {"chunk_size": page, "l1_size_gb": 0.02}})
-    linker_path = LinkerPath(fixture, settings, "cpu", PAGES)
+    linker_path = LinkerPath(FIXTURE, settings, "cpu", PAGES)
     linker_path.next_round()
     linker_path.store()
     yield linker_path
@@ -87,3 +92,33 @@ def test_a_load_of_pages_the_lookup_did_not_lead_with_converts_its_own(
     _load(path, path.keys[1:], path.dst[1:])  # not the lookup's first pages
     assert conversions == [PAGES, PAGES - 1]
     assert _holds(path, slice(1, 3)) and not _holds(path, slice(0, 1))
+
+
+def test_an_offload_through_a_server_sends_its_pages_keys_not_their_tokens(
+    conversions: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through a server the offload's STORE carries its pages' 32-byte keys and no tokens: the engine's side makes
+    no token rows for it (the server makes them from the keys, after the copy is enqueued), and a load of the pages,
+    looked up by their tokens as ever, finds them and is bit-exact."""
+    sent: list[dict[str, Any]] = []
+    encode = messages.encode_request
+
+    def recorded(op: Any, request_id: int, args: dict[str, Any], *rest: Any) -> bytes:
+        sent.append({"op": op.value, **args})
+        return encode(op, request_id, args, *rest)
+
+    monkeypatch.setattr("kvferry.client.connection.encode_request", recorded)
+    with page_server(FIXTURE["case"]["page_size"]) as server:
+        settings = ConnectorSettings.from_extra_config({"mode": "server", "server_url": url_of(server)})
+        path = LinkerPath(FIXTURE, settings, "cpu", PAGES)
+        try:
+            path.next_round()
+            path.store()
+            stores = [args for args in sent if args["op"] == "STORE"]
+            assert conversions == [] and len(stores) == 1
+            assert stores[0]["tokens"] == b"" and len(stores[0]["page_keys"]) == 32 * PAGES
+            path.before_load()  # the lookup, by the pages' tokens
+            path.load()
+            path.check_load()
+        finally:
+            path.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -109,6 +110,25 @@ def test_bad_arguments_get_errors_naming_them(client: KvferryClient) -> None:
     with pytest.raises(ValueError, match="exceeds the server's max_message_bytes=65536"):
         client.lookup(list(range(20_000)), registration=reg)  # refused before it is sent
     assert client.ping()["version"] == 1  # the session survived all of it
+
+
+def test_pages_keys_go_with_pages_instead_of_tokens_and_whole(client: KvferryClient) -> None:
+    """A transfer of pages may carry their 32-byte keys instead of their tokens (`page_keys`; the tokens spelled
+    from them: tests/integrations/test_sglang_linker_tokens.py): refused beside tokens, without `pages`, when not
+    whole keys, or where a chunk is too short to spell one (this server's 4 tokens)."""
+    reg = client.register_kv_cache(random_kv(6), FMT, namespace=NS)
+    base = {"registration": reg, "block_ids": np.arange(8, dtype="<u4").tobytes(), "pages": True}
+    for op in ("STORE", "RETRIEVE"):
+        for bad, match in [
+            ({"tokens": b"\0" * 32, "page_keys": b"\1" * 32}, "instead of 'tokens'"),
+            ({"tokens": b"", "page_keys": b"\1" * 32, "pages": False}, "go with 'pages'"),
+            ({"tokens": b"", "page_keys": b"\1" * 33}, "32 bytes each, got 33"),
+            ({"tokens": b"", "page_keys": b"\1" * 32}, "a page of 4 tokens cannot spell"),
+        ]:
+            reply = raw_request(client.endpoint, op, {**base, **bad})
+            assert reply["error"]["code"] == "BAD_ARGUMENT" and "'page_keys'" in reply["error"]["message"]
+            assert re.search(match, reply["error"]["message"])
+    assert client.ping()["version"] == 1
 
 
 def test_a_key_spaces_typed_fields_cross_the_wire(endpoint: str) -> None:

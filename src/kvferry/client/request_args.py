@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from kvferry.cache.page_keys import KeyedPages
 from kvferry.protocol.messages import pack_ids
 
 Namespace = Mapping[str, str | int]
@@ -19,13 +20,20 @@ def key_space_args(registration: int | None, namespace: Namespace | None) -> dic
     raise ValueError("give exactly one of registration= and namespace=")
 
 
-def transfer_args(registration: int, tokens: Any, block_ids: Any, skip_prefix_tokens: int) -> dict[str, Any]:
-    return {
-        "registration": registration,
-        "tokens": pack_ids(tokens, "tokens"),
-        "block_ids": pack_ids(block_ids, "block_ids"),
-        "skip_prefix_tokens": skip_prefix_tokens,
-    }
+def transfer_args(
+    registration: int, tokens: Any, block_ids: Any, skip_prefix_tokens: int, pages: bool = False
+) -> dict[str, Any]:
+    """A STORE's or RETRIEVE's common arguments; pages keyed by their own hash (`KeyedPages`) go as their keys, from
+    which the server makes their tokens (`kvferry.cache.page_keys`)."""
+    args: dict[str, Any] = {"registration": registration}
+    if pages and isinstance(tokens, KeyedPages):
+        args |= {"tokens": b"", "page_keys": tokens.raw_keys()}
+    else:
+        args["tokens"] = pack_ids(tokens, "tokens")
+    args |= {"block_ids": pack_ids(block_ids, "block_ids"), "skip_prefix_tokens": skip_prefix_tokens}
+    if pages:
+        args["pages"] = True
+    return args
 
 
 def demote_args(tokens: Any, chunks: range, key_space: dict[str, Any]) -> dict[str, Any]:
@@ -40,11 +48,9 @@ def store_args(
     registration: int, tokens: Any, block_ids: Any, skip_prefix_tokens: int, tail: bool, pages: bool
 ) -> dict[str, Any]:
     """A STORE's arguments (``tail``: a request's last tokens short of a chunk; ``pages``: each chunk a page)."""
-    args = transfer_args(registration, tokens, block_ids, skip_prefix_tokens)
+    args = transfer_args(registration, tokens, block_ids, skip_prefix_tokens, pages)
     if tail:
         args["tail"] = True
-    if pages:
-        args["pages"] = True
     return args
 
 
@@ -52,9 +58,7 @@ def retrieve_args(
     registration: int, tokens: Any, block_ids: Any, skip_prefix_tokens: int, lock: int | None, pages: bool
 ) -> dict[str, Any]:
     """A RETRIEVE's arguments (``lock``: a lookup's, held for it; ``pages``: each chunk a page)."""
-    args = transfer_args(registration, tokens, block_ids, skip_prefix_tokens)
+    args = transfer_args(registration, tokens, block_ids, skip_prefix_tokens, pages)
     if lock is not None:
         args["lock"] = lock
-    if pages:
-        args["pages"] = True
     return args

@@ -25,7 +25,11 @@ from kvferry.transfer.block_ids import BlockIds
 
 
 class CacheTransfers(Protocol):
-    """What a STORE and a RETRIEVE need of the cache engine (`kvferry.server.transfers`): its copies as steps."""
+    """What a STORE and a RETRIEVE need of the cache engine (`kvferry.server.transfers`): its copies as steps, and
+    its chunk size (a page's, where a request's chunks are pages)."""
+
+    @property
+    def chunk_size(self) -> int: ...
 
     def store_steps(
         self,
@@ -61,9 +65,6 @@ class CacheTransfers(Protocol):
 
 class CacheService(CacheTransfers, Protocol):
     """The cache engine as the server uses it; each member means what `CacheEngine`'s of the same name does."""
-
-    @property
-    def chunk_size(self) -> int: ...
 
     @property
     def codec(self) -> str:

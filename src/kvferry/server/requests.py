@@ -149,6 +149,8 @@ class TransferArgs(_Args):
     ready_slot: NonNegative | None = None  # or: which of the registration's `ready_events` it recorded
     lock: NonNegative | None = None  # a LOOKUP lock that RETRIEVE ends once its copy is done
     pages: bool = False  # each chunk of tokens a page keyed alone (`CacheEngine.store_steps`, `retrieve_steps`)
+    # with `pages`, instead of `tokens` (empty): each page's 32-byte key, its tokens (`kvferry.cache.page_keys`)
+    page_keys: bytes | None = None
     # Answer once the copy is enqueued; the GPU writes `done_seq` into word `done_slot` of the registration's
     # `done_flags` when it is done (the client polls the word)
     done_slot: NonNegative | None = None

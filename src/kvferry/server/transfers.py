@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
+from kvferry.cache.page_keys import KeyedPages
 from kvferry.cache.steps import Finished, Steps, finish_steps, first_step, run_steps
 from kvferry.protocol.messages import ErrorCode, ProtocolError, unpack_ids
 from kvferry.server.cache_service import CacheTransfers
@@ -89,7 +90,7 @@ class Transfers:
 
     def run(self, session: Session, args: TransferArgs, *, store: bool, deadline: float | None) -> dict[str, Any]:
         """The whole transfer on this thread (a worker); its result once the copy is done."""
-        tokens, block_ids = _ids(args, store)
+        tokens, block_ids = _ids(args, store, self._engine)
         if not store:
             self._sessions.settle()  # stores seen done are hits
         reg = self._sessions.use_registration(session, args.registration)
@@ -110,7 +111,7 @@ class Transfers:
         on a worker). Answered now when the copy is all that is left (`signalled`: the GPU writes the flag)."""
         if args.done_slot is None or args.ready_event is not None:
             return None
-        tokens, block_ids = _ids(args, store)
+        tokens, block_ids = _ids(args, store, self._engine)
         if not store:
             self._sessions.settle()
         reg = self._sessions.use_registration(session, args.registration)
@@ -190,9 +191,18 @@ class Transfers:
         )
 
 
-def _ids(args: TransferArgs, store: bool) -> tuple[Any, Any]:
-    """The request's token and block ids, after the checks that need no registration."""
-    tokens = unpack_ids(args.tokens, "tokens")
+def _ids(args: TransferArgs, store: bool, engine: CacheTransfers) -> tuple[Any, Any]:
+    """The request's token and block ids, after the checks that need no registration: the tokens of pages sent as
+    their keys made when the cache first reads them (a store's copy is enqueued first)."""
+    if args.page_keys is None:
+        tokens: Any = unpack_ids(args.tokens, "tokens")
+    elif not args.pages or args.tokens:
+        raise ProtocolError(ErrorCode.BAD_ARGUMENT, "'page_keys' go with 'pages' and instead of 'tokens'")
+    else:
+        try:
+            tokens = KeyedPages.received(args.page_keys, engine.chunk_size)  # pages=True: a chunk is a page
+        except ValueError as exc:
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"'page_keys': {exc}") from None
     block_ids = unpack_ids(args.block_ids, "block_ids")
     if store and args.lock is not None:
         raise ProtocolError(ErrorCode.BAD_ARGUMENT, "'lock' belongs to RETRIEVE, not STORE")

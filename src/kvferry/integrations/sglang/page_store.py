@@ -24,6 +24,7 @@ import torch
 
 from kvferry.cache import CacheEngine, CacheNamespace
 from kvferry.cache.keys import TokenIds
+from kvferry.cache.page_keys import KEY_BYTES, KEY_TOKENS, KeyedPages, key_rows
 from kvferry.client.shared_files import shared_file
 from kvferry.config import TransferConfig
 from kvferry.connector.backends import Backend, EmbeddedBackend, Hit, KeySpace
@@ -36,59 +37,55 @@ from kvferry.transfer import configure_gpu
 
 log = logging.getLogger(__name__)
 
-KEY_TOKENS = 8  # a page's key as token ids: its 32 bytes in 8 words of 31 bits (248 bits)
-_KEY_BYTES = 4 * KEY_TOKENS
-_HEX_DIGITS = 2 * _KEY_BYTES  # SGLang's page hash: a sha256 in hex
+_HEX_DIGITS = 2 * KEY_BYTES  # SGLang's page hash: a sha256 in hex
 STAGING_PAGES = 32  # pages of server mode's staging buffer: a call's pages go through it in rounds
 
 
-def page_tokens(keys: Sequence[str], page_size: int) -> np.ndarray:
-    """The token ids each page of ``keys`` is stored under, a row a page: its key's 32 bytes, then zeros to the
-    page size. Little-endian uint32, the bytes the cache hashes as they are (a row, or the rows flattened).
-
-    A key's 32 bytes are its own digits where it is a page hash as SGLang writes them (64 hex digits), else a
-    sha256 of it. A prefix of pages is one C-level decode of its keys (a sha256 per key cost a 64-page load ~75-180
-    us on the H100 host)."""
-    rows = np.zeros((len(keys), page_size), dtype="<u4")
+def page_keys(keys: Sequence[str]) -> bytes:
+    """The 32 bytes of each of ``keys``, back to back: its own digits where it is a page hash as SGLang writes them
+    (64 hex digits), else a sha256 of it. A prefix of pages is one C-level decode of its keys (a sha256 per key cost
+    a 64-page load ~75-180 us on the H100 host)."""
     raw = b""
     if set(map(len, keys)) == {_HEX_DIGITS}:
         with contextlib.suppress(ValueError):
             raw = bytes.fromhex("".join(keys))
-    if len(raw) != _KEY_BYTES * len(keys):  # not all page hashes (or one with a space, which fromhex skips)
+    if len(raw) != KEY_BYTES * len(keys):  # not all page hashes (or one with a space, which fromhex skips)
         raw = b"".join(map(_key_bytes, keys))
-    rows[:, :KEY_TOKENS] = np.frombuffer(raw, dtype="<u4").reshape(len(keys), KEY_TOKENS) & 0x7FFFFFFF
-    return rows
+    return raw
 
 
-class PageTokens(Sequence[int]):
-    """`page_tokens` of ``keys``, flattened, made when first read (numpy's array protocol: the cache reads tokens
-    with `np.asarray`). A store needs only their count before its copy is enqueued and reads them for its keys
-    after: converting 64 keys first was 0.1 ms of a 64-page offload's path to its first DMA on the H100 host."""
+def page_tokens(keys: Sequence[str], page_size: int) -> np.ndarray:
+    """The token ids each page of ``keys`` is stored under, a row a page (`kvferry.cache.page_keys.key_rows` of
+    `page_keys`). Little-endian uint32, the bytes the cache hashes as they are (a row, or the rows flattened)."""
+    return key_rows(page_keys(keys), page_size)
 
-    __slots__ = ("_array", "_keys", "_page_size")
+
+class PageTokens(KeyedPages):
+    """`page_tokens` of ``keys``, flattened, made when first read. A store needs only their count before its copy
+    is enqueued and reads them for its keys after: converting 64 keys first was 0.1 ms of a 64-page offload's path
+    to its first DMA on the H100 host. Through a server only the keys go (`page_keys`), made when sent."""
+
+    __slots__ = ("_keys",)
 
     def __init__(self, keys: Sequence[str], page_size: int) -> None:
-        self._keys, self._page_size = keys, page_size
-        self._array: np.ndarray | None = None
+        super().__init__(None, len(keys), page_size)
+        self._keys = keys
 
-    def __len__(self) -> int:
-        return len(self._keys) * self._page_size
+    def raw_keys(self) -> bytes:
+        if self._raw is None:
+            self._raw = page_keys(self._keys)
+        return self._raw
 
-    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
-        if self._array is None:
-            self._array = page_tokens(self._keys, self._page_size).reshape(-1)
-        return self._array if dtype is None else self._array.astype(dtype)
-
-    def __getitem__(self, index: Any) -> Any:
-        return self.__array__()[index]
+    def rows(self) -> np.ndarray:
+        return page_tokens(self._keys, self.page_size)
 
 
 def _key_bytes(key: str) -> bytes:
-    """One key's 32 bytes, as `page_tokens` takes them."""
+    """One key's 32 bytes, as `page_keys` makes them."""
     if len(key) == _HEX_DIGITS:
         with contextlib.suppress(ValueError):
             digits = bytes.fromhex(key)
-            if len(digits) == _KEY_BYTES:
+            if len(digits) == KEY_BYTES:
                 return digits
     return hashlib.sha256(key.encode()).digest()
 
