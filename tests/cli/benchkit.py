@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,23 +46,3 @@ def run_bench(
     # the bar ends full: one total announced, and exactly that many steps reported
     assert len(progress.totals) == 1 and len(progress.done) == progress.totals[0]
     return doc, progress
-
-
-class NoCopy:
-    """A GPU bench's pinned memcpy on a machine without one: nothing copied, so nothing to time."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
-
-    def __call__(self, to_host: bool) -> None:
-        pass
-
-    def start(self, to_host: bool) -> None:
-        pass
-
-
-def host_span(call: Callable[[], object]) -> float:
-    """`kvferry.bench.timing.gpu_span` by the host's clock, for a GPU bench run on the CPU."""
-    began = time.perf_counter()
-    call()
-    return time.perf_counter() - began

@@ -4,6 +4,8 @@ outside them, or miss."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -15,7 +17,24 @@ from kvferry.bench.sglang_linker_path import LinkerPath
 from kvferry.bench.sglang_pools import load_fixtures
 from kvferry.cli.main import main
 from kvferry.integrations.sglang.page_store import KEY_TOKENS
-from tests.cli.benchkit import NoCopy, host_span, run_bench
+from tests.cli.benchkit import run_bench
+
+
+class NoCopy:
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+    def __call__(self, to_host: bool) -> None:
+        pass
+
+    def start(self, to_host: bool) -> None:
+        pass
+
+
+def host_span(call: Callable[[], object]) -> float:
+    began = time.perf_counter()
+    call()
+    return time.perf_counter() - began
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ from kvferry.bench.vllm_gpu_bench import measure
 from kvferry.bench.vllm_page_dma import pages
 from kvferry.bench.vllm_views import BENCH_CASES, case_of, load_fixtures, replay
 from kvferry.connector.worker_side import WorkerSide
-from tests.cli.benchkit import NoCopy, host_span, run_bench
+from tests.cli.benchkit import run_bench
 from tests.integrations.page_view_roundtrip import embedded_settings, recognised
 
 MS = 1e-3
@@ -125,29 +125,26 @@ def test_every_timed_call_starts_after_the_work_queued_before_it_settled() -> No
     assert connector.calls == one_round * 2
 
 
-def test_loads_timed_by_a_span_and_their_memcpy_too_and_nothing_else() -> None:
-    """A load that ends on the caller's stream (an engine's forward waits there), vLLM's page DMA load and the H2D
-    memcpy are timed by the span (the GPU's clock: here a fake one that runs 0.5 ms behind the host's for the
-    connector's load), the stores and the D2H memcpy by the host's clock as before; a span given without the memcpy
-    it must time too is refused."""
+def test_a_load_timed_by_a_span_and_its_memcpy_too_and_nothing_else() -> None:
+    """A load that ends on the caller's stream (SGLang's forward waits there) and the H2D memcpy are timed by the
+    span (the GPU's clock: here a fake one that runs 0.5 ms behind the host's for the load), the store and the D2H
+    memcpy by the host's clock as before; a span given without the memcpy it must time too is refused."""
     clock = Clock()
     connector = FakePath(clock, store_s=2 * MS, load_s=6 * MS)
-    dma = FakePath(clock, store_s=1.25 * MS, load_s=3 * MS)
     spanned: list[str] = []
 
     def span(call: Callable[[], None]) -> float:
         began = clock.now
         call()
-        spanned.append("load" if call == connector.load else "page DMA" if call == dma.load else "memcpy")
+        spanned.append("load" if call == connector.load else "memcpy")
         return clock.now - began - (0.5 * MS if spanned[-1] == "load" else 0)
 
-    r = measure(connector, fake_memcpy(clock, 1 * MS, 9 * MS), dma, repeats=1, clock=clock, span=span,
+    r = measure(connector, fake_memcpy(clock, 1 * MS, 9 * MS), None, repeats=1, clock=clock, span=span,
                 h2d_enqueue=lambda: setattr(clock, "now", clock.now + 1.5 * MS))  # fmt: skip
-    assert spanned == ["load", "memcpy", "page DMA"] * 2
+    assert spanned == ["load", "memcpy"] * 2
     assert (r["store_us"], r["load_us"], r["d2h_memcpy_us"], r["h2d_memcpy_us"]) == pytest.approx(
         (2000, 5500, 1000, 1500)
     )
-    assert (r["vllm_dma_store_us"], r["vllm_dma_load_us"]) == pytest.approx((1250, 3000))
     with pytest.raises(ValueError, match="come together"):
         measure(connector, fake_memcpy(clock, 1 * MS, 1 * MS), None, repeats=1, clock=clock, span=span)
 
@@ -377,8 +374,7 @@ def test_vllm_gpu_control_flow_with_the_gpu_faked(
     monkeypatch.setattr(vllm_gpu_bench, "CHUNK", 32)
     monkeypatch.setattr(vllm_gpu_bench, "POOL_GB", 0.02)
     monkeypatch.setattr(vllm_gpu_bench, "ConnectorPath", partial(ConnectorPath, device="cpu", chunk=32, chunks=2))
-    monkeypatch.setattr(vllm_gpu_bench, "PinnedCopy", NoCopy)
-    monkeypatch.setattr(vllm_gpu_bench, "gpu_span", host_span)  # the loads' span, by the host's clock
+    monkeypatch.setattr(vllm_gpu_bench, "PinnedCopy", lambda nbytes: no_memcpy)
     monkeypatch.setattr(vllm_gpu_bench, "synchronize", lambda: None)
     monkeypatch.setattr(vllm_gpu_bench, "driver", lambda: SimpleNamespace(has_batch=False))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "no GPU (faked)")

@@ -180,35 +180,6 @@ def test_the_worker_registers_again_with_a_restarted_server() -> None:
             first.stop()
 
 
-def test_a_foreground_load_in_process_leaves_its_end_on_vllms_stream() -> None:
-    """In process a foreground load returns once its copy is enqueued, with vLLM's stream made to wait for it (the
-    forward is queued there next): the CPU does not wait for the copy (queued here behind ~0.1 s of GPU sleep on that
-    stream), and what the stream runs next, a read of the blocks queued at once, sees the loaded KV."""
-    case = case_of(BASE)
-    (kv_a, worker_a), (kv_b, worker_b), owned = two_workers(case, BASE, "cuda", embedded_settings(case))
-    bs, src, dst = case.block_size, [2, 6, 3, 9], [7, 0, 11, 4]
-    tokens = [random.Random("left on the stream").randrange(50_000) for _ in range(4 * bs)]
-    try:
-        worker_a.start_stores(StepPlan(stores=[StoreSpec("a", tokens, src, 0)]))
-        worker_a.preempted(["a"])
-        expected, index = gathered(kv_a, src), kernel_index(kv_b, dst)
-        vllm_stream = torch.cuda.Stream()
-        with torch.cuda.stream(vllm_stream):
-            torch.cuda._sleep(200_000_000)
-            called = time.perf_counter()
-            worker_b.start_loads(StepPlan(loads=[LoadSpec("b", tokens, dst, 0)]))
-            returned = time.perf_counter() - called
-            seen = [layer.index_select(0, index).view(torch.uint8) for layer in kv_b.layers]
-        assert returned < 0.05, f"the load's call took {returned:.3f} s: it waited for its copy on the CPU"
-        assert worker_b.take_load_errors() == set() and worker_b.counters.tokens_loaded == 4 * bs
-        torch.cuda.synchronize()
-        for got, want in zip(seen, expected, strict=True):
-            assert torch.equal(got, want)
-    finally:
-        for thing in owned:
-            thing.close()
-
-
 @pytest.mark.parametrize("background", [False, True], ids=["foreground", "background"])
 @pytest.mark.parametrize("mode", ["embedded", "server"])
 def test_a_load_writes_the_blocks_only_after_what_vllms_stream_queued_before_it(

@@ -43,9 +43,8 @@ def measure(
     snapshot of the KV), which a timed call ordered after it would otherwise wait for and count as its own.
 
     ``span`` (`kvferry.bench.timing.gpu_span`), for a load that leaves its end on the caller's stream (an engine's
-    forward waits for it there, not on the host): the loads (vLLM's page DMA's too) and the H2D memcpy
-    (``h2d_enqueue``, its copy enqueued on that stream) are timed by it instead of by ``clock``, each to the point
-    where the stream may go on."""
+    forward waits for it there, not on the host): the load and the H2D memcpy (``h2d_enqueue``, its copy enqueued on
+    that stream) are timed by it instead of by ``clock``, both to the point where the stream may go on."""
     if (span is None) != (h2d_enqueue is None):
         raise ValueError("span= and h2d_enqueue= come together: the load and its memcpy are timed alike")
     samples = Samples(clock)
@@ -53,7 +52,7 @@ def measure(
 
     def timed(name: str, call: Callable[[], None]) -> None:
         settle()
-        if span is not None and name in ("load", "h2d memcpy", "page DMA load"):
+        if span is not None and name in ("load", "h2d memcpy"):
             samples.record(name, span(call))
         else:
             samples.timed(name, call)

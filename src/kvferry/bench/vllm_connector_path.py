@@ -2,8 +2,7 @@
 
 Each round (`next_round`) takes a fresh prefix and gives the source blocks new random bytes; `store` stores the
 prefix from the source blocks as vLLM's model runner does after a forward pass (and waits for it); `load` loads it
-into the destination blocks as a foreground load before one (in process on a GPU it returns with the current stream
-waiting for the copy, where vLLM's forward is queued next). Both are the timed calls and nothing else: the bytes
+into the destination blocks as a foreground load before one. Both are the timed calls and nothing else: the bytes
 (`before_load` poisons the destination blocks and snapshots the KV, `check_load` compares) and the tokens the load
 reports (vLLM's worker counters: the whole prefix, no failed block) are checked outside them. A store is checked
 through the load that follows it: a store that copied the wrong bytes, or none, gives a wrong or short load.
@@ -90,8 +89,7 @@ class ConnectorPath:
         self._settle()
 
     def load(self) -> None:
-        """The round's prefix loaded into the destination blocks before a forward pass: done for what the current
-        stream runs next when it returns."""
+        """The round's prefix loaded into the destination blocks before a forward pass: done when it returns."""
         self.worker.start_loads(StepPlan(loads=[LoadSpec("l", self.tokens, self.dst, 0)]))
 
     def check_tokens(self) -> None:
@@ -104,9 +102,9 @@ class ConnectorPath:
             raise BenchError(f"{self.case.name}: a load reported {len(failed)} blocks failed")
 
     def check_load(self) -> None:
-        """The last load's token count, then its bytes; checked on the current stream as the call left it (no
-        synchronize first: what that stream runs next must see the bytes), and on a mismatch once more after one, to
-        tell a load that was not ordered before the stream's next work from one that wrote the wrong bytes."""
+        """The last load's token count, then its bytes; checked as the call left them (no synchronize first: the
+        bytes must be in place when the load returns), and on a mismatch once more after one, to tell a load that
+        returned before its bytes arrived from one that wrote the wrong bytes."""
         self.check_tokens()
         what = f"{self.case.name}: a load through the connector"
         try:
@@ -116,7 +114,7 @@ class ConnectorPath:
                 raise
             torch.cuda.synchronize()
             self.check.verify(what)  # wrong bytes: raises as before
-            raise BenchError(f"{what}: the bytes were not all in place for the stream when the load returned") from None
+            raise BenchError(f"{what}: the bytes were not all in place when the load returned") from None
 
     def _settle(self) -> None:
         """Wait for the check's own writes, so that a timed call does not wait for them."""

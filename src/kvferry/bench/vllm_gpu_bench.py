@@ -6,9 +6,7 @@ and BLHNC, and DeepSeek-V3's MLA latent with FlashMLA), replayed on the GPU and 
 Each mode (embedded: the cache in this process; server: a ``kvferry server`` holding the pool, the KV registered by CUDA
 IPC, reached over loopback TCP and over its Unix socket) stores a 16-chunk prefix from blocks scattered over the cache
 and loads it into other scattered blocks, as vLLM's model runner calls the worker side (a store after the forward pass,
-a foreground load before it), each timed from the call to the bytes in place (`kvferry.bench.vllm_connector_path`): a
-store to its end on the host, a load and the H2D memcpy by the GPU's clock to where vLLM's stream may go on (a load in
-process leaves its end there, where the forward waits for it; `kvferry.bench.timing.gpu_span`). In
+a foreground load before it), each timed from the call to the bytes in place (`kvferry.bench.vllm_connector_path`). In
 the same rounds vLLM's own CPU offload moves the same bytes, a page per descriptor of one ``cuMemcpyBatchAsync`` to and
 from pinned memory (`kvferry.bench.vllm_page_dma`), and a pinned memcpy moves them as one copy each way. Every sample is
 recorded under its operation's name where it is timed (`kvferry.bench.samples`); a ratio is the memcpy's median time
@@ -26,7 +24,6 @@ after it (`kvferry.bench.vllm_gpu_steps`), in each mode.
 from __future__ import annotations
 
 import argparse
-import functools
 import tempfile
 from typing import Any
 
@@ -35,7 +32,7 @@ from kvferry.bench.harness import BenchError, Outcome, Steps, add_json_argument,
 from kvferry.bench.report import cell, new_table
 from kvferry.bench.rounds import measure, stray_ceilings
 from kvferry.bench.server_bench import ServerProcess
-from kvferry.bench.timing import PinnedCopy, gpu_span, synchronize, wake_up_line, wake_up_us
+from kvferry.bench.timing import PinnedCopy, synchronize, wake_up_line, wake_up_us
 from kvferry.bench.vllm_connector_path import CHUNK, CHUNKS, ConnectorPath
 from kvferry.bench.vllm_gpu_steps import describe_steps, step_stall
 from kvferry.bench.vllm_page_dma import PageDMA
@@ -145,8 +142,7 @@ def measure_case(path: ConnectorPath, repeats: int) -> dict[str, Any]:
     pages: dict[str, Any] = {"vllm_dma_pages": None, "vllm_dma_page_kib": None}
     if dma is not None:
         pages = {"vllm_dma_pages": dma.pages, "vllm_dma_page_kib": dma.nbytes / dma.pages / 1024}
-    h2d = functools.partial(copy.start, False)
-    return {**measure(path, copy, dma, repeats, settle=synchronize, span=gpu_span, h2d_enqueue=h2d), **pages}
+    return {**measure(path, copy, dma, repeats, settle=synchronize), **pages}
 
 
 def _driver_mapped(nbytes: int) -> Any:

@@ -15,7 +15,7 @@ from typing import Any
 from kvferry.cache.steps import Rest, copy_end
 from kvferry.client.done_flags import FlagFuture
 
-__all__ = ["copied", "copied_probe", "copy_end", "left_on_stream", "wait_here"]
+__all__ = ["copied", "copied_probe", "copy_end", "wait_here"]
 
 
 def copied_probe(future: Future[Any]) -> Callable[[], bool] | None:
@@ -38,18 +38,6 @@ def copied(future: Future[int]) -> int:
     if end is None or future.done():
         return future.result()
     end.wait()
-    assert isinstance(future, Rest)  # the only futures with a `copy_end`
-    return future.copied_tokens
-
-
-def left_on_stream(future: Future[int]) -> int | None:
-    """Where the transfer ``future`` stands for ends with a copy on this process's GPU (`copy_end`): the calling
-    thread's current stream made to wait for that copy on the GPU, and the tokens it moves (the future resolves on a
-    worker, after the copy); None for a transfer without one (wait for the future)."""
-    end = copy_end(future)
-    if end is None:
-        return None
-    end.wait_on()
     assert isinstance(future, Rest)  # the only futures with a `copy_end`
     return future.copied_tokens
 

@@ -15,8 +15,7 @@ DESCRIPTIONS = {
     "loads": "loads run",
     "load_failures": "loads that came back short or failed (vLLM recomputed the rest)",
     "tokens_loaded": "tokens loaded into vLLM's KV cache",
-    "load_seconds": "time from the start of each load to its end (in process on a GPU, a foreground load's end is "
-    "vLLM's stream made to wait for its copy)",
+    "load_seconds": "time from the start of each load to its end",
     "stores": "stores run",
     "store_failures": "stores that failed (later lookups miss)",
     "tokens_stored": "tokens stored into kvferry",
