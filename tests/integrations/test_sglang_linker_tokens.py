@@ -120,5 +120,10 @@ def test_an_offload_through_a_server_sends_its_pages_keys_not_their_tokens(
             path.before_load()  # the lookup, by the pages' tokens
             path.load()
             path.check_load()
+            path.before_load()
+            _load(path, path.keys[1:], path.dst[1:])  # not the lookup's first pages: their keys go, not rows
+            retrieves = [args for args in sent if args["op"] == "RETRIEVE"]
+            assert len(retrieves[-1]["page_keys"]) == 32 * (PAGES - 1) and retrieves[-1]["tokens"] == b""
+            assert _holds(path, slice(1, 3)) and not _holds(path, slice(0, 1))
         finally:
             path.close()

@@ -21,14 +21,19 @@ KEY_TOKENS = KEY_BYTES // 4  # a page's key as token ids: 8 words of 31 bits (24
 
 def key_rows(raw: bytes | memoryview, page_size: int) -> np.ndarray:
     """The token ids each page of ``raw`` (its pages' 32-byte keys, back to back) is stored under, a row a page."""
+    pages = _pages(raw, page_size)
+    rows = np.zeros((pages, page_size), dtype="<u4")
+    rows[:, :KEY_TOKENS] = np.frombuffer(raw, dtype="<u4").reshape(pages, KEY_TOKENS) & 0x7FFFFFFF
+    return rows
+
+
+def _pages(raw: bytes | memoryview, page_size: int) -> int:
+    """How many pages ``raw`` keys; ValueError where it is no whole number of keys or a page is too short."""
     if len(raw) % KEY_BYTES:
         raise ValueError(f"page keys are {KEY_BYTES} bytes each, got {len(raw)} bytes")
     if page_size < KEY_TOKENS:
         raise ValueError(f"a page of {page_size} tokens cannot spell a {KEY_BYTES}-byte key ({KEY_TOKENS} tokens)")
-    pages = len(raw) // KEY_BYTES
-    rows = np.zeros((pages, page_size), dtype="<u4")
-    rows[:, :KEY_TOKENS] = np.frombuffer(raw, dtype="<u4").reshape(pages, KEY_TOKENS) & 0x7FFFFFFF
-    return rows
+    return len(raw) // KEY_BYTES
 
 
 class KeyedPages(Sequence[int]):
@@ -45,10 +50,7 @@ class KeyedPages(Sequence[int]):
     @classmethod
     def received(cls, raw: bytes, page_size: int) -> KeyedPages:
         """Pages whose keys came as ``raw``; ValueError where it is no whole number of keys or a page too short."""
-        if len(raw) % KEY_BYTES:
-            raise ValueError(f"page keys are {KEY_BYTES} bytes each, got {len(raw)} bytes")
-        key_rows(b"", page_size)  # the page size's check alone
-        return cls(raw, len(raw) // KEY_BYTES, page_size)
+        return cls(raw, _pages(raw, page_size), page_size)
 
     def raw_keys(self) -> bytes:
         """The pages' 32-byte keys, back to back."""
