@@ -88,8 +88,15 @@ class MooncakeStore:
         self.master = None
 
     def freeze_master(self) -> None:
+        """Stop the master, and return once the kernel shows it stopped (a signal is delivered asynchronously: a
+        request sent at once could otherwise still be answered)."""
         assert self.master is not None
         self.master.send_signal(signal.SIGSTOP)
+        stat = Path(f"/proc/{self.master.pid}/stat")
+        deadline = time.monotonic() + 5
+        while stat.read_text().rpartition(")")[2].split()[0] != "T":
+            assert time.monotonic() < deadline, "mooncake_master did not stop"
+            time.sleep(0.001)
 
     def thaw_master(self) -> None:
         assert self.master is not None
