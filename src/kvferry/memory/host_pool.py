@@ -222,7 +222,7 @@ class HostPool:
 
     def _alloc(self, shape: Sequence[int], dtype: torch.dtype, raise_when_full: bool) -> torch.Tensor | None:
         dims, strides, nbytes = self._layout(shape, dtype)
-        units = (nbytes + self._alignment - 1) >> self._unit_shift
+        units = self._units(nbytes)
         with self._lock:
             offset = self._reserve_locked(units, nbytes)
             if offset is None:
@@ -247,7 +247,7 @@ class HostPool:
         """
         dims, strides, nbytes = self._layout(shape, dtype)
         offsets, run = self._reserve_many(nbytes, count)
-        step = ((nbytes + self._alignment - 1) >> self._unit_shift) << self._unit_shift if run else None
+        step = self._units(nbytes) << self._unit_shift if run else None
         return self._carve(offsets, dims, strides, dtype, step)
 
     def try_reserve_many(self, shape: Sequence[int], dtype: torch.dtype, count: int) -> list[int]:
@@ -259,8 +259,7 @@ class HostPool:
 
     def allocation_bytes(self, shape: Sequence[int], dtype: torch.dtype) -> int:
         """The pool bytes an object of ``shape``/``dtype`` takes (its size rounded up to the alignment)."""
-        units = (self._layout(shape, dtype)[2] + self._alignment - 1) >> self._unit_shift
-        return units << self._unit_shift
+        return self._units(self._layout(shape, dtype)[2]) << self._unit_shift
 
     def views(self, addresses: Sequence[int], shape: Sequence[int], dtype: torch.dtype) -> list[torch.Tensor]:
         """Views of ``shape``/``dtype`` at live allocations' ``addresses`` (from ``try_reserve_many``)."""
@@ -282,9 +281,13 @@ class HostPool:
                 return
         raise ValueError(f"free: {self._describe_unknown(address)}")
 
+    def _units(self, nbytes: int) -> int:
+        """The allocation units ``nbytes`` take (rounded up to the alignment)."""
+        return (nbytes + self._alignment - 1) >> self._unit_shift
+
     def _reserve_many(self, nbytes: int, count: int) -> tuple[list[int], bool]:
         """Up to ``count`` reservations of ``nbytes`` (slab offsets); True if they are one run back to back."""
-        units = (nbytes + self._alignment - 1) >> self._unit_shift
+        units = self._units(nbytes)
         offsets: list[int] = []
         with self._lock:
             run = self._extents.reserve(units * count) if count > 1 else None
