@@ -8,11 +8,13 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from kvferry.bench import sglang_gpu_bench
+from kvferry.bench.server_bench import ServerProcess
 from kvferry.bench.sglang_linker_path import LinkerPath
 from kvferry.bench.sglang_pools import load_fixtures
 from kvferry.cli.main import main
@@ -56,7 +58,16 @@ def on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_sglang_gpu_runs_every_pool_and_mode_with_the_gpu_faked(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    doc, progress = run_bench(monkeypatch, tmp_path, "sglang-gpu", "--repeats", "1")
+    polls: list[int] = []
+
+    class Server(ServerProcess):  # each server the bench starts, with how long it polls after a request
+        def __init__(self, pool_gb: float, busy_poll_us: int = 0, **kwargs: Any) -> None:
+            polls.append(busy_poll_us)
+            super().__init__(pool_gb, busy_poll_us, **kwargs)
+
+    monkeypatch.setattr(sglang_gpu_bench, "ServerProcess", Server)
+    doc, progress = run_bench(monkeypatch, tmp_path, "sglang-gpu", "--repeats", "1", "--busy-poll-us", "500")
+    assert doc["config"]["busy_poll_us"] == 500 and polls == [500] * 4  # two server modes, two pools
     rows = doc["results"]["rows"]
     pools = ["mha-3L-2x8-page16-bfloat16", "mla-3L-24+8-page16-bfloat16"]
     assert [(r["mode"], r["pool"]) for r in rows] == [(m, p) for m in sglang_gpu_bench.MODES for p in pools]

@@ -40,3 +40,9 @@ def test_a_receiver_that_wakes_late_shows_in_the_figure(monkeypatch: pytest.Monk
 def test_the_line_says_the_figure_and_who_pays_it() -> None:
     line = timing.wake_up_line(171.6, ", and a load one more")
     assert "172 us" in line and line.endswith("one more")
+
+
+def test_the_line_says_when_the_server_polled_instead() -> None:
+    line = timing.wake_up_line(171.6, "; a load pays one more", busy_poll_us=500)
+    assert "172 us" in line and "polled 500 us" in line and "waits for one such" not in line
+    assert line.endswith("one more")

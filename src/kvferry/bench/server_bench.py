@@ -240,20 +240,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the server publishes its KV events, followed by a subscriber in another process (as a router "
         "would): what events cost; a run whose subscriber received no stored chunk fails",
     )
+    add_busy_poll_argument(parser)
+    add_json_argument(parser)
+
+
+def add_busy_poll_argument(parser: argparse.ArgumentParser) -> None:
+    """The server's ``--busy-poll-us`` as a benchmark's option (`check_busy_poll`)."""
     parser.add_argument(
         "--busy-poll-us",
         type=int,
         default=0,
-        help="the server's --busy-poll-us: how long its socket thread polls without sleeping after each request "
-        "(default: %(default)s)",
+        metavar="US",
+        help="the server's --busy-poll-us: how long its socket thread polls without sleeping after each request, so "
+        "that the next one finds it awake (default: %(default)s)",
     )
-    add_json_argument(parser)
+
+
+def check_busy_poll(args: argparse.Namespace) -> None:
+    if args.busy_poll_us < 0:
+        raise BenchError(f"--busy-poll-us must be >= 0, got {args.busy_poll_us}")
 
 
 def check(args: argparse.Namespace) -> None:
     positive(args, "requests", "transfers")
-    if args.busy_poll_us < 0:
-        raise BenchError(f"--busy-poll-us must be >= 0, got {args.busy_poll_us}")
+    check_busy_poll(args)
     if args.pool_gb <= 0:
         raise BenchError(f"--pool-gb must be positive, got {args.pool_gb}")
     if args.device == "cuda":

@@ -25,7 +25,7 @@ from typing import Any
 from kvferry.bench.harness import Outcome, Steps, add_json_argument, description_of, positive, require_cuda
 from kvferry.bench.report import new_table
 from kvferry.bench.rounds import measure, stray_ceilings
-from kvferry.bench.server_bench import ServerProcess
+from kvferry.bench.server_bench import ServerProcess, add_busy_poll_argument, check_busy_poll
 from kvferry.bench.sglang_linker_path import LinkerPath
 from kvferry.bench.sglang_pools import BENCH_TAG, case_of, load_fixtures
 from kvferry.bench.timing import PinnedCopy, gpu_span, synchronize, wake_up_line, wake_up_us
@@ -53,10 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--layer-groups", type=int, default=1, help="loads handed over in this many groups of layers (the linker's "
         "layer_groups); the table then says when the first layers landed",
     )  # fmt: skip
+    add_busy_poll_argument(parser)
     add_json_argument(parser)
 
 
 def check(args: argparse.Namespace) -> None:
+    check_busy_poll(args)
     positive(args, "repeats")
     positive(args, "layer_groups")
     require_cuda("this benchmark")
@@ -73,7 +75,9 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
             page = case_of(fixture).page_size
             ipc = tempfile.TemporaryDirectory(prefix="kvferry-bench-") if mode == "server ipc" else None
             ipc_path = None if ipc is None else f"{ipc.name}/server.sock"
-            server = ServerProcess(POOL_GB, chunk_size=page, ipc_path=ipc_path) if mode != "embedded" else None
+            server = None
+            if mode != "embedded":
+                server = ServerProcess(POOL_GB, args.busy_poll_us, chunk_size=page, ipc_path=ipc_path)
             try:
                 settings = _settings(mode, page, None if server is None else server.endpoint)
                 path = LinkerPath(fixture, settings, DEVICE, PAGES, args.layer_groups)
@@ -91,9 +95,15 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
                     server.stop()
                 if ipc is not None:
                     ipc.cleanup()
-    config = {"pages": PAGES, "repeats": args.repeats, "pool_gb": POOL_GB, "layer_groups": args.layer_groups}
+    config = {
+        "pages": PAGES,
+        "repeats": args.repeats,
+        "pool_gb": POOL_GB,
+        "layer_groups": args.layer_groups,
+        "busy_poll_us": args.busy_poll_us,
+    }
     strayed = stray_ceilings(rows, lambda row: f"{row['mode']} {row['pool']}")
-    wake_line = wake_up_line(wake, ", and a load one more: SGLang's forward waits")
+    wake_line = wake_up_line(wake, "; a load pays one more: SGLang's forward waits", args.busy_poll_us)
     shown = [*_show(rows, args.layer_groups), *strayed, wake_line]
     return Outcome(config, {"rows": rows, "wake_up_us": wake}, shown, device="cuda")
 

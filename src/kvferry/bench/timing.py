@@ -226,9 +226,13 @@ def wake_up_us(samples: int = 200, gap_s: float = 0.002) -> float:
     return statistics.median(delays) * 1e6
 
 
-def wake_up_line(us: float, more: str = "") -> str:
-    """`wake_up_us`'s figure as a GPU benchmark prints it under its table (``more``: what else pays one)."""
-    return (
-        f"this host wakes a thread blocked on a socket in {us:.0f} us (median of sends 2 ms apart): a transfer"
-        f" through the server waits for one such wake-up before it starts{more}"
+def wake_up_line(us: float, more: str = "", busy_poll_us: int = 0) -> str:
+    """`wake_up_us`'s figure as a GPU benchmark prints it under its table (``more``: what else pays one), and
+    whether the server polled after each request (``busy_poll_us``: its ``--busy-poll-us``)."""
+    waits = (
+        f"the server polled {busy_poll_us} us after each request (--busy-poll-us), so a transfer arriving meanwhile"
+        " found it awake"
+        if busy_poll_us
+        else "a transfer through the server waits for one such wake-up before it starts"
     )
+    return f"this host wakes a thread blocked on a socket in {us:.0f} us (median of sends 2 ms apart): {waits}{more}"

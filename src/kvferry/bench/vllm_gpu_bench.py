@@ -31,7 +31,7 @@ from kvferry.bench.gpu_gemm import gemm_tflops
 from kvferry.bench.harness import BenchError, Outcome, Steps, add_json_argument, description_of, positive, require_cuda
 from kvferry.bench.report import cell, new_table
 from kvferry.bench.rounds import measure, stray_ceilings
-from kvferry.bench.server_bench import ServerProcess
+from kvferry.bench.server_bench import ServerProcess, add_busy_poll_argument, check_busy_poll
 from kvferry.bench.timing import PinnedCopy, synchronize, wake_up_line, wake_up_us
 from kvferry.bench.vllm_connector_path import CHUNK, CHUNKS, ConnectorPath
 from kvferry.bench.vllm_gpu_steps import describe_steps, step_stall
@@ -69,10 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "POSIX-fd handle type, mapped into a reserved range; one allocation, as for a block-outermost layout): the "
         "server maps it by file descriptor over its Unix socket",
     )
+    add_busy_poll_argument(parser)
     add_json_argument(parser)
 
 
 def check(args: argparse.Namespace) -> None:
+    check_busy_poll(args)
     positive(args, "repeats")
     require_cuda("this benchmark")
 
@@ -104,7 +106,9 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
     for mode in modes:
         ipc = tempfile.TemporaryDirectory(prefix="kvferry-bench-") if mode == "server ipc" else None
         ipc_path = None if ipc is None else f"{ipc.name}/server.sock"
-        server = ServerProcess(POOL_GB, chunk_size=CHUNK, ipc_path=ipc_path) if mode != "embedded" else None
+        server = None
+        if mode != "embedded":
+            server = ServerProcess(POOL_GB, args.busy_poll_us, chunk_size=CHUNK, ipc_path=ipc_path)
         try:
             settings = _settings(mode, None if server is None else server.endpoint)
             for case in BENCH_CASES:
@@ -125,9 +129,21 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
                 server.stop()
             if ipc is not None:
                 ipc.cleanup()
-    config = {"chunk_tokens": CHUNK, "chunks": CHUNKS, "repeats": args.repeats, "pool_gb": POOL_GB, "vmm": args.vmm}
+    config = {
+        "chunk_tokens": CHUNK,
+        "chunks": CHUNKS,
+        "repeats": args.repeats,
+        "pool_gb": POOL_GB,
+        "vmm": args.vmm,
+        "busy_poll_us": args.busy_poll_us,
+    }
     strayed = stray_ceilings(rows, lambda row: f"{row['mode']} {row['case']}")
-    shown = [*_show(rows, gemm), *strayed, *(describe_steps(mode, s) for mode, s in stalls.items()), wake_up_line(wake)]
+    shown = [
+        *_show(rows, gemm),
+        *strayed,
+        *(describe_steps(mode, s) for mode, s in stalls.items()),
+        wake_up_line(wake, busy_poll_us=args.busy_poll_us),
+    ]
     results = {"rows": rows, "gemm": gemm, "steps": stalls, "wake_up_us": wake}
     return Outcome(config, results, shown, device="cuda")
 
