@@ -180,6 +180,41 @@ def test_the_worker_registers_again_with_a_restarted_server() -> None:
             first.stop()
 
 
+def test_a_first_store_in_process_neither_compiles_nor_waits_for_vllms_stream() -> None:
+    """In process the worker builds its KV's copy plan and compiles its kernels when it is made, as a server does at
+    a registration: the first store after a forward (~1 s of GPU sleep queued on vLLM's stream here) is enqueued at
+    once, rather than compiling, or uploading the plan's tables behind the model's step; and it stores that step's
+    KV (written after the sleep)."""
+    case = case_of(BASE)
+    (kv_a, worker_a), (kv_b, worker_b), owned = two_workers(case, BASE, "cuda", embedded_settings(case))
+    bs, src, dst = case.block_size, [2, 6, 3, 9], [7, 0, 11, 4]
+    tokens = [random.Random("first store").randrange(50_000) for _ in range(4 * bs)]
+    try:
+        index = kernel_index(kv_a, src)  # made here: a pageable copy on vLLM's stream would wait for the sleep
+        step_kv = [
+            torch.randint_like(layer[index].view(torch.uint8), 0, 255).view(layer.dtype) for layer in kv_a.layers
+        ]
+        vllm_stream = torch.cuda.Stream()
+        vllm_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(vllm_stream):
+            torch.cuda._sleep(2_000_000_000)
+            for layer, written in zip(kv_a.layers, step_kv, strict=True):  # the step's KV, written after the sleep
+                layer.index_copy_(0, index, written)
+            called = time.perf_counter()
+            worker_a.start_stores(StepPlan(stores=[StoreSpec("a", tokens, src, 0)]))
+            returned = time.perf_counter() - called
+        assert returned < 0.2, f"the first store's call took {returned:.3f} s"
+        worker_a.preempted(["a"])
+        assert worker_a.counters.tokens_stored == 4 * bs
+        worker_b.start_loads(StepPlan(loads=[LoadSpec("b", tokens, dst, 0)]))
+        assert worker_b.take_load_errors() == set()
+        for got, want in zip(gathered(kv_b, dst), gathered(kv_a, src), strict=True):
+            assert torch.equal(got, want)
+    finally:
+        for thing in owned:
+            thing.close()
+
+
 @pytest.mark.parametrize("background", [False, True], ids=["foreground", "background"])
 @pytest.mark.parametrize("mode", ["embedded", "server"])
 def test_a_load_writes_the_blocks_only_after_what_vllms_stream_queued_before_it(

@@ -43,6 +43,8 @@ from kvferry.cache.request import dtype_name, layout_name
 from kvferry.connector.engine_kv import EngineKV
 from kvferry.connector.state_rows import row_bytes
 from kvferry.formats import EngineKVFormat, describe
+from kvferry.formats.codec import with_codec
+from kvferry.transfer.api import prepare_gpu
 from kvferry.transfer.stream_marks import StreamMarks
 
 log = logging.getLogger(__name__)
@@ -204,6 +206,8 @@ class EmbeddedBackend:
         self.scheduler_block_size = kv.block_size * kv.split  # a tail hit counts in these blocks
         self._on_gpu = self.geometry.device.type == "cuda"
         self._marks = StreamMarks(self.geometry.device) if self._on_gpu else None
+        if self._on_gpu:  # as a server does at a registration: no transfer pays Triton's compile or the plan's build
+            prepare_gpu(with_codec(self.geometry, namespace.codec))
 
     def lookup(self, tokens: TokenIds, first_chunk: int = 0) -> Hit | None:
         try:
