@@ -140,11 +140,12 @@ class ServerLink:
                 if at_start:
                     raise ValueError(self.incompatible) from None
                 raise ServerDown(self.incompatible) from None
+        # Said before the link is up: whoever sees it up finds the line logged (a test reads the log then).
+        log.info("kvferry: connected to the kvferry server at %s (chunk size %d)", self.url, chunk_size)
         with self._lock:
             self._registration = registration
             self.generation += 1
             self._up = True
-        log.info("kvferry: connected to the kvferry server at %s (chunk size %d)", self.url, chunk_size)
 
     def _went_down(self, generation: int, exc: BaseException) -> None:
         with self._lock:
