@@ -259,6 +259,8 @@ def add_busy_poll_argument(parser: argparse.ArgumentParser) -> None:
 def check_busy_poll(args: argparse.Namespace) -> None:
     if args.busy_poll_us < 0:
         raise BenchError(f"--busy-poll-us must be >= 0, got {args.busy_poll_us}")
+    if args.busy_poll_us and getattr(args, "no_server", False):
+        raise BenchError("--busy-poll-us is the server's, and --no-server starts none")
 
 
 def check(args: argparse.Namespace) -> None:
