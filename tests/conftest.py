@@ -75,6 +75,16 @@ def kvferry_records_where_pytest_captures_them(monkeypatch: pytest.MonkeyPatch) 
     ours.setLevel(level)
 
 
+@pytest.fixture(autouse=True)
+def gpu_memory_given_back(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a GPU test, the memory its process's caching allocator keeps goes back to the driver: the GPU tests
+    run in several workers, each starting servers and engines in processes of their own, and memory a worker only
+    keeps cached made another's allocation fail on an 80 GB card (three tests out of memory in one run)."""
+    yield
+    if "gpu" in request.keywords and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 @pytest.fixture
 def block_id_checks(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """Every call of `check_block_ids` in this process from now on, as its ``distinct`` flag (True: a retrieve's):
