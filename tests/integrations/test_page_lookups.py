@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from kvferry.client.errors import ServerError
 from kvferry.client.records import LookupResult
 from kvferry.connector.backends import Hit, KeySpace
 from kvferry.connector.server_backend import ServerBackend
@@ -29,6 +30,9 @@ class ScriptedClient:
         self.futures: list[Future[LookupResult]] = []
         self.freed: list[int] = []
         self.frees: list[Future[bool]] = []
+        self.freed_together: list[list[int]] = []
+        self.frees_together: list[Future[int]] = []
+        self.refuses_many = False
         self.calls = 0
 
     def lookup_async(self, tokens: Any, **kwargs: Any) -> Future[LookupResult]:
@@ -50,6 +54,13 @@ class ScriptedClient:
         self.frees.append(future)
         return future
 
+    def free_lookup_locks_many_async(self, locks: list[int]) -> Future[int]:
+        """Freed, or refused as a server that predates ``locks`` refuses the argument (once sent: `ScriptedLink`)."""
+        self.freed_together.append(locks)
+        future: Future[int] = Future()
+        self.frees_together.append(future)
+        return future
+
 
 class ScriptedLink:
     generation, timeout_s, url, chunk_size = 3, 5.0, "tcp://127.0.0.1:1", PAGE
@@ -60,7 +71,15 @@ class ScriptedLink:
     def call(self, fn: Any) -> Any:
         self.client.calls += 1
         result = fn(self.client, None)
-        if self.client.frees:  # the frees are all sent before any reply is awaited
+        if self.client.frees_together:
+            for future in self.client.frees_together:
+                if self.client.refuses_many:
+                    error = ServerError("FREE_LOOKUP_LOCKS", "BAD_ARGUMENT", "'locks': unexpected argument")
+                    future.set_exception(error)
+                else:
+                    future.set_result(len(self.client.freed_together[-1]))
+            self.client.frees_together = []
+        elif self.client.frees:  # the frees are all sent before any reply is awaited
             assert result == self.client.frees and not any(f.done() for f in result)
             for future in self.client.frees:
                 future.set_result(True)
@@ -85,13 +104,25 @@ def test_a_servers_lookups_go_out_together_and_each_stands_alone() -> None:
     assert client.freed == [12]
 
 
-def test_a_servers_locks_are_freed_together() -> None:
+def test_a_servers_locks_are_freed_in_one_request() -> None:
     client = ScriptedClient([])
     backend = ServerBackend(ScriptedLink(client), KEY_SPACE, block_size=PAGE)  # type: ignore[arg-type]
     backend.free_locks([(3, 21), None, (2, 22), (3, 23)])  # a lock of a server since gone went with it
-    assert client.freed == [21, 23] and client.calls == 1
+    assert client.freed_together == [[21, 23]] and client.freed == [] and client.calls == 1
     backend.free_locks([None, (1, 24)])
-    assert client.freed == [21, 23] and client.calls == 1  # nothing to send
+    assert client.calls == 1  # nothing to send
+    backend.free_locks([(3, 25)])
+    assert client.freed == [25] and client.freed_together == [[21, 23]]
+
+
+def test_a_server_that_predates_freeing_many_gets_a_request_a_lock_sent_together() -> None:
+    client = ScriptedClient([])
+    client.refuses_many = True
+    backend = ServerBackend(ScriptedLink(client), KEY_SPACE, block_size=PAGE)  # type: ignore[arg-type]
+    backend.free_locks([(3, 21), (3, 23)])
+    assert client.freed_together == [[21, 23]] and client.freed == [21, 23]
+    backend.free_locks([(3, 26), (3, 27)])  # not asked again
+    assert client.freed_together == [[21, 23]] and client.freed == [21, 23, 26, 27]
 
 
 class ScriptedPages:

@@ -13,7 +13,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Any
 
@@ -203,6 +203,9 @@ class FakeEngine:
             self.locks.discard(lock_id)
             return True
         return False
+
+    def free_lookup_locks_many(self, lock_ids: Iterable[int]) -> int:
+        return sum(map(self.free_lookup_locks, lock_ids))
 
     def publish_events(self, queue: EventQueue) -> EventSource:
         raise RuntimeError("the fake engine reports no KV events (its server runs without an events port)")

@@ -53,6 +53,31 @@ def test_store_in_one_session_retrieve_in_another_bit_exact(endpoint: str, engin
     assert not torch.equal(target[0][24], source[0][1])
 
 
+def test_lookup_locks_are_freed_many_in_one_request_and_only_the_sessions_own(
+    endpoint: str, engine: FakeEngine
+) -> None:
+    """FREE_LOOKUP_LOCKS with ``locks`` (an SGLang lookup holds one a page): the session's held ones freed and
+    counted; another session's lock, one already ended and an unknown id are left alone; one of ``lock`` and
+    ``locks``, not both or neither."""
+    tokens = list(range(200, 208))
+    with KvferryClient(endpoint) as owner, KvferryClient(endpoint) as other:
+        reg = owner.register_kv_cache(random_kv(4), FMT, namespace=NS)
+        owner.store(reg, tokens, [0, 1, 2, 3])
+        held = [owner.lookup(tokens, registration=reg, lock=True).lock for _ in range(4)]
+        theirs = other.lookup(
+            tokens, registration=other.register_kv_cache(random_kv(5), FMT, namespace=NS), lock=True
+        ).lock
+        assert owner.free_lookup_locks(held[3])
+        assert owner.free_lookup_locks_many_async([*held, theirs, 999_999]).result(timeout=10) == 3
+        assert engine.locks == {theirs}
+        for bad in ({"lock": theirs, "locks": [theirs]}, {}):
+            reply = raw_request(endpoint, "FREE_LOOKUP_LOCKS", bad)
+            assert reply["error"]["code"] == "BAD_ARGUMENT" and "one of 'lock' and 'locks'" in reply["error"]["message"]
+        assert raw_request(endpoint, "FREE_LOOKUP_LOCKS", {"locks": []})["error"]["code"] == "BAD_ARGUMENT"
+        assert other.free_lookup_locks_many_async([theirs]).result(timeout=10) == 1
+    assert engine.locks == set()
+
+
 def test_registration_moves_cpu_kv_into_shared_memory_in_place(client: KvferryClient) -> None:
     buffer = random_kv(3)[0]
     layers = [buffer[:16], buffer[16:]]  # two views of one storage: registered as one shared storage

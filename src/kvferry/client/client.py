@@ -303,6 +303,11 @@ class KvferryClient:
     def free_lookup_locks_async(self, lock: int) -> Future[bool]:
         return self._conn.submit(Op.FREE_LOOKUP_LOCKS, {"lock": lock}, lambda r: bool(r["freed"]))
 
+    def free_lookup_locks_many_async(self, locks: list[int]) -> Future[int]:
+        """Release several lookup locks in one request; resolves to how many were still held (the others had ended,
+        or are not this session's)."""
+        return self._conn.submit(Op.FREE_LOOKUP_LOCKS, {"locks": list(locks)}, lambda r: int(r["freed"]))
+
     def end_session(self) -> dict[str, Any]:
         """Release everything this session holds on the server; the client stays usable (a new session)."""
         self._gpu.clear()

@@ -14,10 +14,12 @@ from concurrent.futures import Future
 from typing import Any
 
 from kvferry.cache.keys import TokenIds
+from kvferry.client.errors import ServerError
 from kvferry.client.records import LookupResult
 from kvferry.connector.backends import Hit, KeySpace, plus
 from kvferry.connector.engine_kv import EngineKV
 from kvferry.connector.server_link import ServerDown, ServerLink
+from kvferry.protocol.messages import ErrorCode
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,7 @@ class ServerBackend:
         self._kv = kv
         self._block_size = block_size if block_size is not None or kv is None else kv.block_size * kv.split
         self._namespaces: dict[int, dict[str, Any]] = {}
+        self._free_many = True  # False once the server refused FREE_LOOKUP_LOCKS's `locks`
 
     @property
     def chunk_size(self) -> int | None:
@@ -99,18 +102,35 @@ class ServerBackend:
         self.free_locks([lock])
 
     def free_locks(self, locks: Sequence[Any]) -> None:
-        """`free_lock` of each of ``locks``, sent together (as `lookup_each`: one round trip's time)."""
+        """`free_lock` of each of ``locks``, in one request (a lookup of SGLang's pages holds one a page: 64 requests
+        kept the engine's thread and the server's socket thread busy right after each load). A server that
+        predates that form gets one request a lock, sent together."""
         # a lock taken from a server since gone (or restarted) went with it
         ids = [lock[1] for lock in locks if lock is not None and lock[0] == self.link.generation]
         if not ids:
             return
         try:
+            if len(ids) > 1 and self._free_many and self._free_together(ids):
+                return
             futures = self.link.call(lambda client, _: [client.free_lookup_locks_async(i) for i in ids])
             deadline = time.monotonic() + self.link.timeout_s
             for future in futures:
                 future.exception(timeout=max(0.0, deadline - time.monotonic()))
         except Exception as exc:  # an expired lock, or the server went away: nothing to free any more
             log.debug("kvferry: freeing lookup locks %s: %s", ids, exc)
+
+    def _free_together(self, ids: list[int]) -> bool:
+        """One FREE_LOOKUP_LOCKS of ``ids``; False where the server refuses ``locks`` (it predates them)."""
+        try:
+            self.link.call(lambda client, _: [client.free_lookup_locks_many_async(ids)])[0].result(
+                timeout=self.link.timeout_s
+            )
+        except ServerError as exc:
+            if exc.code != ErrorCode.BAD_ARGUMENT.value:
+                raise
+            self._free_many = False
+            return False
+        return True
 
     def retrieve_async(self, tokens: TokenIds, block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
         ids = self._kernel_block_ids(block_ids)

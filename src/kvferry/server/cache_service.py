@@ -8,7 +8,7 @@ say), is a type error in a stand-in that lacks it, not a failure at run time in 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol
 
@@ -111,6 +111,8 @@ class CacheService(CacheTransfers, Protocol):
     def demote(self, tokens: TokenIds, chunks: range, *, namespace: CacheNamespace | None = None) -> None: ...
 
     def free_lookup_locks(self, lock_id: int) -> bool: ...
+
+    def free_lookup_locks_many(self, lock_ids: Iterable[int]) -> int: ...
 
     def publish_events(self, queue: EventQueue) -> EventSource:
         """The cache's KV events into ``queue`` from now on (`kvferry.server.event_stream`)."""

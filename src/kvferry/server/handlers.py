@@ -214,6 +214,12 @@ class RequestHandlers:
         return {"done": True, "tokens": 0 if error else int(future.result()), "error": _describe(error)}
 
     def free_lookup_locks(self, session: Session, args: FreeLocksArgs) -> dict[str, Any]:
+        """One lock: ``freed`` says whether it was still held (a lock the session never held is refused). Several:
+        ``freed`` counts those still held; a lock of another session, or one already ended, is left alone."""
+        if args.locks is not None and args.lock is None:
+            return {"freed": self._engine.free_lookup_locks_many(self._sessions.drop_locks(session, args.locks))}
+        if args.lock is None or args.locks is not None:
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, "give one of 'lock' and 'locks'")
         if not self._sessions.drop_lock(session, args.lock):
             raise ProtocolError(ErrorCode.UNKNOWN_LOCK, f"'lock'={args.lock} is not held by this session")
         return {"freed": bool(self._engine.free_lookup_locks(args.lock))}

@@ -168,7 +168,10 @@ class PrefetchStatusArgs(_Args):
 
 
 class FreeLocksArgs(_Args):
-    lock: NonNegative
+    """One lock (``lock``), or several freed together (``locks``: a lookup of pages takes one per page)."""
+
+    lock: NonNegative | None = None
+    locks: Annotated[list[NonNegative], Field(min_length=1, max_length=1 << 16)] | None = None
 
 
 ARGS_BY_OP: dict[Op, type[_Args]] = {

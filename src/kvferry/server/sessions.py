@@ -205,6 +205,13 @@ class SessionTable:
             session.locks.discard(lock_id)
             return True
 
+    def drop_locks(self, session: Session, lock_ids: list[int]) -> list[int]:
+        """Forget those of `lock_ids` that `session` holds; returns them."""
+        with self._lock:
+            held = [lock_id for lock_id in lock_ids if lock_id in session.locks]
+            session.locks.difference_update(held)
+            return held
+
     def add_prefetch(self, session: Session, future: Future[Any]) -> int:
         with self._lock:
             prefetch_id = next(self._ids)
