@@ -68,6 +68,9 @@ class ScriptedLink:
     def __init__(self, client: ScriptedClient) -> None:
         self.client = client
 
+    def wait(self, fn: Any, timeout_s: float | None) -> Any:
+        return self.call(fn).result(timeout=timeout_s)
+
     def call(self, fn: Any) -> Any:
         self.client.calls += 1
         result = fn(self.client, None)

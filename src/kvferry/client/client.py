@@ -305,7 +305,7 @@ class KvferryClient:
 
     def free_lookup_locks_many_async(self, locks: list[int]) -> Future[int]:
         """Release several lookup locks in one request; resolves to how many were still held (the others had ended,
-        or are not this session's)."""
+        or are another client's)."""
         return self._conn.submit(Op.FREE_LOOKUP_LOCKS, {"locks": list(locks)}, lambda r: int(r["freed"]))
 
     def end_session(self) -> dict[str, Any]:

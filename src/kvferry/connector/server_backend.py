@@ -122,9 +122,7 @@ class ServerBackend:
     def _free_together(self, ids: list[int]) -> bool:
         """One FREE_LOOKUP_LOCKS of ``ids``; False where the server refuses ``locks`` (it predates them)."""
         try:
-            self.link.call(lambda client, _: [client.free_lookup_locks_many_async(ids)])[0].result(
-                timeout=self.link.timeout_s
-            )
+            self.link.wait(lambda client, _: client.free_lookup_locks_many_async(ids), self.link.timeout_s)
         except ServerError as exc:
             if exc.code != ErrorCode.BAD_ARGUMENT.value:
                 raise
