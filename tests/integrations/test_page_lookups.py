@@ -33,12 +33,23 @@ class ScriptedClient:
         self.freed_together: list[list[int]] = []
         self.frees_together: list[Future[int]] = []
         self.refuses_many = False
+        self.sent_each: list[list[Any]] = []
+        self.each: list[Future[list[LookupResult]]] = []
+        self.refuses_each = False
         self.calls = 0
 
     def lookup_async(self, tokens: Any, **kwargs: Any) -> Future[LookupResult]:
         future: Future[LookupResult] = Future()
         self.sent.append(tokens)
         self.futures.append(future)
+        return future
+
+    def lookup_each_async(self, prompts: Any, **kwargs: Any) -> Future[list[LookupResult]]:
+        """Answered once sent (`ScriptedLink`): every answer (all LookupResults), or refused as a server that predates
+        LOOKUP_EACH refuses it."""
+        self.sent_each.append(list(prompts))
+        future: Future[list[LookupResult]] = Future()
+        self.each.append(future)
         return future
 
     def answer(self) -> None:
@@ -74,7 +85,14 @@ class ScriptedLink:
     def call(self, fn: Any) -> Any:
         self.client.calls += 1
         result = fn(self.client, None)
-        if self.client.frees_together:
+        if self.client.each:
+            for future in self.client.each:
+                if self.client.refuses_each:
+                    future.set_exception(ServerError("LOOKUP_EACH", "UNKNOWN_OP", "unknown op 'LOOKUP_EACH'"))
+                else:
+                    future.set_result(self.client.answers)  # type: ignore[arg-type]  # LookupResults only
+            self.client.each = []
+        elif self.client.frees_together:
             for future in self.client.frees_together:
                 if self.client.refuses_many:
                     error = ServerError("FREE_LOOKUP_LOCKS", "BAD_ARGUMENT", "'locks': unexpected argument")
@@ -93,18 +111,30 @@ class ScriptedLink:
         return result
 
 
-def test_a_servers_lookups_go_out_together_and_each_stands_alone() -> None:
+def test_a_servers_lookups_go_in_one_request() -> None:
+    client = ScriptedClient([LookupResult(PAGE, 0, 11), LookupResult(0, PAGE, 12), LookupResult(0, 0, None)])
+    backend = ServerBackend(ScriptedLink(client), KEY_SPACE, block_size=PAGE)  # type: ignore[arg-type]
+    prompts = list(page_tokens([f"{i:064x}" for i in range(3)], PAGE))
+    # a hit keeps its lock (tagged with the link's generation); chunks still coming up: None, its lock freed
+    assert backend.lookup_each(prompts) == [Hit(PAGE, (3, 11)), None, Hit(0, None)]
+    assert client.sent_each == [prompts] and client.sent == [] and client.freed == [12]
+
+
+def test_an_older_servers_lookups_go_out_together_and_each_stands_alone() -> None:
     client = ScriptedClient(
         [LookupResult(PAGE, 0, 11), LookupResult(0, PAGE, 12), ConnectionError("lost"), LookupResult(0, 0, None)]
     )
+    client.refuses_each = True  # a server that predates LOOKUP_EACH
     backend = ServerBackend(ScriptedLink(client), KEY_SPACE, block_size=PAGE)  # type: ignore[arg-type]
     prompts = list(page_tokens([f"{i:064x}" for i in range(4)], PAGE))
     hits = backend.lookup_each(prompts)
-    assert client.sent == prompts
+    assert client.sent == prompts and len(client.sent_each) == 1
     # a hit keeps its lock (tagged with the link's generation); chunks still coming up: None, its lock freed;
     # a failed lookup: a miss
     assert hits == [Hit(PAGE, (3, 11)), None, Hit(0), Hit(0, None)]
     assert client.freed == [12]
+    client.sent, client.futures = [], []
+    assert backend.lookup_each(prompts) == hits and len(client.sent_each) == 1  # not asked again
 
 
 def test_a_servers_locks_are_freed_in_one_request() -> None:

@@ -78,6 +78,29 @@ def test_lookup_locks_are_freed_many_in_one_request_and_only_the_sessions_own(
     assert engine.locks == set()
 
 
+def test_lookup_each_answers_each_prompt_as_a_lookup_in_one_request(endpoint: str, engine: FakeEngine) -> None:
+    """LOOKUP_EACH (SGLang's pages through a server): each prompt's LOOKUP answer in order, their locks the
+    session's; a prompt that is not packed ids refuses the request before anything is looked up or locked."""
+    stored, missing = list(range(300, 308)), list(range(400, 408))
+    prompts = [stored, missing, stored[:4]]
+    with KvferryClient(endpoint) as client:
+        reg = client.register_kv_cache(random_kv(4), FMT, namespace=NS)
+        client.store(reg, stored, [0, 1, 2, 3])
+        alone = [client.lookup(p, registration=reg) for p in prompts]
+        found = client.lookup_each_async(prompts, registration=reg, lock=True).result(timeout=10)
+        assert (
+            [(f.tokens, f.pending) for f in found] == [(a.tokens, a.pending) for a in alone] == [(8, 0), (0, 0), (4, 0)]
+        )
+        locks = {f.lock for f in found if f.lock is not None}
+        assert len(locks) == 2 and engine.locks == locks
+        assert client.free_lookup_locks_many_async(list(locks)).result(timeout=10) == 2
+        calls = engine.fake_calls._value.get()
+        for bad, match in [([b"\0" * 8, b"\0" * 3], r"'prompts\[1\]'"), ([], "prompts")]:
+            with pytest.raises(ServerError, match=f"BAD_ARGUMENT.*{match}"):
+                client._call(lambda: client._conn.submit(Op.LOOKUP_EACH, {"prompts": bad, "registration": reg}))  # noqa: B023
+        assert engine.fake_calls._value.get() == calls and engine.locks == set()
+
+
 def test_registration_moves_cpu_kv_into_shared_memory_in_place(client: KvferryClient) -> None:
     buffer = random_kv(3)[0]
     layers = [buffer[:16], buffer[16:]]  # two views of one storage: registered as one shared storage

@@ -125,7 +125,7 @@ def test_random_and_malformed_frames_get_error_replies(server: ServerProcess) ->
             return [rng.bytes(int(rng.integers(0, 200)))]  # random bytes
         if kind == 1:  # a well-formed envelope with random arguments
             args = {str(rng.integers(5)): rng.bytes(3), "tokens": rng.bytes(int(rng.integers(0, 9)))}
-            return [msgpack.packb({"v": 1, "id": i, "op": ops[i % len(ops)], "args": args})]
+            return [msgpack.packb({"v": 1, "id": i, "op": ops[i // 6 % len(ops)], "args": args})]  # every op, in turn
         if kind == 2:  # wrong version / id / shape of envelope
             return [msgpack.packb([{"v": 2, "id": i}, {"v": 1, "id": -1}, {"id": "x"}, 5][i % 4])]
         if kind == 3:

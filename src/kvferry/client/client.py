@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -280,6 +280,27 @@ class KvferryClient:
         """
         args = retrieve_args(registration, tokens, block_ids, skip_prefix_tokens, lock, pages)
         return self._transfer_async(Op.RETRIEVE, registration, args)
+
+    def lookup_each_async(
+        self,
+        prompts: Sequence[Any],
+        *,
+        registration: int | None = None,
+        namespace: Namespace | None = None,
+        lock: bool = False,
+        block_size: int | None = None,
+    ) -> Future[list[LookupResult]]:
+        """`lookup_async` of each of ``prompts`` (each alone: SGLang's pages), in one request; their results in order.
+        A server that predates it refuses it (UNKNOWN_OP)."""
+        args = {"prompts": [pack_ids(p, "tokens") for p in prompts], "lock": lock}
+        args |= key_space_args(registration, namespace)
+        if block_size is not None:
+            args["block_size"] = block_size
+        return self._conn.submit(
+            Op.LOOKUP_EACH,
+            args,
+            lambda r: [LookupResult(int(f["tokens"]), int(f["pending"]), f["lock"]) for f in r["found"]],
+        )
 
     def prefetch(self, tokens: Any, *, registration: int | None = None, namespace: Namespace | None = None) -> int:
         """Start bringing `tokens`' chunks from lower tiers into the host pool; returns a prefetch id."""

@@ -40,6 +40,7 @@ class ServerBackend:
         self._block_size = block_size if block_size is not None or kv is None else kv.block_size * kv.split
         self._namespaces: dict[int, dict[str, Any]] = {}
         self._free_many = True  # False once the server refused FREE_LOOKUP_LOCKS's `locks`
+        self._lookup_each = True  # False once the server refused LOOKUP_EACH
 
     @property
     def chunk_size(self) -> int | None:
@@ -62,10 +63,14 @@ class ServerBackend:
         return self._hit(found, generation)
 
     def lookup_each(self, prompts: Sequence[TokenIds]) -> list[Hit | None]:
-        """`lookup` of each of ``prompts`` (SGLang's pages, say), sent together: the replies come in one round trip's
-        time, not one each. A lookup that fails is a miss, the others stand."""
+        """`lookup` of each of ``prompts`` (SGLang's pages, say), in one LOOKUP_EACH (a server that predates it: one
+        LOOKUP each, sent together, the replies in one round trip's time). A lookup that fails is a miss."""
         try:
             generation, namespace = self.link.generation, self._namespace()
+            if len(prompts) > 1 and self._lookup_each:
+                found = self._lookups_in_one(prompts, namespace)
+                if found is not None:
+                    return [self._hit(one, generation) for one in found]
             futures = self.link.call(
                 lambda client, _: [
                     client.lookup_async(tokens, namespace=namespace, lock=True, block_size=self._block_size)
@@ -81,13 +86,28 @@ class ServerBackend:
         hits: list[Hit | None] = []
         for future in futures:
             try:
-                found = future.result(timeout=max(0.0, deadline - time.monotonic()))
+                one = future.result(timeout=max(0.0, deadline - time.monotonic()))
             except Exception as exc:
                 log.warning("kvferry: lookup at %s failed (a miss): %s: %s", self.link.url, type(exc).__name__, exc)
                 hits.append(Hit(0))
             else:
-                hits.append(self._hit(found, generation))
+                hits.append(self._hit(one, generation))
         return hits
+
+    def _lookups_in_one(self, prompts: Sequence[TokenIds], namespace: dict[str, Any]) -> list[LookupResult] | None:
+        """One LOOKUP_EACH of ``prompts``; None where the server predates it (it is then not asked again)."""
+        try:
+            return self.link.wait(
+                lambda client, _: client.lookup_each_async(
+                    prompts, namespace=namespace, lock=True, block_size=self._block_size
+                ),
+                self.link.timeout_s,
+            )
+        except ServerError as exc:
+            if exc.code != ErrorCode.UNKNOWN_OP.value:
+                raise
+            self._lookup_each = False
+            return None
 
     def _hit(self, found: LookupResult, generation: int) -> Hit | None:
         """A server's lookup result as a hit (its lock tagged with the link's generation); None while chunks after

@@ -27,6 +27,7 @@ from kvferry.server.requests import (
     DemoteArgs,
     FreeLocksArgs,
     LookupArgs,
+    LookupEachArgs,
     Namespace,
     NoArgs,
     PrefetchArgs,
@@ -45,6 +46,7 @@ INLINE_OPS = frozenset(
         Op.PING,
         Op.GET_CHUNK_SIZE,
         Op.LOOKUP,
+        Op.LOOKUP_EACH,
         Op.PREFETCH,
         Op.PREFETCH_STATUS,
         Op.FREE_LOOKUP_LOCKS,
@@ -93,6 +95,7 @@ class RequestHandlers:
             Op.REGISTER_KV_CACHE: self.register,
             Op.UNREGISTER_KV_CACHE: self.unregister,
             Op.LOOKUP: self.lookup,
+            Op.LOOKUP_EACH: self.lookup_each,
             Op.PREFETCH: self.prefetch,
             Op.PREFETCH_STATUS: self.prefetch_status,
             Op.FREE_LOOKUP_LOCKS: self.free_lookup_locks,
@@ -193,6 +196,26 @@ class RequestHandlers:
         if below is None:
             return _lookup_result(found)
         return Deferred(lambda: _lookup_result(below()))
+
+    def lookup_each(self, session: Session, args: LookupEachArgs) -> dict[str, Any] | Deferred:
+        """A LOOKUP of each prompt, answered together (``found``, in order): one request's work and round trip
+        where an SGLang lookup sent one a page. Every prompt is checked before any is looked up (or locked)."""
+        namespace = self._namespace(session, args.registration, args.namespace)
+        prompts = [unpack_ids(tokens, f"prompts[{i}]") for i, tokens in enumerate(args.prompts)]
+        self._sessions.settle()
+        answers = []
+        for tokens in prompts:
+            found, below = self._engine.lookup_pool(
+                tokens, namespace=namespace, lock=args.lock, block_size=args.block_size
+            )
+            if found.lock_id is not None:
+                self._sessions.add_lock(session, found.lock_id)
+            answers.append((found, below))
+        if all(below is None for _, below in answers):
+            return {"found": [_lookup_result(found) for found, _ in answers]}
+        return Deferred(
+            lambda: {"found": [_lookup_result(found if below is None else below()) for found, below in answers]}
+        )
 
     def prefetch(self, session: Session, args: PrefetchArgs) -> dict[str, Any] | Deferred:
         namespace = self._namespace(session, args.registration, args.namespace)

@@ -127,6 +127,16 @@ class LookupArgs(_Args):
     namespace: Namespace | None = None  # or an explicit one (scheduler processes hold no KV)
 
 
+class LookupEachArgs(_Args):
+    """Several prompts, each looked up alone as a LOOKUP of it would be (SGLang's pages: one a page)."""
+
+    prompts: Annotated[list[bytes], Field(min_length=1, max_length=1 << 16)]
+    lock: bool = False
+    block_size: Annotated[int, Field(gt=0)] | None = None
+    registration: NonNegative | None = None
+    namespace: Namespace | None = None
+
+
 class DemoteArgs(_Args):
     """Chunks ``first_chunk ..`` (``num_chunks`` of them, those past the tokens' full chunks ignored) of the
     prefix ``tokens`` go first when the cache evicts (`CacheEngine.demote`)."""
@@ -180,6 +190,7 @@ ARGS_BY_OP: dict[Op, type[_Args]] = {
     Op.REGISTER_KV_CACHE: RegisterArgs,
     Op.UNREGISTER_KV_CACHE: RegistrationArgs,
     Op.LOOKUP: LookupArgs,
+    Op.LOOKUP_EACH: LookupEachArgs,
     Op.STORE: TransferArgs,
     Op.RETRIEVE: TransferArgs,
     Op.PREFETCH: PrefetchArgs,
