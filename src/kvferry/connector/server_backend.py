@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
 from kvferry.cache.keys import TokenIds
-from kvferry.client.errors import ServerError
+from kvferry.client import KvferryClient, ServerError
 from kvferry.client.records import LookupResult
 from kvferry.connector.backends import Hit, KeySpace, plus
 from kvferry.connector.engine_kv import EngineKV
@@ -22,6 +22,7 @@ from kvferry.connector.server_link import ServerDown, ServerLink
 from kvferry.protocol.messages import ErrorCode
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class ServerBackend:
@@ -39,8 +40,7 @@ class ServerBackend:
         self._kv = kv
         self._block_size = block_size if block_size is not None or kv is None else kv.block_size * kv.split
         self._namespaces: dict[int, dict[str, Any]] = {}
-        self._free_many = True  # False once the server refused FREE_LOOKUP_LOCKS's `locks`
-        self._lookup_each = True  # False once the server refused LOOKUP_EACH
+        self._older: set[str] = set()  # request forms this server refused as one that predates them
 
     @property
     def chunk_size(self) -> int | None:
@@ -67,8 +67,14 @@ class ServerBackend:
         LOOKUP each, sent together, the replies in one round trip's time). A lookup that fails is a miss."""
         try:
             generation, namespace = self.link.generation, self._namespace()
-            if len(prompts) > 1 and self._lookup_each:
-                found = self._lookups_in_one(prompts, namespace)
+            if len(prompts) > 1:
+                found = self._unless_older(
+                    "LOOKUP_EACH",
+                    ErrorCode.UNKNOWN_OP,
+                    lambda client, _: client.lookup_each_async(
+                        prompts, namespace=namespace, lock=True, block_size=self._block_size
+                    ),
+                )
                 if found is not None:
                     return [self._hit(one, generation) for one in found]
             futures = self.link.call(
@@ -94,21 +100,6 @@ class ServerBackend:
                 hits.append(self._hit(one, generation))
         return hits
 
-    def _lookups_in_one(self, prompts: Sequence[TokenIds], namespace: dict[str, Any]) -> list[LookupResult] | None:
-        """One LOOKUP_EACH of ``prompts``; None where the server predates it (it is then not asked again)."""
-        try:
-            return self.link.wait(
-                lambda client, _: client.lookup_each_async(
-                    prompts, namespace=namespace, lock=True, block_size=self._block_size
-                ),
-                self.link.timeout_s,
-            )
-        except ServerError as exc:
-            if exc.code != ErrorCode.UNKNOWN_OP.value:
-                raise
-            self._lookup_each = False
-            return None
-
     def _hit(self, found: LookupResult, generation: int) -> Hit | None:
         """A server's lookup result as a hit (its lock tagged with the link's generation); None while chunks after
         it are still coming up from a tier (its lock freed)."""
@@ -130,8 +121,12 @@ class ServerBackend:
         if not ids:
             return
         try:
-            if len(ids) > 1 and self._free_many and self._free_together(ids):
-                return
+            if len(ids) > 1:
+                freed = self._unless_older(
+                    "locks", ErrorCode.BAD_ARGUMENT, lambda client, _: client.free_lookup_locks_many_async(ids)
+                )
+                if freed is not None:
+                    return
             futures = self.link.call(lambda client, _: [client.free_lookup_locks_async(i) for i in ids])
             deadline = time.monotonic() + self.link.timeout_s
             for future in futures:
@@ -139,16 +134,20 @@ class ServerBackend:
         except Exception as exc:  # an expired lock, or the server went away: nothing to free any more
             log.debug("kvferry: freeing lookup locks %s: %s", ids, exc)
 
-    def _free_together(self, ids: list[int]) -> bool:
-        """One FREE_LOOKUP_LOCKS of ``ids``; False where the server refuses ``locks`` (it predates them)."""
+    def _unless_older(
+        self, form: str, refusal: ErrorCode, send: Callable[[KvferryClient, int | None], Future[T]]
+    ) -> T | None:
+        """``send``'s request waited for; None where the server predates ``form`` (a request or an argument that it
+        refuses with ``refusal``): the caller then sends the older form, and ``form`` is not tried again."""
+        if form in self._older:
+            return None
         try:
-            self.link.wait(lambda client, _: client.free_lookup_locks_many_async(ids), self.link.timeout_s)
+            return self.link.wait(send, self.link.timeout_s)
         except ServerError as exc:
-            if exc.code != ErrorCode.BAD_ARGUMENT.value:
+            if exc.code != refusal.value:
                 raise
-            self._free_many = False
-            return False
-        return True
+            self._older.add(form)
+            return None
 
     def retrieve_async(self, tokens: TokenIds, block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
         ids = self._kernel_block_ids(block_ids)

@@ -199,11 +199,7 @@ class SessionTable:
 
     def drop_lock(self, session: Session, lock_id: int) -> bool:
         """Forget lock `lock_id` of `session`; False if the session does not hold it."""
-        with self._lock:
-            if lock_id not in session.locks:
-                return False
-            session.locks.discard(lock_id)
-            return True
+        return bool(self.drop_locks(session, [lock_id]))
 
     def drop_locks(self, session: Session, lock_ids: list[int]) -> list[int]:
         """Forget those of `lock_ids` that `session` holds; returns them."""
