@@ -268,10 +268,10 @@ def test_a_gpu_transfer_whose_server_is_lost_fails_only_once_its_copy_can_no_lon
     """A torn-down server may still carry out a copy it had queued (kvferry.client.done_flags): a GPU transfer sent
     to a server that is then lost fails LOST_DRAIN_S later, not at once, so the engine does not reuse its blocks
     under that copy. A CPU transfer (the server's own process copies) fails at once."""
-    from kvferry.client import client as client_module
+    from kvferry.client import transfers
     from kvferry.client.link import DOWN
 
-    monkeypatch.setattr(client_module, "LOST_DRAIN_S", 0.3)
+    monkeypatch.setattr(transfers, "LOST_DRAIN_S", 0.3)
     with KvferryClient(endpoint, timeout_s=10) as client:
         reg = client.register_kv_cache(random_kv(6), FMT, namespace=NS)
         assert client.store(reg, list(range(8)), [0, 1, 2, 3]) == 8
@@ -409,7 +409,7 @@ def test_ending_the_session_forgets_every_gpu_registration(client: KvferryClient
     reg = client.register_kv_cache(random_kv(6), FMT, namespace=NS)
     client._gpu[reg] = GpuRegistration(torch.device("cuda"), FakeRing(), DoneFlags(slots=2))
     client.end_session()
-    assert client._gpu == {} and client._flags(reg) is None
+    assert client._gpu == {} and client._transfers.flags(reg) is None
 
 
 def _resolved_in_thread(resolve: Any) -> bool:

@@ -81,7 +81,7 @@ def raw_transfer(client: KvferryClient, op: Op, reg: int, tokens: list[int], ids
     args = transfer_args(reg, tokens, ids, 0)
     slot = take_slot(client._gpu[reg].flags, args)
     assert slot is not None
-    result = client._call(lambda: client._submit(op, reg, args))
+    result = client._call(lambda: client._transfers.submit(op, reg, args))
     return result, slot, args["done_seq"]
 
 
@@ -116,7 +116,7 @@ def test_a_transfer_is_answered_before_its_copy_ends_and_the_flag_shows_the_end(
             in_time = time.monotonic() - queued_at < sleep_s / 2  # half: the GPU's clock may vary between sleeps
             assert result == {"tokens": 16 * CHUNK, "signalled": True}
             assert not (in_time and flags.is_set(slot, seq)), f"{op.value}'s copy did not wait for the work before it"
-            flags.wait(slot, seq, time.monotonic() + 30, client._check_up)
+            flags.wait(slot, seq, time.monotonic() + 30, client._transfers.check_up)
             flags.release(slot)
             return in_time
 
@@ -191,7 +191,7 @@ def test_a_server_killed_mid_copy_ends_the_wait_with_every_byte_or_none_later(
         proc.proc.wait(timeout=30)
         started = time.monotonic()
         try:
-            flags.wait(slot, seq, time.monotonic() + 15, client._check_up)
+            flags.wait(slot, seq, time.monotonic() + 15, client._transfers.check_up)
         except ServerUnavailable:
             assert time.monotonic() - started < 12
             after_failure = blocks(kv, dst)

@@ -21,7 +21,6 @@ lost this client's registrations (it restarted) answers with `RegistrationLost`:
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -31,12 +30,13 @@ from typing import Any
 import torch
 
 from kvferry.client.connection import Connection
-from kvferry.client.done_flags import LOST_DRAIN_S, DoneFlags, FlagFuture, FlagWatch, release_slot, take_slot
-from kvferry.client.errors import ServerError, ServerUnavailable
+from kvferry.client.done_flags import DoneFlags
+from kvferry.client.errors import ServerError
 from kvferry.client.fd_deposit import export_kv_to
 from kvferry.client.ready_events import ReadyEvents
 from kvferry.client.records import GpuRegistration, LookupResult, PrefetchStatus
 from kvferry.client.request_args import Namespace, demote_args, key_space_args, retrieve_args, store_args
+from kvferry.client.transfers import Transfers
 from kvferry.protocol.messages import Op, pack_ids
 from kvferry.security import ClientCurve
 
@@ -61,7 +61,7 @@ class KvferryClient:
             endpoint, timeout_s=timeout_s, heartbeat_interval_s=1.0, silence_timeout_s=timeout_s, curve=curve
         )
         self._gpu: dict[int, GpuRegistration] = {}  # registrations of GPU KV in the server session now open
-        self._flag_watch = FlagWatch(self._check_up)
+        self._transfers = Transfers(self._conn, self._gpu)
 
     @property
     def session_id(self) -> bytes:
@@ -101,7 +101,7 @@ class KvferryClient:
         except (ServerError, ConnectionError, TimeoutError, FutureTimeout):
             pass  # the server is gone or going
         finally:
-            self._flag_watch.close(deadline)
+            self._transfers.close(deadline)
             self._conn.close(deadline)
 
     # -- requests -------------------------------------------------------------------------------------------
@@ -223,7 +223,7 @@ class KvferryClient:
     ) -> int:
         """`store_async`, waited for on this thread."""
         args = store_args(registration, tokens, block_ids, skip_prefix_tokens, tail, pages)
-        return self._transfer(Op.STORE, registration, args)
+        return self._transfers.run(Op.STORE, registration, args)
 
     def store_async(
         self,
@@ -244,7 +244,7 @@ class KvferryClient:
         so the store may be issued right after the forward pass that wrote the blocks.
         """
         args = store_args(registration, tokens, block_ids, skip_prefix_tokens, tail, pages)
-        return self._transfer_async(Op.STORE, registration, args)
+        return self._transfers.run_async(Op.STORE, registration, args)
 
     def retrieve(
         self,
@@ -258,7 +258,7 @@ class KvferryClient:
     ) -> int:
         """`retrieve_async`, waited for on this thread."""
         args = retrieve_args(registration, tokens, block_ids, skip_prefix_tokens, lock, pages)
-        return self._transfer(Op.RETRIEVE, registration, args)
+        return self._transfers.run(Op.RETRIEVE, registration, args)
 
     def retrieve_async(
         self,
@@ -279,7 +279,7 @@ class KvferryClient:
         CUDA stream, so the blocks may be handed to the load while kernels that still use them are queued there.
         """
         args = retrieve_args(registration, tokens, block_ids, skip_prefix_tokens, lock, pages)
-        return self._transfer_async(Op.RETRIEVE, registration, args)
+        return self._transfers.run_async(Op.RETRIEVE, registration, args)
 
     def lookup_each_async(
         self,
@@ -344,112 +344,6 @@ class KvferryClient:
     def _call(self, send: Callable[[], Future[Any]]) -> Any:
         """Send a request (`send` submits it) and wait for its result on this thread."""
         return self._conn.call(send)
-
-    # -- transfers: answered after the copy, or once it is enqueued with its end shown by a done flag -------------
-
-    def _transfer(self, op: Op, registration: int, args: dict[str, Any]) -> int:
-        flags = self._flags(registration)
-        slot = take_slot(flags, args)
-        deadline = time.monotonic() + self.timeout_s
-        sent: list[Future[Any]] = []
-
-        def send() -> Future[Any]:
-            sent.append(self._submit(op, registration, args))
-            return sent[-1]
-
-        try:
-            result = self._call(send)
-        except ServerError:  # refused before anything was enqueued: nothing will write the flag
-            release_slot(flags, slot)
-            raise
-        except ServerUnavailable:
-            if sent and registration in self._gpu:
-                time.sleep(LOST_DRAIN_S)  # see _lost_mid_copy
-            raise
-        if slot is not None and result["signalled"]:
-            assert flags is not None  # the slot was taken from them
-            flags.wait(slot, args["done_seq"], deadline, self._check_up)
-        release_slot(flags, slot)  # seen, or never to be written (answered after the copy)
-        return int(result["tokens"])
-
-    def _transfer_async(self, op: Op, registration: int, args: dict[str, Any]) -> Future[int]:
-        flags = self._flags(registration)
-        slot = take_slot(flags, args)
-        deadline = time.monotonic() + self.timeout_s
-        outcome = FlagFuture()
-        reply = self._submit(op, registration, args)
-
-        def replied(done: Future[dict[str, Any]]) -> None:
-            watched = None
-            try:
-                error = done.exception()
-                if error is not None:
-                    if isinstance(error, ServerError):
-                        release_slot(flags, slot)
-                    if isinstance(error, ServerUnavailable) and registration in self._gpu:
-                        _fail_later(outcome, error)  # see _lost_mid_copy
-                    else:
-                        outcome.set_exception(error)
-                    return
-                result = done.result()
-                if slot is not None and result["signalled"]:
-                    assert flags is not None  # the slot was taken from them
-                    tokens = int(result["tokens"])
-                    watched = self._flag_watch.watch(flags, slot, args["done_seq"], outcome, tokens, deadline)
-                    return
-                release_slot(flags, slot)
-                outcome.set_result(int(result["tokens"]))
-            finally:
-                outcome.answered(watched)
-
-        reply.add_done_callback(replied)
-        return outcome
-
-    def _submit(self, op: Op, registration: int, args: dict[str, Any]) -> Future[dict[str, Any]]:
-        """Send a STORE or RETRIEVE; its future resolves to the server's result map. For GPU KV either one is sent
-        with a ready event recorded on this thread's current stream (or after its `ordered_after` event), which the
-        server's copy waits for on the GPU: a STORE reads the blocks after the work that writes them, a RETRIEVE
-        writes them after the work queued before it (kernels still reading or writing blocks a finished request just
-        gave back)."""
-        event = None
-        gpu = self._gpu.get(registration)
-        ready = gpu.ready if gpu is not None else None
-        slot = ready.record() if ready is not None else None
-        if slot is not None:
-            args["ready_slot"] = slot
-        elif gpu is not None:  # every ready event of the ring in use: a fresh one
-            event = gpu.ready.record_fresh()
-            args["ready_event"] = bytes(event.ipc_handle())
-        try:
-            future = self._conn.submit(op, args, keepalive=event)
-        except BaseException:  # not sent: neither the event nor the done flag will be used
-            if ready is not None and slot is not None:  # a slot is one of `ready`'s events
-                ready.release(slot)
-            release_slot(self._flags(registration), args.get("done_slot"))
-            raise
-        if ready is not None and slot is not None:
-            future.add_done_callback(lambda _: ready.release(slot))
-        return future
-
-    def _flags(self, registration: int) -> DoneFlags | None:
-        gpu = self._gpu.get(registration)
-        return gpu.flags if gpu is not None else None
-
-    def _check_up(self) -> None:
-        """Raise when a transfer's done flag will not be written for us: the server is unreachable."""
-        if not self._conn.available:
-            raise self._conn.unavailable("the transfer")
-
-
-# _lost_mid_copy: a GPU transfer sent to a server that is then lost fails only LOST_DRAIN_S later. The server's
-# copy may have been enqueued, and a server torn down with GPU work queued may still carry it out (seen on the H200,
-# kvferry.client.done_flags): an engine told "failed" at once could reuse blocks that copy still writes.
-
-
-def _fail_later(outcome: Future[int], error: BaseException) -> None:
-    timer = threading.Timer(LOST_DRAIN_S, outcome.set_exception, (error,))
-    timer.daemon = True
-    timer.start()
 
 
 def _first_tensor(paged: Any) -> torch.Tensor:
