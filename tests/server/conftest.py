@@ -41,8 +41,13 @@ def server(engine: FakeEngine, server_config: ServerConfig) -> Iterator[KvferryS
 
 
 @pytest.fixture
-def endpoint(server: KvferryServer) -> str:
-    return f"tcp://127.0.0.1:{server.port}"
+def endpoint(request: pytest.FixtureRequest, server: KvferryServer) -> str:
+    """The server's TCP endpoint; its Unix socket (kvferry.server.unix_clients) where a test parametrizes this
+    fixture indirectly with "ipc"."""
+    return str(server.ipc_endpoint) if getattr(request, "param", "tcp") == "ipc" else f"tcp://127.0.0.1:{server.port}"
+
+
+TCP_AND_IPC = pytest.mark.parametrize("endpoint", ["tcp", "ipc"], indirect=True)
 
 
 @pytest.fixture

@@ -13,9 +13,10 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from kvferry.cache import CacheNamespace
+from kvferry.cache import CacheNamespace, LookupResult
+from kvferry.cache.keys import TokenIds
 from kvferry.formats import EngineKVFormat, describe, with_codec
 from kvferry.protocol.messages import ErrorCode, Op, ProtocolError, unpack_ids
 from kvferry.server.cache_service import CacheService
@@ -40,6 +41,9 @@ from kvferry.server.transfers import Transfers
 from kvferry.transfer.api import prepare_gpu
 
 log = logging.getLogger("kvferry.server")
+
+_T = TypeVar("_T")
+_PoolAnswer = tuple[LookupResult, Callable[[], LookupResult] | None]  # `CacheService.lookup_pool`'s
 
 INLINE_OPS = frozenset(
     {
@@ -188,14 +192,11 @@ class RequestHandlers:
         namespace = self._namespace(session, args.registration, args.namespace)
         tokens = unpack_ids(args.tokens, "tokens")
         self._sessions.settle()
-        found, below = self._engine.lookup_pool(
-            tokens, namespace=namespace, lock=args.lock, block_size=args.block_size, first_chunk=args.first_chunk
-        )
-        if found.lock_id is not None:
-            self._sessions.add_lock(session, found.lock_id)
+        answer = self._lookup_pool(session, tokens, namespace, args.lock, args.block_size, args.first_chunk)
+        found, below = answer
         if below is None:
             return _lookup_result(found)
-        return Deferred(lambda: _lookup_result(below()))
+        return Deferred(lambda: self._or_release(session, [answer], lambda: _lookup_result(below())))
 
     def lookup_each(self, session: Session, args: LookupEachArgs) -> dict[str, Any] | Deferred:
         """A LOOKUP of each prompt, answered together (``found``, in order): one request's work and round trip
@@ -203,19 +204,48 @@ class RequestHandlers:
         namespace = self._namespace(session, args.registration, args.namespace)
         prompts = [unpack_ids(tokens, f"prompts[{i}]") for i, tokens in enumerate(args.prompts)]
         self._sessions.settle()
-        answers = []
-        for tokens in prompts:
-            found, below = self._engine.lookup_pool(
-                tokens, namespace=namespace, lock=args.lock, block_size=args.block_size
-            )
-            if found.lock_id is not None:
-                self._sessions.add_lock(session, found.lock_id)
-            answers.append((found, below))
+        answers: list[_PoolAnswer] = []
+
+        def look_up_each() -> None:
+            for tokens in prompts:
+                answers.append(self._lookup_pool(session, tokens, namespace, args.lock, args.block_size))
+
+        self._or_release(session, answers, look_up_each)
         if all(below is None for _, below in answers):
             return {"found": [_lookup_result(found) for found, _ in answers]}
         return Deferred(
-            lambda: {"found": [_lookup_result(found if below is None else below()) for found, below in answers]}
+            lambda: self._or_release(
+                session,
+                answers,
+                lambda: {"found": [_lookup_result(found if below is None else below()) for found, below in answers]},
+            )
         )
+
+    def _lookup_pool(
+        self,
+        session: Session,
+        tokens: TokenIds,
+        namespace: CacheNamespace,
+        lock: bool,
+        block_size: int | None,
+        first_chunk: int = 0,
+    ) -> _PoolAnswer:
+        answer = self._engine.lookup_pool(
+            tokens, namespace=namespace, lock=lock, block_size=block_size, first_chunk=first_chunk
+        )
+        if answer[0].lock_id is not None:
+            self._sessions.add_lock(session, answer[0].lock_id)
+        return answer
+
+    def _or_release(self, session: Session, answers: list[_PoolAnswer], work: Callable[[], _T]) -> _T:
+        """``work``, or -- when it raises -- the locks ``answers`` took freed: the request fails, so its client
+        never learns their ids and they would stay held until the lock's timeout or the session's end."""
+        try:
+            return work()
+        except BaseException:
+            locks = [found.lock_id for found, _ in answers if found.lock_id is not None]
+            self._engine.free_lookup_locks_many(self._sessions.drop_locks(session, locks))
+            raise
 
     def prefetch(self, session: Session, args: PrefetchArgs) -> dict[str, Any] | Deferred:
         namespace = self._namespace(session, args.registration, args.namespace)
