@@ -213,13 +213,11 @@ class RequestHandlers:
         self._or_release(session, answers, look_up_each)
         if all(below is None for _, below in answers):
             return {"found": [_lookup_result(found) for found, _ in answers]}
-        return Deferred(
-            lambda: self._or_release(
-                session,
-                answers,
-                lambda: {"found": [_lookup_result(found if below is None else below()) for found, below in answers]},
-            )
-        )
+
+        def with_the_tiers() -> dict[str, Any]:
+            return {"found": [_lookup_result(found if below is None else below()) for found, below in answers]}
+
+        return Deferred(lambda: self._or_release(session, answers, with_the_tiers))
 
     def _lookup_pool(
         self,
@@ -230,12 +228,12 @@ class RequestHandlers:
         block_size: int | None,
         first_chunk: int = 0,
     ) -> _PoolAnswer:
-        answer = self._engine.lookup_pool(
+        found, below = self._engine.lookup_pool(
             tokens, namespace=namespace, lock=lock, block_size=block_size, first_chunk=first_chunk
         )
-        if answer[0].lock_id is not None:
-            self._sessions.add_lock(session, answer[0].lock_id)
-        return answer
+        if found.lock_id is not None:
+            self._sessions.add_lock(session, found.lock_id)
+        return found, below
 
     def _or_release(self, session: Session, answers: list[_PoolAnswer], work: Callable[[], _T]) -> _T:
         """``work``, or -- when it raises -- the locks ``answers`` took freed: the request fails, so its client
