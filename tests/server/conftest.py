@@ -44,7 +44,12 @@ def server(engine: FakeEngine, server_config: ServerConfig) -> Iterator[KvferryS
 def endpoint(request: pytest.FixtureRequest, server: KvferryServer) -> str:
     """The server's TCP endpoint; its Unix socket (kvferry.server.unix_clients) where a test parametrizes this
     fixture indirectly with "ipc"."""
-    return str(server.ipc_endpoint) if getattr(request, "param", "tcp") == "ipc" else f"tcp://127.0.0.1:{server.port}"
+    return endpoint_of(server, getattr(request, "param", "tcp"))
+
+
+def endpoint_of(server: KvferryServer, kind: str) -> str:
+    """``server``'s TCP (ZMQ) endpoint, or with ``kind`` "ipc" its Unix socket (kvferry.server.unix_clients)."""
+    return str(server.ipc_endpoint) if kind == "ipc" else f"tcp://127.0.0.1:{server.port}"
 
 
 TCP_AND_IPC = pytest.mark.parametrize("endpoint", ["tcp", "ipc"], indirect=True)

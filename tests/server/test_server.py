@@ -14,6 +14,7 @@ from kvferry.client import KvferryClient, ServerError
 from kvferry.config import ServerConfig
 from kvferry.protocol.messages import Op
 from kvferry.server import KvferryServer
+from tests.server.conftest import endpoint_of
 from tests.server.serverkit import FakeEngine, random_kv, raw_request, shm_mappings, shm_name, wait_for
 
 FMT = 3  # NL_X_NB_BS_HS: one layer of [NB, BS, W] is what the fake engine copies
@@ -23,7 +24,7 @@ NS = {"model": "fake-model"}
 @pytest.fixture(params=["tcp", "ipc"])
 def endpoint(request: pytest.FixtureRequest, server: KvferryServer) -> str:
     """Each test over TCP (ZMQ) and over the server's Unix socket (kvferry.server.unix_clients)."""
-    return f"tcp://127.0.0.1:{server.port}" if request.param == "tcp" else str(server.ipc_endpoint)
+    return endpoint_of(server, request.param)
 
 
 def test_handshake_reports_server_settings(client: KvferryClient, server: KvferryServer) -> None:
