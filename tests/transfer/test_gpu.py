@@ -172,6 +172,37 @@ def test_handle_orders_after_compute_stream(pool: HostPool) -> None:
             pool.free(o)
 
 
+@pytest.mark.parametrize("own_stream", [False, True], ids=["default-stream", "own-stream"])
+def test_the_first_request_of_new_kv_does_not_wait_for_the_callers_queued_work(
+    own_stream: bool, pool: HostPool
+) -> None:
+    """KV with no plan yet (new addresses: a new plan, its tables uploaded) is enqueued behind ~1 s of the caller's
+    queued work without the host waiting for it, on the default stream as on a stream of the caller's own."""
+    fmt = F.NL_X_TWO_NB_BS_NH_HS
+    warm = make_paged(fmt, MODELS["llama3-8b"], 64, 16, device="cuda")
+    objs = _objects(pool, kvferry.object_shape(fmt, warm), torch.bfloat16, 2)
+    kvferry.transfer(warm, objs, list(range(32)), Direction.D2H, fmt)  # the kernels compiled before timing
+    for t in warm:  # and the caller's loaded, as a model's are (CUDA loads a kernel's module at its first launch)
+        t.fill_(2.5)
+    paged = make_paged(fmt, MODELS["llama3-8b"], 64, 16, device="cuda")
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream() if own_stream else torch.cuda.default_stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(2_000_000_000)  # ~1 s of "model compute" before the KV is final
+        for t in paged:
+            t.fill_(2.5)
+        t0 = time.perf_counter()
+        handle = kvferry.transfer_async(paged, objs, list(range(32)), Direction.D2H, fmt)
+        enqueue_s = time.perf_counter() - t0
+    done = handle.done()
+    assert enqueue_s < 0.2, f"the first request of new KV took {enqueue_s * 1e3:.0f} ms to enqueue"
+    assert not done, "finished before the caller's queued work"
+    handle.wait()
+    assert all(bool((o == 2.5).all()) for o in objs)
+    for o in objs:
+        pool.free(o)
+
+
 @pytest.mark.parametrize("mode", ["auto", "staged", "zero_copy", "page_dma"])
 def test_a_retrieve_writes_after_the_callers_stream(mode: str, pool: HostPool) -> None:
     """A retrieve enqueued behind the model's last write of its blocks lands after it, in every mode."""

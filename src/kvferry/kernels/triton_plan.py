@@ -5,6 +5,7 @@ may assume (`build_plan`; built once per geometry and cached by `kvferry.transfe
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,6 +77,27 @@ def _row_alignment(s: Stripe, base: int, es: int) -> int:
     return math.gcd(16, s.block_stride * es, s.token_stride * es, s.tile_stride * es, *offsets) // es
 
 
+@functools.cache
+def _upload_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+def _device_table(values: list[int], device: torch.device) -> torch.Tensor:
+    """`values` as an int64 tensor on `device`, ready to be read by any stream when this returns.
+
+    A GPU table goes up on a stream of its own that waits for nothing: on the caller's stream the copy, and with it
+    the host (its source is pageable), would wait for the model's work queued there, so the first request of new KV
+    would block its caller for as long as that work runs."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    stream = _upload_stream(device)
+    with torch.cuda.stream(stream):
+        table = host.to(device)
+    stream.synchronize()  # a few hundred bytes: the kernels of any stream may read the table from now on
+    return table
+
+
 def build_plan(geom: KVGeometry) -> TritonPlan:
     word = geom.element_size if geom.codec else _word_size(geom)  # the codec kernel reads values, not words
     es = geom.element_size
@@ -97,8 +119,8 @@ def build_plan(geom: KVGeometry) -> TritonPlan:
         args.append(
             _StripeArgs(
                 base=base,
-                eng_off=torch.tensor([off[i] for i in order], dtype=torch.int64, device=geom.device),
-                ent_row=torch.tensor([rows[i] for i in order], dtype=torch.int64, device=geom.device),
+                eng_off=_device_table([off[i] for i in order], geom.device),
+                ent_row=_device_table([rows[i] for i in order], geom.device),
                 rows=tuple(rows[i] for i in order),
                 w_offset=s.w_offset * es // word,
                 block_stride=s.block_stride * es // word,

@@ -327,9 +327,10 @@ class _PlanCache:
 
     Held weakly by geometry identity, and for the GPU also by layout (format, block size, dtype, and the address,
     shape and strides of every engine tensor) in a small LRU: a caller that passes no `geometry` gets a new one
-    from `describe` on every call, and building a GPU plan uploads its tables with a copy that waits for the
-    caller's stream, i.e. for the model. A plan keeps only its first engine tensor alive, so an address in the
-    key cannot be reused by another allocation while the plan is cached; up to `LAYOUTS` such tensors are held.
+    from `describe` on every call, and building a GPU plan derives its tables on the host and uploads them (on a
+    stream of their own: a first request does not wait for the model's queued work). A plan keeps only its first
+    engine tensor alive, so an address in the key cannot be reused by another allocation while the plan is
+    cached; up to `LAYOUTS` such tensors are held.
     """
 
     LAYOUTS = 8
