@@ -59,11 +59,11 @@ def test_an_engine_of_bench_server_engines_reports_a_retrieve_that_wrote_nothing
 ) -> None:
     """One engine's rounds, run here (the bench spawns them) against a real server: the retrieve that copied
     nothing is its error, which the bench raises as a BenchError (`_run_engines`)."""
-    from kvferry.bench.server_bench import ServerProcess
-    from kvferry.bench.server_engines_bench import EngineSpec, engine_main
+    from kvferry.bench.server_engines_bench import CHUNK, EngineSpec, engine_main
+    from kvferry.bench.server_process import ServerProcess
 
     monkeypatch.setattr(KvferryClient, "retrieve", writes_nothing(KvferryClient.retrieve))
-    server = ServerProcess(pool_gb=0.25)
+    server = ServerProcess(pool_gb=0.25, chunk_size=CHUNK)
     try:
         results: queue.Queue[dict[str, Any]] = queue.Queue()
         go = threading.Event()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvferry.bench import sglang_gpu_bench
-from kvferry.bench.server_bench import ServerProcess
+from kvferry.bench.server_process import ServerProcess
 from kvferry.bench.sglang_linker_path import LinkerPath
 from kvferry.bench.sglang_pools import load_fixtures
 from kvferry.cli.main import main

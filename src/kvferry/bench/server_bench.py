@@ -25,13 +25,10 @@ import argparse
 import contextlib
 import json
 import os
-import re
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -46,12 +43,12 @@ from kvferry.bench.harness import (
     Outcome,
     Steps,
     add_json_argument,
-    child_env,
     description_of,
     positive,
     require_cuda,
 )
 from kvferry.bench.report import cell, new_table
+from kvferry.bench.server_process import ServerProcess, add_busy_poll_argument, check_busy_poll
 from kvferry.bench.server_transfers import KVBlocks, transfer_cases
 from kvferry.bench.timing import CopyCeiling, latency_summary
 from kvferry.cache import CacheEngine
@@ -67,7 +64,6 @@ FMT = EngineKVFormat.NL_X_TWO_NB_BS_NH_HS
 CHUNK, BS, NB = 256, 16, 1024
 PER_CHUNK = CHUNK // BS
 NAMESPACE = {"model": "bench", "salt": "bench_server", "codec": "none"}  # objects hold the engine's bytes
-READY_TIMEOUT_S = 120.0
 
 DESCRIPTION = description_of(__doc__)
 EXAMPLES = """\
@@ -78,48 +74,6 @@ examples:
   kvferry bench server --curve                             # CURVE on the request socket: what it costs
   kvferry bench server --events                            # the server publishes KV events: what they cost
 """
-
-
-class ServerProcess:
-    """`python -m kvferry.server` on a free port; `endpoint` is its TCP one, or its Unix socket's with `ipc_path`."""
-
-    def __init__(
-        self,
-        pool_gb: float,
-        busy_poll_us: int = 0,
-        ipc_path: str | None = None,
-        chunk_size: int = CHUNK,
-        security: dict[str, str] | None = None,
-        events: bool = False,
-    ) -> None:
-        """`security`: KVFERRY_SECURITY__ variables of the server (its CURVE keys); `events`: it publishes its KV
-        events (`events_endpoints`: PUB, REPLAY)."""
-        cmd = [sys.executable, "-m", "kvferry.server", "--port", "0", "--no-http", "--chunk-size", str(chunk_size)]
-        cmd += ["--l1-size-gb", str(pool_gb), "--busy-poll-us", str(busy_poll_us), "--log-level", "INFO"]
-        cmd += ["--ipc", ipc_path] if ipc_path else []
-        cmd += ["--events-port", "0", "--events-replay-port", "0"] if events else []
-        self.proc = subprocess.Popen(cmd, env=child_env(security), stderr=subprocess.PIPE, text=True)
-        assert self.proc.stderr is not None
-        watchdog = threading.Timer(READY_TIMEOUT_S, self.proc.kill)  # a server never ready ends the loop below
-        watchdog.start()
-        try:
-            for line in self.proc.stderr:
-                ready = line.partition("kvferry server ready: ")[2]
-                if ready:
-                    fields = dict(re.findall(r"(\w+)=(\S+)", ready))
-                    self.endpoint = fields.get("ipc") or fields["zmq"]
-                    self.events_endpoints = (fields.get("events"), fields.get("events_replay"))
-                    break
-            else:
-                self.proc.wait()
-                raise BenchError(f"the server exited (status {self.proc.returncode}) before it was ready")
-        finally:
-            watchdog.cancel()
-        threading.Thread(target=self.proc.stderr.read, daemon=True).start()
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGINT)
-        self.proc.wait(timeout=60)
 
 
 # A bare echo of every message, in a process of its own: the floor under every latency measured here. A ZMQ
@@ -244,25 +198,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_json_argument(parser)
 
 
-def add_busy_poll_argument(parser: argparse.ArgumentParser) -> None:
-    """The server's ``--busy-poll-us`` as a benchmark's option (`check_busy_poll`)."""
-    parser.add_argument(
-        "--busy-poll-us",
-        type=int,
-        default=0,
-        metavar="US",
-        help="the server's --busy-poll-us: how long its socket thread polls without sleeping after each request, so "
-        "that the next one finds it awake (default: %(default)s)",
-    )
-
-
-def check_busy_poll(args: argparse.Namespace) -> None:
-    if args.busy_poll_us < 0:
-        raise BenchError(f"--busy-poll-us must be >= 0, got {args.busy_poll_us}")
-    if args.busy_poll_us and getattr(args, "no_server", False):
-        raise BenchError("--busy-poll-us is the server's, and --no-server starts none")
-
-
 def check(args: argparse.Namespace) -> None:
     positive(args, "requests", "transfers")
     check_busy_poll(args)
@@ -336,6 +271,7 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
         server = ServerProcess(
             pool_gb=args.pool_gb,
             busy_poll_us=args.busy_poll_us,
+            chunk_size=CHUNK,
             ipc_path=ipc_path,
             security=security,
             events=args.events,

@@ -26,7 +26,8 @@ import numpy as np
 
 from kvferry.bench.harness import BenchError, Outcome, Steps, add_json_argument, description_of, positive, require_cuda
 from kvferry.bench.report import cell, new_table
-from kvferry.bench.server_bench import CHUNK, FMT, NB, PER_CHUNK, ServerProcess
+from kvferry.bench.server_bench import CHUNK, FMT, NB, PER_CHUNK
+from kvferry.bench.server_process import ServerProcess
 from kvferry.bench.server_transfers import KVBlocks, check_tokens
 from kvferry.formats.synthetic import MODELS
 
@@ -72,7 +73,7 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
         ipc_path = None
         if args.ipc:
             ipc_path = os.path.join(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvferry-")), "server.sock")
-        server = ServerProcess(pool_gb=args.pool_gb, ipc_path=ipc_path)
+        server = ServerProcess(pool_gb=args.pool_gb, ipc_path=ipc_path, chunk_size=CHUNK)
         steps.done("server started")
         ctx = mp.get_context("spawn")  # CUDA in children: never fork a process that may have touched it
         try:

@@ -25,7 +25,7 @@ from typing import Any
 from kvferry.bench.harness import Outcome, Steps, add_json_argument, description_of, positive, require_cuda
 from kvferry.bench.report import new_table
 from kvferry.bench.rounds import measure, stray_ceilings
-from kvferry.bench.server_bench import ServerProcess, add_busy_poll_argument, check_busy_poll
+from kvferry.bench.server_process import ServerProcess, add_busy_poll_argument, check_busy_poll
 from kvferry.bench.sglang_linker_path import LinkerPath
 from kvferry.bench.sglang_pools import BENCH_TAG, case_of, load_fixtures
 from kvferry.bench.timing import PinnedCopy, gpu_span, synchronize, wake_up_line, wake_up_us

@@ -24,7 +24,7 @@ import torch
 from kvferry.bench.harness import BenchError, Outcome, Steps, add_json_argument, description_of, positive
 from kvferry.bench.report import new_table
 from kvferry.bench.samples import Samples
-from kvferry.bench.server_bench import ServerProcess
+from kvferry.bench.server_process import ServerProcess
 from kvferry.bench.sglang_host_path import HostPath
 from kvferry.bench.timing import CopyCeiling
 from kvferry.connector.settings import ConnectorSettings

@@ -25,7 +25,7 @@ from typing import Any
 
 from kvferry.bench.harness import BenchError, Outcome, Steps, add_json_argument, description_of, positive, require_vllm
 from kvferry.bench.report import new_table
-from kvferry.bench.server_bench import ServerProcess
+from kvferry.bench.server_process import ServerProcess
 from kvferry.bench.vllm_child import VOCAB, connector_config, engine_env, llama_shape, run_child, write_shaped_llama
 from kvferry.bench.vllm_events import kvferry_blocks_stored, vllm_events_config
 

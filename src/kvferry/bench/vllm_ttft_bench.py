@@ -35,7 +35,7 @@ from kvferry.bench.harness import (
 )
 from kvferry.bench.plot import Chart, Series, add_plot_argument
 from kvferry.bench.report import new_table
-from kvferry.bench.server_bench import ServerProcess
+from kvferry.bench.server_process import ServerProcess
 from kvferry.bench.vllm_child import VOCAB, connector_config, engine_env, llama_shape, run_child, write_shaped_llama
 
 DESCRIPTION = description_of(__doc__)
