@@ -23,14 +23,14 @@ class ServerProcess:
         pool_gb: float,
         busy_poll_us: int = 0,
         ipc_path: str | None = None,
-        chunk_size: int | None = None,
+        *,
+        chunk_size: int,
         security: dict[str, str] | None = None,
         events: bool = False,
     ) -> None:
-        """`chunk_size`: the server's (None: its default); `security`: KVFERRY_SECURITY__ variables of the server
-        (its CURVE keys); `events`: it publishes its KV events (`events_endpoints`: PUB, REPLAY)."""
-        cmd = [sys.executable, "-m", "kvferry.server", "--port", "0", "--no-http"]
-        cmd += ["--chunk-size", str(chunk_size)] if chunk_size is not None else []
+        """`chunk_size`: the server's, the bench's KV's; `security`: KVFERRY_SECURITY__ variables of the server (its
+        CURVE keys); `events`: it publishes its KV events (`events_endpoints`: PUB, REPLAY)."""
+        cmd = [sys.executable, "-m", "kvferry.server", "--port", "0", "--no-http", "--chunk-size", str(chunk_size)]
         cmd += ["--l1-size-gb", str(pool_gb), "--busy-poll-us", str(busy_poll_us), "--log-level", "INFO"]
         cmd += ["--ipc", ipc_path] if ipc_path else []
         cmd += ["--events-port", "0", "--events-replay-port", "0"] if events else []
