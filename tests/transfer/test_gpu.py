@@ -13,6 +13,7 @@ from kvferry.formats import EngineKVFormat, describe
 from kvferry.formats.synthetic import MODELS, ModelDims, make_paged, random_fill
 from kvferry.kernels.page_dma import page_plan
 from kvferry.memory import HostPool
+from kvferry.transfer import forget_plans
 from kvferry.transfer.engine_config import EngineConfig
 from kvferry.transfer.gpu_engine import TransferEngine
 from tests.conftest import kv_dtype_for, leaves
@@ -200,6 +201,35 @@ def test_the_first_request_of_new_kv_does_not_wait_for_the_callers_queued_work(
     handle.wait()
     assert all(bool((o == 2.5).all()) for o in objs)
     for o in objs:
+        pool.free(o)
+
+
+def test_a_request_queued_behind_the_caller_reads_its_own_plan_after_the_plan_was_dropped(pool: HostPool) -> None:
+    """The caller drops a plan (`forget_plans`) while a store made with it waits behind ~0.3 s of its queued work,
+    and the next KV's plan uploads tables of the same size: the store still copies by its own tables. (That KV's
+    layers lie in another order in its buffer, so its tables, read by the store's kernels, would move other layers.)"""
+    fmt = F.NL_X_TWO_NB_BS_NH_HS
+    paged = make_paged(fmt, MODELS["llama3-8b"], 64, 16, device="cuda")
+    geom = describe(fmt, paged)
+    ids = torch.randperm(64)[:32]
+    objs, expected = (_objects(pool, kvferry.object_shape(fmt, paged), torch.bfloat16, 2) for _ in range(2))
+    kvferry.transfer(paged, expected, ids, Direction.D2H, fmt, backend="torch")
+    kvferry.transfer(paged, objs, ids, Direction.D2H, fmt, geometry=geom)  # compiled, its plan built
+    torch.cuda.synchronize()
+    with torch.cuda.stream(torch.cuda.Stream()):
+        torch.cuda._sleep(500_000_000)
+        handle = kvferry.transfer_async(paged, objs, ids, Direction.D2H, fmt, geometry=geom)
+    forget_plans(geom)
+    del geom
+    other = make_paged(fmt, MODELS["llama3-8b"], 64, 16, device="cuda")
+    other = [other[0], *other[:0:-1]]  # layer 0 first (the tables' base), the others reversed
+    spare = _objects(pool, kvferry.object_shape(fmt, other), torch.bfloat16, 2)
+    after = kvferry.transfer_async(other, spare, ids, Direction.D2H, fmt)  # its plan built and uploaded by now
+    assert not handle.done(), "the store did not wait for the caller's queued work"
+    handle.wait()
+    after.wait()
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(objs, expected, strict=True))
+    for o in objs + expected + spare:
         pool.free(o)
 
 

@@ -175,7 +175,9 @@ class TransferEngine:
                     d.wait(end, start, 0)
                 d.record(done.event, end)  # also frees its metadata slot (`Lane.upload`)
                 lane.retire()
-                lane.inflight.append((done, (objects, keep)))
+                # The plan too: its kernels read its device tables when they run, maybe long after a caller dropped
+                # the plan (`forget_plans`, the layout LRU); freed then, a table could be reused by another upload.
+                lane.inflight.append((done, (objects, keep, plan)))
         finally:
             if lead is None:
                 lane.lock.release()
