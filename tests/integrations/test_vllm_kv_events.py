@@ -12,8 +12,6 @@ from typing import Any
 
 import pytest
 
-from tests.ports import free_port
-
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs the vllm extra"),
@@ -152,10 +150,11 @@ def test_server_mode_kvferry_blocks_reach_vllms_kv_events(engines: list[Any], mo
     from kvferry.server import KvferryServer
     from tests.integrations.vllm_sim import SimEngine
 
-    port, pub, replay = free_port(), free_port(), free_port()
     cache = CacheEngine(KvferryConfig.load(env={}, overrides={"cache": {"chunk_size": CHUNK, "l1_size_gb": POOL_GB}}))
-    server = KvferryServer(ServerConfig(port=port, http_port=0, events_port=pub, events_replay_port=replay), cache)
+    # Ports the server binds itself (0): a port probed free and closed again was taken by another process meanwhile.
+    server = KvferryServer(ServerConfig(port=0, http_port=0, events_port=0, events_replay_port=0), cache)
     server.start()
+    port, pub, replay = server.port, server.events_port, server.events_replay_port
     try:
         extra = {"mode": "server", "server_url": f"tcp://127.0.0.1:{port}",
                  "events_url": f"tcp://127.0.0.1:{pub},tcp://127.0.0.1:{replay}"}  # fmt: skip
