@@ -212,7 +212,8 @@ def test_a_request_queued_behind_the_caller_reads_its_own_plan_after_the_plan_wa
     paged = make_paged(fmt, MODELS["llama3-8b"], 64, 16, device="cuda")
     geom = describe(fmt, paged)
     ids = torch.randperm(64)[:32]
-    objs, expected = (_objects(pool, kvferry.object_shape(fmt, paged), torch.bfloat16, 2) for _ in range(2))
+    objs = _objects(pool, kvferry.object_shape(fmt, paged), torch.bfloat16, 2)
+    expected = [torch.full_like(o, 7.0, device="cuda") for o in objs]  # the torch backend's objects, on the GPU
     kvferry.transfer(paged, expected, ids, Direction.D2H, fmt, backend="torch")
     kvferry.transfer(paged, objs, ids, Direction.D2H, fmt, geometry=geom)  # compiled, its plan built
     torch.cuda.synchronize()
@@ -228,8 +229,9 @@ def test_a_request_queued_behind_the_caller_reads_its_own_plan_after_the_plan_wa
     assert not handle.done(), "the store did not wait for the caller's queued work"
     handle.wait()
     after.wait()
-    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(objs, expected, strict=True))
-    for o in objs + expected + spare:
+    for got, want in zip(objs, expected, strict=True):
+        assert torch.equal(got.cuda().view(torch.uint8), want.view(torch.uint8))
+    for o in objs + spare:
         pool.free(o)
 
 
