@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import socket
-
 from kvferry.bench.ports import ports_bound_later
 
 
-def free_port() -> int:
-    """A loopback port free now, for a server started right away."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct loopback ports for servers that another process starts (the `kvferry server` CLI, a
+    Mooncake master): below the ephemeral range (`ports_bound_later`), so that no socket the kernel hands out
+    meanwhile (another test's connection, a server bound to port 0) takes one before that process binds it. A
+    server in this process binds port 0 instead and reports the port it got."""
+    return ports_bound_later(count)
 
 
 def port_for_a_restart() -> int:

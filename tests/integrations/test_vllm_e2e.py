@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from tests.integrations.shm import in_use_elsewhere
-from tests.ports import free_port
+from tests.ports import free_ports
 
 pytestmark = [
     pytest.mark.slow,
@@ -142,13 +142,12 @@ def server_urls(workdir: Path) -> Any:
     its KV events: its tcp:// and ipc:// endpoints, and its event stream (PUB,REPLAY) as a connector's events_url."""
     from kvferry.client import KvferryClient
 
-    port = free_port()
+    port, pub, replay = free_ports(3)
     url = f"tcp://127.0.0.1:{port}"
     sockets = tempfile.mkdtemp(prefix="kvf-")  # short: a Unix socket path has ~100 bytes at most
     ipc_url = f"ipc://{sockets}/server.sock"
     flags = ["--port", str(port), "--no-http", "--chunk-size", str(CHUNK), "--l1-size-gb", "0.25"]
     flags += ["--ipc", ipc_url.removeprefix("ipc://")]
-    pub, replay = free_port(), free_port()
     flags += ["--events-port", str(pub), "--events-replay-port", str(replay)]
     log = (workdir / "server.log").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "kvferry.cli", "server", *flags], stdout=log, stderr=log)

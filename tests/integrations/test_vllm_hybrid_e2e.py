@@ -25,7 +25,7 @@ import pytest
 
 from kvferry.client import KvferryClient
 from tests.integrations.vllm_driver import start_server
-from tests.ports import free_port
+from tests.ports import free_ports
 
 pytestmark = [
     pytest.mark.slow,
@@ -110,7 +110,7 @@ def test_embedded_hits_a_prefix_after_the_window_slid(tmp: Path, reference: dict
 def test_server_mode_with_the_scheduler_apart_from_the_kv(
     tmp: Path, reference: dict[str, Any], layout: list[str]
 ) -> None:
-    port = free_port()
+    (port,) = free_ports(1)
     server = start_server(port, tmp / f"server-{port}.log")
     try:
         report = run_driver("server", tmp, "--server-url", f"tcp://127.0.0.1:{port}", *layout)
@@ -143,7 +143,7 @@ def test_a_state_space_hybrid_hits_with_its_linear_attention_state(tmp: Path, gd
 def test_a_state_space_hybrid_hits_through_a_server(tmp: Path, gdn_reference: dict[str, Any]) -> None:
     """The same through a kvferry server: the worker registers the state group once the server told its chunk size,
     and the server's own counters show the hit's two attention chunks and one state read back."""
-    port = free_port()
+    (port,) = free_ports(1)
     server = start_server(port, tmp / f"server-{port}.log", chunk_size=gdn_block(gdn_reference))
     url = f"tcp://127.0.0.1:{port}"
     try:
@@ -166,7 +166,7 @@ def test_a_state_space_hybrid_hits_through_a_server_in_vllm_s_multiprocess_layou
     the scheduler's block size back to 128 after start, so its prefill chunks would end between Mamba boundaries and
     it would hand over no state (`state_settings`); kvferry puts the Mamba block size back, and the hit is the
     in-process one: vLLM's counter, the server's, greedy tokens. Its default retention interval gets a warning."""
-    port = free_port()
+    (port,) = free_ports(1)
     server = start_server(port, tmp / f"server-{port}.log", chunk_size=gdn_block(gdn_reference))
     url = f"tcp://127.0.0.1:{port}"
     try:

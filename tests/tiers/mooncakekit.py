@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tiers.tierkit import free_port
+from tests.ports import free_ports
 
 MASTER = shutil.which("mooncake_master")
 METADATA = shutil.which("mooncake_http_metadata_server")
@@ -49,7 +49,7 @@ class MooncakeStore:
 
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
-        self.rpc_port, self.metrics_port, self.metadata_port = free_port(), free_port(), free_port()
+        self.rpc_port, self.metrics_port, self.metadata_port = free_ports(3)
         self.master: subprocess.Popen[bytes] | None = None
         self.metadata: subprocess.Popen[bytes] | None = None
 

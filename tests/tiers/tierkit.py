@@ -14,18 +14,18 @@ import redis
 import torch
 
 from kvferry.tiers import make_tier
+from tests.ports import free_ports
 
 REDIS_SERVER = shutil.which("redis-server")
 REDIS_CLI = shutil.which("redis-cli")
 NO_REDIS_REASON = "redis-server / redis-cli not on PATH (apt-get install -y redis-server)"
 
 
-def free_port(*, with_cluster_bus: bool = False) -> int:
-    """A loopback port nobody listens on (and port + 10000 too, for a cluster node's bus)."""
+def redis_port(*, with_cluster_bus: bool = False) -> int:
+    """A loopback port for a redis-server that starts (and restarts) later (`tests.ports.free_ports`), and port +
+    10000 free too for a cluster node's bus."""
     for _ in range(100):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
+        (port,) = free_ports(1)
         if not with_cluster_bus:
             return port
         if port + 10000 < 65536:
@@ -42,7 +42,7 @@ class RedisServer:
     """One redis-server process without persistence, in its own directory; start/kill/restart at will."""
 
     def __init__(self, workdir: Path, *, port: int | None = None, cluster: bool = False) -> None:
-        self.port = port or free_port(with_cluster_bus=cluster)
+        self.port = port or redis_port(with_cluster_bus=cluster)
         self.workdir = workdir / f"redis-{self.port}"
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.cluster = cluster
