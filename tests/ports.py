@@ -17,4 +17,5 @@ def port_for_a_restart() -> int:
     """A free loopback port for a server that is down while a client waits for it (one that starts late, or
     restarts): see `ports_bound_later`. Seen in CI: a client stayed up through such a restart, as one answered by
     something else would."""
-    return ports_bound_later()[0]
+    (port,) = free_ports(1)
+    return port
