@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from rich.table import Table
 
+from kvferry.cuda.mps import mps_running
+
 if TYPE_CHECKING:
     from kvferry.bench.harness import Outcome
 
@@ -54,6 +56,7 @@ def machine_info(device: torch.device) -> dict[str, Any]:
     if device.type == "cuda":
         info["device"] = torch.cuda.get_device_name(device)
         info["cuda"] = torch.version.cuda
+        info["cuda_mps"] = mps_running()  # a server's and this process's GPU work share the GPU (docs/server.md)
     else:
         info["device"] = "cpu"
     return info

@@ -1,5 +1,5 @@
 """A `kvferry server` in a process of its own, as the benchmarks start one (`python -m kvferry.server` on a free port,
-ready once it logs so), and the server's busy polling as a benchmark's option."""
+ready once it logs so), the server's busy polling as a benchmark's option, and whether CUDA MPS ran beside it."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import sys
 import threading
 
 from kvferry.bench.harness import BenchError, child_env
+from kvferry.cuda.mps import mps_pipe_directory, mps_running
 
 READY_TIMEOUT_S = 120.0
 
@@ -75,3 +76,15 @@ def check_busy_poll(args: argparse.Namespace) -> None:
         raise BenchError(f"--busy-poll-us must be >= 0, got {args.busy_poll_us}")
     if args.busy_poll_us and getattr(args, "no_server", False):
         raise BenchError("--busy-poll-us is the server's, and --no-server starts none")
+
+
+def mps_line() -> str:
+    """Whether this process and a server it started were CUDA MPS clients (`kvferry.cuda.mps`), as a GPU benchmark
+    prints it under its table: it moves the server's rows (docs/server.md)."""
+    where = mps_pipe_directory()
+    if mps_running():
+        return (
+            f"CUDA MPS on (a control daemon in {where}): this process's and the server's GPU work shared the GPU, "
+            "their streams one pool of its work queues"
+        )
+    return f"CUDA MPS off (no control daemon in {where}): the GPU time-sliced this process's and the server's work"

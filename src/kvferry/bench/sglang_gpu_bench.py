@@ -25,7 +25,7 @@ from typing import Any
 from kvferry.bench.harness import Outcome, Steps, add_json_argument, description_of, positive, require_cuda
 from kvferry.bench.report import new_table
 from kvferry.bench.rounds import measure, stray_ceilings
-from kvferry.bench.server_process import ServerProcess, add_busy_poll_argument, check_busy_poll
+from kvferry.bench.server_process import ServerProcess, add_busy_poll_argument, check_busy_poll, mps_line
 from kvferry.bench.sglang_linker_path import LinkerPath
 from kvferry.bench.sglang_pools import BENCH_TAG, case_of, load_fixtures
 from kvferry.bench.timing import PinnedCopy, gpu_span, synchronize, wake_up_line, wake_up_us
@@ -104,7 +104,7 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
     }
     strayed = stray_ceilings(rows, lambda row: f"{row['mode']} {row['pool']}")
     wake_line = wake_up_line(wake, "; a load pays one more: SGLang's forward waits", args.busy_poll_us)
-    shown = [*_show(rows, args.layer_groups), *strayed, wake_line]
+    shown = [*_show(rows, args.layer_groups), *strayed, wake_line, mps_line()]
     return Outcome(config, {"rows": rows, "wake_up_us": wake}, shown, device="cuda")
 
 

@@ -31,7 +31,7 @@ from kvferry.bench.gpu_gemm import gemm_tflops
 from kvferry.bench.harness import BenchError, Outcome, Steps, add_json_argument, description_of, positive, require_cuda
 from kvferry.bench.report import cell, new_table
 from kvferry.bench.rounds import measure, stray_ceilings
-from kvferry.bench.server_process import ServerProcess, add_busy_poll_argument, check_busy_poll
+from kvferry.bench.server_process import ServerProcess, add_busy_poll_argument, check_busy_poll, mps_line
 from kvferry.bench.timing import PinnedCopy, synchronize, wake_up_line, wake_up_us
 from kvferry.bench.vllm_connector_path import CHUNK, CHUNKS, ConnectorPath
 from kvferry.bench.vllm_gpu_steps import describe_steps, step_stall
@@ -143,6 +143,7 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
         *strayed,
         *(describe_steps(mode, s) for mode, s in stalls.items()),
         wake_up_line(wake, busy_poll_us=args.busy_poll_us),
+        mps_line(),
     ]
     results = {"rows": rows, "gemm": gemm, "steps": stalls, "wake_up_us": wake}
     return Outcome(config, results, shown, device="cuda")
