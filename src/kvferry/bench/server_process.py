@@ -84,7 +84,7 @@ def mps_line() -> str:
     where = mps_pipe_directory()
     if mps_running():
         return (
-            f"CUDA MPS on (a control daemon in {where}): this process's and the server's GPU work shared the GPU, "
-            "their streams one pool of its work queues"
+            f"CUDA MPS on (a control daemon in {where}): the GPU work of this process and of its servers shared the "
+            "GPU, their streams one pool of its work queues"
         )
-    return f"CUDA MPS off (no control daemon in {where}): the GPU time-sliced this process's and the server's work"
+    return f"CUDA MPS off (no control daemon in {where}): the GPU time-sliced this process's work and its servers'"
