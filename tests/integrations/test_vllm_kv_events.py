@@ -21,6 +21,10 @@ CHUNK = 64
 BS = 16
 POOL_GB = 0.0008  # 6 chunks of the stand-in model (128 KiB each): a few prompts evict
 PROMPTS = 6  # of 4 whole chunks each
+# One worker thread: a request's stores run in the order they were issued. The chunk store of a prompt's prefill
+# otherwise may run after the store of its finish (its tail) on the other worker (a loaded CI machine: once), and
+# in a pool smaller than one eviction batch (16) the room it makes evicts everything, the tail just stored too.
+CACHE = {"chunk_size": CHUNK, "l1_size_gb": POOL_GB, "async_workers": 1}
 
 
 def _prompt(seed: int) -> list[int]:
@@ -130,7 +134,7 @@ def _check_predictions(engine: Any, prompts: list[list[int]], deadline_s: float 
 def test_embedded_kvferry_blocks_reach_vllms_kv_events(engines: list[Any], model: str, hybrid: bool) -> None:
     from tests.integrations.vllm_sim import SimEngine
 
-    extra = {"mode": "embedded", "config": {"cache": {"chunk_size": CHUNK, "l1_size_gb": POOL_GB}}}
+    extra = {"mode": "embedded", "config": {"cache": CACHE}}
     engine = SimEngine(model, extra, kv_events=True, hybrid=hybrid)
     engines.append(engine)
     prompts = [_prompt(seed) for seed in range(PROMPTS)]
@@ -150,7 +154,7 @@ def test_server_mode_kvferry_blocks_reach_vllms_kv_events(engines: list[Any], mo
     from kvferry.server import KvferryServer
     from tests.integrations.vllm_sim import SimEngine
 
-    cache = CacheEngine(KvferryConfig.load(env={}, overrides={"cache": {"chunk_size": CHUNK, "l1_size_gb": POOL_GB}}))
+    cache = CacheEngine(KvferryConfig.load(env={}, overrides={"cache": CACHE}))
     # Ports the server binds itself (0): a port probed free and closed again was taken by another process meanwhile.
     server = KvferryServer(ServerConfig(port=0, http_port=0, events_port=0, events_replay_port=0), cache)
     server.start()
