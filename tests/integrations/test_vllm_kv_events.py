@@ -21,9 +21,10 @@ CHUNK = 64
 BS = 16
 POOL_GB = 0.0008  # 6 chunks of the stand-in model (128 KiB each): a few prompts evict
 PROMPTS = 6  # of 4 whole chunks each
-# One worker thread: a request's stores run in the order they were issued. The chunk store of a prompt's prefill
-# otherwise may run after the store of its finish (its tail) on the other worker (a loaded CI machine: once), and
-# in a pool smaller than one eviction batch (16) the room it makes evicts everything, the tail just stored too.
+# One store thread (the cache's async worker; the server's transfer worker): a request's stores run in the order
+# they were issued. The chunk store of a prompt's prefill otherwise may run after the store of its finish (its tail)
+# on another thread (a loaded CI machine: once), and in a pool smaller than one eviction batch (16) the room it
+# makes evicts everything, the tail just stored too.
 CACHE = {"chunk_size": CHUNK, "l1_size_gb": POOL_GB, "async_workers": 1}
 
 
@@ -156,7 +157,8 @@ def test_server_mode_kvferry_blocks_reach_vllms_kv_events(engines: list[Any], mo
 
     cache = CacheEngine(KvferryConfig.load(env={}, overrides={"cache": CACHE}))
     # Ports the server binds itself (0): a port probed free and closed again was taken by another process meanwhile.
-    server = KvferryServer(ServerConfig(port=0, http_port=0, events_port=0, events_replay_port=0), cache)
+    ports = {"port": 0, "http_port": 0, "events_port": 0, "events_replay_port": 0}
+    server = KvferryServer(ServerConfig(**ports, transfer_workers=1), cache)
     server.start()
     port, pub, replay = server.port, server.events_port, server.events_replay_port
     try:
