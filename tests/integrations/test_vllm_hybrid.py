@@ -205,6 +205,31 @@ def test_a_store_demotes_the_windowed_chunks_its_boundary_supersedes(hybrid) -> 
     lookups.free_lock(hit.lock)
 
 
+def test_superseded_windowed_chunks_are_demoted_once_the_request_s_stores_ended(hybrid) -> None:
+    """Not as the windowed store ends: the request's own full-attention stores would then evict them first when
+    the pool is short, and the request would be gone before it was reported stored."""
+    lookups, worker, _ = hybrid
+    tokens = [random.Random(4).randrange(32_000) for _ in range(4 * CHUNK)]
+    for end in (2 * CHUNK, 4 * CHUNK):  # the request's two steps: each supersedes chunks (0; 1 and 2)
+        ids = list(range(1, end // BS + 1))
+        stores = [
+            StoreSpec("a", tokens[:end], ids, end - 2 * CHUNK, group=0),
+            StoreSpec("a", tokens[:end], ids, 0, group=1),
+        ]
+        worker.start_stores(StepPlan(stores=stores))
+        worker.settle_windowed_stores()
+    sliding = _sliding(lookups)
+    res = sliding.engine._res
+    keys = sliding.engine.chunk_keys(tokens, namespace=sliding.namespace)
+    worker.drain()  # the full group's store too: every store ended, none reported yet
+    with res.lock:
+        order = [key for key in res.policy._order if key in keys]  # type: ignore[attr-defined]
+    assert order == keys  # in the order stored: nothing demoted (a demotion puts 0-2 first, the last first)
+    assert worker.finished_sending(["a"]) == {"a"}  # reported: the request's chunks 0-2 of the window go first
+    with res.lock:
+        assert set(res.policy.evict(3, lambda key: True)) == set(keys[:3])
+
+
 def test_a_background_load_is_planned_per_group_and_reported_once_every_group_ran() -> None:
     side = SchedulerSide(
         lambda tokens: Hit(128, "lock"),

@@ -8,6 +8,11 @@ ending there or later needs them, only one ending at an earlier boundary (anothe
 prefix, a repeat of a shorter one). They are worth less than full-attention chunks, which every longer hit needs,
 so they go to the front of the eviction order (`CacheEngine.demote`, as superseded tails do), not away: a lookup
 ending at an earlier boundary still finds them while the pool has room.
+
+They are demoted once the request's stores have all ended (`WorkerSide` demotes what `superseded` names then), not
+as the windowed store ends: demoted at once, they were the first objects the same request's full-attention stores
+evicted whenever the pool was short, and the request's chunks left before it was reported stored (a chunk a group
+has lost is no hit, and KV events never announced it).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from kvferry.connector.kv_groups import KVGroup
 
 
 class WindowedBackend:
-    """A windowed group's backend: lookups from a chunk on, and stores that demote what they supersede."""
+    """A windowed group's backend: lookups from a chunk on, and the demotion of what its stores supersede."""
 
     def __init__(self, backend: Backend, group: KVGroup, *, demote_superseded: bool = True) -> None:
         self.backend = backend
@@ -45,16 +50,17 @@ class WindowedBackend:
         return self.backend.retrieve(tokens, block_ids, skip_prefix_tokens)
 
     def store_async(self, tokens: TokenIds, block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
-        """Store, then demote the chunks before the window at the store's end that the window at its start (what
-        earlier stores of the request reached) still needed."""
-        stored = self.backend.store_async(tokens, block_ids, skip_prefix_tokens)
+        return self.backend.store_async(tokens, block_ids, skip_prefix_tokens)
+
+    def superseded(self, tokens: TokenIds, skip_prefix_tokens: int) -> range:
+        """The chunks a store of ``tokens`` (after ``skip_prefix_tokens``) supersedes, to demote once the request's
+        stores have ended: those before the window at the store's end that the window at its start (what earlier
+        stores of the request reached) still needed. Empty when stores do not demote."""
         chunk = self.chunk_size
-        if self.demote_superseded and chunk is not None:
-            first = self.group.first_loaded_chunk
-            superseded = range(first(skip_prefix_tokens, chunk), first(len(tokens) // chunk * chunk, chunk))
-            if superseded:
-                stored.add_done_callback(lambda _: self.backend.demote(tokens, superseded))
-        return stored
+        if not self.demote_superseded or chunk is None:
+            return range(0)
+        first = self.group.first_loaded_chunk
+        return range(first(skip_prefix_tokens, chunk), first(len(tokens) // chunk * chunk, chunk))
 
     def demote(self, tokens: TokenIds, chunks: range) -> None:
         self.backend.demote(tokens, chunks)

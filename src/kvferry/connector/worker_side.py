@@ -13,7 +13,9 @@ are done, which this side reports through `finished_sending`.
 A hybrid model's plan names each load's and store's KV cache group (`LoadSpec.group`): each group has a backend
 of its own, a request's loads are reported once all its groups' ran, and its counters count one group's tokens
 (the one given as ``counted_group``). A windowed group's stores end before the next step's forward pass
-(`settle_windowed_stores`): vLLM frees such a group's blocks as its window slides, while the request runs.
+(`settle_windowed_stores`): vLLM frees such a group's blocks as its window slides, while the request runs. The
+windowed chunks a request's stores supersede are demoted once all its stores have ended
+(`WindowedBackend.superseded`).
 
 While any of them runs, Python's GIL switch interval is cut to `HANDOFF_S` (`GilHandoff`). A background load
 or store hands the GIL back and forth many times (each copy call, each reply read off the server's socket), and
@@ -38,6 +40,7 @@ from kvferry.connector.copy_ends import copied, copied_probe
 from kvferry.connector.counters import WorkerCounters
 from kvferry.connector.plan import LoadSpec, StepPlan, StoreSpec
 from kvferry.connector.server_link import ServerDown
+from kvferry.connector.window_groups import WindowedBackend
 from kvferry.futures import failed_future
 
 log = logging.getLogger(__name__)
@@ -97,6 +100,8 @@ class WorkerSide:
         self._loading: dict[str, list[tuple[LoadSpec, Future[int], _Timer]]] = {}  # background loads in flight
         # req_id -> its unfinished stores (and whether their group is the counted one)
         self._inflight: dict[str, list[tuple[Future[int], _Timer, bool]]] = {}
+        # req_id -> group -> the chunks its stores superseded so far, and its longest tokens (naming them all)
+        self._superseded: dict[str, dict[int, tuple[TokenIds, range]]] = {}
         self._saving: set[str] = set()  # requests vLLM keeps blocks for until their stores are reported done
         self._finished: set[str] = set()  # those of them that vLLM reported finished
         self._load_errors: set[int] = set()
@@ -133,6 +138,7 @@ class WorkerSide:
             self._inflight.setdefault(spec.req_id, []).append((future, timer, spec.group == self._counted_group))
             if spec.group in self._windowed_groups:
                 self._windowed_stores.append(future)
+                self._supersede(spec)
 
     def settle_windowed_stores(self) -> None:
         """Wait for the windowed groups' stores started so far (before a forward pass that may reuse their
@@ -262,7 +268,34 @@ class WorkerSide:
         except Exception as exc:  # a store is best effort: a failed one is a later cache miss
             return failed_future(exc)
 
+    def _supersede(self, spec: StoreSpec) -> None:
+        """Note the windowed chunks ``spec``'s store supersedes. A request's stores reach further step by step (one
+        token list each): their chunks join into one range, named by the longest tokens, which extend the others."""
+        backend = self._backends[spec.group]
+        chunks = backend.superseded(spec.tokens, spec.skip_tokens) if isinstance(backend, WindowedBackend) else None
+        if not chunks:
+            return
+        groups = self._superseded.setdefault(spec.req_id, {})
+        tokens = spec.tokens
+        before = groups.get(spec.group)
+        if before is not None:
+            tokens = max(tokens, before[0], key=len)
+            chunks = range(min(before[1].start, chunks.start), max(before[1].stop, chunks.stop))
+        groups[spec.group] = (tokens, chunks)
+
     def _wait_for_stores(self, req_id: str) -> None:
+        """Collect the request's store results, then demote the windowed chunks they superseded."""
+        self._collect_stores(req_id)
+        for group, (tokens, chunks) in self._superseded.pop(req_id, {}).items():
+            backend = self._backends[group]
+            if not isinstance(backend, WindowedBackend):  # transfers refused since: nothing goes to the cache
+                continue
+            try:
+                backend.demote(tokens, chunks)
+            except Exception as exc:  # a demotion only orders eviction: without it, LRU's order stands
+                log.warning("kvferry: demoting request %s's superseded chunks failed: %s", req_id, exc)
+
+    def _collect_stores(self, req_id: str) -> None:
         for future, timer, counted in self._inflight.pop(req_id, []):
             try:
                 stored = copied(future)
