@@ -42,7 +42,7 @@ class CacheConfig(BaseModel):
         le=1,
         description="evict a batch once a store's objects push the pool above this fraction (while they are copied)",
     )
-    eviction_batch: int = Field(16, gt=0, description="objects evicted at least, once the watermark is crossed")
+    eviction_batch: int = Field(16, gt=0, description="objects one eviction takes (at most a quarter of the pool's)")
     lock_timeout_s: float = Field(30.0, gt=0, description="a lookup lock is released after this many seconds")
     hash_algo: Literal["sha256", "blake3"] = Field(
         "blake3",

@@ -234,14 +234,28 @@ def test_eviction_order_follows_the_policy(policy: str, evicted: int) -> None:
 def test_watermark_evicts_a_batch() -> None:
     fmt = F.NL_X_TWO_NB_BS_NH_HS
     src = make_paged(fmt, NB)
-    with cache_engine(objects=10, paged=src, watermark=0.5, eviction_batch=3) as engine:
-        for seed in range(5):
+    with cache_engine(objects=24, paged=src, watermark=0.5, eviction_batch=3) as engine:
+        for seed in range(12):
             engine.store(random_tokens(CHUNK, seed), src, random_blocks(2, 0), fmt)
         assert engine.stats()["evictions"] == 0
-        engine.store(random_tokens(CHUNK, 5), src, random_blocks(2, 0), fmt)  # would cross 50%: a batch of 3 goes
+        engine.store(random_tokens(CHUNK, 12), src, random_blocks(2, 0), fmt)  # would cross 50%: a batch of 3 goes
         stats = engine.stats()
-    assert stats["evictions"] == 3 and stats["objects"] == 3
-    assert [engine.lookup(random_tokens(CHUNK, s)) for s in range(6)] == [0, 0, 0, CHUNK, CHUNK, CHUNK]
+    assert stats["evictions"] == 3 and stats["objects"] == 10
+    assert [engine.lookup(random_tokens(CHUNK, s)) for s in range(13)] == [0] * 3 + [CHUNK] * 10
+
+
+def test_one_eviction_takes_no_more_than_a_quarter_of_a_small_pool() -> None:
+    """The default batch (16) in a pool of 6 objects: one eviction takes one object, the oldest, not all of them
+    with the object just stored."""
+    fmt = F.NL_X_TWO_NB_BS_NH_HS
+    src = make_paged(fmt, NB)
+    with cache_engine(objects=6, paged=src, watermark=1.0) as engine:
+        for seed in range(7):
+            engine.store(random_tokens(CHUNK, seed), src, random_blocks(2, 0), fmt)
+        stats = engine.stats()
+        hits = [engine.lookup(random_tokens(CHUNK, s)) for s in range(7)]
+    assert stats["evictions"] == 1 and stats["objects"] == 6
+    assert hits == [0] + [CHUNK] * 6
 
 
 def test_a_store_evicts_while_its_copy_runs(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -249,8 +263,8 @@ def test_a_store_evicts_while_its_copy_runs(monkeypatch: pytest.MonkeyPatch) -> 
     been started (the eviction then overlaps the copy), never with its own objects as victims."""
     fmt = F.NL_X_TWO_NB_BS_NH_HS
     src = make_paged(fmt, NB)
-    with cache_engine(objects=10, paged=src, watermark=0.5, eviction_batch=3) as engine:
-        for seed in range(5):
+    with cache_engine(objects=24, paged=src, watermark=0.5, eviction_batch=3) as engine:
+        for seed in range(12):
             engine.store(random_tokens(CHUNK, seed), src, random_blocks(2, 0), fmt)
         copy = writer.copy_chunks
         seen: list[tuple[int, int]] = []
@@ -260,10 +274,10 @@ def test_a_store_evicts_while_its_copy_runs(monkeypatch: pytest.MonkeyPatch) -> 
             return copy(*args)
 
         monkeypatch.setattr(writer, "copy_chunks", copy_chunks)
-        engine.store(random_tokens(CHUNK, 5), src, random_blocks(2, 0), fmt)
-        assert seen == [(0, 6)]  # the copy starts with 6 of 10 objects held: above the 50% watermark
-        assert (engine.stats()["evictions"], engine.pool.num_allocations) == (3, 3)
-        assert engine.lookup(random_tokens(CHUNK, 5)) == CHUNK
+        engine.store(random_tokens(CHUNK, 12), src, random_blocks(2, 0), fmt)
+        assert seen == [(0, 13)]  # the copy starts with 13 of 24 objects held: above the 50% watermark
+        assert (engine.stats()["evictions"], engine.pool.num_allocations) == (3, 10)
+        assert engine.lookup(random_tokens(CHUNK, 12)) == CHUNK
 
 
 def test_a_locked_object_is_never_evicted_until_unlocked() -> None:

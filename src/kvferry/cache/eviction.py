@@ -1,6 +1,6 @@
 """Room in the host pool: eviction down to the watermark in the policy's batches, evicted objects spilled to the
-first tier (write-behind) or dropped, allocation that evicts one more batch when the pool has no room, and an
-object's memory freed exactly once.
+first tier (write-behind) or dropped, allocation that evicts batches while the pool has no room for it, and an
+object's memory freed exactly once. A batch is ``cache.eviction_batch`` objects, but at most a quarter of the pool's.
 
 The base of ``Residency`` (which adds lookup locks, readers and writers): its state, under its one lock.
 """
@@ -82,7 +82,7 @@ class PoolEviction:
         to spill."""
         to_spill: list[Entry] = []
         while excess > 0:
-            victims = self.policy.evict(self._config.eviction_batch, self._evictable)
+            victims = self.policy.evict(self._batch_locked(), self._evictable)
             if not victims:
                 break
             for key in victims:
@@ -96,14 +96,25 @@ class PoolEviction:
         self, shape: tuple[int, ...], dtype: torch.dtype, nbytes: int, to_spill: list[Entry]
     ) -> torch.Tensor | None:
         obj = self.pool.try_alloc(shape, dtype)
-        if obj is None and nbytes <= self.pool.capacity_bytes:
-            # Below the watermark but no room (fragmentation, or memory still held by spills): one more batch.
-            for key in self.policy.evict(self._config.eviction_batch, self._evictable):
+        while obj is None and nbytes <= self.pool.capacity_bytes:
+            # Below the watermark but no room (fragmentation, or memory still held by spills): batches until it
+            # fits, while they free memory (a batch that only starts spills frees none yet: one such is enough).
+            free = self.pool.free_bytes
+            victims = self.policy.evict(self._batch_locked(), self._evictable)
+            for key in victims:
                 entry = self.index.get(key)
                 assert entry is not None
                 self._evict_locked(entry, to_spill)
             obj = self.pool.try_alloc(shape, dtype)
+            if not victims or self.pool.free_bytes == free:
+                break
         return obj
+
+    def _batch_locked(self) -> int:
+        """Objects one eviction takes: ``cache.eviction_batch``, but no more than a quarter of those the pool holds.
+        A batch amortises the policy's work over a large pool; in a pool of a few dozen objects a whole batch would
+        empty it, down to the objects just stored."""
+        return max(1, min(self._config.eviction_batch, len(self.index) // 4))
 
     def _evictable(self, key: bytes) -> bool:
         entry = self.index.get(key)
