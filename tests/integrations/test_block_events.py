@@ -35,9 +35,11 @@ def _request(seed: int, chunks: int) -> tuple[list[int], list[bytes], list[bytes
     return tokens, [os.urandom(32) for _ in range(chunks * PER)], [os.urandom(32) for _ in range(chunks)]
 
 
-def _stored(keys: list[bytes], tokens: list[int], first: int = 0) -> ChunksStored:
+def _stored(
+    keys: list[bytes], tokens: list[int], first: int = 0, parent: bytes | None = None, group: str | None = None
+) -> ChunksStored:
     ids = np.asarray(tokens[first * CHUNK : (first + len(keys)) * CHUNK], dtype="<u4").tobytes()
-    return ChunksStored(tuple(keys), None, ids, MEDIUM_CPU, LOCAL)
+    return ChunksStored(tuple(keys), parent, ids, MEDIUM_CPU, LOCAL, group)
 
 
 def _ledger() -> tuple[BlockEvents, HandFeed, list[float]]:
@@ -129,23 +131,72 @@ def test_a_store_whose_chunks_come_and_go_in_one_take_is_announced_then_removed(
     assert events.take() == []
 
 
-def test_a_hybrid_models_chunk_is_announced_while_every_group_holds_it() -> None:
-    """Two KV cache groups, each chunk an object of each (two key spaces): a chunk is announced once both objects
-    are reported, and its blocks go with the first of them to leave."""
+FULL, WINDOW = "group=0:full", "group=1:sliding_window:8"
+
+
+def _hybrid(seed: int, chunks: int) -> tuple[BlockEvents, HandFeed, list[float], tuple[list[int], list[bytes]]]:
     feed, now = HandFeed(), [0.0]
-    events = BlockEvents(feed, block_size=BS, chunk_size=CHUNK, wait_s=5.0, keys_per_chunk=2, clock=lambda: now[0])
-    tokens, hashes, keys = _request(5, 2)
-    window = [os.urandom(32) for _ in keys]  # the sliding-window group's objects of the same chunks
+    events = BlockEvents(feed, block_size=BS, chunk_size=CHUNK, wait_s=5.0, groups=[FULL, WINDOW], clock=lambda: now[0])
+    tokens, hashes, _ = _request(seed, chunks)
+    return events, feed, now, (tokens, hashes)
+
+
+def test_a_hybrid_models_groups_are_announced_and_removed_each_on_its_own() -> None:
+    """Two KV cache groups, each chunk an object of each (two key spaces): each group's blocks are announced once its
+    objects are reported, tagged with the group, and removed with its own object, the other group's staying."""
+    events, feed, _, (tokens, hashes) = _hybrid(5, 2)
+    full, window = [os.urandom(32) for _ in range(2)], [os.urandom(32) for _ in range(2)]
+    blocks = [tuple(hashes[:PER]), tuple(hashes[PER:])]
     events.finished("a", tokens, hashes)
     events.stores_done(["a"])
-    feed.records.append(_stored(keys, tokens))
-    assert events.take() == []  # the other group's objects not reported yet
-    feed.records.append(_stored(window, tokens))
-    assert [e.hashes for e in events.take()] == [tuple(hashes[:PER]), tuple(hashes[PER:])]
-    feed.records.append(ChunksRemoved((window[0],), MEDIUM_CPU, LOCAL))  # a hit cannot load chunk 0 now
-    assert events.take() == [BlocksRemoved(tuple(hashes[:PER]), MEDIUM_CPU, LOCAL)]
-    feed.records.append(ChunksRemoved((keys[0],), MEDIUM_CPU, LOCAL))
-    assert events.take() == []  # removed once
+    feed.records.append(_stored(full, tokens, group=FULL))
+    assert [(e.hashes, e.group) for e in events.take()] == [(blocks[0], 0), (blocks[1], 0)]  # the window's not yet
+    feed.records.append(_stored(window, tokens, group=WINDOW))
+    got = events.take()
+    assert got == [
+        BlocksStored(blocks[i], hashes[i * PER - 1] if i else None, tuple(tokens[i * CHUNK : (i + 1) * CHUNK]),
+                     MEDIUM_CPU, LOCAL, 1)
+        for i in range(2)
+    ]  # fmt: skip
+    feed.records.append(ChunksRemoved((window[0],), MEDIUM_CPU, LOCAL))  # demoted, then evicted: the window's only
+    assert events.take() == [BlocksRemoved(blocks[0], MEDIUM_CPU, LOCAL, 1)]
+    feed.records.append(ChunksRemoved((full[0],), MEDIUM_CPU, LOCAL))
+    assert events.take() == [BlocksRemoved(blocks[0], MEDIUM_CPU, LOCAL, 0)]
+    assert events.take() == []
+
+
+def test_a_hybrid_store_announces_each_groups_chunks_held_when_it_is_reported() -> None:
+    """The window group's first chunks left the pool before the worker reported the store (they are the first to go
+    once a longer prefix supersedes them): its later chunk is announced, and every chunk of the full group."""
+    events, feed, _, (tokens, hashes) = _hybrid(7, 3)
+    full, window = [os.urandom(32) for _ in range(3)], [os.urandom(32) for _ in range(3)]
+    feed.records += [_stored(full, tokens, group=FULL), _stored(window, tokens, group=WINDOW),
+                     ChunksRemoved((window[0], window[1]), MEDIUM_CPU, LOCAL)]  # fmt: skip
+    assert events.take() == []  # no store of them reported yet
+    events.finished("a", tokens, hashes)
+    events.stores_done(["a"])
+    got = events.take()
+    assert [(e.hashes, e.group) for e in got] == [
+        *((tuple(hashes[i * PER : (i + 1) * PER]), 0) for i in range(3)),
+        (tuple(hashes[2 * PER :]), 1),
+    ]
+
+
+def test_a_hybrid_group_not_reported_holds_up_no_other() -> None:
+    """The window group's chunk 0 was never stored (its blocks were freed before the store): the full group is
+    announced at once; the window's, whose chain of keys the cache never started, only times out (nothing held that
+    a router could name)."""
+    events, feed, now, (tokens, hashes) = _hybrid(8, 2)
+    full, window = [os.urandom(32) for _ in range(2)], [os.urandom(32) for _ in range(2)]
+    feed.records += [_stored(full, tokens, group=FULL), _stored(window[1:], tokens, first=1, parent=window[0],
+                                                                 group=WINDOW)]  # fmt: skip
+    events.finished("a", tokens, hashes)
+    events.stores_done(["a"])
+    assert [e.group for e in events.take()] == [0, 0]
+    now[0] = 6.0
+    assert events.take() == []
+    feed.records.append(ChunksRemoved((full[1],), MEDIUM_CPU, LOCAL))
+    assert events.take() == [BlocksRemoved(tuple(hashes[PER:]), MEDIUM_CPU, LOCAL, 0)]  # the store is forgotten
 
 
 def test_a_store_reported_after_its_chunks_moved_is_announced_where_they_are() -> None:

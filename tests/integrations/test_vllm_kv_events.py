@@ -53,56 +53,92 @@ def _run(engine: Any, prompts: list[list[int]]) -> dict[str, list[Any]]:
     return hashes
 
 
+WINDOW_GROUP, FULL_GROUP = 0, 1  # the hybrid stand-in's groups (`vllm_sim.kv_cache_config`)
+SPECS = {WINDOW_GROUP: ("sliding_window", 32), FULL_GROUP: ("full_attention", None)}
+
+
+def _groups(engine: Any) -> list[int]:
+    return [FULL_GROUP, WINDOW_GROUP] if len(engine.kv_cache_config.kv_cache_groups) > 1 else [0]
+
+
 def _check(engine: Any, prompts: list[list[int]], hashes: dict[str, list[Any]], deadline_s: float = 0.0) -> None:
+    """Each group's blocks (a hybrid's two groups on their own, as vLLM's own events name them): every prompt's whole
+    chunks announced in the full-attention group with their tokens and parents (the window group: at least each
+    prompt's last chunk, the one no longer prompt of it supersedes), each block removed once per group and only
+    after it was announced there, and what stays announced fits the pool."""
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
-    group = 1 if len(engine.kv_cache_config.kv_cache_groups) > 1 else 0  # the hybrid's full-attention group
-
+    groups = _groups(engine)
     per_chunk = CHUNK // BS
     until = time.monotonic() + deadline_s
     while True:
         events = _kvferry_events(engine)
         stored = [e for e in events if isinstance(e, BlockStored)]
-        removed = Counter(h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes)
-        announced = {h for e in stored for h in e.block_hashes}
-        if (len(announced) == PROMPTS * 4 * per_chunk and len(removed) >= 4 * per_chunk) or time.monotonic() > until:
+        full = {h for e in stored if e.group_idx == groups[0] for h in e.block_hashes}
+        removed_any = [e for e in events if isinstance(e, BlockRemoved)]
+        if (len(full) == PROMPTS * 4 * per_chunk and removed_any) or time.monotonic() > until:
             break
         engine.step()  # an idle step: the scheduler takes the connector's events as it publishes its own
-    assert all(e.medium == "CPU" and e.block_size == BS and e.group_idx == group for e in stored)
-    # every prompt's 4 whole chunks announced in vLLM's hashes, with their tokens and parent hashes
-    tokens_of = {h: list(e.token_ids[i * BS : (i + 1) * BS]) for e in stored for i, h in enumerate(e.block_hashes)}
-    parent_of = {e.block_hashes[0]: e.parent_block_hash for e in stored}
-    for i, tokens in enumerate(prompts):
-        expected = hashes[f"r{i}"][: 4 * per_chunk]
-        assert set(expected) <= announced
-        assert [tokens_of[h] for h in expected] == [tokens[b * BS : (b + 1) * BS] for b in range(4 * per_chunk)]
-        assert all(parent_of.get(h, expected[b - 1] if b else None) == (expected[b - 1] if b else None)
-                   for b, h in enumerate(expected))  # fmt: skip
-    # each block removed once, only after it was announced, and what is left is what kvferry holds
-    assert removed and max(removed.values()) == 1 and set(removed) <= announced
-    assert sum(len(e.block_hashes) for e in stored) == len(announced)  # each announced once (no spill, no tier)
-    held = announced - set(removed)
-    assert len(held) <= 6 * per_chunk  # the pool's 6 chunks
+    assert all(e.medium == "CPU" and e.block_size == BS and e.group_idx in groups for e in stored)
+    if len(groups) > 1:
+        assert all((e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) == SPECS[e.group_idx] for e in stored)
+    held = 0
+    for group in groups:
+        own = [e for e in stored if e.group_idx == group]
+        announced = {h for e in own for h in e.block_hashes}
+        removed = Counter(h for e in events if isinstance(e, BlockRemoved) and e.group_idx == group
+                          for h in e.block_hashes)  # fmt: skip
+        tokens_of = {h: list(e.token_ids[i * BS : (i + 1) * BS]) for e in own for i, h in enumerate(e.block_hashes)}
+        parent_of = {e.block_hashes[0]: e.parent_block_hash for e in own}
+        for i, tokens in enumerate(prompts):
+            expected = hashes[f"r{i}"][: 4 * per_chunk]
+            chunks = range(4) if group == groups[0] else range(3, 4)
+            assert {h for c in chunks for h in expected[c * per_chunk : (c + 1) * per_chunk]} <= announced
+            assert all(tokens_of[h] == tokens[b * BS : (b + 1) * BS] for b, h in enumerate(expected) if h in announced)
+            assert all(parent_of.get(h, expected[b - 1] if b else None) == (expected[b - 1] if b else None)
+                       for b, h in enumerate(expected) if h in announced)  # fmt: skip
+        assert max(removed.values(), default=1) == 1 and set(removed) <= announced
+        assert sum(len(e.block_hashes) for e in own) == len(announced)  # each announced once (no spill, no tier)
+        held += len(announced - set(removed))
+    assert removed_any and held <= 6 * len(groups) * per_chunk  # the pool's 6 chunks of every group's layers
 
 
-def _held(engine: Any) -> set[Any]:
-    """The blocks kvferry holds in its pool, as a router following vLLM's events alone knows them."""
+def _held(engine: Any, group: int) -> set[Any]:
+    """The blocks of ``group`` kvferry holds in its pool, as a router following vLLM's events alone knows them."""
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
     held: set[Any] = set()
     for event in _kvferry_events(engine):
-        if getattr(event, "medium", None) == "CPU" and isinstance(event, BlockStored):
+        if getattr(event, "medium", None) != "CPU" or event.group_idx != group:
+            continue
+        if isinstance(event, BlockStored):
             held.update(event.block_hashes)
-        elif getattr(event, "medium", None) == "CPU" and isinstance(event, BlockRemoved):
+        elif isinstance(event, BlockRemoved):
             held.difference_update(event.block_hashes)
     return held
 
 
+def _predicted(engine: Any, hashes: list[Any]) -> int:
+    """The tokens a router predicts kvferry loads for a prompt of ``hashes``, from the events: the leading blocks
+    the full-attention group holds; for a hybrid, in whole chunks whose last chunk's window blocks (the last
+    ``WINDOW`` tokens before the hit) the sliding-window group holds too, as vLLM's hybrid prefix hits are found."""
+    groups = _groups(engine)
+    full = _held(engine, groups[0])
+    leading = next((b for b, h in enumerate(hashes) if h not in full), len(hashes)) * BS
+    if len(groups) == 1:
+        return leading
+    window = _held(engine, WINDOW_GROUP)
+    chunks = leading // CHUNK
+    while chunks and not all(hashes[b] in window for b in range((chunks * CHUNK - 32) // BS, chunks * CHUNK // BS)):
+        chunks -= 1
+    return chunks * CHUNK
+
+
 def _check_predictions(engine: Any, prompts: list[list[int]], deadline_s: float = 0.0) -> None:
     """Probe prompts (a stored prompt continued, one that leaves it inside its third chunk, an evicted one): the
-    leading blocks of each that the events say kvferry holds, rounded down to whole chunks (what kvferry loads),
-    are at most the hit kvferry reports for it, and short of it by less than a chunk (a request's last partial
-    chunk, stored as a tail, is not announced)."""
+    tokens the events say kvferry holds of each, rounded down to whole chunks (what kvferry loads), are at most
+    the hit kvferry reports for it, and short of it by less than a chunk (a request's last partial chunk, stored as
+    a tail, is not announced)."""
     from vllm import SamplingParams
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
     from vllm.v1.request import Request
@@ -118,8 +154,7 @@ def _check_predictions(engine: Any, prompts: list[list[int]], deadline_s: float 
         until = time.monotonic() + deadline_s
         while True:  # the events of the last prompts' stores and evictions, as the scheduler publishes them
             engine.step()
-            held = _held(engine)
-            predicted = next((b for b, h in enumerate(hashes) if h not in held), len(hashes)) * BS
+            predicted = _predicted(engine, hashes)
             if i != 0 or predicted >= 4 * CHUNK or time.monotonic() > until:
                 break
         before = side.counters.lookup_hit_tokens
@@ -127,7 +162,11 @@ def _check_predictions(engine: Any, prompts: list[list[int]], deadline_s: float 
         engine.run()
         hit = side.counters.lookup_hit_tokens - before
         assert predicted // CHUNK * CHUNK <= hit < predicted // CHUNK * CHUNK + CHUNK, (i, predicted, hit)
-        assert (predicted, hit) == [(4 * CHUNK, 4 * CHUNK + tail), (144, 2 * CHUNK), (0, 0)][i]
+        if tail:
+            assert (predicted, hit) == [(4 * CHUNK, 4 * CHUNK + tail), (144, 2 * CHUNK), (0, 0)][i]
+        else:  # the window's objects of a prompt's earlier chunks go first once a longer one supersedes them
+            assert predicted == hit, (i, predicted, hit)
+            assert hit in [(4 * CHUNK,), (0, CHUNK, 2 * CHUNK), (0,)][i]
 
 
 @pytest.mark.parametrize("hybrid", [False, True], ids=["one-group", "hybrid"])

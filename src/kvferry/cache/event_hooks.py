@@ -26,14 +26,18 @@ if TYPE_CHECKING:
 
 
 class StoreTokens:
-    """A store's token ids (little-endian uint32 bytes) and the chunk each of its new entries holds."""
+    """A store's token ids (little-endian uint32 bytes), the chunk each of its new entries holds, and the KV cache
+    group of its key space (`CacheNamespace.group`)."""
 
-    __slots__ = ("chunk_of", "data", "step")
+    __slots__ = ("chunk_of", "data", "group", "step")
 
-    def __init__(self, data: memoryview, entries: Sequence[Entry], chunks: Sequence[int], chunk_size: int) -> None:
+    def __init__(
+        self, data: memoryview, entries: Sequence[Entry], chunks: Sequence[int], chunk_size: int, group: str | None
+    ) -> None:
         self.data = data
         self.step = chunk_size * 4
         self.chunk_of = dict(zip(entries, chunks, strict=True))
+        self.group = group
 
 
 class CacheEvents:
@@ -60,7 +64,8 @@ class CacheEvents:
 
     def _put_run(self, run: list[Entry], tokens: StoreTokens, first: int) -> None:
         ids = tokens.data[first * tokens.step : (first + len(run)) * tokens.step].tobytes()
-        self.queue.put(ChunksStored(tuple(e.key for e in run), run[0].parent, ids, MEDIUM_CPU, LOCAL))
+        keys = tuple(e.key for e in run)
+        self.queue.put(ChunksStored(keys, run[0].parent, ids, MEDIUM_CPU, LOCAL, tokens.group))
 
     def promoted(self, entry: Entry) -> None:
         """A promotion from a tier made ``entry`` readable (lock held); the tier kept no token ids."""

@@ -7,7 +7,9 @@ msgspec): a batch is the array ``[ts, [event, ...], data_parallel_rank]``; an ev
 ``msgspec.msgpack.Decoder(KVEventBatch)`` decodes what this writes; ``decode_batch`` reads it back without vLLM.
 
 Media: ``CPU`` for the host pool, ``STORAGE`` for the tiers below it; ``locality`` ``LOCAL`` for the pool and a
-disk tier, ``REMOTE`` for a tier other nodes share (Redis). ``ownership`` is always ``"kvferry"``.
+disk tier, ``REMOTE`` for a tier other nodes share (Redis). ``ownership`` is always ``"kvferry"``. A store's
+``BlockStored`` of a hybrid model's chunks also carries ``kvferry_group``: the KV cache group of the key space they
+were stored in (its ``CacheNamespace.group``), a field vLLM's decoder skips.
 """
 
 from __future__ import annotations
@@ -25,19 +27,22 @@ MEDIUM_STORAGE = "STORAGE"
 LOCAL = "LOCAL"
 REMOTE = "REMOTE"
 OWNERSHIP = "kvferry"
+GROUP_FIELD = "kvferry_group"  # a BlockStored's key-space group (see the module)
 
 
 @dataclass(frozen=True, slots=True)
 class ChunksStored:
     """Consecutive chunks of one prefix now held in ``medium``: ``keys[0]``'s previous chunk is ``parent`` (None:
-    chunk 0, or not known), ``tokens`` their token ids as little-endian uint32 bytes (empty where the medium keeps
-    none: a promotion, a tier, a re-announcement)."""
+        chunk 0, or not known), ``tokens`` their token ids as little-endian uint32 bytes (empty where the medium keeps
+        none: a promotion, a tier, a re-announcement); ``group``: the key space's KV cache group, where a store of a
+    hybrid model's chunks made them (None otherwise: the records of one prefix name it once)."""
 
     keys: tuple[bytes, ...]
     parent: bytes | None
     tokens: bytes
     medium: str
     locality: str
+    group: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,20 +69,21 @@ def encode_batch(records: Sequence[Record], chunk_size: int, ts: float | None = 
     for record in records:
         if isinstance(record, ChunksStored):
             tokens = np.frombuffer(record.tokens, dtype="<u4").tolist() if record.tokens else []
-            events.append(
-                {
-                    "type": "BlockStored",
-                    "block_hashes": list(record.keys),
-                    "parent_block_hash": record.parent,
-                    "token_ids": tokens,
-                    "block_size": chunk_size,
-                    "lora_id": None,
-                    "medium": record.medium,
-                    "lora_name": None,
-                    "locality": record.locality,
-                    "ownership": OWNERSHIP,
-                }
-            )
+            stored = {
+                "type": "BlockStored",
+                "block_hashes": list(record.keys),
+                "parent_block_hash": record.parent,
+                "token_ids": tokens,
+                "block_size": chunk_size,
+                "lora_id": None,
+                "medium": record.medium,
+                "lora_name": None,
+                "locality": record.locality,
+                "ownership": OWNERSHIP,
+            }
+            if record.group is not None:
+                stored[GROUP_FIELD] = record.group
+            events.append(stored)
         elif isinstance(record, ChunksRemoved):
             last: dict[str, Any] = events[-1] if events else {"type": None}
             same = last["type"] == "BlockRemoved" and last["medium"] == record.medium
@@ -137,7 +143,10 @@ def _record(event: object) -> Record:
     packed = b""
     if tokens and all(isinstance(t, int) and 0 <= t < 2**32 for t in tokens):
         packed = np.asarray(tokens, dtype="<u4").tobytes()
-    return ChunksStored(keys, None if parent is None else _hash_bytes(parent), packed, medium, locality)
+    group = event.get(GROUP_FIELD)
+    if group is not None and not isinstance(group, str):
+        raise ValueError(f"BlockStored.{GROUP_FIELD} must be a string, got {type(group).__name__}")
+    return ChunksStored(keys, None if parent is None else _hash_bytes(parent), packed, medium, locality, group)
 
 
 def _list(event: dict[str, Any], name: str) -> list[Any]:

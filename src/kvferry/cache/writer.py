@@ -155,7 +155,7 @@ class ChunkWriter:
             yield Enqueued(write.in_flight, len(write.entries) * self._chunk_size, not (write.others or more_after))
         finally:  # also when the steps are closed early: the copy is waited for and its chunks settled
             if write.entries or write.spare:
-                stored, seconds = self._finish(write, valid_until, tokens)
+                stored, seconds = self._finish(write, valid_until, tokens, ns)
         if not write.others:
             return stored, seconds
         taken, more = self._take_over(tokens, ns, paged, geom, block_ids, write.others, valid_until, pages)
@@ -184,7 +184,7 @@ class ChunkWriter:
                 break
             write = self._in_order(tokens, ns, paged, geom, block_ids, min(lost), pages)
             if write.entries:
-                kept, more = self._finish(write, valid_until, tokens)
+                kept, more = self._finish(write, valid_until, tokens, ns)
                 stored += kept
                 seconds += more
             others = write.others
@@ -278,7 +278,9 @@ class ChunkWriter:
             raise
         return _Write(entries, chunks, in_flight, [], started, in_flight_elsewhere)
 
-    def _finish(self, write: _Write, valid_until: float | None, tokens: TokenIds) -> tuple[list[Entry], float]:
+    def _finish(
+        self, write: _Write, valid_until: float | None, tokens: TokenIds, ns: CacheNamespace
+    ) -> tuple[list[Entry], float]:
         """Evict back under the watermark while the bytes move, wait for them, make the new chunks readable (and
         start their tier writes); returns them and the copy's seconds. Past ``valid_until`` they are dropped."""
         entries, chunks, in_flight, spare, started, _ = write
@@ -306,7 +308,7 @@ class ChunkWriter:
         writers = len(tiers.tiers) if tiers is not None and tiers.write_on_store else 0
         announce = None
         if self._res.events is not None:  # KV events: the stored chunks' token ids go with them
-            announce = StoreTokens(token_view(tokens), entries, chunks, self._chunk_size)
+            announce = StoreTokens(token_view(tokens), entries, chunks, self._chunk_size, ns.group)
         kept = self._res.commit(whole, checksums, writers, announce)
         if writers:
             assert tiers is not None

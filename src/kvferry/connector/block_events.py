@@ -11,12 +11,16 @@ engine's blocks:
   chunk's key, its parent's key and its token ids. A store done is matched to chunk keys by walking its chunks
   from the first: (parent key, the chunk's tokens) names the chunk's key, in every key space that holds it (a
   split model's parts, another engine's model). Its blocks are then announced in the engine's hashes in each
-  medium that holds them by then (a busy pool may have spilled them to a tier before the worker reported the store;
-  chunks held nowhere end the announcement), and the keys remembered: a key leaving a medium removes its blocks
+  medium that holds them by then (a busy pool may have spilled them to a tier before the worker reported the store,
+  or dropped some: a chunk held nowhere is left out), and the keys remembered: a key leaving a medium removes its blocks
   there (once, whichever key of the blocks leaves first), a key entering another (a spill to a tier, a promotion
   back) announces them there.
 - A store whose chunks the cache never reports (refused, or held since before this engine followed the cache, whose
   re-announcements carry no tokens) is announced as far as its leading chunks matched, once ``wait_s`` passed.
+- A model of several KV cache groups (``groups``: each group's key space, `CacheNamespace.group`) has an object of
+  each chunk per group: each group's blocks are announced and removed on their own, tagged with the group (what a
+  hit needs of each is the engine's rule: every block before the hit of a full-attention group, the window's of a
+  sliding-window one), as the engine's own events of such a model are.
 - ``AllCleared`` (the cache dropped records, or the stream lost some): the announcement after it lists what is held
   still; blocks announced before that it no longer lists are removed.
 
@@ -38,6 +42,7 @@ from kvferry.cache.events import MEDIUM_CPU, AllCleared, ChunksStored, Record
 from kvferry.cache.keys import TokenIds, token_array
 
 Where = tuple[str, str]  # (medium, locality)
+_Name = tuple[bytes | None, bytes, str | None]  # a chunk key's parent key, its tokens' digest, its key space's group
 
 
 class RecordFeed(Protocol):
@@ -56,13 +61,15 @@ class RecordFeed(Protocol):
 @dataclass(frozen=True, slots=True)
 class BlocksStored:
     """Blocks now held by kvferry in ``medium``, in the engine's hashes: ``parent`` is the hash of the block
-    before the first (None: block 0), ``tokens`` their token ids (``block_size`` a block)."""
+    before the first (None: block 0), ``tokens`` their token ids (``block_size`` a block); ``group``: the KV cache
+    group holding them (its place in `BlockEvents`' ``groups``; None: a model of one group)."""
 
     hashes: tuple[bytes, ...]
     parent: bytes | None
     tokens: tuple[int, ...]
     medium: str
     locality: str
+    group: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +77,7 @@ class BlocksRemoved:
     hashes: tuple[bytes, ...]
     medium: str
     locality: str
+    group: int | None = None
 
 
 BlockEvent = BlocksStored | BlocksRemoved
@@ -77,11 +85,13 @@ BlockEvent = BlocksStored | BlocksRemoved
 
 @dataclass(slots=True)
 class _Chunk:
-    """One chunk's blocks as the engine names them, and the keys holding them in each medium."""
+    """One chunk's blocks as the engine names them (in one KV cache group), and the keys holding them in each
+    medium."""
 
     hashes: tuple[bytes, ...]
     parent: bytes | None
     tokens: tuple[int, ...]
+    group: int | None = None
     held: dict[Where, set[bytes]] = field(default_factory=dict)
 
 
@@ -92,6 +102,7 @@ class _Store:
     since: float
     done: bool = False
     digests: list[bytes] | None = None  # of each chunk's tokens, once asked
+    announced: set[int] = field(default_factory=set)  # the groups (by place) announced already
 
 
 class BlockEvents:
@@ -106,12 +117,11 @@ class BlockEvents:
         wait_s: float = 30.0,
         max_pending: int = 4096,
         max_recent: int = 65536,
-        keys_per_chunk: int = 1,
+        groups: Sequence[str] = (),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``keys_per_chunk``: the objects the cache holds for each of the engine's chunks (a hybrid model's KV
-        cache groups, each in a key space of its own): a store's chunk is announced once that many keys hold it,
-        and its blocks go with the first of them to leave, so what is announced is what a hit can load."""
+        """``groups``: a model of several KV cache groups, each group's key space (`CacheNamespace.group`) in the
+        engine's order; none: one group, its chunks matched in whichever key space holds them."""
         if chunk_size % block_size:
             raise ValueError(f"chunk_size={chunk_size} must be a multiple of block_size={block_size}")
         self.feed = feed
@@ -120,12 +130,12 @@ class BlockEvents:
         self._wait_s = wait_s
         self._max_pending = max_pending
         self._max_recent = max_recent
-        self._keys_per_chunk = keys_per_chunk
+        self._groups = tuple(groups)
         self._clock = clock
         self._children: dict[tuple[bytes | None, bytes], set[bytes]] = {}  # (parent key, tokens' digest) -> keys
-        # key -> its (parent, digest) in _children, the latest ``max_recent`` keys: a name outlives the key's stay
-        # in the pool (a store may be reported done after its chunks moved to a tier, or left)
-        self._named: OrderedDict[bytes, tuple[bytes | None, bytes]] = OrderedDict()
+        # key -> its name (its place in _children, and its group), the latest ``max_recent`` keys: a name outlives
+        # the key's stay in the pool (a store may be reported done after its chunks moved to a tier, or left)
+        self._named: OrderedDict[bytes, _Name] = OrderedDict()
         self._media: dict[bytes, set[Where]] = {}  # a named key -> where it is held now
         self._chunks: dict[bytes, _Chunk] = {}  # key -> the engine's blocks it holds, while held somewhere
         self._recent: OrderedDict[bytes, _Chunk] = OrderedDict()  # keys held nowhere lately (a spill in flight)
@@ -188,7 +198,7 @@ class BlockEvents:
             if record.medium == MEDIUM_CPU:
                 if len(record.tokens) >= (i + 1) * step:
                     parent = record.parent if i == 0 else record.keys[i - 1]
-                    self._name(key, parent, _digest(record.tokens[i * step : (i + 1) * step]))
+                    self._name(key, parent, _digest(record.tokens[i * step : (i + 1) * step]), record.group)
                 elif cleared is not None and key in cleared.named:
                     self._name(key, *cleared.named[key])  # re-announced: its tokens are the ones seen before
             if key in self._named:
@@ -215,23 +225,23 @@ class BlockEvents:
                     if other != key and not any(other in keys_ for keys_ in chunk.held.values()):
                         self._chunks.pop(other, None)
                         self._remember([(other, chunk)])
-                out.append(BlocksRemoved(chunk.hashes, *where))
+                out.append(BlocksRemoved(chunk.hashes, *where, chunk.group))
             if not any(key in keys_ for keys_ in chunk.held.values()):
                 del self._chunks[key]
                 self._remember([(key, chunk)])
 
-    def _name(self, key: bytes, parent: bytes | None, digest: bytes) -> None:
-        self._named[key] = (parent, digest)
+    def _name(self, key: bytes, parent: bytes | None, digest: bytes, group: str | None) -> None:
+        self._named[key] = (parent, digest, group)
         self._named.move_to_end(key)
         self._children.setdefault((parent, digest), set()).add(key)
         if len(self._named) > self._max_recent:
-            old, named = self._named.popitem(last=False)
+            old, (old_parent, old_digest, _) = self._named.popitem(last=False)
             self._media.pop(old, None)
-            children = self._children.get(named)
+            children = self._children.get((old_parent, old_digest))
             if children is not None:
                 children.discard(old)
                 if not children:
-                    del self._children[named]
+                    del self._children[(old_parent, old_digest)]
 
     def _remember(self, chunks: Iterable[tuple[bytes, _Chunk]]) -> None:
         for key, chunk in chunks:
@@ -254,7 +264,8 @@ class BlockEvents:
                 del self._stores[req_id]
 
     def _announce(self, store: _Store, out: list[BlockEvent], *, final: bool) -> bool:
-        """Announce ``store``'s chunks held now (all of them, or with ``final`` its leading ones); whether done."""
+        """Announce ``store``'s chunks held now, in each group once the cache's records named every chunk of it
+        there (with ``final``, as far as they did); whether every group is announced."""
         per_chunk = self.chunk_size // self.block_size
         n = len(store.tokens) // self.chunk_size
         tokens = token_array(store.tokens)
@@ -262,37 +273,50 @@ class BlockEvents:
             ids = tokens.tobytes()
             step = self.chunk_size * 4
             store.digests = [_digest(ids[i * step : (i + 1) * step]) for i in range(n)]
-        found: list[set[bytes]] = []
+        groups: Sequence[str | None] = self._groups or (None,)
+        for place, group in enumerate(groups):
+            if place in store.announced:
+                continue
+            named = self._chain(store.digests, group)
+            if len(named) < n and not final:
+                continue  # the cache has not reported them all yet (a server's stream lags)
+            store.announced.add(place)
+            for i, keys in enumerate(named):
+                # A chunk held nowhere by now is left out; the chunks after it are still held where they are.
+                held = sorted(key for key in keys if self._media.get(key))
+                chunk = next((self._chunks[k] for k in held if k in self._chunks), None)
+                if chunk is None and held:
+                    hashes = tuple(store.hashes[i * per_chunk : (i + 1) * per_chunk])
+                    parent = store.hashes[i * per_chunk - 1] if i else None
+                    own = tokens[i * self.chunk_size : (i + 1) * self.chunk_size].tolist()  # plain ints: msgpack'd
+                    chunk = _Chunk(hashes, parent, tuple(own), place if self._groups else None)
+                for key in held:
+                    assert chunk is not None  # found or made above
+                    self._chunks[key] = chunk
+                    for where in sorted(self._media[key]):
+                        self._hold(chunk, key, where, out)
+        return len(store.announced) == len(groups)
+
+    def _chain(self, digests: list[bytes], group: str | None) -> list[set[bytes]]:
+        """The keys the cache's records named for the leading chunks of ``digests`` (each chunk's tokens), chunk
+        by chunk from the first, in ``group``'s key spaces (None: in any); it ends before a chunk none names."""
+        chain: list[set[bytes]] = []
         parents: set[bytes | None] = {None}
-        gone = False  # a chunk the cache reported and let go: what a hit loads ends before it, whatever comes later
-        for digest in store.digests:
+        for digest in digests:
             keys = set().union(*(self._children.get((p, digest), ()) for p in parents))
-            held = {key for key in keys if self._media.get(key)}
-            if len(held) < max(1, self._keys_per_chunk):
-                gone = len(keys) >= max(1, self._keys_per_chunk)
+            if group is not None:
+                keys = {key for key in keys if self._named[key][2] == group}
+            if not keys:
                 break
-            found.append(held)
+            chain.append(keys)
             parents = set(keys)
-        if len(found) < n and not (final or gone):
-            return False
-        for i, keys in enumerate(found):
-            hashes = tuple(store.hashes[i * per_chunk : (i + 1) * per_chunk])
-            chunk = next((self._chunks[k] for k in keys if k in self._chunks), None)
-            if chunk is None:
-                parent = store.hashes[i * per_chunk - 1] if i else None
-                own = tokens[i * self.chunk_size : (i + 1) * self.chunk_size].tolist()  # plain ints: msgpack'd
-                chunk = _Chunk(hashes, parent, tuple(own))
-            for key in keys:
-                self._chunks[key] = chunk
-                for where in sorted(self._media[key]):
-                    self._hold(chunk, key, where, out)
-        return True
+        return chain
 
     def _hold(self, chunk: _Chunk, key: bytes, where: Where, out: list[BlockEvent]) -> None:
         keys = chunk.held.get(where)
         if keys is None:
             chunk.held[where] = {key}
-            out.append(BlocksStored(chunk.hashes, chunk.parent, chunk.tokens, *where))
+            out.append(BlocksStored(chunk.hashes, chunk.parent, chunk.tokens, *where, chunk.group))
         else:
             keys.add(key)
 
@@ -300,7 +324,7 @@ class BlockEvents:
 class _Cleared:
     """What was announced before an ``AllCleared``, while the announcement after it is read."""
 
-    def __init__(self, chunks: dict[bytes, _Chunk], named: dict[bytes, tuple[bytes | None, bytes]]) -> None:
+    def __init__(self, chunks: dict[bytes, _Chunk], named: dict[bytes, _Name]) -> None:
         self.chunks = chunks
         self.named = named
         self._revived: dict[int, _Chunk] = {}  # by the old chunk's id: keys of one chunk stay one chunk
@@ -309,7 +333,7 @@ class _Cleared:
         old = self.chunks.get(key)
         if old is None or key not in old.held.get(where, ()):
             return None
-        new = self._revived.setdefault(id(old), _Chunk(old.hashes, old.parent, old.tokens))
+        new = self._revived.setdefault(id(old), _Chunk(old.hashes, old.parent, old.tokens, old.group))
         new.held.setdefault(where, set()).add(key)
         return new
 
@@ -323,7 +347,7 @@ class _Cleared:
             new = self._revived.get(id(old))
             for where in old.held:
                 if new is None or where not in new.held:
-                    out.append(BlocksRemoved(old.hashes, *where))
+                    out.append(BlocksRemoved(old.hashes, *where, old.group))
             old.held.clear()  # the revived keys went to a new chunk
         return [(key, old) for key, old in self.chunks.items() if id(old) not in self._revived]
 

@@ -115,12 +115,18 @@ class StreamFeed:
 
 
 def block_events_for(
-    settings: ConnectorSettings, lookups: Any, *, block_size: int, chunk_size: int, keys_per_chunk: int = 1
+    settings: ConnectorSettings,
+    lookups: Any,
+    *,
+    block_size: int,
+    chunk_size: int,
+    groups: Sequence[str] = (),
 ) -> BlockEvents | None:
-    """A scheduler half's `BlockEvents` (an engine's ``block_size``, the cache's ``chunk_size``, ``keys_per_chunk``:
-    the KV cache groups a chunk is held in): from the cache engine behind ``lookups`` (embedded mode) or the server's
-    stream (server mode, ``settings.events_url``); None, with the reason logged, where there is neither or the
-    stream cannot be followed (events are an extra: the connector serves on without them)."""
+    """A scheduler half's `BlockEvents` (an engine's ``block_size``, the cache's ``chunk_size``, ``groups``: a
+    model's KV cache groups as its key spaces name them, none for one group): from the cache engine behind
+    ``lookups`` (embedded mode) or the server's stream (server mode, ``settings.events_url``); None, with the reason
+    logged, where there is neither or the stream cannot be followed (events are an extra: the connector serves on
+    without them)."""
     feed: RecordFeed
     engine = engine_of(lookups)
     if engine is None and not (settings.mode == "server" and settings.events_url):
@@ -140,4 +146,4 @@ def block_events_for(
             "kvferry: kvferry's blocks are not announced in the engine's KV events: %s: %s", type(exc).__name__, exc
         )
         return None
-    return BlockEvents(feed, block_size=block_size, chunk_size=chunk_size, keys_per_chunk=keys_per_chunk)
+    return BlockEvents(feed, block_size=block_size, chunk_size=chunk_size, groups=groups)

@@ -37,16 +37,21 @@ def events_enabled(vllm_config: VllmConfig) -> bool:
     return config is not None and bool(config.enable_kv_cache_events)
 
 
+# kvferry's group kinds as vLLM's events name them (``KVCacheSpecKind``)
+_SPEC_KINDS = {"full": "full_attention", "sliding_window": "sliding_window", "chunked_local": "chunked_local_attention"}
+
+
 class VllmKVEvents:
     """`BlockEvents` fed with vLLM's requests, giving vLLM's event objects."""
 
-    def __init__(self, events: BlockEvents, group_idx: int = 0) -> None:
-        """``group_idx``: the KV cache group the blocks are announced in (a hybrid model's first full-attention
-        group: each chunk is announced while every group holds it, which is what a hit loads)."""
+    def __init__(self, events: BlockEvents, groups: Sequence[KVGroup] = ()) -> None:
+        """``groups``: a hybrid model's KV cache groups, in the order `BlockEvents` names them: each group's blocks
+        are announced in its ``group_idx``, with its spec's kind and window, as vLLM's own events of the model are
+        (none: one group, ``group_idx`` 0)."""
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
         self.events = events
-        self.group_idx = group_idx
+        self.groups = list(groups)
         # vLLM's own events name a block as this does: its hash's bytes, or an int (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
         self._external: Callable[[bytes], Any] = maybe_convert_block_hash  # type: ignore[assignment]
         self._stored_fields, self._removed_fields = vllm_versions.block_event_fields()
@@ -74,21 +79,26 @@ class VllmKVEvents:
         from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
         hashes = [self._external(h) for h in event.hashes]
+        wanted: dict[str, Any] = {"group_idx": 0, "locality": event.locality, "ownership": OWNERSHIP}
+        if event.group is not None:
+            group = self.groups[event.group]
+            wanted["group_idx"] = group.index
+            if isinstance(event, BlocksStored):
+                wanted["kv_cache_spec_kind"] = _SPEC_KINDS[group.kind]
+                wanted["kv_cache_spec_sliding_window"] = group.window if group.kind == "sliding_window" else None
         if isinstance(event, BlocksStored):
-            optional = self._optional(self._stored_fields, event.locality, self.group_idx)
             return BlockStored(
                 block_hashes=hashes,
                 parent_block_hash=None if event.parent is None else self._external(event.parent),
                 token_ids=list(event.tokens), block_size=self.events.block_size, lora_id=None,
-                medium=event.medium, lora_name=None, **optional,
+                medium=event.medium, lora_name=None, **_known(self._stored_fields, wanted),
             )  # fmt: skip
-        optional = self._optional(self._removed_fields, event.locality, self.group_idx)
-        return BlockRemoved(block_hashes=hashes, medium=event.medium, **optional)
+        return BlockRemoved(block_hashes=hashes, medium=event.medium, **_known(self._removed_fields, wanted))
 
-    @staticmethod
-    def _optional(fields: frozenset[str], locality: str, group_idx: int) -> dict[str, Any]:
-        wanted = {"group_idx": group_idx, "locality": locality, "ownership": OWNERSHIP}
-        return {name: value for name, value in wanted.items() if name in fields}
+
+def _known(fields: frozenset[str], wanted: dict[str, Any]) -> dict[str, Any]:
+    """The fields of ``wanted`` that the installed vLLM's event class has."""
+    return {name: value for name, value in wanted.items() if name in fields}
 
 
 def kv_events_for(
@@ -102,18 +112,18 @@ def kv_events_for(
 ) -> VllmKVEvents | None:
     """The scheduler's KV events of kvferry's blocks, when vLLM publishes KV events: from the cache engine behind
     ``lookups`` (embedded mode) or the server's stream (server mode, ``settings.events_url``); None otherwise.
-    ``groups``: a hybrid model's KV cache groups (none: one group). Not announced: a model with Mamba states
-    (kept at some chunk boundaries only: chunks announced past the last would promise a hit kvferry cannot load)
-    or whose groups' blocks are not vLLM's ``block_size`` (the hashes vLLM's requests carry)."""
+    ``groups``: a hybrid model's KV cache groups (none: one group), each announced on its own. Not announced: a
+    model with Mamba states (kept at some chunk boundaries only: chunks announced past the last would promise a
+    hit kvferry cannot load) or whose groups' blocks are not vLLM's ``block_size`` (the hashes vLLM's requests
+    carry)."""
     if not events_enabled(vllm_config):
         return None
-    attention = [g.index for g in groups if not g.windowed and not g.holds_state]
-    if groups and (not attention or any(g.holds_state or g.block_size != block_size for g in groups)):
+    if any(g.holds_state or g.block_size != block_size for g in groups):
         log.warning(
             "kvferry: vLLM publishes KV events, but this model's blocks in kvferry are not among them (Mamba "
             "states, or KV cache groups of another block size: docs/events.md)"
         )
         return None
-    events = block_events_for(settings, lookups, block_size=block_size, chunk_size=chunk_size,
-                              keys_per_chunk=max(1, len(groups)))  # fmt: skip
-    return None if events is None else VllmKVEvents(events, attention[0] if groups else 0)
+    tags = [g.tag for g in groups]
+    events = block_events_for(settings, lookups, block_size=block_size, chunk_size=chunk_size, groups=tags)
+    return None if events is None else VllmKVEvents(events, groups)
