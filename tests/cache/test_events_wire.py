@@ -29,7 +29,7 @@ def _records(seed: int = 0) -> list[ChunksStored | ChunksRemoved | AllCleared]:
     tokens = rng.integers(0, 2**32, size=3 * CHUNK, dtype=np.uint64).astype("<u4").tobytes()
     return [
         AllCleared(),
-        ChunksStored(tuple(keys[:3]), None, tokens, MEDIUM_CPU, LOCAL, "group=1:sliding_window:32"),
+        ChunksStored(tuple(keys[:3]), keys[4], tokens, MEDIUM_CPU, LOCAL, "group=1:sliding_window:32", rng.bytes(16)),
         ChunksStored((keys[3],), keys[2], b"", MEDIUM_STORAGE, REMOTE),
         ChunksRemoved((keys[0],), MEDIUM_CPU, LOCAL),
         ChunksRemoved((keys[1], keys[4]), MEDIUM_CPU, LOCAL),
@@ -59,14 +59,23 @@ def test_the_batch_is_vllms_array_of_tagged_maps() -> None:
     assert stored["block_size"] == CHUNK and len(stored["token_ids"]) == 3 * CHUNK
     assert stored["ownership"] == "kvferry" and stored["medium"] == "CPU"
     assert stored["kvferry_group"] == "group=1:sliding_window:32" and "kvferry_group" not in events[2]
+    assert len(stored["kvferry_prefix"]) == 16 and "kvferry_prefix" not in events[2]
 
 
 _BAD_GROUP = {"type": "BlockStored", "block_hashes": [], "token_ids": [], "kvferry_group": 1}
+_BAD_PREFIX = {"type": "BlockStored", "block_hashes": [], "token_ids": [], "kvferry_prefix": "ab"}
 
 
 @pytest.mark.parametrize(
     "payload",
-    [b"", b"\x01", msgpack.packb({"a": 1}), msgpack.packb([1.0, [{"type": "X"}]]), msgpack.packb([1.0, [_BAD_GROUP]])],
+    [
+        b"",
+        b"\x01",
+        msgpack.packb({"a": 1}),
+        msgpack.packb([1.0, [{"type": "X"}]]),
+        msgpack.packb([1.0, [_BAD_GROUP]]),
+        msgpack.packb([1.0, [_BAD_PREFIX]]),
+    ],
 )
 def test_bad_batches_are_value_errors(payload: bytes) -> None:
     with pytest.raises(ValueError):
@@ -85,7 +94,7 @@ def test_vllms_decoder_reads_kvferrys_batches() -> None:
     cleared, stored, stored_tier, removed, removed_tier = batch.events
     assert isinstance(cleared, AllBlocksCleared)
     assert isinstance(stored, BlockStored) and isinstance(stored_tier, BlockStored)
-    assert stored.block_hashes == list(records[1].keys) and stored.parent_block_hash is None  # kvferry_group skipped
+    assert stored.block_hashes == list(records[1].keys)  # kvferry_group and kvferry_prefix skipped
     assert stored.token_ids == np.frombuffer(records[1].tokens, "<u4").tolist()
     assert (stored.block_size, stored.medium, stored.locality) == (CHUNK, "CPU", "LOCAL")
     assert (stored_tier.medium, stored_tier.locality, stored_tier.parent_block_hash) == (

@@ -16,7 +16,17 @@ from contextlib import ExitStack
 from typing import TYPE_CHECKING
 
 from kvferry.cache.event_queue import EventQueue
-from kvferry.cache.events import LOCAL, MEDIUM_CPU, MEDIUM_STORAGE, AllCleared, ChunksRemoved, ChunksStored, Record
+from kvferry.cache.events import (
+    LOCAL,
+    MEDIUM_CPU,
+    MEDIUM_STORAGE,
+    PREFIX_ROOT,
+    AllCleared,
+    ChunksRemoved,
+    ChunksStored,
+    Record,
+    chain_digest,
+)
 from kvferry.cache.index import Entry
 from kvferry.tiers import Tier
 from kvferry.tiers.held import HeldListener, HeldObjects
@@ -26,10 +36,11 @@ if TYPE_CHECKING:
 
 
 class StoreTokens:
-    """A store's token ids (little-endian uint32 bytes), the chunk each of its new entries holds, and the KV cache
-    group of its key space (`CacheNamespace.group`)."""
+    """A store's token ids (little-endian uint32 bytes), the chunk each of its new entries holds, the KV cache group
+    of its key space (`CacheNamespace.group`), and the chained digest before each chunk (made here, off the pool's
+    lock the hooks run under)."""
 
-    __slots__ = ("chunk_of", "data", "group", "step")
+    __slots__ = ("chain", "chunk_of", "data", "group", "step")
 
     def __init__(
         self, data: memoryview, entries: Sequence[Entry], chunks: Sequence[int], chunk_size: int, group: str | None
@@ -38,6 +49,9 @@ class StoreTokens:
         self.step = chunk_size * 4
         self.chunk_of = dict(zip(entries, chunks, strict=True))
         self.group = group
+        self.chain = [PREFIX_ROOT]  # [i]: `chain_digest` of the tokens before chunk i
+        for i in range(max(chunks, default=0)):
+            self.chain.append(chain_digest(self.chain[-1], data[i * self.step : (i + 1) * self.step].tobytes()))
 
 
 class CacheEvents:
@@ -65,7 +79,7 @@ class CacheEvents:
     def _put_run(self, run: list[Entry], tokens: StoreTokens, first: int) -> None:
         ids = tokens.data[first * tokens.step : (first + len(run)) * tokens.step].tobytes()
         keys = tuple(e.key for e in run)
-        self.queue.put(ChunksStored(keys, run[0].parent, ids, MEDIUM_CPU, LOCAL, tokens.group))
+        self.queue.put(ChunksStored(keys, run[0].parent, ids, MEDIUM_CPU, LOCAL, tokens.group, tokens.chain[first]))
 
     def promoted(self, entry: Entry) -> None:
         """A promotion from a tier made ``entry`` readable (lock held); the tier kept no token ids."""

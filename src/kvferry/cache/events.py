@@ -8,12 +8,15 @@ msgspec): a batch is the array ``[ts, [event, ...], data_parallel_rank]``; an ev
 
 Media: ``CPU`` for the host pool, ``STORAGE`` for the tiers below it; ``locality`` ``LOCAL`` for the pool and a
 disk tier, ``REMOTE`` for a tier other nodes share (Redis). ``ownership`` is always ``"kvferry"``. A store's
-``BlockStored`` of a hybrid model's chunks also carries ``kvferry_group``: the KV cache group of the key space they
-were stored in (its ``CacheNamespace.group``), a field vLLM's decoder skips.
+``BlockStored`` also carries ``kvferry_prefix``, `chain_digest` of every token before its first chunk (so a
+follower names a chunk by its whole prefix, whether or not the chunks before it were stored in that key space), and
+for a hybrid model's chunks ``kvferry_group``, the KV cache group of their key space (``CacheNamespace.group``):
+fields vLLM's decoder skips.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,14 +31,23 @@ LOCAL = "LOCAL"
 REMOTE = "REMOTE"
 OWNERSHIP = "kvferry"
 GROUP_FIELD = "kvferry_group"  # a BlockStored's key-space group (see the module)
+PREFIX_FIELD = "kvferry_prefix"  # a BlockStored's chained digest of the tokens before it (see the module)
+PREFIX_ROOT = b""  # the chained digest of no tokens
+
+
+def chain_digest(previous: bytes, chunk_tokens: bytes) -> bytes:
+    """The chained digest of a prefix one chunk longer: ``previous`` (of the tokens before; `PREFIX_ROOT` for
+    none) and the chunk's token ids as little-endian uint32 bytes."""
+    return hashlib.blake2b(previous + chunk_tokens, digest_size=16).digest()
 
 
 @dataclass(frozen=True, slots=True)
 class ChunksStored:
     """Consecutive chunks of one prefix now held in ``medium``: ``keys[0]``'s previous chunk is ``parent`` (None:
-        chunk 0, or not known), ``tokens`` their token ids as little-endian uint32 bytes (empty where the medium keeps
-        none: a promotion, a tier, a re-announcement); ``group``: the key space's KV cache group, where a store of a
-    hybrid model's chunks made them (None otherwise: the records of one prefix name it once)."""
+    chunk 0, or not known), ``tokens`` their token ids as little-endian uint32 bytes (empty where the medium keeps
+    none: a promotion, a tier, a re-announcement); ``group``: the key space's KV cache group, where a store of a
+    hybrid model's chunks made them; ``prefix``: `chain_digest` of the tokens before ``keys[0]``, where a store made
+    them (None otherwise)."""
 
     keys: tuple[bytes, ...]
     parent: bytes | None
@@ -43,6 +55,7 @@ class ChunksStored:
     medium: str
     locality: str
     group: str | None = None
+    prefix: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +96,8 @@ def encode_batch(records: Sequence[Record], chunk_size: int, ts: float | None = 
             }
             if record.group is not None:
                 stored[GROUP_FIELD] = record.group
+            if record.prefix is not None:
+                stored[PREFIX_FIELD] = record.prefix
             events.append(stored)
         elif isinstance(record, ChunksRemoved):
             last: dict[str, Any] = events[-1] if events else {"type": None}
@@ -143,10 +158,13 @@ def _record(event: object) -> Record:
     packed = b""
     if tokens and all(isinstance(t, int) and 0 <= t < 2**32 for t in tokens):
         packed = np.asarray(tokens, dtype="<u4").tobytes()
-    group = event.get(GROUP_FIELD)
+    group, prefix = event.get(GROUP_FIELD), event.get(PREFIX_FIELD)
     if group is not None and not isinstance(group, str):
         raise ValueError(f"BlockStored.{GROUP_FIELD} must be a string, got {type(group).__name__}")
-    return ChunksStored(keys, None if parent is None else _hash_bytes(parent), packed, medium, locality, group)
+    if prefix is not None and not isinstance(prefix, bytes):
+        raise ValueError(f"BlockStored.{PREFIX_FIELD} must be bytes, got {type(prefix).__name__}")
+    parent_key = None if parent is None else _hash_bytes(parent)
+    return ChunksStored(keys, parent_key, packed, medium, locality, group, prefix)
 
 
 def _list(event: dict[str, Any], name: str) -> list[Any]:

@@ -8,15 +8,16 @@ engine's blocks:
 - The scheduler half tells it which tokens a finished request stored and the engine's hashes of their blocks
   (`finished`), then that the worker reported those stores done (`stores_done`).
 - The cache's records (`feed`: the cache's own queue in this process, or a server's event stream) carry each new
-  chunk's key, its parent's key and its token ids. A store done is matched to chunk keys by walking its chunks
-  from the first: (parent key, the chunk's tokens) names the chunk's key, in every key space that holds it (a
-  split model's parts, another engine's model). Its blocks are then announced in the engine's hashes in each
-  medium that holds them by then (a busy pool may have spilled them to a tier before the worker reported the store,
-  or dropped some: a chunk held nowhere is left out), and the keys remembered: a key leaving a medium removes its blocks
-  there (once, whichever key of the blocks leaves first), a key entering another (a spill to a tier, a promotion
-  back) announces them there.
-- A store whose chunks the cache never reports (refused, or held since before this engine followed the cache, whose
-  re-announcements carry no tokens) is announced as far as its leading chunks matched, once ``wait_s`` passed.
+  chunk's key, its token ids and the chained digest of the tokens before it (`chain_digest`): each key is named
+  by its whole prefix, in every key space that holds it (a split model's parts, another engine's model), whether
+  or not the chunks before it were stored there. Each chunk of a store done is then announced in the engine's
+  hashes in each medium that holds it (a busy pool may have spilled it to a tier before the worker reported the
+  store; a chunk held nowhere by then is left out), and the keys remembered: a key leaving a medium removes its
+  blocks there (once, whichever key of the blocks leaves first), a key entering another (a spill to a tier, a
+  promotion back) announces them there.
+- A chunk the cache has not named yet (its records lag the worker's report) is announced once they name it, for
+  ``wait_s``; one never named (refused, or held since before this engine followed the cache, whose
+  re-announcements carry no tokens) is not announced.
 - A model of several KV cache groups (``groups``: each group's key space, `CacheNamespace.group`) has an object of
   each chunk per group: each group's blocks are announced and removed on their own, tagged with the group (what a
   hit needs of each is the engine's rule: every block before the hit of a full-attention group, the window's of a
@@ -31,18 +32,19 @@ waits here is bounded (``max_pending`` stores, ``max_recent`` keys; beyond, the 
 
 from __future__ import annotations
 
-import hashlib
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvferry.cache.events import MEDIUM_CPU, AllCleared, ChunksStored, Record
+import numpy as np
+
+from kvferry.cache.events import MEDIUM_CPU, PREFIX_ROOT, AllCleared, ChunksStored, Record, chain_digest
 from kvferry.cache.keys import TokenIds, token_array
 
 Where = tuple[str, str]  # (medium, locality)
-_Name = tuple[bytes | None, bytes, str | None]  # a chunk key's parent key, its tokens' digest, its key space's group
+_Name = tuple[bytes, str | None]  # a chunk key's prefix (`chain_digest` up to its end), its key space's group
 
 
 class RecordFeed(Protocol):
@@ -101,8 +103,17 @@ class _Store:
     hashes: list[bytes]
     since: float
     done: bool = False
-    digests: list[bytes] | None = None  # of each chunk's tokens, once asked
-    announced: set[int] = field(default_factory=set)  # the groups (by place) announced already
+
+
+@dataclass(slots=True)
+class _Wanted:
+    """A chunk of a store done that the cache's records have not named yet in ``places`` (groups, by place)."""
+
+    hashes: tuple[bytes, ...]
+    parent: bytes | None
+    tokens: np.ndarray  # a view of the store's token array (a chunk's: made into ints once announced)
+    places: set[int]
+    until: float
 
 
 class BlockEvents:
@@ -131,15 +142,18 @@ class BlockEvents:
         self._max_pending = max_pending
         self._max_recent = max_recent
         self._groups = tuple(groups)
+        self._places: dict[str | None, int] = {group: place for place, group in enumerate(groups)}
         self._clock = clock
-        self._children: dict[tuple[bytes | None, bytes], set[bytes]] = {}  # (parent key, tokens' digest) -> keys
-        # key -> its name (its place in _children, and its group), the latest ``max_recent`` keys: a name outlives
-        # the key's stay in the pool (a store may be reported done after its chunks moved to a tier, or left)
+        self._by_prefix: dict[bytes, set[bytes]] = {}  # a chunk's prefix (`chain_digest`) -> the keys named by it
+        # key -> its name, the latest ``max_recent`` keys: a name outlives the key's stay in the pool (a store may be
+        # reported done after its chunks moved to a tier, or left)
         self._named: OrderedDict[bytes, _Name] = OrderedDict()
         self._media: dict[bytes, set[Where]] = {}  # a named key -> where it is held now
         self._chunks: dict[bytes, _Chunk] = {}  # key -> the engine's blocks it holds, while held somewhere
         self._recent: OrderedDict[bytes, _Chunk] = OrderedDict()  # keys held nowhere lately (a spill in flight)
         self._stores: OrderedDict[str, _Store] = OrderedDict()
+        self._wanted: dict[bytes, list[_Wanted]] = {}  # a prefix -> chunks of stores done waiting for its key
+        self._wanted_order: deque[tuple[float, bytes]] = deque()  # (until, prefix), oldest first
         self.dropped = 0  # stores or keys forgotten for want of room (their blocks not announced)
 
     def finished(self, req_id: str, tokens: Sequence[int], hashes: Sequence[bytes]) -> None:
@@ -163,6 +177,7 @@ class BlockEvents:
     def take(self) -> list[BlockEvent]:
         """The events since the last call: the cache's records applied, then the stores done matched."""
         out: list[BlockEvent] = []
+        self._expire_wanted()
         self._apply(self.feed.take(), out)
         self._announce_done(out)
         return out
@@ -179,7 +194,7 @@ class BlockEvents:
                 if cleared is not None:  # a second one: the first's announcement ended before it
                     self._remember(cleared.removals(out))
                 cleared = _Cleared(self._chunks, self._named)
-                self._chunks, self._named, self._children, self._media = {}, OrderedDict(), {}, {}
+                self._chunks, self._named, self._by_prefix, self._media = {}, OrderedDict(), {}, {}
             elif isinstance(record, ChunksStored):
                 self._stored(record, out, cleared)
             else:
@@ -194,11 +209,14 @@ class BlockEvents:
     def _stored(self, record: ChunksStored, out: list[BlockEvent], cleared: _Cleared | None) -> None:
         where = (record.medium, record.locality)
         step = self.chunk_size * 4
+        # A run from chunk 0 (no parent) starts at the root; a later one names its prefix (a cache that does not is
+        # not followed for it: its chunks are not announced).
+        prefix = record.prefix if record.prefix is not None or record.parent is not None else PREFIX_ROOT
         for i, key in enumerate(record.keys):
             if record.medium == MEDIUM_CPU:
-                if len(record.tokens) >= (i + 1) * step:
-                    parent = record.parent if i == 0 else record.keys[i - 1]
-                    self._name(key, parent, _digest(record.tokens[i * step : (i + 1) * step]), record.group)
+                if prefix is not None and len(record.tokens) >= (i + 1) * step:
+                    prefix = chain_digest(prefix, record.tokens[i * step : (i + 1) * step])
+                    self._name(key, prefix, record.group)
                 elif cleared is not None and key in cleared.named:
                     self._name(key, *cleared.named[key])  # re-announced: its tokens are the ones seen before
             if key in self._named:
@@ -211,6 +229,9 @@ class BlockEvents:
             if chunk is not None:
                 self._chunks[key] = chunk
                 self._hold(chunk, key, where, out)
+            name = self._named.get(key)
+            if name is not None and name[0] in self._wanted:
+                self._satisfy(name[0], out)
 
     def _removed(self, keys: Iterable[bytes], where: Where, out: list[BlockEvent]) -> None:
         for key in keys:
@@ -230,18 +251,18 @@ class BlockEvents:
                 del self._chunks[key]
                 self._remember([(key, chunk)])
 
-    def _name(self, key: bytes, parent: bytes | None, digest: bytes, group: str | None) -> None:
-        self._named[key] = (parent, digest, group)
+    def _name(self, key: bytes, prefix: bytes, group: str | None) -> None:
+        self._named[key] = (prefix, group)
         self._named.move_to_end(key)
-        self._children.setdefault((parent, digest), set()).add(key)
+        self._by_prefix.setdefault(prefix, set()).add(key)
         if len(self._named) > self._max_recent:
-            old, (old_parent, old_digest, _) = self._named.popitem(last=False)
+            old, (old_prefix, _) = self._named.popitem(last=False)
             self._media.pop(old, None)
-            children = self._children.get((old_parent, old_digest))
-            if children is not None:
-                children.discard(old)
-                if not children:
-                    del self._children[(old_parent, old_digest)]
+            keys = self._by_prefix.get(old_prefix)
+            if keys is not None:
+                keys.discard(old)
+                if not keys:
+                    del self._by_prefix[old_prefix]
 
     def _remember(self, chunks: Iterable[tuple[bytes, _Chunk]]) -> None:
         for key, chunk in chunks:
@@ -252,65 +273,79 @@ class BlockEvents:
     # -- stores done -------------------------------------------------------------------------------------------
 
     def _announce_done(self, out: list[BlockEvent]) -> None:
-        """Announce the stores reported done whose chunks the cache's records named (all, or past ``wait_s`` as
-        far as they matched)."""
+        """Announce the chunks of the stores reported done (those the cache's records have not named yet: once
+        they do, `_satisfy`); forget stores never reported done."""
         now = self._clock()
         for req_id, store in list(self._stores.items()):
-            if not store.done:
-                if now - store.since > self._wait_s * 10:  # never reported done: the engine dropped it
-                    del self._stores[req_id]
-                continue
-            if self._announce(store, out, final=now - store.since > self._wait_s):
+            if store.done:
+                del self._stores[req_id]
+                self._announce(store, out, now)
+            elif now - store.since > self._wait_s * 10:  # never reported done: the engine dropped it
                 del self._stores[req_id]
 
-    def _announce(self, store: _Store, out: list[BlockEvent], *, final: bool) -> bool:
-        """Announce ``store``'s chunks held now, in each group once the cache's records named every chunk of it
-        there (with ``final``, as far as they did); whether every group is announced."""
+    def _announce(self, store: _Store, out: list[BlockEvent], now: float) -> None:
         per_chunk = self.chunk_size // self.block_size
-        n = len(store.tokens) // self.chunk_size
+        step = self.chunk_size * 4
         tokens = token_array(store.tokens)
-        if store.digests is None:  # the cache's records carry token ids as little-endian uint32
-            ids = tokens.tobytes()
-            step = self.chunk_size * 4
-            store.digests = [_digest(ids[i * step : (i + 1) * step]) for i in range(n)]
-        groups: Sequence[str | None] = self._groups or (None,)
-        for place, group in enumerate(groups):
-            if place in store.announced:
-                continue
-            named = self._chain(store.digests, group)
-            if len(named) < n and not final:
-                continue  # the cache has not reported them all yet (a server's stream lags)
-            store.announced.add(place)
-            for i, keys in enumerate(named):
-                # A chunk held nowhere by now is left out; the chunks after it are still held where they are.
-                held = sorted(key for key in keys if self._media.get(key))
-                chunk = next((self._chunks[k] for k in held if k in self._chunks), None)
-                if chunk is None and held:
-                    hashes = tuple(store.hashes[i * per_chunk : (i + 1) * per_chunk])
-                    parent = store.hashes[i * per_chunk - 1] if i else None
-                    own = tokens[i * self.chunk_size : (i + 1) * self.chunk_size].tolist()  # plain ints: msgpack'd
-                    chunk = _Chunk(hashes, parent, tuple(own), place if self._groups else None)
-                for key in held:
-                    assert chunk is not None  # found or made above
-                    self._chunks[key] = chunk
-                    for where in sorted(self._media[key]):
-                        self._hold(chunk, key, where, out)
-        return len(store.announced) == len(groups)
+        ids = tokens.tobytes()  # as the cache's records carry them: little-endian uint32
+        prefix = PREFIX_ROOT
+        for i in range(len(store.tokens) // self.chunk_size):
+            prefix = chain_digest(prefix, ids[i * step : (i + 1) * step])
+            own = tokens[i * self.chunk_size : (i + 1) * self.chunk_size]
+            wanted = _Wanted(tuple(store.hashes[i * per_chunk : (i + 1) * per_chunk]),
+                             store.hashes[i * per_chunk - 1] if i else None, own,
+                             set(range(max(1, len(self._groups)))), now + self._wait_s)  # fmt: skip
+            wanted.places = {place for place in wanted.places if not self._announce_chunk(prefix, place, wanted, out)}
+            if wanted.places:
+                if len(self._wanted_order) >= self._max_recent:
+                    self._expire_wanted(oldest=True)
+                self._wanted.setdefault(prefix, []).append(wanted)
+                self._wanted_order.append((wanted.until, prefix))
 
-    def _chain(self, digests: list[bytes], group: str | None) -> list[set[bytes]]:
-        """The keys the cache's records named for the leading chunks of ``digests`` (each chunk's tokens), chunk
-        by chunk from the first, in ``group``'s key spaces (None: in any); it ends before a chunk none names."""
-        chain: list[set[bytes]] = []
-        parents: set[bytes | None] = {None}
-        for digest in digests:
-            keys = set().union(*(self._children.get((p, digest), ()) for p in parents))
-            if group is not None:
-                keys = {key for key in keys if self._named[key][2] == group}
-            if not keys:
-                break
-            chain.append(keys)
-            parents = set(keys)
-        return chain
+    def _announce_chunk(self, prefix: bytes, place: int, wanted: _Wanted, out: list[BlockEvent]) -> bool:
+        """Announce ``wanted`` in group ``place`` where the keys named by ``prefix`` in its key space are held;
+        whether any is named (held or not: a chunk let go before its store was reported is not waited for)."""
+        keys = self._by_prefix.get(prefix, ())
+        if self._groups:
+            keys = {key for key in keys if self._places.get(self._named[key][1]) == place}
+        if not keys:
+            return False
+        held = sorted(key for key in keys if self._media.get(key))
+        chunk = next((self._chunks[key] for key in held if key in self._chunks), None)
+        if chunk is None and held:
+            own = tuple(wanted.tokens.tolist())  # plain ints: msgpack'd
+            chunk = _Chunk(wanted.hashes, wanted.parent, own, place if self._groups else None)
+        for key in held:
+            assert chunk is not None  # found or made above
+            self._chunks[key] = chunk
+            for where in sorted(self._media[key]):
+                self._hold(chunk, key, where, out)
+        return True
+
+    def _satisfy(self, prefix: bytes, out: list[BlockEvent]) -> None:
+        """The cache's records named a key by ``prefix``: announce the chunks of stores done waiting for it."""
+        waiting = self._wanted[prefix]
+        for wanted in waiting:
+            wanted.places = {place for place in wanted.places if not self._announce_chunk(prefix, place, wanted, out)}
+        waiting[:] = [wanted for wanted in waiting if wanted.places]
+        if not waiting:
+            del self._wanted[prefix]
+
+    def _expire_wanted(self, oldest: bool = False) -> None:
+        """Stop waiting for chunks past their time (with ``oldest``, for the oldest one: no room, counted)."""
+        now = self._clock()
+        while self._wanted_order and (oldest or self._wanted_order[0][0] < now):
+            until, prefix = self._wanted_order.popleft()
+            waiting = self._wanted.get(prefix)
+            if waiting is not None:
+                kept = [wanted for wanted in waiting if wanted.until > until]
+                if oldest and len(kept) < len(waiting):
+                    self.dropped += 1
+                if kept:
+                    self._wanted[prefix] = kept
+                else:
+                    del self._wanted[prefix]
+            oldest = False
 
     def _hold(self, chunk: _Chunk, key: bytes, where: Where, out: list[BlockEvent]) -> None:
         keys = chunk.held.get(where)
@@ -350,7 +385,3 @@ class _Cleared:
                     out.append(BlocksRemoved(old.hashes, *where, old.group))
             old.held.clear()  # the revived keys went to a new chunk
         return [(key, old) for key, old in self.chunks.items() if id(old) not in self._revived]
-
-
-def _digest(token_bytes: bytes) -> bytes:
-    return hashlib.blake2b(token_bytes, digest_size=16).digest()
