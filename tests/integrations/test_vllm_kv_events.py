@@ -129,7 +129,8 @@ def _predicted(engine: Any, hashes: list[Any]) -> int:
         return leading
     window = _held(engine, WINDOW_GROUP)
     chunks = leading // CHUNK
-    while chunks and not all(hashes[b] in window for b in range((chunks * CHUNK - 32) // BS, chunks * CHUNK // BS)):
+    size = SPECS[WINDOW_GROUP][1]
+    while chunks and not all(hashes[b] in window for b in range((chunks * CHUNK - size) // BS, chunks * CHUNK // BS)):
         chunks -= 1
     return chunks * CHUNK
 

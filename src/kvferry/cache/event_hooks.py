@@ -20,12 +20,11 @@ from kvferry.cache.events import (
     LOCAL,
     MEDIUM_CPU,
     MEDIUM_STORAGE,
-    PREFIX_ROOT,
     AllCleared,
     ChunksRemoved,
     ChunksStored,
     Record,
-    chain_digest,
+    prefix_digests,
 )
 from kvferry.cache.index import Entry
 from kvferry.tiers import Tier
@@ -49,9 +48,7 @@ class StoreTokens:
         self.step = chunk_size * 4
         self.chunk_of = dict(zip(entries, chunks, strict=True))
         self.group = group
-        self.chain = [PREFIX_ROOT]  # [i]: `chain_digest` of the tokens before chunk i
-        for i in range(max(chunks, default=0)):
-            self.chain.append(chain_digest(self.chain[-1], data[i * self.step : (i + 1) * self.step].tobytes()))
+        self.chain = prefix_digests(data, self.step, max(chunks, default=0))  # [i]: of the tokens before chunk i
 
 
 class CacheEvents:

@@ -41,6 +41,15 @@ def chain_digest(previous: bytes, chunk_tokens: bytes) -> bytes:
     return hashlib.blake2b(previous + chunk_tokens, digest_size=16).digest()
 
 
+def prefix_digests(token_bytes: bytes | memoryview, chunk_bytes: int, chunks: int) -> list[bytes]:
+    """The chained digest of each whole-chunk prefix of ``token_bytes``: item ``i`` is that of its first ``i``
+    chunks of ``chunk_bytes`` bytes, ``chunks + 1`` of them (item 0 `PREFIX_ROOT`)."""
+    digests = [PREFIX_ROOT]
+    for i in range(chunks):
+        digests.append(chain_digest(digests[-1], bytes(token_bytes[i * chunk_bytes : (i + 1) * chunk_bytes])))
+    return digests
+
+
 @dataclass(frozen=True, slots=True)
 class ChunksStored:
     """Consecutive chunks of one prefix now held in ``medium``: ``keys[0]``'s previous chunk is ``parent`` (None:

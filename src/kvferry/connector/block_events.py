@@ -40,7 +40,15 @@ from typing import Protocol
 
 import numpy as np
 
-from kvferry.cache.events import MEDIUM_CPU, PREFIX_ROOT, AllCleared, ChunksStored, Record, chain_digest
+from kvferry.cache.events import (
+    MEDIUM_CPU,
+    PREFIX_ROOT,
+    AllCleared,
+    ChunksStored,
+    Record,
+    chain_digest,
+    prefix_digests,
+)
 from kvferry.cache.keys import TokenIds, token_array
 
 Where = tuple[str, str]  # (medium, locality)
@@ -287,10 +295,9 @@ class BlockEvents:
         per_chunk = self.chunk_size // self.block_size
         step = self.chunk_size * 4
         tokens = token_array(store.tokens)
-        ids = tokens.tobytes()  # as the cache's records carry them: little-endian uint32
-        prefix = PREFIX_ROOT
-        for i in range(len(store.tokens) // self.chunk_size):
-            prefix = chain_digest(prefix, ids[i * step : (i + 1) * step])
+        # as the cache's records name them, over token ids as little-endian uint32
+        prefixes = prefix_digests(tokens.tobytes(), step, len(store.tokens) // self.chunk_size)
+        for i, prefix in enumerate(prefixes[1:]):
             own = tokens[i * self.chunk_size : (i + 1) * self.chunk_size]
             wanted = _Wanted(tuple(store.hashes[i * per_chunk : (i + 1) * per_chunk]),
                              store.hashes[i * per_chunk - 1] if i else None, own,
