@@ -32,8 +32,8 @@ class CacheConfig(BaseModel):
     l1_size_gb: float = Field(4.0, gt=0, description="host pool capacity in GiB (2**30 bytes)")
     l1_populate: bool = Field(
         True,
-        description="map every page of the pool at start (an unpinned pool's stores into fresh pages otherwise "
-        "fault page by page, ~3x slower; a pinned pool is mapped by pinning)",
+        description="map every page of the pool at start (else an unpinned pool's stores fault page by page, ~3x "
+        "slower)",
     )
     eviction_policy: Literal["lru", "s3fifo"] = "lru"
     watermark: float = Field(
@@ -43,11 +43,18 @@ class CacheConfig(BaseModel):
         description="evict a batch once a store's objects push the pool above this fraction (while they are copied)",
     )
     eviction_batch: int = Field(16, gt=0, description="objects one eviction takes (at most a quarter of the pool's)")
-    lock_timeout_s: float = Field(30.0, gt=0, description="a lookup lock is released after this many seconds")
+    lock_timeout_s: float = Field(
+        30.0, gt=0, description="a lookup lock (or a read lease of direct loads) is released after this many seconds"
+    )
+    shared_pool: bool = Field(
+        False,
+        description="the pool in a memfd that engines of this user on this host map, to copy hits themselves "
+        "(their direct_loads)",
+    )
     hash_algo: Literal["sha256", "blake3"] = Field(
         "blake3",
-        description="prefix-hash function of the chunk keys: blake3 hashes a long prompt in bulk (what lookups do) "
-        "~2x faster than sha256; sha256 costs ~1 us less per chunk when every chunk's key is read out (stores)",
+        description="prefix-hash of the chunk keys: blake3 hashes a long prompt (lookups) ~2x faster than sha256; "
+        "sha256 costs ~1 us less a chunk where each key is read out (stores)",
     )
     verify_checksums: bool = Field(
         False, description="checksum every object on store and verify it before every retrieve (costs a pass)"
@@ -179,8 +186,8 @@ class ServerConfig(BaseModel):
         0,
         ge=0,
         le=256,
-        description="Threads that copy CPU KV (both directions; torch's own ops then use one thread, so no idle "
-        "OpenMP thread spins on a core a copy needs). 0 = one per CPU this process may run on.",
+        description="Threads that copy CPU KV (torch's own ops then use one thread: no idle OpenMP thread spins on "
+        "a core a copy needs). 0 = one per CPU this process may run on.",
     )
     tier_workers: int = Field(
         4,
@@ -234,9 +241,9 @@ class KvferryConfig(BaseModel):
     transfer: TransferConfig = Field(default_factory=TransferConfig)
     tiers: list[str] = Field(
         default_factory=list,
-        description="storage tiers below the host pool, searched in order: disk:/var/cache/kvferry?size=200GB, "
-        "redis://host:6379/0, valkey+cluster://host:port,..., mooncake://host:50051?metadata=http://host:8080/metadata "
-        "(a JSON list or comma-separated in KVFERRY_TIERS; docs/mooncake.md)",
+        description="storage tiers below the pool, searched in order: disk:/var/cache/kvferry?size=200GB, "
+        "redis://host:6379/0, valkey+cluster://host:port,..., mooncake://host:50051?metadata=URL (docs/mooncake.md); "
+        "in KVFERRY_TIERS a JSON list or comma-separated",
     )
     server: ServerConfig = Field(default_factory=ServerConfig)
     security: SecurityConfig = Field(default_factory=SecurityConfig)

@@ -135,7 +135,7 @@ def test_vllm_gpu_over_driver_mapped_kv(monkeypatch: pytest.MonkeyPatch, tmp_pat
     doc, _ = run_bench(monkeypatch, tmp_path, "vllm-gpu", "--repeats", "2", "--no-gemm", "--vmm")
     assert doc["config"]["vmm"] is True
     rows = doc["results"]["rows"]
-    modes = ("embedded", "server ipc")  # descriptors pass over the Unix socket only
+    modes = ("embedded", "server ipc", "server direct")  # descriptors pass over the Unix socket only
     assert [(r["mode"], r["case"]) for r in rows] == [(m, c.name) for m in modes for c in BENCH_CASES]
     for r in rows:
         assert r["checked_rounds"] == 3

@@ -21,7 +21,7 @@ from kvferry.bench.harness import BenchError
 from kvferry.bench.rounds import stray_ceilings
 from kvferry.bench.samples import Samples
 from kvferry.bench.vllm_connector_path import ConnectorPath, scattered_blocks
-from kvferry.bench.vllm_gpu_bench import measure
+from kvferry.bench.vllm_gpu_bench import check_direct, measure
 from kvferry.bench.vllm_page_dma import pages
 from kvferry.bench.vllm_views import BENCH_CASES, case_of, load_fixtures, replay
 from kvferry.connector.worker_side import WorkerSide
@@ -385,3 +385,19 @@ def test_vllm_gpu_control_flow_with_the_gpu_faked(
     assert all(r["checked_rounds"] == 2 and r["vllm_dma_pages"] is None and r["load_us"] > 0 for r in rows)
     out = capsys.readouterr().out
     assert "vLLM page DMA: not run" in out and "FLASH_ATTN-BLHNC" in out
+
+
+@pytest.mark.parametrize(
+    ("cache", "fails"),
+    [
+        ({"located_chunks": 64, "retrieves": 0}, False),
+        ({"located_chunks": 64, "retrieves": 1}, True),  # a load fell back to RETRIEVE
+        ({"located_chunks": 0, "retrieves": 0}, True),  # nothing was located: no load went direct
+    ],
+)
+def test_the_direct_mode_fails_where_a_load_was_not_copied_here(cache: dict[str, int], fails: bool) -> None:
+    if fails:
+        with pytest.raises(BenchError, match="did not all go direct"):
+            check_direct(cache)
+    else:
+        check_direct(cache)

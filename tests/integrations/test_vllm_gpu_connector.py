@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from kvferry.bench.vllm_views import BENCH_CASES, case_of, load_fixtures
+from kvferry.client import KvferryClient
 from kvferry.connector.plan import LoadSpec, StepPlan, StoreSpec
 from kvferry.connector.settings import ConnectorSettings
 from tests.integrations.page_view_roundtrip import (
@@ -51,8 +52,29 @@ def servers() -> Iterator[dict[int, ServerProcess]]:
         assert proc.stop() == 0, "".join(proc.log)
 
 
+@pytest.fixture(scope="module")
+def shared_servers() -> Iterator[dict[int, ServerProcess]]:
+    """The same with their pools shared (``--shared-pool``), on a Unix socket: for direct loads."""
+    chunks = sorted({2 * case_of(f).block_size for f in FIXTURES})
+    flags = ("--shared-pool", "--l1-size-gb", "0.25")
+    procs = {c: ServerProcess(*flags, "--chunk-size", str(c), ipc=True) for c in chunks}
+    yield procs
+    for proc in procs.values():
+        assert proc.stop() == 0, "".join(proc.log)
+
+
 def server_settings(servers: dict[int, ServerProcess], fixture: dict) -> ConnectorSettings:
     return ConnectorSettings(mode="server", server_url=servers[2 * case_of(fixture).block_size].endpoint)
+
+
+def direct_settings(shared_servers: dict[int, ServerProcess], fixture: dict, salt: str) -> ConnectorSettings:
+    server = shared_servers[2 * case_of(fixture).block_size]
+    return ConnectorSettings(mode="server", server_url=server.ipc_endpoint, direct_loads=True, salt=salt)
+
+
+def located_chunks(server: ServerProcess) -> int:
+    with KvferryClient(server.endpoint) as client:
+        return int(client.stats()["cache"]["located_chunks"])
 
 
 @pytest.mark.parametrize("fixture", SINGLE, ids=ids)
@@ -63,6 +85,16 @@ def test_embedded_store_then_load_is_bit_exact(fixture: dict) -> None:
 @pytest.mark.parametrize("fixture", SINGLE, ids=ids)
 def test_through_the_server_by_cuda_ipc_is_bit_exact(servers: dict[int, ServerProcess], fixture: dict) -> None:
     check_roundtrip(fixture, "cuda", server_settings(servers, fixture))
+
+
+@pytest.mark.parametrize("fixture", SINGLE, ids=ids)
+def test_direct_loads_out_of_the_shared_pool_are_bit_exact(
+    shared_servers: dict[int, ServerProcess], fixture: dict
+) -> None:
+    server = shared_servers[2 * case_of(fixture).block_size]
+    before = located_chunks(server)
+    check_roundtrip(fixture, "cuda", direct_settings(shared_servers, fixture, salt=case_of(fixture).name))
+    assert located_chunks(server) == before + 3  # copied in this process, by DMA from the registered pool
 
 
 _ENGINE = """
@@ -216,18 +248,22 @@ def test_a_first_store_in_process_neither_compiles_nor_waits_for_vllms_stream() 
 
 
 @pytest.mark.parametrize("background", [False, True], ids=["foreground", "background"])
-@pytest.mark.parametrize("mode", ["embedded", "server"])
+@pytest.mark.parametrize("mode", ["embedded", "server", "direct"])
 def test_a_load_writes_the_blocks_only_after_what_vllms_stream_queued_before_it(
-    servers: dict[int, ServerProcess], mode: str, background: bool
+    servers: dict[int, ServerProcess], shared_servers: dict[int, ServerProcess], mode: str, background: bool
 ) -> None:
     """vLLM hands a load blocks a finished request just gave back, whose kernels may still be queued on its stream
     (here ~0.1 s of GPU sleep, then a write of those blocks): the load's copy must wait for them on the GPU (never
     the CPU), or they would overwrite the loaded KV. A foreground load runs on vLLM's thread (embedded: the transfer
     records vLLM's stream itself; server: the RETRIEVE carries an event recorded there), a background one through
     the backend's future (embedded: the cache engine's retrieve ordered after an event on vLLM's stream, staged or
-    not; server: the same RETRIEVE)."""
+    not; server: the same RETRIEVE; direct: the copy out of the server's shared pool, enqueued on vLLM's thread)."""
     case = case_of(BASE)
-    settings = embedded_settings(case) if mode == "embedded" else server_settings(servers, BASE)
+    settings = {
+        "embedded": lambda: embedded_settings(case),
+        "server": lambda: server_settings(servers, BASE),
+        "direct": lambda: direct_settings(shared_servers, BASE, salt=f"order-{background}"),
+    }[mode]()
     (kv_a, worker_a), (kv_b, worker_b), owned = two_workers(case, BASE, "cuda", settings)
     bs, src, dst = case.block_size, [2, 6, 3, 9], [7, 0, 11, 4]
     tokens = [random.Random(f"load-{mode}-{background}").randrange(50_000) for _ in range(4 * bs)]

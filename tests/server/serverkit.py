@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from prometheus_client import CollectorRegistry, Counter
 
-from kvferry.cache import CacheNamespace, LookupResult, token_bytes
+from kvferry.cache import CacheNamespace, Located, LookupResult, token_bytes
 from kvferry.cache.event_hooks import EventSource
 from kvferry.cache.event_queue import EventQueue
 from kvferry.cache.keys import TokenIds
@@ -197,6 +197,15 @@ class FakeEngine:
 
     def demote(self, tokens: TokenIds, chunks: range, *, namespace: CacheNamespace | None = None) -> None:
         self._keys(tokens, namespace)  # the fake keeps no eviction order: it only checks the arguments
+
+    @property
+    def shared_pool(self) -> tuple[int, int] | None:
+        return None  # the fake keeps whole objects in a dict, no pool
+
+    def locate(
+        self, tokens: TokenIds, *, namespace: CacheNamespace | None = None, block_size: int | None = None
+    ) -> Located:
+        raise ValueError("the fake engine has no pool to locate objects in")
 
     def free_lookup_locks(self, lock_id: int) -> bool:
         if lock_id in self.locks:

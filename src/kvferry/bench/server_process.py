@@ -28,13 +28,16 @@ class ServerProcess:
         chunk_size: int,
         security: dict[str, str] | None = None,
         events: bool = False,
+        shared_pool: bool = False,
     ) -> None:
         """`chunk_size`: the server's, the bench's KV's; `security`: KVFERRY_SECURITY__ variables of the server (its
-        CURVE keys); `events`: it publishes its KV events (`events_endpoints`: PUB, REPLAY)."""
+        CURVE keys); `events`: it publishes its KV events (`events_endpoints`: PUB, REPLAY); `shared_pool`: its
+        pool in shared memory, for direct loads."""
         cmd = [sys.executable, "-m", "kvferry.server", "--port", "0", "--no-http", "--chunk-size", str(chunk_size)]
         cmd += ["--l1-size-gb", str(pool_gb), "--busy-poll-us", str(busy_poll_us), "--log-level", "INFO"]
         cmd += ["--ipc", ipc_path] if ipc_path else []
         cmd += ["--events-port", "0", "--events-replay-port", "0"] if events else []
+        cmd += ["--shared-pool"] if shared_pool else []
         self.proc = subprocess.Popen(cmd, env=child_env(security), stderr=subprocess.PIPE, text=True)
         assert self.proc.stderr is not None
         watchdog = threading.Timer(READY_TIMEOUT_S, self.proc.kill)  # a server never ready ends the loop below
@@ -45,6 +48,7 @@ class ServerProcess:
                 if ready:
                     fields = dict(re.findall(r"(\w+)=(\S+)", ready))
                     self.endpoint = fields.get("ipc") or fields["zmq"]
+                    self.tcp_endpoint = fields["zmq"]
                     self.events_endpoints = (fields.get("events"), fields.get("events_replay"))
                     break
             else:

@@ -4,7 +4,8 @@ vLLM's own page DMA and a plain memcpy of the same bytes.
 The views are the recorded ones of `kvferry.bench.vllm_views` (llama3-8b with FlashAttention in the layouts LBHNC, LBNHC
 and BLHNC, and DeepSeek-V3's MLA latent with FlashMLA), replayed on the GPU and recognised by the connector's own code.
 Each mode (embedded: the cache in this process; server: a ``kvferry server`` holding the pool, the KV registered by CUDA
-IPC, reached over loopback TCP and over its Unix socket) stores a 16-chunk prefix from blocks scattered over the cache
+IPC, reached over loopback TCP and over its Unix socket; server direct: its pool shared, the loads copied in this
+process, `kvferry.connector.direct_loads`) stores a 16-chunk prefix from blocks scattered over the cache
 and loads it into other scattered blocks, as vLLM's model runner calls the worker side (a store after the forward pass,
 a foreground load before it), each timed from the call to the bytes in place (`kvferry.bench.vllm_connector_path`). In
 the same rounds vLLM's own CPU offload moves the same bytes, a page per descriptor of one ``cuMemcpyBatchAsync`` to and
@@ -37,12 +38,14 @@ from kvferry.bench.vllm_connector_path import CHUNK, CHUNKS, ConnectorPath
 from kvferry.bench.vllm_gpu_steps import describe_steps, step_stall
 from kvferry.bench.vllm_page_dma import PageDMA
 from kvferry.bench.vllm_views import BENCH_CASES, case_of, load_fixtures
+from kvferry.client import KvferryClient
 from kvferry.connector.settings import ConnectorSettings
 from kvferry.cuda.driver import driver
 from kvferry.cuda.vmm_alloc import DriverMappedSegments
 
 POOL_GB = 4.0
-MODES = ["embedded", "server tcp", "server ipc"]  # server: over loopback TCP, and over its Unix socket (`--ipc`)
+# server: over loopback TCP, over its Unix socket (`--ipc`), and with its pool shared: loads copied in this process
+MODES = ["embedded", "server tcp", "server ipc", "server direct"]
 DESCRIPTION = description_of(__doc__)
 EXAMPLES = """\
 examples:
@@ -104,11 +107,12 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
     stalls: dict[str, Any] = {}
     wake = wake_up_us()  # before any server: nothing else running
     for mode in modes:
-        ipc = tempfile.TemporaryDirectory(prefix="kvferry-bench-") if mode == "server ipc" else None
+        ipc = tempfile.TemporaryDirectory(prefix="kvferry-bench-") if mode in ("server ipc", "server direct") else None
         ipc_path = None if ipc is None else f"{ipc.name}/server.sock"
         server = None
         if mode != "embedded":
-            server = ServerProcess(POOL_GB, args.busy_poll_us, chunk_size=CHUNK, ipc_path=ipc_path)
+            shared = mode == "server direct"
+            server = ServerProcess(POOL_GB, args.busy_poll_us, ipc_path, chunk_size=CHUNK, shared_pool=shared)
         try:
             settings = _settings(mode, None if server is None else server.endpoint)
             for case in BENCH_CASES:
@@ -124,6 +128,9 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
                         steps.done(f"{mode}: model steps with and without stores")
                 finally:
                     path.close()
+            if server is not None and mode == "server direct":
+                with KvferryClient(server.tcp_endpoint) as client:
+                    check_direct(client.stats()["cache"])
         finally:
             if server is not None:
                 server.stop()
@@ -170,9 +177,20 @@ def _driver_mapped(nbytes: int) -> Any:
     return DriverMappedSegments([nbytes], torch.cuda.current_device()).tensor()
 
 
+def check_direct(cache: dict[str, Any]) -> None:
+    """The direct mode's loads were copied here: its server's cache (``cache``: STATS) located objects and ran
+    no RETRIEVE."""
+    if not cache["located_chunks"] or cache["retrieves"]:
+        raise BenchError(
+            f"server direct: {cache['located_chunks']} chunks located, {cache['retrieves']} RETRIEVEs: the loads "
+            "did not all go direct"
+        )
+
+
 def _settings(mode: str, endpoint: str | None) -> ConnectorSettings:
     if mode != "embedded":
-        return ConnectorSettings(mode="server", server_url=str(endpoint), timeout_s=30.0)
+        direct = mode == "server direct"
+        return ConnectorSettings(mode="server", server_url=str(endpoint), timeout_s=30.0, direct_loads=direct)
     return ConnectorSettings(mode="embedded", config={"cache": {"chunk_size": CHUNK, "l1_size_gb": POOL_GB}})
 
 

@@ -21,7 +21,7 @@ from kvferry.cache.event_queue import EventQueue
 from kvferry.cache.geometry_checks import GeometryChecks
 from kvferry.cache.index import object_checksum
 from kvferry.cache.keys import CacheNamespace, ChunkHasher, TokenIds
-from kvferry.cache.lookup import LookupResult, PrefixLookup
+from kvferry.cache.lookup import Located, LookupResult, PrefixLookup
 from kvferry.cache.metrics import CacheCounters, engine_values, make_registry
 from kvferry.cache.policies import make_policy
 from kvferry.cache.pool_sizing import host_pool
@@ -59,7 +59,9 @@ class CacheEngine:
         cfg = self.config.cache
         self.chunk_size = cfg.chunk_size
         self.namespace = namespace
-        self.pool = pool if pool is not None else host_pool(cfg.l1_size_gb, cfg.l1_size_bytes, cfg.l1_populate)
+        if pool is None:
+            pool = host_pool(cfg.l1_size_gb, cfg.l1_size_bytes, cfg.l1_populate, cfg.shared_pool)
+        self.pool = pool
         self.counters = CacheCounters()
         self._hasher = ChunkHasher(cfg.chunk_size, cfg.hash_algo)
         self._res = Residency(self.pool, make_policy(cfg.eviction_policy), cfg, self.counters)
@@ -173,6 +175,25 @@ class CacheEngine:
         and is ``first_chunk`` chunks where that chunk is missing."""
         self._stored_early.settle()
         return self._lookup.pool_then_tiers(tokens, self._ns(namespace), lock, block_size, first_chunk)
+
+    def locate(
+        self, tokens: TokenIds, *, namespace: CacheNamespace | None = None, block_size: int | None = None
+    ) -> Located:
+        """The pool's prefix hit of ``tokens`` (as `lookup`, the pool only) for a process that copies the objects
+        itself out of a shared pool (`HostPool.shared_fd`): where each object sits, under a read lease that keeps
+        them as they are until ``free_lookup_locks(lease)`` or the lease's deadline, whatever else happens to them
+        (evicted, cleared). A copy that ends after the deadline may have read other bytes: the copier checks.
+        Refused (ValueError) where the cache verifies checksums: a located object is read without a check."""
+        if self._checksum is not None:
+            raise ValueError("cache.verify_checksums is on: objects are verified as a retrieve reads them")
+        self._stored_early.settle()
+        return self._lookup.locate(tokens, self._ns(namespace), block_size)
+
+    @property
+    def shared_pool(self) -> tuple[int, int] | None:
+        """A shared pool's memfd (this process's descriptor) and size in bytes; None for a private pool."""
+        fd = self.pool.shared_fd
+        return None if fd is None else (fd, self.pool.capacity_bytes)
 
     def prefetch(self, tokens: TokenIds, *, namespace: CacheNamespace | None = None) -> Future[int]:
         """Start promoting the tier hits of ``tokens`` into the pool; the future gives the pool's prefix hit

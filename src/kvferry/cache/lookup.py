@@ -21,6 +21,15 @@ class LookupResult(NamedTuple):
     lock_id: int | None  # lookup lock on the hit chunks (lock=True and a hit): retrieve(lock_id=) ends it
 
 
+class Located(NamedTuple):
+    """A prefix's objects in a shared pool, for a process that copies them itself (`CacheEngine.locate`)."""
+
+    tokens: int  # prefix tokens the objects hold (full chunks, then a tail's)
+    lease: int | None  # the read lease on them; None where nothing was located
+    deadline: float  # time.monotonic() at which the lease ends: a copy must have ended before it
+    objects: list[tuple[int, int]]  # each object's (byte offset in the pool's slab, tokens), in prefix order
+
+
 class PrefixLookup:
     """Answers a lookup's prefix hit from the pool, then from the tiers. Thread-safe (state is in `Residency`)."""
 
@@ -66,6 +75,29 @@ class PrefixLookup:
             return found._replace(hit_tokens=n_hits * chunk, pending_tokens=pending * chunk)
 
         return found, below
+
+    def locate(self, tokens: TokenIds, ns: CacheNamespace, block_size: int | None) -> Located:
+        """See `CacheEngine.locate`."""
+        prefix, chunk = self._hasher.prefix(tokens, ns), self._hasher.chunk_size
+        index = self._res.index
+        removals = index.removals
+        run = readable_run(index.get, prefix, 0)
+        if index.has_tails:
+            tail = find_tail(index, prefix, len(run), len(tokens), block_size or 1)
+            run = run if tail is None else [*run, tail]
+        with self._res.lock:
+            self._res.expire_locks_locked()
+            hits = self._res.still_readable_locked(run, removals)
+            lease, deadline = self._res.lease_readers_locked(hits) if hits else (None, 0.0)
+            hit_tokens = sum(entry.tail or chunk for entry in hits)
+            counters = self._res.counters
+            counters.lookups += 1
+            counters.hit_tokens += hit_tokens
+            counters.miss_tokens += len(tokens) - hit_tokens
+            counters.located_chunks += len(hits)
+        offset_of = self._res.pool.offset_of
+        objects = [(offset_of(entry.obj), entry.tail or chunk) for entry in hits if entry.obj is not None]
+        return Located(hit_tokens, lease, deadline, objects)
 
     def prefetch(self, tokens: TokenIds, ns: CacheNamespace) -> Future[int]:
         """See `CacheEngine.prefetch`."""

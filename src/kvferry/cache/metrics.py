@@ -35,6 +35,7 @@ class CacheCounters:
     retrieved_chunks: int = 0
     retrieved_bytes: int = 0
     retrieve_seconds: float = 0.0  # time in the retrieve transfers (H2D copies)
+    located_chunks: int = 0  # objects handed to engines that copy them out of a shared pool themselves
     evictions: int = 0  # objects that left the pool to make room (dropped or written to a tier)
     evicted_bytes: int = 0
     tier_writes: int = 0  # objects written to a tier successfully
@@ -62,6 +63,7 @@ _HELP = {
     "retrieved_chunks": "chunk objects copied into engines",
     "retrieved_bytes": "bytes copied from the host pool into engines",
     "retrieve_seconds": "seconds spent in retrieve copies",
+    "located_chunks": "chunk objects located for engines that copy them out of a shared host pool themselves",
     "evictions": "objects evicted from the host pool",
     "evicted_bytes": "bytes evicted from the host pool",
     "tier_writes": "objects written to a storage tier",
@@ -83,6 +85,7 @@ GAUGES = {
     "cached_tokens": "tokens those objects hold (objects x chunk size): twice as many per pool byte with codec fp8",
     "locks": "active lookup locks",
     "pinned_objects": "objects held by lookup locks",
+    "read_leases": "read leases of engines copying located objects themselves",
     "store_gbps": "mean store copy throughput so far, GB/s",
     "retrieve_gbps": "mean retrieve copy throughput so far, GB/s",
 }
@@ -133,6 +136,7 @@ def engine_values(res: Residency, chunk_size: int, events_dropped: int) -> dict[
         values["cached_tokens"] = values["objects"] * chunk_size
         values["locks"] = len(res.leases)
         values["pinned_objects"] = res.leases.pinned_objects
+        values["read_leases"] = res.leases.read_leases
     values["events_dropped"] = events_dropped
     pool = res.pool
     values["pool_capacity_bytes"] = pool.capacity_bytes

@@ -10,7 +10,7 @@ from kvferry.memory import HostPool
 log = logging.getLogger(__name__)
 
 
-def host_pool(size_gb: float, size_bytes: int, populate: bool) -> HostPool:
+def host_pool(size_gb: float, size_bytes: int, populate: bool, shared: bool = False) -> HostPool:
     """The engine's own pool of ``cache.l1_size_gb``; a size this machine cannot hold is a ValueError naming the
     setting, not an allocator's traceback. It is mapped up front (``populate``) only if the memory is free now:
     mapping more than that would push other processes out, or wake the OOM killer."""
@@ -30,8 +30,8 @@ def host_pool(size_gb: float, size_bytes: int, populate: bool) -> HostPool:
         )
         populate = False
     try:
-        return HostPool(size_bytes, populate=populate)
-    except (RuntimeError, MemoryError) as exc:  # torch's allocator (pinned or not) refusing the slab
+        return HostPool(size_bytes, populate=populate, shared=shared)
+    except (RuntimeError, MemoryError, OSError) as exc:  # torch's allocator (pinned or not), a memfd: refused
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(
             f"cache.l1_size_gb={size_gb!r}: cannot allocate a {size_bytes / 2**30:.1f} GiB host pool ({reason})"

@@ -34,7 +34,7 @@ class Residency(TierTraffic):
 
     def __init__(self, pool: HostPool, policy: EvictionPolicy, config: CacheConfig, counters: CacheCounters) -> None:
         super().__init__(pool, policy, config, counters)
-        self.leases = LeaseTable()
+        self.leases = LeaseTable(self.release_reader_locked)
         # Stores waiting for another store's chunks in flight (await_written); commit and abort wake them.
         self._written = threading.Condition(self.lock)
         self._written_waiters = 0
@@ -70,6 +70,13 @@ class Residency(TierTraffic):
 
     def lock_entries_locked(self, entries: list[Entry]) -> int:
         return self.leases.acquire(tuple(entries), time.monotonic() + self._config.lock_timeout_s)
+
+    def lease_readers_locked(self, entries: list[Entry]) -> tuple[int, float]:
+        """A read lease on ``entries`` (readable ones): its id and deadline (time.monotonic seconds)."""
+        deadline = time.monotonic() + self._config.lock_timeout_s
+        for entry in entries:
+            self.policy.touch(entry.key)
+        return self.leases.acquire(tuple(entries), deadline, reading=True), deadline
 
     def release_lock(self, lock_id: int) -> bool:
         with self.lock:
@@ -343,7 +350,7 @@ class Residency(TierTraffic):
     # --- whole-cache operations ---------------------------------------------------------------------------
 
     def clear(self) -> None:
-        """Drop every object and lookup lock; objects in use are freed when their copy finishes."""
+        """Drop every object and lookup lock; objects in use (read leases too) are freed when their copy finishes."""
         with self.lock:
             self.leases.release_all()
             for entry in self.index:

@@ -34,7 +34,7 @@ from kvferry.client.done_flags import DoneFlags
 from kvferry.client.errors import ServerError
 from kvferry.client.fd_deposit import export_kv_to
 from kvferry.client.ready_events import ReadyEvents
-from kvferry.client.records import GpuRegistration, LookupResult, PrefetchStatus
+from kvferry.client.records import GpuRegistration, LocateResult, LookupResult, PrefetchStatus
 from kvferry.client.request_args import Namespace, demote_args, key_space_args, retrieve_args, store_args
 from kvferry.client.transfers import Transfers
 from kvferry.protocol.messages import Op, pack_ids
@@ -302,6 +302,23 @@ class KvferryClient:
             lambda r: [LookupResult(int(f["tokens"]), int(f["pending"]), f["lock"]) for f in r["found"]],
         )
 
+    def locate_async(
+        self,
+        tokens: Any,
+        *,
+        registration: int | None = None,
+        namespace: Namespace | None = None,
+        block_size: int | None = None,
+    ) -> Future[LocateResult]:
+        """The pool's prefix hit of ``tokens`` where a server keeps a shared pool (``cache.shared_pool``): each
+        object's place in it, under a lease this client ends with `free_lookup_locks` once it has copied them
+        (`kvferry.client.pool_map` maps the pool). Refused (BAD_ARGUMENT) by a server whose pool is private, for
+        coded objects or checksummed ones; FORBIDDEN to a tenant."""
+        args = {"tokens": pack_ids(tokens, "tokens"), **key_space_args(registration, namespace)}
+        if block_size is not None:
+            args["block_size"] = block_size
+        return self._conn.submit(Op.LOCATE, args, _located)
+
     def prefetch(self, tokens: Any, *, registration: int | None = None, namespace: Namespace | None = None) -> int:
         """Start bringing `tokens`' chunks from lower tiers into the host pool; returns a prefetch id."""
         args = {"tokens": pack_ids(tokens, "tokens"), **key_space_args(registration, namespace)}
@@ -344,6 +361,13 @@ class KvferryClient:
     def _call(self, send: Callable[[], Future[Any]]) -> Any:
         """Send a request (`send` submits it) and wait for its result on this thread."""
         return self._conn.call(send)
+
+
+def _located(reply: dict[str, Any]) -> LocateResult:
+    pool = reply["pool"]
+    objects = [(int(offset), int(tokens)) for offset, tokens in reply["objects"]]
+    pool_file = (int(pool["pid"]), int(pool["fd"]), int(pool["bytes"]))
+    return LocateResult(int(reply["tokens"]), reply["lease"], float(reply["deadline"]), objects, pool_file)
 
 
 def _first_tensor(paged: Any) -> torch.Tensor:

@@ -18,6 +18,17 @@ class LookupResult:
 
 
 @dataclass(frozen=True, slots=True)
+class LocateResult:
+    """LOCATE's answer: a prefix's objects in the server's shared pool, held for this client until ``deadline``."""
+
+    tokens: int  # prefix tokens the objects hold
+    lease: int | None  # free it with free_lookup_locks once copied (None: nothing located)
+    deadline: float  # time.monotonic() on this host: a copy that ended later may have read other bytes
+    objects: list[tuple[int, int]]  # each object's (byte offset in the pool, tokens), in prefix order
+    pool: tuple[int, int, int]  # the server's (pid, descriptor of the pool's memfd, bytes): `PoolMapping`'s
+
+
+@dataclass(frozen=True, slots=True)
 class PrefetchStatus:
     done: bool
     tokens: int  # prefix tokens now in the server's host pool (when done)

@@ -17,6 +17,7 @@ from kvferry.cache.keys import TokenIds
 from kvferry.client import KvferryClient, ServerError
 from kvferry.client.records import LookupResult
 from kvferry.connector.backends import Hit, KeySpace, plus
+from kvferry.connector.direct_loads import DirectLoads
 from kvferry.connector.engine_kv import EngineKV
 from kvferry.connector.server_link import ServerDown, ServerLink
 from kvferry.protocol.messages import ErrorCode
@@ -32,9 +33,17 @@ class ServerBackend:
     are vLLM's: `worker_backend.make_state_backend`)."""
 
     def __init__(
-        self, link: ServerLink, key_space: KeySpace, kv: EngineKV | None = None, *, block_size: int | None = None
+        self,
+        link: ServerLink,
+        key_space: KeySpace,
+        kv: EngineKV | None = None,
+        *,
+        block_size: int | None = None,
+        direct: DirectLoads | None = None,
     ) -> None:
-        """``block_size``: the scheduler's, in which a tail hit counts (None: ``kv``'s)."""
+        """``block_size``: the scheduler's, in which a tail hit counts (None: ``kv``'s). ``direct``: loads copied
+        here out of the server's shared pool (`kvferry.connector.direct_loads`), RETRIEVE where it cannot."""
+        self._direct = direct
         self.link = link
         self.key_space = key_space
         self._kv = kv
@@ -150,6 +159,10 @@ class ServerBackend:
             return None
 
     def retrieve_async(self, tokens: TokenIds, block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
+        if self._direct is not None:
+            direct = self._direct_load(tokens, block_ids, skip_prefix_tokens)
+            if direct is not None:
+                return direct
         ids = self._kernel_block_ids(block_ids)
         written = self.link.submit(
             lambda client, reg: client.retrieve_async(
@@ -171,11 +184,59 @@ class ServerBackend:
     def retrieve(self, tokens: TokenIds, block_ids: list[int], skip_prefix_tokens: int) -> int:
         """Sent and waited for on this thread: it reads the server's answer and watches the transfer's done flag
         itself (the asynchronous form's future passes through the client's threads on the way back)."""
+        if self._direct is not None:
+            direct = self._direct_load(tokens, block_ids, skip_prefix_tokens)
+            if direct is not None:
+                return direct.result()
         ids = self._kernel_block_ids(block_ids)
         written = self.link.call(
             lambda client, reg: client.retrieve(_registered(reg), tokens, ids, skip_prefix_tokens=skip_prefix_tokens)
         )
         return skip_prefix_tokens + written
+
+    def _direct_load(self, tokens: TokenIds, block_ids: list[int], skip: int) -> Future[int] | None:
+        """The load copied here (`DirectLoads.start`); None where the server will not locate (its pool is private,
+        its objects coded or checksummed, this client a tenant's) or its pool cannot be mapped here (another user's
+        or host's server): then this and every later load goes through RETRIEVE, said once."""
+        direct = self._direct
+        assert direct is not None
+        generation = self.link.generation
+        try:
+            located = self.link.wait(
+                lambda client, reg: client.locate_async(tokens, registration=reg, block_size=self._block_size),
+                self.link.timeout_s,
+            )
+        except ServerError as exc:
+            if exc.code not in (ErrorCode.BAD_ARGUMENT.value, ErrorCode.FORBIDDEN.value, ErrorCode.UNKNOWN_OP.value):
+                raise
+            self._no_direct_loads(f"the server at {self.link.url} does not locate: {exc}")
+            return None
+
+        def release() -> None:
+            if located.lease is not None:
+                self.free_leases(generation, [located.lease])
+
+        try:
+            return direct.start(located, block_ids, skip, self.link.chunk_size or 0, release)
+        except OSError as exc:
+            self._no_direct_loads(f"its pool cannot be mapped here: {exc}")
+            return None
+
+    def _no_direct_loads(self, why: str) -> None:
+        log.warning("kvferry: loads go through RETRIEVE, not direct: %s", why)
+        direct, self._direct = self._direct, None
+        if direct is not None:
+            direct.close()
+
+    def free_leases(self, generation: int, leases: list[int]) -> None:
+        """End read leases taken at link ``generation`` without waiting for the answer (a restarted server's are
+        gone with it)."""
+        if generation != self.link.generation:
+            return
+        try:
+            self.link.call(lambda client, _: [client.free_lookup_locks_many_async(leases)])
+        except Exception as exc:  # the server went away: its leases with it
+            log.debug("kvferry: ending read leases %s: %s", leases, exc)
 
     def store_async(self, tokens: TokenIds, block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
         # Sent from vLLM's thread: the client records the STORE's ready event on vLLM's current stream, after the
@@ -199,6 +260,8 @@ class ServerBackend:
         return block_ids if self._kv is None else self._kv.kernel_block_ids(block_ids)
 
     def close(self) -> None:
+        if self._direct is not None:
+            self._direct.close()
         self.link.close()
 
     def _namespace(self) -> dict[str, Any]:

@@ -51,14 +51,19 @@ class ConnectorSettings(BaseModel):
     )
     legacy_ipc: bool = Field(
         False,
-        description="server mode: share vLLM's KV cache by legacy CUDA IPC even where file descriptors could pass "
-        "(vLLM 0.34 then turns its extensible KV cache off): for settings vLLM refuses that cache with "
+        description="server mode: share vLLM's KV by legacy CUDA IPC where descriptors could pass (vLLM 0.34 then "
+        "turns its extensible KV cache off), for settings it refuses that cache with "
         "(kv_cache_memory_bytes, num_gpu_blocks_override, elastic EP, --no-enable-extensible-kv-cache)",
+    )
+    direct_loads: bool = Field(
+        False,
+        description="server mode: copy hits out of a --shared-pool server's pool here (same user and host); "
+        "else the server copies",
     )
     async_load: bool = Field(
         True,
         description="load a hit in the background while vLLM runs the other requests; false: before the forward pass "
-        "of the step that schedules it (a hybrid model of several KV cache groups always loads in the background)",
+        "of its step (a hybrid model of several KV cache groups always loads so)",
     )
     lock_refresh_s: float = Field(
         10.0,
@@ -81,21 +86,19 @@ class ConnectorSettings(BaseModel):
     exact_layers: list[int] | None = Field(
         None,
         description="attention layers (positions, negative from the last: [0, -1]) whose objects keep the exact "
-        "bytes beside the codec; default: embedded mode the config's cache.exact_layers, server mode none (server "
-        "mode needs the codec set here too)",
+        "bytes beside the codec; default: embedded mode cache.exact_layers, server mode none (needs codec here)",
     )
     model_id: str | None = Field(None, description="the model's name in cache keys (default: vLLM's served model name)")
     salt: str = Field("", description="separates deployments that must not share KV")
     curve: CurveKeyFiles | None = Field(
         None,
-        description='server mode, tcp://: {"secret_key_file": this engine\'s NAME.key_secret, "server_key_file": the '
-        "server's NAME.key} for a server with CURVE (docs/security.md); default: the KVFERRY_SECURITY__* variables",
+        description='tcp:// with CURVE: {"secret_key_file": this engine\'s NAME.key_secret, "server_key_file": the '
+        "server's NAME.key} (docs/security.md); default: the KVFERRY_SECURITY__* variables",
     )
     events_url: str | None = Field(
         None,
         description="server mode, with vLLM's --kv-events-config: the server's KV event stream, PUB[,REPLAY] "
-        "(tcp://HOST:5557,tcp://HOST:5558), where the scheduler learns kvferry's evictions; without it kvferry's "
-        "blocks are not in vLLM's events (docs/events.md)",
+        "(tcp://HOST:5557,tcp://HOST:5558), where the scheduler learns kvferry's evictions (docs/events.md)",
     )
     after_load_hook: str | None = Field(
         None,

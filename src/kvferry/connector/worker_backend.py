@@ -8,6 +8,7 @@ connected: in server mode its link registers the states' KV on connecting, cut b
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ from kvferry.cache import CacheEngine
 from kvferry.client import KvferryClient
 from kvferry.config import TransferConfig
 from kvferry.connector.backends import EmbeddedBackend, KeySpace
+from kvferry.connector.direct_loads import DirectLoads
 from kvferry.connector.engine_kv import EngineKV
 from kvferry.connector.server_backend import ServerBackend
 from kvferry.connector.server_link import ServerLink
@@ -24,6 +26,8 @@ from kvferry.connector.settings import ConnectorSettings
 from kvferry.connector.state_groups import state_kv
 from kvferry.formats import EngineKVFormat, describe, with_codec
 from kvferry.transfer import configure_gpu
+
+log = logging.getLogger(__name__)
 
 
 def make_worker_backend(
@@ -73,7 +77,13 @@ def make_worker_backend(
         except BaseException:
             link.close()
             raise
-        return ServerBackend(link, key_space, kv)
+        direct = _direct_loads(settings, kv)
+        backend = ServerBackend(link, key_space, kv, direct=direct)
+        if direct is not None:
+            direct.map_ahead(
+                lambda: link.wait(lambda client, reg: client.locate_async([], registration=reg), link.timeout_s)
+            )
+        return backend
     if engine is None:
         config = settings.kvferry_config()
         check_chunk_size(config.cache.chunk_size)
@@ -177,3 +187,13 @@ def make_state_backend(
         link.close()
         raise
     return ServerBackend(link, key_space)
+
+
+def _direct_loads(settings: ConnectorSettings, kv: EngineKV) -> DirectLoads | None:
+    if not settings.direct_loads:
+        return None
+    why = DirectLoads.unsupported(kv)
+    if why is not None:
+        log.warning("kvferry: direct_loads is on, but loads go through RETRIEVE: %s", why)
+        return None
+    return DirectLoads(kv)

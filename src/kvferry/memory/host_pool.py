@@ -7,15 +7,18 @@ alignment-sized units handed out by an :class:`~kvferry.memory.extent_allocator.
 
 from __future__ import annotations
 
+import mmap
+import os
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
-from kvferry.cuda.pinned import register_pinned
+from kvferry.cuda.pinned import register_host_memory, register_pinned
 from kvferry.memory.extent_allocator import ExtentAllocator
-from kvferry.memory.slab import aligned_slab, checked_layout
+from kvferry.memory.slab import SharedSlab, aligned_slab, checked_layout, shared_slab
 
 _MIN_ALIGNMENT = 64
 _MAX_VIEWS = 4096  # carved views remembered (see HostPool._views)
@@ -68,8 +71,15 @@ class HostPool:
     """
 
     def __init__(
-        self, capacity_bytes: int, alignment: int = 4096, pin: bool | None = None, populate: bool = False
+        self,
+        capacity_bytes: int,
+        alignment: int = 4096,
+        pin: bool | None = None,
+        populate: bool = False,
+        shared: bool = False,
     ) -> None:
+        """``shared``: the slab is a memfd (`shared_slab`) that engines of this user on this host map to read
+        located objects themselves (`shared_file`); pinned by registering it with the CUDA driver."""
         if not _is_int(alignment) or alignment < _MIN_ALIGNMENT or alignment & (alignment - 1):
             raise ValueError(f"alignment={alignment!r} must be a power of two >= {_MIN_ALIGNMENT}")
         if not _is_int(capacity_bytes) or capacity_bytes <= 0 or capacity_bytes % alignment:
@@ -90,7 +100,17 @@ class HostPool:
         self._alignment = alignment
         self._unit_shift = alignment.bit_length() - 1
         self._is_pinned = bool(pin)
-        self._slab = aligned_slab(capacity_bytes, alignment, self._is_pinned)
+        self._shared: SharedSlab | None = None
+        if shared:
+            if alignment > mmap.PAGESIZE:
+                raise ValueError(f"alignment={alignment} exceeds a page ({mmap.PAGESIZE}): a shared slab is mapped")
+            self._shared = shared_slab(capacity_bytes)
+            self._slab = self._shared.tensor
+            weakref.finalize(self, os.close, self._shared.fd)  # with the pool (the mapping needs no descriptor)
+            if self._is_pinned:
+                register_host_memory(self, self._slab.data_ptr(), capacity_bytes)
+        else:
+            self._slab = aligned_slab(capacity_bytes, alignment, self._is_pinned)
         self._base_ptr = self._slab.data_ptr()
         if self._is_pinned:  # the slab lives at least as long as the pool
             register_pinned(self, self._base_ptr, capacity_bytes)
@@ -150,6 +170,11 @@ class HostPool:
     def slab(self) -> torch.Tensor:
         """The whole slab as a 1-D uint8 tensor of ``capacity_bytes`` bytes, starting aligned."""
         return self._slab
+
+    @property
+    def shared_fd(self) -> int | None:
+        """This process's descriptor of a shared slab's memfd (None: the slab is private)."""
+        return None if self._shared is None else self._shared.fd
 
     @property
     def capacity_bytes(self) -> int:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import mmap
 import operator
+import os
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -38,3 +41,25 @@ def aligned_slab(capacity: int, alignment: int, pin: bool) -> torch.Tensor:
     raw = torch.empty(capacity + alignment, dtype=torch.uint8, pin_memory=pin)
     pad = -raw.data_ptr() % alignment
     return raw[pad : pad + capacity]
+
+
+class SharedSlab(NamedTuple):
+    """A slab in a memfd that other processes of this user map through ``/proc/<pid>/fd/<fd>``."""
+
+    tensor: torch.Tensor  # the whole file as uint8, mapped MAP_SHARED here
+    fd: int  # this process's descriptor of the file, open as long as the mapping lives
+    mapping: mmap.mmap
+
+
+def shared_slab(capacity: int, name: str = "kvferry-pool") -> SharedSlab:
+    """A ``capacity``-byte memfd mapped here: page-aligned, so aligned for any pool alignment up to a page (a
+    larger one is refused by the caller). Its pages are the file's: the kernel frees them when the last mapping
+    and descriptor go, whichever process holds them last."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, capacity)
+        mapping = mmap.mmap(fd, capacity, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return SharedSlab(torch.frombuffer(mapping, dtype=torch.uint8), fd, mapping)

@@ -45,6 +45,7 @@ _FLAG_FIELDS: dict[str, tuple[str, str]] = {
     "chunk_size": ("cache", "chunk_size"),
     "l1_size_gb": ("cache", "l1_size_gb"),
     "eviction": ("cache", "eviction_policy"),
+    "shared_pool": ("cache", "shared_pool"),
 }
 
 
@@ -73,6 +74,12 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--chunk-size", type=int, metavar="TOKENS", help="tokens per chunk object")
     cache.add_argument("--l1-size-gb", type=float, metavar="GB", help="host pool capacity (GiB)")
     cache.add_argument("--eviction", choices=["lru", "s3fifo"], help="eviction policy")
+    cache.add_argument(
+        "--shared-pool",
+        action="store_true",
+        default=None,
+        help="keep the pool in shared memory: engines of this user on this host copy located objects themselves",
+    )
     cache.add_argument(
         "--l2",
         action="append",

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry
 
-from kvferry.cache import CacheNamespace, LookupResult
+from kvferry.cache import CacheNamespace, Located, LookupResult
 from kvferry.cache.event_hooks import EventSource
 from kvferry.cache.event_queue import EventQueue
 from kvferry.cache.keys import TokenIds
@@ -105,6 +105,13 @@ class CacheService(CacheTransfers, Protocol):
         block_size: int | None = None,
         first_chunk: int = 0,
     ) -> tuple[LookupResult, Callable[[], LookupResult] | None]: ...
+
+    def locate(
+        self, tokens: TokenIds, *, namespace: CacheNamespace | None = None, block_size: int | None = None
+    ) -> Located: ...
+
+    @property
+    def shared_pool(self) -> tuple[int, int] | None: ...
 
     def prefetch(self, tokens: TokenIds, *, namespace: CacheNamespace | None = None) -> Future[int]: ...
 

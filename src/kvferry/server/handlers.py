@@ -10,6 +10,7 @@ the server finishes it on its tier workers, so a slow or frozen tier never holds
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from kvferry.server.kv_mapping import map_kv, map_shared
 from kvferry.server.requests import (
     DemoteArgs,
     FreeLocksArgs,
+    LocateArgs,
     LookupArgs,
     LookupEachArgs,
     Namespace,
@@ -100,6 +102,7 @@ class RequestHandlers:
             Op.UNREGISTER_KV_CACHE: self.unregister,
             Op.LOOKUP: self.lookup,
             Op.LOOKUP_EACH: self.lookup_each,
+            Op.LOCATE: self.locate,
             Op.PREFETCH: self.prefetch,
             Op.PREFETCH_STATUS: self.prefetch_status,
             Op.FREE_LOOKUP_LOCKS: self.free_lookup_locks,
@@ -218,6 +221,34 @@ class RequestHandlers:
             return {"found": [_lookup_result(found if below is None else below()) for found, below in answers]}
 
         return Deferred(lambda: self._or_release(session, answers, with_the_tiers))
+
+    def locate(self, session: Session, args: LocateArgs) -> dict[str, Any]:
+        """A prefix's objects in the shared pool (`CacheEngine.locate`) and the pool's memfd as this process holds
+        it, for an engine of this user on this host that maps ``/proc/<pid>/fd/<fd>`` and copies them itself
+        before the lease's ``deadline`` (time.monotonic, the host's); FREE_LOOKUP_LOCKS ends the lease."""
+        _not_for_tenants(session, "LOCATE hands out the pool, every tenant's objects")
+        shared = self._engine.shared_pool
+        if shared is None:
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, "this server's pool is not shared (cache.shared_pool)")
+        namespace = self._namespace(session, args.registration, args.namespace)
+        if namespace.codec != "none":
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"{namespace.codec} objects are read through RETRIEVE")
+        tokens = unpack_ids(args.tokens, "tokens")
+        self._sessions.settle()  # stores seen done are hits
+        try:
+            found = self._engine.locate(tokens, namespace=namespace, block_size=args.block_size)
+        except ValueError as exc:
+            raise ProtocolError(ErrorCode.BAD_ARGUMENT, str(exc)) from None
+        if found.lease is not None:
+            self._sessions.add_lease(session, found.lease)
+        fd, nbytes = shared
+        return {
+            "tokens": found.tokens,
+            "lease": found.lease,
+            "deadline": found.deadline,
+            "objects": found.objects,
+            "pool": {"pid": os.getpid(), "fd": fd, "bytes": nbytes},
+        }
 
     def _lookup_pool(
         self,

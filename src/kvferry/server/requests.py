@@ -127,6 +127,15 @@ class LookupArgs(_Args):
     namespace: Namespace | None = None  # or an explicit one (scheduler processes hold no KV)
 
 
+class LocateArgs(_Args):
+    """A prefix's objects in the server's shared pool, for an engine on this host that copies them itself."""
+
+    tokens: bytes
+    block_size: Annotated[int, Field(gt=0)] | None = None
+    registration: NonNegative | None = None
+    namespace: Namespace | None = None
+
+
 class LookupEachArgs(_Args):
     """Several prompts, each looked up alone as a LOOKUP of it would be (SGLang's pages: one a page)."""
 
@@ -191,6 +200,7 @@ ARGS_BY_OP: dict[Op, type[_Args]] = {
     Op.UNREGISTER_KV_CACHE: RegistrationArgs,
     Op.LOOKUP: LookupArgs,
     Op.LOOKUP_EACH: LookupEachArgs,
+    Op.LOCATE: LocateArgs,
     Op.STORE: TransferArgs,
     Op.RETRIEVE: TransferArgs,
     Op.PREFETCH: PrefetchArgs,

@@ -54,6 +54,9 @@ class Session:
     grants: TenantGrants | None = None  # the namespaces its tenant may use; None: every one
     registrations: dict[int, Registration] = field(default_factory=dict)
     locks: set[int] = field(default_factory=set)
+    # LOCATE's read leases: freed by the client, else at their deadline, never with the session (its process may
+    # still be copying from the objects)
+    leases: set[int] = field(default_factory=set)
     prefetches: dict[int, Future[Any]] = field(default_factory=dict)
     requests: int = 0
 
@@ -201,11 +204,17 @@ class SessionTable:
         """Forget lock `lock_id` of `session`; False if the session does not hold it."""
         return bool(self.drop_locks(session, [lock_id]))
 
-    def drop_locks(self, session: Session, lock_ids: list[int]) -> list[int]:
-        """Forget those of `lock_ids` that `session` holds; returns them."""
+    def add_lease(self, session: Session, lease_id: int) -> None:
         with self._lock:
-            held = [lock_id for lock_id in lock_ids if lock_id in session.locks]
+            session.leases.add(lease_id)
+
+    def drop_locks(self, session: Session, lock_ids: list[int]) -> list[int]:
+        """Forget those of `lock_ids` (lookup locks and read leases: one id space) that `session` holds; returns
+        them."""
+        with self._lock:
+            held = [lock_id for lock_id in lock_ids if lock_id in session.locks or lock_id in session.leases]
             session.locks.difference_update(held)
+            session.leases.difference_update(held)
             return held
 
     def add_prefetch(self, session: Session, future: Future[Any]) -> int:

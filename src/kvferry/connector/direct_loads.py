@@ -1,0 +1,119 @@
+"""Server-mode loads this process copies itself (the connector setting ``direct_loads``): the server locates a
+prefix's objects in its shared pool (LOCATE, ``cache.shared_pool``) and this process copies them into the engine's
+KV with its own transfer. On a GPU the gathers and DMAs then run in the engine's own context, not time-sliced with
+a server process's, and no server thread is woken for the copy; the server keeps the index, eviction and tiers.
+
+A located object's memory is held for this process by a read lease until its deadline: a copy that ended later
+may have read bytes the server had reused, so it counts as a failed load (the engine recomputes those tokens).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from kvferry.client.pool_map import PoolMapping
+from kvferry.client.records import LocateResult
+from kvferry.connector.engine_kv import EngineKV
+from kvferry.formats import describe
+from kvferry.transfer import Direction, transfer, transfer_async
+
+log = logging.getLogger(__name__)
+
+
+class LeaseExpired(RuntimeError):
+    """A direct load's copy ended after its lease: the blocks may hold other bytes than the prefix's."""
+
+
+class DirectLoads:
+    """Copies located objects into one engine's KV (``kv``); thread-safe."""
+
+    def __init__(self, kv: EngineKV) -> None:
+        self._kv = kv
+        self._geom = describe(kv.fmt, kv.paged, kv.block_size)
+        self._gpu = self._geom.device.type == "cuda"
+        self._pool: PoolMapping | None = None
+        self._lock = threading.Lock()
+        self._waiter = ThreadPoolExecutor(1, thread_name_prefix="kvferry-direct-load")
+
+    @staticmethod
+    def unsupported(kv: EngineKV) -> str | None:
+        """Why ``kv``'s loads cannot be direct (they then go through RETRIEVE), or None."""
+        if kv.heads is not None:
+            return "a tensor-parallel rank's heads are a slice of each object"
+        return None
+
+    def start(
+        self, located: LocateResult, block_ids: list[int], skip: int, chunk: int, release: Callable[[], None]
+    ) -> Future[int]:
+        """Enqueue the copy of ``located``'s objects into ``block_ids`` (the scheduler's), leaving the first
+        ``skip`` tokens' blocks alone, ordered after this thread's current stream; the future gives the tokens the
+        blocks then hold (``skip`` included). ``release`` ends the lease: called once the copy is over (done,
+        failed or never started), after the future is settled."""
+        try:
+            if located.tokens <= skip:
+                future: Future[int] = Future()
+                future.set_result(skip)
+                release()
+                return future
+            pool = self._mapped(located.pool)
+            objects = pool.views(located.objects, self._geom.object_shape(chunk), self._geom.object_dtype, token_axis=2)
+            bs = self._kv.block_size
+            ids = self._kv.kernel_block_ids(block_ids)[: located.tokens // bs]
+            kv = self._kv
+            if self._gpu:
+                handle = transfer_async(
+                    kv.paged, objects, ids, Direction.H2D, kv.fmt, chunk, skip // bs, geometry=self._geom
+                )
+                future = self._waiter.submit(_ended_in_time, handle.wait, located)
+            else:
+                transfer(kv.paged, objects, ids, Direction.H2D, kv.fmt, chunk, skip // bs, geometry=self._geom)
+                future = Future()
+                future.set_result(_ended_in_time(lambda: None, located))
+        except BaseException:
+            release()
+            raise
+        future.add_done_callback(lambda _: release())
+        return future
+
+    def map_ahead(self, locate: Callable[[], LocateResult]) -> None:
+        """Map the server's pool on this object's thread now (``locate``: a LOCATE of nothing, whose answer names
+        it), so that the first load does not wait for it: pinning a pool takes ~0.05 s a GiB (H100 host). Where that
+        fails the first load finds out again and says so."""
+
+        def map_it() -> None:
+            try:
+                self._mapped(locate().pool)
+            except Exception as exc:
+                log.debug("kvferry: mapping the server's pool ahead of the first load: %s", exc)
+
+        self._waiter.submit(map_it)
+
+    def _mapped(self, pool: tuple[int, int, int]) -> PoolMapping:
+        """The server's pool mapped here (again where the server changed: a restart's new pool)."""
+        with self._lock:
+            if self._pool is None or self._pool.key != pool:
+                started = time.monotonic()
+                self._pool = PoolMapping(*pool, pin=self._gpu)
+                log.info(
+                    "kvferry: mapped the server's shared pool (%.1f GiB%s) in %.2f s",
+                    pool[2] / 2**30,
+                    ", pinned" if self._gpu else "",
+                    time.monotonic() - started,
+                )
+            return self._pool
+
+    def close(self) -> None:
+        self._waiter.shutdown(wait=True)
+
+
+def _ended_in_time(wait: Callable[[], Any], located: LocateResult) -> int:
+    wait()
+    ended = time.monotonic()  # the copy ended by now, so no later than this
+    if ended >= located.deadline:
+        raise LeaseExpired(f"a direct load ended {ended - located.deadline:.3f} s after its lease")
+    return located.tokens
