@@ -286,6 +286,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--runs", help="server phase: comma-separated prompt names to run in turn")
     parser.add_argument("--events-url", help="server phase: the server's KV event stream (vLLM publishes events)")
+    parser.add_argument("--direct-loads", action="store_true", help="server phase: loads copied out of its pool here")
     args = parser.parse_args()
     if args.phase == "hold":
         # Ctrl-C as from a terminal: a process started in the background by a non-interactive shell (CI, nohup)
@@ -352,7 +353,8 @@ def main() -> None:
                 },
             },
             "server": {"mode": "server", "server_url": args.server_url}
-            | ({"events_url": args.events_url} if args.events_url else {}),
+            | ({"events_url": args.events_url} if args.events_url else {})
+            | ({"direct_loads": True} if args.direct_loads else {}),
             "hold": {"mode": "server", "server_url": args.server_url},
             "chat": (
                 {"mode": "server", "server_url": args.server_url}

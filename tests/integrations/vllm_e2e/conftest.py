@@ -78,14 +78,15 @@ def reference(workdir: Path, model_dir: Path, prompt: list[int]) -> dict[str, An
 @pytest.fixture(scope="module")
 def server_urls(workdir: Path) -> Iterator[tuple[str, str, str]]:
     """A `kvferry server` process (the CLI, as users run it) on a free loopback port and a Unix socket, publishing
-    its KV events: its tcp:// and ipc:// endpoints, and its event stream (PUB,REPLAY) as a connector's events_url."""
+    its KV events, its pool shared for direct loads: its tcp:// and ipc:// endpoints, and its event stream
+    (PUB,REPLAY) as a connector's events_url."""
     from kvferry.client import KvferryClient
 
     port, pub, replay = free_ports(3)
     url = f"tcp://127.0.0.1:{port}"
     sockets = tempfile.mkdtemp(prefix="kvf-")  # short: a Unix socket path has ~100 bytes at most
     ipc_url = f"ipc://{sockets}/server.sock"
-    flags = ["--port", str(port), "--no-http", "--chunk-size", str(CHUNK), "--l1-size-gb", "0.25"]
+    flags = ["--port", str(port), "--no-http", "--chunk-size", str(CHUNK), "--l1-size-gb", "0.25", "--shared-pool"]
     flags += ["--ipc", ipc_url.removeprefix("ipc://")]
     flags += ["--events-port", str(pub), "--events-replay-port", str(replay)]
     log = (workdir / "server.log").open("w")

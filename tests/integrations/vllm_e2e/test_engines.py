@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvferry.client import KvferryClient
 from tests.integrations.shm import pid_alive, shm_entries
 from tests.integrations.vllm_e2e.kit import (
     BATCH,
@@ -260,12 +261,19 @@ def test_two_engines_share_one_server(
     first = run_driver("server", workdir, model_dir, "--server-url", tcp_url)
     # vLLM's default process layout: engine core and CPU worker in processes of their own, so the connector's
     # scheduler half looks up in the server by itself, in the key space its worker reported; over the server's
-    # Unix socket, where the first engine stored over TCP.
-    second = run_driver("server", workdir, model_dir, "--server-url", ipc_url, "--multiprocessing")
+    # Unix socket, where the first engine stored over TCP; its worker copies the hit out of the server's shared
+    # pool itself (direct loads).
+    with KvferryClient(tcp_url) as client:
+        located = client.stats()["cache"]["located_chunks"]
+    second = run_driver("server", workdir, model_dir, "--server-url", ipc_url, "--multiprocessing", "--direct-loads")
     expected = reference["runs"][0]["tokens"][0]
     assert cached_of(first["runs"][0]) == 0 and tokens_of(first["runs"][0]) == expected
     assert cached_of(second["runs"][0]) == HIT
     assert tokens_of(second["runs"][0]) == expected
+    with KvferryClient(tcp_url) as client:
+        cache = client.stats()["cache"]
+    assert cache["located_chunks"] - located == HIT // CHUNK + 1  # its chunks and its tail, copied by the engine
+    assert "not direct" not in second["output"]
     assert_no_leak(first)
 
 
