@@ -48,32 +48,41 @@ class DirectLoads:
         return None
 
     def start(
-        self, located: LocateResult, block_ids: list[int], skip: int, chunk: int, release: Callable[[], None]
+        self,
+        located: LocateResult,
+        block_ids: list[int],
+        skip: int,
+        chunk: int,
+        release: Callable[[], None],
+        *,
+        wait_here: bool = False,
     ) -> Future[int]:
         """Enqueue the copy of ``located``'s objects into ``block_ids`` (the scheduler's), leaving the first
         ``skip`` tokens' blocks alone, ordered after this thread's current stream; the future gives the tokens the
         blocks then hold (``skip`` included). ``release`` ends the lease: called once the copy is over (done,
-        failed or never started), after the future is settled."""
+        failed or never started), after the future is settled. ``wait_here``: the copy is waited for on this
+        thread (a foreground load: no hand-off to this object's thread and back); the future is then done."""
+        future: Future[int] = Future()
         try:
             if located.tokens <= skip:
-                future: Future[int] = Future()
                 future.set_result(skip)
-                release()
-                return future
-            pool = self._mapped(located.pool)
-            objects = pool.views(located.objects, self._geom.object_shape(chunk), self._geom.object_dtype, token_axis=2)
-            bs = self._kv.block_size
-            ids = self._kv.kernel_block_ids(block_ids)[: located.tokens // bs]
-            kv = self._kv
-            if self._gpu:
-                handle = transfer_async(
-                    kv.paged, objects, ids, Direction.H2D, kv.fmt, chunk, skip // bs, geometry=self._geom
-                )
-                future = self._waiter.submit(_ended_in_time, handle.wait, located)
             else:
-                transfer(kv.paged, objects, ids, Direction.H2D, kv.fmt, chunk, skip // bs, geometry=self._geom)
-                future = Future()
-                future.set_result(_ended_in_time(lambda: None, located))
+                pool = self._mapped(located.pool)
+                shape, dtype = self._geom.object_shape(chunk), self._geom.object_dtype
+                objects = pool.views(located.objects, shape, dtype, token_axis=2)
+                kv, bs = self._kv, self._kv.block_size
+                ids = kv.kernel_block_ids(block_ids)[: located.tokens // bs]
+                if not self._gpu:
+                    transfer(kv.paged, objects, ids, Direction.H2D, kv.fmt, chunk, skip // bs, geometry=self._geom)
+                    _settle(future, lambda: None, located)
+                else:
+                    handle = transfer_async(
+                        kv.paged, objects, ids, Direction.H2D, kv.fmt, chunk, skip // bs, geometry=self._geom
+                    )
+                    if wait_here:
+                        _settle(future, handle.wait, located)
+                    else:
+                        future = self._waiter.submit(_ended_in_time, handle.wait, located)
         except BaseException:
             release()
             raise
@@ -109,6 +118,13 @@ class DirectLoads:
 
     def close(self) -> None:
         self._waiter.shutdown(wait=True)
+
+
+def _settle(future: Future[int], wait: Callable[[], Any], located: LocateResult) -> None:
+    try:
+        future.set_result(_ended_in_time(wait, located))
+    except Exception as exc:
+        future.set_exception(exc)
 
 
 def _ended_in_time(wait: Callable[[], Any], located: LocateResult) -> int:

@@ -185,7 +185,7 @@ class ServerBackend:
         """Sent and waited for on this thread: it reads the server's answer and watches the transfer's done flag
         itself (the asynchronous form's future passes through the client's threads on the way back)."""
         if self._direct is not None:
-            direct = self._direct_load(tokens, block_ids, skip_prefix_tokens)
+            direct = self._direct_load(tokens, block_ids, skip_prefix_tokens, wait_here=True)
             if direct is not None:
                 return direct.result()
         ids = self._kernel_block_ids(block_ids)
@@ -194,7 +194,9 @@ class ServerBackend:
         )
         return skip_prefix_tokens + written
 
-    def _direct_load(self, tokens: TokenIds, block_ids: list[int], skip: int) -> Future[int] | None:
+    def _direct_load(
+        self, tokens: TokenIds, block_ids: list[int], skip: int, *, wait_here: bool = False
+    ) -> Future[int] | None:
         """The load copied here (`DirectLoads.start`); None where the server will not locate (its pool is private,
         its objects coded or checksummed, this client a tenant's) or its pool cannot be mapped here (another user's
         or host's server): then this and every later load goes through RETRIEVE, said once."""
@@ -217,7 +219,7 @@ class ServerBackend:
                 self.free_leases(generation, [located.lease])
 
         try:
-            return direct.start(located, block_ids, skip, self.link.chunk_size or 0, release)
+            return direct.start(located, block_ids, skip, self.link.chunk_size or 0, release, wait_here=wait_here)
         except OSError as exc:
             self._no_direct_loads(f"its pool cannot be mapped here: {exc}")
             return None

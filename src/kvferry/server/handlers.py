@@ -53,6 +53,7 @@ INLINE_OPS = frozenset(
         Op.GET_CHUNK_SIZE,
         Op.LOOKUP,
         Op.LOOKUP_EACH,
+        Op.LOCATE,  # the pool's index only: a tier is never asked
         Op.PREFETCH,
         Op.PREFETCH_STATUS,
         Op.FREE_LOOKUP_LOCKS,
