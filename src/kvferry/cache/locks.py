@@ -1,5 +1,5 @@
 """Lookup locks: pins on a prefix's objects that keep eviction away until a retrieve or a timeout ends them; and
-read leases, readers held on located objects (`kvferry.cache.locate`) that keep their memory as it is until the
+read leases, readers held on located objects (`CacheEngine.locate`) that keep their memory as it is until the
 reader releases them or their deadline passes, whatever happens to the objects meanwhile."""
 
 from __future__ import annotations
