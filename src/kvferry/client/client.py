@@ -302,6 +302,19 @@ class KvferryClient:
             lambda r: [LookupResult(int(f["tokens"]), int(f["pending"]), f["lock"]) for f in r["found"]],
         )
 
+    def locate(
+        self,
+        tokens: Any,
+        *,
+        registration: int | None = None,
+        namespace: Namespace | None = None,
+        block_size: int | None = None,
+    ) -> LocateResult:
+        """`locate_async`, its reply read on this thread (no hand-off from the client's reader)."""
+        return self._call(
+            lambda: self.locate_async(tokens, registration=registration, namespace=namespace, block_size=block_size)
+        )
+
     def locate_async(
         self,
         tokens: Any,

@@ -204,9 +204,8 @@ class ServerBackend:
         assert direct is not None
         generation = self.link.generation
         try:
-            located = self.link.wait(
-                lambda client, reg: client.locate_async(tokens, registration=reg, block_size=self._block_size),
-                self.link.timeout_s,
+            located = self.link.call(  # the reply read on this thread, as `retrieve`'s is
+                lambda client, reg: client.locate(tokens, registration=reg, block_size=self._block_size)
             )
         except ServerError as exc:
             if exc.code not in (ErrorCode.BAD_ARGUMENT.value, ErrorCode.FORBIDDEN.value, ErrorCode.UNKNOWN_OP.value):
