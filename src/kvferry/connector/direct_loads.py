@@ -60,7 +60,8 @@ class DirectLoads:
         """Enqueue the copy of ``located``'s objects into ``block_ids`` (the scheduler's), leaving the first
         ``skip`` tokens' blocks alone, ordered after this thread's current stream; the future gives the tokens the
         blocks then hold (``skip`` included). ``release`` ends the lease: called once the copy is over (done,
-        failed or never started), after the future is settled. ``wait_here``: the copy is waited for on this
+        failed or never started), after the future is settled, on this object's thread unless the copy failed to
+        start. ``wait_here``: the copy is waited for on this
         thread (a foreground load: no hand-off to this object's thread and back); the future is then done."""
         future: Future[int] = Future()
         try:
@@ -86,7 +87,10 @@ class DirectLoads:
         except BaseException:
             release()
             raise
-        future.add_done_callback(lambda _: release())
+        if future.done():  # waited for here: the lease's FREE goes out on this object's thread, not the caller's
+            self._waiter.submit(release)
+        else:
+            future.add_done_callback(lambda _: release())
         return future
 
     def map_ahead(self, locate: Callable[[], LocateResult]) -> None:
