@@ -44,12 +44,11 @@ class CacheConfig(BaseModel):
     )
     eviction_batch: int = Field(16, gt=0, description="objects one eviction takes (at most a quarter of the pool's)")
     lock_timeout_s: float = Field(
-        30.0, gt=0, description="a lookup lock (or a read lease of direct loads) is released after this many seconds"
+        30.0, gt=0, description="seconds until a lookup lock (or a direct load's read lease) is released"
     )
     shared_pool: bool = Field(
         False,
-        description="the pool in a memfd that engines of this user on this host map, to copy hits themselves "
-        "(their direct_loads)",
+        description="the pool in a memfd that engines of this user on this host map (direct_loads, direct_stores)",
     )
     hash_algo: Literal["sha256", "blake3"] = Field(
         "blake3",
@@ -70,8 +69,7 @@ class CacheConfig(BaseModel):
     in_flight_wait_s: float = Field(
         2.0,
         ge=0,
-        description="how long a store waits for chunks a concurrent store of the same prefix is writing (it stores "
-        "them itself if that store fails)",
+        description="how long a store waits for chunks a concurrent store is writing (then stores those that failed)",
     )
     slice_wait_s: float = Field(
         30.0,

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 
+from kvferry.bench import sglang_gpu_bench, vllm_gpu_bench
 from kvferry.bench.gpu_transfer_bench import planned_steps
 from kvferry.bench.vllm_connector_path import ConnectorPath
-from kvferry.bench.vllm_gpu_bench import MODES
 from kvferry.bench.vllm_gpu_steps import STEPS, summary
 from kvferry.bench.vllm_page_dma import PageDMA
 from kvferry.bench.vllm_views import BENCH_CASES
@@ -96,7 +96,7 @@ def test_vllm_gpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     every load checked, vLLM's page DMA beside."""
     doc, progress = run_bench(monkeypatch, tmp_path, "vllm-gpu", "--repeats", "2", "--no-gemm")
     rows = doc["results"]["rows"]
-    assert [(r["mode"], r["case"]) for r in rows] == [(m, c.name) for m in MODES for c in BENCH_CASES]
+    assert [(r["mode"], r["case"]) for r in rows] == [(m, c.name) for m in vllm_gpu_bench.MODES for c in BENCH_CASES]
     assert progress.done == [f"{r['mode']}: {r['case']}" for r in rows]
     for r in rows:
         assert r["checked_rounds"] == 3
@@ -119,7 +119,7 @@ def test_sglang_gpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Every mode, both recorded model-sized SGLang pools; each load checked, the ratios from their own samples."""
     doc, progress = run_bench(monkeypatch, tmp_path, "sglang-gpu", "--repeats", "2")
     rows = doc["results"]["rows"]
-    assert [r["mode"] for r in rows] == [m for m in MODES for _ in range(2)]
+    assert [r["mode"] for r in rows] == [m for m in sglang_gpu_bench.MODES for _ in range(2)]
     assert progress.done == [f"{r['mode']}: {r['pool']}" for r in rows]
     for r in rows:
         assert r["checked_rounds"] == 3 and r["mib"] == pytest.approx(512 if r["pool"].startswith("mha") else 274.5)

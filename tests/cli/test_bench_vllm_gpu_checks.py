@@ -390,14 +390,16 @@ def test_vllm_gpu_control_flow_with_the_gpu_faked(
 @pytest.mark.parametrize(
     ("cache", "fails"),
     [
-        ({"located_chunks": 64, "retrieves": 0}, False),
-        ({"located_chunks": 64, "retrieves": 1}, True),  # a load fell back to RETRIEVE
-        ({"located_chunks": 0, "retrieves": 0}, True),  # nothing was located: no load went direct
+        ({"located_chunks": 64, "retrieves": 0, "stores": 12, "adopted_stores": 8}, None),
+        ({"located_chunks": 64, "retrieves": 1, "stores": 12, "adopted_stores": 8}, "loads"),  # a RETRIEVE
+        ({"located_chunks": 0, "retrieves": 0, "stores": 12, "adopted_stores": 8}, "loads"),  # nothing located
+        ({"located_chunks": 64, "retrieves": 0, "stores": 12, "adopted_stores": 7}, "stores"),  # one STORE more
+        ({"located_chunks": 64, "retrieves": 0, "stores": 4, "adopted_stores": 0}, "stores"),  # none adopted
     ],
 )
-def test_the_direct_mode_fails_where_a_load_was_not_copied_here(cache: dict[str, int], fails: bool) -> None:
+def test_the_direct_mode_fails_where_a_transfer_was_not_copied_here(cache: dict[str, int], fails: str | None) -> None:
     if fails:
-        with pytest.raises(BenchError, match="did not all go direct"):
-            check_direct(cache)
+        with pytest.raises(BenchError, match=f"the {fails} did not"):
+            check_direct(cache, cases=4)
     else:
-        check_direct(cache)
+        check_direct(cache, cases=4)

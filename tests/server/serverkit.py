@@ -13,7 +13,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -30,6 +30,27 @@ from kvferry.formats import EngineKVFormat, KVGeometry
 from kvferry.protocol.unix_framing import HEADER, frame
 from kvferry.tiers import Tier
 from kvferry.transfer.block_ids import BlockIds
+
+
+class NoPool:
+    """`CacheService.written` of a cache with no pool to reserve objects in."""
+
+    def reserve(self, geom: KVGeometry, count: int) -> list[int]:
+        raise ValueError("the fake engine has no pool")
+
+    def give_back(self, offsets: Sequence[int]) -> None:
+        raise ValueError("the fake engine has no pool")
+
+    def adopt(
+        self,
+        tokens: TokenIds,
+        ns: CacheNamespace,
+        geom: KVGeometry,
+        first: int,
+        offsets: Sequence[int],
+        tail: tuple[int, int] | None,
+    ) -> int:
+        raise ValueError("the fake engine has no pool")
 
 
 class FakeEngine:
@@ -201,6 +222,10 @@ class FakeEngine:
     @property
     def shared_pool(self) -> tuple[int, int] | None:
         return None  # the fake keeps whole objects in a dict, no pool
+
+    @property
+    def written(self) -> NoPool:
+        return NoPool()  # the server asks a cache with no shared pool for no reserved objects
 
     def locate(
         self, tokens: TokenIds, *, namespace: CacheNamespace | None = None, block_size: int | None = None

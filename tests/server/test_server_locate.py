@@ -50,7 +50,7 @@ def test_located_objects_copied_here_equal_a_retrieve(shared_server: ServerProce
         assert pid == shared_server.pid
         pool = PoolMapping(pid, fd, nbytes, pin=False)
         geom = describe(FMT_REAL, by_locate, block_size=REAL_BS)
-        views = pool.views(located.objects, geom.object_shape(REAL_CHUNK), geom.object_dtype, token_axis=2)
+        views = [pool.object_at(o, geom.object_shape(n), geom.object_dtype) for o, n in located.objects]
         kvferry.transfer(by_locate, views, dst_ids, kvferry.Direction.H2D, FMT_REAL, REAL_CHUNK)
         assert client.stats()["cache"]["read_leases"] == 1
         assert client.free_lookup_locks(located.lease)

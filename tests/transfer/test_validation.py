@@ -181,3 +181,25 @@ def test_pool_address_check_refuses_what_the_object_check_refuses() -> None:
             check_pool_addresses(geom, addresses, ids, direction, 8, skip)
     with pytest.raises(ValueError, match="addresses is empty"):
         check_pool_addresses(geom, [], [], Direction.D2H, 8, 0)
+
+
+def test_a_partial_last_object_by_address_is_checked_as_the_same_object_is() -> None:
+    """``last_tokens``: a tail's object last, by address, holds the blocks and capacity its view would."""
+    paged = make_paged(F, DIMS, 16, 4)
+    geom = describe(F, paged)
+    pool = HostPool(1 << 20)
+    addresses = pool.try_reserve_many(geom.object_shape(8), geom.dtype, 2)
+    objs = [
+        *pool.views(addresses[:1], geom.object_shape(8), geom.dtype),
+        torch.empty(geom.object_shape(4), dtype=geom.dtype),
+    ]
+    for direction, skip in ((Direction.D2H, 0), (Direction.H2D, 2)):
+        by_address = check_pool_addresses(geom, addresses, [3, 1, 7], direction, 8, skip, last_tokens=4)
+        by_object = check(geom, objs, [3, 1, 7], direction, 8, skip)
+        assert list(by_address.ids) == list(by_object.ids) == [3, 1, 7]
+        assert by_address.caps == by_object.caps == [8, 4]
+    for last, match in [(6, "last_tokens=6 must be a multiple of 4"), (12, "within 1..8"), (0, "within 1..8")]:
+        with pytest.raises(ValueError, match=match):
+            check_pool_addresses(geom, addresses, [3, 1, 7], Direction.D2H, 8, 0, last_tokens=last)
+    with pytest.raises(ValueError, match="block_ids has 4 entries but the 2 objects hold 3 blocks"):
+        check_pool_addresses(geom, addresses, [3, 1, 7, 2], Direction.D2H, 8, 0, last_tokens=4)

@@ -4,14 +4,14 @@ vLLM's own page DMA and a plain memcpy of the same bytes.
 The views are the recorded ones of `kvferry.bench.vllm_views` (llama3-8b with FlashAttention in the layouts LBHNC, LBNHC
 and BLHNC, and DeepSeek-V3's MLA latent with FlashMLA), replayed on the GPU and recognised by the connector's own code.
 Each mode (embedded: the cache in this process; server: a ``kvferry server`` holding the pool, the KV registered by CUDA
-IPC, reached over loopback TCP and over its Unix socket; server direct: its pool shared, the loads copied in this
-process, `kvferry.connector.direct_loads`) stores a 16-chunk prefix from blocks scattered over the cache
-and loads it into other scattered blocks, as vLLM's model runner calls the worker side (a store after the forward pass,
-a foreground load before it), each timed from the call to the bytes in place (`kvferry.bench.vllm_connector_path`). In
-the same rounds vLLM's own CPU offload moves the same bytes, a page per descriptor of one ``cuMemcpyBatchAsync`` to and
-from pinned memory (`kvferry.bench.vllm_page_dma`), and a pinned memcpy moves them as one copy each way. Every sample is
-recorded under its operation's name where it is timed (`kvferry.bench.samples`); a ratio is the memcpy's median time
-over the path's (1.0: as fast as one plain copy).
+IPC, reached over loopback TCP and over its Unix socket; server direct: its pool shared, the stores and loads copied in
+this process, `kvferry.connector.direct_stores` and `direct_loads`) stores a 16-chunk prefix from blocks scattered over
+the cache and loads it into other scattered blocks, as vLLM's model runner calls the worker side (a store after the
+forward pass, a foreground load before it), each timed from the call to the bytes in place
+(`kvferry.bench.vllm_connector_path`). In the same rounds vLLM's own CPU offload moves the same bytes, a page per
+descriptor of one ``cuMemcpyBatchAsync`` to and from pinned memory (`kvferry.bench.vllm_page_dma`), and a pinned memcpy
+moves them as one copy each way. Every sample is recorded under its operation's name where it is timed
+(`kvferry.bench.samples`); a ratio is the memcpy's median time over the path's (1.0: as fast as one plain copy).
 
 Every round uses a fresh prefix and new bytes in the source blocks, and every load of the timed rounds (and of the
 warm-up) is checked outside its timed region: the whole prefix loaded, each destination block (random bytes before the
@@ -44,7 +44,7 @@ from kvferry.cuda.driver import driver
 from kvferry.cuda.vmm_alloc import DriverMappedSegments
 
 POOL_GB = 4.0
-# server: over loopback TCP, over its Unix socket (`--ipc`), and with its pool shared: loads copied in this process
+# server: over loopback TCP, over its Unix socket (`--ipc`), and with its pool shared: stores and loads copied here
 MODES = ["embedded", "server tcp", "server ipc", "server direct"]
 DESCRIPTION = description_of(__doc__)
 EXAMPLES = """\
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace, steps: Steps) -> Outcome:
                     path.close()
             if server is not None and mode == "server direct":
                 with KvferryClient(server.tcp_endpoint) as client:
-                    check_direct(client.stats()["cache"])
+                    check_direct(client.stats()["cache"], len(BENCH_CASES))
         finally:
             if server is not None:
                 server.stop()
@@ -177,20 +177,27 @@ def _driver_mapped(nbytes: int) -> Any:
     return DriverMappedSegments([nbytes], torch.cuda.current_device()).tensor()
 
 
-def check_direct(cache: dict[str, Any]) -> None:
-    """The direct mode's loads were copied here: its server's cache (``cache``: STATS) located objects and ran
-    no RETRIEVE."""
+def check_direct(cache: dict[str, Any], cases: int) -> None:
+    """The direct mode's transfers were copied here: its server's cache (``cache``: STATS) located objects and ran
+    no RETRIEVE, and adopted every store but each case's first (a STORE: nothing was reserved yet)."""
     if not cache["located_chunks"] or cache["retrieves"]:
         raise BenchError(
             f"server direct: {cache['located_chunks']} chunks located, {cache['retrieves']} RETRIEVEs: the loads "
             "did not all go direct"
+        )
+    if not cache["adopted_stores"] or cache["stores"] - cache["adopted_stores"] > cases:
+        raise BenchError(
+            f"server direct: {cache['adopted_stores']} of {cache['stores']} stores copied here: the stores did not "
+            "go direct"
         )
 
 
 def _settings(mode: str, endpoint: str | None) -> ConnectorSettings:
     if mode != "embedded":
         direct = mode == "server direct"
-        return ConnectorSettings(mode="server", server_url=str(endpoint), timeout_s=30.0, direct_loads=direct)
+        return ConnectorSettings(
+            mode="server", server_url=str(endpoint), timeout_s=30.0, direct_loads=direct, direct_stores=direct
+        )
     return ConnectorSettings(mode="embedded", config={"cache": {"chunk_size": CHUNK, "l1_size_gb": POOL_GB}})
 
 

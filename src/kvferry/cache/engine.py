@@ -30,6 +30,7 @@ from kvferry.cache.residency import Residency
 from kvferry.cache.steps import RecordedEvent, Steps, StoredEarly, StreamMarker, run_steps, submitted
 from kvferry.cache.tiering import TierLink
 from kvferry.cache.writer import ChunkWriter
+from kvferry.cache.written import WrittenStores
 from kvferry.config import KvferryConfig
 from kvferry.formats import EngineKVFormat, KVGeometry
 from kvferry.kernels.cpu_threads import torch_on_one_thread
@@ -76,6 +77,8 @@ class CacheEngine:
         self._writer = ChunkWriter(
             self._res, self._hasher, cfg.chunk_size, self._checksum, self._tiers, cfg.in_flight_wait_s
         )
+        # Stores copied by the engine itself into objects reserved in a shared pool (`kvferry.cache.written`).
+        self.written = WrittenStores(self._writer, self._res, self._hasher, cfg.chunk_size)
         self._reader = ChunkReader(self._res, self._hasher, cfg.chunk_size, self._checksum, self.counters)
         self._lookup = PrefixLookup(self._res, self._hasher, self._tiers)
         self._geometries = GeometryChecks(cfg.chunk_size)

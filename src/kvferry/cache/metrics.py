@@ -36,6 +36,7 @@ class CacheCounters:
     retrieved_bytes: int = 0
     retrieve_seconds: float = 0.0  # time in the retrieve transfers (H2D copies)
     located_chunks: int = 0  # objects handed to engines that copy them out of a shared pool themselves
+    adopted_stores: int = 0  # stores an engine copied into objects reserved in a shared pool (`cache.written`)
     evictions: int = 0  # objects that left the pool to make room (dropped or written to a tier)
     evicted_bytes: int = 0
     tier_writes: int = 0  # objects written to a tier successfully
@@ -64,6 +65,7 @@ _HELP = {
     "retrieved_bytes": "bytes copied from the host pool into engines",
     "retrieve_seconds": "seconds spent in retrieve copies",
     "located_chunks": "chunk objects located for engines that copy them out of a shared host pool themselves",
+    "adopted_stores": "stores engines copied themselves into objects reserved in a shared host pool",
     "evictions": "objects evicted from the host pool",
     "evicted_bytes": "bytes evicted from the host pool",
     "tier_writes": "objects written to a storage tier",

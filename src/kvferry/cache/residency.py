@@ -233,12 +233,12 @@ class Residency(TierTraffic):
                     self._spill_finished.wait(left)
 
     def index_written(
-        self, keys: list[bytes], parent: bytes | None, objects: list[torch.Tensor], nbytes: int
+        self, keys: list[bytes], parent: bytes | None, objects: list[torch.Tensor], nbytes: int, tail: int = 0
     ) -> tuple[list[tuple[int, Entry]], list[torch.Tensor], list[tuple[int, Entry]]]:
-        """``reserve`` for objects the caller allocated from the pool and is already copying into (one per key):
-        a WRITING entry with its object for every key not yet present. Returns the entries with their positions,
-        the objects of the keys found present, which the caller frees once its copy has finished, and the entries
-        found WRITING for another store (as ``reserve``)."""
+        """``reserve`` for objects the caller allocated from the pool and is copying or has copied into (one per
+        key): a WRITING entry with its object for every key not yet present. Returns the entries with their
+        positions, the objects of the keys found present, which the caller frees once its copy has finished, and
+        the entries found WRITING for another store (as ``reserve``). ``tail``: as ``reserve``'s."""
         new: list[tuple[int, Entry]] = []
         spare: list[torch.Tensor] = []
         others: list[tuple[int, Entry]] = []
@@ -253,7 +253,8 @@ class Residency(TierTraffic):
                     if present.state is WRITING:
                         others.append((i, present))
                 else:
-                    entry = Entry(key, WRITING, objects[i], nbytes, parent=keys[i - 1] if i else parent, writers=1)
+                    before = keys[i - 1] if i else parent
+                    entry = Entry(key, WRITING, objects[i], nbytes, parent=before, writers=1, tail=tail)
                     add(entry)
                     new.append((i, entry))
             self.counters.present_chunks += len(spare)

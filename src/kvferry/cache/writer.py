@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from kvferry.transfer.handle import TransferHandle
 
 
-class _Write(NamedTuple):
+class Write(NamedTuple):
     """A store's chunks being written: their entries (WRITING) and the chunk each holds, their copy in flight
     (None: done already), the objects copied into for chunks found present (freed once the copy is done), when
     the copy started, and the chunks (by index) found WRITING for another store."""
@@ -106,6 +106,22 @@ class ChunkWriter:
                 tokens, ns, paged, geom, ids, tail_len, valid_until, parent_skipped=first >= n_full > 0
             )
             seconds += more
+        return self.account(tokens, ns, geom, first, entries, stored_tail, tail_len, seconds, pages)
+
+    def account(
+        self,
+        tokens: TokenIds,
+        ns: CacheNamespace,
+        geom: KVGeometry,
+        first: int,
+        entries: list[Entry],
+        stored_tail: Entry | None,
+        tail_len: int,
+        seconds: float,
+        pages: bool = False,
+    ) -> int:
+        """After a store's chunks from ``first`` on and its tail (``tail_len`` tokens asked for) were written: the
+        tails they supersede dropped, the counters. Returns the tokens stored."""
         if self._res.index.has_tails and not pages:  # tails the chunks and tail just stored supersede go first
             self._res.demote(superseded(self._res.index, self._hasher.prefix(tokens, ns), first, tail_len))
         share = geom.width / geom.object_width  # this engine's heads
@@ -139,7 +155,7 @@ class ChunkWriter:
         that ends after ``valid_until`` (time.time()) is dropped: see ``CacheEngine.store``. Yields once, when the
         copy is enqueued (`kvferry.cache.steps`); its count is final unless chunks in flight for a concurrent
         store of the same prefix must be waited for, or ``more_after`` (the caller writes a tail after them).
-        ``pages``: each chunk is keyed as a one-chunk prefix of its own (`_keys_after`)."""
+        ``pages``: each chunk is keyed as a one-chunk prefix of its own (`keys_after`)."""
         n_full = self._hasher.num_chunks(tokens)
         write = None
         if first < n_full and copies_in_background(geom, self._pool) and not geom.partial_heads:
@@ -155,7 +171,7 @@ class ChunkWriter:
             yield Enqueued(write.in_flight, len(write.entries) * self._chunk_size, not (write.others or more_after))
         finally:  # also when the steps are closed early: the copy is waited for and its chunks settled
             if write.entries or write.spare:
-                stored, seconds = self._finish(write, valid_until, tokens, ns)
+                stored, seconds = self.finish(write, valid_until, tokens, ns)
         if not write.others:
             return stored, seconds
         taken, more = self._take_over(tokens, ns, paged, geom, block_ids, write.others, valid_until, pages)
@@ -184,7 +200,7 @@ class ChunkWriter:
                 break
             write = self._in_order(tokens, ns, paged, geom, block_ids, min(lost), pages)
             if write.entries:
-                kept, more = self._finish(write, valid_until, tokens, ns)
+                kept, more = self.finish(write, valid_until, tokens, ns)
                 stored += kept
                 seconds += more
             others = write.others
@@ -199,7 +215,7 @@ class ChunkWriter:
         first: int,
         n_full: int,
         pages: bool,
-    ) -> _Write | None:
+    ) -> Write | None:
         """The copy of chunks ``first..n_full-1`` enqueued before their keys are made, into objects from the pool's
         free room, evicted for where it is short (None: still short; store in order). A chunk found present gives
         its object back after the copy, and pauses this for the next ``AHEAD_PAUSE`` stores: a caller that
@@ -219,7 +235,7 @@ class ChunkWriter:
             raise
         try:
             objects = self._pool.views(addresses, shape, geom.object_dtype)
-            parent, keys = self._keys_after(tokens, ns, first, pages)  # validates tokens
+            parent, keys = self.keys_after(tokens, ns, first, pages)  # validates tokens
             nbytes = geom.bytes_per_token * self._chunk_size
             new, spare, others = self._res.index_written(keys, parent, objects, nbytes)
         except BaseException:
@@ -232,7 +248,7 @@ class ChunkWriter:
             self._ahead_pause = self.AHEAD_PAUSE
         entries = [entry for _, entry in new]
         chunks = [first + i for i, _ in new]
-        return _Write(entries, chunks, in_flight, spare, started, [(first + i, e) for i, e in others])
+        return Write(entries, chunks, in_flight, spare, started, [(first + i, e) for i, e in others])
 
     def _reserve(self, shape: tuple[int, ...], dtype: torch.dtype, n: int) -> list[int] | None:
         """Pool memory for ``n`` objects (their addresses: the views are carved after the enqueue), evicting first
@@ -256,9 +272,9 @@ class ChunkWriter:
         block_ids: CheckedBlockIds,
         first: int,
         pages: bool,
-    ) -> _Write:
+    ) -> Write:
         """Keys, then objects for the chunks not present, then their copy (done on return unless on a GPU)."""
-        parent, keys = self._keys_after(tokens, ns, first, pages)  # validates tokens, even when nothing is stored
+        parent, keys = self.keys_after(tokens, ns, first, pages)  # validates tokens, even when nothing is stored
         nbytes = geom.bytes_per_token * self._chunk_size
         shape = geom.object_shape(self._chunk_size)
         heads = head_masks(geom)
@@ -267,7 +283,7 @@ class ChunkWriter:
         in_flight_elsewhere = [(first + i, entry) for i, entry in others] if others else others
         chunks = [first + i for i, _ in new]
         if not entries:
-            return _Write(entries, chunks, None, [], 0.0, in_flight_elsewhere)
+            return Write(entries, chunks, None, [], 0.0, in_flight_elsewhere)
         ids = select_blocks(block_ids, [first + i for i, _ in new], self._chunk_size // geom.bs)
         started = time.perf_counter()
         try:
@@ -276,10 +292,10 @@ class ChunkWriter:
         except BaseException:
             self._res.abort(entries)
             raise
-        return _Write(entries, chunks, in_flight, [], started, in_flight_elsewhere)
+        return Write(entries, chunks, in_flight, [], started, in_flight_elsewhere)
 
-    def _finish(
-        self, write: _Write, valid_until: float | None, tokens: TokenIds, ns: CacheNamespace
+    def finish(
+        self, write: Write, valid_until: float | None, tokens: TokenIds, ns: CacheNamespace
     ) -> tuple[list[Entry], float]:
         """Evict back under the watermark while the bytes move, wait for them, make the new chunks readable (and
         start their tier writes); returns them and the copy's seconds. Past ``valid_until`` they are dropped."""
@@ -315,7 +331,7 @@ class ChunkWriter:
             tiers.write_through(kept)
         return entries, seconds
 
-    def _keys_after(
+    def keys_after(
         self, tokens: TokenIds, ns: CacheNamespace, first: int, pages: bool
     ) -> tuple[bytes | None, list[bytes]]:
         """The key of chunk ``first - 1`` (None for chunk 0) and the keys from ``first`` on: a prefix's chained
@@ -373,10 +389,14 @@ class ChunkWriter:
         if valid_until is not None and time.time() > valid_until:
             self._res.drop_late([entry])
             return None, seconds
+        self.commit_tail(entry)
+        return entry, seconds
+
+    def commit_tail(self, entry: Entry) -> None:
+        """A tail object's copy is over: readable (once every head's slice is written)."""
         whole = self._res.end_writes([entry])  # not yet, while other ranks' head slices are missing
         checksums = [self._checksum(e.obj) if self._checksum and e.obj is not None else None for e in whole]
         self._res.commit(whole, checksums, 0)  # tails stay in the pool: no tier writes
-        return entry, seconds
 
     def _free(self, objects: list[torch.Tensor]) -> None:
         for obj in objects:

@@ -34,7 +34,7 @@ from kvferry.client.done_flags import DoneFlags
 from kvferry.client.errors import ServerError
 from kvferry.client.fd_deposit import export_kv_to
 from kvferry.client.ready_events import ReadyEvents
-from kvferry.client.records import GpuRegistration, LocateResult, LookupResult, PrefetchStatus
+from kvferry.client.records import GpuRegistration, LocateResult, LookupResult, PrefetchStatus, Reserved
 from kvferry.client.request_args import Namespace, demote_args, key_space_args, retrieve_args, store_args
 from kvferry.client.transfers import Transfers
 from kvferry.protocol.messages import Op, pack_ids
@@ -332,6 +332,38 @@ class KvferryClient:
             args["block_size"] = block_size
         return self._conn.submit(Op.LOCATE, args, _located)
 
+    def reserve_async(self, registration: int, count: int) -> Future[Reserved]:
+        """``count`` objects of a whole chunk in the registered KV's object shape, reserved for this client in a
+        server's shared pool (``cache.shared_pool``) to copy stores into itself (`kvferry.client.pool_map` maps the
+        pool), then `commit_async`. Refused (BAD_ARGUMENT) by a server whose pool is private, for coded objects or
+        a slice of the heads; FORBIDDEN to a tenant."""
+        args = {"registration": registration, "count": count}
+        return self._conn.submit(Op.RESERVE, args, _reserved)
+
+    def commit_async(
+        self,
+        registration: int,
+        tokens: Any,
+        objects: list[int],
+        *,
+        first_chunk: int = 0,
+        tail: tuple[int, int] | None = None,
+        refill: int = 0,
+    ) -> Future[Reserved]:
+        """Reserved ``objects`` now hold the full chunks of ``tokens`` from ``first_chunk`` on, one each (``tail``:
+        the offset and tokens of the one holding the whole blocks after them): the server indexes them as a
+        STORE's, and reserves ``refill`` more. The result gives the tokens stored and the new objects."""
+        args: dict[str, Any] = {
+            "registration": registration,
+            "tokens": pack_ids(tokens, "tokens"),
+            "first_chunk": first_chunk,
+            "objects": objects,
+            "refill": refill,
+        }
+        if tail is not None:
+            args["tail"] = list(tail)
+        return self._conn.submit(Op.COMMIT, args, _reserved)
+
     def prefetch(self, tokens: Any, *, registration: int | None = None, namespace: Namespace | None = None) -> int:
         """Start bringing `tokens`' chunks from lower tiers into the host pool; returns a prefetch id."""
         args = {"tokens": pack_ids(tokens, "tokens"), **key_space_args(registration, namespace)}
@@ -374,6 +406,12 @@ class KvferryClient:
     def _call(self, send: Callable[[], Future[Any]]) -> Any:
         """Send a request (`send` submits it) and wait for its result on this thread."""
         return self._conn.call(send)
+
+
+def _reserved(reply: dict[str, Any]) -> Reserved:
+    pool = reply.get("pool")
+    pool_file = None if pool is None else (int(pool["pid"]), int(pool["fd"]), int(pool["bytes"]))
+    return Reserved([int(offset) for offset in reply["objects"]], int(reply.get("stored", 0)), pool_file)
 
 
 def _located(reply: dict[str, Any]) -> LocateResult:

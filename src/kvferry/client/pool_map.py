@@ -8,14 +8,19 @@ was (no other process can reuse those pages), so only a lease's deadline bounds 
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
+import threading
+import time
 from collections.abc import Sequence
 
 import torch
 
 from kvferry.cuda.pinned import register_host_memory, register_pinned
 from kvferry.protocol.shared_memory import is_shared_memory
+
+log = logging.getLogger(__name__)
 
 
 class PoolMapping:
@@ -43,18 +48,33 @@ class PoolMapping:
             register_host_memory(self, start, nbytes)
             register_pinned(self, start, nbytes)
 
-    def views(
-        self, objects: Sequence[tuple[int, int]], shape_of: Sequence[int], dtype: torch.dtype, token_axis: int
-    ) -> list[torch.Tensor]:
-        """The objects at ``(offset, tokens)`` as ``dtype`` tensors of shape ``shape_of`` with ``tokens`` on
-        ``token_axis``; ValueError for one outside the pool."""
-        views = []
-        itemsize = dtype.itemsize
-        for offset, tokens in objects:
-            shape = list(shape_of)
-            shape[token_axis] = tokens
-            nbytes = torch.Size(shape).numel() * itemsize
-            if offset < 0 or offset + nbytes > self.slab.numel() or offset % itemsize:
-                raise ValueError(f"an object of {nbytes:,} bytes at {offset:,} is not inside the server's pool")
-            views.append(self.slab[offset : offset + nbytes].view(dtype).view(shape))
-        return views
+    def object_at(self, offset: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """The object of ``shape``/``dtype`` at byte ``offset``; ValueError for one outside the pool."""
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        if offset < 0 or offset + nbytes > self.slab.numel() or offset % dtype.itemsize:
+            raise ValueError(f"an object of {nbytes:,} bytes at {offset:,} is not inside the server's pool")
+        return self.slab[offset : offset + nbytes].view(dtype).view(shape)
+
+
+class MappedPool:
+    """The server's pool as this process maps it for its direct loads and stores, mapped once (again where the
+    server changed: a restart's new pool). Thread-safe."""
+
+    def __init__(self, pin: bool) -> None:
+        self._pin = pin
+        self._lock = threading.Lock()
+        self._mapping: PoolMapping | None = None
+
+    def get(self, pool: tuple[int, int, int]) -> PoolMapping:
+        """The pool named (pid, descriptor, bytes) mapped here; OSError where it cannot be (see `PoolMapping`)."""
+        with self._lock:
+            if self._mapping is None or self._mapping.key != pool:
+                started = time.monotonic()
+                self._mapping = PoolMapping(*pool, pin=self._pin)
+                log.info(
+                    "kvferry: mapped the server's shared pool (%.1f GiB%s) in %.2f s",
+                    pool[2] / 2**30,
+                    ", pinned" if self._pin else "",
+                    time.monotonic() - started,
+                )
+            return self._mapping

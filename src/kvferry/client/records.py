@@ -29,6 +29,15 @@ class LocateResult:
 
 
 @dataclass(frozen=True, slots=True)
+class Reserved:
+    """RESERVE's or COMMIT's answer: objects reserved for this client in the server's shared pool."""
+
+    objects: list[int]  # byte offsets in the pool of objects of a whole chunk, this client's to copy into
+    stored: int  # COMMIT: the tokens the committed objects added (0 for RESERVE)
+    pool: tuple[int, int, int] | None  # RESERVE: the pool's (pid, memfd descriptor, bytes), as `LocateResult.pool`
+
+
+@dataclass(frozen=True, slots=True)
 class PrefetchStatus:
     done: bool
     tokens: int  # prefix tokens now in the server's host pool (when done)

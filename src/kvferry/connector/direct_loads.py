@@ -10,17 +10,17 @@ may have read bytes the server had reused, so it counts as a failed load (the en
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from kvferry.client.pool_map import PoolMapping
+from kvferry.client.pool_map import MappedPool
 from kvferry.client.records import LocateResult
 from kvferry.connector.engine_kv import EngineKV
 from kvferry.formats import describe
-from kvferry.transfer import Direction, transfer, transfer_async
+from kvferry.transfer import Direction, transfer
+from kvferry.transfer.api import transfer_pool_at_async
 
 log = logging.getLogger(__name__)
 
@@ -32,20 +32,12 @@ class LeaseExpired(RuntimeError):
 class DirectLoads:
     """Copies located objects into one engine's KV (``kv``); thread-safe."""
 
-    def __init__(self, kv: EngineKV) -> None:
+    def __init__(self, kv: EngineKV, pool: MappedPool) -> None:
         self._kv = kv
         self._geom = describe(kv.fmt, kv.paged, kv.block_size)
         self._gpu = self._geom.device.type == "cuda"
-        self._pool: PoolMapping | None = None
-        self._lock = threading.Lock()
+        self._pool = pool
         self._waiter = ThreadPoolExecutor(1, thread_name_prefix="kvferry-direct-load")
-
-    @staticmethod
-    def unsupported(kv: EngineKV) -> str | None:
-        """Why ``kv``'s loads cannot be direct (they then go through RETRIEVE), or None."""
-        if kv.heads is not None:
-            return "a tensor-parallel rank's heads are a slice of each object"
-        return None
 
     def start(
         self,
@@ -68,17 +60,28 @@ class DirectLoads:
             if located.tokens <= skip:
                 future.set_result(skip)
             else:
-                pool = self._mapped(located.pool)
-                shape, dtype = self._geom.object_shape(chunk), self._geom.object_dtype
-                objects = pool.views(located.objects, shape, dtype, token_axis=2)
-                kv, bs = self._kv, self._kv.block_size
+                pool = self._pool.get(located.pool)
+                geom, kv, bs = self._geom, self._kv, self._kv.block_size
                 ids = kv.kernel_block_ids(block_ids)[: located.tokens // bs]
                 if not self._gpu:
-                    transfer(kv.paged, objects, ids, Direction.H2D, kv.fmt, chunk, skip // bs, geometry=self._geom)
+                    dtype = geom.object_dtype
+                    objects = [pool.object_at(o, geom.object_shape(n), dtype) for o, n in located.objects]
+                    transfer(kv.paged, objects, ids, Direction.H2D, kv.fmt, chunk, skip // bs, geometry=geom)
                     _settle(future, lambda: None, located)
-                else:
-                    handle = transfer_async(
-                        kv.paged, objects, ids, Direction.H2D, kv.fmt, chunk, skip // bs, geometry=self._geom
+                else:  # by address: no views to carve; the objects wholly skipped left out
+                    first = skip // chunk
+                    per_chunk = chunk // bs
+                    located_from = located.objects[first:]
+                    addresses = [pool.slab.data_ptr() + offset for offset, _ in located_from]
+                    last = located_from[-1][1]
+                    handle = transfer_pool_at_async(
+                        geom,
+                        addresses,
+                        ids[first * per_chunk :],
+                        Direction.H2D,
+                        chunk,
+                        skip // bs - first * per_chunk,
+                        last_tokens=None if last == chunk else last,
                     )
                     if wait_here:
                         _settle(future, handle.wait, located)
@@ -100,25 +103,11 @@ class DirectLoads:
 
         def map_it() -> None:
             try:
-                self._mapped(locate().pool)
+                self._pool.get(locate().pool)
             except Exception as exc:
                 log.debug("kvferry: mapping the server's pool ahead of the first load: %s", exc)
 
         self._waiter.submit(map_it)
-
-    def _mapped(self, pool: tuple[int, int, int]) -> PoolMapping:
-        """The server's pool mapped here (again where the server changed: a restart's new pool)."""
-        with self._lock:
-            if self._pool is None or self._pool.key != pool:
-                started = time.monotonic()
-                self._pool = PoolMapping(*pool, pin=self._gpu)
-                log.info(
-                    "kvferry: mapped the server's shared pool (%.1f GiB%s) in %.2f s",
-                    pool[2] / 2**30,
-                    ", pinned" if self._gpu else "",
-                    time.monotonic() - started,
-                )
-            return self._pool
 
     def close(self) -> None:
         self._waiter.shutdown(wait=True)

@@ -15,9 +15,10 @@ from typing import Any, TypeVar
 
 from kvferry.cache.keys import TokenIds
 from kvferry.client import KvferryClient, ServerError
-from kvferry.client.records import LookupResult
+from kvferry.client.records import LookupResult, Reserved
 from kvferry.connector.backends import Hit, KeySpace, plus
 from kvferry.connector.direct_loads import DirectLoads
+from kvferry.connector.direct_stores import DirectStores
 from kvferry.connector.engine_kv import EngineKV
 from kvferry.connector.server_link import ServerDown, ServerLink
 from kvferry.protocol.messages import ErrorCode
@@ -40,10 +41,13 @@ class ServerBackend:
         *,
         block_size: int | None = None,
         direct: DirectLoads | None = None,
+        direct_stores: DirectStores | None = None,
     ) -> None:
         """``block_size``: the scheduler's, in which a tail hit counts (None: ``kv``'s). ``direct``: loads copied
-        here out of the server's shared pool (`kvferry.connector.direct_loads`), RETRIEVE where it cannot."""
+        here out of the server's shared pool (`kvferry.connector.direct_loads`), RETRIEVE where it cannot;
+        ``direct_stores``: stores copied here into it (`kvferry.connector.direct_stores`), STORE where not."""
         self._direct = direct
+        self.direct_stores = direct_stores
         self.link = link
         self.key_space = key_space
         self._kv = kv
@@ -208,7 +212,7 @@ class ServerBackend:
                 lambda client, reg: client.locate(tokens, registration=reg, block_size=self._block_size)
             )
         except ServerError as exc:
-            if exc.code not in (ErrorCode.BAD_ARGUMENT.value, ErrorCode.FORBIDDEN.value, ErrorCode.UNKNOWN_OP.value):
+            if not _refusal(exc):
                 raise
             self._no_direct_loads(f"the server at {self.link.url} does not locate: {exc}")
             return None
@@ -241,13 +245,43 @@ class ServerBackend:
 
     def store_async(self, tokens: TokenIds, block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
         # Sent from vLLM's thread: the client records the STORE's ready event on vLLM's current stream, after the
-        # forward pass that wrote the blocks, and the server's copy waits for it on the GPU.
+        # forward pass that wrote the blocks, and the server's copy waits for it on the GPU (a direct store's copy
+        # is ordered after that stream here).
+        if self.direct_stores is not None:
+            direct = self._direct_store(self.direct_stores, tokens, block_ids, skip_prefix_tokens)
+            if direct is not None:
+                return direct
         ids = self._kernel_block_ids(block_ids)
         return self.link.submit(
             lambda client, reg: client.store_async(
                 _registered(reg), tokens, ids, skip_prefix_tokens=skip_prefix_tokens, tail=True
             )
         )
+
+    def _direct_store(
+        self, stores: DirectStores, tokens: TokenIds, block_ids: list[int], skip: int
+    ) -> Future[int] | None:
+        """The store copied here (`DirectStores.start`); None where the objects reserved for it cannot hold it
+        (then more are asked for) or direct stores are off."""
+        generation = self.link.generation
+
+        def commit(
+            tokens: TokenIds, first: int, objects: list[int], tail: tuple[int, int] | None, refill: int
+        ) -> Future[Reserved]:
+            return self.link.submit(
+                lambda client, reg: client.commit_async(
+                    _registered(reg), tokens, objects, first_chunk=first, tail=tail, refill=refill
+                )
+            )
+
+        direct = stores.start(tokens, block_ids, skip, generation, commit)
+        if direct is None and not stores.off:
+            stores.refill(
+                generation,
+                lambda count: self.link.submit(lambda client, reg: client.reserve_async(_registered(reg), count)),
+                _refusal,
+            )
+        return direct
 
     def demote(self, tokens: TokenIds, chunks: range) -> None:
         """Sent without waiting (a store's callback calls it): a demotion that fails, or a server that predates
@@ -263,6 +297,8 @@ class ServerBackend:
     def close(self) -> None:
         if self._direct is not None:
             self._direct.close()
+        if self.direct_stores is not None:
+            self.direct_stores.close()
         self.link.close()
 
     def _namespace(self) -> dict[str, Any]:
@@ -282,6 +318,13 @@ def _log_failed_demotion(sent: Future[int]) -> None:
     exc = sent.exception()
     if exc is not None and not isinstance(exc, ServerDown):
         log.debug("kvferry: demoting superseded chunks failed: %s: %s", type(exc).__name__, exc)
+
+
+def _refusal(exc: BaseException) -> bool:
+    """Whether a server's answer refuses a request it will always refuse (a private pool, a tenant, a server that
+    predates the request)."""
+    refusals = (ErrorCode.BAD_ARGUMENT.value, ErrorCode.FORBIDDEN.value, ErrorCode.UNKNOWN_OP.value)
+    return isinstance(exc, ServerError) and exc.code in refusals
 
 
 def _registered(registration: int | None) -> int:

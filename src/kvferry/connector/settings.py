@@ -46,8 +46,8 @@ class ConnectorSettings(BaseModel):
     timeout_s: float = Field(
         5.0,
         gt=0,
-        description="server mode: a handshake or lookup unanswered this long counts the server as down (lookups "
-        "then miss at once, without waiting, until a background reconnect, retried with backoff, succeeds)",
+        description="server mode: a handshake or lookup unanswered this long takes the server as down (lookups then "
+        "miss at once until a background reconnect, with backoff, succeeds)",
     )
     legacy_ipc: bool = Field(
         False,
@@ -57,8 +57,11 @@ class ConnectorSettings(BaseModel):
     )
     direct_loads: bool = Field(
         False,
-        description="server mode: copy hits out of a --shared-pool server's pool here (same user and host); "
-        "else the server copies",
+        description="server mode: copy hits here out of a --shared-pool server's pool (same user and host)",
+    )
+    direct_stores: bool = Field(
+        False,
+        description="server mode: copy stores here into a --shared-pool server's pool (same user and host)",
     )
     async_load: bool = Field(
         True,

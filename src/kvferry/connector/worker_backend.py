@@ -16,9 +16,11 @@ import torch
 
 from kvferry.cache import CacheEngine
 from kvferry.client import KvferryClient
+from kvferry.client.pool_map import MappedPool
 from kvferry.config import TransferConfig
 from kvferry.connector.backends import EmbeddedBackend, KeySpace
 from kvferry.connector.direct_loads import DirectLoads
+from kvferry.connector.direct_stores import DirectStores
 from kvferry.connector.engine_kv import EngineKV
 from kvferry.connector.server_backend import ServerBackend
 from kvferry.connector.server_link import ServerLink
@@ -77,8 +79,10 @@ def make_worker_backend(
         except BaseException:
             link.close()
             raise
-        direct = _direct_loads(settings, kv)
-        backend = ServerBackend(link, key_space, kv, direct=direct)
+        pool = MappedPool(pin=kv.layers[0].is_cuda) if settings.direct_loads or settings.direct_stores else None
+        direct = _direct_loads(settings, kv, pool)
+        stores = _direct_stores(settings, kv, pool, link)
+        backend = ServerBackend(link, key_space, kv, direct=direct, direct_stores=stores)
         if direct is not None:
             direct.map_ahead(
                 lambda: link.wait(lambda client, reg: client.locate_async([], registration=reg), link.timeout_s)
@@ -189,11 +193,31 @@ def make_state_backend(
     return ServerBackend(link, key_space)
 
 
-def _direct_loads(settings: ConnectorSettings, kv: EngineKV) -> DirectLoads | None:
-    if not settings.direct_loads:
+def _direct_loads(settings: ConnectorSettings, kv: EngineKV, pool: MappedPool | None) -> DirectLoads | None:
+    if not settings.direct_loads or pool is None:
         return None
-    why = DirectLoads.unsupported(kv)
+    why = not_direct(kv)
     if why is not None:
         log.warning("kvferry: direct_loads is on, but loads go through RETRIEVE: %s", why)
         return None
-    return DirectLoads(kv)
+    return DirectLoads(kv, pool)
+
+
+def _direct_stores(
+    settings: ConnectorSettings, kv: EngineKV, pool: MappedPool | None, link: ServerLink
+) -> DirectStores | None:
+    if not settings.direct_stores or pool is None:
+        return None
+    why = not_direct(kv)
+    if why is not None:
+        log.warning("kvferry: direct_stores is on, but stores go through STORE: %s", why)
+        return None
+    assert link.chunk_size is not None  # connected: the server told it
+    return DirectStores(kv, pool, link.chunk_size, link.timeout_s)
+
+
+def not_direct(kv: EngineKV) -> str | None:
+    """Why ``kv``'s transfers cannot be copied by the engine (they then go through STORE and RETRIEVE), or None."""
+    if kv.heads is not None:
+        return "a tensor-parallel rank's heads are a slice of each object"
+    return None

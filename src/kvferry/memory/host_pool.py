@@ -297,6 +297,21 @@ class HostPool:
             offsets.append(allocation.offset)
         return self._views_at(offsets, dims, strides, dtype)
 
+    def shrink_to(self, address: int, shape: Sequence[int], dtype: torch.dtype) -> None:
+        """Make the live allocation at ``address`` hold an object of ``shape``/``dtype`` (no larger than it), giving
+        the units past it back: a slot reserved for a whole chunk that was written with a shorter object (a tail)."""
+        nbytes = self._layout(shape, dtype)[2]
+        units = self._units(nbytes)
+        with self._lock:
+            allocation = self._live.get(address)
+            if allocation is None or allocation.reserved_bytes < units << self._unit_shift:
+                raise ValueError(f"shrink_to: no live allocation of at least {nbytes:,} bytes at {address:#x}")
+            spare_units = (allocation.reserved_bytes >> self._unit_shift) - units
+            if spare_units:
+                self._extents.release((allocation.offset >> self._unit_shift) + units, spare_units)
+            self._live[address] = Allocation(allocation.offset, nbytes, units << self._unit_shift)
+            self._requested_bytes += nbytes - allocation.requested_bytes
+
     def free_address(self, address: int) -> None:
         """``free`` by the allocation's address (from ``try_reserve_many``)."""
         with self._lock:

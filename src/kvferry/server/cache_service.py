@@ -24,6 +24,24 @@ from kvferry.tiers import Tier
 from kvferry.transfer.block_ids import BlockIds
 
 
+class WrittenObjects(Protocol):
+    """What RESERVE and COMMIT need of the cache (`kvferry.cache.written.WrittenStores`)."""
+
+    def reserve(self, geom: KVGeometry, count: int) -> list[int]: ...
+
+    def give_back(self, offsets: Sequence[int]) -> None: ...
+
+    def adopt(
+        self,
+        tokens: TokenIds,
+        ns: CacheNamespace,
+        geom: KVGeometry,
+        first: int,
+        offsets: Sequence[int],
+        tail: tuple[int, int] | None,
+    ) -> int: ...
+
+
 class CacheTransfers(Protocol):
     """What a STORE and a RETRIEVE need of the cache engine (`kvferry.server.transfers`): its copies as steps, and
     its chunk size (a page's, where a request's chunks are pages)."""
@@ -112,6 +130,10 @@ class CacheService(CacheTransfers, Protocol):
 
     @property
     def shared_pool(self) -> tuple[int, int] | None: ...
+
+    @property
+    def written(self) -> WrittenObjects:
+        """Stores an engine copies into the shared pool itself (RESERVE, COMMIT)."""
 
     def prefetch(self, tokens: TokenIds, *, namespace: CacheNamespace | None = None) -> Future[int]: ...
 

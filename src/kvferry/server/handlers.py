@@ -38,6 +38,7 @@ from kvferry.server.requests import (
     RegisterArgs,
     RegistrationArgs,
 )
+from kvferry.server.reserved_objects import ReservedObjects
 from kvferry.server.sessions import Registration, Session, SessionTable
 from kvferry.server.transfers import Transfers
 from kvferry.transfer.api import prepare_gpu
@@ -95,6 +96,7 @@ class RequestHandlers:
         # one hashes its description (~25 us a request on the CPU machine), so each is made once.
         self._key_spaces: dict[tuple[Any, ...], CacheNamespace] = {}
         self.transfers = Transfers(engine, sessions)
+        self.reserved = ReservedObjects(engine, sessions)
         self.fd_inbox: FdInbox | None = None  # descriptors clients pass (with --ipc): set once the server listens
         self.table: dict[Op, Handler] = {
             Op.PING: self.ping,
@@ -104,6 +106,8 @@ class RequestHandlers:
             Op.LOOKUP: self.lookup,
             Op.LOOKUP_EACH: self.lookup_each,
             Op.LOCATE: self.locate,
+            Op.RESERVE: self.reserved.reserve,
+            Op.COMMIT: self.reserved.commit,
             Op.PREFETCH: self.prefetch,
             Op.PREFETCH_STATUS: self.prefetch_status,
             Op.FREE_LOOKUP_LOCKS: self.free_lookup_locks,

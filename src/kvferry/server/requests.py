@@ -136,6 +136,25 @@ class LocateArgs(_Args):
     namespace: Namespace | None = None
 
 
+class ReserveArgs(_Args):
+    """Objects of a whole chunk reserved in the server's shared pool for this session, to copy stores into."""
+
+    registration: NonNegative  # the KV whose object shape they take
+    count: Annotated[int, Field(gt=0, le=4096)]
+
+
+class CommitArgs(_Args):
+    """Reserved objects written with a store's full chunks from ``first_chunk`` on, one each (and a tail: its
+    offset and tokens), to be indexed; ``refill`` more reserved in the same request."""
+
+    registration: NonNegative
+    tokens: bytes
+    first_chunk: NonNegative = 0
+    objects: list[NonNegative]  # byte offsets in the pool, as RESERVE gave them
+    tail: Annotated[list[NonNegative], Field(min_length=2, max_length=2)] | None = None  # [offset, tokens]
+    refill: Annotated[int, Field(ge=0, le=4096)] = 0
+
+
 class LookupEachArgs(_Args):
     """Several prompts, each looked up alone as a LOOKUP of it would be (SGLang's pages: one a page)."""
 
@@ -201,6 +220,8 @@ ARGS_BY_OP: dict[Op, type[_Args]] = {
     Op.LOOKUP: LookupArgs,
     Op.LOOKUP_EACH: LookupEachArgs,
     Op.LOCATE: LocateArgs,
+    Op.RESERVE: ReserveArgs,
+    Op.COMMIT: CommitArgs,
     Op.STORE: TransferArgs,
     Op.RETRIEVE: TransferArgs,
     Op.PREFETCH: PrefetchArgs,

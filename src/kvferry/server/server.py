@@ -405,6 +405,7 @@ class KvferryServer:
         deadline = now - self.config.heartbeat_timeout_s
         for session_id in self._sessions.silent_since(deadline):
             self._end_session(session_id, "heartbeat")
+        self._handlers.reserved.free_due(now)
 
     def _end_session(self, session_id: bytes, reason: str) -> dict[str, Any]:
         released = self._sessions.end(session_id, reason)
@@ -412,6 +413,8 @@ class KvferryServer:
             return {"locks": 0, "registrations": 0}
         for lock_id in released.locks:
             self.engine.free_lookup_locks(lock_id)
+        # its reserved objects: its process may still be copying into them, and would stop within a heartbeat timeout
+        self._handlers.reserved.retire(released.reserved, self._clock() + self.config.heartbeat_timeout_s)
         self.metrics.sessions_ended.labels(reason).inc()
         log.info(
             "session %s ended (%s): freed %d locks, %d registrations (%d after their transfers)",

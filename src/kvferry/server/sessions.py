@@ -57,6 +57,9 @@ class Session:
     # LOCATE's read leases: freed by the client, else at their deadline, never with the session (its process may
     # still be copying from the objects)
     leases: set[int] = field(default_factory=set)
+    # RESERVE's objects (pool offsets) not yet committed: freed a lease's time after the session ends, not at once
+    # (its process may still be copying into them)
+    reserved: set[int] = field(default_factory=set)
     prefetches: dict[int, Future[Any]] = field(default_factory=dict)
     requests: int = 0
 
@@ -70,6 +73,7 @@ class Released:
     locks: list[int]
     registrations: int
     deferred: int  # registrations still in use by a transfer; closed when it finishes
+    reserved: list[int] = field(default_factory=list)  # its reserved objects, to free once no copy can reach them
 
 
 # Ended session ids remembered (at most this many, for at most this long): a killed client's frames are all
@@ -204,6 +208,26 @@ class SessionTable:
         """Forget lock `lock_id` of `session`; False if the session does not hold it."""
         return bool(self.drop_locks(session, [lock_id]))
 
+    def add_reserved(self, session: Session, offsets: list[int]) -> bool:
+        """Note objects reserved for `session`; False where it ended meanwhile (the caller frees them)."""
+        with self._lock:
+            if self._sessions.get(session.id) is not session:
+                return False
+            session.reserved.update(offsets)
+            return True
+
+    def take_reserved(self, session: Session, offsets: list[int]) -> None:
+        """Hand `offsets`, reserved for `session`, to the caller (to commit); BAD_ARGUMENT, taking none, where one
+        is not (another session's, committed already, or never reserved)."""
+        with self._lock:
+            foreign = [offset for offset in offsets if offset not in session.reserved]
+            if foreign or len(set(offsets)) != len(offsets):
+                raise ProtocolError(
+                    ErrorCode.BAD_ARGUMENT,
+                    f"'objects': {foreign or offsets} are not objects reserved for this session (each once)",
+                )
+            session.reserved.difference_update(offsets)
+
     def add_lease(self, session: Session, lease_id: int) -> None:
         with self._lock:
             session.leases.add(lease_id)
@@ -246,8 +270,10 @@ class SessionTable:
             if reason != "end_session":
                 self._remember_ended(session_id)
             deferred = sum(not self._retire(reg) for reg in session.registrations.values())
-            released = Released(session_id, reason, sorted(session.locks), len(session.registrations), deferred)
+            held = len(session.registrations)
+            released = Released(session_id, reason, sorted(session.locks), held, deferred, sorted(session.reserved))
             session.registrations.clear()
+            session.reserved.clear()
             session.locks.clear()
             session.prefetches.clear()
         return released

@@ -241,13 +241,15 @@ def transfer_pool_at_async(
     direction: Direction,
     chunk_size: int,
     skip_prefix_blocks: int,
+    last_tokens: int | None = None,
 ) -> TransferHandle:
-    """`transfer_pool_async` for whole objects by address, just reserved in a pinned `HostPool` with this geometry's
-    object shape and dtype (`HostPool.try_reserve_many`; the caller carves their views after this returns):
-    `check_pool_addresses` checks only the block ids. What a GPU store enqueues before anything else."""
+    """`transfer_pool_async` for objects by address in one pinned slab with this geometry's object shape and dtype
+    (just reserved in a `HostPool`, the caller carving their views after this returns: what a GPU store enqueues
+    before anything else; or in a mapping of a server's shared pool): `check_pool_addresses` checks only the block
+    ids. ``last_tokens``: the last object holds that many tokens (a tail's object), the others ``chunk_size``."""
     if geom.device.type != "cuda":
         raise ValueError(f"transfer_pool_at_async moves GPU KV; the engine's KV is on {geom.device}")
-    checked = check_pool_addresses(geom, addresses, block_ids, direction, chunk_size, skip_prefix_blocks)
+    checked = check_pool_addresses(geom, addresses, block_ids, direction, chunk_size, skip_prefix_blocks, last_tokens)
     return _submit(geom, addresses, checked, direction is Direction.D2H, chunk_size, skip_prefix_blocks, None, None)
 
 

@@ -139,24 +139,31 @@ def check_pool_addresses(
     direction: Direction,
     chunk_size: int,
     skip_prefix_blocks: int,
+    last_tokens: int | None = None,
 ) -> Checked:
-    """`check_pool_objects` for whole objects given by address, just reserved in one pinned `HostPool` for this
-    geometry's object shape and dtype (`HostPool.try_reserve_many`): only the block ids are left to check (nothing,
-    when they come checked: `CheckedBlockIds`)."""
+    """`check_pool_objects` for whole objects given by address, reserved in one pinned slab for this geometry's
+    object shape and dtype (`HostPool.try_reserve_many`, or a mapping of a server's shared pool): only the block ids
+    are left to check (nothing, when they come checked: `CheckedBlockIds`). ``last_tokens``: the last object is a
+    partial one of that many tokens (a tail's object)."""
     bs = geom.bs
     if not isinstance(chunk_size, int) or chunk_size <= 0 or chunk_size % bs:
         raise ValueError(f"chunk_size={chunk_size} must be a positive multiple of the block size {bs}")
     if not addresses:
         raise ValueError("addresses is empty: pass at least one chunk object")
     n = len(addresses)
-    n_blocks = n * (chunk_size // bs)
+    caps = [chunk_size] * n
+    if last_tokens is not None:
+        if not 0 < last_tokens <= chunk_size or last_tokens % bs:
+            raise ValueError(f"last_tokens={last_tokens} must be a multiple of {bs} within 1..{chunk_size}")
+        caps[-1] = last_tokens
+    n_blocks = (n - 1) * (chunk_size // bs) + caps[-1] // bs
     ids: np.ndarray | PendingBlockIds[np.ndarray]
     if isinstance(block_ids, PendingBlockIds):
         ids = _pending_ids(geom, block_ids, n_blocks, n, direction, skip_prefix_blocks)
     else:
         ids = _checked_ids(geom, block_ids, n_blocks, n, direction, skip_prefix_blocks)
     want = geom.object_shape(chunk_size)
-    return Checked(ids, list(addresses), [chunk_size] * n, want[0] * want[1], True, False, True)
+    return Checked(ids, list(addresses), caps, want[0] * want[1], True, False, True)
 
 
 def _pending_ids(
