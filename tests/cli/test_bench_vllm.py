@@ -66,24 +66,16 @@ def test_async_load_tiny(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Non
 @pytest.mark.slow
 @pytest.mark.vllm
 @needs_vllm
-def test_batch_tiny(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_batch_tiny_with_events(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Stores cost vLLM what they cost, and with --events vLLM publishes KV events in both modes (in server mode from
+    the server's stream); each run's published events announce its stored chunks' blocks (2 prompts x one 256-token
+    chunk of two 128-token blocks)."""
     monkeypatch.setattr(vllm_child, "CHILD_TIMEOUT_S", 300.0)
     args = ("--prompt-tokens", "300", "--prompts", "2", "--rounds", "1", "--layers", "1", "--hidden", "256")
-    doc, _ = run_bench(monkeypatch, tmp_path, "vllm-batch", *args, "--modes", "vLLM alone,embedded")
+    doc, _ = run_bench(monkeypatch, tmp_path, "vllm-batch", *args, "--modes", "vLLM alone,embedded,server", "--events")
     alone, embedded = doc["results"]["vLLM alone"], doc["results"]["embedded"]
     assert alone["wall_ratio"] == 1.0 and embedded["wall_s"] > 0 and embedded["cpu_s"] > 0
     assert alone["tokens_stored_per_round"] == 0 and embedded["tokens_stored_per_round"] == 2 * 256
-
-
-@pytest.mark.slow
-@pytest.mark.vllm
-@needs_vllm
-def test_batch_tiny_with_events(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """--events: vLLM publishes KV events in both modes (in server mode from the server's stream); each run's
-    published events announce its stored chunks' blocks (2 prompts x one 256-token chunk of two 128-token blocks)."""
-    monkeypatch.setattr(vllm_child, "CHILD_TIMEOUT_S", 300.0)
-    args = ("--prompt-tokens", "300", "--prompts", "2", "--rounds", "1", "--layers", "1", "--hidden", "256")
-    doc, _ = run_bench(monkeypatch, tmp_path, "vllm-batch", *args, "--modes", "embedded,server", "--events")
     assert doc["config"]["events"] is True
     for mode in ("embedded", "server"):
         assert doc["results"][mode]["kvferry_blocks_announced"] == 2 * 2
