@@ -48,7 +48,7 @@ class DirectStores:
         self._pool = pool
         self._chunk = chunk_size
         self._lock = threading.Lock()
-        self._stock: list[int] = []  # offsets of reserved objects, this session's
+        self._stock: list[int] = []  # offsets of objects reserved in the link's current session
         self._mapping: PoolMapping | None = None
         self._generation = -1
         self._target = 0  # objects to hold: twice the largest store seen, up to MAX_STOCK
@@ -200,7 +200,7 @@ class DirectStores:
         log.warning("kvferry: stores go through STORE, not direct: %s", why)
 
     def _put_back(self, generation: int, objects: list[int], asked: int = 0) -> None:
-        """``objects`` into stock (and ``asked`` objects asked for answered), if still this session's."""
+        """``objects`` into stock (and ``asked`` objects asked for answered), unless the link has a new session."""
         with self._lock:
             if generation == self._generation:
                 self._stock += objects

@@ -137,7 +137,7 @@ class LocateArgs(_Args):
 
 
 class ReserveArgs(_Args):
-    """Objects of a whole chunk reserved in the server's shared pool for this session, to copy stores into."""
+    """Objects of a whole chunk reserved in the server's shared pool for the asking session, to copy stores into."""
 
     registration: NonNegative  # the KV whose object shape they take
     count: Annotated[int, Field(gt=0, le=4096)]
