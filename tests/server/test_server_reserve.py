@@ -84,7 +84,7 @@ def test_a_commit_names_only_its_sessions_reserved_objects_once(shared_server: S
         reg = client.register_kv_cache(src, FMT_REAL, namespace=REAL_NS)
         other_reg = other.register_kv_cache(real_kv(4), FMT_REAL, namespace=REAL_NS)
         mine = write_store(client, reg, src, list(range(PER_CHUNK)), 1, 0)
-        with pytest.raises(ServerError, match=r"BAD_ARGUMENT.*not objects reserved for this session"):
+        with pytest.raises(ServerError, match=r"BAD_ARGUMENT.*not objects reserved for the sending session"):
             other.commit_async(other_reg, tokens, mine).result(timeout=10)
         with pytest.raises(ServerError, match=r"BAD_ARGUMENT.*COMMIT: 1 objects for chunks 0..1"):
             client.commit_async(reg, tokens * 2, mine).result(timeout=10)  # still its own after a refusal

@@ -224,7 +224,7 @@ class SessionTable:
             if foreign or len(set(offsets)) != len(offsets):
                 raise ProtocolError(
                     ErrorCode.BAD_ARGUMENT,
-                    f"'objects': {foreign or offsets} are not objects reserved for this session (each once)",
+                    f"'objects': {foreign or offsets} are not objects reserved for the sending session (each once)",
                 )
             session.reserved.difference_update(offsets)
 
