@@ -79,14 +79,14 @@ def settled(stores: DirectStores) -> None:
 
 def test_the_stock_grows_to_twice_the_largest_store_and_a_commit_refills_it(kv: EngineKV) -> None:
     server = FakeServer(kv)
-    stores = DirectStores(kv, MappedPool(pin=False), CHUNK, timeout_s=10)
+    stores = DirectStores(kv, MappedPool(pin=False), timeout_s=10)
     refused = lambda exc: isinstance(exc, ServerError)  # noqa: E731
     tokens = list(range(3 * CHUNK))
-    assert stores.start(tokens, list(range(6)), 0, 7, server.commit) is None  # nothing reserved: STORE
+    assert stores.start(tokens, list(range(6)), 0, CHUNK, 7, server.commit) is None  # nothing reserved: STORE
     stores.refill(7, server.reserve, refused)
     settled(stores)
     assert stores.stocked == 6
-    assert stores.start(tokens, list(range(6)), 0, 7, server.commit).result(timeout=10) == 3 * CHUNK
+    assert stores.start(tokens, list(range(6)), 0, CHUNK, 7, server.commit).result(timeout=10) == 3 * CHUNK
     assert stores.stocked == 6 and len(server.committed) == 1
     _, first, objects, tail = server.committed[0]
     assert (first, len(objects), tail) == (0, 3, None)
@@ -105,22 +105,22 @@ def test_a_refusal_turns_direct_stores_off_and_a_failed_commit_fails_the_store(
     kv: EngineKV, caplog: pytest.LogCaptureFixture
 ) -> None:
     server = FakeServer(kv)
-    stores = DirectStores(kv, MappedPool(pin=False), CHUNK, timeout_s=10)
+    stores = DirectStores(kv, MappedPool(pin=False), timeout_s=10)
     refused = lambda exc: isinstance(exc, ServerError)  # noqa: E731
     tokens: Any = list(range(CHUNK))
-    stores.start(tokens, [0, 1], 0, 1, server.commit)
+    stores.start(tokens, [0, 1], 0, CHUNK, 1, server.commit)
     stores.refill(1, server.reserve, refused)
     settled(stores)
     server.fail = ConnectionError("the server went away")
     with pytest.raises(ConnectionError):
-        stores.start(tokens, [0, 1], 0, 1, server.commit).result(timeout=10)
+        stores.start(tokens, [0, 1], 0, CHUNK, 1, server.commit).result(timeout=10)
     assert stores.stocked == 1 and stores.off is None  # the one used is the server's to free with the session
     server.fail = ServerError("RESERVE", "BAD_ARGUMENT", "this server's pool is not shared")
     with caplog.at_level(logging.WARNING, logger="kvferry.connector"):
         for _ in range(2):
-            stores.start(tokens, [0, 1, 2, 3], 0, 1, server.commit)  # two chunks: more than the stock
+            stores.start(tokens, [0, 1, 2, 3], 0, CHUNK, 1, server.commit)  # two chunks: more than the stock
             stores.refill(1, server.reserve, refused)
             settled(stores)
     assert stores.off is not None and caplog.text.count("stores go through STORE, not direct") == 1
-    assert stores.start(tokens, [0, 1], 0, 1, server.commit) is None
+    assert stores.start(tokens, [0, 1], 0, CHUNK, 1, server.commit) is None
     stores.close()

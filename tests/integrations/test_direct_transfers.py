@@ -25,6 +25,7 @@ from kvferry.connector.direct_loads import DirectLoads, LeaseExpired
 from kvferry.connector.direct_stores import DirectStores
 from kvferry.connector.engine_kv import EngineKV
 from kvferry.connector.server_backend import ServerBackend
+from kvferry.connector.server_link import ServerDown
 from kvferry.connector.settings import ConnectorSettings
 from kvferry.connector.worker_backend import make_worker_backend, not_direct
 from tests.integrations.page_view_roundtrip import check_roundtrip, gathered, recognised
@@ -214,3 +215,20 @@ def test_a_direct_store_reads_the_blocks_only_after_the_forward_pass_on_vllms_st
     finally:
         writer.close()
         reader.close()
+
+
+def test_direct_stores_start_with_the_server_down(tmp_path: Any) -> None:
+    """No server at start (the link retries in the background): the worker starts, and a store fails as any store
+    to a server that is down does, not with an error of the direct stores'."""
+    fixture = SINGLE[0]
+    case = case_of(fixture)
+    kv = recognised(case, replay(fixture, "cpu")[1])
+    url = f"ipc://{tmp_path}/nobody.sock"
+    settings = ConnectorSettings(mode="server", server_url=url, direct_stores=True, direct_loads=True, timeout_s=0.5)
+    backend = make_worker_backend(settings, kv, model=case.name, block_size=case.block_size, name="test")
+    assert isinstance(backend, ServerBackend) and backend.direct_stores is not None
+    try:
+        stored = backend.store_async(list(range(2 * case.block_size)), [1, 2], 0)
+        assert isinstance(stored.exception(timeout=10), ServerDown)
+    finally:
+        backend.close()

@@ -39,14 +39,13 @@ class DirectStores:
     """Copies one engine's stores (``kv``) into objects reserved for it; thread-safe. ``generation``: the server
     link's, whose session the objects are reserved in (a new session starts with none)."""
 
-    def __init__(self, kv: EngineKV, pool: MappedPool, chunk_size: int, timeout_s: float) -> None:
+    def __init__(self, kv: EngineKV, pool: MappedPool, timeout_s: float) -> None:
         """``timeout_s``: how long a COMMIT's answer is waited for (the link's)."""
         self._kv = kv
         self._timeout_s = timeout_s
         self._geom = describe(kv.fmt, kv.paged, kv.block_size)
         self._gpu = self._geom.device.type == "cuda"
         self._pool = pool
-        self._chunk = chunk_size
         self._lock = threading.Lock()
         self._stock: list[int] = []  # offsets of objects reserved in the link's current session
         self._mapping: PoolMapping | None = None
@@ -63,13 +62,14 @@ class DirectStores:
             return len(self._stock)
 
     def start(
-        self, tokens: TokenIds, block_ids: list[int], skip: int, generation: int, commit: Commit
+        self, tokens: TokenIds, block_ids: list[int], skip: int, chunk: int, generation: int, commit: Commit
     ) -> Future[int] | None:
         """The store of ``tokens``' chunks after ``skip`` (and its tail of whole blocks) copied from ``block_ids``
         (the scheduler's) into stock, ordered after this thread's current stream; its future gives the tokens
         stored once COMMIT has answered, and its copy's end is seen first (`copy_ends`). None where the stock of
-        ``generation``'s session cannot hold it (the caller stores through STORE)."""
-        chunk, bs = self._chunk, self._geom.bs
+        ``generation``'s session cannot hold it (the caller stores through STORE). ``chunk``: the server's chunk
+        size."""
+        bs = self._geom.bs
         n_full = len(tokens) // chunk
         first = min(skip // chunk, n_full)
         tail = (len(tokens) - n_full * chunk) // bs * bs
@@ -85,7 +85,7 @@ class DirectStores:
             objects, self._stock = self._stock[:need], self._stock[need:]
             mapping = self._mapping
         try:
-            steps = self._steps(tokens, block_ids, first, n_full, tail, objects, mapping, commit, generation)
+            steps = self._steps(tokens, block_ids, chunk, first, n_full, tail, objects, mapping, commit, generation)
             return started(steps, lambda rest, first_step: Rest.submit(self._rest, None, rest, first_step))
         except BaseException:
             self._put_back(generation, objects)
@@ -95,6 +95,7 @@ class DirectStores:
         self,
         tokens: TokenIds,
         block_ids: list[int],
+        chunk: int,
         first: int,
         n_full: int,
         tail: int,
@@ -106,7 +107,7 @@ class DirectStores:
         """Copy (yielding once it is in flight, on a GPU), then COMMIT; the objects go back to stock where the copy
         fails or the steps are closed before it ended (their bytes are rewritten by the next store: nothing indexed
         them)."""
-        chunk, bs, geom = self._chunk, self._geom.bs, self._geom
+        bs, geom = self._geom.bs, self._geom
         per_chunk = chunk // bs
         ids = self._kv.kernel_block_ids(block_ids)[first * per_chunk : n_full * per_chunk + tail // bs]
         full = objects[: n_full - first]

@@ -274,7 +274,10 @@ class ServerBackend:
                 )
             )
 
-        direct = stores.start(tokens, block_ids, skip, generation, commit)
+        chunk = self.link.chunk_size
+        if chunk is None:  # not connected yet: the STORE fails as a store to a server that is down does
+            return None
+        direct = stores.start(tokens, block_ids, skip, chunk, generation, commit)
         if direct is None and not stores.off:
             stores.refill(
                 generation,

@@ -212,8 +212,7 @@ def _direct_stores(
     if why is not None:
         log.warning("kvferry: direct_stores is on, but stores go through STORE: %s", why)
         return None
-    assert link.chunk_size is not None  # connected: the server told it
-    return DirectStores(kv, pool, link.chunk_size, link.timeout_s)
+    return DirectStores(kv, pool, link.timeout_s)
 
 
 def not_direct(kv: EngineKV) -> str | None:
