@@ -79,11 +79,10 @@ def settled(stores: DirectStores) -> None:
 
 def test_the_stock_grows_to_twice_the_largest_store_and_a_commit_refills_it(kv: EngineKV) -> None:
     server = FakeServer(kv)
-    stores = DirectStores(kv, MappedPool(pin=False), timeout_s=10)
-    refused = lambda exc: isinstance(exc, ServerError)  # noqa: E731
+    stores = DirectStores(kv, MappedPool(pin=False), 10, lambda exc: isinstance(exc, ServerError))
     tokens = list(range(3 * CHUNK))
     assert stores.start(tokens, list(range(6)), 0, CHUNK, 7, server.commit) is None  # nothing reserved: STORE
-    stores.refill(7, server.reserve, refused)
+    stores.refill(7, server.reserve)
     settled(stores)
     assert stores.stocked == 6
     assert stores.start(tokens, list(range(6)), 0, CHUNK, 7, server.commit).result(timeout=10) == 3 * CHUNK
@@ -96,7 +95,7 @@ def test_the_stock_grows_to_twice_the_largest_store_and_a_commit_refills_it(kv: 
     nbytes = want.numel() * want.element_size()
     got = server.pool.slab[objects[1] : objects[1] + nbytes].view(geom.object_dtype).view(want.shape)
     assert torch.equal(got, want)
-    stores.refill(8, server.reserve, refused)  # a new session: the old one's objects went with it
+    stores.refill(8, server.reserve)  # a new session: the old one's objects went with it
     assert stores.stocked == 0
     stores.close()
 
@@ -105,11 +104,10 @@ def test_a_refusal_turns_direct_stores_off_and_a_failed_commit_fails_the_store(
     kv: EngineKV, caplog: pytest.LogCaptureFixture
 ) -> None:
     server = FakeServer(kv)
-    stores = DirectStores(kv, MappedPool(pin=False), timeout_s=10)
-    refused = lambda exc: isinstance(exc, ServerError)  # noqa: E731
+    stores = DirectStores(kv, MappedPool(pin=False), 10, lambda exc: isinstance(exc, ServerError))
     tokens: Any = list(range(CHUNK))
     stores.start(tokens, [0, 1], 0, CHUNK, 1, server.commit)
-    stores.refill(1, server.reserve, refused)
+    stores.refill(1, server.reserve)
     settled(stores)
     server.fail = ConnectionError("the server went away")
     with pytest.raises(ConnectionError):
@@ -119,8 +117,24 @@ def test_a_refusal_turns_direct_stores_off_and_a_failed_commit_fails_the_store(
     with caplog.at_level(logging.WARNING, logger="kvferry.connector"):
         for _ in range(2):
             stores.start(tokens, [0, 1, 2, 3], 0, CHUNK, 1, server.commit)  # two chunks: more than the stock
-            stores.refill(1, server.reserve, refused)
+            stores.refill(1, server.reserve)
             settled(stores)
     assert stores.off is not None and caplog.text.count("stores go through STORE, not direct") == 1
+    assert stores.start(tokens, [0, 1], 0, CHUNK, 1, server.commit) is None
+    stores.close()
+
+
+def test_a_refused_commit_turns_direct_stores_off(kv: EngineKV, caplog: pytest.LogCaptureFixture) -> None:
+    """A COMMIT the server refuses would be refused again, each leaving its objects reserved: no more direct stores."""
+    server = FakeServer(kv)
+    stores = DirectStores(kv, MappedPool(pin=False), 10, lambda exc: isinstance(exc, ServerError))
+    tokens: Any = list(range(CHUNK))
+    stores.start(tokens, [0, 1], 0, CHUNK, 1, server.commit)
+    stores.refill(1, server.reserve)
+    settled(stores)
+    server.fail = ServerError("COMMIT", "BAD_ARGUMENT", "'objects': [0] are not objects reserved for the session")
+    with caplog.at_level(logging.WARNING, logger="kvferry.connector"), pytest.raises(ServerError):
+        stores.start(tokens, [0, 1], 0, CHUNK, 1, server.commit).result(timeout=10)
+    assert stores.off is not None and "the server refused a COMMIT" in caplog.text
     assert stores.start(tokens, [0, 1], 0, CHUNK, 1, server.commit) is None
     stores.close()

@@ -39,9 +39,14 @@ class DirectStores:
     """Copies one engine's stores (``kv``) into objects reserved for it; thread-safe. ``generation``: the server
     link's, whose session the objects are reserved in (a new session starts with none)."""
 
-    def __init__(self, kv: EngineKV, pool: MappedPool, timeout_s: float) -> None:
-        """``timeout_s``: how long a COMMIT's answer is waited for (the link's)."""
+    def __init__(
+        self, kv: EngineKV, pool: MappedPool, timeout_s: float, refused: Callable[[BaseException], bool]
+    ) -> None:
+        """``timeout_s``: how long a COMMIT's answer is waited for (the link's). ``refused``: whether a RESERVE's or
+        COMMIT's error is a refusal the server would always give (a private pool, a tenant, coded objects): direct
+        stores then turn off, said once (a COMMIT refused again and again would leave its objects reserved)."""
         self._kv = kv
+        self._refused = refused
         self._timeout_s = timeout_s
         self._geom = describe(kv.fmt, kv.paged, kv.block_size)
         self._gpu = self._geom.device.type == "cuda"
@@ -139,18 +144,17 @@ class DirectStores:
             self._asked += refill
         try:
             answer = commit(tokens, first, full, tail_object, refill).result(timeout=self._timeout_s)
-        except BaseException:
+        except BaseException as exc:
             self._put_back(generation, [], refill)
+            if self._refused(exc):
+                self._turn_off(f"the server refused a COMMIT: {exc}")
             raise
         self._put_back(generation, answer.objects, refill)
         return answer.stored
 
-    def refill(
-        self, generation: int, reserve: Callable[[int], Future[Reserved]], refused: Callable[[BaseException], bool]
-    ) -> None:
+    def refill(self, generation: int, reserve: Callable[[int], Future[Reserved]]) -> None:
         """Ask for objects (``reserve(count)``: a RESERVE of ``generation``'s session) where the stock is short of
-        its target, without waiting; the first answer maps the pool. An answer ``refused`` says is a refusal (a
-        private pool, a tenant, coded objects) turns direct stores off, said once."""
+        its target, without waiting; the first answer maps the pool."""
         with self._lock:
             if self.off:
                 return
@@ -162,17 +166,13 @@ class DirectStores:
             self._asked += count
         asked = reserve(count)
         # answered on this object's thread, not the client's reader: the first answer maps (and pins) the pool
-        asked.add_done_callback(lambda done: self._answer_later(generation, count, done, refused))
+        asked.add_done_callback(lambda done: self._answer_later(generation, count, done))
 
-    def _answer_later(
-        self, generation: int, count: int, done: Future[Reserved], refused: Callable[[BaseException], bool]
-    ) -> None:
+    def _answer_later(self, generation: int, count: int, done: Future[Reserved]) -> None:
         with contextlib.suppress(RuntimeError):  # closed: the objects go with the session
-            self._rest.submit(self._answered, generation, count, done, refused)
+            self._rest.submit(self._answered, generation, count, done)
 
-    def _answered(
-        self, generation: int, count: int, done: Future[Reserved], refused: Callable[[BaseException], bool]
-    ) -> None:
+    def _answered(self, generation: int, count: int, done: Future[Reserved]) -> None:
         exc = done.exception()
         mapping = None
         if exc is None:
@@ -181,7 +181,7 @@ class DirectStores:
                 mapping = self._pool.get(reserved.pool) if reserved.pool is not None else None
             except OSError as error:
                 self._turn_off(f"its pool cannot be mapped here: {error}")
-        elif refused(exc):
+        elif self._refused(exc):
             self._turn_off(f"the server does not reserve objects: {exc}")
         else:
             log.debug("kvferry: reserving objects for direct stores: %s", exc)

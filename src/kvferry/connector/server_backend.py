@@ -212,7 +212,7 @@ class ServerBackend:
                 lambda client, reg: client.locate(tokens, registration=reg, block_size=self._block_size)
             )
         except ServerError as exc:
-            if not _refusal(exc):
+            if not is_refusal(exc):
                 raise
             self._no_direct_loads(f"the server at {self.link.url} does not locate: {exc}")
             return None
@@ -282,7 +282,6 @@ class ServerBackend:
             stores.refill(
                 generation,
                 lambda count: self.link.submit(lambda client, reg: client.reserve_async(_registered(reg), count)),
-                _refusal,
             )
         return direct
 
@@ -323,7 +322,7 @@ def _log_failed_demotion(sent: Future[int]) -> None:
         log.debug("kvferry: demoting superseded chunks failed: %s: %s", type(exc).__name__, exc)
 
 
-def _refusal(exc: BaseException) -> bool:
+def is_refusal(exc: BaseException) -> bool:
     """Whether a server's answer refuses a request it will always refuse (a private pool, a tenant, a server that
     predates the request)."""
     refusals = (ErrorCode.BAD_ARGUMENT.value, ErrorCode.FORBIDDEN.value, ErrorCode.UNKNOWN_OP.value)

@@ -22,7 +22,7 @@ from kvferry.connector.backends import EmbeddedBackend, KeySpace
 from kvferry.connector.direct_loads import DirectLoads
 from kvferry.connector.direct_stores import DirectStores
 from kvferry.connector.engine_kv import EngineKV
-from kvferry.connector.server_backend import ServerBackend
+from kvferry.connector.server_backend import ServerBackend, is_refusal
 from kvferry.connector.server_link import ServerLink
 from kvferry.connector.settings import ConnectorSettings
 from kvferry.connector.state_groups import state_kv
@@ -212,7 +212,7 @@ def _direct_stores(
     if why is not None:
         log.warning("kvferry: direct_stores is on, but stores go through STORE: %s", why)
         return None
-    return DirectStores(kv, pool, link.timeout_s)
+    return DirectStores(kv, pool, link.timeout_s, is_refusal)
 
 
 def not_direct(kv: EngineKV) -> str | None:
