@@ -100,15 +100,22 @@ def test_the_stock_grows_to_twice_the_largest_store_and_a_commit_refills_it(kv: 
     stores.close()
 
 
+def stocked_for_one_chunk(kv: EngineKV) -> tuple[FakeServer, DirectStores]:
+    """Direct stores of session 1 whose first one-chunk store went through STORE and had two objects reserved."""
+    server = FakeServer(kv)
+    stores = DirectStores(kv, MappedPool(pin=False), 10, lambda exc: isinstance(exc, ServerError))
+    assert stores.start(list(range(CHUNK)), [0, 1], 0, CHUNK, 1, server.commit) is None
+    stores.refill(1, server.reserve)
+    settled(stores)
+    assert stores.stocked == 2
+    return server, stores
+
+
 def test_a_refusal_turns_direct_stores_off_and_a_failed_commit_fails_the_store(
     kv: EngineKV, caplog: pytest.LogCaptureFixture
 ) -> None:
-    server = FakeServer(kv)
-    stores = DirectStores(kv, MappedPool(pin=False), 10, lambda exc: isinstance(exc, ServerError))
+    server, stores = stocked_for_one_chunk(kv)
     tokens: Any = list(range(CHUNK))
-    stores.start(tokens, [0, 1], 0, CHUNK, 1, server.commit)
-    stores.refill(1, server.reserve)
-    settled(stores)
     server.fail = ConnectionError("the server went away")
     with pytest.raises(ConnectionError):
         stores.start(tokens, [0, 1], 0, CHUNK, 1, server.commit).result(timeout=10)
@@ -126,12 +133,8 @@ def test_a_refusal_turns_direct_stores_off_and_a_failed_commit_fails_the_store(
 
 def test_a_refused_commit_turns_direct_stores_off(kv: EngineKV, caplog: pytest.LogCaptureFixture) -> None:
     """A COMMIT the server refuses would be refused again, each leaving its objects reserved: no more direct stores."""
-    server = FakeServer(kv)
-    stores = DirectStores(kv, MappedPool(pin=False), 10, lambda exc: isinstance(exc, ServerError))
+    server, stores = stocked_for_one_chunk(kv)
     tokens: Any = list(range(CHUNK))
-    stores.start(tokens, [0, 1], 0, CHUNK, 1, server.commit)
-    stores.refill(1, server.reserve)
-    settled(stores)
     server.fail = ServerError("COMMIT", "BAD_ARGUMENT", "'objects': [0] are not objects reserved for the session")
     with caplog.at_level(logging.WARNING, logger="kvferry.connector"), pytest.raises(ServerError):
         stores.start(tokens, [0, 1], 0, CHUNK, 1, server.commit).result(timeout=10)
