@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
+from kvferry.client.records import LocateResult
 from kvferry.connector.backends import Hit
 from kvferry.connector.plan import LoadSpec, StoreSpec
 from kvferry.integrations.vllm.scheduler_side import SchedulerSide
@@ -44,10 +45,12 @@ class Step:
 
 
 class FakeCache:
-    """Answers ``hit`` (None: "not known yet") and locks every hit; ``held`` are the locks not freed yet."""
+    """Answers ``hit`` (None: "not known yet") and locks every hit; ``held`` are the locks not freed yet.
+    ``located``: each hit is located too (a server's for direct loads), under its lock."""
 
-    def __init__(self, hit: int | None = 0) -> None:
+    def __init__(self, hit: int | None = 0, located: bool = False) -> None:
         self.hit = hit
+        self.located = located
         self.calls: list[list[int]] = []
         self.held: set[int] = set()
         self._next_lock = 0
@@ -60,7 +63,9 @@ class FakeCache:
             return Hit(0)
         self._next_lock += 1
         self.held.add(self._next_lock)
-        return Hit(self.hit, self._next_lock)
+        objects = [(i * 4096, min(CHUNK, self.hit - i * CHUNK)) for i in range(-(-self.hit // CHUNK))]
+        located = LocateResult(self.hit, self._next_lock, 1e9, objects, (1, 2, 3)) if self.located else None
+        return Hit(self.hit, self._next_lock, located)
 
     def free_lock(self, lock: int) -> None:
         self.held.remove(lock)  # KeyError on a double free
@@ -133,6 +138,35 @@ def test_hit_is_loaded_and_not_stored_again_and_its_lock_goes_when_the_load_ran(
     assert not cache.held
     assert side.request_finished("a") is False  # nothing stored: vLLM may free the blocks at once
     assert side.counters.lookup_hit_tokens == 256 and side.counters.hit_tokens_taken == 256
+
+
+@pytest.mark.parametrize("in_background", [False, True])
+def test_a_located_hit_goes_to_its_load_and_not_past_a_clipped_hit_or_its_lock(in_background: bool) -> None:
+    """The worker copies a located hit without locating it again, under the scheduler's lock: the load carries
+    the located objects only where it loads them all, and only while that lock is held."""
+    cache = FakeCache(hit=256, located=True)
+    side = make_side(cache, in_background=in_background)
+    toks, ids = prompt(300), blocks(10)
+    assert matched(side, "a", toks, 300, 0) == 256
+    side.after_alloc("a", toks, ids, 256)
+    plan = side.build_plan(Step([NewReq("a", toks, (ids,), 256)], num_scheduled_tokens={"a": 44}))
+    (load,) = plan.loads
+    assert load.located is not None and load.located.lease in cache.held and load.located.tokens == 256
+    side.loads_done({"a"})
+    assert not cache.held
+    clipped = FakeCache(hit=512, located=True)  # past the prompt: the load covers less than was located
+    side = make_side(clipped, in_background=in_background)
+    assert matched(side, "b", toks, 300, 0) == 288
+    side.after_alloc("b", toks, ids, 288)
+    plan = side.build_plan(Step([NewReq("b", toks, (ids,), 288)], num_scheduled_tokens={"b": 12}))
+    assert [load.located for load in plan.loads] == [None] and len(clipped.held) == 1
+    untaken = FakeCache(hit=256, located=True)
+    side = make_side(untaken, in_background=in_background)
+    assert matched(side, "c", toks, 300, 0) == 256
+    side.after_alloc("c", toks, ids, 0)  # not taken: the lock goes, and with it what it located
+    assert not untaken.held
+    plan = side.build_plan(Step([NewReq("c", toks, (ids,), 0)], num_scheduled_tokens={"c": 300}))
+    assert plan.loads == []
 
 
 def test_vllm_asking_again_reuses_the_lookup_until_it_is_stale() -> None:

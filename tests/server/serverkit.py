@@ -123,7 +123,9 @@ class FakeEngine:
         lock: bool = False,
         block_size: int | None = None,
         first_chunk: int = 0,
+        locate: bool = False,
     ) -> tuple[LookupResult, Callable[[], LookupResult] | None]:
+        assert not locate, "the server locates only out of a shared pool, which the fake has not"
         found = self._pool_lookup(tokens, namespace, lock, first_chunk)
         if not self.tier_seconds or found.hit_tokens == len(tokens) // self.chunk_size * self.chunk_size:
             return found, None
@@ -222,6 +224,10 @@ class FakeEngine:
     @property
     def shared_pool(self) -> tuple[int, int] | None:
         return None  # the fake keeps whole objects in a dict, no pool
+
+    @property
+    def not_locatable(self) -> str | None:
+        return None  # nothing refuses it: no pool is shared (`shared_pool`)
 
     @property
     def written(self) -> NoPool:

@@ -39,6 +39,7 @@ class FrozenTierEngine(FakeEngine):
         lock: bool = False,
         block_size: int | None = None,
         first_chunk: int = 0,
+        locate: bool = False,
     ) -> tuple[LookupResult, Callable[[], LookupResult] | None]:
         missed = LookupResult(0, 0, None)
 

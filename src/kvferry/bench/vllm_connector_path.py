@@ -2,9 +2,10 @@
 
 Each round (`next_round`) takes a fresh prefix and gives the source blocks new random bytes; `store` stores the
 prefix from the source blocks as vLLM's model runner does after a forward pass (and waits for it); `load` loads it
-into the destination blocks as a foreground load before one. Both are the timed calls and nothing else: the bytes
-(`before_load` poisons the destination blocks and snapshots the KV, `check_load` compares) and the tokens the load
-reports (vLLM's worker counters: the whole prefix, no failed block) are checked outside them. A store is checked
+into the destination blocks as a foreground load before one. Both are the timed calls and nothing else: the lookup
+before a load (`look_up`: the scheduler half's, in vLLM's scheduler step, its lock freed once the load ran), the
+bytes (`before_load` poisons the destination blocks and snapshots the KV, `check_load` compares) and the tokens the
+load reports (vLLM's worker counters: the whole prefix, no failed block) are outside them. A store is checked
 through the load that follows it: a store that copied the wrong bytes, or none, gives a wrong or short load.
 
 On any device: the benchmark runs it on CUDA, the tests also on the CPU.
@@ -24,6 +25,7 @@ from kvferry.bench.block_check import BlockCheck, check_count
 from kvferry.bench.harness import BenchError
 from kvferry.bench.vllm_views import Case, replay
 from kvferry.cache.keys import token_array
+from kvferry.connector.backends import Hit
 from kvferry.connector.engine_kv import EngineKV
 from kvferry.connector.plan import LoadSpec, StepPlan, StoreSpec
 from kvferry.connector.settings import ConnectorSettings
@@ -64,9 +66,11 @@ class ConnectorPath:
         self.check = BlockCheck(self.raw, self.kv.layers, src, dst, seed=seed)
         self.backend = make_worker_backend(settings, self.kv, model=case.name, block_size=case.block_size, name="b")
         self.worker = WorkerSide(self.backend, block_size=case.block_size)
+        self._locates = settings.direct_loads  # a direct load copies what the lookup located
         self._prefixes = itertools.count()
         self.tokens = self.next_prefix()
         self._loaded_before = 0
+        self._hit: Hit | None = None
 
     def next_prefix(self) -> np.ndarray:
         """A prefix no earlier store stored (its first token differs): every store copies. As the scheduler half
@@ -86,14 +90,28 @@ class ConnectorPath:
     def before_load(self) -> None:
         self.check.poison()
         self._loaded_before = self.worker.counters.tokens_loaded
+        self.look_up()
         self._settle()
+
+    def look_up(self) -> None:
+        """The round's prefix looked up as the scheduler half does before it plans the load (its hit locked, and
+        located where the loads are direct). A short hit shows as the short load that follows it."""
+        hit = self._hit = self.backend.lookup(self.tokens)
+        whole = hit is not None and hit.tokens == self.prefix_tokens
+        if self._locates and whole and hit is not None and hit.located is None:
+            raise BenchError(f"{self.case.name}: a lookup did not locate its hit for a direct load")
 
     def load(self) -> None:
         """The round's prefix loaded into the destination blocks before a forward pass: done when it returns."""
-        self.worker.start_loads(StepPlan(loads=[LoadSpec("l", self.tokens, self.dst, 0)]))
+        located = self._hit.located if self._hit is not None else None
+        self.worker.start_loads(StepPlan(loads=[LoadSpec("l", self.tokens, self.dst, 0, located=located)]))
 
     def check_tokens(self) -> None:
-        """The last load brought the whole prefix, every block of it (vLLM's worker counters)."""
+        """The last load brought the whole prefix, every block of it (vLLM's worker counters); the lookup's lock is
+        freed, as the scheduler half frees it once the workers reported the load."""
+        if self._hit is not None:
+            self.backend.free_lock(self._hit.lock)
+            self._hit = None
         failed = self.worker.take_load_errors()
         loaded = self.worker.counters.tokens_loaded - self._loaded_before
         self._loaded_before = self.worker.counters.tokens_loaded

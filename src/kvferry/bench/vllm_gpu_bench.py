@@ -88,6 +88,7 @@ def gemm_beside(path: ConnectorPath) -> dict[str, float]:
     def pair() -> int:
         path.tokens = path.next_prefix()  # every store copies (the source bytes stay: nothing beside the GEMM)
         path.store()
+        path.look_up()
         path.load()
         path.check_tokens()
         return 2 * path.nbytes

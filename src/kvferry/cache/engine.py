@@ -166,6 +166,7 @@ class CacheEngine:
         lock: bool = False,
         block_size: int | None = None,
         first_chunk: int = 0,
+        locate: bool = False,
     ) -> tuple[LookupResult, Callable[[], LookupResult] | None]:
         """``lookup_status`` in two halves: the pool's answer now, without touching a tier, and -- when tiers may
         hold the chunks after the pool's hits -- a function that asks them (it waits for the tiers' I/O, so a
@@ -175,9 +176,16 @@ class CacheEngine:
 
         ``first_chunk``: the caller needs the chunks from this one on only (a sliding-window layer's lookup needs
         the window before the hit's end); the hit then counts from token 0 as if the chunks before it were held,
-        and is ``first_chunk`` chunks where that chunk is missing."""
+        and is ``first_chunk`` chunks where that chunk is missing.
+
+        ``locate``: the hit is located as `locate` does (``LookupResult.located``, its read lease the lock), for a
+        process that copies the objects itself; refused (ValueError) as `locate` is, and with a ``first_chunk``."""
+        if locate:
+            self._check_locatable()  # before anything is looked up or leased
+            if first_chunk:
+                raise ValueError("a located hit starts at the prefix's first chunk")
         self._stored_early.settle()
-        return self._lookup.pool_then_tiers(tokens, self._ns(namespace), lock, block_size, first_chunk)
+        return self._lookup.pool_then_tiers(tokens, self._ns(namespace), lock, block_size, first_chunk, locate)
 
     def locate(
         self, tokens: TokenIds, *, namespace: CacheNamespace | None = None, block_size: int | None = None
@@ -187,10 +195,21 @@ class CacheEngine:
         them as they are until ``free_lookup_locks(lease)`` or the lease's deadline, whatever else happens to them
         (evicted, cleared). A copy that ends after the deadline may have read other bytes: the copier checks.
         Refused (ValueError) where the cache verifies checksums: a located object is read without a check."""
-        if self._checksum is not None:
-            raise ValueError("cache.verify_checksums is on: objects are verified as a retrieve reads them")
+        self._check_locatable()
         self._stored_early.settle()
         return self._lookup.locate(tokens, self._ns(namespace), block_size)
+
+    @property
+    def not_locatable(self) -> str | None:
+        """Why this cache's objects cannot be located (`locate`), or None."""
+        if self._checksum is not None:
+            return "cache.verify_checksums is on: objects are verified as a retrieve reads them"
+        return None
+
+    def _check_locatable(self) -> None:
+        why = self.not_locatable
+        if why is not None:
+            raise ValueError(why)
 
     @property
     def shared_pool(self) -> tuple[int, int] | None:

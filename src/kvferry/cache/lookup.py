@@ -15,12 +15,6 @@ from kvferry.cache.tiering import TierLink
 from kvferry.futures import when_all
 
 
-class LookupResult(NamedTuple):
-    hit_tokens: int  # prefix tokens ready in the host pool (full chunks, then a tail's tokens)
-    pending_tokens: int  # further prefix tokens being promoted from a tier: ready once they land
-    lock_id: int | None  # lookup lock on the hit chunks (lock=True and a hit): retrieve(lock_id=) ends it
-
-
 class Located(NamedTuple):
     """A prefix's objects in a shared pool, for a process that copies them itself (`CacheEngine.locate`)."""
 
@@ -28,6 +22,14 @@ class Located(NamedTuple):
     lease: int | None  # the read lease on them; None where nothing was located
     deadline: float  # time.monotonic() at which the lease ends: a copy must have ended before it
     objects: list[tuple[int, int]]  # each object's (byte offset in the pool's slab, tokens), in prefix order
+
+
+class LookupResult(NamedTuple):
+    hit_tokens: int  # prefix tokens ready in the host pool (full chunks, then a tail's tokens)
+    pending_tokens: int  # further prefix tokens being promoted from a tier: ready once they land
+    lock_id: int | None  # lookup lock on the hit chunks (lock=True and a hit): retrieve(lock_id=) ends it
+    # locate=True: the hit's objects, and ``lock_id`` is their read lease (`Located.lease`)
+    located: Located | None = None
 
 
 class PrefixLookup:
@@ -39,7 +41,13 @@ class PrefixLookup:
         self._tiers = tiers
 
     def pool_then_tiers(
-        self, tokens: TokenIds, ns: CacheNamespace, lock: bool, block_size: int | None, first_chunk: int
+        self,
+        tokens: TokenIds,
+        ns: CacheNamespace,
+        lock: bool,
+        block_size: int | None,
+        first_chunk: int,
+        locate: bool = False,
     ) -> tuple[LookupResult, Callable[[], LookupResult] | None]:
         """See `CacheEngine.lookup_pool`: the pool's answer, and a function that asks the tiers when they may
         hold the chunks after its hits."""
@@ -51,17 +59,26 @@ class PrefixLookup:
         if index.has_tails:  # the longest stored tail after the run (see kvferry.cache.tails)
             tail = find_tail(index, prefix, first + len(run), len(tokens), block_size or 1)
             run = run if tail is None else [*run, tail]
+        located = None
         with self._res.lock:
             self._res.expire_locks_locked()
             hits = self._res.still_readable_locked(run, removals)
-            lock_id = self._res.lock_entries_locked(hits) if lock and hits else None
             n_hits = first + len(hits) - (1 if hits and hits[-1].tail else 0)  # full chunks
             hit_tokens = n_hits * chunk + (hits[-1].tail if hits else 0)
+            lock_id = None
+            if locate and hits:
+                lock_id, deadline = self._res.lease_readers_locked(hits)
+                offset_of = self._res.pool.offset_of
+                objects = [(offset_of(entry.obj), entry.tail or chunk) for entry in hits if entry.obj is not None]
+                located = Located(hit_tokens, lock_id, deadline, objects)
+            elif lock and hits:
+                lock_id = self._res.lock_entries_locked(hits)
             counters = self._res.counters
             counters.lookups += 1
             counters.hit_tokens += hit_tokens
             counters.miss_tokens += len(tokens) - hit_tokens
-        found = LookupResult(hit_tokens, 0, lock_id)
+            counters.located_chunks += len(located.objects) if located else 0
+        found = LookupResult(hit_tokens, 0, lock_id, located)
         tiers = self._tiers
         if tiers is None or n_hits == prefix.n:
             return found, None
@@ -71,33 +88,16 @@ class PrefixLookup:
             pending, _ = tiers.fall_through(prefix.keys(n_hits), parent)
             if not pending:
                 return found
-            # Chunks on their way up extend the full chunks, which the tail does not: it is left out.
-            return found._replace(hit_tokens=n_hits * chunk, pending_tokens=pending * chunk)
+            # Chunks on their way up extend the full chunks, which the tail does not: it is left out (and the
+            # located objects with it: the caller asks again once they landed).
+            return found._replace(hit_tokens=n_hits * chunk, pending_tokens=pending * chunk, located=None)
 
         return found, below
 
     def locate(self, tokens: TokenIds, ns: CacheNamespace, block_size: int | None) -> Located:
-        """See `CacheEngine.locate`."""
-        prefix, chunk = self._hasher.prefix(tokens, ns), self._hasher.chunk_size
-        index = self._res.index
-        removals = index.removals
-        run = readable_run(index.get, prefix, 0)
-        if index.has_tails:
-            tail = find_tail(index, prefix, len(run), len(tokens), block_size or 1)
-            run = run if tail is None else [*run, tail]
-        with self._res.lock:
-            self._res.expire_locks_locked()
-            hits = self._res.still_readable_locked(run, removals)
-            lease, deadline = self._res.lease_readers_locked(hits) if hits else (None, 0.0)
-            hit_tokens = sum(entry.tail or chunk for entry in hits)
-            counters = self._res.counters
-            counters.lookups += 1
-            counters.hit_tokens += hit_tokens
-            counters.miss_tokens += len(tokens) - hit_tokens
-            counters.located_chunks += len(hits)
-        offset_of = self._res.pool.offset_of
-        objects = [(offset_of(entry.obj), entry.tail or chunk) for entry in hits if entry.obj is not None]
-        return Located(hit_tokens, lease, deadline, objects)
+        """See `CacheEngine.locate`: the pool's answer of a locating lookup, the tiers not asked."""
+        found, _ = self.pool_then_tiers(tokens, ns, False, block_size, 0, locate=True)
+        return found.located or Located(0, None, 0.0, [])
 
     def prefetch(self, tokens: TokenIds, ns: CacheNamespace) -> Future[int]:
         """See `CacheEngine.prefetch`."""

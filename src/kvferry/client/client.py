@@ -168,6 +168,7 @@ class KvferryClient:
         lock: bool = False,
         block_size: int | None = None,
         first_chunk: int = 0,
+        locate: bool = False,
     ) -> LookupResult:
         return self._call(
             lambda: self.lookup_async(
@@ -177,6 +178,7 @@ class KvferryClient:
                 lock=lock,
                 block_size=block_size,
                 first_chunk=first_chunk,
+                locate=locate,
             )
         )
 
@@ -189,19 +191,23 @@ class KvferryClient:
         lock: bool = False,
         block_size: int | None = None,
         first_chunk: int = 0,
+        locate: bool = False,
     ) -> Future[LookupResult]:
         """Prefix tokens cached for `tokens` in the key space of `registration` (or an explicit `namespace`:
         a `kvferry.cache.CacheNamespace`'s fields, for a process that holds no KV): full chunks, then a stored
         tail of whole `block_size`-token blocks (any stored tail when None). `first_chunk`: only the chunks from
-        this one on are needed (a sliding window's); the hit counts from token 0 as if those before it were held."""
+        this one on are needed (a sliding window's); the hit counts from token 0 as if those before it were held.
+        `locate`: where the server would answer `locate_async` (and `first_chunk` is 0), the hit comes located
+        (`LookupResult.located`) and its lock is that answer's lease; elsewhere a plain lookup. A server that
+        predates it refuses the request (BAD_ARGUMENT)."""
         args = {"tokens": pack_ids(tokens, "tokens"), "lock": lock, **key_space_args(registration, namespace)}
         if block_size is not None:
             args["block_size"] = block_size
         if first_chunk:  # sent only when asked: a server that predates the field takes every other lookup
             args["first_chunk"] = first_chunk
-        return self._conn.submit(
-            Op.LOOKUP, args, lambda r: LookupResult(int(r["tokens"]), int(r["pending"]), r["lock"])
-        )
+        if locate:
+            args["locate"] = True
+        return self._conn.submit(Op.LOOKUP, args, _looked_up)
 
     def demote_async(
         self, tokens: Any, chunks: range, *, registration: int | None = None, namespace: Namespace | None = None
@@ -414,11 +420,20 @@ def _reserved(reply: dict[str, Any]) -> Reserved:
     return Reserved([int(offset) for offset in reply["objects"]], int(reply.get("stored", 0)), pool_file)
 
 
-def _located(reply: dict[str, Any]) -> LocateResult:
+def _located(reply: dict[str, Any], tokens: int | None = None) -> LocateResult:
+    """LOCATE's reply, or a located LOOKUP's ``located`` (its ``tokens`` the lookup's)."""
     pool = reply["pool"]
-    objects = [(int(offset), int(tokens)) for offset, tokens in reply["objects"]]
+    objects = [(int(offset), int(n)) for offset, n in reply["objects"]]
     pool_file = (int(pool["pid"]), int(pool["fd"]), int(pool["bytes"]))
-    return LocateResult(int(reply["tokens"]), reply["lease"], float(reply["deadline"]), objects, pool_file)
+    tokens = int(reply["tokens"]) if tokens is None else tokens
+    return LocateResult(tokens, reply["lease"], float(reply["deadline"]), objects, pool_file)
+
+
+def _looked_up(reply: dict[str, Any]) -> LookupResult:
+    tokens = int(reply["tokens"])
+    located = reply.get("located")
+    located_result = None if located is None else _located(located, tokens)
+    return LookupResult(tokens, int(reply["pending"]), reply["lock"], located_result)
 
 
 def _first_tensor(paged: Any) -> torch.Tensor:

@@ -11,13 +11,6 @@ from kvferry.client.ready_events import ReadyEvents
 
 
 @dataclass(frozen=True, slots=True)
-class LookupResult:
-    tokens: int  # prefix tokens ready in the server's host pool (chunk-aligned)
-    pending: int  # further prefix tokens on their way up from a lower tier (ask again shortly)
-    lock: int | None  # lock id when the lookup locked: pass it to retrieve(lock=) or free_lookup_locks
-
-
-@dataclass(frozen=True, slots=True)
 class LocateResult:
     """LOCATE's answer: a prefix's objects in the server's shared pool, held for this client until ``deadline``."""
 
@@ -26,6 +19,14 @@ class LocateResult:
     deadline: float  # time.monotonic() on this host: a copy that ended later may have read other bytes
     objects: list[tuple[int, int]]  # each object's (byte offset in the pool, tokens), in prefix order
     pool: tuple[int, int, int]  # the server's (pid, descriptor of the pool's memfd, bytes): `PoolMapping`'s
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    tokens: int  # prefix tokens ready in the server's host pool (chunk-aligned)
+    pending: int  # further prefix tokens on their way up from a lower tier (ask again shortly)
+    lock: int | None  # lock id when the lookup locked: pass it to retrieve(lock=) or free_lookup_locks
+    located: LocateResult | None = None  # lookup(locate=True) where the server locates: ``lock`` is its lease
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,6 +40,7 @@ from kvferry.cache import CacheEngine, CacheNamespace
 from kvferry.cache.call_options import TransferOptions
 from kvferry.cache.keys import TokenIds
 from kvferry.cache.request import dtype_name, layout_name
+from kvferry.client.records import LocateResult
 from kvferry.connector.engine_kv import EngineKV
 from kvferry.connector.state_rows import row_bytes
 from kvferry.formats import EngineKVFormat, describe
@@ -127,10 +128,12 @@ class KeySpace:
 @dataclass(frozen=True)
 class Hit:
     """Leading prompt tokens the cache holds (full chunks, then a stored tail of whole scheduler blocks: see
-    `kvferry.cache.tails`); ``lock`` pins them until `free_lock`."""
+    `kvferry.cache.tails`); ``lock`` pins them until `free_lock`. ``located``: where a server's shared pool holds
+    them, under ``lock`` (a read lease), for a worker that copies them itself (`ServerBackend`'s direct loads)."""
 
     tokens: int
     lock: Any = None
+    located: LocateResult | None = None
 
 
 class Lookups(Protocol):

@@ -160,12 +160,13 @@ def key_space_fields(backend: Backend | LayerSplitBackend) -> KeySpaceFields:
 
 
 def lookups_from_fields(
-    link: ServerLink, fields: KeySpaceFields, block_size: int | None = None
+    link: ServerLink, fields: KeySpaceFields, block_size: int | None = None, *, locate: bool = False
 ) -> ServerBackend | LayerSplitBackend:
-    """A scheduler half's lookups through ``link`` in the key space(s) a worker reported."""
+    """A scheduler half's lookups through ``link`` in the key space(s) a worker reported; ``locate``: they locate
+    their hits for the worker's direct loads (one key space's only: a split's parts' hits are joined)."""
     if isinstance(fields, list):
         return LayerSplitBackend([ServerBackend(link, KeySpace(**part), block_size=block_size) for part in fields])
-    return ServerBackend(link, KeySpace(**fields), block_size=block_size)
+    return ServerBackend(link, KeySpace(**fields), block_size=block_size, locate_hits=locate)
 
 
 def _fields(backend: Any) -> dict[str, Any]:

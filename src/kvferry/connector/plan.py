@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from kvferry.cache.keys import TokenIds
+from kvferry.client.records import LocateResult
 
 
 class _ByValue:
@@ -39,7 +40,8 @@ class LoadSpec(_ByValue):
     already holds in its own prefix cache: those blocks may be shared with running requests, so they are
     never written. ``in_background``: the request waits for this load (vLLM's async-load path) while the step
     runs without it; otherwise the load completes before the step's forward pass. ``group``: the vLLM KV cache
-    group whose blocks these are (a hybrid model's; 0 otherwise).
+    group whose blocks these are (a hybrid model's; 0 otherwise). ``located``: a server's direct load copies
+    these objects (under the scheduler's lock, a read lease) without locating them again.
     """
 
     req_id: str
@@ -48,6 +50,7 @@ class LoadSpec(_ByValue):
     skip_tokens: int
     in_background: bool = False
     group: int = 0
+    located: LocateResult | None = None  # the hit's objects as the scheduler's lookup located them (`Hit.located`)
 
 
 @dataclass(frozen=True, eq=False)

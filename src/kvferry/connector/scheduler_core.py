@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from kvferry.cache.keys import TokenIds, token_array
+from kvferry.client.records import LocateResult
 from kvferry.connector.backends import Hit
 from kvferry.connector.counters import SchedulerCounters
 from kvferry.connector.plan import LoadSpec, StepPlan, StoreSpec
@@ -94,6 +95,7 @@ class _Request:
     hit: int = 0  # the cache's hit at the last lookup (block-aligned)
     skip: int = 0  # the engine's own computed tokens at the last lookup
     lock: Any = None
+    located: LocateResult | None = None  # the hit's objects, under ``lock`` (`Hit.located`)
     looked_up_at: float | None = None
     pending_load: list[int] | None = None  # an accepted hit's block ids (background load), until planned
     accepted: bool = False  # the engine took the hit; its load is planned with the request's first schedule
@@ -181,6 +183,8 @@ class SchedulerCore:
                 return None, False
             req.hit = min(found.tokens, len(prompt)) // self.block_size * self.block_size
             req.lock = found.lock
+            # a load copies the located objects only where it loads all of them (a hit cut short here: it locates)
+            req.located = found.located if found.located is not None and found.located.tokens == req.hit else None
             if req.hit == 0:
                 self._release(req)  # nothing to pin
             if req.looked_up_at is None:
@@ -357,6 +361,7 @@ class SchedulerCore:
         return False
 
     def _release(self, req: _Request) -> None:
+        req.located = None  # its lease is the lock
         if req.lock is not None:
             lock, req.lock = req.lock, None
             self._free_lock(lock)
@@ -372,7 +377,9 @@ class SchedulerCore:
         needed = -(-req.hit // self.block_size)
         if len(block_ids) < needed:
             raise RuntimeError(f"request {req_id!r} holds {len(block_ids)} blocks, {req.hit} tokens need {needed}")
-        plan.loads.append(LoadSpec(req_id, req.prompt[: req.hit], block_ids[:needed], req.skip, in_background))
+        plan.loads.append(
+            LoadSpec(req_id, req.prompt[: req.hit], block_ids[:needed], req.skip, in_background, located=req.located)
+        )
         req.accepted = False
         req.reports_due = self._ranks
 

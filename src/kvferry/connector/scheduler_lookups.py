@@ -43,7 +43,7 @@ def server_lookups(
     if group_key_spaces is not None:
         lookups = hybrid_worker.lookups_from_handshake(link, group_key_spaces, groups)
     else:
-        lookups = layer_parts.lookups_from_fields(link, key_space, block_size)
+        lookups = layer_parts.lookups_from_fields(link, key_space, block_size, locate=settings.direct_loads)
     try:
         link.connect(check_chunk_size=check_chunk_size)
     except ValueError as exc:

@@ -8,6 +8,7 @@ newer boundary supersedes are demoted on the server (DEMOTE), as in embedded mod
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -15,7 +16,7 @@ from typing import Any, TypeVar
 
 from kvferry.cache.keys import TokenIds
 from kvferry.client import KvferryClient, ServerError
-from kvferry.client.records import LookupResult, Reserved
+from kvferry.client.records import LocateResult, LookupResult, Reserved
 from kvferry.connector.backends import Hit, KeySpace, plus
 from kvferry.connector.direct_loads import DirectLoads
 from kvferry.connector.direct_stores import DirectStores
@@ -42,11 +43,15 @@ class ServerBackend:
         block_size: int | None = None,
         direct: DirectLoads | None = None,
         direct_stores: DirectStores | None = None,
+        locate_hits: bool = False,
     ) -> None:
         """``block_size``: the scheduler's, in which a tail hit counts (None: ``kv``'s). ``direct``: loads copied
         here out of the server's shared pool (`kvferry.connector.direct_loads`), RETRIEVE where it cannot;
-        ``direct_stores``: stores copied here into it (`kvferry.connector.direct_stores`), STORE where not."""
+        ``direct_stores``: stores copied here into it (`kvferry.connector.direct_stores`), STORE where not.
+        ``locate_hits``: lookups ask the server to locate their hits (`Hit.located`), which a worker's direct loads
+        then copy with no LOCATE on the load's path; a server that will not still answers the lookup."""
         self._direct = direct
+        self._locate_hits = locate_hits
         self.direct_stores = direct_stores
         self.link = link
         self.key_space = key_space
@@ -61,13 +66,19 @@ class ServerBackend:
 
     def lookup(self, tokens: TokenIds, first_chunk: int = 0) -> Hit | None:
         try:
-            generation = self.link.generation
-            found = self.link.wait(
-                lambda client, _: client.lookup_async(
-                    tokens, namespace=self._namespace(), lock=True, block_size=self._block_size, first_chunk=first_chunk
-                ),
-                self.link.timeout_s,
-            )
+            generation, namespace = self.link.generation, self._namespace()
+
+            def send(client: KvferryClient, locate: bool) -> Future[LookupResult]:
+                return client.lookup_async(
+                    tokens, namespace=namespace, lock=True, block_size=self._block_size, first_chunk=first_chunk,
+                    locate=locate,
+                )  # fmt: skip
+
+            found = None
+            if self._locate_hits and not first_chunk:
+                found = self._unless_older("locate", ErrorCode.BAD_ARGUMENT, lambda client, _: send(client, True))
+            if found is None:
+                found = self.link.wait(lambda client, _: send(client, False), self.link.timeout_s)
         except ServerDown:
             return Hit(0)
         except Exception as exc:
@@ -120,7 +131,7 @@ class ServerBackend:
         if found.pending:
             self.free_lock(lock)
             return None
-        return Hit(found.tokens, lock)
+        return Hit(found.tokens, lock, found.located)
 
     def free_lock(self, lock: Any) -> None:
         self.free_locks([lock])
@@ -162,9 +173,12 @@ class ServerBackend:
             self._older.add(form)
             return None
 
-    def retrieve_async(self, tokens: TokenIds, block_ids: list[int], skip_prefix_tokens: int) -> Future[int]:
+    def retrieve_async(
+        self, tokens: TokenIds, block_ids: list[int], skip_prefix_tokens: int, located: LocateResult | None = None
+    ) -> Future[int]:
+        """``located``: the scheduler's lookup located the hit (`Hit.located`), which a direct load copies."""
         if self._direct is not None:
-            direct = self._direct_load(tokens, block_ids, skip_prefix_tokens)
+            direct = self._direct_load(tokens, block_ids, skip_prefix_tokens, located)
             if direct is not None:
                 return direct
         ids = self._kernel_block_ids(block_ids)
@@ -185,11 +199,13 @@ class ServerBackend:
         ids = self._kernel_block_ids(block_ids)
         return self.link.submit(lambda client, reg: client.store_async(_registered(reg), tokens, ids, pages=True))
 
-    def retrieve(self, tokens: TokenIds, block_ids: list[int], skip_prefix_tokens: int) -> int:
+    def retrieve(
+        self, tokens: TokenIds, block_ids: list[int], skip_prefix_tokens: int, located: LocateResult | None = None
+    ) -> int:
         """Sent and waited for on this thread: it reads the server's answer and watches the transfer's done flag
         itself (the asynchronous form's future passes through the client's threads on the way back)."""
         if self._direct is not None:
-            direct = self._direct_load(tokens, block_ids, skip_prefix_tokens, wait_here=True)
+            direct = self._direct_load(tokens, block_ids, skip_prefix_tokens, located, wait_here=True)
             if direct is not None:
                 return direct.result()
         ids = self._kernel_block_ids(block_ids)
@@ -199,32 +215,44 @@ class ServerBackend:
         return skip_prefix_tokens + written
 
     def _direct_load(
-        self, tokens: TokenIds, block_ids: list[int], skip: int, *, wait_here: bool = False
+        self,
+        tokens: TokenIds,
+        block_ids: list[int],
+        skip: int,
+        located: LocateResult | None,
+        *,
+        wait_here: bool = False,
     ) -> Future[int] | None:
-        """The load copied here (`DirectLoads.start`); None where the server will not locate (its pool is private,
-        its objects coded or checksummed, this client a tenant's) or its pool cannot be mapped here (another user's
-        or host's server): then this and every later load goes through RETRIEVE, said once."""
+        """The load copied here (`DirectLoads.start`): of ``located`` (the scheduler's lookup's, whose lease the
+        scheduler ends), else of what a LOCATE finds now. None where the server will not locate (its pool is
+        private, its objects coded or checksummed, this client a tenant's) or its pool cannot be mapped here
+        (another user's or host's server): then this and every later load goes through RETRIEVE, said once. None
+        too for a pool of a server since gone (located before a restart): this load goes through RETRIEVE."""
         direct = self._direct
         assert direct is not None
-        generation = self.link.generation
-        try:
-            located = self.link.call(  # the reply read on this thread, as `retrieve`'s is
-                lambda client, reg: client.locate(tokens, registration=reg, block_size=self._block_size)
-            )
-        except ServerError as exc:
-            if not is_refusal(exc):
-                raise
-            self._no_direct_loads(f"the server at {self.link.url} does not locate: {exc}")
-            return None
+        release = _nothing
+        if located is None or located.tokens != len(tokens):
+            generation = self.link.generation
+            try:
+                located = self.link.call(  # the reply read on this thread, as `retrieve`'s is
+                    lambda client, reg: client.locate(tokens, registration=reg, block_size=self._block_size)
+                )
+            except ServerError as exc:
+                if not is_refusal(exc):
+                    raise
+                self._no_direct_loads(f"the server at {self.link.url} does not locate: {exc}")
+                return None
+            lease = located.lease
 
-        def release() -> None:
-            if located.lease is not None:
-                self.free_leases(generation, [located.lease])
+            def release() -> None:
+                if lease is not None:
+                    self.free_leases(generation, [lease])
 
         try:
             return direct.start(located, block_ids, skip, self.link.chunk_size or 0, release, wait_here=wait_here)
         except OSError as exc:
-            self._no_direct_loads(f"its pool cannot be mapped here: {exc}")
+            if os.path.exists(f"/proc/{located.pool[0]}"):
+                self._no_direct_loads(f"its pool cannot be mapped here: {exc}")
             return None
 
     def _no_direct_loads(self, why: str) -> None:
@@ -320,6 +348,10 @@ def _log_failed_demotion(sent: Future[int]) -> None:
     exc = sent.exception()
     if exc is not None and not isinstance(exc, ServerDown):
         log.debug("kvferry: demoting superseded chunks failed: %s: %s", type(exc).__name__, exc)
+
+
+def _nothing() -> None:
+    pass
 
 
 def is_refusal(exc: BaseException) -> bool:

@@ -82,7 +82,10 @@ def make_worker_backend(
         pool = MappedPool(pin=kv.layers[0].is_cuda) if settings.direct_loads or settings.direct_stores else None
         direct = _direct_loads(settings, kv, pool)
         stores = _direct_stores(settings, kv, pool, link)
-        backend = ServerBackend(link, key_space, kv, direct=direct, direct_stores=stores)
+        # Its lookups locate their hits where the scheduler looks up through it (one process) and its loads copy
+        # them (a hybrid group's or a layer split part's lookups are joined with the others': they only lock)
+        locate_hits = direct is not None and not group_tag and not split_tag
+        backend = ServerBackend(link, key_space, kv, direct=direct, direct_stores=stores, locate_hits=locate_hits)
         if direct is not None:
             direct.map_ahead(
                 lambda: link.wait(lambda client, reg: client.locate_async([], registration=reg), link.timeout_s)

@@ -39,6 +39,7 @@ from kvferry.connector.backends import Transfers
 from kvferry.connector.copy_ends import copied, copied_probe
 from kvferry.connector.counters import WorkerCounters
 from kvferry.connector.plan import LoadSpec, StepPlan, StoreSpec
+from kvferry.connector.server_backend import ServerBackend
 from kvferry.connector.server_link import ServerDown
 from kvferry.connector.window_groups import WindowedBackend
 from kvferry.futures import failed_future
@@ -215,7 +216,11 @@ class WorkerSide:
     def _retrieve(self, spec: LoadSpec) -> Future[int]:
         try:
             backend = self._backends[spec.group]
-            return _HANDOFF.watch(backend.retrieve_async(spec.tokens, spec.block_ids, spec.skip_tokens))
+            if spec.located is not None and isinstance(backend, ServerBackend):  # it copies what the lookup located
+                future = backend.retrieve_async(spec.tokens, spec.block_ids, spec.skip_tokens, spec.located)
+            else:
+                future = backend.retrieve_async(spec.tokens, spec.block_ids, spec.skip_tokens)
+            return _HANDOFF.watch(future)
         except Exception as exc:
             return failed_future(exc)
 
@@ -223,7 +228,11 @@ class WorkerSide:
         """A foreground load run to its end by the backend on this thread, as a done future."""
         done: Future[int] = Future()
         try:
-            done.set_result(self._backends[spec.group].retrieve(spec.tokens, spec.block_ids, spec.skip_tokens))
+            backend = self._backends[spec.group]
+            if spec.located is not None and isinstance(backend, ServerBackend):
+                done.set_result(backend.retrieve(spec.tokens, spec.block_ids, spec.skip_tokens, spec.located))
+            else:
+                done.set_result(backend.retrieve(spec.tokens, spec.block_ids, spec.skip_tokens))
         except Exception as exc:
             done.set_exception(exc)
         return done

@@ -122,6 +122,7 @@ class CacheService(CacheTransfers, Protocol):
         lock: bool = False,
         block_size: int | None = None,
         first_chunk: int = 0,
+        locate: bool = False,
     ) -> tuple[LookupResult, Callable[[], LookupResult] | None]: ...
 
     def locate(
@@ -130,6 +131,9 @@ class CacheService(CacheTransfers, Protocol):
 
     @property
     def shared_pool(self) -> tuple[int, int] | None: ...
+
+    @property
+    def not_locatable(self) -> str | None: ...
 
     @property
     def written(self) -> WrittenObjects:

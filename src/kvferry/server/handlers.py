@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvferry.cache import CacheNamespace, LookupResult
+from kvferry.cache import CacheNamespace, Located, LookupResult
 from kvferry.cache.keys import TokenIds
 from kvferry.formats import EngineKVFormat, describe, with_codec
 from kvferry.protocol.messages import ErrorCode, Op, ProtocolError, unpack_ids
@@ -200,11 +200,14 @@ class RequestHandlers:
         namespace = self._namespace(session, args.registration, args.namespace)
         tokens = unpack_ids(args.tokens, "tokens")
         self._sessions.settle()
-        answer = self._lookup_pool(session, tokens, namespace, args.lock, args.block_size, args.first_chunk)
+        locate = args.locate and not args.first_chunk and self._not_located(session, namespace) is None
+        answer = self._lookup_pool(
+            session, tokens, namespace, args.lock, args.block_size, args.first_chunk, locate=locate
+        )
         found, below = answer
         if below is None:
-            return _lookup_result(found)
-        return Deferred(lambda: self._or_release(session, [answer], lambda: _lookup_result(below())))
+            return self._lookup_result(found)
+        return Deferred(lambda: self._or_release(session, [answer], lambda: self._lookup_result(below())))
 
     def lookup_each(self, session: Session, args: LookupEachArgs) -> dict[str, Any] | Deferred:
         """A LOOKUP of each prompt, answered together (``found``, in order): one request's work and round trip
@@ -220,10 +223,10 @@ class RequestHandlers:
 
         self._or_release(session, answers, look_up_each)
         if all(below is None for _, below in answers):
-            return {"found": [_lookup_result(found) for found, _ in answers]}
+            return {"found": [self._lookup_result(found) for found, _ in answers]}
 
         def with_the_tiers() -> dict[str, Any]:
-            return {"found": [_lookup_result(found if below is None else below()) for found, below in answers]}
+            return {"found": [self._lookup_result(found if below is None else below()) for found, below in answers]}
 
         return Deferred(lambda: self._or_release(session, answers, with_the_tiers))
 
@@ -232,28 +235,46 @@ class RequestHandlers:
         it, for an engine of this user on this host that maps ``/proc/<pid>/fd/<fd>`` and copies them itself
         before the lease's ``deadline`` (time.monotonic, the host's); FREE_LOOKUP_LOCKS ends the lease."""
         _not_for_tenants(session, "LOCATE hands out the pool, every tenant's objects")
-        shared = self._engine.shared_pool
-        if shared is None:
+        if self._engine.shared_pool is None:
             raise ProtocolError(ErrorCode.BAD_ARGUMENT, "this server's pool is not shared (cache.shared_pool)")
         namespace = self._namespace(session, args.registration, args.namespace)
-        if namespace.codec != "none":
-            raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"{namespace.codec} objects are read through RETRIEVE")
+        refused = self._not_located(session, namespace)
+        if refused is not None:
+            raise refused
         tokens = unpack_ids(args.tokens, "tokens")
         self._sessions.settle()  # stores seen done are hits
-        try:
-            found = self._engine.locate(tokens, namespace=namespace, block_size=args.block_size)
-        except ValueError as exc:
-            raise ProtocolError(ErrorCode.BAD_ARGUMENT, str(exc)) from None
+        found = self._engine.locate(tokens, namespace=namespace, block_size=args.block_size)
         if found.lease is not None:
             self._sessions.add_lease(session, found.lease)
+        return {"tokens": found.tokens, **self._located_reply(found)}
+
+    def _not_located(self, session: Session, namespace: CacheNamespace) -> ProtocolError | None:
+        """Why LOCATE refuses ``session`` the hits in ``namespace`` (a located LOOKUP then only locks), or None."""
+        if session.grants is not None:
+            return ProtocolError(ErrorCode.FORBIDDEN, f"the pool is not handed to a tenant ({session.grants.name})")
+        if self._engine.shared_pool is None:
+            return ProtocolError(ErrorCode.BAD_ARGUMENT, "this server's pool is not shared (cache.shared_pool)")
+        if namespace.codec != "none":
+            return ProtocolError(ErrorCode.BAD_ARGUMENT, f"{namespace.codec} objects are read through RETRIEVE")
+        why = self._engine.not_locatable
+        return None if why is None else ProtocolError(ErrorCode.BAD_ARGUMENT, why)
+
+    def _located_reply(self, found: Located) -> dict[str, Any]:
+        shared = self._engine.shared_pool
+        assert shared is not None  # located only out of a shared pool
         fd, nbytes = shared
         return {
-            "tokens": found.tokens,
             "lease": found.lease,
             "deadline": found.deadline,
             "objects": found.objects,
             "pool": {"pid": os.getpid(), "fd": fd, "bytes": nbytes},
         }
+
+    def _lookup_result(self, found: LookupResult) -> dict[str, Any]:
+        result: dict[str, Any] = {"tokens": found.hit_tokens, "pending": found.pending_tokens, "lock": found.lock_id}
+        if found.located is not None:
+            result["located"] = self._located_reply(found.located)
+        return result
 
     def _lookup_pool(
         self,
@@ -263,11 +284,15 @@ class RequestHandlers:
         lock: bool,
         block_size: int | None,
         first_chunk: int = 0,
+        *,
+        locate: bool = False,
     ) -> _PoolAnswer:
         found, below = self._engine.lookup_pool(
-            tokens, namespace=namespace, lock=lock, block_size=block_size, first_chunk=first_chunk
+            tokens, namespace=namespace, lock=lock, block_size=block_size, first_chunk=first_chunk, locate=locate
         )
-        if found.lock_id is not None:
+        if found.located is not None and found.located.lease is not None:  # kept past the session's end, as
+            self._sessions.add_lease(session, found.located.lease)  # LOCATE's lease is (`Session.leases`)
+        elif found.lock_id is not None:
             self._sessions.add_lock(session, found.lock_id)
         return found, below
 
@@ -377,10 +402,6 @@ _KEY_SPACES_KEPT = 1024
 def _not_for_tenants(session: Session, why: str) -> None:
     if session.grants is not None:
         raise ProtocolError(ErrorCode.FORBIDDEN, f"{why}: not for a tenant ({session.grants.name})")
-
-
-def _lookup_result(found: Any) -> dict[str, Any]:
-    return {"tokens": found.hit_tokens, "pending": found.pending_tokens, "lock": found.lock_id}
 
 
 def _describe(error: BaseException | None) -> str | None:

@@ -39,6 +39,14 @@ class _RequestCounts(Collector):
         with self._lock:
             return self._answered.get((op, status), 0)
 
+    def by_op(self) -> dict[str, dict[str, int]]:
+        """Requests answered so far: op -> outcome (ok, or an error code) -> count."""
+        counts: dict[str, dict[str, int]] = {}
+        with self._lock:
+            for (op, status), n in sorted(self._answered.items()):
+                counts.setdefault(op, {})[status] = n
+        return counts
+
     def collect(self) -> Iterator[Metric]:
         with self._lock:
             answered = dict(self._answered)

@@ -123,6 +123,9 @@ class LookupArgs(_Args):
     # The caller needs the chunks from this one on only (a sliding window's): the hit counts from token 0 as if
     # the chunks before it were held (`CacheEngine.lookup_pool`); absent: 0, every chunk
     first_chunk: NonNegative = 0
+    # Locate the hit as LOCATE does (its read lease the lock), where this server and session can: a scheduler
+    # hands the objects' places to the engine process that copies them, with no LOCATE on the load's path
+    locate: bool = False
     registration: NonNegative | None = None  # the key space of that registration
     namespace: Namespace | None = None  # or an explicit one (scheduler processes hold no KV)
 

@@ -238,6 +238,7 @@ class KvferryServer:
             "port": self.port,
             "sessions": self._sessions.snapshot(),
             "open_registrations": self._sessions.open_registrations,
+            "requests": self.metrics.requests.by_op(),
             **({"events": self._events.stats()} if self._events is not None else {}),
         }
 

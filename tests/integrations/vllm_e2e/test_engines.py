@@ -262,17 +262,19 @@ def test_two_engines_share_one_server(
     # vLLM's default process layout: engine core and CPU worker in processes of their own, so the connector's
     # scheduler half looks up in the server by itself, in the key space its worker reported; over the server's
     # Unix socket, where the first engine stored over TCP; its worker copies the hit out of the server's shared
-    # pool itself (direct loads).
+    # pool itself (direct loads), where the scheduler half's lookup located it: no LOCATE on the load's path.
     with KvferryClient(tcp_url) as client:
         located = client.stats()["cache"]["located_chunks"]
+        locates = client.stats()["server"]["requests"].get("LOCATE", {}).get("ok", 0)
     second = run_driver("server", workdir, model_dir, "--server-url", ipc_url, "--multiprocessing", "--direct-loads")
     expected = reference["runs"][0]["tokens"][0]
     assert cached_of(first["runs"][0]) == 0 and tokens_of(first["runs"][0]) == expected
     assert cached_of(second["runs"][0]) == HIT
     assert tokens_of(second["runs"][0]) == expected
     with KvferryClient(tcp_url) as client:
-        cache = client.stats()["cache"]
-    assert cache["located_chunks"] - located == HIT // CHUNK + 1  # its chunks and its tail, copied by the engine
+        stats = client.stats()
+    assert stats["cache"]["located_chunks"] - located == HIT // CHUNK + 1  # its chunks and tail, copied by the engine
+    assert stats["server"]["requests"]["LOCATE"]["ok"] == locates + 1  # the worker's, mapping the pool at its start
     assert "not direct" not in second["output"]
     assert_no_leak(first)
 
