@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
@@ -104,12 +105,15 @@ def block_id_checks(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Soak tests run only when a -m expression names them; GPU tests skip cleanly without CUDA, so CI (CPU-only)
-    stays green."""
+    stays green. The files with the most slow tests (engine starts) come first: xdist's workers take whole files in
+    this order (`.ci/run`), so the longest are not left to one worker at the end while the other idles."""
     if "soak" not in (config.option.markexpr or ""):  # not by addopts' -m: a user's own -m would replace it
         soaks = [item for item in items if "soak" in item.keywords]
         if soaks:
             config.hook.pytest_deselected(items=soaks)
             items[:] = [item for item in items if "soak" not in item.keywords]
+    slow = Counter(item.path for item in items if "slow" in item.keywords)
+    items.sort(key=lambda item: -slow[item.path])  # stable: each file's own order kept
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

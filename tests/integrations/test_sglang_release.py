@@ -18,6 +18,7 @@ VERSION = "0.5.23"
 TREE = Path(os.environ.get("KVF_TEST_SGLANG_RELEASE", ROOT / ".sglang-releases" / VERSION))
 # CI fetches the release first (.ci/run) and sets this: a release missing there is a failure, not a skip.
 REQUIRED = os.environ.get("KVF_TEST_SGLANG_RELEASE_REQUIRED") == "1"
+pytestmark = pytest.mark.slow  # each check file runs in a child pytest that imports SGLang: 30-60 s on 2 cores
 
 
 def test_the_hicache_storage_backend_under_sglang() -> None:

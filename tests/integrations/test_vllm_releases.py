@@ -27,7 +27,7 @@ TESTS = [
     "tests/integrations/test_vllm_kv_events.py::test_embedded_kvferry_blocks_reach_vllms_kv_events",
 ]
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # a child pytest under each release: ~40 s on 2 cores
 
 
 @pytest.mark.parametrize("version", ["0.33.0", "0.34.0"])
