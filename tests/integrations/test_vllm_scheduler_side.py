@@ -152,8 +152,11 @@ def test_a_located_hit_goes_to_its_load_and_not_past_a_clipped_hit_or_its_lock(i
     plan = side.build_plan(Step([NewReq("a", toks, (ids,), 256)], num_scheduled_tokens={"a": 44}))
     (load,) = plan.loads
     assert load.located is not None and load.located.lease in cache.held and load.located.tokens == 256
+    side.build_plan(Step(preempted_req_ids={"a"}))  # preempted before the workers reported the load
+    assert side.request_finished("a") is False
+    assert cache.held == {load.located.lease}  # the copy may still run: its lease stays until the report
     side.loads_done({"a"})
-    assert not cache.held
+    assert not cache.held and list(side.tracked_requests()) == []
     clipped = FakeCache(hit=512, located=True)  # past the prompt: the load covers less than was located
     side = make_side(clipped, in_background=in_background)
     assert matched(side, "b", toks, 300, 0) == 288
@@ -283,10 +286,10 @@ def test_a_request_aborted_while_its_background_load_runs_is_forgotten_once_the_
     side.after_alloc("a", toks, ids, 256)
     side.build_plan(Step())
     assert side.request_finished("a") is False  # vLLM keeps the blocks until the load is reported
-    assert not cache.held  # the request is gone: nothing to pin for
+    assert len(cache.held) == 1  # the load still runs: a direct load copies the objects under this lock
     assert list(side.tracked_requests()) == ["a"]
     side.loads_done({"a"})
-    assert list(side.tracked_requests()) == []
+    assert list(side.tracked_requests()) == [] and not cache.held
 
 
 def test_a_failed_load_is_not_offered_again_and_its_chunks_are_stored_again() -> None:
@@ -323,7 +326,9 @@ def test_preempted_request_frees_its_lock_gets_its_new_block_table_and_loads_aga
     assert plan.loads == [LoadSpec("a", toks[:256], new_ids[:8], skip_tokens=0)]
     assert plan.stores == []
     assert side.request_finished("a") is False  # its stores before the preemption were waited for then
-    assert not cache.held
+    assert len(cache.held) == 1  # the load's lock, until the worker reports the load
+    side.loads_done({"a"})
+    assert not cache.held and list(side.tracked_requests()) == []
 
 
 def test_a_preempted_request_waiting_with_a_locked_hit_releases_it() -> None:

@@ -8,8 +8,9 @@ groups are planned by `hybrid_scheduler` over this.
 
 Invariants:
 - One lookup per request, not per re-ask: an engine asks again every step a request waits, and the answer is kept
-  (renewed after ``refresh_s``). The lookup locks its hit; the lock is freed once the load ran, or when the engine
-  did not take the hit, or the request was preempted or finished (aborts included). Locks never outlive that.
+  (renewed after ``refresh_s``). The lookup locks its hit; the lock is freed when the engine did not take the hit,
+  or the request was preempted or finished (aborts included), and once planned for a load, only once every rank
+  reported that load: a direct load copies the objects under it (`Hit.located`). Locks never outlive that.
 - A load never covers the engine's own prefix hit: ``skip_tokens`` is the block-aligned count the engine reported
   as computed, and those blocks may be shared with other running requests.
 - A request whose load failed is not offered kvferry's hit again (the engine recomputes it).
@@ -94,12 +95,13 @@ class _Request:
     looked_up: np.ndarray | None = None  # the prompt as last looked up (the same request's prompt, converted)
     hit: int = 0  # the cache's hit at the last lookup (block-aligned)
     skip: int = 0  # the engine's own computed tokens at the last lookup
-    lock: Any = None
+    lock: Any = None  # the last lookup's, until a load is planned with it
     located: LocateResult | None = None  # the hit's objects, under ``lock`` (`Hit.located`)
+    load_locks: list[Any] = field(default_factory=list)  # planned loads' locks, freed once all ranks reported
     looked_up_at: float | None = None
     pending_load: list[int] | None = None  # an accepted hit's block ids (background load), until planned
     accepted: bool = False  # the engine took the hit; its load is planned with the request's first schedule
-    reports_due: int = 0  # ranks yet to report the planned load (0: no load in flight)
+    reports_due: int = 0  # ranks' reports yet to come of the planned loads (0: no load in flight)
     load_failed: bool = False
     uncacheable: bool = False
     finished: bool = False
@@ -278,6 +280,7 @@ class SchedulerCore:
             if req.reports_due:
                 continue
             self._release(req)
+            self._free_load_locks(req)
             if req.finished:
                 del self._requests[req_id]
 
@@ -332,13 +335,14 @@ class SchedulerCore:
         """Free every lock still held (the engine is shutting down)."""
         for req in self._requests.values():
             self._release(req)
+            self._free_load_locks(req)
 
     def tracked_requests(self) -> Iterable[str]:
         """Ids of the requests currently known (for tests and leak checks)."""
         return self._requests.keys()
 
     def locks_held(self) -> int:
-        return sum(req.lock is not None for req in self._requests.values())
+        return sum((req.lock is not None) + len(req.load_locks) for req in self._requests.values())
 
     def was_preempted(self, req_id: str) -> bool:
         """Whether the request was preempted since it last ran (its next schedule is a resume)."""
@@ -361,9 +365,15 @@ class SchedulerCore:
         return False
 
     def _release(self, req: _Request) -> None:
+        """Free the last lookup's lock (not the planned loads': `_free_load_locks`)."""
         req.located = None  # its lease is the lock
         if req.lock is not None:
             lock, req.lock = req.lock, None
+            self._free_lock(lock)
+
+    def _free_load_locks(self, req: _Request) -> None:
+        locks, req.load_locks = req.load_locks, []
+        for lock in locks:
             self._free_lock(lock)
 
     def _start_running(self, req: _Request) -> None:
@@ -380,8 +390,11 @@ class SchedulerCore:
         plan.loads.append(
             LoadSpec(req_id, req.prompt[: req.hit], block_ids[:needed], req.skip, in_background, located=req.located)
         )
+        if req.lock is not None:  # the load's now: held until every rank reported it, whatever else happens
+            req.load_locks.append(req.lock)
+            req.lock, req.located = None, None
         req.accepted = False
-        req.reports_due = self._ranks
+        req.reports_due += self._ranks
 
     def _plan_request(
         self, plan: StepPlan, req_id: str, req: _Request, num_computed: int, num_scheduled: Mapping[str, int]
