@@ -27,7 +27,8 @@ IDS = list(range(4 * PER_CHUNK))
 
 
 class Fleet:
-    """A CURVE server over a real cache engine of 10 chunks, with tenants a and b and an operator key."""
+    """A CURVE server over a real cache engine of 10 chunks (its pool shared, as for direct transfers), with tenants
+    a and b and an operator key."""
 
     def __init__(self, tmp_path: Path) -> None:
         self.server_keys = zmq.curve_keypair()
@@ -47,7 +48,7 @@ class Fleet:
         config = KvferryConfig.load(
             env={}, overrides={"cache": {"chunk_size": REAL_CHUNK, "watermark": 1.0, "eviction_batch": 1}}
         )
-        self.engine = CacheEngine(config, pool=HostPool(10 * CHUNK_BYTES, pin=False))
+        self.engine = CacheEngine(config, pool=HostPool(10 * CHUNK_BYTES, pin=False, shared=True))
         self.server = KvferryServer(ServerConfig(port=0, http_port=None), self.engine, security=security)
         self.server.start()
 
@@ -104,6 +105,23 @@ def test_another_tenants_prefix_misses_like_a_plain_miss(fleet: Fleet) -> None:
         # The operator's key may use every namespace
         with fleet.client("operator") as operator:
             assert operator.lookup(tokens, namespace=fleet.explicit(A_NS)).tokens == 4 * REAL_CHUNK
+
+
+def test_a_tenant_is_not_handed_the_shared_pool(fleet: Fleet) -> None:
+    """The pool holds every tenant's objects: a tenant's LOCATE is refused, and its locating LOOKUP only locks (the
+    operator's is located)."""
+    tokens = _tokens(20_000, chunks=2)
+    with fleet.client("a") as a, fleet.client("operator") as operator:
+        reg = a.register_kv_cache(real_kv(1), FMT_REAL, namespace=A_NS)
+        assert a.store(reg, tokens, IDS[: 2 * PER_CHUNK]) == 2 * REAL_CHUNK
+        with pytest.raises(ServerError, match=r"FORBIDDEN.*not for a tenant \(a\)"):
+            a.locate_async(tokens, registration=reg).result(timeout=10)
+        found = a.lookup(tokens, registration=reg, lock=True, locate=True)
+        assert found.tokens == 2 * REAL_CHUNK and found.located is None and found.lock is not None
+        assert a.free_lookup_locks(found.lock)
+        located = operator.lookup(tokens, namespace=fleet.explicit(A_NS), lock=True, locate=True)
+        assert located.located is not None and located.located.tokens == 2 * REAL_CHUNK
+        assert operator.free_lookup_locks(located.lock)
 
 
 def test_a_tenant_cannot_read_or_overwrite_another_tenants_objects(fleet: Fleet) -> None:

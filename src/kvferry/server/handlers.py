@@ -234,9 +234,7 @@ class RequestHandlers:
         """A prefix's objects in the shared pool (`CacheEngine.locate`) and the pool's memfd as this process holds
         it, for an engine of this user on this host that maps ``/proc/<pid>/fd/<fd>`` and copies them itself
         before the lease's ``deadline`` (time.monotonic, the host's); FREE_LOOKUP_LOCKS ends the lease."""
-        _not_for_tenants(session, "LOCATE hands out the pool, every tenant's objects")
-        if self._engine.shared_pool is None:
-            raise ProtocolError(ErrorCode.BAD_ARGUMENT, "this server's pool is not shared (cache.shared_pool)")
+        _not_for_tenants(session, "LOCATE hands out the pool, every tenant's objects")  # before its key space
         namespace = self._namespace(session, args.registration, args.namespace)
         refused = self._not_located(session, namespace)
         if refused is not None:
